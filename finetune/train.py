@@ -1,0 +1,204 @@
+"""Fine-tune a causal LM from a recipe. The strategy is whatever the accelerate config launches:
+
+    accelerate launch finetune/train.py --recipe demo
+    accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py --recipe zero2 \
+        --training.max_steps=100
+
+Wiring only: config -> run directory -> tokenizer, data -> model -> Trainer -> run record.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/train.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from finetune.cli_support import exit_on_user_error, parse_train_args  # noqa: E402
+
+log = logging.getLogger("finetune")
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_train_args(argv)
+    from finetune.recipe import load_recipe
+
+    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    cfg.run.overwrite = cfg.run.overwrite or args.overwrite
+
+    from accelerate import PartialState
+
+    from finetune import demo_data, record, rundir, strategy
+    from finetune.distributed import run_on_main
+
+    state = PartialState()
+    strategy.check_world_size(state)
+    _setup_logging(cfg.logging.log_level, state.is_main_process)
+
+    # Every rank must agree on the run directory; rank 0 names and creates it.
+    def make_run_dir():
+        name = cfg.run.name or rundir.default_run_name(cfg.recipe)
+        path = rundir.resolve_run_dir(name, cfg.run.output_dir)
+        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
+        return name, str(path)
+
+    cfg.run.name, run_path = run_on_main(state, make_run_dir)
+    run_dir = Path(run_path)
+    cfg.run.output_dir = str(run_dir)
+    rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
+                           config=cfg.to_dict()) if state.is_main_process else None
+    if rec:
+        rundir.save_resolved_config(run_dir, cfg.to_dict())
+        rec.write()
+
+    if cfg.data.path == "demo":
+        train_file = run_dir / "data" / "train.jsonl"
+        if state.is_main_process:
+            demo_data.write_demo(train_file.parent, cfg.data.demo_train_size, cfg.data.demo_heldout_size)
+        state.wait_for_everyone()
+        cfg.data.path = str(train_file)
+        if cfg.eval.heldout_path == "demo":
+            cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
+
+    try:
+        return _train(cfg, state, run_dir, rec)
+    except BaseException as e:  # the record must say how the run ended, then the error goes on
+        if rec:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            rec["summary"]["status"] = "interrupted" if interrupted else "failed"
+            rec["summary"]["error"] = None if interrupted else f"{type(e).__name__}: {e}"
+            rec.write()
+        raise
+
+
+def _train(cfg, state, run_dir: Path, rec) -> int:
+    from transformers import TrainingArguments
+
+    from finetune import batch, data, evaluation, model as model_lib, strategy
+
+    t0 = time.perf_counter()
+    targs = dict(cfg.training.args)
+    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
+    report_to = cfg.logging.report_to or "none"
+    try:
+        args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
+    except (ValueError, TypeError) as e:
+        from finetune.errors import ConfigError
+
+        raise ConfigError([f"training: {e}"], "TrainingArguments") from None
+
+    world = args.world_size
+    effective = batch.effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
+    lr = batch.lr_scaling(args.learning_rate, cfg.training.lr_scaling, effective,
+                          cfg.training.lr_reference_batch_size)
+    args.learning_rate = lr["applied"]  # the optimizer is built from this value
+
+    tokenizer = model_lib.load_tokenizer(cfg.model)
+    bundle = data.build_datasets(cfg.data, tokenizer, seed=args.seed)
+    heldout_rows = data.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
+
+    model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing)
+    trainable, total = model_lib.count_parameters(model)
+
+    def evaluate(stage: str) -> dict:
+        result = evaluation.exact_match(
+            model, tokenizer, heldout_rows, system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template, max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size, source=cfg.eval.heldout_path, accelerator=state)
+        if state.is_main_process:
+            log.info("exact match %s training: %.1f%% (%d/%d)", stage, 100 * result["exact_match"],
+                     result["correct"], result["total"])
+        return result
+
+    from finetune.trainer import FinetuneTrainer
+
+    trainer = FinetuneTrainer(
+        model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
+        data_collator=lambda feats: data.collate(feats, tokenizer.pad_token_id),
+        processing_class=tokenizer, record=rec)
+    engaged = strategy.engaged(trainer.accelerator.state, method=cfg.method.name,
+                               mixed_precision=trainer.accelerator.mixed_precision)
+    strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe)
+
+    if rec:
+        rec["strategy"] = engaged
+        rec["batch"] = {"per_device": args.per_device_train_batch_size,
+                        "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
+                        "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None}
+        rec["lr"] = lr
+        rec["data"] = vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]}
+        rec["parameters"] = {"trainable": trainable, "total": total}
+        rec.write()
+        log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
+                 "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
+                 world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
+                 lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length)
+
+    results = {}
+    if heldout_rows is not None and cfg.eval.before:
+        results["before"] = evaluate("before")
+    train_start = time.perf_counter()
+    out = trainer.train()
+    train_s = time.perf_counter() - train_start
+    totals = trainer.final_totals()
+    eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
+    if heldout_rows is not None:
+        results["after"] = evaluate("after")
+
+    model_dir = run_dir / "model"
+    if cfg.run.save_model:
+        trainer.save_model(str(model_dir))  # adapter for LoRA/QLoRA, full weights otherwise
+        if state.is_main_process:
+            tokenizer.save_pretrained(str(model_dir))
+    if rec:
+        rec["summary"].update(train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
+                              total_trained_tokens=totals["trained_tokens"], total_input_tokens=totals["input_tokens"],
+                              train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
+                              status="completed")
+        if results:
+            rec["eval"] = {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
+                           **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
+                           "details": results}
+        rec.write()
+        _print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
+    return 0
+
+
+def _print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> None:
+    s = rec["summary"]
+    lines = ["", "=" * 72, f"run {rec['run_name']} completed: {s['steps']} steps, train loss {s['train_loss']:.4f}, "
+             f"{s['total_trained_tokens']:,} trained tokens, {s['wall_s']:.0f} s"]
+    ev = rec["eval"]
+    if "exact_match_after" in ev:
+        before = ev.get("exact_match_before")
+        before_txt = f"{100 * before:.1f}% -> " if before is not None else ""
+        lines.append(f"exact match on {ev['details']['after']['total']} held-out prompts: "
+                     f"{before_txt}{100 * ev['exact_match_after']:.1f}%")
+        per_task = ev["details"]["after"]["per_task"]
+        if len(per_task) > 1:
+            pre = ev["details"].get("before", {}).get("per_task", {})
+            lines.append("  per task: " + ", ".join(
+                f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
+                for t, v in per_task.items()))
+    lines.append(f"run directory: {run_dir}   (run.json, config.yaml)")
+    if model_dir:
+        kind = "LoRA adapter" if method in ("lora", "qlora") else "model"
+        lines.append(f"{kind}: {model_dir}")
+    lines.append("=" * 72)
+    print("\n".join(lines), flush=True)
+
+
+def _setup_logging(level: str, main_process: bool) -> None:
+    import transformers
+
+    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
+                        level=getattr(logging, level.upper()) if main_process else logging.WARNING)
+    transformers.logging.set_verbosity_warning()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
