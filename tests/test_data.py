@@ -7,14 +7,12 @@ from finetune.data), e.g. the end-of-turn text is found by rendering a sentinel 
 import csv
 import json
 import logging
-import os
 from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from finetune.data import (
     FORMATS,
@@ -29,11 +27,6 @@ IGNORE = -100
 
 
 # ------------------------------------------------------------------ fixtures and helpers
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.environ.get("FINETUNE_TEST_TOKENIZER", "/tmp/smol"))
 
 
 @pytest.fixture(scope="module")

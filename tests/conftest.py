@@ -1,0 +1,107 @@
+"""Shared fixtures: the real tokenizer (from the bundled model), tiny random models built from a
+config, and a launcher that runs finetune/train.py through `accelerate launch` in a subprocess.
+
+The bundled model is fetched and converted once per machine (~1.5 min, cached in
+$FINETUNE_CACHE or ~/.cache/finetune); its tokenizer and chat template are what the tests use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = REPO / "finetune" / "train.py"
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    from finetune.bundled_model import ensure_bundled_model
+
+    return ensure_bundled_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(bundled_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_model_dir)
+
+
+def make_tiny_model_dir(path: Path, tokenizer, *, layers: int = 2, hidden: int = 64, seed: int = 0,
+                        tie: bool = True) -> Path:
+    """A random Llama-shaped model (2 layers, hidden 64) with the real tokenizer, saved as a
+    plain local model directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=tie,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+
+
+@dataclass
+class Launch:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def record(self) -> dict:
+        return json.loads((self.run_dir / "run.json").read_text())
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: int = 1,
+                 config_file: str | None = None, launch_args: list[str] = (), timeout: float = 600,
+                 env: dict | None = None) -> Launch:
+    """`accelerate launch [...] finetune/train.py ARGS --run.output_dir=RUN_DIR` in a new process
+    group; on timeout the whole group is killed and the test fails (never hangs)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file:
+        cmd += ["--config_file", str(REPO / config_file) if not Path(config_file).is_absolute() else config_file]
+    else:
+        cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"]
+        # `--cpu --num_processes 2` starts ONE process (see DESIGN.md): multi-process CPU
+        # launches must come from a config file with distributed_type MULTI_CPU / use_cpu.
+        assert num_processes == 1, "pass config_file for multi-process launches"
+    cmd += list(launch_args) + [str(TRAIN_SCRIPT), *args, f"--run.output_dir={run_dir}"]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+    if proc.returncode < 0:
+        pytest.fail(f"killed by signal {-proc.returncode}: {' '.join(cmd)}\n{err[-3000:]}")
+    return Launch(proc.returncode, out, err, run_dir)
+
+
+@pytest.fixture
+def launch():
+    return launch_train
