@@ -21,12 +21,12 @@ TRAIN_SCRIPT = PACKAGE_DIR / "train.py"
 
 def launch_command(recipe: str, rest: list[str], config_file: str | None, num_processes: int | None,
                    extra_launch_args: list[str] = ()) -> list[str]:
-    """The `accelerate launch` command line for a recipe: its accelerate config unless one is given."""
+    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given."""
     from finetune.recipe import REPO_ROOT, load_recipe
 
     cfg, _ = load_recipe(recipe, rest)  # fail here, before any process starts, on a bad recipe
     config_file = config_file or cfg.run.accelerate_config
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = []
     if config_file:
         path = Path(config_file)
         if not path.is_file() and (REPO_ROOT / path).is_file():
@@ -39,6 +39,26 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
         cmd += ["--num_processes", str(num_processes)]
     cmd += list(extra_launch_args)
     return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *rest]
+
+
+def run_accelerate_launch(launch_args: list[str]) -> int:
+    """Run `accelerate launch` in this process and return the training script's exit code.
+    Accelerate reports a failed child with a traceback of its own launcher; the child has
+    already printed the real error, so we pass its exit code on instead (2 = user error)."""
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+
+    parsed = launch_command_parser().parse_args(launch_args)
+    try:
+        accelerate_launch(parsed)
+    except subprocess.CalledProcessError as e:  # single-process launches
+        return e.returncode
+    except Exception as e:  # torchrun's ChildFailedError for multi-process launches
+        if type(e).__name__ != "ChildFailedError":
+            raise
+        codes = {f.exitcode for f in e.failures.values()}
+        return codes.pop() if len(codes) == 1 else 1
+    return 0
 
 
 @exit_on_user_error
@@ -61,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--cpu"] if args.cpu else []
         if args.overwrite:
             rest = [*rest, "--overwrite"]
-        cmd = launch_command(args.recipe, rest, args.config_file, args.num_processes, extra)
-        print("+ " + " ".join(cmd[0:1] + ["-m accelerate.commands.launch"] + cmd[3:]), flush=True)
-        return subprocess.call(cmd)
+        launch_args = launch_command(args.recipe, rest, args.config_file, args.num_processes, extra)
+        print("+ accelerate launch " + " ".join(launch_args), flush=True)
+        return run_accelerate_launch(launch_args)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "prepare-model":

@@ -111,6 +111,9 @@ class RunConfig:
     overwrite: bool = False  # an existing run directory is never replaced without this
     # The strategy this recipe is meant for; the run refuses to start under another one.
     strategy: Literal["any", "single", "ddp", "zero2", "zero3", "fsdp"] = "any"
+    # What the strategy offloads to host memory; checked against the live engine like `strategy`.
+    # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
+    offload: Literal["any", "none", "optimizer", "optimizer+params"] = "any"
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
     accelerate_config: Optional[str] = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
@@ -286,7 +289,7 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append("eval.samples, eval.max_new_tokens and eval.batch_size must be >= 1")
     if e.exact_match and not e.heldout_path:
         p.append("eval.heldout_path: required when eval.exact_match is true ('demo' for the demo split)")
-    if e.heldout_path == "demo" and d.path != "demo":
+    if e.exact_match and e.heldout_path == "demo" and d.path != "demo":
         p.append("eval.heldout_path: 'demo' needs data.path: demo")
     if t.lr_reference_batch_size is not None and t.lr_reference_batch_size < 1:
         p.append(f"training.lr_reference_batch_size: must be >= 1, got {t.lr_reference_batch_size}")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import yaml
@@ -14,6 +15,22 @@ from finetune.config import Config, build_config
 from finetune.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-4` and `2E5` as numbers. YAML 1.1 (PyYAML) wants a dot
+    (`1.0e-4`) and would otherwise hand a learning rate of 1e-4 over as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"
+               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 
@@ -40,7 +57,7 @@ def read_recipe_file(path: Path) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError([f"not UTF-8 text (byte {e.start}): {e.reason}"], str(path)) from None
     try:
-        values = yaml.safe_load(text)
+        values = parse_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
@@ -76,7 +93,7 @@ def parse_overrides(args: list[str]) -> tuple[dict, list[str]]:
             problems.append(f"--{key}: overrides are --section.key=value (e.g. --training.max_steps=10)")
             continue
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = parse_yaml(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw  # not YAML (e.g. an unbalanced bracket): keep the string, validation judges it
         out.setdefault(parts[0], {})[parts[1]] = value

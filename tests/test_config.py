@@ -1,0 +1,173 @@
+"""Recipe loading and validation: precedence, every problem reported at once, shipped recipes valid."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import TRAINING_DEFAULTS, Config, build_config
+from finetune.errors import ConfigError
+from finetune.recipe import RECIPES_DIR, available_recipes, load_recipe, parse_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_recipe(tmp_path: Path, values: dict | str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(values if isinstance(values, str) else yaml.safe_dump(values))
+    return path
+
+
+def test_precedence_defaults_then_recipe_then_command_line(tmp_path):
+    path = write_recipe(tmp_path, {"method": {"lora_r": 4, "lora_alpha": 8},
+                                   "training": {"learning_rate": 1e-3, "max_steps": 7}})
+    cfg, _ = load_recipe(str(path), ["--method.lora_r=32", "--training.max_steps", "9"])
+    assert cfg.method.lora_r == 32  # command line beats recipe
+    assert cfg.method.lora_alpha == 8  # recipe beats default (32)
+    assert cfg.method.lora_dropout == Config().method.lora_dropout  # untouched default
+    assert cfg.training.args["max_steps"] == 9
+    assert cfg.training.args["learning_rate"] == 1e-3
+    assert cfg.training.args["per_device_train_batch_size"] == TRAINING_DEFAULTS["per_device_train_batch_size"]
+    assert cfg.recipe == "r"
+
+
+def test_every_problem_is_reported_in_one_error(tmp_path):
+    path = write_recipe(tmp_path, {
+        "model": {"name_or_pth": "x"},  # unknown key (typo)
+        "method": {"name": "qlora4", "lora_r": "sixteen"},  # bad value, wrong type
+        "training": {"learning_rat": 1e-4, "max_steps": 2.5},  # unknown TrainingArguments field, wrong type
+        "optimizer": {"lr": 1},  # unknown section
+    })
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(path), ["--data.max_length=many"])
+    problems = info.value.problems
+    text = str(info.value)
+    for fragment in ("model.name_or_pth: unknown key (did you mean 'name_or_path'?)",
+                     "method.name: got 'qlora4'; allowed: full, lora, qlora",
+                     "method.lora_r: expected an integer, got string 'sixteen'",
+                     "training.learning_rat: unknown key (did you mean 'learning_rate'?)",
+                     "training.max_steps: expected an integer, got number 2.5",
+                     "optimizer: unknown section",
+                     "data.max_length: expected an integer, got string 'many'"):
+        assert fragment in text, f"missing {fragment!r} in:\n{text}"
+    assert len(problems) == 7
+    assert str(path) in text and "command-line overrides" in text
+
+
+def test_reserved_training_keys_point_to_their_section(tmp_path):
+    path = write_recipe(tmp_path, {"training": {"output_dir": "x", "report_to": "wandb"}})
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(path))
+    assert "training.output_dir: set by run.output_dir" in str(info.value)
+    assert "training.report_to: set by logging.report_to" in str(info.value)
+
+
+def test_range_and_cross_field_checks():
+    with pytest.raises(ConfigError) as info:
+        build_config({"data": {"eval_fraction": 1.5, "max_length": 4},
+                      "eval": {"exact_match": True},
+                      "training": {"per_device_train_batch_size": 0, "learning_rate": -1.0}})
+    text = str(info.value)
+    assert "data.eval_fraction: must be in [0, 1), got 1.5" in text
+    assert "data.max_length: must be >= 8 tokens, got 4" in text
+    assert "eval.heldout_path: required when eval.exact_match is true" in text
+    assert "training.per_device_train_batch_size: must be >= 1, got 0" in text
+    assert "training.learning_rate: must be > 0, got -1.0" in text
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = write_recipe(tmp_path, "model:\n  name_or_path: x\n method: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(path))
+    assert str(path) in str(info.value) and "line 3" in str(info.value)
+
+
+def test_top_level_must_be_sections(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(str(write_recipe(tmp_path, "- just\n- a list\n")))
+    assert "mapping of sections" in str(info.value)
+
+
+def test_unknown_recipe_lists_available():
+    with pytest.raises(ConfigError) as info:
+        load_recipe("no-such-recipe")
+    assert "no-such-recipe" in str(info.value) and "demo" in str(info.value)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    (["--training.max_steps=3"], {"training": {"max_steps": 3}}),
+    (["--training.learning_rate=1e-4"], {"training": {"learning_rate": 1e-4}}),
+    (["--data.packing=true"], {"data": {"packing": True}}),
+    (["--model.revision=null"], {"model": {"revision": None}}),
+    (["--method.target_modules=[q_proj, v_proj]"], {"method": {"target_modules": ["q_proj", "v_proj"]}}),
+    (["--run.name", "abc"], {"run": {"name": "abc"}}),
+])
+def test_override_values_are_typed(arg, expected):
+    values, problems = parse_overrides(arg)
+    assert problems == [] and values == expected
+
+
+def test_malformed_overrides_are_problems():
+    _, problems = parse_overrides(["--max_steps=3", "stray", "--run.name"])
+    assert len(problems) == 3
+    assert "--section.key=value" in problems[0]
+
+
+def test_every_shipped_recipe_loads_and_validates():
+    names = available_recipes()
+    assert "demo" in names
+    for name in names:
+        cfg, path = load_recipe(name)
+        first_line = path.read_text().splitlines()[0]
+        assert first_line.startswith("#"), f"{name}: recipes open with a comment giving purpose and launch line"
+        assert "accelerate launch" in path.read_text() or "finetune train" in path.read_text(), name
+        if cfg.run.accelerate_config:
+            assert (REPO / cfg.run.accelerate_config).is_file(), f"{name}: {cfg.run.accelerate_config} missing"
+
+
+def test_every_shipped_launch_config_parses():
+    configs = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
+    assert configs, "no accelerate configs shipped"
+    for path in configs:
+        values = yaml.safe_load(path.read_text())
+        assert values["distributed_type"] in {"NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP"}, path
+        ds = values.get("deepspeed_config", {}).get("deepspeed_config_file")
+        if ds:
+            assert (REPO / ds).is_file(), f"{path}: {ds} missing"
+    for path in sorted((REPO / "ds_configs").glob("*.json")):
+        json.loads(path.read_text())
+
+
+def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "finetune" / "train.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bad_recipe_exits_2_with_one_message_and_no_traceback(tmp_path):
+    path = write_recipe(tmp_path, {"model": {"dtyp": "float32"}, "training": {"max_step": 3}})
+    proc = run_script(["--recipe", str(path)], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "2 problems" in proc.stderr
+    assert "model.dtyp" in proc.stderr and "training.max_step" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing was created
+
+
+def test_existing_run_directory_is_not_touched(tmp_path):
+    run_dir = tmp_path / "runs" / "mine"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"precious": true}')
+    proc = run_script(["--recipe", "demo", "--run.name=mine"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "already exists" in proc.stderr and "--overwrite" in proc.stderr
+    assert (run_dir / "run.json").read_text() == '{"precious": true}'
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.json"]
+
+
+def test_recipes_dir_is_in_the_repo():
+    assert RECIPES_DIR == REPO / "recipes"

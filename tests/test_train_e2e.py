@@ -1,0 +1,118 @@
+"""End to end: finetune/train.py through `accelerate launch` in a subprocess (tiny model, 3 steps),
+then the run directory, run.json and the exported model checked from the outside."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_args(model_dir: Path, *extra: str) -> list[str]:
+    return ["--recipe", "demo", f"--model.name_or_path={model_dir}", "--data.demo_train_size=48",
+            "--data.demo_heldout_size=8", "--eval.samples=8", "--eval.max_new_tokens=4", "--eval.batch_size=4",
+            "--training.max_steps=3", "--training.logging_steps=1", "--training.per_device_train_batch_size=4",
+            "--training.warmup_steps=0", "--training.lr_scheduler_type=constant", *extra]
+
+
+def reload_and_generate(model_dir: Path, adapter: bool) -> str:
+    """Load the exported model in a fresh plain process and generate greedily."""
+    loader = ("from peft import AutoPeftModelForCausalLM as M" if adapter
+              else "from transformers import AutoModelForCausalLM as M")
+    code = f"""
+{loader}
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(model_dir)!r})
+model = M.from_pretrained({str(model_dir)!r})
+ids = tok.apply_chat_template([{{"role": "user", "content": "What is 2 + 3?"}}], add_generation_prompt=True,
+                              return_tensors="pt", return_dict=True)
+out = model.generate(**ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+print("NEW_TOKENS", out.shape[1] - ids["input_ids"].shape[1])
+print("CLASS", type(model).__name__)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, tiny_model_dir, launch):
+    run_dir = tmp_path / "runs" / "lora"
+    res = launch(tiny_args(tiny_model_dir, "--training.lr_scaling=linear", "--training.lr_reference_batch_size=2",
+                           "--training.learning_rate=1e-3"), run_dir=run_dir, cwd=tmp_path)
+    assert res.returncode == 0, res.explain()
+    rec = res.record
+
+    assert rec["schema"] == 1 and rec["recipe"] == "demo" and rec["run_name"]
+    datetime.fromisoformat(rec["created"])
+    assert rec["versions"]["torch"] and rec["versions"]["transformers"] and rec["versions"]["python"]
+    assert rec["hardware"]["device_type"] == "cpu"
+    assert rec["strategy"]["name"] == "single" and rec["strategy"]["method"] == "lora"
+    assert rec["strategy"]["world_size"] == 1 and rec["strategy"]["distributed_type"] == "NO"
+
+    # 4 sequences per step, 1 process, no accumulation; linear scaling against a reference of 2
+    assert rec["batch"]["effective"] == 4
+    assert rec["lr"] == {"base": 1e-3, "rule": "linear", "reference_batch": 2, "factor": 2.0, "applied": 2e-3}
+    # The optimizer really ran at the applied rate (constant schedule, no warm-up).
+    assert [s["step"] for s in rec["steps"]] == [1, 2, 3]
+    assert all(s["lr"] == pytest.approx(2e-3) for s in rec["steps"])
+    assert all(math.isfinite(s["loss"]) and s["trained_tokens"] > 0 for s in rec["steps"])
+
+    summary = rec["summary"]
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    assert summary["total_trained_tokens"] == sum(s["trained_tokens"] for s in rec["steps"])
+    assert 0.0 <= rec["eval"]["exact_match_before"] <= 1.0 and 0.0 <= rec["eval"]["exact_match_after"] <= 1.0
+    assert rec["eval"]["details"]["after"]["total"] == 8
+
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["model"]["name_or_path"] == str(tiny_model_dir)
+    assert resolved["training"]["max_steps"] == 3 and resolved["run"]["output_dir"] == str(run_dir)
+    assert len((run_dir / "data" / "train.jsonl").read_text().splitlines()) == 48
+    assert len((run_dir / "data" / "heldout.jsonl").read_text().splitlines()) == 8
+    adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and (run_dir / "model" / "adapter_model.safetensors").is_file()
+    assert "run directory:" in res.stdout and "LoRA adapter:" in res.stdout
+
+    out = reload_and_generate(run_dir / "model", adapter=True)
+    assert "NEW_TOKENS 5" in out and "PeftModel" in out
+
+
+def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tiny_model_dir, launch):
+    run_dir = tmp_path / "runs" / "full"
+    run_dir.mkdir(parents=True)
+    (run_dir / "stale.txt").write_text("from an earlier run")
+    res = launch(tiny_args(tiny_model_dir, "--method.name=full", "--eval.exact_match=false", "--overwrite"),
+                 run_dir=run_dir, cwd=tmp_path)
+    assert res.returncode == 0, res.explain()
+    assert not (run_dir / "stale.txt").exists()  # --overwrite replaced the directory
+    rec = res.record
+    assert rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
+    assert rec["parameters"]["trainable"] == rec["parameters"]["total"]
+    assert (run_dir / "model" / "model.safetensors").is_file()
+    out = reload_and_generate(run_dir / "model", adapter=False)
+    assert "NEW_TOKENS 5" in out and "LlamaForCausalLM" in out
+
+
+def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
+    """Through the `finetune train` console entry point (which runs accelerate launch)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    run_dir = tmp_path / "runs" / "bad"
+    cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "demo", f"--model.name_or_path={tiny_model_dir}",
+           f"--data.path={data}", "--eval.exact_match=false", f"--run.output_dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "train.jsonl row 2" in proc.stderr and "output" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error:")[-1]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["summary"]["status"] == "failed"
+    assert "row 2" in rec["summary"]["error"]
