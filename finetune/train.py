@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from accelerate import PartialState
 
-    from finetune import demo_data, record, rundir, strategy
+    from finetune import cpu_distributed, demo_data, record, rundir, strategy
     from finetune.distributed import run_on_main
 
-    state = PartialState()
+    state = PartialState(cpu=cpu_distributed.requested())  # opt-in CPU/gloo runs: finetune/cpu_distributed.py
     strategy.check_world_size(state)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
 
@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg, state, run_dir: Path, rec) -> int:
     from transformers import TrainingArguments
 
-    from finetune import batch, data, evaluation, model as model_lib, strategy
+    from finetune import batch, cpu_distributed, data, evaluation, export, model as model_lib, strategy
 
     t0 = time.perf_counter()
-    targs = dict(cfg.training.args)
+    targs = cpu_distributed.training_overrides(dict(cfg.training.args))
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
     report_to = cfg.logging.report_to or "none"
     try:
@@ -101,6 +101,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     bundle = data.build_datasets(cfg.data, tokenizer, seed=args.seed)
     heldout_rows = data.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
 
+    from transformers import set_seed
+
+    set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
     model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing)
     trainable, total = model_lib.count_parameters(model)
 
@@ -122,7 +125,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         processing_class=tokenizer, record=rec)
     engaged = strategy.engaged(trainer.accelerator.state, method=cfg.method.name,
                                mixed_precision=trainer.accelerator.mixed_precision)
-    strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe)
+    strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
+    strategy.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
+                        recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
 
     if rec:
         rec["strategy"] = engaged
@@ -144,6 +149,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     train_start = time.perf_counter()
     out = trainer.train()
     train_s = time.perf_counter() - train_start
+    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     totals = trainer.final_totals()
     eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
     if heldout_rows is not None:
@@ -151,7 +157,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
 
     model_dir = run_dir / "model"
     if cfg.run.save_model:
-        trainer.save_model(str(model_dir))  # adapter for LoRA/QLoRA, full weights otherwise
+        export.save_final_model(trainer, model_dir)  # adapter for LoRA/QLoRA, full weights otherwise
         if state.is_main_process:
             tokenizer.save_pretrained(str(model_dir))
     if rec:
