@@ -126,6 +126,8 @@ class TrainingConfig:
     # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     lr_reference_batch_size: Optional[int] = None  # None: the run's own effective batch
+    # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
+    throughput_warmup_steps: int = 1
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).
     args: dict = field(default_factory=dict)
 

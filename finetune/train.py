@@ -150,7 +150,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     out = trainer.train()
     train_s = time.perf_counter() - train_start
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-    totals = trainer.final_totals()
+    measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
     if heldout_rows is not None:
         results["after"] = evaluate("after")
@@ -162,9 +162,12 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
             tokenizer.save_pretrained(str(model_dir))
     if rec:
         rec["summary"].update(train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
-                              total_trained_tokens=totals["trained_tokens"], total_input_tokens=totals["input_tokens"],
+                              total_trained_tokens=sum(measured["trained_tokens"]),
+                              total_input_tokens=sum(measured["input_tokens"]),
                               train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
                               status="completed")
+        record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
+                            world_size=world, warmup=cfg.training.throughput_warmup_steps)
         if results:
             rec["eval"] = {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
                            **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
@@ -172,6 +175,26 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         rec.write()
         _print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
     return 0
+
+
+def record_measurements(rec, measured: dict, *, model_config, method: str, world_size: int, warmup: int) -> None:
+    """Fill run.json's memory, throughput and per-step token figures from the trainer's measurements."""
+    from finetune import metrics
+
+    steps = len(measured["step_s"])
+    rec["memory"] = measured["memory"]
+    seq_len = sum(measured["input_tokens"]) / max(sum(measured["samples"]), 1)
+    flops, convention = metrics.flops_per_token(model_config, method, seq_len)
+    hw = rec["hardware"]
+    peak = metrics.peak_flops(hw["device_name"]) if hw["device_type"] == "cuda" else None
+    tp = metrics.throughput(measured["step_s"], measured["trained_tokens"], measured["input_tokens"],
+                            measured["samples"], world_size=world_size, warmup=warmup, flops_token=flops,
+                            peak=peak[1] if peak else None, devices=world_size)
+    tp.update(flops_convention=convention, flops_per_token=flops, peak_device=peak[0] if peak else None,
+              mfu_note=None if peak else f"no MFU: {hw['device_name']!r} is not in the peak-FLOPS table")
+    rec["throughput"] = tp
+    rec["batch"].update(input_tokens_per_step=round(sum(measured["input_tokens"]) / max(steps, 1), 1),
+                        trained_tokens_per_step=round(sum(measured["trained_tokens"]) / max(steps, 1), 1))
 
 
 def _print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> None:
@@ -190,6 +213,14 @@ def _print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> N
             lines.append("  per task: " + ", ".join(
                 f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
                 for t, v in per_task.items()))
+    tp, mem = rec["throughput"] or {}, (rec["memory"] or {}).get("max", {})
+    if tp.get("trained_tokens_per_s") is not None:
+        device_mem = (f", device peak allocated {mem['device_peak_allocated_gib']:.2f} GiB"
+                      if mem.get("device_peak_allocated_gib") is not None else "")
+        mfu = f", MFU {100 * tp['mfu']:.1f}%" if tp.get("mfu") is not None else ""
+        lines.append(f"throughput {tp['trained_tokens_per_s']:,.1f} trained tokens/s (median step "
+                     f"{tp['median_step_s']:.2f} s, first {tp['warmup_steps_excluded']} step(s) excluded){mfu}; "
+                     f"host peak RSS {mem.get('host_peak_rss_gib', 0):.2f} GiB{device_mem}")
     lines.append(f"run directory: {run_dir}   (run.json, config.yaml)")
     if model_dir:
         kind = "LoRA adapter" if method in ("lora", "qlora") else "model"

@@ -70,6 +70,17 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
     summary = rec["summary"]
     assert summary["status"] == "completed" and summary["steps"] == 3
     assert summary["total_trained_tokens"] == sum(s["trained_tokens"] for s in rec["steps"])
+    assert rec["batch"]["trained_tokens_per_step"] == pytest.approx(summary["total_trained_tokens"] / 3, abs=0.1)
+
+    mem = rec["memory"]
+    assert [r["rank"] for r in mem["per_rank"]] == [0]
+    assert mem["max"]["host_peak_rss_gib"] > 0.1 and mem["loading"]["max"]["host_peak_rss_gib"] > 0.1
+    assert mem["max"]["device_peak_allocated_gib"] is None  # a CPU run has no accelerator memory
+    tp = rec["throughput"]
+    assert tp["warmup_steps_excluded"] == 1 and tp["steps_measured"] == 2 and tp["trained_tokens_per_s"] > 0
+    assert tp["mfu"] is None and "not in the peak-FLOPS table" in tp["mfu_note"]
+    assert (run_dir / "trainer_state.json").is_file()
+
     assert 0.0 <= rec["eval"]["exact_match_before"] <= 1.0 and 0.0 <= rec["eval"]["exact_match_after"] <= 1.0
     assert rec["eval"]["details"]["after"]["total"] == 8
 
