@@ -21,7 +21,7 @@ of accelerate_configs/cpu/*.yaml:
 
 It then (1) makes every process join the gloo group (`PartialState(cpu=True)` and
 TrainingArguments.use_cpu=True) and (2) applies Accelerate's own FSDP branch when it was skipped
-only because the device is a CPU. torch's `fully_shard` runs on CPU over gloo, so the FSDP2
+only because the device is a CPU (with FSDP offload, unpinned host memory: pinning needs an accelerator). torch's `fully_shard` runs on CPU over gloo, so the FSDP2
 code users run on GPUs (Accelerate's fsdp2_prepare_model, DTensor parameters, sharded and
 full state dicts) is what gets exercised. Nothing else changes; without the variable this module
 does nothing, and finetune.strategy still verifies from the live model what engaged.
@@ -74,5 +74,9 @@ def _keep_fsdp_on_cpu() -> None:
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = self.distributed_type
+            # Offload on CPU: pinned host memory needs an accelerator (torch raises "Cannot access
+            # accelerator device"); the offload itself (sharded params + optimizer step on host) is unchanged.
+            if getattr(fsdp_plugin.cpu_offload, "pin_memory", False):
+                fsdp_plugin.cpu_offload.pin_memory = False
 
     AcceleratorState.__init__ = __init__
