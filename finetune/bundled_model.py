@@ -97,6 +97,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared (FINETUNE_CACHE)
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

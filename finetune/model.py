@@ -99,6 +99,16 @@ def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool):
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
+    if isinstance(method.target_modules, list):
+        # peft only complains when *no* name matches; a typo next to a valid name would silently
+        # leave that layer without an adapter.
+        names = [name for name, _ in model.named_modules()]
+        unmatched = [t for t in method.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise UserError(f"method.target_modules: no module of the model is named "
+                            f"{', '.join(map(repr, unmatched))}; its linear layers are {', '.join(linear)} "
+                            f"(or use 'all-linear')")
     lora = LoraConfig(r=method.lora_r, lora_alpha=method.lora_alpha, lora_dropout=method.lora_dropout,
                       target_modules=method.target_modules, bias="none", task_type="CAUSAL_LM")
     try:
