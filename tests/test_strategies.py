@@ -1,0 +1,267 @@
+"""Every strategy engaged for real (2 processes over gloo on CPU) and shown equivalent to one process.
+
+One launch per strategy (module-scoped, shared by every test that needs it) of the same recipe
+values: tiny random Llama + LoRA (dropout 0), demo data, seed 42, 4 sequences per rank x 2 ranks
+= 8 per optimizer step, 5 steps, no warmup, clipping pinned at 1.0, loss logged every step, a
+checkpoint at step 5 and the final export. The single-process reference runs 4 x accumulation 2
+= the same 8 sequences per optimizer step.
+
+Tolerance for per-step losses: 1e-5 relative. The runs are fp32 on CPU; what differs between
+backends is only the order of floating-point reductions (gradient all-reduce over 2 ranks vs
+accumulation in one process, DeepSpeed's flattened fp32 buffers, DeepSpeedCPUAdam vs torch
+AdamW), which moves a loss by ~1e-7 relative per step (fp32 epsilon 1.2e-7); seen here: at most a
+few 1e-7 over 5 steps. Real differences are far larger: a different LoRA init changed the step-3
+loss by 8e-5 relative, a missing clip (grad norm ~1.2 vs clip 1.0) by ~1e-3, other data by more.
+Grad norms (sensitive to clipping and loss normalisation from step 1) are compared at 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, launch_train
+
+CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
+STEPS = 5
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-4
+
+# strategy -> (recipe, CPU accelerate config, expected evidence)
+STRATEGIES = {
+    "ddp": ("ddp", "accelerate_configs/cpu/ddp.yaml", {"engine_class": "DistributedDataParallel"}),
+    "zero2": ("zero2", "accelerate_configs/cpu/zero2.yaml",
+              {"engine_class": "DeepSpeedEngine", "zero_stage": 2, "offload_optimizer_device": "none",
+               "offload_param_device": "none", "optimizer_offloaded": False}),
+    "zero2_offload": ("zero2_offload", "accelerate_configs/cpu/zero2_offload.yaml",
+                      {"engine_class": "DeepSpeedEngine", "zero_stage": 2, "offload_optimizer_device": "cpu",
+                       "offload_param_device": "none", "optimizer_offloaded": True,
+                       "basic_optimizer_class": "DeepSpeedCPUAdam"}),
+    "zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml",
+              {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "offload_optimizer_device": "none",
+               "offload_param_device": "none", "optimizer_offloaded": False, "params_offloaded": False}),
+    "zero3_offload": ("zero3_offload", "accelerate_configs/cpu/zero3_offload.yaml",
+                      {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "offload_optimizer_device": "cpu",
+                       "offload_param_device": "cpu", "optimizer_offloaded": True, "params_offloaded": True,
+                       "basic_optimizer_class": "DeepSpeedCPUAdam"}),
+    "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", {"fsdp_offload_policy": "OffloadPolicy"}),
+}
+
+
+def common_args(tiny_model_dir) -> list[str]:
+    return [f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=64", "--eval.exact_match=false",
+            f"--training.max_steps={STEPS}", "--training.logging_steps=1", "--training.warmup_steps=0",
+            "--training.learning_rate=1e-3", "--training.lr_scaling=none", "--training.max_grad_norm=1.0",
+            "--training.seed=42", "--training.per_device_train_batch_size=4", "--method.lora_dropout=0.0",
+            "--training.save_strategy=steps", f"--training.save_steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """strategy -> finished Launch; each strategy launched once per module, on first use."""
+    done: dict = {}
+    base = tmp_path_factory.mktemp("strategies")
+
+    def get(name: str):
+        if name not in done:
+            run_dir = base / name
+            if name == "single":
+                done[name] = launch_train(["--recipe", "demo", *common_args(tiny_model_dir),
+                                           "--training.gradient_accumulation_steps=2"],
+                                          run_dir=run_dir, cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
+                                          timeout=300)
+            else:
+                recipe, config, _ = STRATEGIES[name]
+                done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir,
+                                          cwd=REPO, config_file=config, env=CPU_ENV, timeout=420)
+            assert done[name].returncode == 0, done[name].explain()
+        return done[name]
+
+    return get
+
+
+def _steps(record: dict) -> list[dict]:
+    steps = [s for s in record["steps"] if s.get("loss") is not None]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), record["steps"]
+    return steps
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_engaged_from_the_live_engine(runs, name):
+    rec = runs(name).record
+    s = rec["strategy"]
+    ev = s["evidence"]
+    want_name = name.replace("_offload", "")
+    assert s["name"] == want_name and s["world_size"] == 2 and ev["world_size"] == 2, s
+    for key, value in STRATEGIES[name][2].items():
+        assert ev[key] == value, (key, ev)
+    if want_name == "fsdp":
+        assert s["distributed_type"] == "FSDP" and s["fsdp_version"] == 2, s
+        assert ev["fsdp_modules"] >= 3, ev  # the root + one unit per decoder layer (2 layers)
+        assert ev["dtensor_params"] == ev["params"] > 0, ev
+        assert 0.4 <= ev["local_param_fraction"] <= 0.6, ev  # each rank holds about half
+        assert "Shard(dim=0)" in ev["placements"], ev
+    elif want_name.startswith("zero"):
+        assert s["distributed_type"] == "DEEPSPEED" and s["zero_stage"] == int(want_name[-1]), s
+        assert ev["gradient_clipping"] == 1.0, ev  # pinned from the recipe, not DeepSpeed's default
+        if want_name == "zero3":
+            assert 0.4 <= ev["local_param_fraction"] <= 0.6, ev
+    else:
+        assert s["distributed_type"] == "MULTI_CPU", s
+    assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params"}.get(name, "none")
+    assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_losses_match_single_process(runs, name):
+    ref = _steps(runs("single").record)
+    got = _steps(runs(name).record)
+    assert runs("single").record["strategy"]["name"] == "single"
+    assert runs("single").record["batch"]["effective"] == 8
+    worst = 0.0
+    for a, b in zip(ref, got):
+        rel = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+        worst = max(worst, rel)
+        assert rel <= LOSS_RTOL, f"step {a['step']}: single {a['loss']!r} vs {name} {b['loss']!r} (rel {rel:.2e})"
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=GRAD_NORM_RTOL), (a, b)
+    # Training moved the loss: equal losses of a model that did not learn would prove little.
+    assert ref[-1]["loss"] < ref[0]["loss"] - 1e-3, ref
+    print(f"{name}: loss after {STEPS} steps {got[-1]['loss']:.6f}, largest relative difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_checkpoint_and_export_written(runs, name):
+    run_dir = runs(name).run_dir
+    ckpt = run_dir / f"checkpoint-{STEPS}"
+    assert (ckpt / "trainer_state.json").is_file(), sorted(p.name for p in run_dir.iterdir())
+    if name.startswith("zero"):
+        assert (ckpt / "latest").is_file() and any(ckpt.glob("global_step*/*optim_states.pt")), sorted(ckpt.rglob("*"))
+    if name == "fsdp":
+        assert any(ckpt.glob("pytorch_model_fsdp_0/*.distcp")), sorted(ckpt.rglob("*"))  # SHARDED_STATE_DICT
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file()
+    assert runs(name).record["summary"]["status"] == "completed"
+
+
+RELOAD = r"""
+import json, sys, torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+base, export, reference = sys.argv[1:4]
+tok = AutoTokenizer.from_pretrained(export)
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), export).eval()
+ids = tok("2 + 3 =", return_tensors="pt")
+out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+got, ref = load_file(f"{export}/adapter_model.safetensors"), load_file(f"{reference}/adapter_model.safetensors")
+print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1], "keys_equal": sorted(got) == sorted(ref),
+                  "max_abs_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
+                  "lora_b_norm": sum(v.norm().item() for k, v in got.items() if "lora_B" in k),
+                  "world": torch.distributed.is_initialized()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_model_dir):
+    export = runs(name).run_dir / "model"
+    reference = runs("single").run_dir / "model"
+    proc = subprocess.run([sys.executable, "-c", RELOAD, str(tiny_model_dir), str(export), str(reference)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["new_tokens"] == 4 and result["world"] is False, result
+    assert result["keys_equal"], result
+    assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)
+    assert result["max_abs_diff"] < 1e-5, result  # the gathered adapter equals the single-process one
+
+
+def _rank_exit_codes(stderr: str) -> set[int]:
+    """Exit codes of the training processes, from torchrun's failure report ('exitcode  : 2 (pid: ...)')."""
+    return {int(m) for m in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)}
+
+
+def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
+    """Recipe zero3 under the DDP config: train.py exits 2 with the right launch line, nothing trained.
+    (torchrun reports each rank's exit code; `accelerate launch` itself always exits 1 on a failed child.)"""
+    run = launch_train(["--recipe", "zero3", *common_args(tiny_model_dir)], run_dir=tmp_path / "run", cwd=REPO,
+                       config_file="accelerate_configs/cpu/ddp.yaml", env=CPU_ENV, timeout=300)
+    assert run.returncode != 0 and _rank_exit_codes(run.stderr) <= {2, -15} and 2 in _rank_exit_codes(run.stderr), \
+        run.explain()
+    assert "meant for strategy 'zero3'" in run.stderr and "engaged 'ddp'" in run.stderr, run.explain()
+    assert "accelerate_configs/cpu/zero3.yaml" in run.stderr and "accelerate_configs/zero3.yaml" in run.stderr
+    rec = run.record
+    assert rec["steps"] == [] and rec["summary"]["status"] == "failed", rec["summary"]
+    assert not (run.run_dir / "model").exists() and not list(run.run_dir.glob("checkpoint-*"))
+
+
+def test_fsdp_without_cpu_opt_in_is_refused_not_downgraded(tmp_path, tiny_model_dir):
+    """Without FINETUNE_CPU_DISTRIBUTED each process would train alone: refused, exit 2."""
+    run = launch_train(["--recipe", "fsdp", *common_args(tiny_model_dir)], run_dir=tmp_path / "run", cwd=REPO,
+                       config_file="accelerate_configs/cpu/fsdp.yaml", env={"FINETUNE_CPU_DISTRIBUTED": "0"},
+                       timeout=300)
+    assert run.returncode != 0 and 2 in _rank_exit_codes(run.stderr), run.explain()
+    assert "FINETUNE_CPU_DISTRIBUTED=1" in run.stderr and "would train alone" in run.stderr, run.explain()
+
+
+# --- the shipped files ----------------------------------------------------------------------
+
+CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+STRATEGY_RECIPES = ["ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_offload",
+                    "qlora_baseline"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_accelerate_config_loads_and_opens_with_its_launch_line(path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(path))
+    text = path.read_text()
+    assert text.startswith("#") and "accelerate launch --config_file" in text.split("compute_environment")[0]
+    assert cfg.num_processes == (4 if cfg.num_machines == 2 else 1 if path.name == "single_gpu.yaml" else 2)
+    ds_file = (cfg.deepspeed_config or {}).get("deepspeed_config_file")
+    if ds_file:
+        assert (REPO / ds_file).is_file(), ds_file
+        assert ("offload" in path.name) == ("offload" in ds_file)
+    if cfg.fsdp_config:
+        assert cfg.fsdp_config["fsdp_version"] == 2
+        assert cfg.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+        assert cfg.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert cfg.fsdp_config["fsdp_offload_params"] == ("offload" in path.name)
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_deepspeed_config_offloads_only_when_named_so(path):
+    cfg = json.loads(path.read_text())
+    zero = cfg["zero_optimization"]
+    offloads = [k for k in ("offload_optimizer", "offload_param") if k in zero]
+    assert bool(offloads) == ("offload" in path.name), (path.name, offloads)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+        assert cfg[key] == "auto", key  # Trainer fills them; a literal would silently disagree with it
+    assert cfg["bf16"]["enabled"] == "auto" and cfg["fp16"]["enabled"] == "auto"
+    if zero["stage"] == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+@pytest.mark.parametrize("name", STRATEGY_RECIPES)
+def test_strategy_recipe_names_its_configs_and_launch_line(name):
+    from finetune.recipe import load_recipe
+
+    cfg, _ = load_recipe(name, [])
+    text = (REPO / "recipes" / f"{name}.yaml").read_text()
+    header = text.split("\nmodel:")[0]
+    assert cfg.run.accelerate_config and (REPO / cfg.run.accelerate_config).is_file()
+    assert f"--config_file {cfg.run.accelerate_config} finetune/train.py --recipe {name}" in header
+    assert cfg.method.lora_dropout == 0.0 and cfg.model.name_or_path == "bundled:SmolLM2-135M-Instruct"
+    acc = yaml.safe_load((REPO / cfg.run.accelerate_config).read_text())
+    want = {"single": "NO", "ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "FSDP"}
+    assert acc["distributed_type"] == want[cfg.run.strategy]
+    assert ("offload" in cfg.run.accelerate_config) == (cfg.run.offload not in ("none", "any"))
+    if cfg.run.strategy != "single":
+        assert f"accelerate_configs/cpu/{Path(cfg.run.accelerate_config).name}" in header
