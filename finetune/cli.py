@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,11 @@ TRAIN_SCRIPT = PACKAGE_DIR / "train.py"
 
 
 def launch_command(recipe: str, rest: list[str], config_file: str | None, num_processes: int | None,
-                   extra_launch_args: list[str] = ()) -> list[str]:
-    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given."""
+                   cpu: bool = False, overwrite: bool = False) -> list[str]:
+    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
+    With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
+    processes over gloo, see finetune/cpu_distributed.py) and a single-process one gets --cpu."""
+    from finetune import cpu_distributed
     from finetune.recipe import REPO_ROOT, load_recipe
 
     cfg, _ = load_recipe(recipe, rest)  # fail here, before any process starts, on a bad recipe
@@ -34,11 +38,29 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
         if not path.is_file():
             raise UserError(f"accelerate config {config_file!r} not found (from "
                             f"{'--config_file' if config_file != cfg.run.accelerate_config else 'run.accelerate_config'})")
-        cmd += ["--config_file", str(path)]
+        if cpu and (REPO_ROOT / "accelerate_configs" / "cpu" / path.name).is_file() and path.parent.name != "cpu":
+            path = REPO_ROOT / "accelerate_configs" / "cpu" / path.name
+        if cpu and path.parent.name == "cpu":
+            os.environ[cpu_distributed.ENV] = "1"  # inherited by the launched processes
+        cmd += ["--config_file", str(path.resolve())]
+        cmd += _absolute_deepspeed_config(path, REPO_ROOT)
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]
-    cmd += list(extra_launch_args)
-    return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *rest]
+    if cpu and os.environ.get(cpu_distributed.ENV) != "1":
+        cmd += ["--cpu"]
+    return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *rest]
+
+
+def _absolute_deepspeed_config(config: Path, repo_root: Path) -> list[str]:
+    """Configs name their DeepSpeed JSON relative to the repo root; pass it absolute so
+    `finetune train` works from any directory (accelerate's command line beats the file)."""
+    import yaml
+
+    ds = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("deepspeed_config") or {}
+    ds_file = ds.get("deepspeed_config_file")
+    if ds_file and not Path(ds_file).is_absolute() and (repo_root / ds_file).is_file():
+        return ["--deepspeed_config_file", str(repo_root / ds_file)]
+    return []
 
 
 def run_accelerate_launch(launch_args: list[str]) -> int:
@@ -71,18 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
     train.add_argument("--config_file", help="accelerate config (default: the recipe's run.accelerate_config)")
     train.add_argument("--num_processes", type=int, help="override the accelerate config's process count")
-    train.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where a GPU exists")
+    train.add_argument("--cpu", action="store_true",
+                       help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
     args, rest = parser.parse_known_args(argv)
 
     if args.command == "train":
-        extra = ["--cpu"] if args.cpu else []
-        if args.overwrite:
-            rest = [*rest, "--overwrite"]
-        launch_args = launch_command(args.recipe, rest, args.config_file, args.num_processes, extra)
-        print("+ accelerate launch " + " ".join(launch_args), flush=True)
+        from finetune import cpu_distributed
+
+        launch_args = launch_command(args.recipe, rest, args.config_file, args.num_processes, cpu=args.cpu,
+                                     overwrite=args.overwrite)
+        env = f"{cpu_distributed.ENV}=1 " if os.environ.get(cpu_distributed.ENV) == "1" else ""
+        print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
         return run_accelerate_launch(launch_args)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec:
-        rundir.save_resolved_config(run_dir, cfg.to_dict())
+        saved = rundir.save_resolved_config(run_dir, cfg.to_dict())
+        log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+                 saved, saved.read_text(encoding="utf-8").rstrip())
         rec.write()
 
     if cfg.data.path == "demo":

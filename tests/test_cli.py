@@ -1,0 +1,48 @@
+"""`finetune train` builds the accelerate launch line from the recipe (no process is started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from finetune import cpu_distributed
+from finetune.cli import launch_command
+from finetune.errors import ConfigError, UserError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_recipe_config_is_used_and_deepspeed_json_made_absolute(monkeypatch):
+    monkeypatch.delenv(cpu_distributed.ENV, raising=False)
+    args = launch_command("zero3", ["--training.max_steps=2"], None, None)
+    assert args[:2] == ["--config_file", str(REPO / "accelerate_configs" / "zero3.yaml")]
+    assert args[2:4] == ["--deepspeed_config_file", str(REPO / "ds_configs" / "zero3.json")]
+    assert args[-4:] == [str(REPO / "finetune" / "train.py"), "--recipe", "zero3", "--training.max_steps=2"]
+
+
+def test_cpu_flag_swaps_in_the_cpu_variant_and_opts_in_to_gloo(monkeypatch):
+    monkeypatch.delenv(cpu_distributed.ENV, raising=False)
+    args = launch_command("fsdp", [], None, None, cpu=True, overwrite=True)
+    assert args[1] == str(REPO / "accelerate_configs" / "cpu" / "fsdp.yaml")
+    assert cpu_distributed.requested()  # inherited by the launched processes
+    assert "--overwrite" in args and "--cpu" not in args
+
+
+def test_cpu_flag_on_a_single_process_recipe_passes_cpu_to_accelerate(monkeypatch):
+    monkeypatch.delenv(cpu_distributed.ENV, raising=False)
+    args = launch_command("demo", [], None, 1, cpu=True)
+    assert args[1] == str(REPO / "accelerate_configs" / "single_gpu.yaml")
+    assert "--cpu" in args and args[args.index("--num_processes") + 1] == "1"
+
+
+def test_bad_override_fails_before_launch():
+    with pytest.raises(ConfigError) as info:
+        launch_command("demo", ["--training.max_stepz=2"], None, None)
+    assert "training.max_stepz" in str(info.value)
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(UserError) as info:
+        launch_command("demo", [], "accelerate_configs/nope.yaml", None)
+    assert "nope.yaml" in str(info.value) and "--config_file" in str(info.value)
