@@ -160,7 +160,8 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
         opt = ev["offload_optimizer_device"] if ev.get("optimizer_offloaded") else "none"
         par = ev["offload_param_device"] if ev.get("params_offloaded") else "none"
         return f"zero{ev['zero_stage']}", _offload_name(opt, par)
-    if ev["fsdp_modules"] and ev["dtensor_params"] == ev["params"] and ev["params"]:
+    # Not "every parameter": Accelerate leaves non-float (uint8-stored 4-bit) weights out of FSDP2 sharding.
+    if ev["fsdp_modules"] and ev["dtensor_params"]:
         offloaded = ev.get("fsdp_offload_policy") == "CPUOffloadPolicy"
         return "fsdp", "optimizer+params" if offloaded else "none"
     if ev["engine_class"] == "DistributedDataParallel":

@@ -63,6 +63,11 @@ def common_args(tiny_model_dir) -> list[str]:
             "--training.save_strategy=steps", f"--training.save_steps={STEPS}"]
 
 
+# QLoRA (4-bit NF4 base, float storage so it shards) under the sharded strategies, against one process.
+QLORA = {"qlora_zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml"),
+         "qlora_fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml")}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     """strategy -> finished Launch; each strategy launched once per module, on first use."""
@@ -72,11 +77,16 @@ def runs(tmp_path_factory, tiny_model_dir):
     def get(name: str):
         if name not in done:
             run_dir = base / name
-            if name == "single":
-                done[name] = launch_train(["--recipe", "demo", *common_args(tiny_model_dir),
+            if name in ("single", "single_qlora"):
+                qlora = ["--method.name=qlora"] if name == "single_qlora" else []
+                done[name] = launch_train(["--recipe", "demo", *common_args(tiny_model_dir), *qlora,
                                            "--training.gradient_accumulation_steps=2"],
                                           run_dir=run_dir, cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
                                           timeout=300)
+            elif name in QLORA:
+                recipe, config = QLORA[name]
+                done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
+                                          run_dir=run_dir, cwd=REPO, config_file=config, env=CPU_ENV, timeout=420)
             else:
                 recipe, config, _ = STRATEGIES[name]
                 done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir,
@@ -134,6 +144,20 @@ def test_losses_match_single_process(runs, name):
     # Training moved the loss: equal losses of a model that did not learn would prove little.
     assert ref[-1]["loss"] < ref[0]["loss"] - 1e-3, ref
     print(f"{name}: loss after {STEPS} steps {got[-1]['loss']:.6f}, largest relative difference {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", list(QLORA))
+def test_qlora_shards_and_matches_single_process_qlora(runs, name):
+    rec = runs(name).record
+    ev = rec["strategy"]["evidence"]
+    assert rec["strategy"]["method"] == "qlora" and rec["strategy"]["name"] == QLORA[name][0], rec["strategy"]
+    assert ev["world_size"] == 2 and 0.4 <= ev["local_param_fraction"] <= 0.6, ev
+    ref, got = _steps(runs("single_qlora").record), _steps(rec)
+    plain = _steps(runs("single").record)
+    assert abs(ref[0]["loss"] - plain[0]["loss"]) > 1e-4, "the 4-bit base should change the loss"
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) / abs(a["loss"]) <= LOSS_RTOL, (a, b)
+    assert (runs(name).run_dir / "model" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
