@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(cfg, state, run_dir: Path, rec) -> int:
     from transformers import TrainingArguments
 
-    from finetune import batch, cpu_distributed, data, evaluation, export, model as model_lib, strategy
+    from finetune import batch, cpu_distributed, data, evaluation, export, model as model_lib, sharded, strategy
 
     t0 = time.perf_counter()
     targs = cpu_distributed.training_overrides(dict(cfg.training.args))
@@ -113,7 +113,8 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         result = evaluation.exact_match(
             model, tokenizer, heldout_rows, system_prompt=cfg.data.system_prompt,
             use_chat_template=cfg.data.chat_template, max_new_tokens=cfg.eval.max_new_tokens,
-            batch_size=cfg.eval.batch_size, source=cfg.eval.heldout_path, accelerator=state)
+            batch_size=cfg.eval.batch_size, source=cfg.eval.heldout_path,
+            accelerator=trainer.accelerator)  # reduce() across ranks: an Accelerator, not PartialState
         if state.is_main_process:
             log.info("exact match %s training: %.1f%% (%d/%d)", stage, 100 * result["exact_match"],
                      result["correct"], result["total"])
@@ -147,7 +148,8 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
 
     results = {}
     if heldout_rows is not None and cfg.eval.before:
-        results["before"] = evaluate("before")
+        with sharded.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/sharded.py)
+            results["before"] = evaluate("before")
     train_start = time.perf_counter()
     out = trainer.train()
     train_s = time.perf_counter() - train_start
