@@ -43,6 +43,7 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
         if cpu and path.parent.name == "cpu":
             os.environ[cpu_distributed.ENV] = "1"  # inherited by the launched processes
         cmd += ["--config_file", str(path.resolve())]
+        os.environ["FINETUNE_ACCELERATE_CONFIG"] = str(path.resolve())  # recorded by the run (W&B artifact)
         cmd += _absolute_deepspeed_config(path, REPO_ROOT)
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]

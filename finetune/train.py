@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             rec["summary"]["status"] = "interrupted" if interrupted else "failed"
             rec["summary"]["error"] = None if interrupted else f"{type(e).__name__}: {e}"
             rec.write()
+            wandb = sys.modules.get("wandb")
+            if wandb is not None and wandb.run is not None:
+                wandb.run.finish(exit_code=1)
         raise
 
 
@@ -81,11 +84,15 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     from transformers import TrainingArguments
 
     from finetune import batch, cpu_distributed, data, evaluation, export, model as model_lib, sharded, strategy
+    from finetune import wandb_logging
 
     t0 = time.perf_counter()
     targs = cpu_distributed.training_overrides(dict(cfg.training.args))
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
     report_to = cfg.logging.report_to or "none"
+    use_wandb = wandb_logging.enabled(cfg.logging.report_to)
+    if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
+        wandb_logging.configure_environment(cfg.logging.wandb_project, run_dir)
     try:
         args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
     except (ValueError, TypeError) as e:
@@ -146,6 +153,8 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                  world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
                  lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length)
 
+    wandb_run = wandb_logging.start(rec.data, project=cfg.logging.wandb_project, run_dir=run_dir) \
+        if use_wandb and rec else None  # transformers' WandbCallback logs the steps into this run
     results = {}
     if heldout_rows is not None and cfg.eval.before:
         with sharded.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/sharded.py)
@@ -177,6 +186,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                            **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
                            "details": results}
         rec.write()
+        if wandb_run is not None:
+            wandb_logging.finish(wandb_run, rec.data, [rec.path, run_dir / "config.yaml",
+                                                       *wandb_logging.launch_config_files()])
         _print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
     return 0
 

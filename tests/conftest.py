@@ -75,7 +75,7 @@ class Launch:
 
 def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: int = 1,
                  config_file: str | None = None, launch_args: list[str] = (), timeout: float = 600,
-                 env: dict | None = None) -> Launch:
+                 env: dict | None = None, unset_env_prefix: str | None = None) -> Launch:
     """`accelerate launch [...] finetune/train.py ARGS --run.output_dir=RUN_DIR` in a new process
     group; on timeout the whole group is killed and the test fails (never hangs)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -89,6 +89,8 @@ def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: in
         assert num_processes == 1, "pass config_file for multi-process launches"
     cmd += list(launch_args) + [str(TRAIN_SCRIPT), *args, f"--run.output_dir={run_dir}"]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if unset_env_prefix:
+        full_env = {k: v for k, v in full_env.items() if not k.startswith(unset_env_prefix)}
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, start_new_session=True)
     try:

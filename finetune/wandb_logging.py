@@ -1,0 +1,99 @@
+"""Weights & Biases, when `logging.report_to` includes wandb. Rank 0 only.
+
+Works with no account and no network: without an API key (WANDB_API_KEY or a wandb entry in
+~/.netrc) the run is written offline into the run directory (`wandb sync` uploads it later);
+an explicit WANDB_MODE is always respected. Runs are grouped by recipe and tagged with the
+strategy and method, so one recipe's strategies sit together in the W&B UI. The config holds
+the effective batch and LR scaling; the summary holds the memory peaks and throughput; the run
+record, the resolved recipe and the launch configs are attached as one artifact.
+
+We start the W&B run ourselves before training; transformers' WandbCallback then finds it and
+logs every step into it (including our namespaced perf/ and memory/ keys, added in
+FinetuneTrainer.log before the callbacks run).
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def enabled(report_to: list[str]) -> bool:
+    return "wandb" in report_to
+
+
+def has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        hosts = netrc.netrc().hosts
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return any("wandb" in host for host in hosts)
+
+
+def configure_environment(project: str, run_dir: Path) -> str:
+    """Set W&B's environment before Trainer builds its callbacks; returns the mode in use."""
+    if not os.environ.get("WANDB_MODE") and not has_api_key():
+        os.environ["WANDB_MODE"] = "offline"
+        log.info("W&B: no API key configured, logging offline to %s/wandb (upload later with `wandb sync`)", run_dir)
+    os.environ.setdefault("WANDB_PROJECT", project)
+    os.environ.setdefault("WANDB_DIR", str(run_dir))
+    os.environ.setdefault("WANDB_LOG_MODEL", "false")  # the model is in the run directory already
+    return os.environ["WANDB_MODE"] if os.environ.get("WANDB_MODE") else "online"
+
+
+def start(record: dict, *, project: str, run_dir: Path):
+    import wandb
+
+    strategy = record["strategy"] or {}
+    tags = [t for t in (strategy.get("name"), strategy.get("method"),
+                        f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None) if t]
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", project), name=record["run_name"], group=record["recipe"],
+        tags=tags, dir=str(run_dir),
+        config={"finetune": {"recipe": record["recipe"], "batch": record["batch"], "lr": record["lr"],
+                             "strategy": strategy, "parameters": record.get("parameters")},
+                "effective_batch_size": (record["batch"] or {}).get("effective"),
+                "lr_applied": (record["lr"] or {}).get("applied"),
+                "lr_scaling": (record["lr"] or {}).get("rule")})
+
+
+def finish(run, record: dict, files: list[Path], *, exit_code: int = 0) -> None:
+    """Summary (peaks, throughput, eval), the run-record artifact, then close the run."""
+    import wandb
+
+    summary = {}
+    for key, value in ((record.get("memory") or {}).get("max") or {}).items():
+        if value is not None:
+            summary[f"memory/max_{key}"] = value
+    for key, value in (record.get("throughput") or {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            summary[f"perf/{key}"] = value
+    for key, value in (record.get("eval") or {}).items():
+        if isinstance(value, (int, float)):
+            summary[f"eval/{key}"] = value
+    summary["status"] = record["summary"]["status"]
+    run.summary.update(summary)
+    artifact = wandb.Artifact(f"run-record-{run.id}", type="run-record",
+                              description=f"run.json, resolved recipe and launch configs of {record['run_name']}")
+    for path in files:
+        if path.is_file():
+            artifact.add_file(str(path), name=path.name)
+    run.log_artifact(artifact)
+    run.finish(exit_code=exit_code)
+
+
+def launch_config_files() -> list[Path]:
+    """The accelerate config and DeepSpeed JSON this process was launched with, when known."""
+    out = []
+    # FINETUNE_ACCELERATE_CONFIG is set by `finetune train`; accelerate exports the DeepSpeed file.
+    for var in ("FINETUNE_ACCELERATE_CONFIG", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        value = os.environ.get(var)
+        if value and Path(value).is_file():
+            out.append(Path(value))
+    return out
