@@ -132,7 +132,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     trainer = FinetuneTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
         data_collator=lambda feats: data.collate(feats, tokenizer.pad_token_id),
-        processing_class=tokenizer, record=rec)
+        processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name))
     engaged = strategy.engaged(trainer.accelerator.state, method=cfg.method.name,
                                mixed_precision=trainer.accelerator.mixed_precision)
     strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
@@ -193,6 +193,18 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
     return 0
 
 
+def _mfu_inputs(model_config, method: str) -> dict:
+    """What FinetuneTrainer needs for MFU at each log: FLOPs per token for a mean sequence length,
+    and the device's peak (None off the table, so no MFU is shown rather than a guess)."""
+    import torch
+
+    from finetune import metrics
+
+    peak = metrics.peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    return {"flops_per_token": lambda seq_len: metrics.flops_per_token(model_config, method, seq_len)[0],
+            "peak_flops": peak[1] if peak else None}
+
+
 def record_measurements(rec, measured: dict, *, model_config, method: str, world_size: int, warmup: int) -> None:
     """Fill run.json's memory, throughput and per-step token figures from the trainer's measurements."""
     from finetune import metrics
@@ -214,34 +226,40 @@ def record_measurements(rec, measured: dict, *, model_config, method: str, world
 
 
 def _print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> None:
-    s = rec["summary"]
-    lines = ["", "=" * 72, f"run {rec['run_name']} completed: {s['steps']} steps, train loss {s['train_loss']:.4f}, "
-             f"{s['total_trained_tokens']:,} trained tokens, {s['wall_s']:.0f} s"]
+    """The end-of-run table: what was trained, how fast, how much memory, what it changed."""
+    s, b = rec["summary"], rec["batch"]
+    tp, mem = rec["throughput"] or {}, (rec["memory"] or {}).get("max") or {}
+    rows = [("steps", f"{s['steps']} (effective batch {b['effective']} = {b['per_device']} per device x "
+                      f"{b['grad_accum']} accumulation x {b['data_parallel_size']} ranks)"),
+            ("strategy", f"{rec['strategy']['name']} ({rec['strategy']['distributed_type']}), {method}"),
+            ("learning rate", f"{rec['lr']['applied']:.3g} ({rec['lr']['rule']} scaling, factor {rec['lr']['factor']:.3g})"),
+            ("train loss", f"{s['train_loss']:.4f}" + (f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") else "")),
+            ("trained tokens", f"{s['total_trained_tokens']:,} of {s['total_input_tokens']:,} input tokens")]
+    if tp.get("trained_tokens_per_s") is not None:
+        rows.append(("throughput", f"{tp['trained_tokens_per_s']:,.1f} trained tokens/s, {tp['input_tokens_per_s']:,.1f} "
+                                   f"input tokens/s, median step {tp['median_step_s']:.2f} s (first "
+                                   f"{tp['warmup_steps_excluded']} step(s) excluded)"))
+        rows.append(("MFU", f"{100 * tp['mfu']:.1f}% of {tp['peak_device']}" if tp.get("mfu") is not None
+                     else "n/a (" + (tp.get("mfu_note") or "no peak figure") + ")"))
+    device = mem.get("device_peak_allocated_gib")
+    rows.append(("peak memory", (f"device {device:.2f} GiB allocated, " if device is not None else "")
+                 + f"host RSS {mem.get('host_peak_rss_gib') or 0:.2f} GiB (max over ranks)"))
     ev = rec["eval"]
     if "exact_match_after" in ev:
         before = ev.get("exact_match_before")
-        before_txt = f"{100 * before:.1f}% -> " if before is not None else ""
-        lines.append(f"exact match on {ev['details']['after']['total']} held-out prompts: "
-                     f"{before_txt}{100 * ev['exact_match_after']:.1f}%")
+        rows.append(("exact match", (f"{100 * before:.1f}% -> " if before is not None else "")
+                     + f"{100 * ev['exact_match_after']:.1f}% on {ev['details']['after']['total']} held-out prompts"))
         per_task = ev["details"]["after"]["per_task"]
         if len(per_task) > 1:
             pre = ev["details"].get("before", {}).get("per_task", {})
-            lines.append("  per task: " + ", ".join(
-                f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
-                for t, v in per_task.items()))
-    tp, mem = rec["throughput"] or {}, (rec["memory"] or {}).get("max", {})
-    if tp.get("trained_tokens_per_s") is not None:
-        device_mem = (f", device peak allocated {mem['device_peak_allocated_gib']:.2f} GiB"
-                      if mem.get("device_peak_allocated_gib") is not None else "")
-        mfu = f", MFU {100 * tp['mfu']:.1f}%" if tp.get("mfu") is not None else ""
-        lines.append(f"throughput {tp['trained_tokens_per_s']:,.1f} trained tokens/s (median step "
-                     f"{tp['median_step_s']:.2f} s, first {tp['warmup_steps_excluded']} step(s) excluded){mfu}; "
-                     f"host peak RSS {mem.get('host_peak_rss_gib', 0):.2f} GiB{device_mem}")
-    lines.append(f"run directory: {run_dir}   (run.json, config.yaml)")
+            rows.append(("  per task", ", ".join(f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre
+                                                else f"{t} {100 * v:.0f}%" for t, v in per_task.items())))
+    rows.append(("wall time", f"{s['wall_s']:.0f} s (training {s['train_s']:.0f} s)"))
+    rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
-        kind = "LoRA adapter" if method in ("lora", "qlora") else "model"
-        lines.append(f"{kind}: {model_dir}")
-    lines.append("=" * 72)
+        rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "=" * 78, f"run {rec['run_name']} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 78]
     print("\n".join(lines), flush=True)
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from finetune import metrics
 
@@ -39,10 +40,38 @@ class _StepClock(TrainerCallback):
         self.owner._end_step(time.perf_counter() - self.t0)
 
 
+class CompactProgress(ProgressCallback):
+    """Trainer's progress bar, with one compact line per log step instead of the raw dict."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs):
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+        parts = [f"step {state.global_step}/{state.max_steps}", f"loss {logs['loss']:.4f}",
+                 f"lr {logs.get('learning_rate', 0):.3g}"]
+        if logs.get("grad_norm") is not None:
+            parts.append(f"gnorm {logs['grad_norm']:.3g}")
+        if "perf/trained_tokens_per_s" in logs:
+            parts.append(f"{logs['perf/trained_tokens_per_s']:,.0f} tok/s ({logs['perf/trained_tokens_per_s_per_device']:,.0f}"
+                         f"/dev)")
+        parts.append(f"{logs['perf/step_s']:.2f} s/step")
+        if "perf/mfu" in logs:
+            parts.append(f"MFU {100 * logs['perf/mfu']:.1f}%")
+        if "memory/max_device_peak_allocated_gib" in logs:
+            parts.append(f"dev {logs['memory/max_device_peak_allocated_gib']:.2f} GiB")
+        parts.append(f"host {logs.get('memory/max_host_peak_rss_gib', 0):.2f} GiB")
+        self.training_bar.write(" | ".join(parts))
+
+
 class FinetuneTrainer(Trainer):
-    def __init__(self, *args, record=None, **kwargs):
+    def __init__(self, *args, record=None, flops_per_token=None, peak_flops=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.record = record  # finetune.record.RunRecord on rank 0, None elsewhere
+        # MFU at each log: model FLOPs per input token (a function of the mean sequence length)
+        # and the device's peak dense FLOP/s; None when the device is not in the table.
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        if self.pop_callback(ProgressCallback) is not None:
+            self.add_callback(CompactProgress)
         self.memory = metrics.MemoryTracker()
         self._micro = torch.zeros(3, dtype=torch.long)  # input tokens, trained tokens, samples: current step
         self._steps: list[tuple[float, int, int, int]] = []  # per optimizer step: seconds, tokens (this rank)
@@ -121,6 +150,10 @@ class FinetuneTrainer(Trainer):
                                                                      / self.accelerator.num_processes, 2)
                 logs["perf/input_tokens_per_s"] = round(int(counts[0]) / seconds, 2)
                 logs["perf/samples_per_s"] = round(int(counts[2]) / seconds, 3)
+                if self.flops_per_token and self.peak_flops and int(counts[2]):
+                    flops = self.flops_per_token(int(counts[0]) / int(counts[2]))
+                    logs["perf/mfu"] = round(int(counts[0]) / seconds * flops
+                                             / (self.peak_flops * self.accelerator.num_processes), 4)
             for key, value in peaks.items():
                 if value is not None:
                     logs[f"memory/max_{key}"] = value
