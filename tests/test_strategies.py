@@ -52,6 +52,8 @@ STRATEGIES = {
                        "offload_param_device": "cpu", "optimizer_offloaded": True, "params_offloaded": True,
                        "basic_optimizer_class": "DeepSpeedCPUAdam"}),
     "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", {"fsdp_offload_policy": "OffloadPolicy"}),
+    "fsdp_offload": ("fsdp_offload", "accelerate_configs/cpu/fsdp_offload.yaml",
+                     {"fsdp_offload_policy": "CPUOffloadPolicy"}),
 }
 
 
@@ -125,7 +127,8 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
             assert 0.4 <= ev["local_param_fraction"] <= 0.6, ev
     else:
         assert s["distributed_type"] == "MULTI_CPU", s
-    assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params"}.get(name, "none")
+    assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params",
+                            "fsdp_offload": "optimizer+params"}.get(name, "none")
     assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
 
 
@@ -141,6 +144,8 @@ def test_losses_match_single_process(runs, name):
         worst = max(worst, rel)
         assert rel <= LOSS_RTOL, f"step {a['step']}: single {a['loss']!r} vs {name} {b['loss']!r} (rel {rel:.2e})"
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=GRAD_NORM_RTOL), (a, b)
+        # The same sequences per optimizer step (token counts summed over ranks / accumulation).
+        assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
     # Training moved the loss: equal losses of a model that did not learn would prove little.
     assert ref[-1]["loss"] < ref[0]["loss"] - 1e-3, ref
     print(f"{name}: loss after {STEPS} steps {got[-1]['loss']:.6f}, largest relative difference {worst:.2e}")
@@ -167,7 +172,7 @@ def test_checkpoint_and_export_written(runs, name):
     assert (ckpt / "trainer_state.json").is_file(), sorted(p.name for p in run_dir.iterdir())
     if name.startswith("zero"):
         assert (ckpt / "latest").is_file() and any(ckpt.glob("global_step*/*optim_states.pt")), sorted(ckpt.rglob("*"))
-    if name == "fsdp":
+    if name.startswith("fsdp"):
         assert any(ckpt.glob("pytorch_model_fsdp_0/*.distcp")), sorted(ckpt.rglob("*"))  # SHARDED_STATE_DICT
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
     assert runs(name).record["summary"]["status"] == "completed"
