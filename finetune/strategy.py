@@ -73,7 +73,9 @@ def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
 
 def launch_line(strategy: str, offload: str, recipe: str) -> str:
     config = OFFLOAD_CONFIGS.get((strategy, offload)) or LAUNCH_CONFIGS.get(strategy, f"accelerate_configs/{strategy}.yaml")
-    cpu = config.replace("accelerate_configs/", "accelerate_configs/cpu/").replace("single_gpu", "single")
+    if strategy == "single":  # one process runs on a CPU as it is
+        return f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}"
+    cpu = config.replace("accelerate_configs/", "accelerate_configs/cpu/")
     return (f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}\n"
             f"or, on a machine without a GPU (2 processes over gloo):\n"
             f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {cpu} finetune/train.py --recipe {recipe}")
