@@ -85,6 +85,12 @@ def runs(tmp_path_factory, tiny_model_dir):
                                            "--training.gradient_accumulation_steps=2"],
                                           run_dir=run_dir, cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
                                           timeout=300)
+            elif name.startswith("full_"):  # full fine-tuning: the export is one consolidated model
+                strategy = name.removeprefix("full_")
+                args = [*common_args(tiny_model_dir), "--method.name=full", "--training.max_steps=2",
+                        "--training.save_steps=1000", "--training.learning_rate=1e-4"]  # no checkpoint
+                done[name] = launch_train(["--recipe", strategy, *args], run_dir=run_dir, cwd=REPO,
+                                          config_file=STRATEGIES[strategy][1], env=CPU_ENV, timeout=420)
             elif name in QLORA:
                 recipe, config = QLORA[name]
                 done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
@@ -208,6 +214,39 @@ def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_m
     assert result["keys_equal"], result
     assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)
     assert result["max_abs_diff"] < 1e-5, result  # the gathered adapter equals the single-process one
+
+
+RELOAD_FULL = r"""
+import json, sys, torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+base_dir, a_dir, b_dir = sys.argv[1:4]
+tok = AutoTokenizer.from_pretrained(a_dir)
+model = AutoModelForCausalLM.from_pretrained(a_dir, dtype=torch.float32).eval()
+base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+ids = tok("2 + 3 =", return_tensors="pt")
+out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+a, b = model.state_dict(), AutoModelForCausalLM.from_pretrained(b_dir, dtype=torch.float32).state_dict()
+print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1],
+                  "files": sorted(p for p in __import__("os").listdir(a_dir) if "safetensors" in p),
+                  "same_shapes": all(a[k].shape == base.state_dict()[k].shape for k in a),
+                  "changed": max((a[k] - v).abs().max().item() for k, v in base.state_dict().items()),
+                  "a_vs_b": max((a[k] - b[k]).abs().max().item() for k in a)}))
+"""
+
+
+def test_full_finetune_exports_one_consolidated_model_under_zero3_and_fsdp(runs, tiny_model_dir):
+    """ZeRO-3 gathers 16-bit weights, FSDP2 a full state dict: both exports are whole models that
+    load in a plain process, generate, and agree with each other (same start, data and steps)."""
+    z3, fsdp = runs("full_zero3").run_dir / "model", runs("full_fsdp").run_dir / "model"
+    proc = subprocess.run([sys.executable, "-c", RELOAD_FULL, str(tiny_model_dir), str(z3), str(fsdp)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["files"] == ["model.safetensors"] and result["same_shapes"], result
+    assert result["new_tokens"] == 4, result
+    assert result["changed"] > 1e-5, result  # trained, not the base model saved back
+    assert result["a_vs_b"] < 1e-5, result  # not one rank's shard: the whole model, identical across strategies
 
 
 def _rank_exit_codes(stderr: str) -> set[int]:
