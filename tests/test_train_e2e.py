@@ -91,7 +91,8 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
     assert len((run_dir / "data" / "heldout.jsonl").read_text().splitlines()) == 8
     adapter = json.loads((run_dir / "model" / "adapter_config.json").read_text())
     assert adapter["r"] == 16 and (run_dir / "model" / "adapter_model.safetensors").is_file()
-    assert "run directory:" in res.stdout and "LoRA adapter:" in res.stdout
+    table = {line.split()[0] + " " + line.split()[1]: line for line in res.stdout.splitlines() if len(line.split()) > 2}
+    assert str(run_dir) in table["run directory"] and str(run_dir / "model") in table["LoRA adapter"]
 
     out = reload_and_generate(run_dir / "model", adapter=True)
     assert "NEW_TOKENS 5" in out and "PeftModel" in out
