@@ -73,7 +73,7 @@ class FinetuneTrainer(Trainer):
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
         self.memory = metrics.MemoryTracker()
-        self._micro = torch.zeros(3, dtype=torch.long)  # input tokens, trained tokens, samples: current step
+        self._micro: torch.Tensor | None = None  # input tokens, trained tokens, samples: current step
         self._steps: list[tuple[float, int, int, int]] = []  # per optimizer step: seconds, tokens (this rank)
         self._logged_steps = 0
         self._train_peak: dict | None = None
@@ -86,9 +86,12 @@ class FinetuneTrainer(Trainer):
         labels = inputs.get("labels")
         mask = inputs.get("attention_mask")
         ids = inputs["input_ids"]
-        n_input = int(mask.sum()) if mask is not None else ids.numel()
-        n_trained = int((labels != -100).sum()) if labels is not None else n_input
-        self._micro += torch.tensor([n_input, n_trained, ids.shape[0]])
+        # Counted where the batch lives and read once per optimizer step (after the clock's
+        # synchronize): int() here would stall the GPU queue at every micro-batch.
+        n_input = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)
+        n_trained = (labels != -100).sum() if labels is not None else n_input
+        counts = torch.stack([n_input.long(), n_trained.long(), torch.tensor(ids.shape[0], device=ids.device)])
+        self._micro = counts if self._micro is None else self._micro + counts
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.memory.sample()
         return loss
@@ -101,9 +104,9 @@ class FinetuneTrainer(Trainer):
         self.memory.reset()
 
     def _end_step(self, seconds: float) -> None:
-        n_input, n_trained, n_samples = (int(x) for x in self._micro)
+        n_input, n_trained, n_samples = self._micro.tolist() if self._micro is not None else (0, 0, 0)
         self._steps.append((seconds, n_input, n_trained, n_samples))
-        self._micro.zero_()
+        self._micro = None
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
