@@ -1,0 +1,75 @@
+"""Planner model states against the ZeRO paper and DeepSpeed's own estimators; parameter counts
+from config arithmetic against instantiated models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from finetune import planner
+
+
+@pytest.mark.parametrize("stage, paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1_for_7_5b_on_64_devices(stage, paper_gb):
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12; the paper's GB are 1e9 bytes.
+    assert planner.zero_model_states_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(paper_gb, abs=0.05)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 1024])
+def test_zero_formulas_at_other_degrees(n):
+    psi = 7_500_000_000
+    assert planner.zero_model_states_bytes(psi, n, 0) == 16 * psi
+    assert planner.zero_model_states_bytes(psi, n, 1) == pytest.approx(4 * psi + 12 * psi / n)
+    assert planner.zero_model_states_bytes(psi, n, 2) == pytest.approx(2 * psi + 14 * psi / n)
+    assert planner.zero_model_states_bytes(psi, n, 3) == pytest.approx(16 * psi / n)
+
+
+@pytest.mark.parametrize("psi", [135_000_000, 1_000_000_000, 8_000_000_000])
+@pytest.mark.parametrize("gpus_per_node, nodes", [(1, 1), (2, 1), (8, 2)])
+def test_deepspeed_estimators_reproduced(psi, gpus_per_node, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n = gpus_per_node * nodes
+    largest = psi // 50
+    _, ds2 = estimate_zero2_model_states_mem_needs(psi, gpus_per_node, nodes, cpu_offload=False)
+    assert int(planner.zero_model_states_bytes(psi, n, 2, fp32_grads=True)) == pytest.approx(ds2, abs=1)
+    _, ds3, ds_largest = estimate_zero3_model_states_mem_needs(psi, largest, gpus_per_node, nodes, cpu_offload=False)
+    assert ds_largest == 4 * largest
+    assert int(planner.zero_model_states_bytes(psi, n, 3, fp32_grads=True)) + 4 * largest == pytest.approx(ds3, abs=1)
+
+
+def _llama(tie):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def _qwen2(tie):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+
+def _gpt2(tie):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                                      tie_word_embeddings=tie))
+
+
+@pytest.mark.parametrize("build", [_llama, _qwen2, _gpt2], ids=["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_parameter_count_from_config_equals_the_instantiated_model(build, tie):
+    torch.manual_seed(0)
+    model = build(tie)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}  # tied weights counted once
+    count = planner.count_parameters(model.config)
+    assert count.total == sum(unique.values())
+    assert (count.lm_head == 0) == tie
+
+
+def test_unknown_architecture_is_refused_not_guessed():
+    from transformers import BertConfig
+
+    with pytest.raises(ValueError, match="model_type 'bert'"):
+        planner.count_parameters(BertConfig())
