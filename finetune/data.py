@@ -370,6 +370,20 @@ def _prompt_completion(row: dict) -> tuple[str, str]:
     return _require_str(row, "prompt", "prompt_completion"), _require_str(row, "completion", "prompt_completion")
 
 
+def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
+    """(user prompt, reference answer) of an alpaca or prompt_completion row, built exactly as
+    training builds it, so evaluation prompts match the trained ones. `where` names the row."""
+    try:
+        if "instruction" in row:
+            return _alpaca_prompt(row)
+        if "prompt" in row:
+            return _prompt_completion(row)
+    except _BadRow as e:
+        raise DataError(f"{where}: {e}") from None
+    raise DataError(f"{where}: exact-match rows need instruction/output or prompt/completion keys, "
+                    f"found {sorted(row)}")
+
+
 def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], fmt: str) -> list[dict]:
     """Validate a list of turn objects and return clean {role, content} messages."""
     if key not in row or row[key] is None:

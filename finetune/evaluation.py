@@ -13,17 +13,7 @@ from collections import Counter
 
 import torch
 
-from finetune.errors import UserError
-
-
-def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
-    if "instruction" in row and "output" in row:
-        text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-        return text, row["output"]
-    if "prompt" in row and "completion" in row:
-        return row["prompt"], row["completion"]
-    raise UserError(f"{where}: exact-match rows need instruction/output or prompt/completion keys, "
-                    f"found {sorted(row)}")
+from finetune.data import prompt_and_answer
 
 
 def render_prompts(tokenizer, rows: list[dict], *, system_prompt: str | None, use_chat_template: bool,
