@@ -55,9 +55,9 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
 def _absolute_deepspeed_config(config: Path, repo_root: Path) -> list[str]:
     """Configs name their DeepSpeed JSON relative to the repo root; pass it absolute so
     `finetune train` works from any directory (accelerate's command line beats the file)."""
-    import yaml
+    from finetune.launch_config import read_yaml
 
-    ds = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("deepspeed_config") or {}
+    ds = read_yaml(config).get("deepspeed_config") or {}
     ds_file = ds.get("deepspeed_config_file")
     if ds_file and not Path(ds_file).is_absolute() and (repo_root / ds_file).is_file():
         return ["--deepspeed_config_file", str(repo_root / ds_file)]
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
         launch_args = launch_command(args.recipe, rest, args.config_file, args.num_processes, cpu=args.cpu,
                                      overwrite=args.overwrite)
+        from finetune import preflight
+
+        preflight.check_launch(launch_args)  # config mistakes, all at once, before any process starts
         env = f"{cpu_distributed.ENV}=1 " if os.environ.get(cpu_distributed.ENV) == "1" else ""
         print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
         return run_accelerate_launch(launch_args)

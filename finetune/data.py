@@ -718,6 +718,62 @@ def _render_rows(numbered, renderer: _Renderer, log: _BadRowLog, max_samples: in
     return rendered, examined
 
 
+_ROW_VALIDATORS = {
+    "text": lambda row: _require_str(row, "text", "text", non_empty=True),
+    "alpaca": _alpaca_prompt,
+    "prompt_completion": _prompt_completion,
+    "messages": _messages,
+    "sharegpt": _sharegpt,
+}
+_HEAD_BYTES = 1 << 20  # JSON-lines preflight reads at most the first MiB
+
+
+def check_head(cfg, *, max_rows: int = 100) -> list[str]:
+    """Preflight for ``cfg.path`` before any weights load: the file exists, is not empty, and its
+    first ``max_rows`` rows read and validate as the detected (or declared) format, with the
+    messages ``build_datasets`` would give. Returns the problems (empty: none found). Hub
+    datasets are not checked here (that needs the network); the chat template and lengths need
+    the tokenizer, so ``build_datasets`` checks those."""
+    path = cfg.path
+    if not _is_local(path):
+        return []
+    try:
+        if path.lower().endswith(".jsonl") and os.path.exists(path) and os.path.getsize(path) > _HEAD_BYTES:
+            with open(path, "rb") as f:
+                head = f.read(_HEAD_BYTES)
+            numbered, complete = _parse_json_lines(head[: head.rfind(b"\n") + 1] or head), False
+        else:
+            numbered = _read_numbered(path, split=getattr(cfg, "split", "train"))
+            complete = len(numbered) <= max_rows
+        numbered = numbered[:max_rows]
+        skip = getattr(cfg, "on_bad_rows", "error") == "skip"
+        if not numbered:
+            raise DataError("contains no rows", path=path)
+        first = next((row for _, row in numbered if not isinstance(row, _Invalid)), None)
+        if first is None:
+            if skip and not complete:
+                return []
+            raise DataError(numbered[0][1].reason, path=path, row=numbered[0][0])
+        fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
+        bad = []
+        for number, row in numbered:
+            reason = row.reason if isinstance(row, _Invalid) else None
+            if reason is None:
+                try:
+                    _ROW_VALIDATORS[fmt](row)
+                except _BadRow as e:
+                    reason = str(e)
+            if reason is not None:
+                bad.append(str(DataError(reason, path=path, row=number)))
+        # with on_bad_rows: skip, bad rows only stop training when every row of the file is bad
+        if bad and (not skip or (complete and len(bad) == len(numbered))):
+            more = f" (and {len(bad) - 1} more bad row(s) among the first {len(numbered)})" if len(bad) > 1 else ""
+            return [f"data.path: {bad[0]}{more}"]
+    except DataError as e:
+        return [f"data.path: {e}"]
+    return []
+
+
 def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``."""
     import datasets

@@ -14,8 +14,6 @@ plain DDP), so the run checks twice and refuses a mismatch with the recipe's `ru
 
 from __future__ import annotations
 
-import os
-
 from finetune import cpu_distributed
 from finetune.errors import UserError
 
@@ -36,15 +34,13 @@ OFFLOAD_CONFIGS = {
 
 
 def check_world_size(state) -> None:
-    """The launcher's world size must equal the processes Accelerate set up."""
-    launcher = int(os.environ.get("WORLD_SIZE", "1"))
-    if launcher != state.num_processes:
-        raise UserError(
-            f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
-            f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
-            f"machine without a GPU use a CPU config and opt in to gloo, e.g.\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/ddp.yaml "
-            f"finetune/train.py --recipe ddp\n(see finetune/cpu_distributed.py).")
+    """The launcher's world size must equal the processes Accelerate set up (train.py checks
+    this with everything else in finetune/preflight.py)."""
+    from finetune.preflight import world_size_problem
+
+    problem = world_size_problem(state)
+    if problem:
+        raise UserError(problem)
 
 
 def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:

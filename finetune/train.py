@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from accelerate import PartialState
 
-    from finetune import cpu_distributed, demo_data, record, rundir, strategy
+    from finetune import cpu_distributed, demo_data, preflight, record, rundir
     from finetune.distributed import run_on_main
 
     state = PartialState(cpu=cpu_distributed.requested())  # opt-in CPU/gloo runs: finetune/cpu_distributed.py
-    strategy.check_world_size(state)
+    preflight.check_before_loading(cfg, state)  # world size, launch config vs recipe, data, run dir: all at once
     _setup_logging(cfg.logging.log_level, state.is_main_process)
 
     # Every rank must agree on the run directory; rank 0 names and creates it.

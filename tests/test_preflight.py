@@ -1,0 +1,283 @@
+"""Preflight (finetune/preflight.py): each check on a crafted config, and every problem in one error.
+
+No model is loaded and no process is launched: `check_launch` reads the accelerate config
+`finetune train` would launch, `check_before_loading` reads what a launched process sees.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from finetune import cli, cpu_distributed, preflight
+from finetune.errors import ConfigError
+from finetune.recipe import available_recipes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def clean_launch_env(monkeypatch):
+    """No accelerate/torchrun variables from the shell or from other tests' `finetune train` calls."""
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU",
+                "FINETUNE_ACCELERATE_CONFIG", cpu_distributed.ENV, "FSDP_OFFLOAD_PARAMS"):
+        monkeypatch.setenv(var, "")  # records the original, so teardown also removes what the code sets
+        monkeypatch.delenv(var)
+
+
+def write(path: Path, content) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, (dict, list)):
+        content = json.dumps(content) if path.suffix == ".json" else yaml.safe_dump(content)
+    path.write_text(content, encoding="utf-8")
+    return path
+
+
+def accelerate_yaml(tmp_path: Path, name: str = "launch.yaml", **values) -> Path:
+    base = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "use_cpu": True,
+            "distributed_type": "MULTI_CPU", "num_processes": 2}
+    return write(tmp_path / name, {**base, **values})
+
+
+def deepspeed_yaml(tmp_path: Path, ds: dict, **values) -> Path:
+    ds_file = write(tmp_path / "ds.json", ds)
+    return accelerate_yaml(tmp_path, distributed_type="DEEPSPEED",
+                           deepspeed_config={"deepspeed_config_file": str(ds_file), "zero3_init_flag": False}, **values)
+
+
+def zero(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def problems_of(recipe: str, overrides: list[str], config: Path | None, *, cpu: bool = False) -> list[str]:
+    args = ["--config_file", str(config)] if config else []
+    args += ["--cpu"] if cpu else []
+    try:
+        preflight.check_launch([*args, str(cli.TRAIN_SCRIPT), "--recipe", recipe, *overrides])
+    except ConfigError as e:
+        assert str(e).startswith(preflight.SOURCE)
+        return e.problems
+    return []
+
+
+def one_problem(*args, **kwargs) -> str:
+    found = problems_of(*args, **kwargs)
+    assert len(found) == 1, found
+    return found[0]
+
+
+# --- the shipped recipes pass; each check fires on its crafted config ---------------------------
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_shipped_recipe_passes_preflight_with_its_cpu_config(recipe):
+    launch_args = cli.launch_command(recipe, [], None, None, cpu=True)
+    preflight.check_launch(launch_args)  # raises on any problem
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_gpu_config_without_a_gpu_points_at_the_cpu_rehearsal():
+    msg = one_problem("zero2", [], REPO / "accelerate_configs" / "zero2.yaml")
+    assert "no CUDA GPU is visible" in msg and "finetune train --recipe zero2 --cpu" in msg
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A machine with CUDA as preflight sees it. Imports first: transformers and bitsandbytes probe
+    CUDA at import time and must do so for real."""
+    problems_of("demo", [], None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    return monkeypatch
+
+
+def test_more_processes_than_visible_gpus(tmp_path, fake_cuda):
+    config = accelerate_yaml(tmp_path, distributed_type="MULTI_GPU", use_cpu=False, num_processes=2)
+    msg = one_problem("ddp", [], config)
+    assert "2 processes per machine but only 1 CUDA device(s)" in msg and "--num_processes 1" in msg
+
+
+def test_deepspeed_values_that_fight_training_arguments(tmp_path):
+    ds = zero(2, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=4, train_batch_size=64,
+              gradient_clipping=0.5)
+    config = deepspeed_yaml(tmp_path, ds)
+    found = problems_of("zero2", ["--training.per_device_train_batch_size=4"], config)
+    text = "\n".join(found)
+    assert len(found) == 4, found
+    assert "train_micro_batch_size_per_gpu is 16 but training.per_device_train_batch_size gives 4" in text
+    assert "gradient_accumulation_steps is 4 but training.gradient_accumulation_steps gives 1" in text
+    assert "train_batch_size is 64 but" in text and "= 4 x 1 x 2" in text  # 4 per device x 1 x 2 processes = 8
+    assert "gradient_clipping is 0.5 but training.max_grad_norm gives 1.0" in text
+    assert all(str(tmp_path / "ds.json") in p and '"auto"' in p for p in found)
+
+
+def test_deepspeed_values_that_agree_or_are_auto_pass(tmp_path):
+    config = deepspeed_yaml(tmp_path, zero(2, train_micro_batch_size_per_gpu=4, train_batch_size=8,
+                                           gradient_clipping=1.0))
+    assert problems_of("zero2", [], config) == []
+
+
+def test_deepspeed_stage_and_offload_must_match_the_recipe(tmp_path):
+    msg = one_problem("zero2", [], deepspeed_yaml(tmp_path, zero(3)))
+    assert "meant for strategy 'zero2'" in msg and "sets up 'zero3'" in msg and "ds.json" in msg
+    assert "accelerate_configs/cpu/zero2.yaml" in msg
+    offloaded = zero(2)
+    offloaded["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    msg = one_problem("zero2", [], deepspeed_yaml(tmp_path, offloaded))
+    assert "with offload 'none'" in msg and "sets up 'zero2' with offload 'optimizer'" in msg
+
+
+def test_deepspeed_fields_of_the_accelerate_config_count_too(tmp_path):
+    config = accelerate_yaml(tmp_path, distributed_type="DEEPSPEED",
+                             deepspeed_config={"zero_stage": 3, "gradient_accumulation_steps": 2})
+    found = problems_of("zero2", [], config)
+    assert len(found) == 2, found
+    assert any("gradient_accumulation_steps is 2" in p for p in found)
+    assert any("sets up 'zero3'" in p for p in found)
+
+
+def test_deepspeed_and_fsdp_at_once(tmp_path, monkeypatch):
+    config = accelerate_yaml(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2},
+                             deepspeed_config={"deepspeed_config_file": "ds_configs/zero2.json"})
+    msg = one_problem("fsdp", [], config)
+    assert "distributed_type FSDP but the file also has a deepspeed_config section" in msg
+    # inside a launched process: both switches in the environment
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(REPO / "ds_configs" / "zero2.json"))
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(_recipe("demo"), _state())
+    assert "ACCELERATE_USE_DEEPSPEED and ACCELERATE_USE_FSDP are both true" in str(err.value)
+
+
+def test_qlora_storage_must_be_the_float_compute_dtype_under_zero3_and_fsdp(tmp_path):
+    for config in (deepspeed_yaml(tmp_path, zero(3)),
+                   accelerate_yaml(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2})):
+        msg = one_problem("demo", ["--method.name=qlora", "--method.quant_storage=uint8", "--run.strategy=any"], config)
+        assert "method.quant_storage: 'uint8'" in msg and "float32 here" in msg and "quant_storage: auto" in msg
+        assert problems_of("demo", ["--method.name=qlora", "--method.quant_storage=auto", "--run.strategy=any"],
+                           config) == []
+    # not sharded: any storage works
+    assert problems_of("demo", ["--method.name=qlora", "--method.quant_storage=uint8", "--run.strategy=any"],
+                       accelerate_yaml(tmp_path)) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_bf16_and_fp16_on_cpu():
+    msg = one_problem("demo", ["--training.bf16=true"], None)
+    assert "no CUDA GPU is visible and training.use_cpu is false" in msg and "--training.use_cpu=true" in msg
+    # torch autocasts bf16 on CPU and TrainingArguments accepts it with use_cpu
+    assert problems_of("demo", ["--training.bf16=true", "--training.use_cpu=true"], None) == []
+    msg = one_problem("demo", ["--training.fp16=true", "--training.use_cpu=true"], None)
+    assert "fp16 requested (training.fp16)" in msg and "on CPU" in msg
+
+
+def test_bf16_on_a_gpu_without_bf16(fake_cuda):
+    fake_cuda.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    msg = one_problem("demo", ["--training.bf16=true"], None)
+    assert "Tesla T4 has no bf16" in msg and "--training.fp16=true" in msg
+
+
+def test_dataset_missing_and_wrong_columns(tmp_path):
+    msg = one_problem("demo", [f"--data.path={tmp_path / 'nope.jsonl'}", "--eval.exact_match=false"], None)
+    assert msg == f"data.path: {tmp_path / 'nope.jsonl'}: file not found"
+    data = write(tmp_path / "d.jsonl", '{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    msg = one_problem("demo", [f"--data.path={data}", "--eval.exact_match=false"], None)
+    assert f"{data} row 2: missing key 'output'" in msg
+    # on_bad_rows: skip trains on the good rows, so a bad row among good ones is no preflight problem
+    assert problems_of("demo", [f"--data.path={data}", "--data.on_bad_rows=skip", "--eval.exact_match=false"], None) == []
+    weird = write(tmp_path / "w.jsonl", '{"question": "a", "answer": "b"}\n')
+    assert "cannot detect the data format" in one_problem("demo", [f"--data.path={weird}", "--eval.exact_match=false"], None)
+
+
+def test_existing_run_directory_is_reported_and_untouched(tmp_path):
+    run_dir = tmp_path / "mine"
+    write(run_dir / "run.json", '{"precious": true}')
+    msg = one_problem("demo", [f"--run.output_dir={run_dir}"], None)
+    assert f"run directory {run_dir} already exists" in msg and "--overwrite" in msg
+    assert problems_of("demo", [f"--run.output_dir={run_dir}", "--run.overwrite=true"], None) == []
+    assert [p.name for p in run_dir.iterdir()] == ["run.json"] and "precious" in (run_dir / "run.json").read_text()
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    msg = one_problem("demo", [f"--model.name_or_path={tmp_path / 'no-model'}"], None)
+    assert msg.startswith("model.name_or_path:") and "no such local directory" in msg
+    msg = one_problem("demo", [f"--model.name_or_path={tmp_path}"], None)
+    assert "not a transformers model directory (no config.json)" in msg
+
+
+def test_uncached_hub_id_offline_is_named_without_network_retries(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    msg = one_problem("demo", ["--model.name_or_path=someorg/not-cached-model"], None)
+    assert "'someorg/not-cached-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE" in msg
+
+
+def test_world_size_mismatch_in_a_launched_process(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(_recipe("demo"), _state(num_processes=1))
+    assert "the launcher started 2 processes but Accelerate set up 1" in str(err.value)
+    assert "FINETUNE_CPU_DISTRIBUTED=1" in str(err.value)
+
+
+def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, monkeypatch, capsys):
+    """One `finetune train` with eight independent mistakes (seven where CUDA has bf16): one error
+    (exit 2) lists them all, and `accelerate launch` is never called."""
+    run_dir = write(tmp_path / "old-run" / "run.json", "{}").parent
+    ds = zero(3, train_micro_batch_size_per_gpu=16, gradient_clipping=0.5)
+    config = deepspeed_yaml(tmp_path, ds)
+    launched = []
+    monkeypatch.setattr(cli, "run_accelerate_launch", lambda args: launched.append(args) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--recipe", "zero2", "--config_file", str(config),
+                  f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
+                  "--training.bf16=true", "--method.name=qlora", "--method.quant_storage=uint8",
+                  f"--model.name_or_path={tmp_path / 'no-model'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and launched == []
+    on_cpu = not torch.cuda.is_available()
+    assert f"preflight (nothing was started, loaded or written): {8 if on_cpu else 7} problems:" in err, err
+    for part in ("train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", "meant for strategy 'zero2'",
+                 "method.quant_storage: 'uint8' under zero3", "missing.jsonl: file not found", "already exists",
+                 "no such local directory", "training.bf16: true" if on_cpu else "bf16"):
+        assert part in err, part
+    assert "Traceback" not in err and [p.name for p in run_dir.iterdir()] == ["run.json"]
+
+
+def test_train_main_runs_preflight_before_the_run_directory(tmp_path, capsys):
+    """In-process finetune.train.main: the problems come back together and nothing is created."""
+    from finetune import train
+
+    run_dir = tmp_path / "new-run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--recipe", "demo", f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
+                    f"--model.name_or_path={tmp_path / 'no-model'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "2 problems" in err and "missing.jsonl" in err and "no-model" in err, err
+    assert not run_dir.exists()
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _recipe(name: str, overrides: list[str] = ()):
+    from finetune.recipe import load_recipe
+
+    return load_recipe(name, list(overrides))[0]
+
+
+def _state(num_processes: int = 1):
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(num_processes=num_processes, distributed_type=DistributedType.NO, is_main_process=True)
