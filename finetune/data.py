@@ -138,8 +138,15 @@ def _read_bytes(path: str) -> bytes:
         raise DataError("file not found", path=path)
     with open(path, "rb") as f:
         data = f.read()
+    return _check_bytes(data, path)
+
+
+def _check_bytes(data: bytes, path: str) -> bytes:
     if not data.strip():
         raise DataError("file is empty", path=path)
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16/32 byte-order marks; otherwise "bad byte 0xff in row 1"
+        raise DataError("is UTF-16 (or UTF-32) text, byte-order mark "
+                        f"0x{data[:2].hex()}; re-save the file as UTF-8", path=path)
     return data
 
 
@@ -740,7 +747,7 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
     try:
         if path.lower().endswith(".jsonl") and os.path.exists(path) and os.path.getsize(path) > _HEAD_BYTES:
             with open(path, "rb") as f:
-                head = f.read(_HEAD_BYTES)
+                head = _check_bytes(f.read(_HEAD_BYTES), path)
             numbered, complete = _parse_json_lines(head[: head.rfind(b"\n") + 1] or head), False
         else:
             numbered = _read_numbered(path, split=getattr(cfg, "split", "train"))
@@ -801,7 +808,8 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
 
     examples, truncated, dropped = _truncate(_tokenize(rendered, tokenizer), max_length)
     if not examples:
-        raise DataError(f"no example has a trained token within max_length={max_length}", path=path)
+        raise DataError(f"no example has a trained token within max_length={max_length} (every completion "
+                        "starts beyond it); raise data.max_length or shorten the prompts", path=path)
     train, eval_ = _split(examples, getattr(cfg, "eval_fraction", 0.0), seed, path)
 
     packing = bool(getattr(cfg, "packing", False))

@@ -115,16 +115,18 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
 
 
 def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
-    """Through the `finetune train` console entry point (which runs accelerate launch)."""
+    """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
+    is past the first 100, which preflight checks before launching (tests/test_preflight.py), so
+    it is found by the launched process while reading the data."""
     data = tmp_path / "train.jsonl"
-    data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    data.write_text('{"instruction": "a", "output": "b"}\n' * 120 + '{"instruction": "c"}\n')
     run_dir = tmp_path / "runs" / "bad"
     cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "demo", f"--model.name_or_path={tiny_model_dir}",
            f"--data.path={data}", "--eval.exact_match=false", f"--run.output_dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "train.jsonl row 2" in proc.stderr and "output" in proc.stderr
+    assert "train.jsonl row 121" in proc.stderr and "output" in proc.stderr
     assert "Traceback" not in proc.stderr.split("error:")[-1]
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["summary"]["status"] == "failed"
-    assert "row 2" in rec["summary"]["error"]
+    assert "row 121" in rec["summary"]["error"]

@@ -1,0 +1,362 @@
+"""The bad-input table: every input a user gives, broken on purpose, and what `finetune` says.
+
+Each case writes the broken input into a scratch workspace that also holds what the user already
+has (an earlier run directory, the data file, the recipe), runs `finetune train` (finetune.cli.main)
+or finetune/train.py's main in this process, and records the exit code, the message and whether
+any file the user had changed (SHA-256 before and after). `accelerate launch` is replaced by a
+recorder: a case that gets as far as launching is a failure of the table.
+
+    python -m tests.bad_inputs_table > docs/bad_inputs.md    # regenerate the document
+
+tests/test_bad_inputs.py runs the same cases under pytest and checks each one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD_ROWS = [{"instruction": "Add 2 and 3.", "output": "5"}, {"instruction": "Add 1 and 1.", "output": "2"}]
+
+
+@dataclass
+class Case:
+    what: str  # the broken input, in the user's words
+    where: str  # which input: recipe, override, data file, accelerate config, ...
+    setup: Callable[[Path], list[str]]  # writes files into the workspace, returns the extra arguments
+    expect: tuple[str, ...]  # what the message must name (written here by hand, not taken from a run)
+    entry: str = "finetune train"  # or "train.py": finetune/train.py main() in this process
+    env: dict = field(default_factory=dict)  # huggingface_hub.constants overrides, see _patched
+    gpu_free_only: bool = False  # the problem exists only on a machine without CUDA
+
+
+@dataclass
+class Outcome:
+    exit_code: int | None
+    message: str
+    launched: bool
+    changed: list[str]  # files the user had that are different or gone afterwards
+    created: list[str]  # top-level paths of new files (a failed run's own directory, say)
+    traceback: bool
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _jsonl(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _recipe(text: str):
+    return lambda ws: ["--recipe", str(_write(ws / "my_recipe.yaml", text))]
+
+
+def _data(content: str | bytes, name: str = "train.jsonl"):
+    return lambda ws: [f"--data.path={_write(ws / name, content)}"]
+
+
+def _accelerate(text: str, *, ds: str | None = None, recipe: str = "zero2"):
+    def setup(ws: Path) -> list[str]:
+        if ds is not None:
+            _write(ws / "ds.json", ds)
+        return ["--recipe", recipe, "--config_file", str(_write(ws / "launch.yaml", text.replace("WS", str(ws))))]
+    return setup
+
+
+CPU_DS = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\n"
+          "deepspeed_config:\n  deepspeed_config_file: WS/ds.json\n")
+AUTO_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+
+
+def _no_chat_template(ws: Path) -> list[str]:
+    """A copy of the tiny model whose tokenizer has no chat template."""
+    model = ws / "model-without-template"
+    shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], model)
+    for f in model.glob("chat_template.*"):
+        f.unlink()
+    config = model / "tokenizer_config.json"
+    values = json.loads(config.read_text())
+    values.pop("chat_template", None)
+    config.write_text(json.dumps(values))
+    return [f"--model.name_or_path={model}"]
+
+
+CASES = [
+    # --- recipe YAML ---
+    Case("YAML syntax error (unclosed bracket)", "recipe file", _recipe("training:\n  max_steps: [3\n"),
+         ("my_recipe.yaml", "line 3", "invalid YAML")),
+    Case("recipe file not UTF-8 (latin-1 byte)", "recipe file", lambda ws: ["--recipe", str(_write(
+        ws / "my_recipe.yaml", "run:\n  name: caf\xe9\n".encode("latin-1")))], ("my_recipe.yaml", "not UTF-8")),
+    Case("value not allowed: method.name: qlora2", "recipe file", _recipe("method:\n  name: qlora2\n"),
+         ("method.name", "'qlora2'", "full, lora, qlora")),
+    Case("unknown key: training.max_step", "recipe file", _recipe("training:\n  max_step: 3\n"),
+         ("training.max_step", "unknown key", "max_steps")),
+    Case("unknown section: trainer:", "recipe file", _recipe("trainer:\n  max_steps: 3\n"),
+         ("trainer", "unknown section", "training")),
+    Case("wrong type: data.max_length: long", "recipe file", _recipe("data:\n  max_length: long\n"),
+         ("data.max_length", "integer", "'long'")),
+    Case("recipe that does not exist", "--recipe", lambda ws: ["--recipe", "zero5"],
+         ("--recipe 'zero5'", "available", "zero2")),
+    # --- command-line overrides ---
+    Case("override without a value: --training.max_steps", "command line",
+         lambda ws: ["--recipe", "demo", "--training.max_steps"], ("--training.max_steps", "missing value")),
+    Case("override without a section: --max_steps=3", "command line", lambda ws: ["--recipe", "demo", "--max_steps=3"],
+         ("--max_steps", "--section.key=value")),
+    Case("override without dashes: training.max_steps=3", "command line",
+         lambda ws: ["--recipe", "demo", "training.max_steps=3"], ("training.max_steps=3", "unexpected argument")),
+    Case("unknown override key: --training.max_stepz=2", "command line",
+         lambda ws: ["--recipe", "demo", "--training.max_stepz=2"], ("training.max_stepz", "unknown key", "max_steps")),
+    Case("override of the wrong type: --data.max_length=abc", "command line",
+         lambda ws: ["--recipe", "demo", "--data.max_length=abc"], ("data.max_length", "integer", "'abc'")),
+    Case("override of the wrong type: --training.learning_rate=fast", "command line",
+         lambda ws: ["--recipe", "demo", "--training.learning_rate=fast"], ("training.learning_rate", "fast")),
+    # --- dataset files ---
+    Case("data file missing", "data.path", lambda ws: [f"--data.path={ws / 'nope.jsonl'}"],
+         ("nope.jsonl", "file not found")),
+    Case("data file empty", "data.path", _data(""), ("train.jsonl", "file is empty")),
+    Case("latin-1 bytes in row 2", "data.path",
+         _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
+         ("train.jsonl row 2", "not valid UTF-8", "0xe9", "UTF-8")),
+    Case("UTF-16 file", "data.path", _data(_jsonl(GOOD_ROWS).encode("utf-16")), ("train.jsonl", "UTF-16", "UTF-8")),
+    Case("malformed JSON line (row 2)", "data.path",
+         _data(_jsonl(GOOD_ROWS[:1]) + '{"instruction": "x", "output": \n'), ("train.jsonl row 2", "malformed JSON")),
+    Case("JSON array with a syntax error", "data.path", _data('[{"instruction": "a", "output": "b"},]', "train.json"),
+         ("train.json", "malformed JSON at line 1")),
+    Case("missing field (row 2 has no output)", "data.path", _data(_jsonl([GOOD_ROWS[0], {"instruction": "x"}])),
+         ("train.jsonl row 2", "missing key 'output'", "alpaca rows need instruction, output")),
+    Case("wrong type (output is a number)", "data.path", _data(_jsonl([{"instruction": "x", "output": 5}])),
+         ("train.jsonl row 1", "'output' must be a string, got number")),
+    Case("columns of no known format", "data.path", _data(_jsonl([{"question": "x", "answer": "y"}])),
+         ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format")),
+    Case("every row longer than max_length (completion cut off)", "data.path",
+         lambda ws: [f"--data.path={_write(ws / 'long.jsonl', _jsonl([{'instruction': 'word ' * 400, 'output': 'x'}] * 2))}",
+                     "--data.max_length=32"],
+         ("long.jsonl", "no example has a trained token within max_length=32"), entry="train.py"),
+    Case("held-out file missing", "eval.heldout_path",
+         lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],
+         ("eval.heldout_path", "heldout.jsonl", "file not found")),
+    # --- accelerate configs ---
+    Case("accelerate config missing", "--config_file", lambda ws: ["--recipe", "demo", "--config_file", str(ws / "no.yaml")],
+         ("no.yaml", "not found", "--config_file")),
+    Case("accelerate config: bad YAML", "--config_file", _accelerate("distributed_type: [DEEPSPEED\n"),
+         ("launch.yaml", "line 2", "invalid YAML")),
+    Case("accelerate config: unknown distributed_type", "--config_file",
+         _accelerate("distributed_type: MULTI_TPU\nnum_processes: 2\n"),
+         ("launch.yaml", "distributed_type 'MULTI_TPU'", "allowed", "DEEPSPEED")),
+    Case("accelerate config: DeepSpeed and FSDP at once", "--config_file",
+         _accelerate("distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+                     "deepspeed_config:\n  deepspeed_config_file: ds_configs/zero2.json\n", recipe="fsdp"),
+         ("launch.yaml", "distributed_type FSDP", "deepspeed_config section")),
+    Case("GPU config on a machine without a GPU", "--config_file",
+         lambda ws: ["--recipe", "zero2", "--config_file", str(REPO / "accelerate_configs" / "zero2.yaml")],
+         ("zero2.yaml", "no CUDA GPU is visible", "--cpu"), gpu_free_only=True),
+    # --- DeepSpeed configs ---
+    Case("DeepSpeed config missing", "deepspeed_config_file", _accelerate(CPU_DS), ("ds.json", "file not found")),
+    Case("DeepSpeed config: bad JSON", "deepspeed_config_file", _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2,}}'),
+         ("ds.json", "invalid JSON at line 1")),
+    Case("DeepSpeed values that fight Trainer's", "deepspeed_config_file",
+         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.5})),
+         ("ds.json", "train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", '"auto"')),
+    Case("DeepSpeed stage differs from the recipe", "deepspeed_config_file",
+         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 3}})),
+         ("meant for strategy 'zero2'", "sets up 'zero3'", "accelerate_configs/cpu/zero2.yaml")),
+    Case("DeepSpeed offload differs from the recipe", "deepspeed_config_file",
+         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})),
+         ("offload 'none'", "sets up 'zero2' with offload 'optimizer'")),
+    # --- method and precision against the launch ---
+    Case("QLoRA with uint8 storage under ZeRO-3", "method.quant_storage",
+         lambda ws: ["--recipe", "zero3", "--cpu", "--method.name=qlora", "--method.quant_storage=uint8"],
+         ("method.quant_storage: 'uint8' under zero3", "quant_storage: auto")),
+    Case("bf16 on a machine without a GPU", "training.bf16", lambda ws: ["--training.bf16=true"],
+         ("training.bf16", "no CUDA GPU", "--training.use_cpu=true"), gpu_free_only=True),
+    Case("fp16 on CPU", "training.fp16", lambda ws: ["--training.fp16=true"], ("fp16", "CPU"), gpu_free_only=True),
+    # --- model and tokenizer ---
+    Case("model directory that does not exist", "model.name_or_path",
+         lambda ws: [f"--model.name_or_path={ws / 'my-model'}"], ("model.name_or_path", "my-model", "no such local directory")),
+    Case("directory that is not a model", "model.name_or_path", lambda ws: [f"--model.name_or_path={ws}"],
+         ("model.name_or_path", "no config.json")),
+    Case("hub id not cached, hub unreachable", "model.name_or_path",
+         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
+         ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
+         env={"ENDPOINT": "http://127.0.0.1:9"}),
+    Case("hub id not cached, HF_HUB_OFFLINE=1", "model.name_or_path",
+         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
+         ("someorg/not-cached-model", "HF_HUB_OFFLINE"), env={"HF_HUB_OFFLINE": True}),
+    Case("unknown bundled model", "model.name_or_path", lambda ws: ["--model.name_or_path=bundled:Llama-9000"],
+         ("bundled:Llama-9000", "bundled:SmolLM2-135M-Instruct")),
+    Case("tokenizer without a chat template, recipe asks for it", "model (tokenizer)", _no_chat_template,
+         ("has no chat template", "data.chat_template: false"), entry="train.py"),
+    # --- the run directory ---
+    Case("run name of an existing run, no --overwrite", "run.name", lambda ws: ["--run.name=keep"],
+         ("runs/keep already exists", "--overwrite")),
+    Case("run name of an existing run, no --overwrite (train.py)", "run.name", lambda ws: ["--run.name=keep"],
+         ("runs/keep already exists", "--overwrite"), entry="train.py"),
+]
+
+# Inputs that are not errors by design, and problems only a real multi-process launch shows: named
+# here with the test that covers them, so the table is complete.
+NOT_ERRORS = [
+    ("one row longer than data.max_length among normal rows", "data.path",
+     ("not an error: the example is cut to max_length, counted in run.json data.truncated and logged as a "
+     "warning; one left with no trained token is dropped (tests/test_data.py::"
+     "test_truncation_is_counted_and_label_less_examples_dropped)")),
+    ("bad rows with data.on_bad_rows: skip", "data.path",
+     ("not an error: the rows are skipped, logged and listed in run.json data.rows_skipped; all rows bad is an "
+     "error (tests/test_data.py::test_skip_still_raises_when_every_row_is_bad)")),
+    ("2-process GPU launch on a machine without a GPU, straight through accelerate launch", "accelerate launch",
+     ("each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
+     "(tests/test_strategies.py::test_fsdp_without_cpu_opt_in_is_refused_not_downgraded)")),
+    ("recipe zero3 launched with the DDP config, straight through accelerate launch", "accelerate launch",
+     ("each rank exits 2 before the run directory exists: 'recipe 'zero3' is meant for strategy 'zero3' ... sets up "
+     "'ddp'' (tests/test_strategies.py::test_mismatched_launch_stops_before_training)")),
+]
+
+
+def base_args(ws: Path, model_dir: Path) -> list[str]:
+    """A run that would be valid: the demo recipe on the tiny model and a good data file."""
+    data = _write(ws / "good.jsonl", _jsonl(GOOD_ROWS * 4))
+    return ["--recipe", "demo", f"--model.name_or_path={model_dir}", f"--data.path={data}",
+            "--eval.exact_match=false", "--training.max_steps=1", "--run.name=new-run"]
+
+
+def make_workspace(ws: Path) -> None:
+    """What the user already has: an earlier run with results, a recipe of their own, data."""
+    _write(ws / "runs" / "keep" / "run.json", '{"summary": {"status": "completed", "train_loss": 1.23}}')
+    _write(ws / "runs" / "keep" / "model" / "adapter_model.safetensors", b"\x00weights\x01" * 100)
+    _write(ws / "my_data.jsonl", _jsonl(GOOD_ROWS))
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def _patched(ws: Path, env: dict):
+    """cwd = the workspace, accelerate launch recorded instead of run, os.environ and
+    huggingface_hub constants restored afterwards."""
+    from huggingface_hub import constants
+
+    from finetune import cli
+
+    launched: list = []
+    saved_env, saved_cwd, saved_launch = dict(os.environ), os.getcwd(), cli.run_accelerate_launch
+    saved_constants = {k: getattr(constants, k) for k in env}
+    os.chdir(ws)
+    cli.run_accelerate_launch = lambda args: launched.append(args) or 0
+    for k, v in env.items():
+        setattr(constants, k, v)
+    try:
+        yield launched
+    finally:
+        os.chdir(saved_cwd)
+        cli.run_accelerate_launch = saved_launch
+        for k, v in saved_constants.items():
+            setattr(constants, k, v)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
+    from finetune import cli, train
+
+    ws.mkdir(parents=True, exist_ok=True)
+    os.environ["FINETUNE_TABLE_MODEL"] = str(model_dir)
+    make_workspace(ws)
+    argv = base_args(ws, model_dir) + case.setup(ws)
+    before = _hashes(ws)
+    err = io.StringIO()
+    code, tb = None, False
+    with _patched(ws, case.env) as launched, contextlib.redirect_stderr(err):
+        try:
+            if case.entry == "train.py":
+                code = train.main(argv)
+            else:
+                code = cli.main(["train", *argv])
+        except SystemExit as e:
+            code = e.code
+        except Exception:  # a bug: the table shows it as a traceback  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc(file=err)
+            tb = True
+    after = _hashes(ws)
+    changed = [f for f, h in before.items() if after.get(f) != h]
+    created = sorted({str(Path(f).parent) for f in after if f not in before})
+    text = err.getvalue()
+    message = text[text.rfind("error: "):] if "error: " in text else text[-2000:]
+    return Outcome(code, message.strip(), bool(launched), changed, created, tb or "Traceback" in text)
+
+
+def _clean(message: str, ws: Path, model_dir: Path) -> str:
+    return (message.replace(str(ws), "<ws>").replace(str(model_dir), "<tiny-model>")
+            .replace(str(REPO), "<repo>").removeprefix("error: "))
+
+
+def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str:
+    lines = ["# Bad inputs and what finetune says", "",
+             "Generated by `python -m tests.bad_inputs_table > docs/bad_inputs.md` (the cases live in",
+             "tests/bad_inputs_table.py; tests/test_bad_inputs.py checks each row: exit code 2, the message",
+             "names what and where, no traceback, and no file the user had changed: SHA-256 of every file in",
+             "the workspace before and after, including an earlier run directory `runs/keep/`).",
+             "`<ws>` is the user's working directory, `<tiny-model>` a local model directory.", "",
+             "Caught by: `finetune train` = in `finetune train` before `accelerate launch` starts; `train.py` =",
+             "inside the launched process (preflight runs there too, before the run directory and any weights).",
+             "`new files` are what the failed attempt itself wrote (its own new run directory, with run.json",
+             "status `failed`); never inside an existing run directory.",
+             "", "| input | where | caught by | exit | user's files changed | new files | message |",
+             "|---|---|---|---|---|---|---|"]
+    for case, out in results:
+        msg = _clean(out.message, ws_of(case), model_dir).replace("|", "\\|").replace("\n", "<br>")
+        changed = ", ".join(out.changed) or "none"
+        created = ", ".join(f"{d}/" for d in out.created) or "none"
+        lines.append(f"| {case.what} | {case.where} | {case.entry} | {out.exit_code} | {changed} | {created} | {msg} |")
+    lines += ["", "## Not errors by design, and cases shown by real launches", "", "| input | where | behaviour |",
+              "|---|---|---|"]
+    lines += [f"| {what} | {where} | {how} |" for what, where, how in NOT_ERRORS]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    import logging
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from finetune.bundled_model import ensure_bundled_model
+    from tests.conftest import make_tiny_model_dir
+
+    logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
+    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    model_dir = make_tiny_model_dir(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+    cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
+    results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
+    index = {id(c): i for i, c in enumerate(cases)}
+    sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
+    shutil.rmtree(root, ignore_errors=True)
+    bad = [c.what for c, o in results if o.exit_code != 2 or o.launched or o.changed or o.traceback]
+    if bad:
+        print(f"cases that did not fail cleanly: {bad}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
