@@ -212,7 +212,7 @@ def precision_supported(cfg, facts: LaunchFacts, *, in_process: bool) -> list[st
                             f"{name} has no bf16 (needs compute capability 8.0+, Ampere or newer); use "
                             f"--training.fp16=true (with --training.bf16=false) or model.dtype: float16")
         return problems
-    if wants["bf16"] and not use_cpu:
+    if wants["bf16"] and not use_cpu and not torch.cuda.is_available():
         problems.append("training.bf16: true but no CUDA GPU is visible and training.use_cpu is false, so "
                         "TrainingArguments refuses it (\"Your setup doesn't support bf16/gpu\"). On CPU pass "
                         "--training.use_cpu=true (bf16 autocast runs on CPU, slowly) or --training.bf16=false")

@@ -278,9 +278,12 @@ def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
     from finetune import cli, train
 
     ws.mkdir(parents=True, exist_ok=True)
-    os.environ["FINETUNE_TABLE_MODEL"] = str(model_dir)
+    os.environ["FINETUNE_TABLE_MODEL"] = str(model_dir)  # for setups that copy the model
     make_workspace(ws)
-    argv = base_args(ws, model_dir) + case.setup(ws)
+    try:
+        argv = base_args(ws, model_dir) + case.setup(ws)
+    finally:
+        del os.environ["FINETUNE_TABLE_MODEL"]
     before = _hashes(ws)
     err = io.StringIO()
     code, tb = None, False
