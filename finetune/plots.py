@@ -86,6 +86,14 @@ def throughput_plot(table: Table, path: Path) -> Path:
 
 
 def memory_plot(table: Table, path: Path) -> Path:
+    plt = _pyplot()
+    fig = memory_figure(table)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def memory_figure(table: Table):
     """One panel per memory kind that any run recorded (device, host): for each run a bar of the
     measured peak and, when the record has a prediction, a stacked bar of its components."""
     plt = _pyplot()
@@ -129,6 +137,4 @@ def memory_plot(table: Table, path: Path) -> Path:
         ax.legend(fontsize=7)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return fig
