@@ -104,9 +104,10 @@ def sweep_main(args, overrides: list[str]) -> int:
                 (run,) = compare.load_runs([record])
             except compare.CompareInputError as e:
                 run = compare.Run(record, None, f"{Path(args.recipe).stem}-{o.run.strategy}", error=str(e))
-            if o.error and run.record is not None and run.status == "completed":
-                run.record["summary"]["status"] = "failed"  # completed, but not as planned (see error)
-                run.record["summary"]["error"] = o.error
+            if o.error and run.record is not None:  # in memory only: the record on disk is the run's
+                if run.status == "completed":
+                    run.record["summary"]["status"] = "failed"  # completed, but not as planned (see error)
+                run.record["summary"]["error"] = o.error  # with the exit code
         else:
             run = compare.Run(record, None, f"{Path(args.recipe).stem}-{o.run.strategy}", error=o.error)
         runs.append(run)

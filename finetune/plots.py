@@ -132,6 +132,7 @@ def memory_figure(table: Table):
             if m is None:
                 ax.annotate("n/a", (i - width / 2, 0), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(x, labels, rotation=20, ha="right", fontsize=8)
+        ax.set_xlim(-0.6, len(labels) - 0.4)  # room for the last predicted bar (annotations outside are not drawn)
         ax.set_ylabel("GiB (2^30 bytes), max over ranks")
         ax.set_title(f"Peak {kind} memory" + ("" if any_prediction else " (no predictions recorded)"))
         ax.legend(fontsize=7)

@@ -37,6 +37,16 @@ def log_comparison(table: Table, plots: dict[str, Path], out_dir: Path) -> list[
         return []
     import wandb
 
+    saved = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
+    try:
+        return _log(wandb, table, plots, out_dir, groups)
+    finally:  # configure_environment sets WANDB_* for this process; a caller's later runs must not inherit them
+        for key in [k for k in os.environ if k.startswith("WANDB_")]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+def _log(wandb, table: Table, plots: dict[str, Path], out_dir: Path, groups: dict) -> list[str]:
     mode = wandb_logging.configure_environment(next(iter(groups))[0], out_dir)
     columns = [c.title for c in table.columns]
     lines = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import os
 import re
@@ -118,11 +119,13 @@ def test_wandb_comparison_holds_the_record_numbers_and_the_plots(sweep):
     assert len(files) == 1, list((sweep["report"]).rglob("*.wandb"))
     wb = summarize(read_records(files[0]))
     assert wb["run"].run_group == "demo" and wb["run"].job_type == "comparison"
-    logged = {k: v for h in wb["history"] for k, v in h.items()}
-    assert logged["comparison/table"]["_type"] == "table-file"
-    for plot in ("loss", "throughput", "memory"):
-        assert logged[f"comparison/{plot}"]["_type"] == "image-file"
-    table = json.loads((files[0].parent / "files" / logged["comparison/table"]["path"]).read_text())
+    logged = {k: v for h in wb["history"] for k, v in h.items()}  # nested keys read back as a/b/c
+    assert logged["comparison/table/_type"] == "table-file" and logged["comparison/table/nrows"] == 2
+    for plot, png in (("loss", "loss_vs_tokens"), ("throughput", "throughput"), ("memory", "memory")):
+        assert logged[f"comparison/{plot}/_type"] == "image-file"
+        digest = hashlib.sha256((sweep["report"] / f"{png}.png").read_bytes()).hexdigest()
+        assert logged[f"comparison/{plot}/sha256"] == digest  # the very PNG of the report
+    table = json.loads((files[0].parent / "files" / logged["comparison/table/path"]).read_text())
     col = {c: i for i, c in enumerate(table["columns"])}
     assert len(table["data"]) == 2
     for row in table["data"]:
@@ -165,6 +168,13 @@ def test_loss_plot_x_axis_is_cumulative_trained_tokens(sweep):
 
 
 # --- bad input: clear message, exit code, no traceback, nothing written -------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_wandb_in_process(monkeypatch):
+    """The sweep's records say report_to wandb; in-process compares below must not create W&B runs
+    (and never online, whatever the developer's environment holds)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
 def _compare(capsys, *args) -> tuple[int, str, str]:
@@ -337,3 +347,24 @@ def test_shipped_strategy_list():
 
     assert set(sweep_lib.strategy_names()) == {"single", "qlora_baseline", "ddp", "zero2", "zero2_offload", "zero3",
                                                "zero3_offload", "fsdp", "fsdp_offload"}
+
+
+def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(tmp_path):
+    """Two real launches that fail at model loading: each is reported failed with its error, the
+    second still runs after the first failed, a report is written, and the exit code is 1."""
+    out = tmp_path / "sw"
+    missing = tmp_path / "no-such-model"
+    cmd = [sys.executable, "-m", "finetune.cli", "sweep", "--recipe", "demo", "--strategies", "single,qlora_baseline",
+           "--cpu", "--out", str(out), f"--model.name_or_path={missing}", "--eval.exact_match=false"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout.split("=== comparison ===")[-1]
+    assert "sweep: 2 of 2 runs failed: single, qlora_baseline" in proc.stdout
+    for name in ("single", "qlora_baseline"):
+        rec = json.loads((out / name / "run.json").read_text())
+        assert rec["summary"]["status"] == "failed" and str(missing) in rec["summary"]["error"]
+        assert f"demo-{name} failed: exit 2: " in proc.stdout
+    header, *rows = _table_rows((out / "report" / "report.md").read_text())
+    assert [r[header.index("status")] for r in rows] == ["failed", "failed"]
