@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from finetune.compare import Table, loss_curve
 
 DPI = 110
+LOSS_RTOL = 1e-5  # fp32 reduction-order differences between backends stay below this (tests/test_strategies.py)
 
 
 def _pyplot():
@@ -37,14 +39,32 @@ def _labels(table: Table) -> list[str]:
 
 def loss_plot(table: Table, path: Path) -> Path:
     plt = _pyplot()
+    fig = loss_figure(table)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def loss_figure(table: Table):
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    missing = []
+    missing, groups = [], []  # groups: [xs, ys, [labels]]
     for run, label in zip(table.runs, _labels(table)):
         xs, ys = loss_curve(run) if run.record is not None else ([], [])
-        if xs:
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
-        else:
+        if not xs:
             missing.append(label)
+            continue
+        # Numerically equivalent strategies (same data, seed and batch) give the same curve; overlaid,
+        # only the last would show. One line per distinct curve, its label naming every run on it.
+        # Same = equal to LOSS_RTOL, the cross-strategy equivalence tolerance of tests/test_strategies.py.
+        same = next((g for g in groups if g[0] == xs and all(math.isclose(a, b, rel_tol=LOSS_RTOL)
+                                                             for a, b in zip(g[1], ys))), None)
+        if same and len(same[1]) == len(ys):
+            same[2].append(label)
+        else:
+            groups.append([xs, ys, [label]])
+    for xs, ys, labels in groups:
+        ax.plot(xs, ys, marker="o", markersize=3, label=" = ".join(labels) + (" (same losses)" if len(labels) > 1 else ""))
     ax.set_xlabel("trained tokens (cumulative, all ranks; label positions != -100)")
     ax.set_ylabel("training loss (mean over each logging window)")
     ax.set_title("Loss against trained tokens")
@@ -55,9 +75,7 @@ def loss_plot(table: Table, path: Path) -> Path:
         ax.text(0.01, 0.01, "no logged steps: " + ", ".join(missing), transform=ax.transAxes, fontsize=8,
                 va="bottom", color="firebrick")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def throughput_plot(table: Table, path: Path) -> Path:

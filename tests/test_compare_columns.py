@@ -100,3 +100,15 @@ def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
 
 def test_loss_curve_accumulates_trained_tokens(runs):
     assert compare.loss_curve(runs[0]) == ([1000, 2200], [2.0, 1.5])
+
+
+def test_loss_plot_draws_equal_curves_once_naming_every_run(runs):
+    import matplotlib.pyplot as plt
+
+    runs[3].record["steps"][1]["loss"] = 1.5 * (1 + 1e-3)  # zero3 differs, far beyond the 1e-5 tolerance
+    runs[2].record["steps"][1]["loss"] = 1.5 * (1 + 1e-7)  # ddp: reduction-order noise, the same curve
+    fig = plots.loss_figure(compare.build_table(runs))
+    (ax,) = fig.axes
+    assert ax.get_legend_handles_labels()[1] == ["base [baseline] = lora1 = ddp (same losses)", "zero3"]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[1000, 2200], [1000, 2200]]
+    plt.close(fig)
