@@ -160,6 +160,8 @@ def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | N
     note = "single-device QLoRA run"
     if len(candidates) > 1:
         note += f" (first of {len(candidates)}; pass --baseline to choose)"
+    if chosen.status != "completed":
+        note += f"; its status is {chosen.status}, so the comparisons against it may rest on partial figures"
     return chosen, note
 
 

@@ -32,7 +32,8 @@ def add_sweep_parser(sub) -> None:
 
 def _common(p) -> None:
     p.add_argument("--baseline", metavar="RUN_DIR",
-                   help="the run to compare against (default: the single-device QLoRA run)")
+                   help="the run to compare against (default: the single-device QLoRA run); "
+                        "in a sweep, a strategy name")
     p.add_argument("--out", metavar="DIR", help="where the report goes (must not exist or be empty)")
     p.add_argument("--gpu-hour-price", type=float, metavar="USD",
                    help="price of one device for one hour, for the cost per 1M trained tokens")
@@ -73,7 +74,7 @@ def compare_main(args) -> int:
 
 
 def sweep_main(args, overrides: list[str]) -> int:
-    from finetune import compare, sweep
+    from finetune import sweep
 
     cpu = args.cpu
     if not cpu:
@@ -85,10 +86,23 @@ def sweep_main(args, overrides: list[str]) -> int:
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     out = _fresh_dir(args.out, Path("runs") / f"sweep-{Path(args.recipe).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     planned = sweep.plan(args.recipe, names, overrides, cpu=cpu, out=out)
+    baseline = args.baseline
+    if baseline is not None:  # in a sweep the baseline is one of its strategies
+        if baseline not in names:
+            raise UserError(f"--baseline {baseline}: in a sweep, name one of the strategies ({', '.join(names)})")
+        baseline = out / baseline
     print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
     for p in planned:
         print(f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | "
               f"{' '.join(p.command()[2:])}")
+    return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)
+
+
+def run_sweep(planned, *, out: Path, baseline, price) -> int:
+    """Each planned run in turn (a failure does not stop the others), then the comparison.
+    Exit code 1 when any run failed."""
+    from finetune import compare, sweep
+
     outcomes = []
     for i, p in enumerate(planned, 1):
         print(f"\n=== [{i}/{len(planned)}] {p.strategy} ===", flush=True)
@@ -99,21 +113,21 @@ def sweep_main(args, overrides: list[str]) -> int:
     runs = []
     for o in outcomes:
         record = o.run.run_dir / "run.json"
+        label = f"{Path(o.run.recipe).stem}-{o.run.strategy}"
         if record.is_file():
             try:
                 (run,) = compare.load_runs([record])
             except compare.CompareInputError as e:
-                run = compare.Run(record, None, f"{Path(args.recipe).stem}-{o.run.strategy}", error=str(e))
+                run = compare.Run(record, None, label, error=str(e))
             if o.error and run.record is not None:  # in memory only: the record on disk is the run's
                 if run.status == "completed":
                     run.record["summary"]["status"] = "failed"  # completed, but not as planned (see error)
                 run.record["summary"]["error"] = o.error  # with the exit code
         else:
-            run = compare.Run(record, None, f"{Path(args.recipe).stem}-{o.run.strategy}", error=o.error)
+            run = compare.Run(record, None, label, error=o.error)
         runs.append(run)
-    baseline = args.baseline
     print("\n=== comparison ===", flush=True)
-    report(runs, baseline=baseline, out_dir=out / "report", price=args.gpu_hour_price)
+    report(runs, baseline=baseline, out_dir=out / "report", price=price)
     failed = [o.run.strategy for o in outcomes if o.error]
     if failed:
         print(f"sweep: {len(failed)} of {len(outcomes)} runs failed: {', '.join(failed)}", flush=True)

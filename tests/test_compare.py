@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import cli
+from finetune import cli, compare_cli
+from finetune import sweep as sweep_lib
 from tests.wandb_records import read_records, summarize
 
 PRICE = 2.0  # USD per device-hour
@@ -318,11 +320,12 @@ def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path
     assert code == 2 and "ddp: the recipe's effective batch 3" in err and "cannot be kept with 2 processes" in err
     code, err = _sweep(capsys, tmp_path, "--strategies", "ddp", "--run.strategy=fsdp")
     assert code == 2 and "--run.strategy: set by the sweep" in err
+    code, err = _sweep(capsys, tmp_path, "--strategies", "ddp,fsdp", "--baseline", "zero2")
+    assert code == 2 and "--baseline zero2: in a sweep, name one of the strategies (ddp, fsdp)" in err
     assert not (tmp_path / "sw" / "ddp").exists()
 
 
 def test_sweep_plan_keeps_recipe_values_and_takes_only_the_strategy(tmp_path):
-    from finetune import sweep as sweep_lib
     from finetune.recipe import load_recipe
 
     plans = {p.strategy: p for p in sweep_lib.plan("ddp", ["qlora_baseline", "single", "zero3_offload"],
@@ -343,28 +346,59 @@ def test_sweep_plan_keeps_recipe_values_and_takes_only_the_strategy(tmp_path):
 
 
 def test_shipped_strategy_list():
-    from finetune import sweep as sweep_lib
-
     assert set(sweep_lib.strategy_names()) == {"single", "qlora_baseline", "ddp", "zero2", "zero2_offload", "zero3",
                                                "zero3_offload", "fsdp", "fsdp_offload"}
 
 
-def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(tmp_path):
-    """Two real launches that fail at model loading: each is reported failed with its error, the
-    second still runs after the first failed, a report is written, and the exit code is 1."""
+@dataclasses.dataclass
+class _StandIn(sweep_lib.PlannedRun):
+    """A planned run whose training process is replaced by a short script (real runs are the
+    fixture's): leaves a given record (or none) in the run directory and exits with a given code."""
+
+    record: dict | None = None
+    exit_code: int = 0
+
+    def command(self) -> list[str]:
+        src = self.run_dir.parent / f"{self.strategy}.source.json"
+        if self.record is not None:
+            src.write_text(json.dumps(self.record))
+        script = ("import os, shutil, sys; os.makedirs(sys.argv[2], exist_ok=True); "
+                  "print('error: model.name_or_path: no such model', file=sys.stderr) if sys.argv[3] != '0' else None; "
+                  "shutil.copy(sys.argv[1], os.path.join(sys.argv[2], 'run.json')) if os.path.exists(sys.argv[1]) else None; "
+                  "sys.exit(int(sys.argv[3]))")
+        return [sys.executable, "-c", script, str(src), str(self.run_dir), str(self.exit_code)]
+
+
+def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, tiny_model_dir, capsys):
+    """Four planned runs: one dies before writing a record, one records a crash, one completes, one
+    completes with another batch than planned. The sweep runs all four in order, reports three
+    failures with their errors, compares, and exits 1."""
     out = tmp_path / "sw"
-    missing = tmp_path / "no-such-model"
-    cmd = [sys.executable, "-m", "finetune.cli", "sweep", "--recipe", "demo", "--strategies", "single,qlora_baseline",
-           "--cpu", "--out", str(out), f"--model.name_or_path={missing}", "--eval.exact_match=false"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                          env={**env, "HF_HUB_OFFLINE": "1"}, check=False)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Traceback" not in proc.stdout.split("=== comparison ===")[-1]
-    assert "sweep: 2 of 2 runs failed: single, qlora_baseline" in proc.stdout
-    for name in ("single", "qlora_baseline"):
-        rec = json.loads((out / name / "run.json").read_text())
-        assert rec["summary"]["status"] == "failed" and str(missing) in rec["summary"]["error"]
-        assert f"demo-{name} failed: exit 2: " in proc.stdout
+    plans = sweep_lib.plan("demo", ["single", "qlora_baseline", "fsdp", "zero2"],
+                           [f"--model.name_or_path={tiny_model_dir}", "--training.per_device_train_batch_size=4"],
+                           cpu=True, out=out)
+    out.mkdir()
+    crashed = copy.deepcopy(sweep["records"]["qlora_baseline"])
+    crashed["summary"].update(status="failed", error="RuntimeError: boom")
+    other_batch = copy.deepcopy(sweep["records"]["fsdp"])
+    other_batch["run_name"] = "demo-zero2"
+    other_batch["batch"]["effective"] = 8
+    given = {"single": (None, 2), "qlora_baseline": (crashed, 1), "fsdp": (sweep["records"]["fsdp"], 0),
+             "zero2": (other_batch, 0)}
+    stand_ins = [_StandIn(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)},
+                          record=given[p.strategy][0], exit_code=given[p.strategy][1]) for p in plans]
+    code = compare_cli.run_sweep(stand_ins, out=out, baseline=None, price=None)
+    stdout = capsys.readouterr().out
+    assert code == 1
+    assert [line for line in stdout.splitlines() if line.startswith("=== [")] == [
+        "=== [1/4] single ===", "=== [2/4] qlora_baseline ===", "=== [3/4] fsdp ===", "=== [4/4] zero2 ==="]
+    assert "sweep: 3 of 4 runs failed: single, qlora_baseline, zero2" in stdout
+    assert "demo-single failed: exit 2: error: model.name_or_path: no such model" in stdout
+    assert "demo-qlora_baseline [baseline] failed: exit 1: RuntimeError: boom" in stdout
+    assert "its status is failed, so the comparisons against it may rest on partial figures" in stdout
+    assert "demo-zero2 failed: ran with effective batch 8 on 2 processes, planned 4 on 2: not comparable" in stdout
+    assert (out / "logs" / "single.log").read_text().startswith("error: model.name_or_path")
     header, *rows = _table_rows((out / "report" / "report.md").read_text())
-    assert [r[header.index("status")] for r in rows] == ["failed", "failed"]
+    status = {r[0].removesuffix(" [baseline]"): r[header.index("status")] for r in rows}
+    assert status == {"demo-single": "failed", "demo-qlora_baseline": "failed", "demo-fsdp": "completed",
+                      "demo-zero2": "failed"}
