@@ -3,6 +3,8 @@
     finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
     finetune prepare-model
     finetune recipes
+    finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD]
+    finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
 """
 
 from __future__ import annotations
@@ -99,7 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
+    # compare and sweep (issue 6): their parsers and wiring live in finetune/compare_cli.py
+    from finetune import compare_cli
+
+    compare_cli.add_compare_parser(sub)
+    compare_cli.add_sweep_parser(sub)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "sweep":
+        return compare_cli.sweep_main(args, rest)
+    if args.command == "compare" and not rest:
+        return compare_cli.compare_main(args)
 
     if args.command == "train":
         from finetune import cpu_distributed

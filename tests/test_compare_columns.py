@@ -1,0 +1,114 @@
+"""Derived comparison columns on hand-written records: the cases the CPU runs cannot produce
+(device memory, a recorded memory prediction, a same-method single-device run to scale against).
+Expected values are worked out by hand from the numbers written here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune import compare, plots
+
+
+def record(name: str, *, strategy: str, method: str, world: int, tps: float, device_gib: float | None,
+           host_gib: float, train_s: float = 100.0, tokens: int = 50_000, predicted: dict | None = None) -> dict:
+    return {
+        "schema": 1, "run_name": name, "recipe": "demo",
+        "config": {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "logging": {"report_to": []}},
+        "hardware": {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3"},
+        "strategy": {"name": strategy, "method": method, "world_size": world, "offload": "none"},
+        "batch": {"effective": 16}, "lr": {"applied": 2e-4},
+        "memory": {"max": {"device_peak_allocated_gib": device_gib, "host_peak_rss_gib": host_gib}},
+        "predicted_memory": predicted,
+        "throughput": {"trained_tokens_per_s": tps, "trained_tokens_per_s_per_device": tps / world, "mfu": 0.3},
+        "steps": [{"step": 1, "loss": 2.0, "trained_tokens": 1000}, {"step": 2, "loss": 1.5, "trained_tokens": 1200}],
+        "summary": {"status": "completed", "train_loss": 1.7, "eval_loss": None, "total_trained_tokens": tokens,
+                    "wall_s": train_s + 30, "train_s": train_s},
+        "eval": {},
+    }
+
+
+PREDICTED = {"strategy": "ddp", "method": "lora", "world_size": 2,
+             "device": {"components_gib": {"weights": 2.0, "gradients": 0.5, "optimizer": 1.0, "activations": 3.0},
+                        "total_gib": 6.5},
+             "host": {"components_gib": {"process": 1.0}, "total_gib": 1.0}, "assumptions": {},
+             "error": {"device": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+                       "host": {"predicted_gib": 1.0, "measured_gib": 2.0, "relative_error": -0.5}}}
+
+
+@pytest.fixture
+def runs(tmp_path) -> list[compare.Run]:
+    recs = [record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
+            record("lora1", strategy="single", method="lora", world=1, tps=1500.0, device_gib=8.0, host_gib=3.0),
+            record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
+                   predicted=PREDICTED),
+            record("zero3", strategy="zero3", method="full", world=2, tps=900.0, device_gib=None, host_gib=6.0)]
+    paths = []
+    for rec in recs:
+        (tmp_path / rec["run_name"]).mkdir()
+        (tmp_path / rec["run_name"] / "run.json").write_text(json.dumps(rec))
+        paths.append(tmp_path / rec["run_name"])
+    return compare.load_runs(paths)
+
+
+def test_derived_columns(runs):
+    table = compare.build_table(runs, gpu_hour_price=3.0)
+    rows = {row["run"].removesuffix(" [baseline]"): row for row in table.rows}
+    assert table.baseline.label == "base"
+    ddp = rows["ddp"]
+    assert ddp["speedup"] == pytest.approx(2.4)  # 2400 / 1000
+    assert ddp["memory_ratio"] == pytest.approx(1.5) and ddp["memory_basis"] == "device"  # 6 / 4 GiB
+    assert ddp["scaling_efficiency"] == pytest.approx(0.8)  # 2400 / (2 x 1500), the single LoRA run
+    assert ddp["scaling_reference"] == "lora1"
+    # 3 USD x 2 devices x 100/3600 h / 0.05 M tokens
+    assert ddp["cost_per_mtok"] == pytest.approx(3 * 2 * (100 / 3600) / 0.05)
+    assert ddp["predicted_gib"] == 6.5 and ddp["predicted_error"] == pytest.approx(0.0833)
+    # No device figure on one side: the ratio falls to host RSS and says so (6 / 3 GiB).
+    assert rows["zero3"]["memory_ratio"] == pytest.approx(2.0) and rows["zero3"]["memory_basis"] == "host"
+    assert rows["zero3"]["scaling_efficiency"] is None
+    assert table.notes[3]["scaling_efficiency"] == "no single-device full run among the runs"
+    assert rows["base"]["scaling_efficiency"] == pytest.approx(1.0)
+    assert table.cell(2, "memory_ratio") == "1.50 (device)" and table.cell(2, "mfu") == "30.0%"
+    assert rows["base"]["predicted_gib"] is None and table.notes[0]["predicted_gib"] == "no prediction in the record"
+
+
+def test_no_price_means_no_cost(runs):
+    table = compare.build_table(runs)
+    assert all(row["cost_per_mtok"] is None for row in table.rows)
+    assert table.notes[0]["cost_per_mtok"] == "no --gpu-hour-price given"
+
+
+def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
+    table = compare.build_table(runs)
+    path = plots.memory_plot(table, tmp_path / "memory.png")
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = plots.memory_figure(table)  # the figure memory_plot saves
+    device_ax, host_ax = fig.axes[:2]
+    labels = device_ax.get_legend_handles_labels()[1]
+    assert labels == ["measured peak allocated", "predicted: weights", "predicted: gradients",
+                      "predicted: optimizer", "predicted: activations"]
+    # measured: 4, 8, 6 GiB and the CPU-less zero3 run's missing figure drawn as 0; predicted: ddp's components
+    heights = sorted(round(p.get_height(), 3) for p in device_ax.patches)
+    assert heights == sorted([4.0, 8.0, 6.0, 0.0, 2.0, 0.5, 1.0, 3.0])
+    assert "Peak host memory" in host_ax.get_title()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_loss_curve_accumulates_trained_tokens(runs):
+    assert compare.loss_curve(runs[0]) == ([1000, 2200], [2.0, 1.5])
+
+
+def test_loss_plot_draws_equal_curves_once_naming_every_run(runs):
+    import matplotlib.pyplot as plt
+
+    runs[3].record["steps"][1]["loss"] = 1.5 * (1 + 1e-3)  # zero3 differs, far beyond the 1e-5 tolerance
+    runs[2].record["steps"][1]["loss"] = 1.5 * (1 + 1e-7)  # ddp: reduction-order noise, the same curve
+    fig = plots.loss_figure(compare.build_table(runs))
+    (ax,) = fig.axes
+    assert ax.get_legend_handles_labels()[1] == ["base [baseline] = lora1 = ddp (same losses)", "zero3"]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[1000, 2200], [1000, 2200]]
+    plt.close(fig)
