@@ -3,6 +3,8 @@
     finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
     finetune prepare-model
     finetune recipes
+    finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
+    finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -99,7 +101,34 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
+    # Memory/communication planner and collective benchmark (finetune/plan_report.py, finetune/bench_comm.py).
+    plan = sub.add_parser("plan", help="predict memory and communication per strategy and recommend one",
+                          allow_abbrev=False, epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full")
+    plan.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    plan.add_argument("--model", help="local dir, config.json, or hub id with a cached config (default: the recipe's)")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
+    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
+    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    bench = sub.add_parser("bench-comm", help="measure all-reduce/reduce-scatter/all-gather bandwidth",
+                           allow_abbrev=False, epilog="other options: see `python -m finetune.bench_comm --help`")
+    bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
+    bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from finetune import plan_report
+
+        return plan_report.run(args, rest)
+    if args.command == "bench-comm":
+        from finetune import bench_comm, cpu_distributed
+
+        if args.cpu:
+            os.environ[cpu_distributed.ENV] = "1"  # NCCL stays off even where a GPU exists
+        launch_args = bench_comm.launch_args(rest, cpu=args.cpu, num_processes=args.num_processes)
+        print("+ accelerate launch " + " ".join(launch_args), flush=True)
+        return run_accelerate_launch(launch_args)
 
     if args.command == "train":
         from finetune import cpu_distributed
