@@ -266,12 +266,14 @@ def gib(x: float) -> float:
 
 
 def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing: bool, on_gpu: bool,
-                     weight_bytes: int) -> dict:
+                     weight_bytes: int, seq_len: int | None = None) -> dict:
     """run.json `predicted_memory` for the strategy that engaged (shape in docs/planning.md).
     On a CPU run the device is the host: everything is predicted as one process's RSS."""
     strategy = _strategy_name(engaged)
     n = engaged.get("world_size") or 1
     w = workload_from_config(cfg, weight_bytes=weight_bytes, gradient_checkpointing=gradient_checkpointing)
+    if seq_len is not None:
+        w.seq_len = seq_len
     shape = shape_of(model_config)
     device, host = components(shape, w, strategy, n)
     if not on_gpu:  # everything lives in the one process
@@ -279,6 +281,8 @@ def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing
         device = {}
     device, host = totals(device, host, on_gpu=on_gpu)
     notes = assumptions(w, on_gpu=on_gpu)
+    notes["seq_len_source"] = ("longest tokenized training example (batches are padded to their longest; "
+                               "data.max_length caps it)" if seq_len is not None else "data.max_length")
     notes["host_scope"] = "one process (rank); compared with memory.max.host_peak_rss_gib (training peak)"
     notes["device_scope"] = "one device; compared with memory.max.device_peak_allocated_gib, less the CUDA context"
     return {"strategy": strategy, "method": w.method, "world_size": n,
@@ -304,6 +308,15 @@ def add_error(predicted: dict, memory: dict) -> dict:
         dev_pred = dev["total_gib"] - dev["components_gib"].get("cuda_context", 0.0)  # outside torch's counters
     predicted["error"] = {"device": err(dev_pred, peaks.get("device_peak_allocated_gib")),
                           "host": err(predicted["host"]["total_gib"], peaks.get("host_peak_rss_gib"))}
+    # The training host peak is sampled between micro-steps, so it misses what lives only inside a
+    # step (activations, logits). The kernel's lifetime peak of this process (rank 0) does not miss
+    # it, but it includes model loading: both are given.
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+    predicted["error"]["host_lifetime_peak_rank0"] = err(predicted["host"]["total_gib"], round(lifetime, 4))
     return predicted
 
 
@@ -335,17 +348,23 @@ def _strategy_name(engaged: dict) -> str:
     raise ValueError(f"no memory model for strategy {name!r} (known: {', '.join(STRATEGY_SPECS)})")
 
 
-def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int) -> None:
+def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int,
+                      train_dataset=None) -> None:
     """run.json `predicted_memory` for the strategy in rec['strategy']; null with a logged reason
-    when the architecture has no arithmetic here (training goes on: a plan is not a precondition)."""
+    when the architecture has no arithmetic here (training goes on: a plan is not a precondition).
+    The sequence length is the longest training example when the dataset is given (an input the
+    run knows before its first step), else data.max_length."""
     import logging
 
     engaged = rec["strategy"] or {}
+    seq_len = None
+    if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
+        seq_len = min(max(len(ids) for ids in train_dataset["input_ids"]), cfg.data.max_length)
     on_gpu = rec["hardware"]["device_type"] == "cuda" and not engaged.get("cpu_distributed")
     try:
         rec["predicted_memory"] = predicted_memory(model_config, cfg, engaged, on_gpu=on_gpu,
                                                    gradient_checkpointing=gradient_checkpointing,
-                                                   weight_bytes=weight_bytes)
+                                                   weight_bytes=weight_bytes, seq_len=seq_len)
     except ValueError as e:
         logging.getLogger(__name__).warning("no memory prediction in run.json: %s", e)
         rec["predicted_memory"] = None

@@ -151,7 +151,8 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         from finetune import plan_memory
 
         plan_memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
-                                      weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize)
+                                      weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
+                                      train_dataset=bundle.train)
         rec.write()
         log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
                  "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
