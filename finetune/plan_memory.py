@@ -15,7 +15,7 @@ applied to what this framework actually holds (docs/planning.md has every formul
   peft's prepare_model_for_kbit_training casts them to fp32.
 - activations: per layer, the tensors autograd keeps for backward in a Llama block under SDPA
   (no s x s score matrix is stored), our adaptation of Korthikanti et al. 2022 (sbh(34+5as/h)
-  for GPT blocks with dropout): act_bytes * s * b * (4h + 2q + 2kv + 4i), q = heads*head_dim,
+  for GPT blocks with dropout): act_bytes * s * b * (6h + 2q + 2kv + 4i + 2), q = heads*head_dim,
   kv = kv_heads*head_dim, i = intermediate; eager attention adds 2 * act_bytes * b * heads * s^2.
   With gradient checkpointing: the L block inputs (act_bytes * s * b * h each) + one block whole.
 - logits: b*s*V in the activation dtype, an fp32 copy for the loss when that dtype is 16-bit,
@@ -141,7 +141,11 @@ def activation_bytes(shape: Shape, w: Workload) -> dict:
     """Bytes of activations kept for backward, and of the logits path (see the module docstring)."""
     a, s, b = w.weight_bytes, w.seq_len, w.micro_batch
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_layer = a * s * b * (4 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate)
+    # Two RMSNorms keep input, normalized and weighted output (3h each) + the fp32-sized rsqrt (1);
+    # attention keeps rotated q and k, v and the SDPA output (2q + 2kv); the gated MLP keeps
+    # gate, up, act(gate) and their product (4i). Seen with torch.autograd.graph.saved_tensors_hooks
+    # on transformers' LlamaDecoderLayer (tests/test_plan.py checks it).
+    per_layer = a * s * b * (6 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate + 2)
     per_layer += 4 * b * shape.heads * s  # SDPA's fp32 log-sum-exp per query and head
     if w.attn_implementation == "eager":
         per_layer += 2 * a * b * shape.heads * s * s  # the s x s weights before and after softmax
@@ -155,7 +159,7 @@ def activation_bytes(shape: Shape, w: Workload) -> dict:
         layers = shape.layers * block_input + per_layer  # block inputs + one block recomputed
     else:
         layers = shape.layers * per_layer
-    layers += 2 * block_input  # embedding output, final norm input
+    layers += 3 * block_input  # the final norm: input, normalized, weighted
     logits = b * s * shape.vocab * (a + (4 if a < 4 else 0) + 4 + 4)
     return {"activations": layers, "logits": logits}
 
@@ -250,7 +254,7 @@ def assumptions(w: Workload, *, on_gpu: bool) -> dict:
         "weight_bytes": w.weight_bytes,
         "optimizer": "AdamW; DeepSpeed keeps fp32 master + momentum + variance (K=12 bytes/param); "
                      "torch-native strategies keep momentum + variance in the parameter dtype, no master copy",
-        "activation_formula": "per layer act_bytes*s*b*(4h+2q+2kv+4i) (+2*act_bytes*b*heads*s^2 for eager), "
+        "activation_formula": "per layer act_bytes*s*b*(6h+2q+2kv+4i+2) (+2*act_bytes*b*heads*s^2 for eager), "
                               "adapted from Korthikanti et al. 2022 sbh(34+5as/h) to Llama blocks under SDPA; "
                               "checkpointing keeps the L block inputs + one block",
         "logits": "b*s*V*(act_bytes + fp32 copy if 16-bit + fp32 log-softmax + fp32 grad)",
