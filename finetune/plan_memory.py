@@ -204,7 +204,10 @@ def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, 
         device["ddp_grad_buckets"] = trainable * tdt
     if st.offload_optimizer:
         host["optimizer_states"] = device.pop("optimizer_states")
-        if st.stage is not None:  # ZeRO-Offload: the fp32 gradient partition lives next to the states
+        if st.stage is not None:
+            # ZeRO-Offload (Ren et al. 2021, §4.1): gradients are reduced into an fp32 partition in
+            # host memory next to the states; the device keeps only a reduce bucket (in temporaries).
+            device.pop("gradients")
             host["fp32_grad_partition"] = trainable * 4 / n
     if st.offload_params:
         for key in ("weights", "lora_adapters", *frozen):
