@@ -234,6 +234,8 @@ def totals(device: dict, host: dict, *, on_gpu: bool) -> tuple[dict, dict]:
     if on_gpu:
         device["temporaries"] = TEMPORARY_FRACTION * sum(device.values())
         device["cuda_context"] = CUDA_CONTEXT_GIB * GIB
+    else:  # a CPU run computes on the host: the same temporaries there
+        host["temporaries"] = TEMPORARY_FRACTION * sum(host.values())
     host["process_baseline"] = PROCESS_BASELINE_GIB * GIB
     return device, host
 
@@ -262,8 +264,9 @@ def assumptions(w: Workload, *, on_gpu: bool) -> dict:
                               "checkpointing keeps the L block inputs + one block",
         "logits": "b*s*V*(act_bytes + fp32 copy if 16-bit + fp32 log-softmax + fp32 grad)",
         "nf4_bits_per_param": NF4_BITS[w.double_quant],
-        "allowance": (f"CUDA context {CUDA_CONTEXT_GIB} GiB + {int(TEMPORARY_FRACTION * 100)}% temporaries on the "
-                      f"device; " if on_gpu else "") + f"{PROCESS_BASELINE_GIB} GiB Python+torch process baseline",
+        "allowance": (f"CUDA context {CUDA_CONTEXT_GIB} GiB + " if on_gpu else "")
+                     + f"{int(TEMPORARY_FRACTION * 100)}% temporaries on the computing device"
+                     + ("" if on_gpu else " (the host)") + f"; {PROCESS_BASELINE_GIB} GiB Python+torch process baseline",
         "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
     }
 
