@@ -5,6 +5,8 @@
     finetune recipes
     finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD]
     finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
+    finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
+    finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -106,11 +108,38 @@ def main(argv: list[str] | None = None) -> int:
 
     compare_cli.add_compare_parser(sub)
     compare_cli.add_sweep_parser(sub)
+    # Memory/communication planner and collective benchmark (finetune/plan_report.py, finetune/bench_comm.py).
+    plan = sub.add_parser("plan", help="predict memory and communication per strategy and recommend one",
+                          allow_abbrev=False, epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full")
+    plan.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    plan.add_argument("--model", help="local dir, config.json, or hub id with a cached config (default: the recipe's)")
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
+    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
+    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    bench = sub.add_parser("bench-comm", help="measure all-reduce/reduce-scatter/all-gather bandwidth",
+                           allow_abbrev=False, epilog="other options: see `python -m finetune.bench_comm --help`")
+    bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
+    bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":
         return compare_cli.sweep_main(args, rest)
     if args.command == "compare" and not rest:
         return compare_cli.compare_main(args)
+    if args.command == "plan":
+        from finetune import plan_report
+
+        return plan_report.run(args, rest)
+    if args.command == "bench-comm":
+        from finetune import bench_comm, cpu_distributed
+
+        if args.cpu:
+            os.environ[cpu_distributed.ENV] = "1"  # NCCL stays off even where a GPU exists
+        launch_args = bench_comm.launch_args(rest, cpu=args.cpu, num_processes=args.num_processes)
+        print("+ accelerate launch " + " ".join(launch_args), flush=True)
+        return run_accelerate_launch(launch_args)
 
     if args.command == "train":
         from finetune import cpu_distributed

@@ -147,6 +147,12 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         rec["lr"] = lr
         rec["data"] = vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]}
         rec["parameters"] = {"trainable": trainable, "total": total}
+        # memory prediction for the engaged strategy (finetune/plan_memory.py); its error is filled at the end
+        from finetune import plan_memory
+
+        plan_memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
+                                      weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
+                                      train_dataset=bundle.train)
         rec.write()
         log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
                  "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
@@ -181,6 +187,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                               status="completed")
         record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
                             world_size=world, warmup=cfg.training.throughput_warmup_steps)
+        plan_memory.record_error(rec)
         if results:
             rec["eval"] = {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
                            **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
