@@ -50,6 +50,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class NonFiniteError(RuntimeError):
     exit_code = NONFINITE_EXIT_CODE
 
+    def __init__(self, message: str, skipped: list[dict]):
+        super().__init__(message)
+        self.skipped = skipped  # steps skipped before this one (training.on_nonfinite: skip)
+
 
 def check_policy(policy: str, distributed_type: str) -> None:
     if policy == "skip" and distributed_type == "DEEPSPEED":
@@ -159,7 +163,7 @@ class ResilientTrainer(FinetuneTrainer):
         raise NonFiniteError(f"non-finite {what} at step {step} on rank(s) {ranks} (value on this rank: "
                              f"{value.detach().float().flatten()[0].item()}); stopped before that step's optimizer "
                              f"update{limit}. Last complete checkpoint: "
-                             f"{last if last else 'none written in this run'}")
+                             f"{last if last else 'none written in this run'}", list(self.skipped_steps))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -209,12 +213,14 @@ class _Skipped(Exception):
 
 
 def resume_command(run_dir: Path) -> str:
-    """The command that continues this run (the same arguments, plus --resume)."""
+    """The command that continues this run (the same arguments, plus --resume); absolute paths,
+    so it works from any directory."""
     argv = [a for a in sys.argv[1:] if a != "--overwrite" and not a.startswith("--resume")
             and not a.startswith("--run.output_dir")]
     argv.append(f"--run.output_dir={run_dir.resolve()}")
     config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
     env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
     launch = f"--config_file {config} " if config else "<the same accelerate launch options> "
-    return f"{env}accelerate launch {launch}finetune/train.py {' '.join(argv)} --resume"
+    script = Path(sys.argv[0]).resolve()
+    return f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
 

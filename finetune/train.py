@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(cfg, state, run_dir, rec, resume_ckpt)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if rec:
-            rec["summary"].update(status="failed", error=f"{type(e).__name__}: {e}")
+            rec["summary"].update(status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             rec.write()
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
