@@ -62,6 +62,36 @@ def check_policy(policy: str, distributed_type: str) -> None:
                         "use 'stop' (the default) and resume from the last checkpoint")
 
 
+_received: list[int] = []  # signals received by this process since install_signal_handlers()
+_previous: dict = {}
+
+
+def _handler(signum, frame):
+    name = signal.Signals(signum).name
+    if not _received:
+        msg = f"{name} received: stopping at the end of this optimizer step, after a complete checkpoint\n"
+    else:
+        msg = f"{name} received again: ignored, the checkpoint is being written\n"
+    _received.append(signum)
+    os.write(sys.stderr.fileno(), f"[rank {os.environ.get('RANK', '0')}] {msg}".encode())
+
+
+def install_signal_handlers() -> None:
+    """Record SIGTERM/SIGINT instead of dying, from process start (ranks reach the trainer at
+    different times; one still loading the model when the signal comes must not just die while
+    the others wait for it in a collective). Training stops at the first step boundary after."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            _previous.setdefault(sig, signal.signal(sig, _handler))
+
+
+def restore_signal_handlers() -> None:
+    """After training: a signal during the final evaluation or export ends the process as usual."""
+    for sig, old in _previous.items():
+        signal.signal(sig, old)
+    _previous.clear()
+
+
 def _flags_per_rank(accelerator, value: bool) -> list[int]:
     """Every rank's flag, on every rank (one all-gather); the ranks agree by construction."""
     t = torch.tensor([int(value)], device=accelerator.device)
@@ -74,43 +104,23 @@ class ResilienceCallback(TrainerCallback):
     def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
         self.trainer = trainer
         self.save_total_limit = save_total_limit
-        self.signalled: int | None = None  # signal number received on this rank
         self.preempted: dict | None = None  # {step, signal, ranks} once the ranks agreed to stop
         self.last_complete: Path | None = None
-        self._previous: dict = {}
 
     # --- signals ---------------------------------------------------------------------------
 
-    def _handler(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signalled is None:
-            self.signalled = signum
-            msg = f"{name} received: stopping at the end of this optimizer step, after a complete checkpoint\n"
-        else:
-            msg = f"{name} received again: ignored, the checkpoint is being written\n"
-        os.write(sys.stderr.fileno(), f"[rank {self.trainer.accelerator.process_index}] {msg}".encode())
-
-    def install(self) -> None:
-        """From trainer creation on (model and engine are loaded): a signal before the first step
-        stops training at the end of step 1."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handler)
-
     def on_train_end(self, args, state, control, **kwargs):
-        for sig, old in self._previous.items():
-            signal.signal(sig, old)
-        self._previous.clear()
+        restore_signal_handlers()
 
     def on_step_begin(self, args, state, control, **kwargs):
         fault_inject.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        flags = _flags_per_rank(self.trainer.accelerator, self.signalled is not None)
+        flags = _flags_per_rank(self.trainer.accelerator, bool(_received))
         if any(flags) and self.preempted is None:
             ranks = [r for r, f in enumerate(flags) if f]
             self.preempted = {"step": state.global_step, "ranks": ranks,
-                              "signal": signal.Signals(self.signalled).name if self.signalled else None}
+                              "signal": signal.Signals(_received[0]).name if _received else None}
             control.should_save = True
             control.should_training_stop = True
 
@@ -136,7 +146,7 @@ class ResilientTrainer(FinetuneTrainer):
         super().__init__(*args, **kwargs)
         self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
         self.add_callback(self.resilience)
-        self.resilience.install()
+        install_signal_handlers()  # normally done by train.py at start; idempotent
         self.on_nonfinite = on_nonfinite
         self.max_nonfinite_skips = max_nonfinite_skips
         self.skipped_steps: list[dict] = []

@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.eval.heldout_path == "demo":
             cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
 
-    from finetune.resilience import NonFiniteError
+    from finetune.resilience import NonFiniteError, install_signal_handlers
 
+    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/resilience.py)
     try:
         return _train(cfg, state, run_dir, rec, resume_ckpt)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
