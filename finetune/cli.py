@@ -101,11 +101,20 @@ def _report_failed_ranks(failures: dict) -> int:
 
     ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
     for i, (rank, f) in enumerate(ordered):
-        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}" + \
+            (" (preempted)" if f.exitcode == 75 else "")
         first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
         print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
               file=sys.stderr, flush=True)
     codes = {f.exitcode for f in failures.values()}
+    from finetune import exit_codes
+
+    if exit_codes.PREEMPTED in codes and codes <= {exit_codes.PREEMPTED, -signal.SIGTERM}:
+        # Ranks that had already exited 75 make torchrun SIGTERM the rest; the checkpoint's
+        # completion marker (finetune/checkpoints.py), not the exit code, says it is whole.
+        print(f"finetune: preempted (exit {exit_codes.PREEMPTED}); continue with --resume", file=sys.stderr,
+              flush=True)
+        return exit_codes.PREEMPTED
     code = codes.pop() if len(codes) == 1 else 1
     return code if code > 0 else 1
 

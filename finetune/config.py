@@ -307,6 +307,9 @@ def _cross_checks(cfg: Config) -> list[str]:
         v = t.args.get(key)
         if isinstance(v, int) and v < 1:
             p.append(f"training.{key}: must be >= 1, got {v}")
+    if t.args.get("enable_jit_checkpoint"):
+        p.append("training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
+                 "preempted run with exit 0; preemption is handled without it (docs/faults.md)")
     if t.max_nonfinite_skips < 0:
         p.append(f"training.max_nonfinite_skips: must be >= 0, got {t.max_nonfinite_skips}")
     lr = t.args.get("learning_rate")

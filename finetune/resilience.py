@@ -92,8 +92,8 @@ def restore_signal_handlers() -> None:
     _previous.clear()
 
 
-def _flags_per_rank(accelerator, value: bool) -> list[int]:
-    """Every rank's flag, on every rank (one all-gather); the ranks agree by construction."""
+def _flags_per_rank(accelerator, value: int) -> list[int]:
+    """Every rank's value, on every rank (one all-gather); the ranks agree by construction."""
     t = torch.tensor([int(value)], device=accelerator.device)
     if accelerator.num_processes == 1:
         return [int(value)]
@@ -110,17 +110,21 @@ class ResilienceCallback(TrainerCallback):
     # --- signals ---------------------------------------------------------------------------
 
     def on_train_end(self, args, state, control, **kwargs):
-        restore_signal_handlers()
+        # Preempted: keep recording signals until the process exits. The launcher tears the
+        # other ranks down with SIGTERM as soon as one rank has exited 75; a rank still
+        # finishing its record or tearing down its process group must not die of it.
+        if self.preempted is None:
+            restore_signal_handlers()
 
     def on_step_begin(self, args, state, control, **kwargs):
         fault_inject.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        flags = _flags_per_rank(self.trainer.accelerator, bool(_received))
-        if any(flags) and self.preempted is None:
-            ranks = [r for r, f in enumerate(flags) if f]
+        signums = _flags_per_rank(self.trainer.accelerator, _received[0] if _received else 0)
+        if any(signums) and self.preempted is None:
+            ranks = [r for r, n in enumerate(signums) if n]
             self.preempted = {"step": state.global_step, "ranks": ranks,
-                              "signal": signal.Signals(_received[0]).name if _received else None}
+                              "signal": signal.Signals(signums[ranks[0]]).name}
             control.should_save = True
             control.should_training_stop = True
 

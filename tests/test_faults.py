@@ -214,3 +214,31 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
     assert "SIGTERM received again: ignored, the checkpoint is being written" in err, err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_finetune_train_passes_resume_through_to_train_py():
+    from finetune.cli import launch_command
+    from finetune.cli_support import parse_train_args
+
+    auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
+    path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")
+    assert auto[-2:] == ["--resume", "--training.max_steps=3"], auto
+    assert "--resume=runs/x/checkpoint-2" in path and "--resume" not in path
+    assert parse_train_args(["--recipe", "ddp", "--resume"])[0].resume == "auto"
+    assert parse_train_args(["--recipe", "ddp", "--resume=runs/x/checkpoint-2"])[0].resume == "runs/x/checkpoint-2"
+    assert parse_train_args(["--recipe", "ddp"])[0].resume is None
+
+
+def test_fault_settings_are_validated_with_allowed_values():
+    from finetune.errors import ConfigError
+    from finetune.recipe import load_recipe
+
+    with pytest.raises(ConfigError) as err:
+        load_recipe("ddp", ["--training.on_nonfinite=ignore", "--training.max_nonfinite_skips=-1",
+                            "--training.enable_jit_checkpoint=true"])
+    msg = str(err.value)
+    assert "training.on_nonfinite: got 'ignore'; allowed: stop, skip" in msg, msg
+    assert "training.max_nonfinite_skips: must be >= 0, got -1" in msg, msg
+    assert "training.enable_jit_checkpoint: not supported" in msg, msg
+    cfg, _ = load_recipe("ddp", [])
+    assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
