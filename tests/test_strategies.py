@@ -386,9 +386,11 @@ def test_offload_mismatch_is_refused_with_the_launch_line():
 # --- resume (docs/faults.md) ----------------------------------------------------------------
 # A run resumed from checkpoint-k reproduces steps k+1..5 of the uninterrupted run above. fp32 on
 # CPU, the same ranks, data order, RNG and reduction order: seen exactly equal (0 difference) for
-# DDP; the tolerance, 1e-6 relative (~8 fp32 ulps), leaves room for DeepSpeed re-flattening its
-# fp32 buffers on load and nothing else: a missing optimizer state (Adam moments from zero) moves
-# the step-4 loss by ~1e-3 relative, a data position off by one batch by more.
+# DDP, ZeRO-2, ZeRO-3 and FSDP2. The tolerance, 1e-6 relative (~8 fp32 ulps), only allows for a
+# different summation order; what a broken resume does is far larger: resuming this DDP run from
+# checkpoint-3 without its optimizer.pt (Trainer then silently starts Adam afresh) left step 4
+# equal (its loss is computed before any resumed update) and moved steps 5 and 6 by 1.6e-3 and
+# 3.9e-3 relative.
 RESUME_RTOL = 1e-6
 
 
@@ -399,16 +401,15 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
     assert s["name"] == name and s["world_size"] == 2 and s["evidence"]["world_size"] == 2, s
     for key, want in STRATEGIES[name][2].items():
         assert s["evidence"].get(key) == want, (key, s["evidence"])
-    got, want = _steps(rec), _steps(ref)  # steps 1..5, each once: 1..k kept from the first run
-    assert got[:from_step] == want[:from_step]
+    got, want = _steps(rec), _steps(ref)  # steps 1..5, each once: 1..k kept from the interrupted run
     worst = 0.0
-    for a, b in zip(want[from_step:], got[from_step:]):
+    for a, b in zip(want, got):
         worst = max(worst, abs(a["loss"] - b["loss"]) / abs(a["loss"]))
         assert abs(a["loss"] - b["loss"]) <= RESUME_RTOL * abs(a["loss"]), (name, a, b)
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (name, a, b)
         assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
-    print(f"{name}: resumed from step {from_step}, largest relative loss difference in steps "
-          f"{from_step + 1}-{STEPS}: {worst:.2e}")
+    print(f"{name}: resumed from step {from_step}, largest relative loss difference in steps 1-{STEPS} "
+          f"(1-{from_step} before the interruption): {worst:.2e}")
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp"])
