@@ -25,7 +25,7 @@ TRAIN_SCRIPT = PACKAGE_DIR / "train.py"
 
 
 def launch_command(recipe: str, rest: list[str], config_file: str | None, num_processes: int | None,
-                   cpu: bool = False, overwrite: bool = False) -> list[str]:
+                   cpu: bool = False, overwrite: bool = False, resume: str | None = None) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
     processes over gloo, see finetune/cpu_distributed.py) and a single-process one gets --cpu."""
@@ -53,7 +53,8 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
         cmd += ["--num_processes", str(num_processes)]
     if cpu and os.environ.get(cpu_distributed.ENV) != "1":
         cmd += ["--cpu"]
-    return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *rest]
+    resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
+    return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
 
 
 def _absolute_deepspeed_config(config: Path, repo_root: Path) -> list[str]:
@@ -76,16 +77,50 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     from accelerate.commands.launch import launch_command_parser
 
     parsed = launch_command_parser().parse_args(launch_args)
+    # On SIGTERM/SIGINT torchrun's agent forwards the signal to the ranks and SIGKILLs them after
+    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30): give them time to finish the preemption
+    # checkpoint (docs/faults.md). A value the user exported wins.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
     try:
         accelerate_launch(parsed)
     except subprocess.CalledProcessError as e:  # single-process launches
         return e.returncode
-    except Exception as e:  # torchrun's ChildFailedError for multi-process launches
+    except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
+        if type(e).__name__ == "SignalException":  # the launcher itself was signalled; the ranks were
+            from finetune import exit_codes  # told to checkpoint and stop
+
+            print(f"finetune: launcher received {e.sigval.name}: preempted (exit {exit_codes.PREEMPTED})",
+                  file=sys.stderr, flush=True)
+            return exit_codes.PREEMPTED
         if type(e).__name__ != "ChildFailedError":
             raise
-        codes = {f.exitcode for f in e.failures.values()}
-        return codes.pop() if len(codes) == 1 else 1
+        return _report_failed_ranks(e.failures)
     return 0
+
+
+def _report_failed_ranks(failures: dict) -> int:
+    """Name every rank that failed (first failure first) and return the ranks' common exit code,
+    else 1. A rank killed by a signal (exitcode -N) is named with the signal."""
+    import signal
+
+    ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
+    for i, (rank, f) in enumerate(ordered):
+        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}" + \
+            (" (preempted)" if f.exitcode == 75 else "")
+        first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
+        print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
+              file=sys.stderr, flush=True)
+    codes = {f.exitcode for f in failures.values()}
+    from finetune import exit_codes
+
+    if exit_codes.PREEMPTED in codes and codes <= {exit_codes.PREEMPTED, -signal.SIGTERM}:
+        # Ranks that had already exited 75 make torchrun SIGTERM the rest; the checkpoint's
+        # completion marker (finetune/checkpoints.py), not the exit code, says it is whole.
+        print(f"finetune: preempted (exit {exit_codes.PREEMPTED}); continue with --resume", file=sys.stderr,
+              flush=True)
+        return exit_codes.PREEMPTED
+    code = codes.pop() if len(codes) == 1 else 1
+    return code if code > 0 else 1
 
 
 @exit_on_user_error
@@ -101,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--cpu", action="store_true",
                        help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    train.add_argument("--resume", nargs="?", const="auto", metavar="PATH",
+                       help="continue the run from its newest complete checkpoint, or from PATH (docs/faults.md)")
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
     # compare and sweep (issue 6): their parsers and wiring live in finetune/compare_cli.py
@@ -145,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         from finetune import cpu_distributed
 
         launch_args = launch_command(args.recipe, rest, args.config_file, args.num_processes, cpu=args.cpu,
-                                     overwrite=args.overwrite)
+                                     overwrite=args.overwrite, resume=args.resume)
         from finetune import preflight
 
         preflight.check_launch(launch_args)  # config mistakes, all at once, before any process starts

@@ -18,6 +18,9 @@ def train_parser(prog: str = "finetune/train.py") -> argparse.ArgumentParser:
                                 allow_abbrev=False, epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ (e.g. demo) or a path to a YAML file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory of the same name")
+    p.add_argument("--resume", nargs="?", const="auto", metavar="PATH",
+                   help="continue the run in its run directory from its newest complete checkpoint, or from "
+                        "PATH (a checkpoint-N directory); see docs/faults.md")
     return p
 
 

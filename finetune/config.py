@@ -128,6 +128,11 @@ class TrainingConfig:
     lr_reference_batch_size: Optional[int] = None  # None: the run's own effective batch
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
+    # A non-finite loss or gradient norm on any rank (finetune/resilience.py, docs/faults.md):
+    # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
+    # max_nonfinite_skips times in a run, then stop.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_skips: int = 10
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).
     args: dict = field(default_factory=dict)
 
@@ -148,6 +153,9 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "eval_strategy": "no",
     "seed": 42,
     "dataloader_num_workers": 0,
+    # Collective timeout in seconds (Trainer's default, given to the process group at start,
+    # finetune/train.py): a stalled rank ends the run after this long instead of hanging it.
+    "ddp_timeout": 1800,
     "disable_tqdm": False,
 }
 
@@ -299,6 +307,11 @@ def _cross_checks(cfg: Config) -> list[str]:
         v = t.args.get(key)
         if isinstance(v, int) and v < 1:
             p.append(f"training.{key}: must be >= 1, got {v}")
+    if t.args.get("enable_jit_checkpoint"):
+        p.append("training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
+                 "preempted run with exit 0; preemption is handled without it (docs/faults.md)")
+    if t.max_nonfinite_skips < 0:
+        p.append(f"training.max_nonfinite_skips: must be >= 0, got {t.max_nonfinite_skips}")
     lr = t.args.get("learning_rate")
     if isinstance(lr, (int, float)) and lr <= 0:
         p.append(f"training.learning_rate: must be > 0, got {lr}")

@@ -32,12 +32,13 @@ from finetune.launch_config import ACCELERATOR_TYPES, LaunchFacts
 SOURCE = "preflight (nothing was started, loaded or written)"
 
 
-def check_before_loading(cfg, state) -> None:
-    """In each launched process: raise one ConfigError listing every problem; ranks agree."""
+def check_before_loading(cfg, state, *, resume: str | None = None) -> None:
+    """In each launched process: raise one ConfigError listing every problem; ranks agree.
+    `resume` (train.py's --resume) lets the run directory exist: a resumed run continues it."""
     from finetune import launch_config
 
     facts = launch_config.from_environment(state)
-    problems = [p for p in (world_size_problem(state),) if p] + run_checks(cfg, facts, in_process=True)
+    problems = [p for p in (world_size_problem(state),) if p] + run_checks(cfg, facts, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
         raise UserError(f"preflight found {len(problems)} problem(s) (listed by rank 0); nothing was started")
@@ -64,15 +65,18 @@ def check_launch(launch_args: list[str]) -> None:
     else:
         facts = LaunchFacts(source="accelerate launch without a config file", num_processes=parsed.num_processes or 1,
                             use_cpu=parsed.cpu)
-    problems = run_checks(cfg, facts, in_process=False)
+    problems = run_checks(cfg, facts, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
 
 
-def run_checks(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(facts.problems)
-    for check in (devices, deepspeed_values, strategy_matches_recipe, qlora_storage, precision_supported,
-                  model_source, dataset, run_directory):
+    checks = [devices, deepspeed_values, strategy_matches_recipe, qlora_storage, precision_supported,
+              model_source, dataset]
+    if not resume:  # a resumed run continues its directory (finetune/resume.py checks it exists)
+        checks.append(run_directory)
+    for check in checks:
         problems += check(cfg, facts, in_process=in_process)
     return problems
 
@@ -290,8 +294,8 @@ def run_directory(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     """An existing, non-empty run directory is never replaced without --overwrite (finetune/rundir.py)."""
     from finetune import rundir
 
-    if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite or getattr(cfg.run, "resume", None):
-        return []  # a default name is new (it carries the time); a resumed run continues its directory
+    if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
+        return []  # a default name is new (it carries the time)
     path = rundir.resolve_run_dir(cfg.run.name, cfg.run.output_dir)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return []

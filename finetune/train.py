@@ -30,44 +30,68 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
 
+    from datetime import timedelta
+
     from accelerate import PartialState
 
     from finetune import cpu_distributed, demo_data, preflight, record, rundir
     from finetune.distributed import run_on_main
 
-    state = PartialState(cpu=cpu_distributed.requested())  # opt-in CPU/gloo runs: finetune/cpu_distributed.py
-    preflight.check_before_loading(cfg, state)  # world size, launch config vs recipe, data, run dir: all at once
+    # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
+    # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
+    state = PartialState(cpu=cpu_distributed.requested(),  # opt-in CPU/gloo runs: finetune/cpu_distributed.py
+                         timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    # world size, launch config vs recipe, data, run dir: all at once, before any weights load
+    preflight.check_before_loading(cfg, state, resume=args.resume)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
 
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
         name = cfg.run.name or rundir.default_run_name(cfg.recipe)
         path = rundir.resolve_run_dir(name, cfg.run.output_dir)
-        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
-        return name, str(path)
+        if args.resume:  # the run directory is reused as it is (finetune/resume.py)
+            from finetune import resume
 
-    cfg.run.name, run_path = run_on_main(state, make_run_dir)
+            return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
+        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
+        return name, str(path), None
+
+    cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
     run_dir = Path(run_path)
     cfg.run.output_dir = str(run_dir)
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
+    if rec and resume_ckpt:
+        from finetune import resume
+
+        resume.continue_record(rec, run_dir, Path(resume_ckpt))
+        log.info("resuming from %s (step %d)", resume_ckpt, rec["summary"]["resumed_at_step"])
     if rec:
-        saved = rundir.save_resolved_config(run_dir, cfg.to_dict())
+        saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
         log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
                  saved, saved.read_text(encoding="utf-8").rstrip())
         rec.write()
 
     if cfg.data.path == "demo":
         train_file = run_dir / "data" / "train.jsonl"
-        if state.is_main_process:
+        if state.is_main_process and not (resume_ckpt and train_file.is_file()):  # resume: keep the run's data
             demo_data.write_demo(train_file.parent, cfg.data.demo_train_size, cfg.data.demo_heldout_size)
         state.wait_for_everyone()
         cfg.data.path = str(train_file)
         if cfg.eval.heldout_path == "demo":
             cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
 
+    from finetune.resilience import NonFiniteError, install_signal_handlers
+
+    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/resilience.py)
     try:
-        return _train(cfg, state, run_dir, rec)
+        return _train(cfg, state, run_dir, rec, resume_ckpt)
+    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
+        if rec:
+            rec["summary"].update(status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
+            rec.write()
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
         if rec:
             interrupted = isinstance(e, KeyboardInterrupt)
@@ -80,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _train(cfg, state, run_dir: Path, rec) -> int:
+def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> int:
     from transformers import TrainingArguments
 
     from finetune import batch, cpu_distributed, data, evaluation, export, model as model_lib, sharded, strategy
@@ -88,6 +112,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
 
     t0 = time.perf_counter()
     targs = cpu_distributed.training_overrides(dict(cfg.training.args))
+    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/checkpoints.py
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
     report_to = cfg.logging.report_to or "none"
     use_wandb = wandb_logging.enabled(cfg.logging.report_to)
@@ -127,12 +152,14 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                      result["correct"], result["total"])
         return result
 
-    from finetune.trainer import FinetuneTrainer
+    from finetune.resilience import ResilientTrainer
 
-    trainer = FinetuneTrainer(
+    trainer = ResilientTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
         data_collator=lambda feats: data.collate(feats, tokenizer.pad_token_id),
-        processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name))
+        processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name),
+        save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
+        max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     engaged = strategy.engaged(trainer.accelerator.state, method=cfg.method.name,
                                mixed_precision=trainer.accelerator.mixed_precision)
     strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
@@ -145,6 +172,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                         "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
                         "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None}
         rec["lr"] = lr
+        rec["faults"] = {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
+                         "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
+                         "save_total_limit": save_total_limit}  # docs/faults.md
         rec["data"] = vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]}
         rec["parameters"] = {"trainable": trainable, "total": total}
         # memory prediction for the engaged strategy (finetune/plan_memory.py); its error is filled at the end
@@ -166,8 +196,10 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
         with sharded.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/sharded.py)
             results["before"] = evaluate("before")
     train_start = time.perf_counter()
-    out = trainer.train()
+    out = trainer.train(resume_from_checkpoint=resume_ckpt)
     train_s = time.perf_counter() - train_start
+    if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
+        return _preempted(trainer, rec, run_dir)
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
@@ -184,7 +216,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                               total_trained_tokens=sum(measured["trained_tokens"]),
                               total_input_tokens=sum(measured["input_tokens"]),
                               train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
-                              status="completed")
+                              status="completed", nonfinite_skipped=trainer.skipped_steps)
         record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
                             world_size=world, warmup=cfg.training.throughput_warmup_steps)
         plan_memory.record_error(rec)
@@ -198,6 +230,24 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                                                        *wandb_logging.launch_config_files()])
         _print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
     return 0
+
+
+def _preempted(trainer, rec, run_dir: Path) -> int:
+    """Status `interrupted`, the resume command, and an exit code that says preempted."""
+    from finetune import resilience
+
+    p = trainer.resilience.preempted
+    ckpt = trainer.resilience.last_complete
+    if rec:
+        rec["summary"].update(status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
+                              error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} "
+                                    f"at step {p['step']}",
+                              nonfinite_skipped=trainer.skipped_steps)
+        rec.write()
+        print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
+              f"complete checkpoint {ckpt}.\nresume with:\n  {resilience.resume_command(run_dir)}\n"
+              f"exit code {resilience.PREEMPTED_EXIT_CODE} (preempted)", flush=True)
+    return resilience.PREEMPTED_EXIT_CODE
 
 
 def _mfu_inputs(model_config, method: str) -> dict:

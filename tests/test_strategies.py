@@ -2,8 +2,8 @@
 
 One launch per strategy (module-scoped, shared by every test that needs it) of the same recipe
 values: tiny random Llama + LoRA (dropout 0), demo data, seed 42, 4 sequences per rank x 2 ranks
-= 8 per optimizer step, 5 steps, no warmup, clipping pinned at 1.0, loss logged every step, a
-checkpoint at step 5 and the final export. The single-process reference runs 4 x accumulation 2
+= 8 per optimizer step, 5 steps, no warmup, clipping pinned at 1.0, loss logged every step,
+checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export. The single-process reference runs 4 x accumulation 2
 = the same 8 sequences per optimizer step.
 
 Tolerance for per-step losses: 1e-5 relative. The runs are fp32 on CPU; what differs between
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.conftest import REPO, launch_train
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 STEPS = 5
+RESUME_FROM = 3  # checkpoint-3 of every run is what the resume tests continue from
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 
@@ -62,7 +64,7 @@ def common_args(tiny_model_dir) -> list[str]:
             f"--training.max_steps={STEPS}", "--training.logging_steps=1", "--training.warmup_steps=0",
             "--training.learning_rate=1e-3", "--training.lr_scaling=none", "--training.max_grad_norm=1.0",
             "--training.seed=42", "--training.per_device_train_batch_size=4", "--method.lora_dropout=0.0",
-            "--training.save_strategy=steps", f"--training.save_steps={STEPS}"]
+            "--training.save_strategy=steps", f"--training.save_steps={RESUME_FROM}"]  # and at the last step
 
 
 # QLoRA (4-bit NF4 base, float storage so it shards) under the sharded strategies, against one process.
@@ -379,3 +381,113 @@ def test_offload_mismatch_is_refused_with_the_launch_line():
     assert "offload 'optimizer+params'" in msg and "Nothing was trained" in msg
     assert "--config_file accelerate_configs/zero3_offload.yaml finetune/train.py --recipe zero3_offload" in msg
     assert "FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/zero3_offload.yaml" in msg
+
+
+# --- resume (docs/faults.md) ----------------------------------------------------------------
+# A run resumed from checkpoint-k reproduces steps k+1..5 of the uninterrupted run above. fp32 on
+# CPU, the same ranks, data order, RNG and reduction order: seen exactly equal (0 difference) for
+# DDP, ZeRO-2, ZeRO-3 and FSDP2. The tolerance, 1e-6 relative (~8 fp32 ulps), only allows for a
+# different summation order; what a broken resume does is far larger: resuming this DDP run from
+# checkpoint-3 without its optimizer.pt (Trainer then silently starts Adam afresh) left step 4
+# equal (its loss is computed before any resumed update) and moved steps 5 and 6 by 1.6e-3 and
+# 3.9e-3 relative.
+RESUME_RTOL = 1e-6
+
+
+def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
+    assert rec["summary"]["status"] == "completed", rec["summary"]
+    assert rec["summary"]["resumed_from"].endswith(f"checkpoint-{from_step}") and rec["summary"]["resumes"] == 1
+    s = rec["strategy"]
+    assert s["name"] == name and s["world_size"] == 2 and s["evidence"]["world_size"] == 2, s
+    for key, want in STRATEGIES[name][2].items():
+        assert s["evidence"].get(key) == want, (key, s["evidence"])
+    got, want = _steps(rec), _steps(ref)  # steps 1..5, each once: 1..k kept from the interrupted run
+    worst = 0.0
+    for a, b in zip(want, got):
+        worst = max(worst, abs(a["loss"] - b["loss"]) / abs(a["loss"]))
+        assert abs(a["loss"] - b["loss"]) <= RESUME_RTOL * abs(a["loss"]), (name, a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (name, a, b)
+        assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
+    print(f"{name}: resumed from step {from_step}, largest relative loss difference in steps 1-{STEPS} "
+          f"(1-{from_step} before the interruption): {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp"])
+def test_resume_skips_a_truncated_newest_checkpoint_and_matches_the_uninterrupted_run(runs, name, tmp_path,
+                                                                                    tiny_model_dir):
+    """Copy a finished run, truncate a file of its newest checkpoint (5): `--resume` names it,
+    skips it, continues from checkpoint-3 and reproduces steps 4-5."""
+    import shutil
+
+    from finetune import checkpoints
+
+    ref = runs(name)
+    run_dir = tmp_path / name
+    shutil.copytree(ref.run_dir, run_dir)
+    assert checkpoints.problem(run_dir / f"checkpoint-{RESUME_FROM}") is None
+    torn = run_dir / f"checkpoint-{STEPS}"
+    assert checkpoints.problem(torn) is None
+    victim = max((p for p in torn.rglob("*") if p.is_file() and p.name != checkpoints.MARKER),
+                 key=lambda p: p.stat().st_size)
+    os.truncate(victim, victim.stat().st_size // 2)
+    recipe, config, _ = STRATEGIES[name]
+    run = launch_train(["--recipe", recipe, *common_args(tiny_model_dir), "--resume"], run_dir=run_dir,
+                       cwd=REPO, config_file=config, env=CPU_ENV, timeout=420)
+    assert run.returncode == 0, run.explain()
+    assert f"skipping checkpoint {torn}: file {victim.relative_to(torn).as_posix()}" in run.stderr, run.explain()
+    _assert_resumed(run.record, ref.record, name, RESUME_FROM)
+    assert (run_dir / "config.yaml").read_text() == (ref.run_dir / "config.yaml").read_text()  # kept
+    assert (run_dir / "config.resume1.yaml").is_file()
+
+
+def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(runs, tmp_path, tiny_model_dir):
+    """DDP through `finetune train`: SIGTERM to rank 1 only, after step 1. Both ranks stop
+    at the same step boundary k with a complete checkpoint-k, the record says interrupted, the
+    exit code is 75 with "preempted" and the resume command; resuming reproduces steps k+1..5."""
+    import signal
+    import time
+
+    import psutil
+
+    from finetune import checkpoints, exit_codes
+
+    ref = runs("ddp")
+    run_dir = tmp_path / "preempted"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **CPU_ENV}
+    cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "ddp", "--config_file",
+           "accelerate_configs/cpu/ddp.yaml", *common_args(tiny_model_dir), f"--run.output_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        rank1 = None
+        while rank1 is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            try:  # once step 1 is logged, so the stop comes at a step k < 5 (one step takes ~1-2 s here)
+                ready = len(json.loads((run_dir / "run.json").read_text())["steps"]) >= 1
+            except (OSError, ValueError, KeyError):
+                ready = False
+            if ready:
+                rank1 = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                             if c.environ().get("RANK") == "1")
+        assert rank1 is not None, "training never started"
+        rank1.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == exit_codes.PREEMPTED, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    k = rec["summary"]["steps"]
+    assert rec["summary"]["status"] == "interrupted", rec["summary"]
+    assert rec["summary"]["error"] == f"preempted by SIGTERM on rank(s) [1] at step {k}", rec["summary"]
+    assert 1 <= k < STEPS, f"stopped at step {k}: the signal came too late to test a resume"
+    assert checkpoints.newest_valid(run_dir) == run_dir / f"checkpoint-{k}"
+    assert "preempted: SIGTERM on rank(s) [1]" in out and f"--run.output_dir={run_dir} --resume" in out, out[-3000:]
+    run = launch_train(["--recipe", "ddp", *common_args(tiny_model_dir), "--resume"], run_dir=run_dir, cwd=REPO,
+                       config_file=STRATEGIES["ddp"][1], env=CPU_ENV, timeout=420)
+    assert run.returncode == 0, run.explain()
+    _assert_resumed(run.record, ref.record, "ddp", k)
+    assert run.record["summary"]["resume_history"][0]["previous_status"] == "interrupted"
+

@@ -1,0 +1,66 @@
+"""Fault injection for tests and drills: FINETUNE_FAULT_INJECT makes one rank misbehave at one step.
+
+    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"            rank 1's loss is NaN at optimizer step 3
+    FINETUNE_FAULT_INJECT="inf_loss@rank0,step2"            +Inf instead of NaN
+    FINETUNE_FAULT_INJECT="kill@rank1,step2"                rank 1 SIGKILLs itself when step 2 begins
+    FINETUNE_FAULT_INJECT="hang@rank1,step2"                rank 1 stops (sleeps) when step 2 begins
+    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3;nan_loss@rank0,step5"   several, `;`-separated
+
+Steps are optimizer steps counted from 1, as in run.json's steps[] (the step being computed,
+i.e. Trainer's global_step + 1). Unset (the normal case), nothing here does anything. A value
+that does not parse is an error, so a drill never runs without its fault by mistake.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from functools import cache
+
+from finetune.errors import UserError
+
+ENV = "FINETUNE_FAULT_INJECT"
+KINDS = ("nan_loss", "inf_loss", "kill", "hang")
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+),step(?P<step>\d+)$")
+
+
+@cache
+def faults() -> tuple[tuple[str, int, int], ...]:
+    raw = os.environ.get(ENV, "").strip()
+    out = []
+    for part in filter(None, (p.strip() for p in raw.split(";"))):
+        m = _SPEC.match(part)
+        if not m or m["kind"] not in KINDS:
+            raise UserError(f"{ENV}={raw!r}: cannot read {part!r}; expected KIND@rankR,stepS with KIND one of "
+                            f"{', '.join(KINDS)}, e.g. nan_loss@rank1,step3")
+        out.append((m["kind"], int(m["rank"]), int(m["step"])))
+    return tuple(out)
+
+
+def _active(kinds: tuple[str, ...], rank: int, step: int) -> str | None:
+    for kind, r, s in faults():
+        if kind in kinds and r == rank and s == step:
+            return kind
+    return None
+
+
+def corrupt_loss(loss, *, rank: int, step: int):
+    """The loss, made NaN/Inf when a *_loss fault names this rank and step."""
+    kind = _active(("nan_loss", "inf_loss"), rank, step)
+    if kind is None:
+        return loss
+    return loss * float("nan" if kind == "nan_loss" else "inf")
+
+
+def at_step_begin(*, rank: int, step: int) -> None:
+    """Process-level faults: die without any cleanup (SIGKILL) or stall forever."""
+    kind = _active(("kill", "hang"), rank, step)
+    if kind == "kill":
+        print(f"[fault injection] rank {rank} kills itself (SIGKILL) at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "hang":
+        print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
+        while True:
+            time.sleep(3600)

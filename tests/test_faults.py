@@ -1,0 +1,244 @@
+"""Faults during training (docs/faults.md): torn checkpoints, a rank that dies, non-finite losses.
+
+Resume equality under every strategy and SIGTERM preemption are in tests/test_strategies.py
+(they compare against that module's uninterrupted runs). The launches here go through
+`finetune train` (finetune/cli.py), the command users run, so the exit codes are the ones a
+scheduler sees. Fault injection: finetune/fault_inject.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import checkpoints, exit_codes, fault_inject, resume
+from finetune.errors import UserError
+from tests.conftest import REPO
+
+CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
+
+
+def cli_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420) -> tuple[int, str, Path]:
+    """`python -m finetune.cli train ARGS --run.output_dir=RUN_DIR` in its own process group; on
+    timeout the group is killed and the test fails; a launcher killed by a signal fails it too."""
+    cmd = [sys.executable, "-m", "finetune.cli", "train", *args, f"--run.output_dir={run_dir}"]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-4000:]}")
+    if proc.returncode < 0:
+        pytest.fail(f"launcher killed by signal {-proc.returncode}: {' '.join(cmd)}\n{out[-4000:]}")
+    return proc.returncode, out, run_dir
+
+
+def tiny_args(tiny_model_dir, steps: int) -> list[str]:
+    return [f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=64", "--eval.exact_match=false",
+            f"--training.max_steps={steps}", "--training.logging_steps=1", "--training.warmup_steps=0",
+            "--training.learning_rate=1e-3", "--training.lr_scaling=none", "--training.seed=42",
+            "--training.per_device_train_batch_size=4", "--method.lora_dropout=0.0"]
+
+
+# --- checkpoint validity and rotation (no training) ---------------------------------------------
+
+
+def _fake_checkpoint(run_dir: Path, step: int, *, complete: bool = True) -> Path:
+    ckpt = run_dir / f"checkpoint-{step}"
+    (ckpt / "global_step").mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (ckpt / "global_step" / "shard_0.pt").write_bytes(b"x" * 1000)
+    if complete:
+        checkpoints.write_marker(ckpt, step=step, world_size=2)
+    return ckpt
+
+
+def test_truncated_newest_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
+    _fake_checkpoint(tmp_path, 2)
+    newest = _fake_checkpoint(tmp_path, 4)
+    (newest / "global_step" / "shard_0.pt").write_bytes(b"x" * 10)  # truncated after the save
+    _fake_checkpoint(tmp_path, 6, complete=False)  # killed while saving: no marker
+    with caplog.at_level("WARNING", logger="finetune"):
+        assert checkpoints.newest_valid(tmp_path) == tmp_path / "checkpoint-2"
+    warned = caplog.text
+    assert "checkpoint-6" in warned and "no finetune-checkpoint-complete.json" in warned, warned
+    assert "checkpoint-4" in warned and "shard_0.pt is 10 bytes, 1000 when saved" in warned, warned
+
+
+def test_no_complete_checkpoint_is_a_clear_user_error(tmp_path):
+    _fake_checkpoint(tmp_path, 3, complete=False)
+    with pytest.raises(UserError, match=r"no complete checkpoint in .*checkpoint-3 \(no finetune-checkpoint"):
+        checkpoints.resolve("auto", tmp_path)
+    with pytest.raises(UserError, match="no checkpoint-<step> directory"):
+        checkpoints.resolve("auto", tmp_path / "checkpoint-3" / "global_step")
+    with pytest.raises(UserError, match="run directory .* does not exist"):
+        checkpoints.resolve("auto", tmp_path / "missing")
+    with pytest.raises(UserError, match="cannot resume from this checkpoint: no finetune-checkpoint"):
+        checkpoints.resolve(str(tmp_path / "checkpoint-3"), tmp_path)
+
+
+def test_rotation_keeps_complete_checkpoints_and_never_the_new_one_alone(tmp_path):
+    for step in (1, 2, 3):
+        _fake_checkpoint(tmp_path, step)
+    _fake_checkpoint(tmp_path, 4, complete=False)  # torn: nothing can resume from it
+    newest = _fake_checkpoint(tmp_path, 5)
+    deleted = checkpoints.rotate(tmp_path, 2, newest)
+    assert sorted(p.name for p in deleted) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    assert [p.name for p in checkpoints.checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-5"]
+    assert checkpoints.rotate(tmp_path, None, newest) == []
+
+
+def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
+    from finetune.record import RunRecord
+
+    old = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
+    old["steps"] = [{"step": s, "loss": 10.0 - s} for s in range(1, 6)]
+    old["summary"]["status"] = "interrupted"
+    old.write()
+    ckpt = _fake_checkpoint(tmp_path, 3)
+    for n in (1, 2):
+        rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
+        resume.continue_record(rec, tmp_path, ckpt)
+        assert [s["step"] for s in rec["steps"]] == [1, 2, 3]
+        assert rec["summary"]["resumes"] == n and rec["summary"]["resumed_from"] == str(ckpt)
+        assert rec["summary"]["resume_history"][0]["steps_discarded"] == 2
+        assert rec["created"] == old["created"]
+        rec.write()
+    with pytest.raises(UserError, match="--resume and --overwrite"):
+        resume.prepare(tmp_path, "auto", overwrite=True)
+
+
+def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
+    monkeypatch.setenv(fault_inject.ENV, "nan_loss@rank1,step3;kill@rank0,step2")
+    fault_inject.faults.cache_clear()
+    assert fault_inject.faults() == (("nan_loss", 1, 3), ("kill", 0, 2))
+    monkeypatch.setenv(fault_inject.ENV, "nan@rank1")
+    fault_inject.faults.cache_clear()
+    with pytest.raises(UserError, match="expected KIND@rankR,stepS"):
+        fault_inject.faults()
+    fault_inject.faults.cache_clear()
+
+
+# --- launched runs -------------------------------------------------------------------------------
+
+
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
+    """Rank 1 SIGKILLs itself at step 2: the job ends (well inside the harness timeout) non-zero,
+    the failed rank named by the launcher; the surviving rank's record says failed."""
+    code, out, run_dir = cli_train(["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml",
+                                    *tiny_args(tiny_model_dir, 5), "--training.ddp_timeout=60"],
+                                   run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "kill@rank1,step2"},
+                                   timeout=300)
+    assert code == 1, out[-4000:]
+    assert "[fault injection] rank 1 kills itself (SIGKILL) at step 2" in out
+    assert "finetune: rank 1 (local rank 1" in out and "failed: killed by SIGKILL" in out, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["summary"]["status"] == "failed" and "gloo" in rec["summary"]["error"], rec["summary"]
+    assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
+
+
+def _adapter(ckpt: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(ckpt / "adapter_model.safetensors"))
+
+
+def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, tiny_model_dir):
+    """DDP, a checkpoint every step, on_nonfinite=skip with a limit of 1: rank 1's NaN loss at step 2
+    is skipped on both ranks (the step-2 weights equal the step-1 weights), step 3 trains, rank 0's
+    NaN at step 4 is over the limit: both ranks stop before step 4's update, exit 3, record
+    failed naming step 4 and rank 0, checkpoint-3 kept complete."""
+    code, out, run_dir = cli_train(
+        ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml", *tiny_args(tiny_model_dir, 5),
+         "--training.save_strategy=steps", "--training.save_steps=1", "--training.on_nonfinite=skip",
+         "--training.max_nonfinite_skips=1"],
+        run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"})
+    assert code == exit_codes.NONFINITE, out[-4000:]
+    assert "non-finite loss at step 4 on rank(s) [0]" in out, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    s = rec["summary"]
+    assert s["status"] == "failed" and "step 4" in s["error"] and "rank(s) [0]" in s["error"], s
+    assert s["nonfinite_skipped"] == [{"step": 2, "what": "loss", "ranks": [1]}], s
+    assert [x["step"] for x in rec["steps"]] == [1, 2, 3]
+    assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
+    assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert all(checkpoints.problem(c) is None for c in checkpoints.checkpoints(run_dir))
+    w1, w2, w3 = (_adapter(run_dir / f"checkpoint-{k}") for k in (1, 2, 3))
+    assert all((w1[k] == w2[k]).all() for k in w1), "the skipped step changed the weights"
+    assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
+
+
+def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, tiny_model_dir):
+    """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
+    it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""
+    code, out, run_dir = cli_train(
+        ["--recipe", "zero2", "--config_file", "accelerate_configs/cpu/zero2.yaml", *tiny_args(tiny_model_dir, 4),
+         "--training.save_strategy=steps", "--training.save_steps=2", "--training.max_grad_norm=1.0"],
+        run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step3"})
+    assert code == exit_codes.NONFINITE, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
+    assert "non-finite loss at step 3 on rank(s) [1]" in rec["summary"]["error"], rec["summary"]
+    assert [x["step"] for x in rec["steps"]] == [1, 2]
+    assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-2"]
+    assert checkpoints.problem(run_dir / "checkpoint-2") is None
+
+
+def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
+    """SIGINT/SIGTERM are recorded, not raised (no KeyboardInterrupt mid-save); restored afterwards."""
+    import time
+
+    from finetune import resilience
+
+    resilience._received.clear()
+    resilience.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert resilience._received == [signal.SIGINT, signal.SIGTERM]
+    finally:
+        resilience.restore_signal_handlers()
+        resilience._received.clear()
+    err = capfd.readouterr().err
+    assert "SIGINT received: stopping at the end of this optimizer step" in err, err
+    assert "SIGTERM received again: ignored, the checkpoint is being written" in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_finetune_train_passes_resume_through_to_train_py():
+    from finetune.cli import launch_command
+    from finetune.cli_support import parse_train_args
+
+    auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
+    path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")
+    assert auto[-2:] == ["--resume", "--training.max_steps=3"], auto
+    assert "--resume=runs/x/checkpoint-2" in path and "--resume" not in path
+    assert parse_train_args(["--recipe", "ddp", "--resume"])[0].resume == "auto"
+    assert parse_train_args(["--recipe", "ddp", "--resume=runs/x/checkpoint-2"])[0].resume == "runs/x/checkpoint-2"
+    assert parse_train_args(["--recipe", "ddp"])[0].resume is None
+
+
+def test_fault_settings_are_validated_with_allowed_values():
+    from finetune.errors import ConfigError
+    from finetune.recipe import load_recipe
+
+    with pytest.raises(ConfigError) as err:
+        load_recipe("ddp", ["--training.on_nonfinite=ignore", "--training.max_nonfinite_skips=-1",
+                            "--training.enable_jit_checkpoint=true"])
+    msg = str(err.value)
+    assert "training.on_nonfinite: got 'ignore'; allowed: stop, skip" in msg, msg
+    assert "training.max_nonfinite_skips: must be >= 0, got -1" in msg, msg
+    assert "training.enable_jit_checkpoint: not supported" in msg, msg
+    cfg, _ = load_recipe("ddp", [])
+    assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
