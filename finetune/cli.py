@@ -28,33 +28,53 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
                    cpu: bool = False, overwrite: bool = False, resume: str | None = None) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
-    processes over gloo, see finetune/cpu_distributed.py) and a single-process one gets --cpu."""
-    from finetune import cpu_distributed
-    from finetune.recipe import REPO_ROOT, load_recipe
+    processes over gloo, see finetune/cpu_distributed.py) and a single-process one gets --cpu.
+    Pure: the environment those launches need comes from launch_environment()."""
+    from finetune.recipe import load_recipe
 
     cfg, _ = load_recipe(recipe, rest)  # fail here, before any process starts, on a bad recipe
-    config_file = config_file or cfg.run.accelerate_config
+    path = _accelerate_config_path(config_file or cfg.run.accelerate_config, cfg.run.accelerate_config, cpu)
     cmd = []
-    if config_file:
-        path = Path(config_file)
-        if not path.is_file() and (REPO_ROOT / path).is_file():
-            path = REPO_ROOT / path
-        if not path.is_file():
-            raise UserError(f"accelerate config {config_file!r} not found (from "
-                            f"{'--config_file' if config_file != cfg.run.accelerate_config else 'run.accelerate_config'})")
-        if cpu and (REPO_ROOT / "accelerate_configs" / "cpu" / path.name).is_file() and path.parent.name != "cpu":
-            path = REPO_ROOT / "accelerate_configs" / "cpu" / path.name
-        if cpu and path.parent.name == "cpu":
-            os.environ[cpu_distributed.ENV] = "1"  # inherited by the launched processes
-        cmd += ["--config_file", str(path.resolve())]
-        os.environ["FINETUNE_ACCELERATE_CONFIG"] = str(path.resolve())  # recorded by the run (W&B artifact)
-        cmd += _absolute_deepspeed_config(path, REPO_ROOT)
+    if path:
+        from finetune.recipe import REPO_ROOT
+
+        cmd += ["--config_file", str(path)] + _absolute_deepspeed_config(path, REPO_ROOT)
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]
-    if cpu and os.environ.get(cpu_distributed.ENV) != "1":
+    if cpu and not (path and path.parent.name == "cpu"):
         cmd += ["--cpu"]
     resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
     return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
+
+
+def launch_environment(launch_args: list[str]) -> dict[str, str]:
+    """Variables the launched ranks inherit: the CPU/gloo opt-in for an accelerate_configs/cpu/
+    config (finetune/cpu_distributed.py) and the config's path (recorded by the run, W&B artifact)."""
+    from finetune import cpu_distributed
+
+    if "--config_file" not in launch_args:
+        return {}
+    path = Path(launch_args[launch_args.index("--config_file") + 1])
+    env = {"FINETUNE_ACCELERATE_CONFIG": str(path)}
+    if path.parent.name == "cpu":
+        env[cpu_distributed.ENV] = "1"
+    return env
+
+
+def _accelerate_config_path(config_file: str | None, recipe_config: str | None, cpu: bool) -> Path | None:
+    from finetune.recipe import REPO_ROOT
+
+    if not config_file:
+        return None
+    path = Path(config_file)
+    if not path.is_file() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        raise UserError(f"accelerate config {config_file!r} not found (from "
+                        f"{'--config_file' if config_file != recipe_config else 'run.accelerate_config'})")
+    if cpu and (REPO_ROOT / "accelerate_configs" / "cpu" / path.name).is_file() and path.parent.name != "cpu":
+        path = REPO_ROOT / "accelerate_configs" / "cpu" / path.name
+    return path.resolve()
 
 
 def _absolute_deepspeed_config(config: Path, repo_root: Path) -> list[str]:
@@ -123,6 +143,26 @@ def _report_failed_ranks(failures: dict) -> int:
     return code if code > 0 else 1
 
 
+def _restores_environment(fn):
+    """accelerate launch runs in this process and hands os.environ to the ranks, so launches set
+    their variables there (FINETUNE_CPU_DISTRIBUTED, FINETUNE_ACCELERATE_CONFIG, ...). Put the
+    environment back afterwards: a caller that runs main() twice (a sweep, a test) must not see
+    the first launch's CPU opt-in leak into the second."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        saved = dict(os.environ)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in set(os.environ) - set(saved):
+                del os.environ[key]
+            os.environ.update(saved)
+    return wrapper
+
+
+@_restores_environment
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs under any strategy.")
@@ -185,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                      overwrite=args.overwrite, resume=args.resume)
         from finetune import preflight
 
+        os.environ.update(launch_environment(launch_args))  # put back on return (_restores_environment)
         preflight.check_launch(launch_args)  # config mistakes, all at once, before any process starts
         env = f"{cpu_distributed.ENV}=1 " if os.environ.get(cpu_distributed.ENV) == "1" else ""
         print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)

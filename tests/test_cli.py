@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from finetune import cpu_distributed
-from finetune.cli import launch_command
+from finetune.cli import launch_command, launch_environment
 from finetune.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,13 +26,16 @@ def test_cpu_flag_swaps_in_the_cpu_variant_and_opts_in_to_gloo(monkeypatch):
     monkeypatch.delenv(cpu_distributed.ENV, raising=False)
     args = launch_command("fsdp", [], None, None, cpu=True, overwrite=True)
     assert args[1] == str(REPO / "accelerate_configs" / "cpu" / "fsdp.yaml")
-    assert cpu_distributed.requested()  # inherited by the launched processes
+    assert not cpu_distributed.requested()  # building the command leaves this process alone ...
+    env = launch_environment(args)  # ... the launch sets what the ranks inherit
+    assert env[cpu_distributed.ENV] == "1" and env["FINETUNE_ACCELERATE_CONFIG"] == args[1]
     assert "--overwrite" in args and "--cpu" not in args
 
 
 def test_cpu_flag_on_a_single_process_recipe_passes_cpu_to_accelerate(monkeypatch):
     monkeypatch.delenv(cpu_distributed.ENV, raising=False)
     args = launch_command("demo", [], None, 1, cpu=True)
+    assert cpu_distributed.ENV not in launch_environment(args)  # one process: accelerate's own --cpu
     assert args[1] == str(REPO / "accelerate_configs" / "single_gpu.yaml")
     assert "--cpu" in args and args[args.index("--num_processes") + 1] == "1"
 
@@ -46,3 +50,20 @@ def test_missing_config_file_is_named():
     with pytest.raises(UserError) as info:
         launch_command("demo", [], "accelerate_configs/nope.yaml", None)
     assert "nope.yaml" in str(info.value) and "--config_file" in str(info.value)
+
+
+def test_train_sets_the_ranks_environment_only_for_its_launch(monkeypatch):
+    """accelerate launch runs in-process: a second main() (a sweep, a test) must not inherit the
+    first launch's CPU opt-in."""
+    from finetune import cli
+
+    monkeypatch.delenv(cpu_distributed.ENV, raising=False)
+    monkeypatch.delenv("FINETUNE_ACCELERATE_CONFIG", raising=False)
+    monkeypatch.setattr("finetune.preflight.check_launch", lambda launch_args: None)
+    seen = {}
+    monkeypatch.setattr(cli, "run_accelerate_launch",
+                        lambda launch_args: seen.update(os.environ) or 0)
+    assert cli.main(["train", "--recipe", "fsdp", "--cpu"]) == 0
+    assert seen[cpu_distributed.ENV] == "1"  # the ranks saw the opt-in ...
+    assert seen["FINETUNE_ACCELERATE_CONFIG"].endswith("accelerate_configs/cpu/fsdp.yaml")
+    assert cpu_distributed.ENV not in os.environ and "FINETUNE_ACCELERATE_CONFIG" not in os.environ  # ... we do not
