@@ -88,7 +88,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
 
     t0 = time.perf_counter()
     targs = cpu_distributed.training_overrides(dict(cfg.training.args))
-    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
+    # Applied by finetune/model.py before the LoRA wrap (transformers 5.23 renamed the option).
+    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
+        targs.pop("activation_checkpointing", False))
     report_to = cfg.logging.report_to or "none"
     use_wandb = wandb_logging.enabled(cfg.logging.report_to)
     if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
@@ -106,6 +108,9 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
                           cfg.training.lr_reference_batch_size)
     args.learning_rate = lr["applied"]  # the optimizer is built from this value
 
+    from finetune import speed
+
+    speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
     tokenizer = model_lib.load_tokenizer(cfg.model)
     bundle = data.build_datasets(cfg.data, tokenizer, seed=args.seed)
     heldout_rows = data.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
@@ -131,7 +136,7 @@ def _train(cfg, state, run_dir: Path, rec) -> int:
 
     trainer = FinetuneTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
-        data_collator=lambda feats: data.collate(feats, tokenizer.pad_token_id),
+        data_collator=speed.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
         processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name))
     engaged = strategy.engaged(trainer.accelerator.state, method=cfg.method.name,
                                mixed_precision=trainer.accelerator.mixed_precision)
