@@ -3,6 +3,7 @@
     finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
     finetune prepare-model
     finetune recipes
+    finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench.py)
 """
 
 from __future__ import annotations
@@ -99,7 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
+    sub.add_parser("bench", add_help=False, help="this project vs a plain TRL SFTTrainer script, side by side "
+                   "(finetune bench --help)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":  # finetune/bench.py parses its own options
+        from finetune import bench
+
+        return bench.main(rest)
 
     if args.command == "train":
         from finetune import cpu_distributed
