@@ -746,14 +746,14 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``."""
     import datasets
 
-    from finetune import token_cache  # data.cache_tokenized: reuse tokenized examples across runs
+    from finetune import token_cache
 
     path = cfg.path
     on_bad_rows = getattr(cfg, "on_bad_rows", "error")
     if on_bad_rows not in ("error", "skip"):
         raise DataError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
     max_length = cfg.max_length
-    cache = token_cache.for_data(cfg, tokenizer, path)
+    cache = token_cache.for_data(cfg, tokenizer, path)  # data.cache_tokenized: reuse across runs
     entry = cache.load() if cache else None
     if entry is None:
         entry = _read_and_tokenize(cfg, tokenizer, path, on_bad_rows, max_length)
