@@ -214,6 +214,7 @@ def _print_run(r: dict) -> None:
         return
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
     print(f"[bench] {r['method']:5s} {r['side']:8s} round {r['round']}: {r['trained_tokens_per_s']:,.1f} trained tok/s,"
+          f" padding {100 * (r['padding_fraction'] or 0):.0f}% of positions,"
           f" MFU {mfu}, median step {r['median_step_s']:.3f} s, host peak {r['host_peak_rss_gib']:.2f} GiB"
           + (f", device peak {r['device_peak_allocated_gib']:.2f} GiB" if r["device_peak_allocated_gib"] else "")
           + f", first losses {[round(x, 4) for x in r['losses'][:2]]}", flush=True)
@@ -239,7 +240,7 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                            "input_tokens_per_s": med("input_tokens_per_s"), "mfu": med("mfu"),
                            "median_step_s": med("median_step_s"),
                            "device_peak_allocated_gib": peak("device_peak_allocated_gib"),
-                           "host_peak_rss_gib": peak("host_peak_rss_gib"),
+                           "host_peak_rss_gib": peak("host_peak_rss_gib"), "padding_fraction": med("padding_fraction"),
                            "trained_tokens_per_step": statistics.mean(
                                t for r in runs for t in r["trained_tokens"][r["warmup_steps_excluded"]:] or [0])}
         ours, trl = sides.get("finetune"), sides.get("trl")
@@ -262,9 +263,9 @@ def markdown_table(summary: list[dict]) -> str:
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    lines = [("| method | side | trained tok/s | MFU | device peak GiB | host peak GiB | median step s | "
+    lines = [("| method | side | trained tok/s | MFU | device peak GiB | host peak GiB | median step s | padding | "
               "tok/s ratio (ours/TRL) | MFU ratio | device mem ratio | host mem ratio |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary:
         for side in SIDES:
             s = row[side]
@@ -275,6 +276,7 @@ def markdown_table(summary: list[dict]) -> str:
                 f"| {row['method']}", "finetune" if ours else "TRL SFTTrainer", f(s["trained_tokens_per_s"], ",.1f"),
                 "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%", f(s["device_peak_allocated_gib"], ".2f"),
                 f(s["host_peak_rss_gib"], ".2f"), f(s["median_step_s"], ".3f"),
+                "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.0f}%",
                 f(row["ratio_trained_tokens_per_s"], ".2f") if ours else "",
                 f(row["ratio_mfu"], ".2f") if ours else "", f(row["ratio_device_peak"], ".2f") if ours else "",
                 f(row["ratio_host_peak"], ".2f") if ours else ""]) + " |")

@@ -40,7 +40,7 @@ def run(spec: dict) -> dict:
     dataset = datasets.Dataset.from_list(rows)
     memory = metrics.MemoryTracker()
     steps: list[float] = []
-    batches: list[tuple[int, int, int]] = []  # trained tokens, real input tokens, rows
+    batches: list[tuple[int, int, int, int]] = []  # trained tokens, real input tokens, rows, positions
 
     class Clock(TrainerCallback):
         t0 = 0.0
@@ -72,14 +72,15 @@ def run(spec: dict) -> dict:
         real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
         if REAL_TOKENS_KEY in batch:  # our packed rows state their real token count
             real = int(batch[REAL_TOKENS_KEY])
-        batches.append((int((batch["labels"] != -100).sum()), real, len(features)))
+        # Positions computed = real tokens + padding (the batch's input_ids size).
+        batches.append((int((batch["labels"] != -100).sum()), real, len(features), int(batch["input_ids"].numel())))
         return batch
 
     trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
     trainer.train()
     mem = memory.snapshot()
     n = len(steps)
-    trained, inputs, samples = ([b[i] for b in batches[:n]] for i in range(3))
+    trained, inputs, samples, positions = ([b[i] for b in batches[:n]] for i in range(4))
     warm = spec["warmup_steps"] if n > spec["warmup_steps"] else 0
     seconds = sum(steps[warm:])
     model_config = trainer.model.config if not hasattr(trainer.model, "get_base_model") else \
@@ -92,7 +93,8 @@ def run(spec: dict) -> dict:
     return {
         "side": spec["side"], "method": spec["method"], "round": spec["round"],
         "steps": n, "warmup_steps_excluded": warm, "step_s": steps, "trained_tokens": trained,
-        "input_tokens": inputs, "rows": samples, "losses": losses,
+        "input_tokens": inputs, "rows": samples, "positions": positions, "losses": losses,
+        "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
         "trained_tokens_per_s": sum(trained[warm:]) / seconds if seconds > 0 else None,
         "input_tokens_per_s": input_tps, "median_step_s": statistics.median(steps[warm:]) if steps[warm:] else None,
         "mfu": input_tps * flops / peak[1] if peak and input_tps else None,

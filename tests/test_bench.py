@@ -25,6 +25,7 @@ def test_bench_runs_both_sides_and_reports_ratios(tmp_path, bundled_model_dir, c
     # Same data, same order, same initialisation: both sides trained on the same tokens.
     assert ours["trained_tokens"] == trl["trained_tokens"]
     assert abs(ours["losses"][0] - trl["losses"][0]) < 1e-3
+    assert ours["padding_fraction"] == 0  # padding-free: every computed position is a real token
     row = report["summary"][0]
     assert row["ratio_trained_tokens_per_s"] > 0 and row["ratio_host_peak"] > 0
     table = (out / "report.md").read_text()
