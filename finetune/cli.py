@@ -7,6 +7,7 @@
     finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
     finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
     finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
+    finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench.py)
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                            allow_abbrev=False, epilog="other options: see `python -m finetune.bench_comm --help`")
     bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
     bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
+    sub.add_parser("bench", add_help=False, help="this project vs a plain TRL SFTTrainer script, side by side "
+                   "(finetune bench --help)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":
         return compare_cli.sweep_main(args, rest)
@@ -217,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = bench_comm.launch_args(rest, cpu=args.cpu, num_processes=args.num_processes)
         print("+ accelerate launch " + " ".join(launch_args), flush=True)
         return run_accelerate_launch(launch_args)
+    if args.command == "bench":  # finetune/bench.py parses its own options
+        from finetune import bench
+
+        return bench.main(rest)
 
     if args.command == "train":
         from finetune import cpu_distributed

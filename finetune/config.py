@@ -73,6 +73,12 @@ class DataConfig:
     system_prompt: Optional[str] = None
     chat_template: bool = True  # render alpaca/prompt_completion through the chat template
     packing: bool = False
+    # Concatenate each batch into one row, no padding (docs/speed.md); exclusive with packing.
+    padding_free: bool = False
+    # Reuse tokenized examples across runs, keyed by file bytes + tokenizer + data settings
+    # (finetune/token_cache.py); cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
+    cache_tokenized: bool = False
+    cache_dir: str | None = None
     on_bad_rows: Literal["error", "skip"] = "error"
     max_samples: Optional[int] = None
     # Only for path == "demo": number of generated training rows and held-out rows.

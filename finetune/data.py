@@ -781,15 +781,8 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
     return []
 
 
-def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
-    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``."""
-    import datasets
-
-    path = cfg.path
-    on_bad_rows = getattr(cfg, "on_bad_rows", "error")
-    if on_bad_rows not in ("error", "skip"):
-        raise DataError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
-    max_length = cfg.max_length
+def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: int) -> dict:
+    """Read, validate, render, tokenize and truncate; a plain-JSON dict (what the cache stores)."""
     numbered = _read_numbered(path, split=getattr(cfg, "split", "train"))
     log = _BadRowLog(path, skip=on_bad_rows == "skip")
 
@@ -807,6 +800,33 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     log.report(good=len(rendered))
 
     examples, truncated, dropped = _truncate(_tokenize(rendered, tokenizer), max_length)
+    return {"format": fmt, "examined": examined, "skipped": [list(x) for x in log.skipped],
+            "truncated": truncated, "dropped": dropped,
+            "examples": [[ex.input_ids, ex.labels] for ex in examples]}
+
+
+def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
+    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``."""
+    import datasets
+
+    from finetune import token_cache
+
+    path = cfg.path
+    on_bad_rows = getattr(cfg, "on_bad_rows", "error")
+    if on_bad_rows not in ("error", "skip"):
+        raise DataError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
+    max_length = cfg.max_length
+    cache = token_cache.for_data(cfg, tokenizer, path)  # data.cache_tokenized: reuse across runs
+    entry = cache.load() if cache else None
+    if entry is None:
+        entry = _read_and_tokenize(cfg, tokenizer, path, on_bad_rows, max_length)
+        if cache:
+            cache.save(entry)
+    elif entry["skipped"]:
+        logger.warning("%s: skipped %d bad row(s) (from the tokenization cache)", path, len(entry["skipped"]))
+    fmt, examined, truncated, dropped = entry["format"], entry["examined"], entry["truncated"], entry["dropped"]
+    skipped = [tuple(x) for x in entry["skipped"]]
+    examples = [_Example(ids, labels) for ids, labels in entry["examples"]]
     if not examples:
         raise DataError(f"no example has a trained token within max_length={max_length} (every completion "
                         "starts beyond it); raise data.max_length or shorten the prompts", path=path)
@@ -825,7 +845,7 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     stats = DataStats(
         format=fmt,
         rows_read=examined,
-        rows_skipped=list(log.skipped),
+        rows_skipped=skipped,
         train_examples=len(train),
         eval_examples=len(eval_) if eval_ is not None else 0,
         truncated=truncated,

@@ -72,7 +72,8 @@ def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory in training
     if method.name == "full":
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.23 renamed gradient_checkpointing_enable (deprecated, removed in v6).
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
     return add_lora(model, method, gradient_checkpointing=gradient_checkpointing)
 
@@ -97,7 +98,7 @@ def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
     if isinstance(method.target_modules, list):
         # peft only complains when *no* name matches; a typo next to a valid name would silently

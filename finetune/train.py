@@ -113,7 +113,9 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     t0 = time.perf_counter()
     targs = cpu_distributed.training_overrides(dict(cfg.training.args))
     save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/checkpoints.py
-    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False))
+    # Applied by finetune/model.py before the LoRA wrap (transformers 5.23 renamed the option).
+    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
+        targs.pop("activation_checkpointing", False))
     report_to = cfg.logging.report_to or "none"
     use_wandb = wandb_logging.enabled(cfg.logging.report_to)
     if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
@@ -131,6 +133,9 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
                           cfg.training.lr_reference_batch_size)
     args.learning_rate = lr["applied"]  # the optimizer is built from this value
 
+    from finetune import speed
+
+    speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
     tokenizer = model_lib.load_tokenizer(cfg.model)
     bundle = data.build_datasets(cfg.data, tokenizer, seed=args.seed)
     heldout_rows = data.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
@@ -156,7 +161,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
 
     trainer = ResilientTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
-        data_collator=lambda feats: data.collate(feats, tokenizer.pad_token_id),
+        data_collator=speed.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
         processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)

@@ -19,6 +19,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from finetune import metrics
+from finetune.speed import REAL_TOKENS_KEY
 
 
 class _StepClock(TrainerCallback):
@@ -86,9 +87,12 @@ class FinetuneTrainer(Trainer):
         labels = inputs.get("labels")
         mask = inputs.get("attention_mask")
         ids = inputs["input_ids"]
+        real = inputs.pop(REAL_TOKENS_KEY, None)  # packed rows: padding has no mask to tell it apart
         # Counted where the batch lives and read once per optimizer step (after the clock's
         # synchronize): int() here would stall the GPU queue at every micro-batch.
-        n_input = mask.sum() if mask is not None else torch.tensor(ids.numel(), device=ids.device)
+        # No mask and no stated count: a padding-free batch, where every position is a real token.
+        n_input = mask.sum() if mask is not None else real.to(ids.device) if real is not None else \
+            torch.tensor(ids.numel(), device=ids.device)
         n_trained = (labels != -100).sum() if labels is not None else n_input
         counts = torch.stack([n_input.long(), n_trained.long(), torch.tensor(ids.shape[0], device=ids.device)])
         self._micro = counts if self._micro is None else self._micro + counts

@@ -1,0 +1,214 @@
+"""Speed options: padding-free and packed batches give the padded path's per-token losses and
+keep examples apart; unsafe combinations are refused; token counts; the tokenization cache.
+
+Tolerance: fp32 tiny model, per-token losses and logits compared at atol 1e-5 (different
+batch shapes reorder float sums; observed differences are ~1e-6)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from finetune import data, speed
+from finetune.config import build_config
+from finetune.errors import ConfigError, UserError
+
+ATOL = 1e-5
+ROWS = [
+    {"instruction": "Name a colour.", "output": "Blue."},
+    {"instruction": "Write a very long sentence about rivers, mountains and the sea, please.",
+     "output": "Rivers run from the mountains down to the sea, carrying stones, sand and stories."},
+    {"instruction": "Add 2 and 3.", "output": "5"},
+    {"instruction": "Say hello in French and then in German.", "output": "Bonjour. Hallo."},
+]
+
+
+def _data_cfg(path, **kw):
+    cfg = build_config({"data": {"path": str(path), "max_length": 128, **kw}}).data
+    return cfg
+
+
+@pytest.fixture
+def examples(tokenizer, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    bundle = data.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    rows = [dict(r) for r in bundle.train]
+    assert len({len(r["input_ids"]) for r in rows}) > 1, "examples must differ in length to exercise padding"
+    return rows
+
+
+def _model(tokenizer, attn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def _per_token_losses(model, batch) -> list[tuple[int, float]]:
+    """(target token id, loss) for every scored position, in order along each row."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    labels = batch["labels"]
+    out = []
+    for b in range(labels.shape[0]):
+        loss = torch.nn.functional.cross_entropy(logits[b, :-1], labels[b, 1:], reduction="none", ignore_index=-100)
+        out += [(int(t), float(v)) for t, v in zip(labels[b, 1:], loss) if t != -100]
+    return out
+
+
+def _by_example(pairs_rows):
+    return sorted(pairs_rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
+    model = _model(tokenizer, attn)
+    mcfg = build_config({"model": {"attn_implementation": attn}}).model
+    padded = data.collate(examples, tokenizer.pad_token_id)
+    assert "attention_mask" in padded and (padded["attention_mask"] == 0).any()  # really padded
+    flat = speed.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)(examples)
+    assert flat["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples))
+    assert "attention_mask" not in flat
+
+    reference = _per_token_losses(model, padded)
+    got = _per_token_losses(model, flat)
+    assert [t for t, _ in got] == [t for t, _ in reference]  # same targets, same order
+    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in reference]),
+                               atol=ATOL, rtol=0)
+    # The model's own (Trainer's) loss: mean over the same targets.
+    with torch.no_grad():
+        loss_padded = model(**padded, use_cache=False).loss
+        loss_flat = model(**{k: flat[k] for k in ("input_ids", "labels", "position_ids")}, use_cache=False).loss
+    torch.testing.assert_close(loss_flat, loss_padded, atol=ATOL, rtol=0)
+
+    # Packing: rows built by finetune/data.py in shuffled order; compare per target as multisets.
+    packed_rows = data._pack([data._Example(e["input_ids"], e["labels"]) for e in examples], 10_000, seed=0)
+    packed = speed.make_collator(_data_cfg("x", packing=True), mcfg, tokenizer.pad_token_id)(packed_rows)
+    got_packed = _per_token_losses(model, packed)
+    assert sorted(t for t, _ in got_packed) == sorted(t for t, _ in reference)
+    torch.testing.assert_close(torch.tensor(sorted(v for _, v in got_packed)),
+                               torch.tensor(sorted(v for _, v in reference)), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_no_attention_crosses_example_boundaries(tokenizer, examples, attn):
+    model = _model(tokenizer, attn)
+    mcfg = build_config({"model": {"attn_implementation": attn}}).model
+    collate = speed.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)
+
+    def logits(batch):
+        with torch.no_grad():
+            return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+
+    flat = collate(examples)
+    row = logits(flat)
+    start = 0
+    for e in examples:  # each example inside the row == that example alone
+        n = len(e["input_ids"])
+        with torch.no_grad():
+            alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
+        torch.testing.assert_close(row[start:start + n], alone, atol=ATOL, rtol=0)
+        start += n
+
+    # Perturb every token of the first example: the others' logits must not move at all.
+    perturbed = [dict(examples[0], input_ids=[(t + 7) % len(tokenizer) for t in examples[0]["input_ids"]])]
+    perturbed += examples[1:]
+    row2 = logits(collate(perturbed))
+    n0 = len(examples[0]["input_ids"])
+    assert (row2[:n0] - row[:n0]).abs().max() > 1e-3  # the perturbation itself is visible
+    torch.testing.assert_close(row2[n0:], row[n0:], atol=ATOL, rtol=0)
+    # Control: the same row without position_ids (plain causal attention) does leak.
+    with torch.no_grad():
+        leak1 = model(input_ids=flat["input_ids"], use_cache=False).logits[0]
+        leak2 = model(input_ids=collate(perturbed)["input_ids"], use_cache=False).logits[0]
+    assert (leak2[n0:] - leak1[n0:]).abs().max() > 1e-3
+
+
+def _cfg(**sections):
+    return build_config(sections)
+
+
+@pytest.mark.parametrize(("sections", "needle"), [
+    ({"data": {"packing": True, "padding_free": True}}, "choose one"),
+    ({"data": {"packing": True}, "model": {"attn_implementation": "flash_attention_2"},
+      "training": {"per_device_train_batch_size": 2}}, "per_device_train_batch_size 2"),
+    ({"data": {"padding_free": True}, "model": {"trust_remote_code": True}}, "trust_remote_code"),
+])
+def test_unsafe_combinations_are_refused(sections, needle):
+    with pytest.raises(ConfigError, match=needle):
+        speed.check(_cfg(**sections))
+
+
+def test_safe_combinations_pass():
+    speed.check(_cfg(data={"padding_free": True}, model={"attn_implementation": "flash_attention_2"},
+                     training={"per_device_train_batch_size": 8}))
+    speed.check(_cfg(data={"packing": True}, model={"attn_implementation": "flash_attention_2"},
+                     training={"per_device_train_batch_size": 1}))
+    speed.check(_cfg(data={"packing": True}, model={"attn_implementation": "eager"}))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_liger_on_cpu_is_a_clear_error():
+    with pytest.raises(UserError, match=r"use_liger_kernel: .*(not installed|CUDA)"):
+        speed.check(_cfg(training={"use_liger_kernel": True}))
+
+
+@pytest.mark.parametrize("layout", ["packing", "padding_free"])
+def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examples, tmp_path, layout):
+    """Input tokens = real tokens (no padding), trained tokens = labels != -100, for both layouts;
+    expected values come from the examples themselves."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from finetune.config import MethodConfig, ModelConfig
+    from finetune.model import load_model
+    from finetune.trainer import FinetuneTrainer
+
+    rows = examples
+    if layout == "packing":
+        rows = data._pack([data._Example(e["input_ids"], e["labels"]) for e in examples], 100, seed=0)
+        assert len({len(r["input_ids"]) for r in rows}) > 1  # rows of different length: padded batch
+    dcfg = _data_cfg("x", packing=layout == "packing", padding_free=layout == "padding_free")
+    mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
+    model = load_model(mcfg, MethodConfig(name="full"))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1,
+                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                              data_collator=speed.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
+    trainer.train()
+    _, n_input, n_trained, _ = trainer._steps[0]
+    assert n_input == sum(len(e["input_ids"]) for e in examples)
+    assert n_trained == sum(sum(1 for x in e["labels"] if x != -100) for e in examples)
+
+
+def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplog):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cache_dir = tmp_path / "cache"
+
+    def build(**kw):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="finetune.token_cache"):
+            bundle = data.build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
+                                         tokenizer, seed=0)
+        return bundle, caplog.text
+
+    first, log1 = build()
+    assert "tokenization cache miss" in log1 and len(list(cache_dir.glob("*.json.gz"))) == 1
+    second, log2 = build()
+    assert "tokenization cache hit" in log2
+    assert second.train.to_list() == first.train.to_list() and vars(second.stats) == vars(first.stats)
+    _, log3 = build(max_length=64)  # a setting that changes the examples: a new entry
+    assert "miss" in log3 and len(list(cache_dir.glob("*.json.gz"))) == 2
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))  # new file bytes
+    changed, log4 = build()
+    assert "miss" in log4 and changed.stats.train_examples == 2
+    uncached = data.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    assert uncached.train.to_list() == changed.train.to_list()
