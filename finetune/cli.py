@@ -134,14 +134,17 @@ def _report_failed_ranks(failures: dict) -> int:
     codes = {f.exitcode for f in failures.values()}
     from finetune import exit_codes
 
-    if exit_codes.PREEMPTED in codes and codes <= {exit_codes.PREEMPTED, -signal.SIGTERM}:
-        # Ranks that had already exited 75 make torchrun SIGTERM the rest; the checkpoint's
-        # completion marker (finetune/checkpoints.py), not the exit code, says it is whole.
-        print(f"finetune: preempted (exit {exit_codes.PREEMPTED}); continue with --resume", file=sys.stderr,
-              flush=True)
-        return exit_codes.PREEMPTED
-    code = codes.pop() if len(codes) == 1 else 1
-    return code if code > 0 else 1
+    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
+    # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
+    # whichever rank happened to exit first.
+    real = {c for c in codes if c > 0}
+    if len(real) == 1 and codes - real <= {-signal.SIGTERM}:
+        code = real.pop()
+        if code == exit_codes.PREEMPTED:  # the checkpoint's completion marker says it is whole
+            print(f"finetune: preempted (exit {exit_codes.PREEMPTED}); continue with --resume", file=sys.stderr,
+                  flush=True)
+        return code
+    return 1
 
 
 def _restores_environment(fn):

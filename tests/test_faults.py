@@ -242,3 +242,22 @@ def test_fault_settings_are_validated_with_allowed_values():
     assert "training.enable_jit_checkpoint: not supported" in msg, msg
     cfg, _ = load_recipe("ddp", [])
     assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
+
+
+@pytest.mark.parametrize("codes, expected", [
+    ({0: 3, 1: -15}, 3),     # rank 0 stopped on a NaN first; torchrun SIGTERMed rank 1
+    ({0: -15, 1: 75}, 75),   # preempted: one rank exited 75, the other was shut down
+    ({0: 3, 1: 3}, 3),
+    ({0: 1, 1: 3}, 1),       # two different real failures: no single meaning
+    ({0: -9, 1: -15}, 1),    # a rank killed outright
+])
+def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, expected, capsys):
+    from types import SimpleNamespace
+
+    from finetune.cli import _report_failed_ranks
+
+    failures = {rank: SimpleNamespace(exitcode=code, timestamp=rank, local_rank=rank, pid=100 + rank)
+                for rank, code in codes.items()}
+    assert _report_failed_ranks(failures) == expected
+    err = capsys.readouterr().err
+    assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)
