@@ -106,7 +106,7 @@ def throughput_plot(table: Table, path: Path) -> Path:
 def memory_plot(table: Table, path: Path) -> Path:
     plt = _pyplot()
     fig = memory_figure(table)
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # the legend sits outside the axes
     plt.close(fig)
     return path
 
@@ -125,7 +125,7 @@ def memory_figure(table: Table):
         key = "device_peak_allocated_gib" if kind == "device" else "host_peak_rss_gib"
         measured = [(r.get("memory", "max", key) if r.record is not None else None) for r in table.runs]
         x = list(range(len(labels)))
-        ax.bar([i - width / 2 for i in x], [m or 0 for m in measured], width, color="tab:blue",
+        ax.bar([i - width / 2 for i in x], [m or 0 for m in measured], width, color="dimgray",  # not a tab20c component colour
                label="measured peak" + (" allocated" if kind == "device" else " RSS"))
         colors = iter(plt.get_cmap("tab20c").colors)
         component_colors: dict[str, tuple] = {}
@@ -153,7 +153,7 @@ def memory_figure(table: Table):
         ax.set_xlim(-0.6, len(labels) - 0.4)  # room for the last predicted bar (annotations outside are not drawn)
         ax.set_ylabel("GiB (2^30 bytes), max over ranks")
         ax.set_title(f"Peak {kind} memory" + ("" if any_prediction else " (no predictions recorded)"))
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # outside: never over a bar
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
