@@ -73,6 +73,25 @@ class Launch:
         return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
+def run_process_group(cmd: list[str], *, cwd: Path, env: dict, timeout: float,
+                      merge_stderr: bool = False) -> tuple[int, str, str]:
+    """Run cmd in a new process group. On timeout the whole group (launcher and ranks) is killed
+    and the test fails, so a hung job never hangs the suite; a launcher killed by a signal fails
+    it too. Returns (exit code, stdout, stderr; stderr is "" when merged into stdout)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}")
+    if proc.returncode < 0:
+        pytest.fail(f"launcher killed by signal {-proc.returncode}: {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}")
+    return proc.returncode, out, err or ""
+
+
 def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: int = 1,
                  config_file: str | None = None, launch_args: list[str] = (), timeout: float = 600,
                  env: dict | None = None, unset_env_prefix: str | None = None) -> Launch:
@@ -91,17 +110,8 @@ def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: in
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if unset_env_prefix:
         full_env = {k: v for k, v in full_env.items() if not k.startswith(unset_env_prefix)}
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
-    if proc.returncode < 0:
-        pytest.fail(f"killed by signal {-proc.returncode}: {' '.join(cmd)}\n{err[-3000:]}")
-    return Launch(proc.returncode, out, err, run_dir)
+    code, out, err = run_process_group(cmd, cwd=cwd, env=full_env, timeout=timeout)
+    return Launch(code, out, err, run_dir)
 
 
 @pytest.fixture

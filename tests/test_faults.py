@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from finetune import checkpoints, exit_codes, fault_inject, resume
 from finetune.errors import UserError
-from tests.conftest import REPO
+from tests.conftest import REPO, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 
@@ -29,17 +28,8 @@ def cli_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420
     timeout the group is killed and the test fails; a launcher killed by a signal fails it too."""
     cmd = [sys.executable, "-m", "finetune.cli", "train", *args, f"--run.output_dir={run_dir}"]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-4000:]}")
-    if proc.returncode < 0:
-        pytest.fail(f"launcher killed by signal {-proc.returncode}: {' '.join(cmd)}\n{out[-4000:]}")
-    return proc.returncode, out, run_dir
+    code, out, _ = run_process_group(cmd, cwd=REPO, env=full_env, timeout=timeout, merge_stderr=True)
+    return code, out, run_dir
 
 
 def tiny_args(tiny_model_dir, steps: int) -> list[str]:
