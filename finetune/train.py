@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from accelerate import PartialState
 
-    from finetune import cpu_distributed, demo_data, preflight, record, rundir
+    from finetune import cpu_distributed, demo_data, preflight, record, resume, rundir
     from finetune.distributed import run_on_main
 
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
@@ -50,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         name = cfg.run.name or rundir.default_run_name(cfg.recipe)
         path = rundir.resolve_run_dir(name, cfg.run.output_dir)
         if args.resume:  # the run directory is reused as it is (finetune/resume.py)
-            from finetune import resume
-
             return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
         rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
         return name, str(path), None
@@ -62,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec and resume_ckpt:
-        from finetune import resume
-
         resume.continue_record(rec, run_dir, Path(resume_ckpt))
         log.info("resuming from %s (step %d)", resume_ckpt, rec["summary"]["resumed_at_step"])
     if rec:
