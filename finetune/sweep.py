@@ -172,7 +172,9 @@ def execute(run: PlannedRun) -> Outcome:
     from finetune import cpu_distributed
 
     run.log.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != cpu_distributed.ENV}  # `finetune train --cpu` sets it per config
+    # Each run's `finetune train` sets the CPU/gloo opt-in from its own config (cpu/ variants only);
+    # a value inherited from the caller would force it on the single-process runs too.
+    env = {k: v for k, v in os.environ.items() if k != cpu_distributed.ENV}
     env.setdefault("PYTHONUNBUFFERED", "1")
     tail: list[str] = []
     with open(run.log, "w", encoding="utf-8") as log:
