@@ -299,6 +299,6 @@ def environment() -> dict:
 
 
 if __name__ == "__main__":
-    from finetune.cli_support import exit_on_user_error
+    from finetune.errors import exit_on_user_error
 
     raise SystemExit(exit_on_user_error(main)())

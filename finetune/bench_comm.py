@@ -38,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_sizes(values: list[str], world: int) -> list[int]:
     from finetune.errors import UserError
-    from finetune.plan_report import parse_size
+    from finetune.units import parse_size
 
     out = []
     for v in values:
@@ -199,21 +199,21 @@ def main(argv: list[str] | None = None) -> int:
 def launch_args(rest: list[str], *, cpu: bool, num_processes: int) -> list[str]:
     """`accelerate launch` arguments that run this module on num_processes processes:
     the CPU DDP config (gloo) with --cpu, else torchrun-style multi-GPU."""
+    from finetune import resources, strategies
     from finetune.errors import UserError
-    from finetune.recipe import REPO_ROOT
 
     if num_processes < 2:
         raise UserError(f"--num_processes: bench-comm needs at least 2 processes, got {num_processes}")
     args = parser().parse_args(rest)  # bad options fail here, before any process starts
     parse_sizes(args.sizes, num_processes)
     if cpu:
-        cmd = ["--config_file", str(REPO_ROOT / "accelerate_configs" / "cpu" / "ddp.yaml")]
+        cmd = ["--config_file", str(resources.resolve(strategies.by_key("ddp").cpu_config))]
     else:
         cmd = ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     return cmd + ["--num_processes", str(num_processes), "-m", "finetune.bench_comm", *rest]
 
 
 if __name__ == "__main__":
-    from finetune.cli_support import exit_on_user_error
+    from finetune.errors import exit_on_user_error
 
     sys.exit(exit_on_user_error(main)())

@@ -18,8 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune.cli_support import TRAIN_EPILOG, exit_on_user_error
-from finetune.errors import UserError
+from finetune import resources
+from finetune.cli_support import TRAIN_EPILOG
+from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = PACKAGE_DIR / "train.py"
@@ -37,9 +38,7 @@ def launch_command(recipe: str, rest: list[str], config_file: str | None, num_pr
     path = _accelerate_config_path(config_file or cfg.run.accelerate_config, cfg.run.accelerate_config, cpu)
     cmd = []
     if path:
-        from finetune.recipe import REPO_ROOT
-
-        cmd += ["--config_file", str(path)] + _absolute_deepspeed_config(path, REPO_ROOT)
+        cmd += ["--config_file", str(path)] + _absolute_deepspeed_config(path)
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]
     if cpu and not (path and path.parent.name == "cpu"):
@@ -63,30 +62,27 @@ def launch_environment(launch_args: list[str]) -> dict[str, str]:
 
 
 def _accelerate_config_path(config_file: str | None, recipe_config: str | None, cpu: bool) -> Path | None:
-    from finetune.recipe import REPO_ROOT
-
     if not config_file:
         return None
-    path = Path(config_file)
-    if not path.is_file() and (REPO_ROOT / path).is_file():
-        path = REPO_ROOT / path
-    if not path.is_file():
+    path = resources.locate(config_file)
+    if path is None:
         raise UserError(f"accelerate config {config_file!r} not found (from "
                         f"{'--config_file' if config_file != recipe_config else 'run.accelerate_config'})")
-    if cpu and (REPO_ROOT / "accelerate_configs" / "cpu" / path.name).is_file() and path.parent.name != "cpu":
-        path = REPO_ROOT / "accelerate_configs" / "cpu" / path.name
+    if cpu:
+        path = resources.cpu_variant(path)
     return path.resolve()
 
 
-def _absolute_deepspeed_config(config: Path, repo_root: Path) -> list[str]:
-    """Configs name their DeepSpeed JSON relative to the repo root; pass it absolute so
-    `finetune train` works from any directory (accelerate's command line beats the file)."""
+def _absolute_deepspeed_config(config: Path) -> list[str]:
+    """Configs name their DeepSpeed JSON relative to the resources root (the repository's top
+    level); pass it absolute so `finetune train` works from any directory (accelerate's command
+    line beats the file)."""
     from finetune.launch_config import read_yaml
 
     ds = read_yaml(config).get("deepspeed_config") or {}
     ds_file = ds.get("deepspeed_config_file")
-    if ds_file and not Path(ds_file).is_absolute() and (repo_root / ds_file).is_file():
-        return ["--deepspeed_config_file", str(repo_root / ds_file)]
+    if ds_file and not Path(ds_file).is_absolute() and resources.resolve(ds_file).is_file():
+        return ["--deepspeed_config_file", str(resources.resolve(ds_file))]
     return []
 
 
@@ -108,11 +104,10 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
         return e.returncode
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
         if type(e).__name__ == "SignalException":  # the launcher itself was signalled; the ranks were
-            from finetune import exit_codes  # told to checkpoint and stop
-
-            print(f"finetune: launcher received {e.sigval.name}: preempted (exit {exit_codes.PREEMPTED})",
+            # told to checkpoint and stop
+            print(f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
                   file=sys.stderr, flush=True)
-            return exit_codes.PREEMPTED
+            return EXIT_PREEMPTED
         if type(e).__name__ != "ChildFailedError":
             raise
         return _report_failed_ranks(e.failures)
@@ -132,16 +127,14 @@ def _report_failed_ranks(failures: dict) -> int:
         print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
               file=sys.stderr, flush=True)
     codes = {f.exitcode for f in failures.values()}
-    from finetune import exit_codes
-
     # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
     # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
     # whichever rank happened to exit first.
     real = {c for c in codes if c > 0}
     if len(real) == 1 and codes - real <= {-signal.SIGTERM}:
         code = real.pop()
-        if code == exit_codes.PREEMPTED:  # the checkpoint's completion marker says it is whole
-            print(f"finetune: preempted (exit {exit_codes.PREEMPTED}); continue with --resume", file=sys.stderr,
+        if code == EXIT_PREEMPTED:  # the checkpoint's completion marker says it is whole
+            print(f"finetune: preempted (exit {EXIT_PREEMPTED}); continue with --resume", file=sys.stderr,
                   flush=True)
         return code
     return 1

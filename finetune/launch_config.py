@@ -26,10 +26,7 @@ from pathlib import Path
 import yaml
 
 from finetune.errors import UserError
-
-# Distributed types whose processes each need an accelerator (torchrun / DeepSpeed launches).
-ACCELERATOR_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
-DATA_PARALLEL_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
+from finetune.strategies import name_of, offload_device, offload_name
 
 
 @dataclass
@@ -54,26 +51,11 @@ class LaunchFacts:
         """(strategy, offload) in the names of recipes' run.strategy / run.offload."""
         if self.distributed_type == "DEEPSPEED":
             zero = (self.deepspeed or {}).get("zero_optimization") or {}
-            stage = zero.get("stage", 0)
-            return f"zero{stage}", offload_name(_device(zero.get("offload_optimizer")), _device(zero.get("offload_param")))
+            return (name_of("DEEPSPEED", zero_stage=zero.get("stage", 0)),
+                    offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))))
         if self.distributed_type == "FSDP":
             return "fsdp", "optimizer+params" if self.fsdp_offload else "none"
-        if self.distributed_type in DATA_PARALLEL_TYPES and self.num_processes > 1:
-            return "ddp", "none"
-        if self.num_processes == 1 and self.distributed_type in ("NO", *DATA_PARALLEL_TYPES):
-            return "single", "none"
-        return self.distributed_type.lower(), "none"
-
-
-def offload_name(optimizer_device: str, param_device: str) -> str:
-    if param_device != "none":
-        return "optimizer+params" if optimizer_device != "none" else "params"
-    return "optimizer" if optimizer_device != "none" else "none"
-
-
-def _device(section) -> str:
-    device = (section or {}).get("device") if isinstance(section, dict) else None
-    return str(device).lower() if device not in (None, "", "none") else "none"
+        return name_of(self.distributed_type, num_processes=self.num_processes), "none"
 
 
 def read_yaml(path: Path) -> dict:

@@ -14,7 +14,7 @@ import statistics
 import psutil
 import torch
 
-GIB = 2**30
+from finetune.units import GIB
 
 # Peak dense (no sparsity) bf16 tensor FLOP/s per device, from the vendors' datasheets
 # (NVIDIA H100/H200/A100/L4/A10/T4 product briefs; T4 has no bf16: its fp16 figure).

@@ -24,9 +24,9 @@ import json
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.plan_memory import STRATEGY_SPECS, Shape, Workload
-
-GB = 1e9  # nccl-tests report GB/s as 1e9 bytes/s
+from finetune.plan_memory import Shape, Workload
+from finetune.strategies import by_key
+from finetune.units import GB  # nccl-tests report GB/s as 1e9 bytes/s
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -42,7 +42,7 @@ def ring_factor(op: str, n: int) -> float:
 
 def step_traffic(shape: Shape, w: Workload, strategy: str, n: int) -> dict:
     """{'collectives': {name: bytes per rank}, 'host_device': {name: bytes per rank}} per optimizer step."""
-    st = STRATEGY_SPECS[strategy]
+    st = by_key(strategy)
     psi = shape.params.total
     if w.method == "full":
         trainable, tdt = psi, w.weight_bytes
@@ -68,7 +68,7 @@ def step_traffic(shape: Shape, w: Workload, strategy: str, n: int) -> dict:
             coll["all_gather params (backward)"] = a * ring_factor("all_gather", n) * all_bytes
             coll["reduce_scatter gradients"] = a * ring_factor("reduce_scatter", n) * s_g
     if st.offload_optimizer:
-        h2d["gradients device->host"] = (a if st.stage is None else 1) * s_g / n
+        h2d["gradients device->host"] = (a if st.zero_stage is None else 1) * s_g / n
         h2d["updated params host->device"] = s_w / n
     if st.offload_params:
         h2d["params host->device (forward + backward)"] = 2 * a * all_bytes / n

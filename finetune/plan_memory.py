@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from finetune.planner import ADAM_K, ParamCount, count_parameters
-
-GIB = 2**30
+from finetune.strategies import KEYS, by_key, planner_key
+from finetune.units import GIB, gib
 CUDA_CONTEXT_GIB = 0.5  # CUDA context + cuBLAS/NCCL workspaces, outside torch's allocator (typical H100 figure)
 TEMPORARY_FRACTION = 0.10  # allocator fragmentation and short-lived temporaries, as a share of the rest
 # Resident set of one Python process with torch + transformers + accelerate + peft + deepspeed
@@ -36,39 +36,9 @@ TEMPORARY_FRACTION = 0.10  # allocator fragmentation and short-lived temporaries
 PROCESS_BASELINE_GIB = 0.55
 NF4_BITS = {True: 4 + 8 / 64 + 32 / (64 * 256), False: 4 + 32 / 64}  # double_quant -> bits/parameter
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_opt",
-              "zero3_offload", "fsdp", "fsdp_offload")
+# Plan rows: every strategy of the table (finetune/strategies.py), in its order.
+STRATEGIES = KEYS
 METHODS = ("full", "lora", "qlora")
-
-
-@dataclass
-class Strategy:
-    name: str
-    stage: int | None  # ZeRO stage (DeepSpeed), None for torch-native strategies
-    shards_params: bool
-    shards_grads: bool
-    shards_optimizer: bool
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    description: str = ""
-
-
-STRATEGY_SPECS = {
-    "single": Strategy("single", None, False, False, False, description="one device, no data parallelism"),
-    "ddp": Strategy("ddp", None, False, False, False, description="DDP: every rank holds everything"),
-    "zero1": Strategy("zero1", 1, False, False, True, description="ZeRO-1: optimizer states sharded"),
-    "zero2": Strategy("zero2", 2, False, True, True, description="ZeRO-2: + gradients sharded"),
-    "zero2_offload": Strategy("zero2_offload", 2, False, True, True, offload_optimizer=True,
-                              description="ZeRO-2, optimizer states + step on the host"),
-    "zero3": Strategy("zero3", 3, True, True, True, description="ZeRO-3: + parameters sharded"),
-    "zero3_offload_opt": Strategy("zero3_offload_opt", 3, True, True, True, offload_optimizer=True,
-                                  description="ZeRO-3, optimizer offloaded to the host"),
-    "zero3_offload": Strategy("zero3_offload", 3, True, True, True, offload_optimizer=True, offload_params=True,
-                              description="ZeRO-3, optimizer and parameters offloaded to the host"),
-    "fsdp": Strategy("fsdp", None, True, True, True, description="FSDP2: parameters, grads, optimizer sharded"),
-    "fsdp_offload": Strategy("fsdp_offload", None, True, True, True, offload_optimizer=True, offload_params=True,
-                             description="FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)"),
-}
 
 
 @dataclass
@@ -166,7 +136,7 @@ def activation_bytes(shape: Shape, w: Workload) -> dict:
 
 def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, dict]:
     """(device bytes per component, host bytes per component of one rank's process)."""
-    st = STRATEGY_SPECS[strategy]
+    st = by_key(strategy)
     psi = shape.params.total
     wb = w.weight_bytes
     frozen = {}  # frozen base weights by component name (LoRA/QLoRA)
@@ -182,7 +152,7 @@ def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, 
             frozen["frozen_weights"] = psi * wb
     # Optimizer: DeepSpeed always keeps an fp32 master partition (K = 12); torch AdamW keeps
     # exp_avg and exp_avg_sq in the parameter's dtype and no master copy.
-    opt_per_param = ADAM_K if st.stage is not None else 2 * tdt
+    opt_per_param = ADAM_K if st.zero_stage is not None else 2 * tdt
     grad_per_param = tdt
     shard_p = n if st.shards_params else 1
     shard_g = n if st.shards_grads else 1
@@ -204,7 +174,7 @@ def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, 
         device["ddp_grad_buckets"] = trainable * tdt
     if st.offload_optimizer:
         host["optimizer_states"] = device.pop("optimizer_states")
-        if st.stage is not None:
+        if st.zero_stage is not None:
             # ZeRO-Offload (Ren et al. 2021, §4.1): gradients are reduced into an fp32 partition in
             # host memory next to the states; the device keeps only a reduce bucket (in temporaries).
             device.pop("gradients")
@@ -213,7 +183,7 @@ def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, 
         for key in ("weights", "lora_adapters", *frozen):
             if key in device:
                 host[key] = device.pop(key)
-        if st.stage is None:  # FSDP2 CPUOffloadPolicy: sharded gradients live on the host too
+        if st.zero_stage is None:  # FSDP2 CPUOffloadPolicy: sharded gradients live on the host too
             host["gradients"] = device.pop("gradients")
     if st.shards_params:
         # Parameters gathered for compute: the current block and the prefetched next one
@@ -246,7 +216,7 @@ def plan_rows(shape: Shape, w: Workload, n: int, methods=METHODS, strategies=STR
     for method in methods:
         wm = Workload(**{**w.__dict__, "method": method})
         for strategy in strategies:
-            if n == 1 and strategy != "single" and not STRATEGY_SPECS[strategy].offload_optimizer:
+            if n == 1 and strategy != "single" and not by_key(strategy).offload_optimizer:
                 continue  # on one device only the offload variants differ from `single`
             dev, host = totals(*components(shape, wm, strategy, n), on_gpu=True)
             rows.append({"method": method, "strategy": strategy, "device": dev, "host": host,
@@ -271,15 +241,11 @@ def assumptions(w: Workload, *, on_gpu: bool) -> dict:
     }
 
 
-def gib(x: float) -> float:
-    return round(x / GIB, 4)
-
-
 def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing: bool, on_gpu: bool,
                      weight_bytes: int, seq_len: int | None = None) -> dict:
     """run.json `predicted_memory` for the strategy that engaged (shape in docs/planning.md).
     On a CPU run the device is the host: everything is predicted as one process's RSS."""
-    strategy = _strategy_name(engaged)
+    strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
     n = engaged.get("world_size") or 1
     w = workload_from_config(cfg, weight_bytes=weight_bytes, gradient_checkpointing=gradient_checkpointing)
     if seq_len is not None:
@@ -340,22 +306,6 @@ def workload_from_config(cfg, *, weight_bytes: int, gradient_checkpointing: bool
                     gradient_checkpointing=gradient_checkpointing, weight_bytes=weight_bytes, lora_r=m.lora_r,
                     lora_targets=m.target_modules, lora_dropout=m.lora_dropout, double_quant=m.double_quant,
                     attn_implementation=cfg.model.attn_implementation)
-
-
-def _strategy_name(engaged: dict) -> str:
-    name = engaged.get("name")
-    offload = engaged.get("offload", "none")
-    if name == "zero2" and offload != "none":
-        return "zero2_offload"
-    if name == "zero3" and offload == "optimizer":
-        return "zero3_offload_opt"
-    if name == "zero3" and offload != "none":
-        return "zero3_offload"
-    if name == "fsdp" and offload != "none":
-        return "fsdp_offload"
-    if name in STRATEGY_SPECS:
-        return name
-    raise ValueError(f"no memory model for strategy {name!r} (known: {', '.join(STRATEGY_SPECS)})")
 
 
 def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int,

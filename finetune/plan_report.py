@@ -4,48 +4,15 @@ strategy, and a recommendation: the fastest strategy that fits with a margin."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from finetune.errors import UserError
 from finetune.plan_comm import read_bandwidth, step_time, step_traffic
-from finetune.plan_memory import (
-    GIB,
-    STRATEGY_SPECS,
-    assumptions,
-    gib,
-    plan_rows,
-    shape_of,
-    workload_from_config,
-)
+from finetune.plan_memory import assumptions, plan_rows, shape_of, workload_from_config
+from finetune.strategies import SPEED_ORDER, by_key
+from finetune.units import GIB, gib, parse_size
 
 MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for fragmentation spikes
-# Fastest first: fewer bytes moved per step and nothing on the PCIe link (ZeRO paper §7;
-# offload adds host<->device copies and a CPU optimizer step, ZeRO-Offload paper §4).
-SPEED_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp", "zero3", "zero2_offload", "zero3_offload_opt",
-               "fsdp_offload", "zero3_offload")
-WHY = {
-    "single": "one device, no communication at all",
-    "ddp": "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded",
-    "zero1": "shards only the optimizer states; same traffic as DDP",
-    "zero2": "shards optimizer states and gradients; same traffic as DDP",
-    "fsdp": "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)",
-    "zero3": "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)",
-    "zero2_offload": "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step",
-    "zero3_offload_opt": "ZeRO-3 with the optimizer on the host",
-    "fsdp_offload": "parameters, gradients and optimizer on the host: the least device memory, the slowest",
-    "zero3_offload": "parameters and optimizer on the host: the least device memory, the slowest",
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(gib|gb|mib|mb|kib|kb|g)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, what: str) -> float:
-    """'24GiB' / '24GB' / '24' (GiB) / '64KiB' -> bytes."""
-    m = _SIZE.match(str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise UserError(f"{what}: {text!r} is not a memory size; use e.g. 24GiB, 80GB or 24 (GiB)")
-    unit = (m.group(2) or "gib").lower()
-    return float(m.group(1)) * {"gib": GIB, "g": GIB, "gb": 1e9, "mib": 2**20, "mb": 1e6, "kib": 2**10, "kb": 1e3}[unit]
 
 
 def load_model_config(name_or_path: str):
@@ -98,7 +65,7 @@ def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, h
         host_node = row["host_total"] * gpus  # one process per GPU on each node
         fit_dev, fit_host = row["device_total"] / gpu_memory, host_node / host_memory
         rows.append({"method": row["method"], "strategy": row["strategy"],
-                     "description": STRATEGY_SPECS[row["strategy"]].description,
+                     "description": by_key(row["strategy"]).description,
                      "device": {"components_gib": {k: gib(v) for k, v in row["device"].items()},
                                 "total_gib": gib(row["device_total"])},
                      "host_per_process": {"components_gib": {k: gib(v) for k, v in row["host"].items()},
@@ -156,7 +123,7 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
                   f"gradient checkpointing, a shorter sequence, a lighter method (lora/qlora) or more/larger GPUs")
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
     faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
-    reason = (f"{choice['strategy']} ({WHY[choice['strategy']]}) is the fastest that fits: "
+    reason = (f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
               f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
               f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node")
     if faster:

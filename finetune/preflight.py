@@ -27,7 +27,8 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
-from finetune.launch_config import ACCELERATOR_TYPES, LaunchFacts
+from finetune.launch_config import LaunchFacts
+from finetune.strategies import ACCELERATOR_TYPES, launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
@@ -50,9 +51,9 @@ def check_launch(launch_args: list[str]) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch."""
     from accelerate.commands.launch import launch_command_parser
 
-    from finetune import launch_config
+    from finetune import launch_config, resources
     from finetune.cli_support import parse_train_args
-    from finetune.recipe import REPO_ROOT, load_recipe
+    from finetune.recipe import load_recipe
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
@@ -61,7 +62,7 @@ def check_launch(launch_args: list[str]) -> None:
     if parsed.config_file:
         facts = launch_config.from_config_file(Path(parsed.config_file), num_processes=parsed.num_processes,
                                                cpu=parsed.cpu, deepspeed_config_file=parsed.deepspeed_config_file,
-                                               base_dirs=[REPO_ROOT])
+                                               base_dirs=[resources.ROOT])
     else:
         facts = LaunchFacts(source="accelerate launch without a config file", num_processes=parsed.num_processes or 1,
                             use_cpu=parsed.cpu)
@@ -160,8 +161,6 @@ def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
 
 def strategy_matches_recipe(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     """The recipe's run.strategy / run.offload against what the launch config will set up."""
-    from finetune.strategy import launch_line
-
     want, want_offload = cfg.run.strategy, cfg.run.offload
     if (want == "any" and want_offload == "any") or facts.problems:
         return []

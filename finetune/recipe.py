@@ -13,8 +13,7 @@ import yaml
 
 from finetune.config import Config, build_config
 from finetune.errors import ConfigError
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from finetune.resources import RECIPES as RECIPES_DIR
 
 
 class _Loader(yaml.SafeLoader):
@@ -31,7 +30,6 @@ _Loader.add_implicit_resolver(
 
 def parse_yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-RECIPES_DIR = REPO_ROOT / "recipes"
 
 
 def available_recipes() -> list[str]:

@@ -15,8 +15,9 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from finetune.units import GIB
+
 SCHEMA = 1
-GIB = 2**30
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "datasets", "finetune")
 
 

@@ -7,7 +7,7 @@ What happens in each case (docs/faults.md has the user-facing table):
   the end of each optimizer step every rank all-gathers its flag; if any rank was signalled,
   all of them ask Trainer to save and stop at this step boundary, rank 0 marks the checkpoint
   complete, and train.py records status `interrupted`, prints the resume command and exits
-  with PREEMPTED_EXIT_CODE. Trainer's own SIGTERM support (TrainingArguments
+  with EXIT_PREEMPTED (75). Trainer's own SIGTERM support (TrainingArguments
   enable_jit_checkpoint, transformers 5.23 trainer_jit_checkpoint.py) stops the loop and lets
   the script end normally, exit 0, which a scheduler reads as "finished"; and it only listens
   on the rank that got the signal. Not used here.
@@ -35,20 +35,17 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from finetune import checkpoints, exit_codes, fault_inject
-from finetune.errors import UserError
+from finetune import checkpoints, fault_inject
+from finetune.errors import EXIT_NONFINITE, EXIT_PREEMPTED, UserError
 from finetune.trainer import FinetuneTrainer
 
 log = logging.getLogger("finetune")
-
-PREEMPTED_EXIT_CODE = exit_codes.PREEMPTED  # 75, finetune/exit_codes.py
-NONFINITE_EXIT_CODE = exit_codes.NONFINITE  # 3
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class NonFiniteError(RuntimeError):
-    exit_code = NONFINITE_EXIT_CODE
+    exit_code = EXIT_NONFINITE
 
     def __init__(self, message: str, skipped: list[dict]):
         super().__init__(message)

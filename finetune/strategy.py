@@ -16,31 +16,7 @@ from __future__ import annotations
 
 from finetune import cpu_distributed
 from finetune.errors import UserError
-
-# recipe strategy -> the accelerate config that launches it
-LAUNCH_CONFIGS = {
-    "single": "accelerate_configs/single_gpu.yaml",
-    "ddp": "accelerate_configs/ddp.yaml",
-    "zero2": "accelerate_configs/zero2.yaml",
-    "zero3": "accelerate_configs/zero3.yaml",
-    "fsdp": "accelerate_configs/fsdp.yaml",
-}
-# (strategy, offload) -> config, where offload changes the file
-OFFLOAD_CONFIGS = {
-    ("zero2", "optimizer"): "accelerate_configs/zero2_offload.yaml",
-    ("zero3", "optimizer+params"): "accelerate_configs/zero3_offload.yaml",
-    ("fsdp", "optimizer+params"): "accelerate_configs/fsdp_offload.yaml",
-}
-
-
-def check_world_size(state) -> None:
-    """The launcher's world size must equal the processes Accelerate set up (train.py checks
-    this with everything else in finetune/preflight.py)."""
-    from finetune.preflight import world_size_problem
-
-    problem = world_size_problem(state)
-    if problem:
-        raise UserError(problem)
+from finetune.strategies import launch_line, name_of, offload_device, offload_name
 
 
 def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
@@ -56,31 +32,17 @@ def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
         stage = int(ds.get("stage", 0))
         opt = (ds.get("offload_optimizer") or {}).get("device", "none") or "none"
         par = (ds.get("offload_param") or {}).get("device", "none") or "none"
-        out.update(name=f"zero{stage}", zero_stage=stage, offload_optimizer=opt, offload_params=par,
-                   offload=_offload_name(opt, par))
+        out.update(name=name_of(dtype, zero_stage=stage), zero_stage=stage, offload_optimizer=opt,
+                   offload_params=par, offload=offload_name(opt, par))
     elif dtype == "FSDP":
         plugin = state.fsdp_plugin
         offload = _fsdp_offloads(plugin.cpu_offload)
-        out.update(name="fsdp", fsdp_version=getattr(plugin, "fsdp_version", 1),
+        out.update(name=name_of(dtype), fsdp_version=getattr(plugin, "fsdp_version", 1),
                    offload_optimizer="cpu" if offload else "none", offload_params="cpu" if offload else "none",
                    offload="optimizer+params" if offload else "none")
-    elif dtype in ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU"):
-        out["name"] = "ddp"
-    elif dtype == "NO":
-        out["name"] = "single"
     else:
-        out["name"] = dtype.lower()
+        out["name"] = name_of(dtype)
     return out
-
-
-def launch_line(strategy: str, offload: str, recipe: str) -> str:
-    config = OFFLOAD_CONFIGS.get((strategy, offload)) or LAUNCH_CONFIGS.get(strategy, f"accelerate_configs/{strategy}.yaml")
-    if strategy == "single":  # one process runs on a CPU as it is
-        return f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}"
-    cpu = config.replace("accelerate_configs/", "accelerate_configs/cpu/")
-    return (f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}\n"
-            f"or, on a machine without a GPU (2 processes over gloo):\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {cpu} finetune/train.py --recipe {recipe}")
 
 
 def check_expected(expected: str, engaged_strategy: dict, recipe: str, expected_offload: str = "any") -> None:
@@ -120,7 +82,7 @@ def live_evidence(wrapped) -> dict:
         zopt = wrapped.optimizer
         ev.update(zero_stage=int(wrapped.zero_optimization_stage()), zero_optimizer_class=type(zopt).__name__,
                   basic_optimizer_class=type(getattr(wrapped, "basic_optimizer", None)).__name__,
-                  offload_optimizer_device=_device(opt_cfg), offload_param_device=_device(par_cfg),
+                  offload_optimizer_device=offload_device(opt_cfg), offload_param_device=offload_device(par_cfg),
                   gradient_clipping=float(wrapped.gradient_clipping()))
         # The optimizer's own flags, not only the config: ZeRO-1/2 `cpu_offload`, ZeRO-3 `offload_*`.
         ev["optimizer_offloaded"] = bool(getattr(zopt, "cpu_offload", False) or getattr(zopt, "offload_optimizer", False))
@@ -163,7 +125,7 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
     if ev["zero_stage"] is not None:
         opt = ev["offload_optimizer_device"] if ev.get("optimizer_offloaded") else "none"
         par = ev["offload_param_device"] if ev.get("params_offloaded") else "none"
-        return f"zero{ev['zero_stage']}", _offload_name(opt, par)
+        return name_of("DEEPSPEED", zero_stage=ev["zero_stage"]), offload_name(opt, par)
     # Not "every parameter": Accelerate leaves non-float (uint8-stored 4-bit) weights out of FSDP2 sharding.
     if ev["fsdp_modules"] and ev["dtensor_params"]:
         offloaded = ev.get("fsdp_offload_policy") == "CPUOffloadPolicy"
@@ -194,19 +156,6 @@ def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, re
             check_expected(expected, live, recipe, expected_offload)
 
     trainer.add_callback(_LiveStrategyCheck())
-
-
-def _device(offload_cfg) -> str:
-    if offload_cfg is None or getattr(offload_cfg, "device", None) is None:
-        return "none"
-    device = offload_cfg.device
-    return str(getattr(device, "value", device))
-
-
-def _offload_name(optimizer_device: str, param_device: str) -> str:
-    if param_device not in (None, "none"):
-        return "optimizer+params" if optimizer_device not in (None, "none") else "params"
-    return "optimizer" if optimizer_device not in (None, "none") else "none"
 
 
 def _fsdp_offloads(cpu_offload) -> bool:

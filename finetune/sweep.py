@@ -37,10 +37,11 @@ from pathlib import Path
 
 import yaml
 
+from finetune import resources, strategies
 from finetune.errors import UserError
 
 SINGLE = "single"  # not a recipe: one process, the recipe's own method
-SINGLE_CONFIG = "accelerate_configs/single_gpu.yaml"
+SINGLE_CONFIG = strategies.by_key("single").accelerate_config
 # Keys that make a QLoRA run QLoRA; taken from the baseline strategy recipe.
 QLORA_KEYS = ("name", "quant_type", "double_quant", "compute_dtype", "quant_storage")
 
@@ -102,17 +103,10 @@ def _strategy_values(name: str) -> tuple[dict, dict]:
 
 def launch_config(config_file: str, cpu: bool) -> Path:
     """The config `finetune train` will launch with (finetune/cli.py launch_command's choice)."""
-    from finetune.recipe import REPO_ROOT
-
-    path = Path(config_file)
-    if not path.is_file() and (REPO_ROOT / path).is_file():
-        path = REPO_ROOT / path
-    if not path.is_file():
+    path = resources.locate(config_file)
+    if path is None:
         raise UserError(f"accelerate config {config_file!r} not found")
-    cpu_variant = REPO_ROOT / "accelerate_configs" / "cpu" / path.name
-    if cpu and cpu_variant.is_file() and path.parent.name != "cpu":
-        return cpu_variant
-    return path
+    return resources.cpu_variant(path) if cpu else path
 
 
 def processes(config: Path) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/train.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from finetune.cli_support import exit_on_user_error, parse_train_args  # noqa: E402
+from finetune.cli_support import parse_train_args  # noqa: E402
+from finetune.errors import EXIT_PREEMPTED, exit_on_user_error  # noqa: E402
 
 log = logging.getLogger("finetune")
 
@@ -247,8 +248,8 @@ def _preempted(trainer, rec, run_dir: Path) -> int:
         rec.write()
         print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
               f"complete checkpoint {ckpt}.\nresume with:\n  {resilience.resume_command(run_dir)}\n"
-              f"exit code {resilience.PREEMPTED_EXIT_CODE} (preempted)", flush=True)
-    return resilience.PREEMPTED_EXIT_CODE
+              f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
+    return EXIT_PREEMPTED
 
 
 def _mfu_inputs(model_config, method: str) -> dict:

@@ -20,6 +20,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune import metrics
 from finetune.speed import REAL_TOKENS_KEY
+from finetune.units import GIB
 
 
 class _StepClock(TrainerCallback):
@@ -103,7 +104,7 @@ class FinetuneTrainer(Trainer):
     def _on_train_begin(self) -> None:
         # Peaks so far are model loading (and engine set-up); training peaks start from here.
         snap = self.memory.snapshot()
-        snap["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / metrics.GIB, 4)
+        snap["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 4)
         self.loading_memory = self._gather(snap)
         self.memory.reset()
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints, exit_codes, fault_inject, resume
-from finetune.errors import UserError
+from finetune import checkpoints, fault_inject, resume
+from finetune.errors import EXIT_NONFINITE, UserError
 from tests.conftest import REPO, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
@@ -152,7 +152,7 @@ def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, t
          "--training.save_strategy=steps", "--training.save_steps=1", "--training.on_nonfinite=skip",
          "--training.max_nonfinite_skips=1"],
         run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"})
-    assert code == exit_codes.NONFINITE, out[-4000:]
+    assert code == EXIT_NONFINITE, out[-4000:]
     assert "non-finite loss at step 4 on rank(s) [0]" in out, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     s = rec["summary"]
@@ -174,7 +174,7 @@ def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, 
         ["--recipe", "zero2", "--config_file", "accelerate_configs/cpu/zero2.yaml", *tiny_args(tiny_model_dir, 4),
          "--training.save_strategy=steps", "--training.save_steps=2", "--training.max_grad_norm=1.0"],
         run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step3"})
-    assert code == exit_codes.NONFINITE, out[-4000:]
+    assert code == EXIT_NONFINITE, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
     assert "non-finite loss at step 3 on rank(s) [1]" in rec["summary"]["error"], rec["summary"]

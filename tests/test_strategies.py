@@ -449,7 +449,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
     import psutil
 
-    from finetune import checkpoints, exit_codes
+    from finetune import checkpoints
+    from finetune.errors import EXIT_PREEMPTED
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"
@@ -477,7 +478,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert proc.returncode == exit_codes.PREEMPTED, out[-4000:]
+    assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     k = rec["summary"]["steps"]
     assert rec["summary"]["status"] == "interrupted", rec["summary"]

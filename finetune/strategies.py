@@ -1,0 +1,191 @@
+"""The strategy table: every distributed strategy variant this project knows, one row each.
+
+A row ties together everything that names or describes one variant, so that adding one (ZeRO-1
+with its own config, HSDP, ...) is a new row here plus its shipped files:
+
+* `key`: the planner's name (`finetune plan` rows, run.json `predicted_memory.strategy`);
+* `name` and `offload`: what recipes say (`run.strategy`, `run.offload`) and what a run records
+  as engaged (run.json `strategy.name`, `strategy.offload`);
+* the shipped files: accelerate config, its CPU-rehearsal variant (accelerate_configs/cpu/,
+  finetune/cpu_distributed.py), DeepSpeed JSON and strategy recipe, as paths relative to the
+  resources root (finetune/resources.py); None where nothing ships (planner-only rows);
+* the planner's flags: ZeRO stage and what is sharded / offloaded (ZeRO paper, Rajbhandari et
+  al. 2020, §5; finetune/plan_memory.py);
+* `speed_rank`: the recommendation's order, fastest first: fewer bytes moved per step and
+  nothing on the PCIe link (ZeRO paper §7; offload adds host<->device copies and a CPU optimizer
+  step, ZeRO-Offload paper §4);
+* `description` (plan rows) and `why` (the recommendation's reason).
+
+Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
+name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
+against the shipped files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Accelerate DistributedType values (accelerate/utils/dataclasses.py DistributedType).
+# Data-parallel process groups: DDP under this project's names.
+DATA_PARALLEL_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
+# Launches whose processes each need an accelerator (torchrun / DeepSpeed launches).
+ACCELERATOR_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    key: str  # planner key, unique
+    name: str  # run.strategy: single | ddp | zero1 | zero2 | zero3 | fsdp
+    offload: str  # run.offload: none | optimizer | optimizer+params
+    distributed_type: str  # Accelerate DistributedType its configs set (GPU and CPU variant alike)
+    zero_stage: int | None  # DeepSpeed ZeRO stage; None for torch-native strategies
+    shards_params: bool
+    shards_grads: bool
+    shards_optimizer: bool
+    offload_optimizer: bool
+    offload_params: bool
+    accelerate_config: str | None  # relative to the resources root; None: no shipped config
+    cpu_config: str | None  # the CPU-rehearsal variant (2 processes over gloo); None for one process
+    deepspeed_config: str | None
+    recipe: str | None  # the shipped strategy recipe (recipes/<recipe>.yaml)
+    speed_rank: int  # 0 = fastest (see the module docstring)
+    description: str
+    why: str
+
+    @property
+    def launchable(self) -> bool:
+        """A shipped accelerate config launches it (otherwise the row is for the planner only)."""
+        return self.accelerate_config is not None
+
+
+_SHARDS_PARAMS = "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)"
+
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("single", "single", "none", "NO", None, False, False, False, False, False,
+             "accelerate_configs/single_gpu.yaml", None, None, "qlora_baseline", 0,
+             "one device, no data parallelism", "one device, no communication at all"),
+    Strategy("ddp", "ddp", "none", "MULTI_GPU", None, False, False, False, False, False,
+             "accelerate_configs/ddp.yaml", "accelerate_configs/cpu/ddp.yaml", None, "ddp", 1,
+             "DDP: every rank holds everything",
+             "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded"),
+    Strategy("zero1", "zero1", "none", "DEEPSPEED", 1, False, False, True, False, False,
+             None, None, None, None, 2,
+             "ZeRO-1: optimizer states sharded", "shards only the optimizer states; same traffic as DDP"),
+    Strategy("zero2", "zero2", "none", "DEEPSPEED", 2, False, True, True, False, False,
+             "accelerate_configs/zero2.yaml", "accelerate_configs/cpu/zero2.yaml", "ds_configs/zero2.json", "zero2", 3,
+             "ZeRO-2: + gradients sharded", "shards optimizer states and gradients; same traffic as DDP"),
+    Strategy("zero2_offload", "zero2", "optimizer", "DEEPSPEED", 2, False, True, True, True, False,
+             "accelerate_configs/zero2_offload.yaml", "accelerate_configs/cpu/zero2_offload.yaml",
+             "ds_configs/zero2_offload.json", "zero2_offload", 6,
+             "ZeRO-2, optimizer states + step on the host",
+             "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step"),
+    Strategy("zero3", "zero3", "none", "DEEPSPEED", 3, True, True, True, False, False,
+             "accelerate_configs/zero3.yaml", "accelerate_configs/cpu/zero3.yaml", "ds_configs/zero3.json", "zero3", 5,
+             "ZeRO-3: + parameters sharded", _SHARDS_PARAMS),
+    Strategy("zero3_offload_opt", "zero3", "optimizer", "DEEPSPEED", 3, True, True, True, True, False,
+             None, None, None, None, 7,
+             "ZeRO-3, optimizer offloaded to the host", "ZeRO-3 with the optimizer on the host"),
+    Strategy("zero3_offload", "zero3", "optimizer+params", "DEEPSPEED", 3, True, True, True, True, True,
+             "accelerate_configs/zero3_offload.yaml", "accelerate_configs/cpu/zero3_offload.yaml",
+             "ds_configs/zero3_offload.json", "zero3_offload", 9,
+             "ZeRO-3, optimizer and parameters offloaded to the host",
+             "parameters and optimizer on the host: the least device memory, the slowest"),
+    Strategy("fsdp", "fsdp", "none", "FSDP", None, True, True, True, False, False,
+             "accelerate_configs/fsdp.yaml", "accelerate_configs/cpu/fsdp.yaml", None, "fsdp", 4,
+             "FSDP2: parameters, grads, optimizer sharded", _SHARDS_PARAMS),
+    Strategy("fsdp_offload", "fsdp", "optimizer+params", "FSDP", None, True, True, True, True, True,
+             "accelerate_configs/fsdp_offload.yaml", "accelerate_configs/cpu/fsdp_offload.yaml", None,
+             "fsdp_offload", 8,
+             "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
+             "parameters, gradients and optimizer on the host: the least device memory, the slowest"),
+)
+
+KEYS = tuple(s.key for s in STRATEGIES)
+# Fastest first: the order in which the recommendation tries them (finetune/plan_report.py).
+SPEED_ORDER = tuple(s.key for s in sorted(STRATEGIES, key=lambda s: s.speed_rank))
+# What recipes may name (config RunConfig.strategy / .offload): the launchable rows' values, plus
+# "any" (accept whatever the launch gives).
+RUN_STRATEGIES = ("any", *dict.fromkeys(s.name for s in STRATEGIES if s.launchable))
+RUN_OFFLOADS = ("any", *dict.fromkeys(s.offload for s in STRATEGIES if s.launchable))
+
+
+def by_key(key: str) -> Strategy:
+    for s in STRATEGIES:
+        if s.key == key:
+            return s
+    raise KeyError(f"no strategy {key!r} (known: {', '.join(KEYS)})")
+
+
+def planner_key(name: str | None, offload: str = "none") -> str:
+    """The planner row for an engaged (name, offload): the exact row, else for an offload the
+    table has no row of (e.g. FSDP offloading only the optimizer) the row of that name that
+    offloads most, else the name's plain row. ValueError for a name without rows."""
+    rows = [s for s in STRATEGIES if s.name == name]
+    if not rows and name in KEYS:  # already a planner key
+        return name
+    if not rows:
+        raise ValueError(f"no memory model for strategy {name!r} (known: {', '.join(KEYS)})")
+    exact = [s for s in rows if s.offload == offload]
+    if exact:
+        return exact[0].key
+    offloaded = [s for s in rows if s.offload != "none"]
+    if offload != "none" and offloaded:
+        return max(offloaded, key=lambda s: (s.offload_params, s.offload_optimizer)).key
+    return rows[0].key
+
+
+def name_of(distributed_type: str, *, zero_stage: int | None = None, num_processes: int | None = None) -> str:
+    """Accelerate's DistributedType value -> run.strategy name.
+
+    With `num_processes` (what a launch config asks for) a data-parallel type is DDP only with
+    more than one process, and one process of any data-parallel type is `single`; without it
+    (Accelerate's live state, which already knows whether ranks joined) the type decides alone.
+    Types this project does not train with come back lower-cased, so a refusal can name them."""
+    if distributed_type == "DEEPSPEED":
+        return f"zero{zero_stage}"
+    if distributed_type == "FSDP":
+        return "fsdp"
+    if num_processes is None:
+        if distributed_type in DATA_PARALLEL_TYPES:
+            return "ddp"
+        if distributed_type == "NO":
+            return "single"
+    else:
+        if distributed_type in DATA_PARALLEL_TYPES and num_processes > 1:
+            return "ddp"
+        if num_processes == 1 and distributed_type in ("NO", *DATA_PARALLEL_TYPES):
+            return "single"
+    return distributed_type.lower()
+
+
+def offload_device(section) -> str:
+    """'cpu', 'nvme', ... or 'none' from a DeepSpeed offload section: the JSON's dict
+    (`{"device": "cpu"}`) or DeepSpeed's parsed config object (its `.device` is an enum)."""
+    if section is None:
+        return "none"
+    device = section.get("device") if isinstance(section, dict) else getattr(section, "device", None)
+    device = getattr(device, "value", device)
+    return str(device).lower() if device not in (None, "", "none") else "none"
+
+
+def offload_name(optimizer_device: str | None, param_device: str | None) -> str:
+    """run.offload from the two DeepSpeed offload devices ('none' or None = not offloaded)."""
+    if param_device not in (None, "none"):
+        return "optimizer+params" if optimizer_device not in (None, "none") else "params"
+    return "optimizer" if optimizer_device not in (None, "none") else "none"
+
+
+def launch_line(name: str, offload: str, recipe: str) -> str:
+    """The accelerate launch line(s) for a recipe meant for (name, offload): its shipped config
+    (the plain one when no row offloads that way) and, for multi-process strategies, the CPU
+    rehearsal. Paths are relative to the repository root, where users launch from."""
+    shipped = [s for s in STRATEGIES if s.launchable and s.name == name]
+    row = next((s for s in shipped if s.offload == offload), None) or \
+        next((s for s in shipped if s.offload == "none"), None)
+    config = row.accelerate_config if row else f"accelerate_configs/{name}.yaml"
+    cpu = row.cpu_config if row else config.replace("accelerate_configs/", "accelerate_configs/cpu/")
+    if cpu is None:  # one process runs on a CPU as it is
+        return f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}"
+    return (f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}\n"
+            f"or, on a machine without a GPU (2 processes over gloo):\n"
+            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {cpu} finetune/train.py --recipe {recipe}")

@@ -1,0 +1,132 @@
+"""The strategy table (finetune/strategies.py) against the files it names: every row's accelerate
+config, CPU variant, DeepSpeed JSON and recipe exist and say the same strategy as the row, read
+by Accelerate's own config loader and by the launch-facts reader preflight uses; every shipped
+file belongs to a row. Expected values come from the shipped files, not from the table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import resources, strategies
+from finetune.launch_config import from_config_file
+
+ROWS = list(strategies.STRATEGIES)
+SHIPPED = [s for s in ROWS if s.launchable]
+ids = [s.key for s in ROWS]
+
+
+def _accelerate(relative: str):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    return load_config_from_file(str(resources.resolve(relative)))
+
+
+def test_keys_and_recipe_facing_names_are_unique():
+    assert len({s.key for s in ROWS}) == len(ROWS)
+    pairs = [(s.name, s.offload) for s in SHIPPED]
+    assert len(set(pairs)) == len(pairs), pairs
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_planner_flags_follow_the_zero_stage(row):
+    """ZeRO paper §5: stage 1 shards optimizer states, 2 also gradients, 3 also parameters;
+    FSDP2 shards all three; DDP and one device shard nothing."""
+    if row.zero_stage is not None:
+        expected = {1: (False, False, True), 2: (False, True, True), 3: (True, True, True)}[row.zero_stage]
+    else:
+        expected = {"single": (False,) * 3, "ddp": (False,) * 3, "fsdp": (True,) * 3}[row.name]
+    assert (row.shards_params, row.shards_grads, row.shards_optimizer) == expected
+    assert row.offload == strategies.offload_name("cpu" if row.offload_optimizer else "none",
+                                                  "cpu" if row.offload_params else "none")
+    assert (row.distributed_type == "DEEPSPEED") == (row.zero_stage is not None)
+
+
+@pytest.mark.parametrize("row", SHIPPED, ids=[s.key for s in SHIPPED])
+def test_shipped_accelerate_config_and_deepspeed_json_agree_with_the_row(row):
+    cfg = _accelerate(row.accelerate_config)
+    assert cfg.distributed_type == row.distributed_type
+    ds_file = (cfg.deepspeed_config or {}).get("deepspeed_config_file")
+    assert ds_file == row.deepspeed_config
+    if ds_file:
+        ds = json.loads(resources.resolve(ds_file).read_text())
+        zero = ds["zero_optimization"]
+        assert zero["stage"] == row.zero_stage
+        assert strategies.offload_name(strategies.offload_device(zero.get("offload_optimizer")),
+                                       strategies.offload_device(zero.get("offload_param"))) == row.offload
+    if row.distributed_type == "FSDP":
+        assert cfg.fsdp_config["fsdp_offload_params"] == (row.offload == "optimizer+params")
+    # The reader preflight and `finetune train` use gives the row's (name, offload) back.
+    facts = from_config_file(resources.resolve(row.accelerate_config), base_dirs=[resources.ROOT])
+    assert facts.problems == [] and facts.strategy() == (row.name, row.offload)
+
+
+@pytest.mark.parametrize("row", SHIPPED, ids=[s.key for s in SHIPPED])
+def test_cpu_variant_is_the_same_strategy_over_gloo(row):
+    if row.cpu_config is None:  # one process: `--cpu` passes accelerate's own --cpu
+        assert _accelerate(row.accelerate_config).num_processes == 1
+        assert resources.cpu_variant(resources.resolve(row.accelerate_config)) == \
+            resources.resolve(row.accelerate_config)
+        return
+    assert resources.cpu_variant(resources.resolve(row.accelerate_config)) == resources.resolve(row.cpu_config)
+    gpu, cpu = _accelerate(row.accelerate_config), _accelerate(row.cpu_config)
+    assert cpu.use_cpu is True and cpu.num_processes == gpu.num_processes == 2
+    assert cpu.distributed_type == row.distributed_type  # torchrun starts them; FINETUNE_CPU_DISTRIBUTED joins gloo
+    assert (cpu.deepspeed_config or {}).get("deepspeed_config_file") == row.deepspeed_config
+    facts = from_config_file(resources.resolve(row.cpu_config), base_dirs=[resources.ROOT])
+    assert facts.problems == [] and facts.strategy() == (row.name, row.offload)
+
+
+@pytest.mark.parametrize("row", [s for s in ROWS if s.recipe], ids=[s.key for s in ROWS if s.recipe])
+def test_strategy_recipe_names_the_row(row):
+    run = yaml.safe_load((resources.RECIPES / f"{row.recipe}.yaml").read_text())["run"]
+    assert (run["strategy"], run["offload"], run["accelerate_config"]) == (row.name, row.offload,
+                                                                          row.accelerate_config)
+
+
+def test_every_shipped_file_belongs_to_a_row():
+    named = {s.accelerate_config for s in SHIPPED} | {s.cpu_config for s in SHIPPED if s.cpu_config}
+    shipped = {str(p.relative_to(resources.ROOT)) for p in resources.ACCELERATE_CONFIGS.rglob("*.yaml")}
+    # the two-node example launches the zero3 row's recipe on more machines (README, SLURM)
+    assert shipped - named == {"accelerate_configs/two_node_zero3.yaml"}, shipped - named
+    assert {str(p.relative_to(resources.ROOT)) for p in resources.DS_CONFIGS.glob("*.json")} == \
+        {s.deepspeed_config for s in SHIPPED if s.deepspeed_config}
+    # every shipped recipe that names a strategy (other than the demo, which is `single` with
+    # the recipe's own method) is a row's recipe; the sweep offers exactly these
+    from finetune.sweep import strategy_names
+
+    assert strategy_names() == ["single", *sorted(s.recipe for s in ROWS if s.recipe)]
+
+
+@pytest.mark.parametrize("dtype, kwargs, name", [
+    ("DEEPSPEED", {"zero_stage": 3}, "zero3"), ("FSDP", {}, "fsdp"), ("MULTI_CPU", {}, "ddp"),
+    ("NO", {}, "single"), ("MULTI_GPU", {"num_processes": 1}, "single"), ("MULTI_GPU", {"num_processes": 2}, "ddp"),
+    ("NO", {"num_processes": 2}, "no"), ("XLA", {}, "xla"),
+])
+def test_distributed_type_to_name(dtype, kwargs, name):
+    assert strategies.name_of(dtype, **kwargs) == name
+
+
+@pytest.mark.parametrize("name, offload, key", [
+    ("zero2", "optimizer", "zero2_offload"), ("zero3", "optimizer", "zero3_offload_opt"),
+    ("zero3", "params", "zero3_offload"), ("fsdp", "optimizer", "fsdp_offload"), ("zero1", "optimizer", "zero1"),
+    ("single", "none", "single"),
+])
+def test_engaged_strategy_to_planner_row(name, offload, key):
+    assert strategies.planner_key(name, offload) == key
+
+
+def test_unknown_strategy_has_no_planner_row():
+    with pytest.raises(ValueError, match="no memory model for strategy 'xla'"):
+        strategies.planner_key("xla")
+
+
+def test_launch_line_names_the_shipped_configs():
+    line = strategies.launch_line("zero3", "optimizer+params", "r")
+    assert "--config_file accelerate_configs/zero3_offload.yaml finetune/train.py --recipe r" in line
+    assert "--config_file accelerate_configs/cpu/zero3_offload.yaml" in line
+    assert strategies.launch_line("single", "none", "r").count("accelerate launch") == 1
+    assert Path(resources.ROOT / "accelerate_configs/zero3_offload.yaml").is_file()
