@@ -43,7 +43,7 @@ def locate(name: str) -> Path | None:
 
 def cpu_variant(config: Path) -> Path:
     """The accelerate_configs/cpu/ config of the same name (2 processes over gloo, for machines
-    without a GPU; finetune/cpu_distributed.py), or `config` itself when there is none or it
+    without a GPU; finetune/launch/cpu_rehearsal.py), or `config` itself when there is none or it
     already is one."""
     variant = ACCELERATE_CONFIGS / "cpu" / config.name
     return variant if variant.is_file() and config.parent.name != "cpu" else config

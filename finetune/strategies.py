@@ -7,10 +7,10 @@ with its own config, HSDP, ...) is a new row here plus its shipped files:
 * `name` and `offload`: what recipes say (`run.strategy`, `run.offload`) and what a run records
   as engaged (run.json `strategy.name`, `strategy.offload`);
 * the shipped files: accelerate config, its CPU-rehearsal variant (accelerate_configs/cpu/,
-  finetune/cpu_distributed.py), DeepSpeed JSON and strategy recipe, as paths relative to the
+  finetune/launch/cpu_rehearsal.py), DeepSpeed JSON and strategy recipe, as paths relative to the
   resources root (finetune/resources.py); None where nothing ships (planner-only rows);
 * the planner's flags: ZeRO stage and what is sharded / offloaded (ZeRO paper, Rajbhandari et
-  al. 2020, §5; finetune/plan_memory.py);
+  al. 2020, §5; finetune/planning/memory.py);
 * `speed_rank`: the recommendation's order, fastest first: fewer bytes moved per step and
   nothing on the PCIe link (ZeRO paper §7; offload adds host<->device copies and a CPU optimizer
   step, ZeRO-Offload paper §4);
@@ -101,7 +101,7 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 KEYS = tuple(s.key for s in STRATEGIES)
-# Fastest first: the order in which the recommendation tries them (finetune/plan_report.py).
+# Fastest first: the order in which the recommendation tries them (finetune/planning/report.py).
 SPEED_ORDER = tuple(s.key for s in sorted(STRATEGIES, key=lambda s: s.speed_rank))
 # What recipes may name (config RunConfig.strategy / .offload): the launchable rows' values, plus
 # "any" (accept whatever the launch gives).

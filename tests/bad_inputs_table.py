@@ -254,20 +254,20 @@ def _patched(ws: Path, env: dict):
     huggingface_hub constants restored afterwards."""
     from huggingface_hub import constants
 
-    from finetune import cli
+    from finetune.launch import accelerate as launcher
 
     launched: list = []
-    saved_env, saved_cwd, saved_launch = dict(os.environ), os.getcwd(), cli.run_accelerate_launch
+    saved_env, saved_cwd, saved_launch = dict(os.environ), os.getcwd(), launcher.run_accelerate_launch
     saved_constants = {k: getattr(constants, k) for k in env}
     os.chdir(ws)
-    cli.run_accelerate_launch = lambda args: launched.append(args) or 0
+    launcher.run_accelerate_launch = lambda args: launched.append(args) or 0
     for k, v in env.items():
         setattr(constants, k, v)
     try:
         yield launched
     finally:
         os.chdir(saved_cwd)
-        cli.run_accelerate_launch = saved_launch
+        launcher.run_accelerate_launch = saved_launch
         for k, v in saved_constants.items():
             setattr(constants, k, v)
         os.environ.clear()
@@ -275,7 +275,8 @@ def _patched(ws: Path, env: dict):
 
 
 def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
-    from finetune import cli, train
+    from finetune.cli import dispatch
+    from finetune.training import run
 
     ws.mkdir(parents=True, exist_ok=True)
     os.environ["FINETUNE_TABLE_MODEL"] = str(model_dir)  # for setups that copy the model
@@ -290,9 +291,9 @@ def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
     with _patched(ws, case.env) as launched, contextlib.redirect_stderr(err):
         try:
             if case.entry == "train.py":
-                code = train.main(argv)
+                code = run.main(argv)
             else:
-                code = cli.main(["train", *argv])
+                code = dispatch.main(["train", *argv])
         except SystemExit as e:
             code = e.code
         except Exception:  # a bug: the table shows it as a traceback  # noqa: BLE001
@@ -344,7 +345,7 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from finetune.bundled_model import ensure_bundled_model
+    from finetune.modeling.bundled import ensure_bundled_model
     from tests.conftest import make_tiny_model_dir
 
     logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr

@@ -23,7 +23,7 @@ TRAIN_SCRIPT = REPO / "finetune" / "train.py"
 
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
-    from finetune.bundled_model import ensure_bundled_model
+    from finetune.modeling.bundled import ensure_bundled_model
 
     return ensure_bundled_model()
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
-from finetune import cli
+from finetune.cli import dispatch
 
 
 def test_bench_runs_both_sides_and_reports_ratios(tmp_path, bundled_model_dir, capsys):
     out = tmp_path / "bench"
-    code = cli.main(["bench", "--shape", "tiny", "--methods", "lora", "--steps", "2", "--warmup-steps", "1",
+    code = dispatch.main(["bench", "--shape", "tiny", "--methods", "lora", "--steps", "2", "--warmup-steps", "1",
                      "--batch", "2", "--seq-len", "96", "--rounds", "1", "--in-process", "--out", str(out),
                      "--tokenizer", str(bundled_model_dir)])
     assert code == 0

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import cli, compare_cli
-from finetune import sweep as sweep_lib
+from finetune.cli import compare, dispatch
+from finetune.compare import sweep as sweep_lib
 from tests.wandb_records import read_records, summarize
 
 PRICE = 2.0  # USD per device-hour
@@ -160,7 +160,7 @@ def test_plots_are_real_png_images_and_embedded_in_the_html(sweep):
 
 
 def test_loss_plot_x_axis_is_cumulative_trained_tokens(sweep):
-    from finetune.compare import load_runs, loss_curve
+    from finetune.compare.table import load_runs, loss_curve
 
     (run,) = load_runs([sweep["out"] / "fsdp"])
     steps = sweep["records"]["fsdp"]["steps"]
@@ -181,7 +181,7 @@ def _no_wandb_in_process(monkeypatch):
 
 def _compare(capsys, *args) -> tuple[int, str, str]:
     try:
-        code = cli.main(["compare", *map(str, args)])
+        code = dispatch.main(["compare", *map(str, args)])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -305,7 +305,7 @@ def test_negative_price_is_refused(sweep, tmp_path, capsys):
 
 def _sweep(capsys, tmp_path, *args) -> tuple[int, str]:
     try:
-        code = cli.main(["sweep", "--recipe", "demo", "--cpu", "--out", str(tmp_path / "sw"), *args])
+        code = dispatch.main(["sweep", "--recipe", "demo", "--cpu", "--out", str(tmp_path / "sw"), *args])
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -326,7 +326,7 @@ def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path
 
 
 def test_sweep_plan_keeps_recipe_values_and_takes_only_the_strategy(tmp_path):
-    from finetune.recipe import load_recipe
+    from finetune.config.recipe import load_recipe
 
     plans = {p.strategy: p for p in sweep_lib.plan("ddp", ["qlora_baseline", "single", "zero3_offload"],
                                                     ["--training.gradient_accumulation_steps=2"],
@@ -387,7 +387,7 @@ def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, t
              "zero2": (other_batch, 0)}
     stand_ins = [_StandIn(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)},
                           record=given[p.strategy][0], exit_code=given[p.strategy][1]) for p in plans]
-    code = compare_cli.run_sweep(stand_ins, out=out, baseline=None, price=None)
+    code = compare.run_sweep(stand_ins, out=out, baseline=None, price=None)
     stdout = capsys.readouterr().out
     assert code == 1
     assert [line for line in stdout.splitlines() if line.startswith("=== [")] == [

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import compare, plots
+from finetune.compare import plots
+from finetune.compare import table as comparison
 
 
 def record(name: str, *, strategy: str, method: str, world: int, tps: float, device_gib: float | None,
@@ -39,7 +40,7 @@ PREDICTED = {"strategy": "ddp", "method": "lora", "world_size": 2,
 
 
 @pytest.fixture
-def runs(tmp_path) -> list[compare.Run]:
+def runs(tmp_path) -> list[comparison.Run]:
     recs = [record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
             record("lora1", strategy="single", method="lora", world=1, tps=1500.0, device_gib=8.0, host_gib=3.0),
             record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
@@ -50,11 +51,11 @@ def runs(tmp_path) -> list[compare.Run]:
         (tmp_path / rec["run_name"]).mkdir()
         (tmp_path / rec["run_name"] / "run.json").write_text(json.dumps(rec))
         paths.append(tmp_path / rec["run_name"])
-    return compare.load_runs(paths)
+    return comparison.load_runs(paths)
 
 
 def test_derived_columns(runs):
-    table = compare.build_table(runs, gpu_hour_price=3.0)
+    table = comparison.build_table(runs, gpu_hour_price=3.0)
     rows = {row["run"].removesuffix(" [baseline]"): row for row in table.rows}
     assert table.baseline.label == "base"
     ddp = rows["ddp"]
@@ -75,13 +76,13 @@ def test_derived_columns(runs):
 
 
 def test_no_price_means_no_cost(runs):
-    table = compare.build_table(runs)
+    table = comparison.build_table(runs)
     assert all(row["cost_per_mtok"] is None for row in table.rows)
     assert table.notes[0]["cost_per_mtok"] == "no --gpu-hour-price given"
 
 
 def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
-    table = compare.build_table(runs)
+    table = comparison.build_table(runs)
     path = plots.memory_plot(table, tmp_path / "memory.png")
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig = plots.memory_figure(table)  # the figure memory_plot saves
@@ -99,7 +100,7 @@ def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
 
 
 def test_loss_curve_accumulates_trained_tokens(runs):
-    assert compare.loss_curve(runs[0]) == ([1000, 2200], [2.0, 1.5])
+    assert comparison.loss_curve(runs[0]) == ([1000, 2200], [2.0, 1.5])
 
 
 def test_loss_plot_draws_equal_curves_once_naming_every_run(runs):
@@ -107,7 +108,7 @@ def test_loss_plot_draws_equal_curves_once_naming_every_run(runs):
 
     runs[3].record["steps"][1]["loss"] = 1.5 * (1 + 1e-3)  # zero3 differs, far beyond the 1e-5 tolerance
     runs[2].record["steps"][1]["loss"] = 1.5 * (1 + 1e-7)  # ddp: reduction-order noise, the same curve
-    fig = plots.loss_figure(compare.build_table(runs))
+    fig = plots.loss_figure(comparison.build_table(runs))
     (ax,) = fig.axes
     assert ax.get_legend_handles_labels()[1] == ["base [baseline] = lora1 = ddp (same losses)", "zero3"]
     assert [list(line.get_xdata()) for line in ax.lines] == [[1000, 2200], [1000, 2200]]

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.config import TRAINING_DEFAULTS, Config, build_config
+from finetune.config.recipe import RECIPES_DIR, available_recipes, load_recipe, parse_overrides
+from finetune.config.sections import TRAINING_DEFAULTS, Config
+from finetune.config.validate import build_config
 from finetune.errors import ConfigError
-from finetune.recipe import RECIPES_DIR, available_recipes, load_recipe, parse_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,14 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from finetune.data import (
-    FORMATS,
-    DataError,
-    build_datasets,
-    collate,
-    detect_format,
-    read_rows,
-)
+from finetune.data.build import build_datasets
+from finetune.data.collate import collate
+from finetune.data.formats import FORMATS, detect_format
+from finetune.data.read import DataError, read_rows
 
 IGNORE = -100
 

@@ -2,8 +2,8 @@
 
 Resume equality under every strategy and SIGTERM preemption are in tests/test_strategies.py
 (they compare against that module's uninterrupted runs). The launches here go through
-`finetune train` (finetune/cli.py), the command users run, so the exit codes are the ones a
-scheduler sees. Fault injection: finetune/fault_inject.py.
+`finetune train` (finetune/cli/dispatch.py), the command users run, so the exit codes are the ones a
+scheduler sees. Fault injection: finetune/training/faults.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoints, fault_inject, resume
 from finetune.errors import EXIT_NONFINITE, UserError
+from finetune.training import checkpoints, faults, resume
 from tests.conftest import REPO, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
@@ -88,7 +88,7 @@ def test_rotation_keeps_complete_checkpoints_and_never_the_new_one_alone(tmp_pat
 
 
 def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
-    from finetune.record import RunRecord
+    from finetune.telemetry.record import RunRecord
 
     old = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
     old["steps"] = [{"step": s, "loss": 10.0 - s} for s in range(1, 6)]
@@ -108,14 +108,14 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
 
 
 def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
-    monkeypatch.setenv(fault_inject.ENV, "nan_loss@rank1,step3;kill@rank0,step2")
-    fault_inject.faults.cache_clear()
-    assert fault_inject.faults() == (("nan_loss", 1, 3), ("kill", 0, 2))
-    monkeypatch.setenv(fault_inject.ENV, "nan@rank1")
-    fault_inject.faults.cache_clear()
+    monkeypatch.setenv(faults.ENV, "nan_loss@rank1,step3;kill@rank0,step2")
+    faults.faults.cache_clear()
+    assert faults.faults() == (("nan_loss", 1, 3), ("kill", 0, 2))
+    monkeypatch.setenv(faults.ENV, "nan@rank1")
+    faults.faults.cache_clear()
     with pytest.raises(UserError, match="expected KIND@rankR,stepS"):
-        fault_inject.faults()
-    fault_inject.faults.cache_clear()
+        faults.faults()
+    faults.faults.cache_clear()
 
 
 # --- launched runs -------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     the failed rank named by the launcher; the surviving rank's record says failed."""
     code, out, run_dir = cli_train(["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml",
                                     *tiny_args(tiny_model_dir, 5), "--training.ddp_timeout=60"],
-                                   run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "kill@rank1,step2"},
+                                   run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "kill@rank1,step2"},
                                    timeout=300)
     assert code == 1, out[-4000:]
     assert "[fault injection] rank 1 kills itself (SIGKILL) at step 2" in out
@@ -151,7 +151,7 @@ def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, t
         ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml", *tiny_args(tiny_model_dir, 5),
          "--training.save_strategy=steps", "--training.save_steps=1", "--training.on_nonfinite=skip",
          "--training.max_nonfinite_skips=1"],
-        run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"})
+        run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"})
     assert code == EXIT_NONFINITE, out[-4000:]
     assert "non-finite loss at step 4 on rank(s) [0]" in out, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
@@ -173,7 +173,7 @@ def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, 
     code, out, run_dir = cli_train(
         ["--recipe", "zero2", "--config_file", "accelerate_configs/cpu/zero2.yaml", *tiny_args(tiny_model_dir, 4),
          "--training.save_strategy=steps", "--training.save_steps=2", "--training.max_grad_norm=1.0"],
-        run_dir=tmp_path / "run", env={**CPU_ENV, fault_inject.ENV: "nan_loss@rank1,step3"})
+        run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step3"})
     assert code == EXIT_NONFINITE, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
@@ -187,19 +187,19 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     """SIGINT/SIGTERM are recorded, not raised (no KeyboardInterrupt mid-save); restored afterwards."""
     import time
 
-    from finetune import resilience
+    from finetune.training import signals
 
-    resilience._received.clear()
-    resilience.install_signal_handlers()
+    signals.received.clear()
+    signals.install_signal_handlers()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
-        assert resilience._received == [signal.SIGINT, signal.SIGTERM]
+        assert signals.received == [signal.SIGINT, signal.SIGTERM]
     finally:
-        resilience.restore_signal_handlers()
-        resilience._received.clear()
+        signals.restore_signal_handlers()
+        signals.received.clear()
     err = capfd.readouterr().err
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
     assert "SIGTERM received again: ignored, the checkpoint is being written" in err, err
@@ -207,8 +207,8 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
 
 def test_finetune_train_passes_resume_through_to_train_py():
-    from finetune.cli import launch_command
-    from finetune.cli_support import parse_train_args
+    from finetune.launch.accelerate import launch_command
+    from finetune.launch.script_args import parse_train_args
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
     path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")
@@ -220,8 +220,8 @@ def test_finetune_train_passes_resume_through_to_train_py():
 
 
 def test_fault_settings_are_validated_with_allowed_values():
+    from finetune.config.recipe import load_recipe
     from finetune.errors import ConfigError
-    from finetune.recipe import load_recipe
 
     with pytest.raises(ConfigError) as err:
         load_recipe("ddp", ["--training.on_nonfinite=ignore", "--training.max_nonfinite_skips=-1",
@@ -244,10 +244,10 @@ def test_fault_settings_are_validated_with_allowed_values():
 def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, expected, capsys):
     from types import SimpleNamespace
 
-    from finetune.cli import _report_failed_ranks
+    from finetune.launch.accelerate import report_failed_ranks
 
     failures = {rank: SimpleNamespace(exitcode=code, timestamp=rank, local_rank=rank, pid=100 + rank)
                 for rank, code in codes.items()}
-    assert _report_failed_ranks(failures) == expected
+    assert report_failed_ranks(failures) == expected
     err = capsys.readouterr().err
     assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)

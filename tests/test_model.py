@@ -1,4 +1,4 @@
-"""Model loading (finetune/model.py): full, LoRA and QLoRA on a tiny random Llama, on CPU.
+"""Model loading (finetune/modeling/load.py): full, LoRA and QLoRA on a tiny random Llama, on CPU.
 
 Expected parameter counts are computed from the config dimensions, not from the model under test.
 """
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.config import BUNDLED_MODEL, MethodConfig, ModelConfig
+from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
-from finetune.model import count_parameters, load_model, load_tokenizer, resolve_model_path
+from finetune.modeling.load import count_parameters, load_model, load_tokenizer, resolve_model_path
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import plan_comm, plan_memory, plan_report, planner
 from finetune.errors import UserError
+from finetune.planning import comm, memory, params, report
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
@@ -30,29 +30,29 @@ def tiny_llama_config(**kw):
 
 
 def workload(method="full", **kw):
-    return plan_memory.Workload(method=method, micro_batch=2, seq_len=64, **kw)
+    return memory.Workload(method=method, micro_batch=2, seq_len=64, **kw)
 
 
 @pytest.mark.parametrize("strategy, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_zero_model_states_in_the_plan_are_the_papers(strategy, stage, n):
     """16-bit full fine-tuning under DeepSpeed: params + grads + optimizer = the ZeRO paper's formula."""
-    shape = plan_memory.shape_of(tiny_llama_config())
-    device, host = plan_memory.components(shape, workload(weight_bytes=2), strategy, n)
+    shape = memory.shape_of(tiny_llama_config())
+    device, host = memory.components(shape, workload(weight_bytes=2), strategy, n)
     states = device["weights"] + device["gradients"] + device["optimizer_states"]
-    assert states == pytest.approx(planner.zero_model_states_bytes(shape.params.total, n, stage))
+    assert states == pytest.approx(params.zero_model_states_bytes(shape.params.total, n, stage))
     assert host == {}
 
 
 def test_torch_native_strategies_keep_no_master_copy_and_ddp_keeps_its_buckets():
-    shape = plan_memory.shape_of(tiny_llama_config())
+    shape = memory.shape_of(tiny_llama_config())
     psi, n = shape.params.total, 4
-    ddp, _ = plan_memory.components(shape, workload(weight_bytes=2), "ddp", n)
+    ddp, _ = memory.components(shape, workload(weight_bytes=2), "ddp", n)
     # bf16 weights, bf16 grads, a bucket copy of the grads (gradient_as_bucket_view=False), AdamW m+v in bf16
     assert ddp["weights"] + ddp["gradients"] + ddp["ddp_grad_buckets"] + ddp["optimizer_states"] == 10 * psi
-    fsdp, _ = plan_memory.components(shape, workload(weight_bytes=2), "fsdp", n)
+    fsdp, _ = memory.components(shape, workload(weight_bytes=2), "fsdp", n)
     assert fsdp["weights"] + fsdp["gradients"] + fsdp["optimizer_states"] == pytest.approx(8 * psi / n)
-    offload_dev, offload_host = plan_memory.components(shape, workload(weight_bytes=2), "fsdp_offload", n)
+    offload_dev, offload_host = memory.components(shape, workload(weight_bytes=2), "fsdp_offload", n)
     assert "weights" not in offload_dev and offload_host["weights"] == pytest.approx(2 * psi / n)
 
 
@@ -64,10 +64,10 @@ def test_nf4_bytes_per_parameter_match_bitsandbytes():
     packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
     stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size() \
         + state.state2.absmax.numel() * state.state2.absmax.element_size()
-    assert plan_memory.NF4_BITS[True] == pytest.approx(8 * stored / weight.numel())
+    assert memory.NF4_BITS[True] == pytest.approx(8 * stored / weight.numel())
     packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=False, quant_type="nf4")
     stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
-    assert plan_memory.NF4_BITS[False] == pytest.approx(8 * stored / weight.numel())
+    assert memory.NF4_BITS[False] == pytest.approx(8 * stored / weight.numel())
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
@@ -78,7 +78,7 @@ def test_lora_parameter_count_matches_peft(targets):
     cfg = tiny_llama_config()
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert plan_memory.shape_of(cfg).lora_params(8, targets) == trainable
+    assert memory.shape_of(cfg).lora_params(8, targets) == trainable
 
 
 def test_activation_formula_matches_the_tensors_autograd_saves():
@@ -99,22 +99,22 @@ def test_activation_formula_matches_the_tensors_autograd_saves():
     ids = torch.randint(0, cfg.vocab_size, (2, 64))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids)
-    predicted = plan_memory.activation_bytes(plan_memory.shape_of(cfg), workload(weight_bytes=4))
+    predicted = memory.activation_bytes(memory.shape_of(cfg), workload(weight_bytes=4))
     saved_log_softmax = 4 * 2 * 64 * cfg.vocab_size  # the one b x s x V tensor the fp32 loss saves
     assert predicted["activations"] + saved_log_softmax == pytest.approx(sum(saved.values()), rel=0.05)
 
 
 def test_communication_volumes_follow_the_zero_paper():
     """ZeRO paper §7: ZeRO-2 moves what DDP moves (2Ψ), ZeRO-3/FSDP 1.5x that (3Ψ), ring factors per nccl-tests."""
-    shape = plan_memory.shape_of(tiny_llama_config())
+    shape = memory.shape_of(tiny_llama_config())
     n, w = 4, workload(weight_bytes=2)
     psi_bytes = 2 * shape.params.total
-    total = {s: sum(plan_comm.step_traffic(shape, w, s, n)["collectives"].values())
+    total = {s: sum(comm.step_traffic(shape, w, s, n)["collectives"].values())
              for s in ("ddp", "zero2", "zero3", "fsdp")}
     assert total["ddp"] == pytest.approx(2 * (n - 1) / n * psi_bytes)
     assert total["zero2"] == pytest.approx(total["ddp"])
     assert total["zero3"] == pytest.approx(1.5 * total["ddp"]) and total["fsdp"] == pytest.approx(total["zero3"])
-    times = plan_comm.step_time(plan_comm.step_traffic(shape, w, "ddp", n), busbw_gbs=10.0, h2d_gbs=None)
+    times = comm.step_time(comm.step_traffic(shape, w, "ddp", n), busbw_gbs=10.0, h2d_gbs=None)
     assert times["collectives_s"] == pytest.approx(total["ddp"] / 10e9)
 
 
@@ -134,21 +134,21 @@ def _row(strategy, device_gib, host_gib=1.0, method="full"):
 ])
 def test_recommendation_is_the_fastest_that_fits_with_a_margin(sizes, expected):
     rows = [_row(s, g) for s, g in sizes.items()] + [_row("ddp", 1, method="lora")]
-    rec = plan_report.recommend(rows, "full", 24 * GIB, 64 * GIB, world=2)
+    rec = report.recommend(rows, "full", 24 * GIB, 64 * GIB, world=2)
     assert rec["strategy"] == expected
     assert {s["strategy"] for s in rec["does_not_fit"]} == {s for s, g in sizes.items() if g > 0.9 * 24}
 
 
 def test_offload_is_refused_when_the_host_is_short_too():
     rows = [_row("ddp", 40), _row("zero2_offload", 10, host_gib=70)]
-    rec = plan_report.recommend(rows, "full", 24 * GIB, 64 * GIB, world=2)
+    rec = report.recommend(rows, "full", 24 * GIB, 64 * GIB, world=2)
     assert rec["strategy"] is None and "host needs 70.0 GiB" in rec["does_not_fit"][1]["problem"]
 
 
 def run_plan(capsys, *args) -> subprocess.CompletedProcess:
     """`finetune plan ARGS` in this process (the CLI's own entry point; a subprocess would pay the
     imports again): exit code, stdout, stderr."""
-    from finetune.cli import main
+    from finetune.cli.dispatch import main
 
     capsys.readouterr()
     try:
@@ -219,13 +219,13 @@ def test_bench_comm_two_cpu_processes(tmp_path):
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * factors[r["op"]])
         assert r["bytes_per_rank"] == round(r["bytes"] * factors[r["op"]])
     assert report["host_device"]["h2d_gbs"] is None and "no GPU" in report["host_device"]["note"]
-    bw = plan_comm.read_bandwidth(str(out))
+    bw = comm.read_bandwidth(str(out))
     assert bw["busbw_gbs"] == max((r for r in report["results"] if r["op"] == "all_reduce"),
                                   key=lambda r: r["bytes"])["busbw_gbs"]
 
 
 def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
-    from finetune import bench_comm
+    from finetune.planning import bench_comm
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(UserError, match="processes of a launch"):

@@ -1,4 +1,4 @@
-"""Preflight (finetune/preflight.py): each check on a crafted config, and every problem in one error.
+"""Preflight (finetune/launch/preflight.py): each check on a crafted config, and every problem in one error.
 
 No model is loaded and no process is launched: `check_launch` reads the accelerate config
 `finetune train` would launch, `check_before_loading` reads what a launched process sees.
@@ -14,9 +14,11 @@ import pytest
 import torch
 import yaml
 
-from finetune import cli, cpu_distributed, preflight
+from finetune.cli import dispatch
+from finetune.config.recipe import available_recipes
 from finetune.errors import ConfigError
-from finetune.recipe import available_recipes
+from finetune.launch import accelerate as launcher
+from finetune.launch import cpu_rehearsal, preflight
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +28,7 @@ def clean_launch_env(monkeypatch):
     """No accelerate/torchrun variables from the shell or from other tests' `finetune train` calls."""
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU",
-                "FINETUNE_ACCELERATE_CONFIG", cpu_distributed.ENV, "FSDP_OFFLOAD_PARAMS"):
+                "FINETUNE_ACCELERATE_CONFIG", cpu_rehearsal.ENV, "FSDP_OFFLOAD_PARAMS"):
         monkeypatch.setenv(var, "")  # records the original, so teardown also removes what the code sets
         monkeypatch.delenv(var)
 
@@ -61,7 +63,7 @@ def problems_of(recipe: str, overrides: list[str], config: Path | None, *, cpu: 
     args = ["--config_file", str(config)] if config else []
     args += ["--cpu"] if cpu else []
     try:
-        preflight.check_launch([*args, str(cli.TRAIN_SCRIPT), "--recipe", recipe, *overrides])
+        preflight.check_launch([*args, str(launcher.TRAIN_SCRIPT), "--recipe", recipe, *overrides])
     except ConfigError as e:
         assert str(e).startswith(preflight.SOURCE)
         return e.problems
@@ -79,7 +81,7 @@ def one_problem(*args, **kwargs) -> str:
 
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_every_shipped_recipe_passes_preflight_with_its_cpu_config(recipe):
-    launch_args = cli.launch_command(recipe, [], None, None, cpu=True)
+    launch_args = launcher.launch_command(recipe, [], None, None, cpu=True)
     preflight.check_launch(launch_args)  # raises on any problem
 
 
@@ -238,9 +240,9 @@ def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, mo
     ds = zero(3, train_micro_batch_size_per_gpu=16, gradient_clipping=0.5)
     config = deepspeed_yaml(tmp_path, ds)
     launched = []
-    monkeypatch.setattr(cli, "run_accelerate_launch", lambda args: launched.append(args) or 0)
+    monkeypatch.setattr(launcher, "run_accelerate_launch", lambda args: launched.append(args) or 0)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["train", "--recipe", "zero2", "--config_file", str(config),
+        dispatch.main(["train", "--recipe", "zero2", "--config_file", str(config),
                   f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
                   "--training.bf16=true", "--method.name=qlora", "--method.quant_storage=uint8",
                   f"--model.name_or_path={tmp_path / 'no-model'}"])
@@ -257,11 +259,11 @@ def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, mo
 
 def test_train_main_runs_preflight_before_the_run_directory(tmp_path, capsys):
     """In-process finetune.train.main: the problems come back together and nothing is created."""
-    from finetune import train
+    from finetune.training import run
 
     run_dir = tmp_path / "new-run"
     with pytest.raises(SystemExit) as exit_info:
-        train.main(["--recipe", "demo", f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
+        run.main(["--recipe", "demo", f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
                     f"--model.name_or_path={tmp_path / 'no-model'}"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "2 problems" in err and "missing.jsonl" in err and "no-model" in err, err
@@ -272,7 +274,7 @@ def test_train_main_runs_preflight_before_the_run_directory(tmp_path, capsys):
 
 
 def _recipe(name: str, overrides: list[str] = ()):
-    from finetune.recipe import load_recipe
+    from finetune.config.recipe import load_recipe
 
     return load_recipe(name, list(overrides))[0]
 

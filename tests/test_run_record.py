@@ -29,7 +29,7 @@ def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, i
     """(input tokens, trained tokens) of the whole tokenized training set of that run."""
     from transformers import AutoTokenizer
 
-    from finetune.data import build_datasets
+    from finetune.data.build import build_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = SimpleNamespace(path=str(run_dir / "data" / "train.jsonl"), format="auto", split="train", max_length=128,

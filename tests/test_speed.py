@@ -12,9 +12,10 @@ import logging
 import pytest
 import torch
 
-from finetune import data, speed
-from finetune.config import build_config
+from finetune.config.validate import build_config
+from finetune.data import build, collate, pack, render
 from finetune.errors import ConfigError, UserError
+from finetune.training import speed
 
 ATOL = 1e-5
 ROWS = [
@@ -35,7 +36,7 @@ def _data_cfg(path, **kw):
 def examples(tokenizer, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    bundle = data.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    bundle = build.build_datasets(_data_cfg(path), tokenizer, seed=0)
     rows = [dict(r) for r in bundle.train]
     assert len({len(r["input_ids"]) for r in rows}) > 1, "examples must differ in length to exercise padding"
     return rows
@@ -71,9 +72,9 @@ def _by_example(pairs_rows):
 def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
     model = _model(tokenizer, attn)
     mcfg = build_config({"model": {"attn_implementation": attn}}).model
-    padded = data.collate(examples, tokenizer.pad_token_id)
+    padded = collate.collate(examples, tokenizer.pad_token_id)
     assert "attention_mask" in padded and (padded["attention_mask"] == 0).any()  # really padded
-    flat = speed.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)(examples)
+    flat = collate.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)(examples)
     assert flat["input_ids"].shape == (1, sum(len(e["input_ids"]) for e in examples))
     assert "attention_mask" not in flat
 
@@ -88,9 +89,9 @@ def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
         loss_flat = model(**{k: flat[k] for k in ("input_ids", "labels", "position_ids")}, use_cache=False).loss
     torch.testing.assert_close(loss_flat, loss_padded, atol=ATOL, rtol=0)
 
-    # Packing: rows built by finetune/data.py in shuffled order; compare per target as multisets.
-    packed_rows = data._pack([data._Example(e["input_ids"], e["labels"]) for e in examples], 10_000, seed=0)
-    packed = speed.make_collator(_data_cfg("x", packing=True), mcfg, tokenizer.pad_token_id)(packed_rows)
+    # Packing: rows built by finetune/data/pack.py in shuffled order; compare per target as multisets.
+    packed_rows = pack.pack([render.Example(e["input_ids"], e["labels"]) for e in examples], 10_000, seed=0)
+    packed = collate.make_collator(_data_cfg("x", packing=True), mcfg, tokenizer.pad_token_id)(packed_rows)
     got_packed = _per_token_losses(model, packed)
     assert sorted(t for t, _ in got_packed) == sorted(t for t, _ in reference)
     torch.testing.assert_close(torch.tensor(sorted(v for _, v in got_packed)),
@@ -101,13 +102,13 @@ def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
 def test_no_attention_crosses_example_boundaries(tokenizer, examples, attn):
     model = _model(tokenizer, attn)
     mcfg = build_config({"model": {"attn_implementation": attn}}).model
-    collate = speed.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)
+    flatten = collate.make_collator(_data_cfg("x", padding_free=True), mcfg, tokenizer.pad_token_id)
 
     def logits(batch):
         with torch.no_grad():
             return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
 
-    flat = collate(examples)
+    flat = flatten(examples)
     row = logits(flat)
     start = 0
     for e in examples:  # each example inside the row == that example alone
@@ -120,14 +121,14 @@ def test_no_attention_crosses_example_boundaries(tokenizer, examples, attn):
     # Perturb every token of the first example: the others' logits must not move at all.
     perturbed = [dict(examples[0], input_ids=[(t + 7) % len(tokenizer) for t in examples[0]["input_ids"]])]
     perturbed += examples[1:]
-    row2 = logits(collate(perturbed))
+    row2 = logits(flatten(perturbed))
     n0 = len(examples[0]["input_ids"])
     assert (row2[:n0] - row[:n0]).abs().max() > 1e-3  # the perturbation itself is visible
     torch.testing.assert_close(row2[n0:], row[n0:], atol=ATOL, rtol=0)
     # Control: the same row without position_ids (plain causal attention) does leak.
     with torch.no_grad():
         leak1 = model(input_ids=flat["input_ids"], use_cache=False).logits[0]
-        leak2 = model(input_ids=collate(perturbed)["input_ids"], use_cache=False).logits[0]
+        leak2 = model(input_ids=flatten(perturbed)["input_ids"], use_cache=False).logits[0]
     assert (leak2[n0:] - leak1[n0:]).abs().max() > 1e-3
 
 
@@ -167,13 +168,13 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     import datasets
     from transformers import TrainingArguments
 
-    from finetune.config import MethodConfig, ModelConfig
-    from finetune.model import load_model
-    from finetune.trainer import FinetuneTrainer
+    from finetune.config.sections import MethodConfig, ModelConfig
+    from finetune.modeling.load import load_model
+    from finetune.training.trainer import FinetuneTrainer
 
     rows = examples
     if layout == "packing":
-        rows = data._pack([data._Example(e["input_ids"], e["labels"]) for e in examples], 100, seed=0)
+        rows = pack.pack([render.Example(e["input_ids"], e["labels"]) for e in examples], 100, seed=0)
         assert len({len(r["input_ids"]) for r in rows}) > 1  # rows of different length: padded batch
     dcfg = _data_cfg("x", packing=layout == "packing", padding_free=layout == "padding_free")
     mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
@@ -181,7 +182,7 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1,
                              report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
     trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                              data_collator=speed.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
+                              data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
     trainer.train()
     _, n_input, n_trained, _ = trainer._steps[0]
     assert n_input == sum(len(e["input_ids"]) for e in examples)
@@ -196,7 +197,7 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     def build(**kw):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="finetune.token_cache"):
-            bundle = data.build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
+            bundle = build.build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
                                          tokenizer, seed=0)
         return bundle, caplog.text
 
@@ -210,5 +211,5 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))  # new file bytes
     changed, log4 = build()
     assert "miss" in log4 and changed.stats.train_examples == 2
-    uncached = data.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    uncached = build.build_datasets(_data_cfg(path), tokenizer, seed=0)
     assert uncached.train.to_list() == changed.train.to_list()

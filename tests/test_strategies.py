@@ -257,7 +257,7 @@ def _rank_exit_codes(stderr: str) -> set[int]:
 
 
 def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
-    """Recipe zero3 under the DDP config: preflight (finetune/preflight.py) exits 2 with the right launch
+    """Recipe zero3 under the DDP config: preflight (finetune/launch/preflight.py) exits 2 with the right launch
     line before the model loads or the run directory exists. (torchrun reports each rank's exit code;
     `accelerate launch` itself always exits 1 on a failed child.) The engaged-strategy check after the
     model loads stays as the proof of what engaged: test_offload_mismatch_is_refused_with_the_launch_line."""
@@ -321,7 +321,7 @@ def test_deepspeed_config_offloads_only_when_named_so(path):
 
 @pytest.mark.parametrize("name", STRATEGY_RECIPES)
 def test_strategy_recipe_names_its_configs_and_launch_line(name):
-    from finetune.recipe import load_recipe
+    from finetune.config.recipe import load_recipe
 
     cfg, _ = load_recipe(name, [])
     text = (REPO / "recipes" / f"{name}.yaml").read_text()
@@ -362,14 +362,14 @@ def _evidence(**kw) -> dict:
     (_evidence(world_size=2), ("PeftModelForCausalLM", "none")),  # two ranks, nothing wrapping: not a strategy
 ])
 def test_strategy_is_decided_by_the_live_evidence(evidence, expected):
-    from finetune.strategy import strategy_from_evidence
+    from finetune.training.engaged import strategy_from_evidence
 
     assert strategy_from_evidence(evidence) == expected
 
 
 def test_offload_mismatch_is_refused_with_the_launch_line():
     from finetune.errors import UserError
-    from finetune.strategy import check_expected
+    from finetune.training.engaged import check_expected
 
     engaged = {"name": "zero3", "offload": "none", "distributed_type": "DEEPSPEED", "world_size": 2,
                "evidence": {"engine_class": "DeepSpeedEngine"}}
@@ -419,7 +419,7 @@ def test_resume_skips_a_truncated_newest_checkpoint_and_matches_the_uninterrupte
     skips it, continues from checkpoint-3 and reproduces steps 4-5."""
     import shutil
 
-    from finetune import checkpoints
+    from finetune.training import checkpoints
 
     ref = runs(name)
     run_dir = tmp_path / name
@@ -449,8 +449,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
     import psutil
 
-    from finetune import checkpoints
     from finetune.errors import EXIT_PREEMPTED
+    from finetune.training import checkpoints
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from finetune import resources, strategies
-from finetune.launch_config import from_config_file
+from finetune.launch.facts import from_config_file
 
 ROWS = list(strategies.STRATEGIES)
 SHIPPED = [s for s in ROWS if s.launchable]
@@ -96,7 +96,7 @@ def test_every_shipped_file_belongs_to_a_row():
         {s.deepspeed_config for s in SHIPPED if s.deepspeed_config}
     # every shipped recipe that names a strategy (other than the demo, which is `single` with
     # the recipe's own method) is a row's recipe; the sweep offers exactly these
-    from finetune.sweep import strategy_names
+    from finetune.compare.sweep import strategy_names
 
     assert strategy_names() == ["single", *sorted(s.recipe for s in ROWS if s.recipe)]
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from finetune import wandb_logging
+from finetune.telemetry import wandb_logging
 from tests.wandb_records import read_records, summarize
 
 pytestmark = pytest.mark.slow

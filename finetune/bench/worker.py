@@ -1,0 +1,144 @@
+"""One side of one benchmark run, in its own process (so host peak memory is its own):
+
+    python -m finetune.bench.worker SPEC.json RESULT.json
+
+SPEC names the side (`finetune` or `trl`), the method, the model directory, the data file and
+the settings both sides share. Both sides are measured by the same two hooks, which change
+nothing about the training: a callback timing each optimizer step (CUDA synchronised) and a
+wrapper around the side's own data collator that counts, per batch, trained tokens
+(labels != -100) and real input tokens (attention-mask ones; every position when a batch
+has no mask, i.e. padding-free rows) and rows. Step i trains on batch i (no gradient
+accumulation; the data loader fetches batches in order).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    spec = json.loads(Path(spec_path).read_text())
+    result = run(spec)
+    Path(out_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def run(spec: dict) -> dict:
+    import datasets
+    import torch
+    from transformers import TrainerCallback
+
+    from finetune.data.collate import REAL_TOKENS_KEY
+    from finetune.telemetry import formulas, meter
+
+    rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
+    dataset = datasets.Dataset.from_list(rows)
+    memory = meter.MemoryTracker()
+    steps: list[float] = []
+    batches: list[tuple[int, int, int, int]] = []  # trained tokens, real input tokens, rows, positions
+
+    class Clock(TrainerCallback):
+        t0 = 0.0
+
+        def on_train_begin(self, *a, **k):
+            memory.reset()  # peaks from here on are training, not model loading
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            steps.append(time.perf_counter() - self.t0)
+            memory.sample()
+
+    torch.manual_seed(spec["seed"])
+    if spec["side"] == "trl":
+        from finetune.bench import trl_side
+
+        trainer = trl_side.build_trainer(spec, dataset, [Clock()])
+    else:
+        trainer = _our_trainer(spec, dataset, [Clock()])
+    collator = trainer.data_collator
+
+    def counting(features):
+        batch = collator(features)
+        mask = batch.get("attention_mask")
+        real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+        if REAL_TOKENS_KEY in batch:  # our packed rows state their real token count
+            real = int(batch[REAL_TOKENS_KEY])
+        # Positions computed = real tokens + padding (the batch's input_ids size).
+        batches.append((int((batch["labels"] != -100).sum()), real, len(features), int(batch["input_ids"].numel())))
+        return batch
+
+    trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
+    trainer.train()
+    mem = memory.snapshot()
+    n = len(steps)
+    trained, inputs, samples, positions = ([b[i] for b in batches[:n]] for i in range(4))
+    warm = spec["warmup_steps"] if n > spec["warmup_steps"] else 0
+    seconds = sum(steps[warm:])
+    model_config = trainer.model.config if not hasattr(trainer.model, "get_base_model") else \
+        trainer.model.get_base_model().config
+    seq_len = sum(inputs[warm:]) / max(sum(samples[warm:]), 1)
+    flops, convention = formulas.flops_per_token(model_config, spec["method"], seq_len)
+    peak = formulas.peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    input_tps = sum(inputs[warm:]) / seconds if seconds > 0 else None
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {
+        "side": spec["side"], "method": spec["method"], "round": spec["round"],
+        "steps": n, "warmup_steps_excluded": warm, "step_s": steps, "trained_tokens": trained,
+        "input_tokens": inputs, "rows": samples, "positions": positions, "losses": losses,
+        "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
+        "trained_tokens_per_s": sum(trained[warm:]) / seconds if seconds > 0 else None,
+        "input_tokens_per_s": input_tps, "median_step_s": statistics.median(steps[warm:]) if steps[warm:] else None,
+        "mfu": input_tps * flops / peak[1] if peak and input_tps else None,
+        "flops_per_token": flops, "flops_convention": convention, "peak_device": peak[0] if peak else None,
+        "device_peak_allocated_gib": mem["device_peak_allocated_gib"], "host_peak_rss_gib": mem["host_peak_rss_gib"],
+    }
+
+
+def _our_trainer(spec: dict, dataset, callbacks: list):
+    """This project's path: finetune.model loading, finetune.speed batching, FinetuneTrainer."""
+    import torch
+    from transformers import TrainingArguments
+
+    from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
+    from finetune.data import collate
+    from finetune.modeling.load import load_model, load_tokenizer
+    from finetune.training import speed
+    from finetune.training.trainer import FinetuneTrainer
+
+    cuda = torch.cuda.is_available()
+    mcfg = ModelConfig(name_or_path=spec["model_dir"], dtype="bfloat16" if cuda else "float32",
+                       attn_implementation=spec["attn_implementation"])
+    dcfg = DataConfig(path=spec["data_file"], max_length=spec["seq_len"],
+                      padding_free=spec["layout"] == "padding_free", packing=spec["layout"] == "packing")
+    tokenizer = load_tokenizer(mcfg)
+    if spec["layout"] == "packing":
+        import datasets
+
+        from finetune.data import pack, render
+
+        examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
+        dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
+    model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
+    args = TrainingArguments(
+        output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
+        learning_rate=spec["learning_rate"], bf16=cuda, logging_steps=1, save_strategy="no", report_to="none",
+        seed=spec["seed"], disable_tqdm=True, use_cpu=not cuda, torch_compile=spec["torch_compile"],
+        use_liger_kernel=spec["liger"])
+    if spec["liger"]:
+        speed.check_liger()
+    return FinetuneTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
+                           data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
+                           processing_class=tokenizer)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

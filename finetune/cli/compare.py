@@ -1,0 +1,137 @@
+"""`finetune compare` and `finetune sweep`: argument parsing and wiring (logic in compare, plots,
+report, wandb_compare and sweep)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from finetune.errors import UserError
+
+COMPARE_HELP = "compare run records side by side against the single-device QLoRA baseline"
+SWEEP_HELP = "run one recipe under several strategies one after another, then compare them"
+
+
+def add_compare_parser(sub) -> None:
+    p = sub.add_parser("compare", help=COMPARE_HELP, description=COMPARE_HELP + " (see docs/compare.md)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each holding run.json)")
+    _common(p)
+
+
+def add_sweep_parser(sub) -> None:
+    p = sub.add_parser("sweep", help=SWEEP_HELP, allow_abbrev=False,
+                       description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides "
+                                                "apply to every run.")
+    p.add_argument("--recipe", required=True, help="the recipe every strategy runs (model, data, hyperparameters)")
+    p.add_argument("--strategies", required=True,
+                   help="comma-separated: single or strategy recipe names, e.g. qlora_baseline,ddp,zero2,fsdp")
+    p.add_argument("--cpu", action="store_true",
+                   help="use the accelerate_configs/cpu/ variants (automatic when CUDA is not available)")
+    _common(p)
+
+
+def _common(p) -> None:
+    p.add_argument("--baseline", metavar="RUN_DIR",
+                   help="the run to compare against (default: the single-device QLoRA run); "
+                        "in a sweep, a strategy name")
+    p.add_argument("--out", metavar="DIR", help="where the report goes (must not exist or be empty)")
+    p.add_argument("--gpu-hour-price", type=float, metavar="USD",
+                   help="price of one device for one hour, for the cost per 1M trained tokens")
+
+
+def _fresh_dir(out: str | None, default: Path) -> Path:
+    path = Path(out) if out else default
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"--out {path}: exists and is not empty; nothing was changed. Choose another directory.")
+    return path
+
+
+def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
+    """Table, plots, Markdown + HTML, W&B; prints the table. Returns (0, table)."""
+    from finetune.compare import plots, wandb_report
+    from finetune.compare import report as report_lib
+    from finetune.compare.table import build_table
+
+    table = build_table(runs, baseline=baseline, gpu_hour_price=price)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = plots.write_plots(table, out_dir)
+    files = report_lib.write_reports(table, pngs, out_dir)
+    print(report_lib.console_table(table), flush=True)
+    for line in wandb_report.log_comparison(table, pngs, out_dir):
+        print(line, flush=True)
+    print(f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)\n"
+          f"plots:  {', '.join(str(p) for p in pngs.values())}", flush=True)
+    return 0, table
+
+
+def compare_main(args) -> int:
+    from finetune.compare import table as comparison
+
+    runs = comparison.load_runs(args.run_dirs)  # every problem at once, before anything is written
+    out = _fresh_dir(args.out, Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    comparison.pick_baseline(runs, args.baseline)  # a bad --baseline fails before the directory is made
+    code, _ = report(runs, baseline=args.baseline, out_dir=out, price=args.gpu_hour_price)
+    return code
+
+
+def sweep_main(args, overrides: list[str]) -> int:
+    from finetune.compare import sweep
+
+    cpu = args.cpu
+    if not cpu:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+        if cpu:
+            print("no CUDA device: using the CPU variants of the accelerate configs (accelerate_configs/cpu/)")
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    out = _fresh_dir(args.out, Path("runs") / f"sweep-{Path(args.recipe).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    planned = sweep.plan(args.recipe, names, overrides, cpu=cpu, out=out)
+    baseline = args.baseline
+    if baseline is not None:  # in a sweep the baseline is one of its strategies
+        if baseline not in names:
+            raise UserError(f"--baseline {baseline}: in a sweep, name one of the strategies ({', '.join(names)})")
+        baseline = out / baseline
+    print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
+    for p in planned:
+        print(f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | "
+              f"{' '.join(p.command()[2:])}")
+    return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)
+
+
+def run_sweep(planned, *, out: Path, baseline, price) -> int:
+    """Each planned run in turn (a failure does not stop the others), then the comparison.
+    Exit code 1 when any run failed."""
+    from finetune.compare import sweep
+    from finetune.compare import table as comparison
+
+    outcomes = []
+    for i, p in enumerate(planned, 1):
+        print(f"\n=== [{i}/{len(planned)}] {p.strategy} ===", flush=True)
+        outcomes.append(sweep.execute(p))
+        if outcomes[-1].error:
+            print(f"=== {p.strategy} FAILED: {outcomes[-1].error}", flush=True)
+
+    runs = []
+    for o in outcomes:
+        record = o.run.run_dir / "run.json"
+        label = f"{Path(o.run.recipe).stem}-{o.run.strategy}"
+        if record.is_file():
+            try:
+                (run,) = comparison.load_runs([record])
+            except comparison.CompareInputError as e:
+                run = comparison.Run(record, None, label, error=str(e))
+            if o.error and run.record is not None:  # in memory only: the record on disk is the run's
+                if run.status == "completed":
+                    run.record["summary"]["status"] = "failed"  # completed, but not as planned (see error)
+                run.record["summary"]["error"] = o.error  # with the exit code
+        else:
+            run = comparison.Run(record, None, label, error=o.error)
+        runs.append(run)
+    print("\n=== comparison ===", flush=True)
+    report(runs, baseline=baseline, out_dir=out / "report", price=price)
+    failed = [o.run.strategy for o in outcomes if o.error]
+    if failed:
+        print(f"sweep: {len(failed)} of {len(outcomes)} runs failed: {', '.join(failed)}", flush=True)
+        return 1
+    return 0

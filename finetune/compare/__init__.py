@@ -1,0 +1,1 @@
+"""`finetune compare` and `finetune sweep`: run records side by side, plots, reports, W&B."""

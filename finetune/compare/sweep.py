@@ -1,0 +1,204 @@
+"""One recipe under several strategies, one run after another, then the comparison.
+
+    finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
+
+How a sweep run is put together (so that the runs differ only in the strategy):
+
+- Model, data, hyperparameters, seed and evaluation come from `--recipe` (plus the command-line
+  overrides), the same for every run: each run is `finetune train --recipe R ...`.
+- A strategy is the name of a shipped strategy recipe in recipes/ (ddp, zero2, zero2_offload,
+  zero3, zero3_offload, fsdp, fsdp_offload, qlora_baseline), or `single` (one process, the
+  recipe's own method). From it the sweep takes only what defines the strategy: `run.strategy`,
+  `run.offload` and `run.accelerate_config` (so train.py still checks on the live engine that the
+  strategy engaged). The baseline (a strategy recipe with run.strategy single and method qlora:
+  qlora_baseline) is defined by its method too, so it also carries its quantization keys
+  (method.name, quant_type, double_quant, compute_dtype, quant_storage); the LoRA rank, alpha,
+  dropout and targets stay the recipe's.
+- Same effective batch: the recipe's effective batch (per-device x accumulation x the process
+  count of its own accelerate config) is kept for every strategy by setting the per-device batch
+  to effective / (processes x accumulation). If that is not a whole number the sweep refuses
+  before running anything. The LR rule and reference are the recipe's, so the applied LR is the
+  same too. After each run, its record is checked for that effective batch.
+- On a machine without CUDA (or with --cpu) each strategy's accelerate_configs/cpu/ variant is
+  used (2 processes over gloo), exactly as `finetune train --cpu` picks it.
+- Runs go to OUT/<strategy>/ (run name <recipe>-<strategy>), their console output to
+  OUT/logs/<strategy>.log, the comparison to OUT/report/. A failed run is reported as failed
+  with its error and the sweep goes on; the exit code is then 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from finetune import resources, strategies
+from finetune.errors import UserError
+
+SINGLE = "single"  # not a recipe: one process, the recipe's own method
+SINGLE_CONFIG = strategies.by_key("single").accelerate_config
+# Keys that make a QLoRA run QLoRA; taken from the baseline strategy recipe.
+QLORA_KEYS = ("name", "quant_type", "double_quant", "compute_dtype", "quant_storage")
+
+
+@dataclass
+class PlannedRun:
+    strategy: str
+    config_file: str  # the accelerate config the recipe names (the CPU variant is chosen by --cpu)
+    world_size: int
+    per_device: int
+    run_dir: Path
+    args: list[str]  # overrides passed to `finetune train --recipe R`
+    cpu: bool
+    recipe: str
+    effective: int = 0
+    log: Path = field(default=Path())
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "finetune.cli", "train", "--recipe", self.recipe,
+                *(["--cpu"] if self.cpu else []), *self.args]
+
+
+def strategy_names() -> list[str]:
+    """`single` plus every shipped recipe that names a strategy and its accelerate config."""
+    from finetune.config.recipe import RECIPES_DIR, available_recipes, read_recipe_file
+
+    names = [SINGLE]
+    for name in available_recipes():
+        values = read_recipe_file(RECIPES_DIR / f"{name}.yaml")
+        run, method = values.get("run") or {}, values.get("method") or {}
+        if run.get("strategy") in (None, "any") or not run.get("accelerate_config"):
+            continue
+        if run["strategy"] == "single" and method.get("name") != "qlora":
+            continue  # one process with the recipe's own method: that is `single`
+        names.append(name)
+    return names
+
+
+def _strategy_values(name: str) -> tuple[dict, dict]:
+    """(run overrides, method overrides) that define a strategy."""
+    from finetune.config.recipe import RECIPES_DIR, read_recipe_file
+
+    if name == SINGLE:
+        return {"strategy": "single", "offload": "none", "accelerate_config": SINGLE_CONFIG}, {}
+    allowed = strategy_names()
+    path = RECIPES_DIR / f"{name}.yaml"
+    if name not in allowed or not path.is_file():
+        raise UserError(f"--strategies: unknown strategy {name!r}; allowed: {', '.join(allowed)}")
+    values = read_recipe_file(path)
+    run = values["run"]
+    run_values = {"strategy": run["strategy"], "offload": run.get("offload", "any"),
+                  "accelerate_config": run["accelerate_config"]}
+    method = values.get("method") or {}
+    method_values = {}
+    if run["strategy"] == "single" and method.get("name") == "qlora":
+        method_values = {k: method[k] for k in QLORA_KEYS if k in method}
+    return run_values, method_values
+
+
+def launch_config(config_file: str, cpu: bool) -> Path:
+    """The config `finetune train` will launch with (finetune/launch/accelerate.py launch_command's choice)."""
+    path = resources.locate(config_file)
+    if path is None:
+        raise UserError(f"accelerate config {config_file!r} not found")
+    return resources.cpu_variant(path) if cpu else path
+
+
+def processes(config: Path) -> int:
+    return int((yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("num_processes", 1) or 1)
+
+
+def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool, out: Path) -> list[PlannedRun]:
+    """Every run of the sweep, validated (recipe + overrides load) before any of them starts."""
+    from finetune.config.recipe import load_recipe
+
+    if not strategies:
+        raise UserError("--strategies: give at least one, e.g. --strategies qlora_baseline,ddp,zero2,fsdp")
+    dupes = sorted({s for s in strategies if strategies.count(s) > 1})
+    if dupes:
+        raise UserError(f"--strategies: {', '.join(dupes)} given more than once")
+    for key in ("run.output_dir", "run.name", "run.strategy", "run.offload", "run.accelerate_config"):
+        if any(o.startswith(f"--{key}=") or o == f"--{key}" for o in overrides):
+            raise UserError(f"--{key}: set by the sweep for each strategy (see `finetune sweep --help`); drop it")
+    cfg, _ = load_recipe(recipe, overrides)
+    base_world = processes(launch_config(cfg.run.accelerate_config, cpu)) if cfg.run.accelerate_config else 1
+    args = cfg.training.args
+    per_device, accum = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+    effective = per_device * accum * base_world
+    planned, problems = [], []
+    for name in strategies:
+        run_values, method_values = _strategy_values(name)
+        config = launch_config(run_values["accelerate_config"], cpu)
+        world = processes(config)
+        if effective % (world * accum):
+            problems.append(f"{name}: the recipe's effective batch {effective} ({per_device} per device x {accum} "
+                            f"accumulation x {base_world} processes) cannot be kept with {world} processes "
+                            f"x {accum} accumulation; set --training.per_device_train_batch_size / "
+                            f"--training.gradient_accumulation_steps so that it divides")
+            continue
+        run_dir = out / name
+        extra = [f"--run.{k}={v}" for k, v in run_values.items()]
+        extra += [f"--method.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in method_values.items()]
+        extra += [f"--training.per_device_train_batch_size={effective // (world * accum)}",
+                  f"--run.output_dir={run_dir}", f"--run.name={cfg.recipe}-{name}"]
+        load_recipe(recipe, [*overrides, *extra])  # the exact values this run will train with must load
+        planned.append(PlannedRun(name, run_values["accelerate_config"], world, effective // (world * accum),
+                                  run_dir, [*overrides, *extra], cpu, recipe, effective, out / "logs" / f"{name}.log"))
+    if problems:
+        raise UserError("cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems))
+    return planned
+
+
+@dataclass
+class Outcome:
+    run: PlannedRun
+    returncode: int
+    error: str | None  # None when the run completed as planned
+
+
+def execute(run: PlannedRun) -> Outcome:
+    """Run one strategy to the end, its output to the console and to its log file."""
+    from finetune.launch import cpu_rehearsal
+
+    run.log.parent.mkdir(parents=True, exist_ok=True)
+    # Each run's `finetune train` sets the CPU/gloo opt-in from its own config (cpu/ variants only);
+    # a value inherited from the caller would force it on the single-process runs too.
+    env = {k: v for k, v in os.environ.items() if k != cpu_rehearsal.ENV}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    tail: list[str] = []
+    with open(run.log, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                bufsize=1)
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            tail = (tail + [line.rstrip()])[-40:]
+        rc = proc.wait()
+    return Outcome(run, rc, _failure(run, rc, tail))
+
+
+def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
+    from finetune.telemetry.record import load
+
+    record_file = run.run_dir / "run.json"
+    record = load(record_file) if record_file.is_file() else None
+    summary = (record or {}).get("summary") or {}
+    if rc != 0:
+        if summary.get("error"):
+            return f"exit {rc}: {summary['error']}"
+        errors = [line for line in tail if line.startswith("error:") or "Error" in line]
+        return f"exit {rc}: {(errors or [line for line in tail if line] or ['no output'])[-1]} (log: {run.log})"
+    if record is None:
+        return f"exit 0 but no run record at {record_file}"
+    if summary.get("status") != "completed":
+        return f"status {summary.get('status')}: {summary.get('error')}"
+    batch = record.get("batch") or {}
+    if batch.get("effective") != run.effective or (record.get("strategy") or {}).get("world_size") != run.world_size:
+        return (f"ran with effective batch {batch.get('effective')} on {(record.get('strategy') or {}).get('world_size')} "
+                f"processes, planned {run.effective} on {run.world_size}: not comparable")
+    return None

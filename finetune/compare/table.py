@@ -1,0 +1,389 @@
+"""Runs side by side: read and check run records, pick the baseline, derive the comparison columns.
+
+    runs = load_runs(["runs/a", "runs/b"])          # CompareInputError (exit 2) on unusable input
+    table = build_table(runs, baseline=None, gpu_hour_price=2.5)
+
+Definitions are shared/DESIGN.md's. Derived columns, each None with a reason when it cannot be had:
+
+- speedup        = trained tokens/s of the run / trained tokens/s of the baseline
+- memory ratio   = peak memory of the run / peak memory of the baseline, on device peak allocated
+                   when both runs have one (GPU runs), else on host peak RSS; the basis is shown
+- scaling eff.   = trained tokens/s / (N x trained tokens/s of a single-device run of the same
+                   method), N = the run's world size (data-parallel ranks)
+- cost / 1M tok  = price per device-hour x devices x training hours / (trained tokens / 1e6).
+                   Training time is summary.train_s (Trainer.train(): every optimizer step, the
+                   warm-up step included; not model loading, the exact-match evaluation or saving),
+                   so the figure extrapolates to longer runs of the same setup; wall_s is shown too.
+
+The baseline is the single-device QLoRA run (strategy single, method qlora) unless one is named.
+This module knows nothing of the CLI, plots or report formats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.errors import UserError
+
+SCHEMA = 1  # the run.json schema this reader understands (finetune/telemetry/record.py SCHEMA)
+# Top-level keys every schema-1 record has from its first write (finetune/telemetry/record.py RunRecord).
+REQUIRED_KEYS = ("schema", "run_name", "recipe", "config", "hardware", "strategy", "batch", "lr", "memory",
+                 "throughput", "steps", "summary")
+# What makes two runs comparable: the same model and the same training data.
+MODEL_KEYS = ("name_or_path", "revision")
+DATA_KEYS = ("path", "format", "split", "max_length", "packing", "max_samples", "eval_fraction", "train_on_prompt")
+DEMO_DATA_KEYS = ("demo_train_size", "demo_heldout_size")
+
+
+class CompareInputError(UserError):
+    """Run records that cannot be compared: every problem, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("cannot compare:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class Run:
+    path: Path  # the run.json file
+    record: dict | None  # None: the run never wrote a record (a sweep launch that failed early)
+    label: str
+    error: str | None = None  # why a launch failed, when record is None
+
+    @property
+    def status(self) -> str:
+        if self.record is None:
+            return "failed"
+        return (self.record.get("summary") or {}).get("status") or "unknown"
+
+    def get(self, *keys, default=None):
+        """Nested lookup that treats null sections (a run still running or failed early) as missing."""
+        value = self.record
+        for key in keys:
+            if not isinstance(value, dict):
+                return default
+            value = value.get(key)
+        return default if value is None else value
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Each path: a run directory holding run.json, or a run.json file. All problems are collected
+    and raised together, before anything is written."""
+    runs, problems = [], []
+    for given in paths:
+        path = Path(given)
+        file = path / "run.json" if path.is_dir() else path
+        if not path.exists():
+            problems.append(f"{given}: no such file or directory")
+            continue
+        if not file.is_file():
+            problems.append(f"{given}: no run.json in this directory (is it a run directory? "
+                            f"`finetune train` writes <output_dir>/run.json)")
+            continue
+        try:
+            record = json.loads(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            problems.append(f"{file}: not UTF-8 text (byte {e.start})")
+            continue
+        except json.JSONDecodeError as e:
+            problems.append(f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+            continue
+        problem = check_record(record)
+        if problem:
+            problems.append(f"{file}: {problem}")
+            continue
+        runs.append(Run(file, record, label=record["run_name"]))
+    if problems:
+        raise CompareInputError(problems)
+    if not runs:
+        raise CompareInputError(["no run directories given"])
+    _unique_labels(runs)
+    return runs
+
+
+def check_record(record) -> str | None:
+    if not isinstance(record, dict):
+        return f"not a run record (top level is {type(record).__name__}, expected an object)"
+    schema = record.get("schema")
+    if schema != SCHEMA:
+        return (f"run record schema {schema!r} is not supported (this finetune reads schema {SCHEMA}); "
+                f"re-run it with this version, or compare it with the finetune version that wrote it")
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    if missing:
+        return f"schema-1 record without {', '.join(missing)} (incomplete or from an older development version)"
+    for key in ("config", "summary"):
+        if not isinstance(record[key], dict):
+            return f"{key}: expected an object, got {type(record[key]).__name__}"
+    for key in ("hardware", "strategy", "batch", "lr", "memory", "throughput"):
+        if record[key] is not None and not isinstance(record[key], dict):
+            return f"{key}: expected an object or null, got {type(record[key]).__name__}"
+    if not isinstance(record["steps"], list):
+        return f"steps: expected a list, got {type(record['steps']).__name__}"
+    return None
+
+
+def _unique_labels(runs: list[Run]) -> None:
+    seen: dict[str, int] = {}
+    for run in runs:
+        n = seen.get(run.label, 0)
+        seen[run.label] = n + 1
+        if n:
+            run.label = f"{run.label} ({n + 1})"
+
+
+# --- baseline and comparability --------------------------------------------------------------
+
+
+def is_baseline_candidate(run: Run) -> bool:
+    return run.get("strategy", "name") == "single" and run.get("strategy", "method") == "qlora"
+
+
+def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | None, str]:
+    """(baseline run or None, how it was chosen / why there is none)."""
+    if baseline is not None:
+        wanted = Path(baseline)
+        wanted = (wanted / "run.json" if wanted.is_dir() else wanted).resolve()
+        for run in runs:
+            if run.path.resolve() == wanted:
+                if run.record is None:
+                    raise CompareInputError([f"--baseline {baseline}: that run failed before writing a record"])
+                return run, f"--baseline {baseline}"
+        raise CompareInputError([f"--baseline {baseline}: not among the runs compared; give it as a RUN_DIR too"])
+    candidates = [r for r in runs if r.record is not None and is_baseline_candidate(r)]
+    completed = [r for r in candidates if r.status == "completed"]
+    chosen = (completed or candidates or [None])[0]
+    if chosen is None:
+        return None, "no baseline: none of the runs is a single-device QLoRA run (pass --baseline RUN_DIR)"
+    note = "single-device QLoRA run"
+    if len(candidates) > 1:
+        note += f" (first of {len(candidates)}; pass --baseline to choose)"
+    if chosen.status != "completed":
+        note += f"; its status is {chosen.status}, so the comparisons against it may rest on partial figures"
+    return chosen, note
+
+
+def comparability_warnings(runs: list[Run]) -> list[str]:
+    """Runs of different models or data are reported, but said not to be comparable."""
+    warnings = []
+    recorded = [r for r in runs if r.record is not None]
+    for section, keys in (("model", MODEL_KEYS), ("data", DATA_KEYS)):
+        for key in keys + (DEMO_DATA_KEYS if section == "data" else ()):
+            values = {}
+            for run in recorded:
+                body = run.record["config"].get(section) or {}
+                if key in DEMO_DATA_KEYS and body.get("path") != "demo":
+                    continue
+                values.setdefault(json.dumps(body.get(key), sort_keys=True, default=str), []).append(run.label)
+            if len(values) > 1:
+                detail = "; ".join(f"{json.loads(v)!r}: {', '.join(labels)}" for v, labels in values.items())
+                warnings.append(f"not comparable: {section}.{key} differs between runs ({detail})")
+    for run in runs:
+        if run.status != "completed":
+            warnings.append(f"{run.label}: status {run.status}" + (f" ({e})" if (e := _error_of(run)) else "")
+                            + "; its figures are partial or missing")
+    return warnings
+
+
+def _error_of(run: Run) -> str | None:
+    return run.error if run.record is None else run.get("summary", "error")
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    key: str
+    header: str  # short, for the console
+    title: str  # long, for Markdown/HTML
+    fmt: str = "{}"  # for numbers
+
+
+COLUMNS = [
+    Column("run", "run", "run"),
+    Column("status", "status", "status"),
+    Column("strategy", "strategy", "strategy (offload)"),
+    Column("method", "method", "method"),
+    Column("devices", "dev", "devices (world size)"),
+    Column("effective_batch", "eff.batch", "effective batch (sequences/step)"),
+    Column("lr_applied", "lr", "applied LR", "{:.3g}"),
+    Column("tokens_per_s", "tok/s", "trained tokens/s (all devices)", "{:,.1f}"),
+    Column("tokens_per_s_per_device", "tok/s/dev", "trained tokens/s per device", "{:,.1f}"),
+    Column("mfu", "MFU", "MFU", "{:.1%}"),
+    Column("device_peak_gib", "dev GiB", "peak device memory, GiB (allocated, max over ranks)", "{:.2f}"),
+    Column("host_peak_gib", "host GiB", "host peak RSS, GiB (max over ranks)", "{:.2f}"),
+    Column("predicted_gib", "pred GiB", "predicted memory, GiB (device, else host)", "{:.2f}"),
+    Column("predicted_error", "pred err", "prediction error (relative)", "{:+.1%}"),
+    Column("train_loss", "train loss", "final train loss (mean over training)", "{:.4f}"),
+    Column("eval_loss", "eval loss", "eval loss", "{:.4f}"),
+    Column("task_metric", "task", "task metric (after training)"),
+    Column("wall_s", "wall s", "wall time, s", "{:,.0f}"),
+    Column("train_s", "train s", "training time, s", "{:,.0f}"),
+    Column("cost_per_mtok", "$/1M tok", "cost per 1M trained tokens, USD (training time)", "{:,.4g}"),
+    Column("speedup", "speedup", "speedup vs baseline (tokens/s)", "{:.2f}x"),
+    Column("memory_ratio", "mem ratio", "memory ratio vs baseline", "{:.2f}"),
+    Column("scaling_efficiency", "scaling", "scaling efficiency (vs same-method single device)", "{:.0%}"),
+]
+
+
+@dataclass
+class Table:
+    rows: list[dict]  # key -> value (number, str or None)
+    notes: list[dict]  # key -> why the value is missing, per row
+    baseline: Run | None
+    baseline_note: str
+    warnings: list[str]
+    runs: list[Run]
+    gpu_hour_price: float | None
+    columns: list[Column] = field(default_factory=lambda: list(COLUMNS))
+
+    def cell(self, i: int, key: str) -> str:
+        value = self.rows[i][key]
+        if value is None:
+            return "n/a"
+        column = next(c for c in self.columns if c.key == key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            text = column.fmt.format(value)
+            if key == "memory_ratio":
+                text += f" ({self.rows[i]['memory_basis']})"
+            return text
+        return str(value)
+
+
+def build_table(runs: list[Run], baseline: str | Path | None = None, gpu_hour_price: float | None = None) -> Table:
+    if gpu_hour_price is not None and not (gpu_hour_price >= 0 and math.isfinite(gpu_hour_price)):
+        raise CompareInputError([f"--gpu-hour-price: must be a non-negative number of USD, got {gpu_hour_price}"])
+    base, base_note = pick_baseline(runs, baseline)
+    rows, notes = [], []
+    for run in runs:
+        row, why = _row(run, runs, base, gpu_hour_price)
+        rows.append(row)
+        notes.append(why)
+    return Table(rows, notes, base, base_note, comparability_warnings(runs), runs, gpu_hour_price)
+
+
+def memory_pair(run: Run, base: Run) -> tuple[float | None, float | None, str]:
+    """(run GiB, baseline GiB, basis): device peak allocated when both runs recorded one (GPU
+    runs), else host peak RSS of both (CPU runs, or a GPU run against a CPU one)."""
+    mine = run.get("memory", "max", "device_peak_allocated_gib")
+    theirs = base.get("memory", "max", "device_peak_allocated_gib")
+    if mine is not None and theirs is not None:
+        return mine, theirs, "device"
+    return run.get("memory", "max", "host_peak_rss_gib"), base.get("memory", "max", "host_peak_rss_gib"), "host"
+
+
+def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | None:
+    """The single-device run of the same method to measure scaling against (the baseline if it fits)."""
+    method = run.get("strategy", "method")
+    fits = [r for r in runs if r.record is not None and r.get("strategy", "world_size") == 1
+            and r.get("strategy", "method") == method and r.get("throughput", "trained_tokens_per_s") is not None]
+    if base in fits:
+        return base
+    return fits[0] if fits else None
+
+
+def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tuple[dict, dict]:
+    why: dict[str, str] = {}
+    strategy = run.get("strategy", "name")
+    offload = run.get("strategy", "offload")
+    row = {
+        "run": run.label + (" [baseline]" if run is base else ""),
+        "status": run.status,
+        "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "")) if strategy else None,
+        "method": run.get("strategy", "method") or run.get("config", "method", "name"),
+        "devices": run.get("strategy", "world_size"),
+        "effective_batch": run.get("batch", "effective"),
+        "lr_applied": run.get("lr", "applied"),
+        "tokens_per_s": run.get("throughput", "trained_tokens_per_s"),
+        "tokens_per_s_per_device": run.get("throughput", "trained_tokens_per_s_per_device"),
+        "mfu": run.get("throughput", "mfu"),
+        "device_peak_gib": run.get("memory", "max", "device_peak_allocated_gib"),
+        "host_peak_gib": run.get("memory", "max", "host_peak_rss_gib"),
+        "predicted_gib": None, "predicted_error": None,
+        "train_loss": run.get("summary", "train_loss"),
+        "eval_loss": run.get("summary", "eval_loss"),
+        "task_metric": _task_metric(run),
+        "wall_s": run.get("summary", "wall_s"),
+        "train_s": run.get("summary", "train_s"),
+        "cost_per_mtok": None, "speedup": None, "memory_ratio": None, "memory_basis": None,
+        "scaling_efficiency": None,
+        "error": _error_of(run),
+    }
+    if run.record is None:
+        return row, {k: "the run failed before writing run.json" for k in row}
+    if row["mfu"] is None:
+        why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
+    if row["device_peak_gib"] is None:
+        why["device_peak_gib"] = "no accelerator memory on a CPU run" \
+            if run.get("hardware", "device_type") == "cpu" else "not recorded"
+
+    predicted = run.get("predicted_memory")
+    if predicted:
+        side = "device" if predicted.get("device") else "host"
+        row["predicted_gib"] = (predicted.get(side) or {}).get("total_gib")
+        row["predicted_error"] = ((predicted.get("error") or {}).get(side) or {}).get("relative_error")
+        row["predicted_side"] = side
+    else:
+        why["predicted_gib"] = why["predicted_error"] = "no prediction in the record"
+
+    tokens, train_s, devices = run.get("summary", "total_trained_tokens"), row["train_s"], row["devices"]
+    if price is None:
+        why["cost_per_mtok"] = "no --gpu-hour-price given"
+    elif not (tokens and train_s and devices):
+        why["cost_per_mtok"] = "needs trained tokens, training time and devices (run not completed?)"
+    else:
+        row["cost_per_mtok"] = price * devices * (train_s / 3600) / (tokens / 1e6)
+
+    tps = row["tokens_per_s"]
+    if base is None:
+        why["speedup"] = why["memory_ratio"] = "no baseline among the runs"
+    else:
+        base_tps = base.get("throughput", "trained_tokens_per_s")
+        if tps is not None and base_tps:
+            row["speedup"] = tps / base_tps
+        else:
+            why["speedup"] = "no tokens/s recorded" + (" for the baseline" if not base_tps else "")
+        mine, theirs, basis = memory_pair(run, base)
+        if mine is not None and theirs:
+            row["memory_ratio"], row["memory_basis"] = mine / theirs, basis
+        else:
+            why["memory_ratio"] = "no memory peak recorded"
+
+    single = same_method_single(run, runs, base)
+    n = row["devices"]
+    if single is None:
+        why["scaling_efficiency"] = f"no single-device {row['method']} run among the runs"
+    elif tps is None or not n:
+        why["scaling_efficiency"] = "no tokens/s recorded"
+    else:
+        row["scaling_efficiency"] = tps / (n * single.get("throughput", "trained_tokens_per_s"))
+        row["scaling_reference"] = single.label
+    return row, why
+
+
+def _task_metric(run: Run) -> str | None:
+    ev = run.get("eval") or {}
+    metric = ev.get("metric")
+    after = ev.get(f"{metric}_after") if metric else None
+    if after is None:
+        return None
+    before = ev.get(f"{metric}_before")
+    total = ((ev.get("details") or {}).get("after") or {}).get("total")
+    text = f"{metric} {after:.1%}" + (f" (before {before:.1%})" if before is not None else "")
+    return text + (f" of {total}" if total else "")
+
+
+def loss_curve(run: Run) -> tuple[list[int], list[float]]:
+    """(cumulative trained tokens at each logged step, loss logged there). steps[].trained_tokens
+    is the count since the previous log (summed over ranks; finetune/training/trainer.py), so it is summed
+    here; loss is Trainer's mean over those steps."""
+    xs, ys, total = [], [], 0
+    for step in run.get("steps", default=[]):
+        total += step.get("trained_tokens") or 0
+        if step.get("loss") is not None:
+            xs.append(total)
+            ys.append(step["loss"])
+    return xs, ys

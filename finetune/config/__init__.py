@@ -1,0 +1,1 @@
+"""Configuration: the recipe sections (sections.py), their validation (validate.py) and recipes (recipe.py)."""

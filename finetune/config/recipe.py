@@ -1,0 +1,126 @@
+"""Recipes: find a recipe YAML by name or path, apply `--section.key=value` overrides, validate.
+
+    load_recipe("demo", ["--training.max_steps=10"])  ->  Config
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import yaml
+
+from finetune.config.sections import Config
+from finetune.config.validate import build_config
+from finetune.errors import ConfigError
+from finetune.resources import RECIPES as RECIPES_DIR
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-4` and `2E5` as numbers. YAML 1.1 (PyYAML) wants a dot
+    (`1.0e-4`) and would otherwise hand a learning rate of 1e-4 over as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"
+               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$"),
+    list("-+0123456789."))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A path to an existing file, or the name of a file in recipes/ (with or without .yaml)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        [f"--recipe {name_or_path!r}: no such file, and no recipe of that name in {RECIPES_DIR}; "
+         f"available: {', '.join(available_recipes()) or '(none)'}"], "command line")
+
+
+def read_recipe_file(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"not UTF-8 text (byte {e.start}): {e.reason}"], str(path)) from None
+    try:
+        values = parse_yaml(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError([f"{where}invalid YAML: {getattr(e, 'problem', None) or e}"], str(path)) from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, got {type(values).__name__}"], str(path))
+    return values
+
+
+def parse_overrides(args: list[str]) -> tuple[dict, list[str]]:
+    """`--section.key=value` or `--section.key value` -> nested dict. Values are parsed as YAML
+    (so 3, 1e-4, true, null, [a, b] have their types); returns (overrides, problems)."""
+    out: dict = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            problems.append(f"{arg!r}: unexpected argument; overrides look like --section.key=value")
+            continue
+        key, sep, raw = arg[2:].partition("=")
+        if not sep:
+            if i >= len(args) or args[i].startswith("--"):
+                problems.append(f"--{key}: missing value; use --{key}=VALUE")
+                continue
+            raw = args[i]
+            i += 1
+        parts = key.split(".")
+        if len(parts) != 2 or not all(parts):
+            problems.append(f"--{key}: overrides are --section.key=value (e.g. --training.max_steps=10)")
+            continue
+        try:
+            value = parse_yaml(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw  # not YAML (e.g. an unbalanced bracket): keep the string, validation judges it
+        out.setdefault(parts[0], {})[parts[1]] = value
+    return out, problems
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for section, body in overrides.items():
+        if isinstance(merged.get(section), dict) and isinstance(body, dict):
+            merged[section].update(body)
+        else:
+            merged[section] = body
+    return merged
+
+
+def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> tuple[Config, Path | None]:
+    """Defaults < recipe YAML < overrides, validated together: one ConfigError lists everything."""
+    over, problems = parse_overrides(list(overrides))
+    path = find_recipe(name_or_path) if name_or_path else None
+    values = read_recipe_file(path) if path else {}
+    source = f"{path}" if path else "configuration"
+    if over:
+        source += " + command-line overrides"
+    try:
+        cfg = build_config(merge(values, over), recipe=path.stem if path else "custom", source=source)
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems, source) from None
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg, path

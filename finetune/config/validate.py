@@ -1,0 +1,195 @@
+"""Validation that reports every problem: a nested {section: {key: value}} dict -> Config.
+
+Unknown sections and keys, wrong types and values that are not allowed are collected and raised
+once as a `ConfigError` naming each dotted key and what is allowed (with a did-you-mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal, Optional, Union
+
+from finetune.config.sections import SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_RESERVED, Config, TrainingConfig
+from finetune.errors import ConfigError
+
+
+def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe") -> Config:
+    """Turn a nested {section: {key: value}} dict into a validated Config, or raise ConfigError
+    listing every problem (unknown sections/keys, wrong types, values not allowed)."""
+    problems: list[str] = []
+    if not isinstance(values, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, got {_kind(values)}"], source)
+    sections: dict[str, Any] = {}
+    for name, body in values.items():
+        if name not in SECTION_CLASSES:
+            problems.append(f"{name}: unknown section{_suggest(name, SECTION_CLASSES)}; "
+                            f"allowed: {', '.join(SECTION_CLASSES)}")
+            continue
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            problems.append(f"{name}: must be a mapping of keys, got {_kind(body)}")
+            continue
+        if name == "training":
+            sections[name] = _build_training(body, problems)
+        else:
+            sections[name] = _build_section(name, SECTION_CLASSES[name], body, problems)
+    for name, cls in SECTION_CLASSES.items():
+        sections.setdefault(name, cls())
+    cfg = Config(**sections, recipe=recipe)
+    problems += _cross_checks(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _build_section(section: str, cls, body: dict, problems: list[str]):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in body.items():
+        dotted = f"{section}.{key}"
+        if key not in known:
+            problems.append(f"{dotted}: unknown key{_suggest(key, known)}; allowed: {', '.join(sorted(known))}")
+            continue
+        problem = check_type(value, hints[key])
+        if problem:
+            problems.append(f"{dotted}: {problem}")
+            continue
+        kwargs[key] = float(value) if hints[key] is float and isinstance(value, int) else value
+    return cls(**kwargs)
+
+
+def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
+    from transformers import TrainingArguments  # heavy import, only when building a config
+
+    own = {f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"}
+    ta_fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
+    ta_hints = typing.get_type_hints(TrainingArguments)
+    ours = {k: v for k, v in body.items() if k in own}
+    cfg = _build_section("training", TrainingConfig, ours, problems)
+    args = dict(TRAINING_DEFAULTS)
+    for key, value in body.items():
+        if key in own:
+            continue
+        dotted = f"training.{key}"
+        if key in TRAINING_RESERVED:
+            problems.append(f"{dotted}: set by {TRAINING_RESERVED[key]}, not in training")
+            continue
+        if key not in ta_fields:
+            problems.append(f"{dotted}: unknown key{_suggest(key, set(ta_fields) | own)}; allowed: "
+                            f"{', '.join(sorted(own))} or any transformers.TrainingArguments field")
+            continue
+        problem = check_type(value, ta_hints.get(key, Any), lenient=True)
+        if problem:
+            problems.append(f"{dotted}: {problem}")
+            continue
+        args[key] = value
+    cfg.args = args
+    return cfg
+
+
+def _cross_checks(cfg: Config) -> list[str]:
+    p = []
+    d, m, e, t = cfg.data, cfg.method, cfg.eval, cfg.training
+    if d.max_length < 8:
+        p.append(f"data.max_length: must be >= 8 tokens, got {d.max_length}")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        p.append(f"data.eval_fraction: must be in [0, 1), got {d.eval_fraction}")
+    if d.max_samples is not None and d.max_samples < 1:
+        p.append(f"data.max_samples: must be >= 1 or null, got {d.max_samples}")
+    for key in ("demo_train_size", "demo_heldout_size"):
+        if getattr(d, key) < 1:
+            p.append(f"data.{key}: must be >= 1, got {getattr(d, key)}")
+    if m.lora_r < 1:
+        p.append(f"method.lora_r: must be >= 1, got {m.lora_r}")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        p.append(f"method.lora_dropout: must be in [0, 1), got {m.lora_dropout}")
+    if isinstance(m.target_modules, list) and not all(isinstance(x, str) for x in m.target_modules):
+        p.append("method.target_modules: must be 'all-linear' or a list of module names (strings)")
+    if e.samples < 1 or e.max_new_tokens < 1 or e.batch_size < 1:
+        p.append("eval.samples, eval.max_new_tokens and eval.batch_size must be >= 1")
+    if e.exact_match and not e.heldout_path:
+        p.append("eval.heldout_path: required when eval.exact_match is true ('demo' for the demo split)")
+    if e.exact_match and e.heldout_path == "demo" and d.path != "demo":
+        p.append("eval.heldout_path: 'demo' needs data.path: demo")
+    if t.lr_reference_batch_size is not None and t.lr_reference_batch_size < 1:
+        p.append(f"training.lr_reference_batch_size: must be >= 1, got {t.lr_reference_batch_size}")
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        v = t.args.get(key)
+        if isinstance(v, int) and v < 1:
+            p.append(f"training.{key}: must be >= 1, got {v}")
+    if t.args.get("enable_jit_checkpoint"):
+        p.append("training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
+                 "preempted run with exit 0; preemption is handled without it (docs/faults.md)")
+    if t.max_nonfinite_skips < 0:
+        p.append(f"training.max_nonfinite_skips: must be >= 0, got {t.max_nonfinite_skips}")
+    lr = t.args.get("learning_rate")
+    if isinstance(lr, (int, float)) and lr <= 0:
+        p.append(f"training.learning_rate: must be > 0, got {lr}")
+    if not all(isinstance(x, str) for x in cfg.logging.report_to):
+        p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
+    return p
+
+
+def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:
+    """Return a problem description if `value` does not fit `hint`, else None.
+
+    `lenient` accepts values for annotations we cannot check precisely (TrainingArguments
+    uses enums and unions with str); TrainingArguments' own validation runs later anyway."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if hint is Any:
+        return None
+    if origin is Literal:
+        if value in args:
+            return None
+        return f"got {value!r}; allowed: {', '.join(map(str, args))}"
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        results = [check_type(value, a, lenient) for a in non_none]
+        if any(r is None for r in results):
+            return None
+        if len(non_none) == 1:
+            return results[0]
+        return f"got {_kind(value)} {value!r}; expected one of: {', '.join(_name(a) for a in non_none)}"
+    if hint is bool:
+        return None if isinstance(value, bool) else f"expected true/false, got {_kind(value)} {value!r}"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else \
+            f"expected an integer, got {_kind(value)} {value!r}"
+    if hint is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+            f"expected a number, got {_kind(value)} {value!r}"
+    if hint is str:
+        return None if isinstance(value, str) else f"expected a string, got {_kind(value)} {value!r}"
+    if hint in (list, dict) or origin in (list, dict):
+        base = origin or hint
+        return None if isinstance(value, base) else f"expected a {base.__name__}, got {_kind(value)} {value!r}"
+    if isinstance(hint, type):
+        import enum
+
+        if issubclass(hint, enum.Enum):
+            allowed = [e.value for e in hint]
+            return None if value in allowed else f"got {value!r}; allowed: {', '.join(map(str, allowed))}"
+        return None if isinstance(value, hint) or lenient else f"expected {hint.__name__}, got {_kind(value)}"
+    return None if lenient else f"cannot check type {hint}"
+
+
+def _kind(value: Any) -> str:
+    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+            list: "list", dict: "mapping"}.get(type(value), type(value).__name__)
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def _suggest(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

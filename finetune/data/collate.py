@@ -1,0 +1,91 @@
+"""Batches for the trainer, in the configured layout (docs/speed.md).
+
+* padded (default): each batch right-padded to its longest example, with an attention mask.
+* ``data.packing``: examples concatenated into rows of <= max_length at build time
+  (finetune/data/pack.py), position_ids restarting per example, no attention mask; the
+  collator states the real token count (REAL_TOKENS_KEY).
+* ``data.padding_free``: each batch's examples concatenated into ONE row with no padding at
+  all (transformers' ``DataCollatorWithFlattening``): position_ids restart per example and the
+  first label of every example is -100, so no example is scored from its predecessor.
+
+Which layouts are safe with which attention implementation: finetune/training/speed.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from finetune.data.render import IGNORE_INDEX
+
+FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
+# A packed batch has no attention mask, so the trainer cannot tell the padding at the end of a
+# shorter row from real tokens; the collator states the real count under this key and
+# FinetuneTrainer takes it out of the batch before the forward pass.
+REAL_TOKENS_KEY = "num_real_input_tokens"
+
+
+def collate(features: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch: input_ids with pad_token_id, labels with -100.
+
+    Unpacked batches get attention_mask (1 real, 0 padding). Packed batches (features have
+    position_ids) get no attention_mask: transformers then derives a block-diagonal causal
+    mask from position_ids. Padding continues 0, 1, 2, ... so it forms its own pseudo-sequence
+    that no real token attends to. The model must run without a KV cache (use_cache=False,
+    as Trainer does) or transformers ignores position_ids for masking.
+    """
+    if not features:
+        raise ValueError("collate() got an empty batch")
+    if pad_token_id is None:
+        raise ValueError("collate() needs a pad_token_id (set tokenizer.pad_token, e.g. to the eos token)")
+    packed = ["position_ids" in f for f in features]
+    if any(packed) and not all(packed):
+        raise ValueError("collate() got a batch mixing packed and unpacked rows")
+    longest = max(len(f["input_ids"]) for f in features)
+    batch = len(features)
+    input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
+    if all(packed):
+        position_ids = torch.arange(longest, dtype=torch.long).repeat(batch, 1)
+    else:
+        attention_mask = torch.zeros((batch, longest), dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+        labels[i, :n] = torch.as_tensor(f["labels"], dtype=torch.long)
+        if all(packed):
+            position_ids[i, :n] = torch.as_tensor(f["position_ids"], dtype=torch.long)
+            position_ids[i, n:] = torch.arange(longest - n, dtype=torch.long)
+        else:
+            attention_mask[i, :n] = 1
+    out = {"input_ids": input_ids, "labels": labels}
+    if all(packed):
+        out["position_ids"] = position_ids
+    else:
+        out["attention_mask"] = attention_mask
+    return out
+
+
+def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict]], dict]:
+    """The batch builder for the configured layout (see the module docstring)."""
+    if getattr(data_cfg, "padding_free", False):
+        from transformers import DataCollatorWithFlattening
+
+        flat = DataCollatorWithFlattening(return_flash_attn_kwargs=model_cfg.attn_implementation in FLASH_ATTENTION)
+
+        def padding_free(features: list[dict]) -> dict:
+            if any("position_ids" in f for f in features):  # the collator would renumber them
+                raise ValueError("padding-free batches take unpacked examples; data.packing is also set")
+            return flat(features)
+        return padding_free
+    if getattr(data_cfg, "packing", False):
+        return lambda features: count_real_tokens(collate(features, pad_token_id), features)
+    return lambda features: collate(features, pad_token_id)
+
+
+def count_real_tokens(batch: dict, features: list[dict]) -> dict:
+    if "attention_mask" in batch:  # unpacked (eval) batches: the mask already tells padding apart
+        return batch
+    batch[REAL_TOKENS_KEY] = torch.tensor(sum(len(f["input_ids"]) for f in features), dtype=torch.long)
+    return batch

@@ -1,0 +1,198 @@
+"""Rendering and tokenization: text with the character spans that carry loss, then tokens and labels.
+
+Rendering goes through the tokenizer's chat template; the trained character spans are found by
+rendering conversation prefixes, and the full text is tokenized once with offsets so that labels
+are exact (IGNORE_INDEX everywhere outside the trained spans).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+from finetune.data.formats import (
+    BadRow,
+    alpaca_prompt,
+    messages_conversation,
+    prompt_completion_pair,
+    require_str,
+    sharegpt_conversation,
+)
+from finetune.data.read import DataError
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # the label of positions that carry no loss (torch CrossEntropyLoss ignore_index)
+_PROGRESS_MIN_ROWS = 1000
+_TOKENIZE_CHUNK = 1000
+
+
+@dataclass
+class Rendered:
+    text: str
+    spans: list[tuple[int, int]]  # sorted, non-overlapping [start, end) character ranges
+
+
+def tokenizer_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
+class Renderer:
+    """Turns validated rows of one format into text with trained spans."""
+
+    def __init__(self, tokenizer, fmt: str, cfg, path: str):
+        self.tokenizer = tokenizer
+        self.fmt = fmt
+        self.path = path
+        self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
+        self.system_prompt = getattr(cfg, "system_prompt", None)
+        use_template = bool(getattr(cfg, "chat_template", True))
+        self.plain = fmt == "text" or (fmt in ("alpaca", "prompt_completion") and not use_template)
+        if self.plain:
+            self._check_plain_tokens()
+            if self.system_prompt and fmt != "text":
+                logger.warning("data.system_prompt is ignored because data.chat_template is false")
+        else:
+            self._check_chat_template(use_template)
+
+    def _check_chat_template(self, use_template: bool) -> None:
+        if getattr(self.tokenizer, "chat_template", None):
+            return
+        name = tokenizer_name(self.tokenizer)
+        if self.fmt in ("alpaca", "prompt_completion"):
+            fix = "set data.chat_template: false to train on plain prompt + completion text, or use a model with a chat template"
+        else:
+            fix = f"{self.fmt} data needs a chat template: use a model whose tokenizer has one"
+        raise DataError(f"tokenizer {name!r} has no chat template; {fix}", path=self.path)
+
+    def _check_plain_tokens(self) -> None:
+        if not self.tokenizer.eos_token:
+            raise DataError(
+                f"tokenizer {tokenizer_name(self.tokenizer)!r} has no eos_token to end plain-text examples with",
+                path=self.path,
+            )
+        # Tokenization below uses add_special_tokens=False so that offsets match the text;
+        # keep the BOS that this tokenizer would normally add by writing it into the text.
+        bos_id = self.tokenizer.bos_token_id
+        ids = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        self.bos = self.tokenizer.bos_token if bos_id is not None and ids[:1] == [bos_id] else ""
+
+    def render(self, row: dict) -> Rendered:
+        if self.fmt == "text":
+            text = self.bos + require_str(row, "text", "text", non_empty=True) + self.tokenizer.eos_token
+            return Rendered(text, [(0, len(text))])
+        if self.fmt in ("alpaca", "prompt_completion"):
+            prompt, completion = alpaca_prompt(row) if self.fmt == "alpaca" else prompt_completion_pair(row)
+            if self.plain:
+                head = self.bos + prompt
+                text = head + completion + self.tokenizer.eos_token
+                start = 0 if self.train_on_prompt else len(head)
+                return Rendered(text, [(start, len(text))])
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        else:
+            messages = messages_conversation(row) if self.fmt == "messages" else sharegpt_conversation(row)
+        if self.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return self._render_chat(messages)
+
+    def _apply(self, messages: list[dict], *, generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # jinja raises for conversations the template refuses
+            raise BadRow(f"the chat template rejected this conversation: {type(e).__name__}: {e}") from None
+
+    def _render_chat(self, messages: list[dict]) -> Rendered:
+        full = self._apply(messages)
+        if self.train_on_prompt:
+            return Rendered(full, [(0, len(full))])
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            # The trained span is what the template adds for this assistant turn beyond the
+            # generation prompt: the content plus its end-of-turn text, so the model learns to stop.
+            before = self._apply(messages[:i], generation_prompt=True)
+            through = full if i == len(messages) - 1 else self._apply(messages[: i + 1])
+            if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+                raise TemplateNotPrefixStable(i)
+            if len(through) > len(before):
+                spans.append((len(before), len(through)))
+        return Rendered(full, spans)
+
+
+class TemplateNotPrefixStable(Exception):
+    """Raised per row but reported as a configuration problem: it is the template, not the data."""
+
+    def __init__(self, turn: int):
+        super().__init__(turn)
+        self.turn = turn
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Labels are the token ids whose character range lies inside a trained span."""
+    labels = [IGNORE_INDEX] * len(ids)
+    j = 0
+    for t, (start, end) in enumerate(offsets):
+        while j < len(spans) and spans[j][1] < end:
+            j += 1
+        if j < len(spans) and spans[j][0] <= start and end <= spans[j][1]:
+            labels[t] = ids[t]
+    return labels
+
+
+def tokenize(rendered: list[Rendered], tokenizer) -> list[Example]:
+    examples = []
+    for lo in progress(range(0, len(rendered), _TOKENIZE_CHUNK), len(rendered), "tokenizing", _TOKENIZE_CHUNK):
+        chunk = rendered[lo : lo + _TOKENIZE_CHUNK]
+        try:
+            enc = tokenizer(
+                [r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True
+            )
+        except NotImplementedError:
+            raise DataError(
+                f"tokenizer {tokenizer_name(tokenizer)!r} cannot return character offsets; "
+                "a fast (Rust) tokenizer is needed for exact label masks"
+            ) from None
+        for r, ids, offsets in zip(chunk, enc["input_ids"], enc["offset_mapping"]):
+            examples.append(Example(list(ids), _mask(ids, offsets, r.spans)))
+    return examples
+
+
+def progress(iterable, total_rows: int, desc: str, step: int = 1):
+    """A tqdm bar for big inputs on a terminal; the plain iterable otherwise."""
+    if total_rows <= _PROGRESS_MIN_ROWS or not sys.stderr.isatty():
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, total=-(-total_rows // step), unit="rows" if step == 1 else f"x{step} rows")
+
+
+def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], int, int]:
+    kept, truncated, dropped = [], 0, 0
+    for ex in examples:
+        if len(ex.input_ids) > max_length:
+            truncated += 1
+            ex = Example(ex.input_ids[:max_length], ex.labels[:max_length])
+        if all(label == IGNORE_INDEX for label in ex.labels):
+            dropped += 1
+            continue
+        kept.append(ex)
+    if truncated:
+        logger.warning("%d example(s) were longer than max_length=%d tokens and were cut", truncated, max_length)
+    if dropped:
+        logger.warning(
+            "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
+            dropped, max_length,
+        )
+    return kept, truncated, dropped

@@ -1,0 +1,148 @@
+"""`accelerate launch` from `finetune train`: the launch line for a recipe, the environment the
+ranks inherit, running it in this process, and the report of the ranks that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from finetune import resources
+from finetune.errors import EXIT_PREEMPTED, UserError
+
+TRAIN_SCRIPT = resources.PACKAGE_DIR / "train.py"  # the launch script (finetune/train.py)
+
+
+def launch_command(recipe: str, rest: list[str], config_file: str | None, num_processes: int | None,
+                   cpu: bool = False, overwrite: bool = False, resume: str | None = None) -> list[str]:
+    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
+    With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
+    processes over gloo, see finetune/launch/cpu_rehearsal.py) and a single-process one gets --cpu.
+    Pure: the environment those launches need comes from launch_environment()."""
+    from finetune.config.recipe import load_recipe
+
+    cfg, _ = load_recipe(recipe, rest)  # fail here, before any process starts, on a bad recipe
+    path = _accelerate_config_path(config_file or cfg.run.accelerate_config, cfg.run.accelerate_config, cpu)
+    cmd = []
+    if path:
+        cmd += ["--config_file", str(path)] + _absolute_deepspeed_config(path)
+    if num_processes:
+        cmd += ["--num_processes", str(num_processes)]
+    if cpu and not (path and path.parent.name == "cpu"):
+        cmd += ["--cpu"]
+    resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
+    return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
+
+
+def launch_environment(launch_args: list[str]) -> dict[str, str]:
+    """Variables the launched ranks inherit: the CPU/gloo opt-in for an accelerate_configs/cpu/
+    config (finetune/launch/cpu_rehearsal.py) and the config's path (recorded by the run, W&B artifact)."""
+    from finetune.launch import cpu_rehearsal
+
+    if "--config_file" not in launch_args:
+        return {}
+    path = Path(launch_args[launch_args.index("--config_file") + 1])
+    env = {"FINETUNE_ACCELERATE_CONFIG": str(path)}
+    if path.parent.name == "cpu":
+        env[cpu_rehearsal.ENV] = "1"
+    return env
+
+
+def _accelerate_config_path(config_file: str | None, recipe_config: str | None, cpu: bool) -> Path | None:
+    if not config_file:
+        return None
+    path = resources.locate(config_file)
+    if path is None:
+        raise UserError(f"accelerate config {config_file!r} not found (from "
+                        f"{'--config_file' if config_file != recipe_config else 'run.accelerate_config'})")
+    if cpu:
+        path = resources.cpu_variant(path)
+    return path.resolve()
+
+
+def _absolute_deepspeed_config(config: Path) -> list[str]:
+    """Configs name their DeepSpeed JSON relative to the resources root (the repository's top
+    level); pass it absolute so `finetune train` works from any directory (accelerate's command
+    line beats the file)."""
+    from finetune.launch.facts import read_yaml
+
+    ds = read_yaml(config).get("deepspeed_config") or {}
+    ds_file = ds.get("deepspeed_config_file")
+    if ds_file and not Path(ds_file).is_absolute() and resources.resolve(ds_file).is_file():
+        return ["--deepspeed_config_file", str(resources.resolve(ds_file))]
+    return []
+
+
+def run_accelerate_launch(launch_args: list[str]) -> int:
+    """Run `accelerate launch` in this process and return the training script's exit code.
+    Accelerate reports a failed child with a traceback of its own launcher; the child has
+    already printed the real error, so we pass its exit code on instead (2 = user error)."""
+    from accelerate.commands.launch import launch_command as accelerate_launch
+    from accelerate.commands.launch import launch_command_parser
+
+    parsed = launch_command_parser().parse_args(launch_args)
+    # On SIGTERM/SIGINT torchrun's agent forwards the signal to the ranks and SIGKILLs them after
+    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30): give them time to finish the preemption
+    # checkpoint (docs/faults.md). A value the user exported wins.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    try:
+        accelerate_launch(parsed)
+    except subprocess.CalledProcessError as e:  # single-process launches
+        return e.returncode
+    except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
+        if type(e).__name__ == "SignalException":  # the launcher itself was signalled; the ranks were
+            # told to checkpoint and stop
+            print(f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
+                  file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED
+        if type(e).__name__ != "ChildFailedError":
+            raise
+        return report_failed_ranks(e.failures)
+    return 0
+
+
+def report_failed_ranks(failures: dict) -> int:
+    """Name every rank that failed (first failure first) and return the ranks' common exit code,
+    else 1. A rank killed by a signal (exitcode -N) is named with the signal."""
+    import signal
+
+    ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
+    for i, (rank, f) in enumerate(ordered):
+        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}" + \
+            (" (preempted)" if f.exitcode == 75 else "")
+        first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
+        print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
+              file=sys.stderr, flush=True)
+    codes = {f.exitcode for f in failures.values()}
+    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
+    # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
+    # whichever rank happened to exit first.
+    real = {c for c in codes if c > 0}
+    if len(real) == 1 and codes - real <= {-signal.SIGTERM}:
+        code = real.pop()
+        if code == EXIT_PREEMPTED:  # the checkpoint's completion marker says it is whole
+            print(f"finetune: preempted (exit {EXIT_PREEMPTED}); continue with --resume", file=sys.stderr,
+                  flush=True)
+        return code
+    return 1
+
+
+def restores_environment(fn):
+    """accelerate launch runs in this process and hands os.environ to the ranks, so launches set
+    their variables there (FINETUNE_CPU_DISTRIBUTED, FINETUNE_ACCELERATE_CONFIG, ...). Put the
+    environment back afterwards: a caller that runs main() twice (a sweep, a test) must not see
+    the first launch's CPU opt-in leak into the second."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        saved = dict(os.environ)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for key in set(os.environ) - set(saved):
+                del os.environ[key]
+            os.environ.update(saved)
+    return wrapper

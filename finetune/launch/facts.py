@@ -1,0 +1,225 @@
+"""What a launch will set up, read from its configs before any process or weight exists.
+
+Two sources describe the same launch:
+
+* `from_config_file`: the accelerate config YAML (and the DeepSpeed JSON it names), read by
+  `finetune train` before it starts `accelerate launch`.
+* `from_environment`: inside a launched process, where `accelerate launch` has turned the
+  config into environment variables (accelerate 1.x, accelerate/utils/launch.py:
+  ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_DEEPSPEED_ZERO_STAGE,
+  ACCELERATE_DEEPSPEED_OFFLOAD_{OPTIMIZER,PARAM}_DEVICE, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
+  ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS,
+  ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_CPU; torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE).
+
+Both give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
+missing or malformed DeepSpeed JSON, DeepSpeed and FSDP at once) are collected in it, not
+raised, so finetune/launch/preflight.py can report them with everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from finetune.errors import UserError
+from finetune.strategies import name_of, offload_device, offload_name
+
+
+@dataclass
+class LaunchFacts:
+    source: str  # where the facts come from, named in every problem
+    distributed_type: str = "NO"  # Accelerate's DistributedType value
+    num_processes: int = 1  # world size, all machines
+    num_machines: int = 1
+    use_cpu: bool = False  # the launch asks for CPU processes (use_cpu / --cpu / FINETUNE_CPU_DISTRIBUTED)
+    mixed_precision: str | None = None  # "no", "fp16", "bf16", or None when the config leaves it to others
+    gpu_ids: str | None = None  # "all" or "0,1"
+    deepspeed: dict | None = None  # the DeepSpeed config (JSON file, or the accelerate config's fields)
+    deepspeed_source: str | None = None
+    fsdp_offload: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def processes_per_machine(self) -> int:
+        return max(1, self.num_processes // max(1, self.num_machines))
+
+    def strategy(self) -> tuple[str, str]:
+        """(strategy, offload) in the names of recipes' run.strategy / run.offload."""
+        if self.distributed_type == "DEEPSPEED":
+            zero = (self.deepspeed or {}).get("zero_optimization") or {}
+            return (name_of("DEEPSPEED", zero_stage=zero.get("stage", 0)),
+                    offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))))
+        if self.distributed_type == "FSDP":
+            return "fsdp", "optimizer+params" if self.fsdp_offload else "none"
+        return name_of(self.distributed_type, num_processes=self.num_processes), "none"
+
+
+def read_yaml(path: Path) -> dict:
+    """An accelerate config as a dict, or a UserError naming the file, line and problem."""
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"accelerate config {path}: not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise UserError(f"accelerate config {path}: {where}invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise UserError(f"accelerate config {path}: the top level must be a mapping of keys, "
+                        f"got {type(values).__name__}")
+    return values
+
+
+def read_deepspeed_json(path: Path, named_by: str) -> dict:
+    """A DeepSpeed config file, or a UserError naming it, who named it, and the JSON position."""
+    if not path.is_file():
+        raise UserError(f"DeepSpeed config {path} (named by {named_by}): file not found")
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"DeepSpeed config {path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"DeepSpeed config {path}: the top level must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def resolve_path(name: str, base_dirs: list[Path]) -> Path:
+    """An absolute path as given; a relative one from the first base directory that has it."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path
+    for base in base_dirs:
+        if (base / path).is_file():
+            return base / path
+    return Path.cwd() / path
+
+
+def _distributed_types() -> list[str]:
+    from accelerate.utils import DistributedType
+
+    return [d.value for d in DistributedType]
+
+
+def from_config_file(path: Path, *, num_processes: int | None = None, cpu: bool = False,
+                     deepspeed_config_file: str | None = None, base_dirs: list[Path] = ()) -> LaunchFacts:
+    """What `accelerate launch --config_file PATH [--num_processes N] [--cpu]` will set up."""
+    facts = LaunchFacts(source=f"accelerate config {path}")
+    try:
+        values = read_yaml(path)
+    except UserError as e:
+        facts.problems.append(str(e))
+        return facts
+    dtype = str(values.get("distributed_type", "NO"))
+    allowed = _distributed_types()
+    if dtype not in allowed:
+        facts.problems.append(f"{facts.source}: distributed_type {dtype!r} is not one Accelerate knows; "
+                              f"allowed: {', '.join(allowed)}")
+        return facts
+    facts.distributed_type = dtype
+    try:
+        facts.num_processes = int(num_processes or values.get("num_processes") or 1)
+        facts.num_machines = int(values.get("num_machines") or 1)
+    except (TypeError, ValueError):
+        facts.problems.append(f"{facts.source}: num_processes and num_machines must be integers, got "
+                              f"{values.get('num_processes')!r} and {values.get('num_machines')!r}")
+    facts.use_cpu = bool(cpu or values.get("use_cpu"))
+    facts.mixed_precision = values.get("mixed_precision")
+    facts.gpu_ids = None if values.get("gpu_ids") is None else str(values.get("gpu_ids"))
+    ds_section = values.get("deepspeed_config") or {}
+    fsdp_section = values.get("fsdp_config") or {}
+    if dtype == "DEEPSPEED" and fsdp_section:
+        facts.problems.append(f"{facts.source}: distributed_type DEEPSPEED but the file also has an fsdp_config "
+                              f"section (Accelerate ignores it); remove fsdp_config, or use an FSDP config")
+    if dtype == "FSDP" and ds_section:
+        facts.problems.append(f"{facts.source}: distributed_type FSDP but the file also has a deepspeed_config "
+                              f"section (Accelerate ignores it); remove deepspeed_config, or use a DeepSpeed config")
+    if dtype == "DEEPSPEED":
+        ds_file = deepspeed_config_file or ds_section.get("deepspeed_config_file")
+        if ds_file:
+            ds_path = resolve_path(str(ds_file), [*base_dirs, path.parent])
+            named_by = "--deepspeed_config_file" if deepspeed_config_file else f"{path} deepspeed_config_file"
+            try:
+                facts.deepspeed = read_deepspeed_json(ds_path, named_by)
+                facts.deepspeed_source = f"DeepSpeed config {ds_path}"
+            except UserError as e:
+                facts.problems.append(str(e))
+        else:
+            facts.deepspeed = _deepspeed_from_fields(ds_section)
+            facts.deepspeed_source = f"{facts.source} deepspeed_config"
+    if dtype == "FSDP":
+        facts.fsdp_offload = str(fsdp_section.get("fsdp_offload_params", False)).lower() == "true"
+    return facts
+
+
+def _deepspeed_from_fields(fields: dict) -> dict:
+    """The DeepSpeed config Accelerate builds from an accelerate config without a JSON file
+    (accelerate/utils/dataclasses.py DeepSpeedPlugin: zero_stage, offload_*_device, ...)."""
+    out: dict = {"zero_optimization": {"stage": int(fields.get("zero_stage", 2)),
+                                       "offload_optimizer": {"device": fields.get("offload_optimizer_device", "none")},
+                                       "offload_param": {"device": fields.get("offload_param_device", "none")}}}
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if fields.get(key) is not None:
+            out[key] = fields[key]
+    return out
+
+
+def from_environment(state) -> LaunchFacts:
+    """What `accelerate launch` set up for this process (see the module docstring for the names)."""
+    from finetune.launch import cpu_rehearsal
+
+    env = os.environ
+    config = env.get("FINETUNE_ACCELERATE_CONFIG")
+    facts = LaunchFacts(source=f"accelerate config {config}" if config else "the accelerate launch environment")
+    use_ds = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    use_fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if use_ds and use_fsdp:
+        facts.problems.append("ACCELERATE_USE_DEEPSPEED and ACCELERATE_USE_FSDP are both true in this process's "
+                              "environment: DeepSpeed and FSDP cannot run together. Unset the one your accelerate "
+                              "config does not ask for (see `env | grep ACCELERATE_USE`)")
+    facts.distributed_type = "DEEPSPEED" if use_ds else "FSDP" if use_fsdp else state.distributed_type.value
+    facts.num_processes = int(env.get("WORLD_SIZE", state.num_processes))
+    facts.use_cpu = env.get("ACCELERATE_USE_CPU", "false").lower() == "true" or cpu_rehearsal.requested()
+    facts.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION")
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit():
+        facts.num_machines = max(1, facts.num_processes // int(local))
+    if use_ds:
+        ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if ds_file and ds_file != "None":
+            ds_path = resolve_path(ds_file, [])
+            try:
+                facts.deepspeed = read_deepspeed_json(ds_path, "ACCELERATE_DEEPSPEED_CONFIG_FILE")
+                facts.deepspeed_source = f"DeepSpeed config {ds_path}"
+            except UserError as e:
+                facts.problems.append(str(e))
+        else:
+            fields = {"zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2),
+                      "offload_optimizer_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+                      "offload_param_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")}
+            for key, var in (("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                             ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING")):
+                if env.get(var) not in (None, "None", "none"):
+                    fields[key] = _number(env[var])
+            facts.deepspeed = _deepspeed_from_fields(fields)
+            facts.deepspeed_source = "the DeepSpeed settings of " + facts.source
+    if use_fsdp:
+        facts.fsdp_offload = env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    return facts
+
+
+def _number(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text

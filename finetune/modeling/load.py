@@ -1,0 +1,137 @@
+"""Model loading: hub id, local directory or the bundled default; full, LoRA or QLoRA.
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, cfg.method, gradient_checkpointing=...)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
+from finetune.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """The bundled model -> its converted cache dir (converted on first use); else unchanged."""
+    if name_or_path == BUNDLED_MODEL:
+        from finetune.modeling.bundled import ensure_bundled_model
+
+        return str(ensure_bundled_model())
+    if name_or_path.startswith("bundled:"):
+        raise UserError(f"model.name_or_path: unknown bundled model {name_or_path!r}; "
+                        f"the bundled model is {BUNDLED_MODEL!r}")
+    return name_or_path
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """'auto' = bfloat16 where the accelerator supports it, else float32 (CPU training in
+    bf16 is slow and loses precision for no memory benefit that matters at demo scale)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(cfg.tokenizer_name_or_path or cfg.name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(_load_problem("tokenizer", path, e)) from None
+    if tok.pad_token is None:
+        # Padding positions are masked out of the loss and attention, so any token will do.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing: bool = False):
+    """The model ready to train: full (all weights trainable), LoRA or QLoRA (peft)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path)
+    dtype = resolve_dtype(cfg.dtype)
+    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
+                  attn_implementation=cfg.attn_implementation, dtype=dtype)
+    if method.name == "qlora":
+        kwargs["quantization_config"] = quantization_config(method, dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise UserError(_load_problem("model", path, e)) from None
+    model.config.use_cache = False  # the KV cache is for generation; it only costs memory in training
+    if method.name == "full":
+        if gradient_checkpointing:
+            # transformers 5.23 renamed gradient_checkpointing_enable (deprecated, removed in v6).
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    return add_lora(model, method, gradient_checkpointing=gradient_checkpointing)
+
+
+def quantization_config(method: MethodConfig, dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    compute = dtype if method.compute_dtype == "auto" else _DTYPES[method.compute_dtype]
+    # A float storage dtype equal to the compute dtype lets FSDP and ZeRO-3 shard the packed
+    # 4-bit weights together with the rest (they only flatten tensors of one float dtype).
+    storage = compute if method.quant_storage == "auto" else (
+        torch.uint8 if method.quant_storage == "uint8" else _DTYPES[method.quant_storage])
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=method.quant_type,
+                              bnb_4bit_use_double_quant=method.double_quant,
+                              bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
+
+
+def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if method.name == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
+    if isinstance(method.target_modules, list):
+        # peft only complains when *no* name matches; a typo next to a valid name would silently
+        # leave that layer without an adapter.
+        names = [name for name, _ in model.named_modules()]
+        unmatched = [t for t in method.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if unmatched:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise UserError(f"method.target_modules: no module of the model is named "
+                            f"{', '.join(map(repr, unmatched))}; its linear layers are {', '.join(linear)} "
+                            f"(or use 'all-linear')")
+    lora = LoraConfig(r=method.lora_r, lora_alpha=method.lora_alpha, lora_dropout=method.lora_dropout,
+                      target_modules=method.target_modules, bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as e:
+        raise UserError(f"method.target_modules: {e}") from None
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameters; 4-bit packed weights counted as their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.__class__.__name__ == "Params4bit":
+            n = n * 2 * p.element_size()  # two 4-bit values per byte of storage
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def _load_problem(what: str, path: str, err: Exception) -> str:
+    hint = ("no such local directory, and hub ids need network access" if not Path(path).exists()
+            else "the directory exists but is not a transformers model directory")
+    return f"model.name_or_path: cannot load the {what} from {path!r} ({hint}): {err}"

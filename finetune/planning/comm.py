@@ -1,0 +1,116 @@
+"""Communication per optimizer step and per rank, and the time it implies at a bandwidth.
+
+Bytes are what one rank sends (= receives) in ring collectives of a buffer of S bytes over N
+ranks (nccl-tests doc/PERFORMANCE.md, "Bus bandwidth"): all-reduce 2(N-1)/N * S, reduce-scatter
+and all-gather (N-1)/N * S. nccl-tests' bus bandwidth is defined so that time = those bytes /
+busbw, hence time here = bytes per rank / busbw, with busbw from `finetune bench-comm` or
+--bandwidth (GB/s, 1e9 bytes/s).
+
+Per strategy (S_g: gradient bytes of the trainable parameters, S_w: their 16-bit/fp32 weight
+bytes, S_all: every parameter's bytes, frozen included, A: gradient accumulation steps):
+    DDP        all-reduce S_g once per optimizer step (no_sync during accumulation)
+    ZeRO-1/2   reduce-scatter S_g per micro-batch (DeepSpeed reduces every backward)
+               + all-gather of the updated S_w once per step (ZeRO paper §7: same volume as DDP)
+    ZeRO-3     all-gather S_all in forward and again in backward per micro-batch
+    FSDP2      + reduce-scatter S_g per micro-batch (ZeRO paper §7.2: 1.5x DDP)
+Offload adds host<->device copies: ZeRO-Offload moves the gradient partition down and the
+updated 16-bit partition up each step; parameter offload copies the rank's parameter shard up
+for forward and again for backward each micro-batch (FSDP2 also moves its gradient shard down).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.errors import UserError
+from finetune.planning.memory import Shape, Workload
+from finetune.strategies import by_key
+from finetune.units import GB  # nccl-tests report GB/s as 1e9 bytes/s
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes per rank / buffer bytes for a ring collective (nccl-tests PERFORMANCE.md busbw factors)."""
+    if n < 2:
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def step_traffic(shape: Shape, w: Workload, strategy: str, n: int) -> dict:
+    """{'collectives': {name: bytes per rank}, 'host_device': {name: bytes per rank}} per optimizer step."""
+    st = by_key(strategy)
+    psi = shape.params.total
+    if w.method == "full":
+        trainable, tdt = psi, w.weight_bytes
+        all_bytes = psi * w.weight_bytes
+    else:
+        trainable, tdt = shape.lora_params(w.lora_r, w.lora_targets), 4
+        if w.method == "qlora":  # the packed 4-bit storage is what gets gathered
+            from finetune.planning.memory import NF4_BITS
+            q = shape.block_linear_params
+            all_bytes = q * NF4_BITS[w.double_quant] / 8 + (psi - q) * 4 + trainable * tdt
+        else:
+            all_bytes = psi * w.weight_bytes + trainable * tdt
+    s_g, s_w, a = trainable * tdt, trainable * tdt, w.grad_accum
+    coll, h2d = {}, {}
+    if n >= 2 and strategy != "single":
+        if strategy == "ddp":
+            coll["all_reduce gradients"] = ring_factor("all_reduce", n) * s_g
+        elif not st.shards_params:  # ZeRO-1/2
+            coll["reduce_scatter gradients"] = a * ring_factor("reduce_scatter", n) * s_g
+            coll["all_gather updated params"] = ring_factor("all_gather", n) * s_w
+        else:  # ZeRO-3 / FSDP2
+            coll["all_gather params (forward)"] = a * ring_factor("all_gather", n) * all_bytes
+            coll["all_gather params (backward)"] = a * ring_factor("all_gather", n) * all_bytes
+            coll["reduce_scatter gradients"] = a * ring_factor("reduce_scatter", n) * s_g
+    if st.offload_optimizer:
+        h2d["gradients device->host"] = (a if st.zero_stage is None else 1) * s_g / n
+        h2d["updated params host->device"] = s_w / n
+    if st.offload_params:
+        h2d["params host->device (forward + backward)"] = 2 * a * all_bytes / n
+    return {"collectives": coll, "host_device": h2d}
+
+
+def step_time(traffic: dict, busbw_gbs: float | None, h2d_gbs: float | None) -> dict:
+    """Seconds per optimizer step spent moving those bytes (no overlap with compute assumed)."""
+    coll = sum(traffic["collectives"].values())
+    host = sum(traffic["host_device"].values())
+    return {"collectives_s": coll / (busbw_gbs * GB) if busbw_gbs else None,
+            "host_device_s": host / (h2d_gbs * GB) if h2d_gbs and host else (0.0 if not host else None)}
+
+
+def read_bandwidth(value: str | None) -> dict:
+    """--bandwidth: a number of GB/s (bus bandwidth), or the JSON file `finetune bench-comm` wrote.
+    From the file: the all-reduce bus bandwidth at the largest size measured, and the
+    host->device copy bandwidth when it was measured."""
+    if value is None:
+        return {"busbw_gbs": None, "h2d_gbs": None, "source": None}
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is not None:
+        if number <= 0:
+            raise UserError(f"--bandwidth: must be > 0 GB/s, got {value}")
+        return {"busbw_gbs": number, "h2d_gbs": None, "source": f"--bandwidth {value} GB/s"}
+    path = Path(value)
+    if not path.is_file():
+        raise UserError(f"--bandwidth: {value!r} is neither a number of GB/s nor a file written by "
+                        f"`finetune bench-comm --out FILE.json`")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows = [r for r in data["results"] if r["op"] == "all_reduce"]
+        best = max(rows, key=lambda r: r["bytes"])
+        busbw = float(best["busbw_gbs"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--bandwidth: {path} is not a bench-comm result (needs results[] with op "
+                        f"'all_reduce', bytes, busbw_gbs): {type(e).__name__}: {e}") from None
+    copy = data.get("host_device") or {}
+    h2d = copy.get("h2d_gbs") if isinstance(copy, dict) else None
+    return {"busbw_gbs": busbw, "h2d_gbs": h2d,
+            "source": f"{path}: all_reduce busbw at {best['bytes']:,} bytes over {data.get('world_size')} ranks "
+                      f"({data.get('backend')})"}

@@ -1,0 +1,202 @@
+"""`finetune plan`: the model's config (no weights), the memory and communication of every
+strategy, and a recommendation: the fastest strategy that fits with a margin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.errors import UserError
+from finetune.planning.comm import read_bandwidth, step_time, step_traffic
+from finetune.planning.memory import assumptions, plan_rows, shape_of, workload_from_config
+from finetune.strategies import SPEED_ORDER, by_key
+from finetune.units import GIB, gib, parse_size
+
+MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for fragmentation spikes
+
+
+def load_model_config(name_or_path: str):
+    """A transformers config without weights: a local directory or config.json, the bundled model
+    (once prepared), or a hub id whose config is already in the Hugging Face cache."""
+    from transformers import AutoConfig
+
+    from finetune.config.sections import BUNDLED_MODEL
+
+    if name_or_path == BUNDLED_MODEL:
+        from finetune.modeling import bundled
+
+        if not bundled.is_prepared():
+            raise UserError("the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
+                            "--model DIR_OR_CONFIG_JSON")
+        name_or_path = str(bundled.model_dir())
+    path = Path(name_or_path)
+    if path.is_file():
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+            kind = values.pop("model_type")
+            return AutoConfig.for_model(kind, **values)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"--model: {path} is not a transformers config.json (needs model_type and the "
+                            f"model's shapes): {type(e).__name__}: {e}") from None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model: directory {path} has no config.json")
+        return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        raise UserError(f"--model: {name_or_path!r} is not a local directory or file, and its config is not in "
+                        f"the Hugging Face cache (no hub access here). Write the model's config.json (from its "
+                        f"model card) and pass --model path/to/config.json or a directory holding it") from None
+
+
+def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float,
+               bandwidth: dict, model_name: str) -> dict:
+    shape = shape_of(model_config)
+    weight_bytes = 4 if cfg.model.dtype == "float32" else 2  # "auto" trains in bf16 on a GPU
+    w = workload_from_config(cfg, weight_bytes=weight_bytes)
+    n = gpus * nodes
+    rows = []
+    for row in plan_rows(shape, w, n):
+        method_w = workload_from_config(cfg, weight_bytes=weight_bytes)
+        method_w.method = row["method"]
+        traffic = step_traffic(shape, method_w, row["strategy"], n)
+        times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
+        host_node = row["host_total"] * gpus  # one process per GPU on each node
+        fit_dev, fit_host = row["device_total"] / gpu_memory, host_node / host_memory
+        rows.append({"method": row["method"], "strategy": row["strategy"],
+                     "description": by_key(row["strategy"]).description,
+                     "device": {"components_gib": {k: gib(v) for k, v in row["device"].items()},
+                                "total_gib": gib(row["device_total"])},
+                     "host_per_process": {"components_gib": {k: gib(v) for k, v in row["host"].items()},
+                                          "total_gib": gib(row["host_total"])},
+                     "host_per_node_gib": gib(host_node),
+                     "device_fraction": round(fit_dev, 4), "host_fraction": round(fit_host, 4),
+                     "fits": fit_dev <= MARGIN and fit_host <= MARGIN,
+                     "fits_without_margin": fit_dev <= 1 and fit_host <= 1,
+                     "communication": {"collectives_bytes": {k: round(v) for k, v in traffic["collectives"].items()},
+                                       "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
+                                       **times}})
+    p = shape.params
+    return {"model": {"name": model_name, "model_type": shape.model_type, "parameters": p.total,
+                      "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab,
+                      "tied_embeddings": p.lm_head == 0,
+                      "lora_parameters": shape.lora_params(w.lora_r, w.lora_targets)},
+            "hardware": {"gpus_per_node": gpus, "nodes": nodes, "world_size": n, "gpu_memory_gib": gib(gpu_memory),
+                         "host_memory_gib": gib(host_memory), "margin": MARGIN, "bandwidth": bandwidth},
+            "recipe": cfg.recipe, "method": w.method, "assumptions": assumptions(w, on_gpu=True),
+            "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
+            "rows": rows, "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n)}
+
+
+DEEPSPEED_DIFFERENCES = (
+    "Model states follow the ZeRO paper, not DeepSpeed's estimators: no fp32 copy of the gradient "
+    "partition on the device (DeepSpeed's estimate_zero2/3 count 4 bytes/param for it), ZeRO-3's gathered "
+    "working set is two decoder blocks in the training dtype (DeepSpeed: the largest layer in fp32), and "
+    "no 1.5x buffer factor on host memory (DeepSpeed's cold estimators multiply host states by 1.5); "
+    "activations, logits and allowances are added, which the estimators leave out.")
+
+
+def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: float, world: int = 1) -> dict:
+    """The fastest strategy for the recipe's method that fits with the margin, why, and what does not fit.
+    With several GPUs the single-device row is a reference only: it would leave the others idle."""
+    mine = sorted((r for r in rows if r["method"] == method and (world == 1 or r["strategy"] != "single")),
+                  key=lambda r: SPEED_ORDER.index(r["strategy"]))
+    choice = next((r for r in mine if r["fits"]), None)
+    short = []
+    for r in mine:
+        if r["fits"]:
+            continue
+        over_dev = r["device_fraction"] * gpu_memory - MARGIN * gpu_memory
+        over_host = r["host_fraction"] * host_memory - MARGIN * host_memory
+        parts = []
+        if over_dev > 0:
+            parts.append(f"device needs {r['device']['total_gib']:.1f} GiB, {over_dev / GIB:.1f} GiB over "
+                         f"{int(MARGIN * 100)}% of {gpu_memory / GIB:.0f} GiB"
+                         + ("" if r["device_fraction"] > 1 else " (fits only without the margin)"))
+        if over_host > 0:
+            parts.append(f"host needs {r['host_per_node_gib']:.1f} GiB per node, {over_host / GIB:.1f} GiB over "
+                         f"{int(MARGIN * 100)}% of {host_memory / GIB:.0f} GiB")
+        short.append({"strategy": r["strategy"], "problem": "; ".join(parts)})
+    if choice is None:
+        reason = (f"no strategy fits {method} with a {int((1 - MARGIN) * 100)}% margin: use a smaller micro-batch, "
+                  f"gradient checkpointing, a shorter sequence, a lighter method (lora/qlora) or more/larger GPUs")
+        return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
+    faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
+    reason = (f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
+              f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
+              f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node")
+    if faster:
+        reason += f"; faster ones do not fit: {', '.join(faster)}"
+    return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
+
+
+COLUMNS = (("params", ("weights", "frozen_weights", "nf4_weights+constants", "unquantized_weights_fp32",
+                       "lora_adapters", "gathered_params")),
+           ("grads", ("gradients", "ddp_grad_buckets")),
+           ("optim", ("optimizer_states",)),
+           ("activ", ("activations",)),
+           ("logits", ("logits",)),
+           ("allow", ("temporaries", "cuda_context")))
+
+
+def render(plan: dict, all_methods: bool = True) -> str:
+    m, hw = plan["model"], plan["hardware"]
+    lines = [(f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
+             f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
+             f"LoRA adds {m['lora_parameters']:,}"),
+             (f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
+             f"host {hw['host_memory_gib']:.0f} GiB per node; fits = <= {int(hw['margin'] * 100)}% of each"),
+             (f"recipe {plan['recipe']}: method {plan['method']}, micro-batch {plan['assumptions']['micro_batch']}, "
+             f"sequence {plan['assumptions']['seq_len']}, gradient checkpointing "
+             f"{'on' if plan['assumptions']['gradient_checkpointing'] else 'off'}, weights "
+             f"{plan['assumptions']['weight_bytes']} bytes/param"),
+             "GiB per device (2^30 bytes); comm = GB (1e9) sent per rank per optimizer step"
+             + (f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
+                if hw["bandwidth"]["busbw_gbs"] else "; pass --bandwidth for times"), ""]
+    head = f"{'method':6} {'strategy':18}" + "".join(f"{c:>8}" for c, _ in COLUMNS) + \
+        f"{'device':>9}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}  fits"
+    lines += [head, "-" * len(head)]
+    for r in plan["rows"]:
+        if not all_methods and r["method"] != plan["method"]:
+            continue
+        comp = r["device"]["components_gib"]
+        cells = "".join(f"{sum(comp.get(k, 0.0) for k in keys):8.2f}" for _, keys in COLUMNS)
+        c = r["communication"]
+        coll = sum(c["collectives_bytes"].values()) / 1e9
+        h2d = sum(c["host_device_bytes"].values()) / 1e9
+        t = f"{c['collectives_s']:8.3f}" if c["collectives_s"] is not None else f"{'-':>8}"
+        fit = "yes" if r["fits"] else ("barely" if r["fits_without_margin"] else "NO")
+        lines.append(f"{r['method']:6} {r['strategy']:18}{cells}{r['device']['total_gib']:9.2f}"
+                     f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}  {fit}")
+    rec = plan["recommendation"]
+    if hw["world_size"] > 1:
+        lines.append("(single: one GPU of the same kind, for reference; not recommended when more are there)")
+    lines += ["", f"recommendation for {rec['method']}: {rec['strategy'] or 'none'}", f"  {rec['reason']}"]
+    for s in rec["does_not_fit"]:
+        lines.append(f"  does not fit: {s['strategy']}: {s['problem']}")
+    lines += ["", "assumptions: " + "; ".join(f"{k}: {v}" for k, v in plan["assumptions"].items()
+                                              if k not in ("micro_batch", "seq_len", "gradient_checkpointing")),
+              "differs from DeepSpeed's estimators: " + plan["differences_from_deepspeed"]]
+    return "\n".join(lines)
+
+
+def run(args, overrides: list[str]) -> int:
+    from finetune.config.recipe import load_recipe
+
+    cfg, _ = load_recipe(args.recipe, overrides)
+    if args.gpus < 1 or args.nodes < 1:
+        raise UserError(f"--gpus and --nodes must be >= 1, got {args.gpus} and {args.nodes}")
+    name = args.model or cfg.model.name_or_path
+    model_config = load_model_config(name)
+    try:
+        plan = build_plan(cfg, model_config, gpus=args.gpus, nodes=args.nodes,
+                          gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
+                          host_memory=parse_size(args.host_memory, "--host-memory"),
+                          bandwidth=read_bandwidth(args.bandwidth), model_name=name)
+    except ValueError as e:  # an architecture the arithmetic does not cover
+        raise UserError(f"--model {name}: {e}") from None
+    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    return 0
+
+

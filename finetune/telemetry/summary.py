@@ -1,0 +1,44 @@
+"""The end-of-run console table: what was trained, how fast, how much memory, what it changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> None:
+    """The end-of-run table: what was trained, how fast, how much memory, what it changed."""
+    s, b = rec["summary"], rec["batch"]
+    tp, mem = rec["throughput"] or {}, (rec["memory"] or {}).get("max") or {}
+    rows = [("steps", f"{s['steps']} (effective batch {b['effective']} = {b['per_device']} per device x "
+                      f"{b['grad_accum']} accumulation x {b['data_parallel_size']} ranks)"),
+            ("strategy", f"{rec['strategy']['name']} ({rec['strategy']['distributed_type']}), {method}"),
+            ("learning rate", f"{rec['lr']['applied']:.3g} ({rec['lr']['rule']} scaling, factor {rec['lr']['factor']:.3g})"),
+            ("train loss", f"{s['train_loss']:.4f}" + (f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") else "")),
+            ("trained tokens", f"{s['total_trained_tokens']:,} of {s['total_input_tokens']:,} input tokens")]
+    if tp.get("trained_tokens_per_s") is not None:
+        rows.append(("throughput", f"{tp['trained_tokens_per_s']:,.1f} trained tokens/s, {tp['input_tokens_per_s']:,.1f} "
+                                   f"input tokens/s, median step {tp['median_step_s']:.2f} s (first "
+                                   f"{tp['warmup_steps_excluded']} step(s) excluded)"))
+        rows.append(("MFU", f"{100 * tp['mfu']:.1f}% of {tp['peak_device']}" if tp.get("mfu") is not None
+                     else "n/a (" + (tp.get("mfu_note") or "no peak figure") + ")"))
+    device = mem.get("device_peak_allocated_gib")
+    rows.append(("peak memory", (f"device {device:.2f} GiB allocated, " if device is not None else "")
+                 + f"host RSS {mem.get('host_peak_rss_gib') or 0:.2f} GiB (max over ranks)"))
+    ev = rec["eval"]
+    if "exact_match_after" in ev:
+        before = ev.get("exact_match_before")
+        rows.append(("exact match", (f"{100 * before:.1f}% -> " if before is not None else "")
+                     + f"{100 * ev['exact_match_after']:.1f}% on {ev['details']['after']['total']} held-out prompts"))
+        per_task = ev["details"]["after"]["per_task"]
+        if len(per_task) > 1:
+            pre = ev["details"].get("before", {}).get("per_task", {})
+            rows.append(("  per task", ", ".join(f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre
+                                                else f"{t} {100 * v:.0f}%" for t, v in per_task.items())))
+    rows.append(("wall time", f"{s['wall_s']:.0f} s (training {s['train_s']:.0f} s)"))
+    rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
+    if model_dir:
+        rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "=" * 78, f"run {rec['run_name']} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 78]
+    print("\n".join(lines), flush=True)

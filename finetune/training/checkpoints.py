@@ -1,0 +1,142 @@
+"""Checkpoint validity, choice of the checkpoint to resume from, and rotation.
+
+A Trainer checkpoint (`<run_dir>/checkpoint-<step>/`) is written by every rank (DeepSpeed and
+FSDP each write their own shards) and nothing in it says that the writing finished: a run
+killed while saving leaves a directory that looks like a checkpoint and fails deep inside
+torch or DeepSpeed on load, or silently loads half a state. So a checkpoint counts here only
+when it holds MARKER, which rank 0 writes last, after a barrier that every rank reaches only
+once its own files are written (finetune/training/guards.py). The marker lists every file with
+its size in bytes, so a file truncated or removed later (copying, a full disk) is detected
+too. Sizes, not content hashes: hashing gigabytes of weights at every save would cost
+minutes per checkpoint on the GPUs this runs on, while truncation (the failure seen in
+practice) always changes a size.
+
+Rotation (training.args.save_total_limit) is done here rather than by Trainer: Trainer's
+rotate_checkpoints runs inside _save_checkpoint on rank 0 (transformers 5.23,
+trainer.py:_save_checkpoint), before the other ranks have finished writing the new checkpoint
+and before any marker exists, so it can delete the last complete checkpoint while the new
+one is still torn. Here old checkpoints are deleted only after the new one is complete, and
+only valid ones count towards the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+from finetune.errors import UserError
+
+log = logging.getLogger("finetune")
+
+MARKER = "finetune-checkpoint-complete.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def step_of(path: Path) -> int | None:
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def _files(ckpt: Path) -> dict[str, int]:
+    return {p.relative_to(ckpt).as_posix(): p.stat().st_size
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
+
+
+def write_marker(ckpt: Path, *, step: int, world_size: int) -> Path:
+    """Rank 0 only, after every rank finished writing `ckpt`: the list of files and sizes."""
+    ckpt = Path(ckpt)
+    files = _files(ckpt)
+    if not files:
+        raise RuntimeError(f"checkpoint {ckpt} has no files; refusing to mark it complete")
+    marker = ckpt / MARKER
+    tmp = ckpt / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "world_size": world_size, "files": files,
+                               "completed": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                              indent=1), encoding="utf-8")
+    tmp.replace(marker)  # atomic: a reader sees no marker or a whole one
+    return marker
+
+
+def problem(ckpt: Path) -> str | None:
+    """Why `ckpt` cannot be resumed from, or None when it is complete."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return "not a directory"
+    marker = ckpt / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish, or it was written by another tool)"
+    try:
+        listed = json.loads(marker.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MARKER}: {e}"
+    for name, size in listed.items():
+        f = ckpt / name
+        if not f.is_file():
+            return f"file {name} is missing"
+        if f.stat().st_size != size:
+            return f"file {name} is {f.stat().st_size} bytes, {size} when saved (truncated or changed)"
+    return None
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """checkpoint-<step> directories in `run_dir`, oldest step first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def newest_valid(run_dir: Path) -> Path:
+    """The checkpoint `--resume` (auto) continues from: the newest complete one. Each newer
+    incomplete one is named in a warning; none complete -> UserError."""
+    found = checkpoints(run_dir)
+    skipped = []
+    for ckpt in reversed(found):
+        why = problem(ckpt)
+        if why is None:
+            return ckpt
+        log.warning("skipping checkpoint %s: %s", ckpt, why)
+        skipped.append(f"{ckpt.name} ({why})")
+    if not found:
+        raise UserError(f"--resume: no checkpoint-<step> directory in {run_dir}. Checkpoints are written "
+                        f"every training.save_steps steps (with --training.save_strategy=steps) and when "
+                        f"a run is preempted; start a new run instead.")
+    raise UserError(f"--resume: no complete checkpoint in {run_dir}; every one is incomplete: "
+                    + "; ".join(skipped))
+
+
+def resolve(resume: str, run_dir: Path) -> Path:
+    """`--resume` (auto) or `--resume=PATH` -> a complete checkpoint directory, or UserError."""
+    if resume == "auto":
+        if not Path(run_dir).is_dir():
+            raise UserError(f"--resume: run directory {run_dir} does not exist; give --run.name or "
+                            f"--run.output_dir of the run to continue, or --resume=PATH/checkpoint-N")
+        return newest_valid(run_dir)
+    path = Path(resume)
+    if step_of(path) is None and path.is_dir() and checkpoints(path):  # a run directory was given
+        return newest_valid(path)
+    why = problem(path) if path.exists() else "does not exist"
+    if why:
+        raise UserError(f"--resume={resume}: cannot resume from this checkpoint: {why}")
+    return path
+
+
+def rotate(run_dir: Path, keep: int | None, newest: Path) -> list[Path]:
+    """Delete the oldest checkpoints beyond `keep` complete ones; `newest` (just completed) is
+    always kept, incomplete ones older than it are deleted (nothing can resume from them)."""
+    if not keep or keep <= 0:
+        return []
+    newest_step = step_of(newest)
+    older = [c for c in checkpoints(run_dir) if step_of(c) < newest_step]
+    valid = [c for c in older if problem(c) is None]
+    doomed = [c for c in older if c not in valid] + valid[: max(len(valid) - (keep - 1), 0)]
+    for c in doomed:
+        log.info("rotating out %s (training.save_total_limit=%d)", c, keep)
+        shutil.rmtree(c, ignore_errors=True)
+    return doomed
+

@@ -1,0 +1,166 @@
+"""Which distributed strategy actually engaged, and the refusal to train anything else.
+
+Accelerate downgrades some launches without a word (a 2-process launch without `use_cpu` on
+a machine without a GPU runs two independent single-process jobs; an FSDP launch on CPU runs
+plain DDP), so the run checks twice and refuses a mismatch with the recipe's `run.strategy` /
+`run.offload`, naming the launch line that would work:
+
+1. `engaged()`: from Accelerate's state once Trainer exists (before the model is wrapped).
+2. `live_check()`: a callback at on_train_begin, after Trainer wrapped the model and before the
+   first optimizer step, that reads the wrapped model itself (DeepSpeed engine: stage, offload
+   devices, the ZeRO optimizer's own offload flags, clipping; FSDP2: FSDP modules, DTensor
+   parameters and the fraction this rank holds; DDP wrapper) into run.json `strategy.evidence`.
+"""
+
+from __future__ import annotations
+
+from finetune.errors import UserError
+from finetune.launch import cpu_rehearsal
+from finetune.strategies import launch_line, name_of, offload_device, offload_name
+
+
+def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
+    """The `strategy` section of run.json from Accelerate's state, before the engine exists.
+    `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows."""
+    dtype = state.distributed_type.value
+    out = {"name": None, "distributed_type": dtype, "zero_stage": None, "offload_optimizer": None,
+           "offload_params": None, "offload": "none", "fsdp_version": None, "world_size": state.num_processes,
+           "mixed_precision": mixed_precision or str(state.mixed_precision), "method": method,
+           "cpu_distributed": cpu_rehearsal.requested(), "evidence": None}
+    if dtype == "DEEPSPEED":
+        ds = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+        stage = int(ds.get("stage", 0))
+        opt = (ds.get("offload_optimizer") or {}).get("device", "none") or "none"
+        par = (ds.get("offload_param") or {}).get("device", "none") or "none"
+        out.update(name=name_of(dtype, zero_stage=stage), zero_stage=stage, offload_optimizer=opt,
+                   offload_params=par, offload=offload_name(opt, par))
+    elif dtype == "FSDP":
+        plugin = state.fsdp_plugin
+        offload = _fsdp_offloads(plugin.cpu_offload)
+        out.update(name=name_of(dtype), fsdp_version=getattr(plugin, "fsdp_version", 1),
+                   offload_optimizer="cpu" if offload else "none", offload_params="cpu" if offload else "none",
+                   offload="optimizer+params" if offload else "none")
+    else:
+        out["name"] = name_of(dtype)
+    return out
+
+
+def check_expected(expected: str, engaged_strategy: dict, recipe: str, expected_offload: str = "any") -> None:
+    """Refuse to run a strategy (or offload) other than the one the recipe names."""
+    name, offload = engaged_strategy["name"], engaged_strategy.get("offload", "none")
+    strategy_ok = expected == "any" or expected == name
+    offload_ok = expected_offload == "any" or expected_offload == offload
+    if strategy_ok and offload_ok:
+        return
+    want = expected if expected != "any" else name
+    want_offload = expected_offload if expected_offload != "any" else "none"
+    evidence = engaged_strategy.get("evidence")
+    seen = f", live engine: {evidence['engine_class']}" if evidence else ""
+    raise UserError(
+        f"recipe {recipe!r} is meant for strategy {expected!r} with offload {expected_offload!r} (run.strategy, "
+        f"run.offload) but this launch engaged {name!r} with offload {offload!r} (Accelerate distributed type "
+        f"{engaged_strategy['distributed_type']}, world size {engaged_strategy['world_size']}{seen}). "
+        f"Nothing was trained. Launch it with:\n{launch_line(want, want_offload, recipe)}\n"
+        f"or set run.strategy: any (and run.offload: any) to accept whatever the launch gives.")
+
+
+# --- the live engine, after Trainer wrapped the model ----------------------------------------
+
+
+def live_evidence(wrapped) -> dict:
+    """What the wrapped model itself shows: engine class, ZeRO stage and offload devices from
+    the DeepSpeed engine, or FSDP2 DTensor parameters and the fraction of them this rank holds."""
+    import torch
+
+    ev = {"engine_class": type(wrapped).__name__, "zero_stage": None, "zero_optimizer_class": None,
+          "basic_optimizer_class": None, "offload_optimizer_device": None, "offload_param_device": None,
+          "gradient_clipping": None, "fsdp_modules": 0, "dtensor_params": 0, "params": 0,
+          "local_param_fraction": None, "fsdp_offload_policy": None,
+          "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__):
+        opt_cfg, par_cfg = wrapped.zero_offload_optimizer(), wrapped.zero_offload_param()
+        zopt = wrapped.optimizer
+        ev.update(zero_stage=int(wrapped.zero_optimization_stage()), zero_optimizer_class=type(zopt).__name__,
+                  basic_optimizer_class=type(getattr(wrapped, "basic_optimizer", None)).__name__,
+                  offload_optimizer_device=offload_device(opt_cfg), offload_param_device=offload_device(par_cfg),
+                  gradient_clipping=float(wrapped.gradient_clipping()))
+        # The optimizer's own flags, not only the config: ZeRO-1/2 `cpu_offload`, ZeRO-3 `offload_*`.
+        ev["optimizer_offloaded"] = bool(getattr(zopt, "cpu_offload", False) or getattr(zopt, "offload_optimizer", False))
+        ev["params_offloaded"] = bool(getattr(zopt, "offload_param", False))
+        params = list(wrapped.module.parameters())
+        ev["params"] = len(params)
+        if ev["zero_stage"] == 3:
+            full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+            local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+            ev["local_param_fraction"] = round(local / max(full, 1), 4)
+        return ev
+    from torch.distributed.tensor import DTensor
+
+    params = list(wrapped.parameters())
+    ev["params"] = len(params)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_modules = [m for m in wrapped.modules() if isinstance(m, FSDPModule)]
+    except ImportError:
+        fsdp_modules = []
+    ev["fsdp_modules"] = len(fsdp_modules)
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    ev["dtensor_params"] = len(dtensors)
+    if dtensors:
+        full = sum(p.numel() for p in dtensors)
+        ev["local_param_fraction"] = round(sum(p.to_local().numel() for p in dtensors) / max(full, 1), 4)
+        ev["placements"] = str(dtensors[0].placements)
+    if fsdp_modules:
+        try:
+            group = fsdp_modules[0]._get_fsdp_state()._fsdp_param_group
+            ev["fsdp_offload_policy"] = type(group.offload_policy).__name__ if group else None
+        except AttributeError:  # private API; evidence only
+            pass
+    return ev
+
+
+def strategy_from_evidence(ev: dict) -> tuple[str, str]:
+    """(strategy name, offload) that the live evidence proves."""
+    if ev["zero_stage"] is not None:
+        opt = ev["offload_optimizer_device"] if ev.get("optimizer_offloaded") else "none"
+        par = ev["offload_param_device"] if ev.get("params_offloaded") else "none"
+        return name_of("DEEPSPEED", zero_stage=ev["zero_stage"]), offload_name(opt, par)
+    # Not "every parameter": Accelerate leaves non-float (uint8-stored 4-bit) weights out of FSDP2 sharding.
+    if ev["fsdp_modules"] and ev["dtensor_params"]:
+        offloaded = ev.get("fsdp_offload_policy") == "CPUOffloadPolicy"
+        return "fsdp", "optimizer+params" if offloaded else "none"
+    if ev["engine_class"] == "DistributedDataParallel":
+        return "ddp", "none"
+    return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
+
+
+def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, record=None):
+    """A callback that, once Trainer has wrapped the model and before the first optimizer step,
+    reads the live engine, records it in run.json (`strategy.evidence`) and refuses a mismatch."""
+    from transformers import TrainerCallback
+
+    class _LiveStrategyCheck(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            ev = live_evidence(trainer.model_wrapped)
+            name, offload = strategy_from_evidence(ev)
+            declared = dict(record["strategy"]) if record is not None else {}
+            live = {"name": name, "offload": offload, "evidence": ev, "world_size": ev["world_size"],
+                    "distributed_type": trainer.accelerator.distributed_type.value}
+            if ev["zero_stage"] is not None:
+                live.update(zero_stage=ev["zero_stage"], offload_optimizer=ev["offload_optimizer_device"],
+                            offload_params=ev["offload_param_device"])
+            if record is not None:
+                record["strategy"] = {**declared, **live}
+                record.write()
+            check_expected(expected, live, recipe, expected_offload)
+
+    trainer.add_callback(_LiveStrategyCheck())
+
+
+def _fsdp_offloads(cpu_offload) -> bool:
+    if cpu_offload is None:
+        return False
+    if type(cpu_offload).__name__ == "CPUOffloadPolicy":
+        return True
+    return bool(getattr(cpu_offload, "offload_params", False))

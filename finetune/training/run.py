@@ -1,0 +1,299 @@
+"""One training run, what finetune/train.py (the launch script) runs in every process:
+
+    accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py --recipe zero2
+
+Wiring only: config -> run directory -> tokenizer, data -> model -> Trainer -> run record.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.launch.script_args import parse_train_args
+
+log = logging.getLogger("finetune")
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_train_args(argv)
+    from finetune.config.recipe import load_recipe
+
+    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    cfg.run.overwrite = cfg.run.overwrite or args.overwrite
+
+    from datetime import timedelta
+
+    from accelerate import PartialState
+
+    from finetune.data import demo
+    from finetune.launch import cpu_rehearsal, preflight
+    from finetune.launch.ranks import run_on_main
+    from finetune.telemetry import record
+    from finetune.training import resume, rundir
+
+    # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
+    # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
+    state = PartialState(cpu=cpu_rehearsal.requested(),  # opt-in CPU/gloo runs: finetune/launch/cpu_rehearsal.py
+                         timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    # world size, launch config vs recipe, data, run dir: all at once, before any weights load
+    preflight.check_before_loading(cfg, state, resume=args.resume)
+    _setup_logging(cfg.logging.log_level, state.is_main_process)
+
+    # Every rank must agree on the run directory; rank 0 names and creates it.
+    def make_run_dir():
+        name = cfg.run.name or rundir.default_run_name(cfg.recipe)
+        path = rundir.resolve_run_dir(name, cfg.run.output_dir)
+        if args.resume:  # the run directory is reused as it is (finetune/training/resume.py)
+            return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
+        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
+        return name, str(path), None
+
+    cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
+    run_dir = Path(run_path)
+    cfg.run.output_dir = str(run_dir)
+    rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
+                           config=cfg.to_dict()) if state.is_main_process else None
+    if rec and resume_ckpt:
+        resume.continue_record(rec, run_dir, Path(resume_ckpt))
+        log.info("resuming from %s (step %d)", resume_ckpt, rec["summary"]["resumed_at_step"])
+    if rec:
+        saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
+        log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+                 saved, saved.read_text(encoding="utf-8").rstrip())
+        rec.write()
+
+    if cfg.data.path == "demo":
+        train_file = run_dir / "data" / "train.jsonl"
+        if state.is_main_process and not (resume_ckpt and train_file.is_file()):  # resume: keep the run's data
+            demo.write_demo(train_file.parent, cfg.data.demo_train_size, cfg.data.demo_heldout_size)
+        state.wait_for_everyone()
+        cfg.data.path = str(train_file)
+        if cfg.eval.heldout_path == "demo":
+            cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
+
+    from finetune.training.guards import NonFiniteError
+    from finetune.training.signals import install_signal_handlers
+
+    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
+    try:
+        return _train(cfg, state, run_dir, rec, resume_ckpt)
+    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
+        if rec:
+            rec["summary"].update(status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
+            rec.write()
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except BaseException as e:  # the record must say how the run ended, then the error goes on
+        if rec:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            rec["summary"]["status"] = "interrupted" if interrupted else "failed"
+            rec["summary"]["error"] = None if interrupted else f"{type(e).__name__}: {e}"
+            rec.write()
+            wandb = sys.modules.get("wandb")
+            if wandb is not None and wandb.run is not None:
+                wandb.run.finish(exit_code=1)
+        raise
+
+
+def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> int:
+    from transformers import TrainingArguments
+
+    from finetune.data import build, read
+    from finetune.launch import cpu_rehearsal
+    from finetune.modeling import export, zero3
+    from finetune.modeling import load as model_lib
+    from finetune.telemetry import wandb_logging
+    from finetune.training import batch, engaged, evaluation
+
+    t0 = time.perf_counter()
+    targs = cpu_rehearsal.training_overrides(dict(cfg.training.args))
+    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/training/checkpoints.py
+    # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
+    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
+        targs.pop("activation_checkpointing", False))
+    report_to = cfg.logging.report_to or "none"
+    use_wandb = wandb_logging.enabled(cfg.logging.report_to)
+    if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
+        wandb_logging.configure_environment(cfg.logging.wandb_project, run_dir)
+    try:
+        args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
+    except (ValueError, TypeError) as e:
+        from finetune.errors import ConfigError
+
+        raise ConfigError([f"training: {e}"], "TrainingArguments") from None
+
+    world = args.world_size
+    effective = batch.effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
+    lr = batch.lr_scaling(args.learning_rate, cfg.training.lr_scaling, effective,
+                          cfg.training.lr_reference_batch_size)
+    args.learning_rate = lr["applied"]  # the optimizer is built from this value
+
+    from finetune.data import collate
+    from finetune.training import speed
+
+    speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
+    tokenizer = model_lib.load_tokenizer(cfg.model)
+    bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
+    heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
+
+    from transformers import set_seed
+
+    set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
+    model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing)
+    trainable, total = model_lib.count_parameters(model)
+
+    def evaluate(stage: str) -> dict:
+        result = evaluation.exact_match(
+            model, tokenizer, heldout_rows, system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template, max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size, source=cfg.eval.heldout_path,
+            accelerator=trainer.accelerator)  # reduce() across ranks: an Accelerator, not PartialState
+        if state.is_main_process:
+            log.info("exact match %s training: %.1f%% (%d/%d)", stage, 100 * result["exact_match"],
+                     result["correct"], result["total"])
+        return result
+
+    from finetune.training.guards import ResilientTrainer
+
+    trainer = ResilientTrainer(
+        model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
+        data_collator=collate.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
+        processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name),
+        save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
+        max_nonfinite_skips=cfg.training.max_nonfinite_skips)
+    strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
+                               mixed_precision=trainer.accelerator.mixed_precision)
+    engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
+    engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
+                        recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
+
+    if rec:
+        rec["strategy"] = strategy_section
+        rec["batch"] = {"per_device": args.per_device_train_batch_size,
+                        "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
+                        "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None}
+        rec["lr"] = lr
+        rec["faults"] = {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
+                         "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
+                         "save_total_limit": save_total_limit}  # docs/faults.md
+        rec["data"] = vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]}
+        rec["parameters"] = {"trainable": trainable, "total": total}
+        # memory prediction for the engaged strategy (finetune/planning/memory.py); its error is filled at the end
+        from finetune.planning import memory
+
+        memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
+                                      weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
+                                      train_dataset=bundle.train)
+        rec.write()
+        log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
+                 "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
+                 world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
+                 lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length)
+
+    wandb_run = wandb_logging.start(rec.data, project=cfg.logging.wandb_project, run_dir=run_dir) \
+        if use_wandb and rec else None  # transformers' WandbCallback logs the steps into this run
+    results = {}
+    if heldout_rows is not None and cfg.eval.before:
+        with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
+            results["before"] = evaluate("before")
+    train_start = time.perf_counter()
+    out = trainer.train(resume_from_checkpoint=resume_ckpt)
+    train_s = time.perf_counter() - train_start
+    if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
+        return _preempted(trainer, rec, run_dir)
+    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
+    measured = trainer.final_measurements()
+    eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
+    if heldout_rows is not None:
+        results["after"] = evaluate("after")
+
+    model_dir = run_dir / "model"
+    if cfg.run.save_model:
+        export.save_final_model(trainer, model_dir)  # adapter for LoRA/QLoRA, full weights otherwise
+        if state.is_main_process:
+            tokenizer.save_pretrained(str(model_dir))
+    if rec:
+        rec["summary"].update(train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
+                              total_trained_tokens=sum(measured["trained_tokens"]),
+                              total_input_tokens=sum(measured["input_tokens"]),
+                              train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
+                              status="completed", nonfinite_skipped=trainer.skipped_steps)
+        record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
+                            world_size=world, warmup=cfg.training.throughput_warmup_steps)
+        memory.record_error(rec)
+        if results:
+            rec["eval"] = {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
+                           **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
+                           "details": results}
+        rec.write()
+        if wandb_run is not None:
+            wandb_logging.finish(wandb_run, rec.data, [rec.path, run_dir / "config.yaml",
+                                                       *wandb_logging.launch_config_files()])
+        from finetune.telemetry.summary import print_summary
+
+        print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
+    return 0
+
+
+def _preempted(trainer, rec, run_dir: Path) -> int:
+    """Status `interrupted`, the resume command, and an exit code that says preempted."""
+    from finetune.training import resume
+
+    p = trainer.resilience.preempted
+    ckpt = trainer.resilience.last_complete
+    if rec:
+        rec["summary"].update(status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
+                              error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} "
+                                    f"at step {p['step']}",
+                              nonfinite_skipped=trainer.skipped_steps)
+        rec.write()
+        print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
+              f"complete checkpoint {ckpt}.\nresume with:\n  {resume.resume_command(run_dir)}\n"
+              f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
+    return EXIT_PREEMPTED
+
+
+def _mfu_inputs(model_config, method: str) -> dict:
+    """What FinetuneTrainer needs for MFU at each log: FLOPs per token for a mean sequence length,
+    and the device's peak (None off the table, so no MFU is shown rather than a guess)."""
+    import torch
+
+    from finetune.telemetry import formulas
+
+    peak = formulas.peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    return {"flops_per_token": lambda seq_len: formulas.flops_per_token(model_config, method, seq_len)[0],
+            "peak_flops": peak[1] if peak else None}
+
+
+def record_measurements(rec, measured: dict, *, model_config, method: str, world_size: int, warmup: int) -> None:
+    """Fill run.json's memory, throughput and per-step token figures from the trainer's measurements."""
+    from finetune.telemetry import formulas
+
+    steps = len(measured["step_s"])
+    rec["memory"] = measured["memory"]
+    seq_len = sum(measured["input_tokens"]) / max(sum(measured["samples"]), 1)
+    flops, convention = formulas.flops_per_token(model_config, method, seq_len)
+    hw = rec["hardware"]
+    peak = formulas.peak_flops(hw["device_name"]) if hw["device_type"] == "cuda" else None
+    tp = formulas.throughput(measured["step_s"], measured["trained_tokens"], measured["input_tokens"],
+                            measured["samples"], world_size=world_size, warmup=warmup, flops_token=flops,
+                            peak=peak[1] if peak else None, devices=world_size)
+    tp.update(flops_convention=convention, flops_per_token=flops, peak_device=peak[0] if peak else None,
+              mfu_note=None if peak else f"no MFU: {hw['device_name']!r} is not in the peak-FLOPS table")
+    rec["throughput"] = tp
+    rec["batch"].update(input_tokens_per_step=round(sum(measured["input_tokens"]) / max(steps, 1), 1),
+                        trained_tokens_per_step=round(sum(measured["trained_tokens"]) / max(steps, 1), 1))
+
+
+def _setup_logging(level: str, main_process: bool) -> None:
+    import transformers
+
+    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
+                        level=getattr(logging, level.upper()) if main_process else logging.WARNING)
+    transformers.logging.set_verbosity_warning()
+

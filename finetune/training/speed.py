@@ -1,0 +1,70 @@
+"""Speed options: which option combinations are safe (the batch layouts themselves are built by
+finetune/data/collate.py; docs/speed.md).
+
+Boundary safety, as read in transformers 5.23 (the claim "no attention crosses an example
+boundary" must hold for the attention implementation that runs, else we refuse):
+
+* sdpa, eager: ``masking_utils._preprocess_mask_arguments`` calls
+  ``find_packed_sequence_indices(position_ids)`` whenever attention_mask is None and there is
+  no KV cache; every position that does not follow its predecessor by +1 starts a new
+  sequence and the causal mask becomes block-diagonal, for any batch size (also under
+  torch.compile, where the check is not skipped). A new example starts at position 0 after
+  one that ended at p >= 0, a step of -p != +1, so every boundary is found.
+* flash_attention_2/3: ``modeling_flash_attention_utils._is_packed_sequence`` only looks at
+  position_ids when the batch has ONE row; with several packed rows it runs plain causal
+  attention over each row and examples leak into each other. Padding-free batches are one
+  row (and we also hand FlashAttention the cu_seq_lens directly), so they are safe; packed
+  batches are safe only with per_device_train_batch_size 1, and are refused otherwise.
+* models with trust_remote_code may build their own masks: refused with packing/padding-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from finetune.data.collate import FLASH_ATTENTION
+from finetune.errors import ConfigError, UserError
+
+# Attention implementations whose handling of position_ids without an attention mask was
+# read in transformers 5.23 (see the module docstring).
+_POSITION_AWARE = ("sdpa", "eager") + FLASH_ATTENTION
+
+
+def check(cfg) -> None:
+    """Refuse option combinations that would silently mix examples or crash deep inside."""
+    problems = []
+    d, m, args = cfg.data, cfg.model, cfg.training.args
+    concat = [k for k in ("packing", "padding_free") if getattr(d, k, False)]
+    if len(concat) == 2:
+        problems.append("data.packing and data.padding_free: choose one; padding_free already concatenates each "
+                        "batch into one row with no padding, packing builds fixed rows of <= max_length tokens")
+    if concat:
+        what = f"data.{concat[0]}"
+        if m.attn_implementation not in _POSITION_AWARE:
+            problems.append(f"{what}: model.attn_implementation {m.attn_implementation!r} was not checked to keep "
+                            f"examples apart; use one of {', '.join(_POSITION_AWARE)}")
+        if m.trust_remote_code:
+            problems.append(f"{what}: not allowed with model.trust_remote_code: remote model code may build its own "
+                            "attention mask and ignore the position_ids that keep examples apart")
+        batch = args.get("per_device_train_batch_size", 1)
+        if concat == ["packing"] and m.attn_implementation in FLASH_ATTENTION and batch != 1:
+            problems.append(f"data.packing with model.attn_implementation {m.attn_implementation}: transformers' "
+                            "FlashAttention path reads position_ids only for a batch of one row, so packed rows "
+                            f"would attend across examples at per_device_train_batch_size {batch}; use "
+                            "data.padding_free instead, or per_device_train_batch_size: 1")
+    if problems:
+        raise ConfigError(problems, "speed options")
+    if args.get("use_liger_kernel"):
+        check_liger()
+
+
+def check_liger() -> None:
+    """Liger's kernels are Triton GPU kernels: say so before Trainer fails inside them."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("training.use_liger_kernel: the liger-kernel package is not installed; "
+                        "pip install 'finetune[liger]' (or set use_liger_kernel: false)")
+    if not torch.cuda.is_available():
+        raise UserError("training.use_liger_kernel: Liger kernels are Triton GPU kernels and need a CUDA device; "
+                        "this machine has none (set use_liger_kernel: false)")
