@@ -91,17 +91,18 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
     from finetune.telemetry.record import RunRecord
 
     old = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
-    old["steps"] = [{"step": s, "loss": 10.0 - s} for s in range(1, 6)]
-    old["summary"]["status"] = "interrupted"
+    old.set("steps", [{"step": s, "loss": 10.0 - s} for s in range(1, 6)])
+    old.update("summary", status="interrupted")
     old.write()
     ckpt = _fake_checkpoint(tmp_path, 3)
     for n in (1, 2):
         rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
         resume.continue_record(rec, tmp_path, ckpt)
-        assert [s["step"] for s in rec["steps"]] == [1, 2, 3]
-        assert rec["summary"]["resumes"] == n and rec["summary"]["resumed_from"] == str(ckpt)
-        assert rec["summary"]["resume_history"][0]["steps_discarded"] == 2
-        assert rec["created"] == old["created"]
+        got = rec.view
+        assert [s["step"] for s in got.get("steps")] == [1, 2, 3]
+        assert got.get("summary", "resumes") == n and got.get("summary", "resumed_from") == str(ckpt)
+        assert got.get("summary", "resume_history")[0]["steps_discarded"] == 2
+        assert got.get("created") == old.view.get("created")
         rec.write()
     with pytest.raises(UserError, match="--resume and --overwrite"):
         resume.prepare(tmp_path, "auto", overwrite=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from finetune.config.validate import build_config
-from finetune.data import build, collate, pack, render
+from finetune.data import collate, pack, render
+from finetune.data.build import build_datasets
 from finetune.errors import ConfigError, UserError
 from finetune.training import speed
 
@@ -36,7 +37,7 @@ def _data_cfg(path, **kw):
 def examples(tokenizer, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    bundle = build.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    bundle = build_datasets(_data_cfg(path), tokenizer, seed=0)
     rows = [dict(r) for r in bundle.train]
     assert len({len(r["input_ids"]) for r in rows}) > 1, "examples must differ in length to exercise padding"
     return rows
@@ -196,8 +197,8 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
 
     def build(**kw):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="finetune.token_cache"):
-            bundle = build.build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
+        with caplog.at_level(logging.INFO, logger="finetune.data.cache"):
+            bundle = build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
                                          tokenizer, seed=0)
         return bundle, caplog.text
 
@@ -211,5 +212,5 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))  # new file bytes
     changed, log4 = build()
     assert "miss" in log4 and changed.stats.train_examples == 2
-    uncached = build.build_datasets(_data_cfg(path), tokenizer, seed=0)
+    uncached = build_datasets(_data_cfg(path), tokenizer, seed=0)
     assert uncached.train.to_list() == changed.train.to_list()

@@ -141,6 +141,18 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_field_of_the_record_is_documented(runs, name):
+    """docs/run_record.md names every field a 2-process run writes (the DeepSpeed and FSDP2 evidence
+    included) and the run writes every field documented `always` (tests/telemetry/test_run_record_doc.py
+    checks a single-process record, with controls)."""
+    from tests.telemetry.run_record_doc import documented, missing_always_fields, undocumented
+
+    rec, doc = runs(name).record, documented()
+    assert undocumented(rec, doc) == []
+    assert missing_always_fields(rec, doc) == []
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_losses_match_single_process(runs, name):
     ref = _steps(runs("single").record)
     got = _steps(runs(name).record)

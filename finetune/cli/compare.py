@@ -122,9 +122,8 @@ def run_sweep(planned, *, out: Path, baseline, price) -> int:
             except comparison.CompareInputError as e:
                 run = comparison.Run(record, None, label, error=str(e))
             if o.error and run.record is not None:  # in memory only: the record on disk is the run's
-                if run.status == "completed":
-                    run.record["summary"]["status"] = "failed"  # completed, but not as planned (see error)
-                run.record["summary"]["error"] = o.error  # with the exit code
+                # completed, but not as planned (see error); the error with the exit code
+                run.view.set_outcome("failed" if run.status == "completed" else run.get("summary", "status"), o.error)
         else:
             run = comparison.Run(record, None, label, error=o.error)
         runs.append(run)

@@ -183,22 +183,23 @@ def execute(run: PlannedRun) -> Outcome:
 
 
 def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
-    from finetune.telemetry.record import load
+    from finetune.telemetry.record import RecordView, load
 
     record_file = run.run_dir / "run.json"
-    record = load(record_file) if record_file.is_file() else None
-    summary = (record or {}).get("summary") or {}
+    record = RecordView(load(record_file)) if record_file.is_file() else None
+    error = record.get("summary", "error") if record else None
     if rc != 0:
-        if summary.get("error"):
-            return f"exit {rc}: {summary['error']}"
+        if error:
+            return f"exit {rc}: {error}"
         errors = [line for line in tail if line.startswith("error:") or "Error" in line]
         return f"exit {rc}: {(errors or [line for line in tail if line] or ['no output'])[-1]} (log: {run.log})"
     if record is None:
         return f"exit 0 but no run record at {record_file}"
-    if summary.get("status") != "completed":
-        return f"status {summary.get('status')}: {summary.get('error')}"
-    batch = record.get("batch") or {}
-    if batch.get("effective") != run.effective or (record.get("strategy") or {}).get("world_size") != run.world_size:
-        return (f"ran with effective batch {batch.get('effective')} on {(record.get('strategy') or {}).get('world_size')} "
+    status = record.get("summary", "status")
+    if status != "completed":
+        return f"status {status}: {error}"
+    effective, world = record.get("batch", "effective"), record.get("strategy", "world_size")
+    if effective != run.effective or world != run.world_size:
+        return (f"ran with effective batch {effective} on {world} "
                 f"processes, planned {run.effective} on {run.world_size}: not comparable")
     return None

@@ -27,11 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.telemetry.record import RecordView, check
 
-SCHEMA = 1  # the run.json schema this reader understands (finetune/telemetry/record.py SCHEMA)
-# Top-level keys every schema-1 record has from its first write (finetune/telemetry/record.py RunRecord).
-REQUIRED_KEYS = ("schema", "run_name", "recipe", "config", "hardware", "strategy", "batch", "lr", "memory",
-                 "throughput", "steps", "summary")
 # What makes two runs comparable: the same model and the same training data.
 MODEL_KEYS = ("name_or_path", "revision")
 DATA_KEYS = ("path", "format", "split", "max_length", "packing", "max_samples", "eval_fraction", "train_on_prompt")
@@ -54,19 +51,17 @@ class Run:
     error: str | None = None  # why a launch failed, when record is None
 
     @property
-    def status(self) -> str:
-        if self.record is None:
-            return "failed"
-        return (self.record.get("summary") or {}).get("status") or "unknown"
+    def view(self) -> RecordView | None:
+        return RecordView(self.record) if self.record is not None else None
 
-    def get(self, *keys, default=None):
-        """Nested lookup that treats null sections (a run still running or failed early) as missing."""
-        value = self.record
-        for key in keys:
-            if not isinstance(value, dict):
-                return default
-            value = value.get(key)
-        return default if value is None else value
+    @property
+    def status(self) -> str:
+        return "failed" if self.record is None else self.view.status
+
+    def get(self, section: str, *keys, default=None):
+        """Nested lookup that treats null sections (a run still running or failed early) as missing
+        (finetune/telemetry/record.py RecordView)."""
+        return default if self.record is None else self.view.get(section, *keys, default=default)
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -91,38 +86,17 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         except json.JSONDecodeError as e:
             problems.append(f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
             continue
-        problem = check_record(record)
+        problem = check(record)
         if problem:
             problems.append(f"{file}: {problem}")
             continue
-        runs.append(Run(file, record, label=record["run_name"]))
+        runs.append(Run(file, record, label=RecordView(record).get("run_name")))
     if problems:
         raise CompareInputError(problems)
     if not runs:
         raise CompareInputError(["no run directories given"])
     _unique_labels(runs)
     return runs
-
-
-def check_record(record) -> str | None:
-    if not isinstance(record, dict):
-        return f"not a run record (top level is {type(record).__name__}, expected an object)"
-    schema = record.get("schema")
-    if schema != SCHEMA:
-        return (f"run record schema {schema!r} is not supported (this finetune reads schema {SCHEMA}); "
-                f"re-run it with this version, or compare it with the finetune version that wrote it")
-    missing = [k for k in REQUIRED_KEYS if k not in record]
-    if missing:
-        return f"schema-1 record without {', '.join(missing)} (incomplete or from an older development version)"
-    for key in ("config", "summary"):
-        if not isinstance(record[key], dict):
-            return f"{key}: expected an object, got {type(record[key]).__name__}"
-    for key in ("hardware", "strategy", "batch", "lr", "memory", "throughput"):
-        if record[key] is not None and not isinstance(record[key], dict):
-            return f"{key}: expected an object or null, got {type(record[key]).__name__}"
-    if not isinstance(record["steps"], list):
-        return f"steps: expected a list, got {type(record['steps']).__name__}"
-    return None
 
 
 def _unique_labels(runs: list[Run]) -> None:
@@ -173,7 +147,7 @@ def comparability_warnings(runs: list[Run]) -> list[str]:
         for key in keys + (DEMO_DATA_KEYS if section == "data" else ()):
             values = {}
             for run in recorded:
-                body = run.record["config"].get(section) or {}
+                body = run.get("config", section, default={})
                 if key in DEMO_DATA_KEYS and body.get("path") != "demo":
                     continue
                 values.setdefault(json.dumps(body.get(key), sort_keys=True, default=str), []).append(run.label)

@@ -23,9 +23,9 @@ def wandb_groups(table: Table) -> dict[tuple[str, str], list[str]]:
     for run in table.runs:
         if run.record is None:
             continue
-        logging_cfg = run.record["config"].get("logging") or {}
+        logging_cfg = run.get("config", "logging", default={})
         if wandb_logging.enabled(logging_cfg.get("report_to") or []):
-            key = (logging_cfg.get("wandb_project") or "finetune", run.record["recipe"])
+            key = (logging_cfg.get("wandb_project") or "finetune", run.get("recipe"))
             out.setdefault(key, []).append(run.label)
     return out
 

@@ -311,27 +311,28 @@ def workload_from_config(cfg, *, weight_bytes: int, gradient_checkpointing: bool
 
 def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int,
                       train_dataset=None) -> None:
-    """run.json `predicted_memory` for the strategy in rec['strategy']; null with a logged reason
+    """run.json `predicted_memory` for the strategy in the record's `strategy`; null with a logged reason
     when the architecture has no arithmetic here (training goes on: a plan is not a precondition).
     The sequence length is the longest training example when the dataset is given (an input the
     run knows before its first step), else data.max_length."""
     import logging
 
-    engaged = rec["strategy"] or {}
+    engaged = rec.view.get("strategy", default={})
     seq_len = None
     if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
         seq_len = min(max(len(ids) for ids in train_dataset["input_ids"]), cfg.data.max_length)
-    on_gpu = rec["hardware"]["device_type"] == "cuda" and not engaged.get("cpu_distributed")
+    on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
     try:
-        rec["predicted_memory"] = predicted_memory(model_config, cfg, engaged, on_gpu=on_gpu,
-                                                   gradient_checkpointing=gradient_checkpointing,
-                                                   weight_bytes=weight_bytes, seq_len=seq_len)
+        rec.set("predicted_memory", predicted_memory(model_config, cfg, engaged, on_gpu=on_gpu,
+                                                     gradient_checkpointing=gradient_checkpointing,
+                                                     weight_bytes=weight_bytes, seq_len=seq_len))
     except ValueError as e:
         logging.getLogger(__name__).warning("no memory prediction in run.json: %s", e)
-        rec["predicted_memory"] = None
+        rec.set("predicted_memory", None)
 
 
 def record_error(rec) -> None:
     """Once training ends: the relative error of the prediction against the measured training peaks."""
-    if rec["predicted_memory"] is not None:
-        add_error(rec["predicted_memory"], rec["memory"])
+    predicted = rec.view.get("predicted_memory")
+    if predicted is not None:
+        rec.set("predicted_memory", add_error(predicted, rec.view.get("memory")))

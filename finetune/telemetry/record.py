@@ -1,8 +1,14 @@
-"""The run record, `<output_dir>/run.json`: the contract between training, reports and tests.
+"""The run record, `<output_dir>/run.json`: its one owner. docs/run_record.md is the contract.
 
-Field names and meanings are fixed by shared/DESIGN.md ("The run record"). Rank 0 writes it
-atomically (temporary file + rename) so a reader never sees half a record; `status` says
-whether the run is running, completed, interrupted or failed.
+Writers (training, the trainer, the engaged-strategy check, the planner, resume) go through
+`RunRecord`: `set(section, value)`, `update(section, **fields)`, `add_step(entry)`, `write()`.
+A field not declared in finetune/telemetry/record_schema.py is refused there and then, so what
+a run writes cannot drift from the declared shape. Readers (compare, W&B, sweep, the end-of-run
+summary) go through `RecordView.get(section, *keys)`, which treats a null or missing value as
+absent and refuses a path the schema does not declare (a typo is a bug, not a silent None).
+
+Rank 0 writes the record atomically (temporary file + rename) so a reader never sees half a
+record; `summary.status` says whether the run is running, completed, interrupted or failed.
 """
 
 from __future__ import annotations
@@ -10,12 +16,16 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import types
+import typing
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from finetune.telemetry.machine import hardware, versions
+from finetune.telemetry.record_schema import ABSENT, BY_NAME, SCHEMA, SECTIONS
 
-SCHEMA = 1
+__all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "covers", "declared_paths", "load", "paths_of"]
 
 
 class RunRecord:
@@ -23,32 +33,34 @@ class RunRecord:
 
     def __init__(self, path: Path, *, run_name: str, recipe: str, config: dict):
         self.path = Path(path)
-        self.data: dict = {
-            "schema": SCHEMA,
-            "run_name": run_name,
-            "recipe": recipe,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "config": config,
-            "versions": versions(),
-            "hardware": hardware(),
-            "strategy": None,
-            "batch": None,
-            "lr": None,
-            "memory": None,
-            "predicted_memory": None,
-            "throughput": None,
-            "data": None,
-            "steps": [],
-            "summary": {"train_loss": None, "eval_loss": None, "total_trained_tokens": None,
-                        "wall_s": None, "steps": 0, "status": "running", "error": None},
-            "eval": {},
-        }
+        given = {"run_name": run_name, "recipe": recipe, "config": config, "versions": versions(),
+                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware()}
+        self.data: dict = {s.name: given[s.name] if s.name in given else s.initial()
+                           for s in SECTIONS if s.name in given or s.initial is not ABSENT}
 
-    def __getitem__(self, key):
-        return self.data[key]
+    @property
+    def view(self) -> RecordView:
+        return RecordView(self.data)
 
-    def __setitem__(self, key, value):
-        self.data[key] = value
+    def set(self, section: str, value) -> None:
+        """Replace a section (a new one is appended, as it first appears in run.json)."""
+        _validate(value, _section(section).shape, section)
+        self.data[section] = value
+
+    def update(self, section: str, **fields) -> None:
+        """Set some fields of an object section (summary, batch, ...), keeping the others."""
+        shape = _unwrap(_section(section).shape)
+        hints = _fields(shape)
+        for key, value in fields.items():
+            if hints is not None and key not in hints:
+                raise _undeclared(section, [key])
+            _validate(value, hints[key] if hints else Any, f"{section}.{key}")
+        self.data[section].update(fields)
+
+    def add_step(self, entry: dict) -> None:
+        """Append one logged step to `steps`."""
+        _validate([entry], _section("steps").shape, "steps")
+        self.data["steps"].append(entry)
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +76,188 @@ class RunRecord:
             raise
 
 
+class RecordView:
+    """Read access to a record (as loaded from run.json, or a RunRecord's data)."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def get(self, section: str, *keys, default=None):
+        """data[section][key]...: `default` where any step is null or missing. The path must be
+        one the schema declares (free-form mappings such as `config` are not checked inside)."""
+        _check_path(section, keys)
+        value = self.data
+        for key in (section, *keys):
+            if not isinstance(value, dict):
+                return default
+            value = value.get(key)
+        return default if value is None else value
+
+    @property
+    def status(self) -> str:
+        return self.get("summary", "status") or "unknown"
+
+    def set_outcome(self, status: str, error: str | None) -> None:
+        """A reader's own verdict on this record, in memory only (a sweep run that completed but
+        not as planned is compared as failed; the record on disk stays the run's)."""
+        self.data["summary"]["status"] = status
+        self.data["summary"]["error"] = error
+
+
 def load(path: Path) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def check(record) -> str | None:
+    """Why `record` (a parsed run.json) is not a usable schema-1 record, or None."""
+    if not isinstance(record, dict):
+        return f"not a run record (top level is {type(record).__name__}, expected an object)"
+    schema = record.get("schema")
+    if schema != SCHEMA:
+        return (f"run record schema {schema!r} is not supported (this finetune reads schema {SCHEMA}); "
+                f"re-run it with this version, or compare it with the finetune version that wrote it")
+    missing = [s.name for s in SECTIONS if s.required and s.name not in record]
+    if missing:
+        return f"schema-1 record without {', '.join(missing)} (incomplete or from an older development version)"
+    checked = [s for s in SECTIONS if s.required and s.kind != "value"]
+    for s in sorted(checked, key=lambda s: ("object", "object|null", "list").index(s.kind)):
+        value = record[s.name]
+        if s.kind == "object" and not isinstance(value, dict):
+            return f"{s.name}: expected an object, got {type(value).__name__}"
+        if s.kind == "object|null" and value is not None and not isinstance(value, dict):
+            return f"{s.name}: expected an object or null, got {type(value).__name__}"
+        if s.kind == "list" and not isinstance(value, list):
+            return f"{s.name}: expected a list, got {type(value).__name__}"
+    return None
+
+
+# --- the declared shape --------------------------------------------------------------------
+# Paths name nodes of the record: `memory.per_rank[].rank` (a field of every list entry),
+# `predicted_memory.device.components_gib.*` (any key of a mapping), `config.**` (anything below).
+
+
+def declared_paths() -> set[str]:
+    """Every node the schema declares, in the path notation above (docs/run_record.md uses it)."""
+    out: set[str] = set()
+    for s in SECTIONS:
+        _declare(s.shape, s.name, out)
+    return out
+
+
+def paths_of(record: dict) -> set[str]:
+    """Every node present in a record (null values included, as leaves), in the same notation."""
+    out: set[str] = set()
+
+    def walk(value, path):
+        out.add(path)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for v in value:
+                if isinstance(v, dict):
+                    walk(v, f"{path}[]")
+            out.discard(f"{path}[]")
+
+    for key, value in record.items():
+        walk(value, key)
+    return out
+
+
+def _section(name: str):
+    if name not in BY_NAME:
+        raise KeyError(f"run.json has no section {name!r} (declared: {', '.join(BY_NAME)}; "
+                       f"finetune/telemetry/record_schema.py)")
+    return BY_NAME[name]
+
+
+def _unwrap(hint):
+    """X | None -> X (the value may be null; its shape is X's)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(hint) if a is not type(None)]
+        return arms[0] if len(arms) == 1 else Any
+    return hint
+
+
+def _fields(hint) -> dict | None:
+    """A TypedDict's field -> type hints, or None for anything else."""
+    if isinstance(hint, type) and typing.is_typeddict(hint):
+        return typing.get_type_hints(hint)
+    return None
+
+
+def _undeclared(where: str, keys) -> ValueError:
+    return ValueError(f"run.json {where}: field(s) {', '.join(map(repr, sorted(keys)))} not declared in "
+                      f"finetune/telemetry/record_schema.py; declare them there and in docs/run_record.md")
+
+
+def _validate(value, hint, where: str) -> None:
+    """Refuse fields the schema does not declare (types are the writers' business)."""
+    hint = _unwrap(hint)
+    if value is None:
+        return
+    fields = _fields(hint)
+    if fields is not None and isinstance(value, dict):
+        extra = set(value) - set(fields)
+        if extra:
+            raise _undeclared(where, extra)
+        for key, item in value.items():
+            _validate(item, fields[key], f"{where}.{key}")
+        return
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args and isinstance(value, list):
+        for item in value:
+            _validate(item, args[0], f"{where}[]")
+    elif origin is dict and len(args) == 2 and isinstance(value, dict):
+        for key, item in value.items():
+            _validate(item, args[1], f"{where}.{key}")
+
+
+def _declare(hint, path: str, out: set[str]) -> None:
+    out.add(path)
+    hint = _unwrap(hint)
+    fields = _fields(hint)
+    if fields is not None:
+        for key, sub in fields.items():
+            _declare(sub, f"{path}.{key}", out)
+        return
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args and (_fields(_unwrap(args[0])) is not None):
+        _declare(args[0], f"{path}[]", out)
+        out.discard(f"{path}[]")
+    elif origin is dict and len(args) == 2:
+        if args[1] is Any:
+            out.add(f"{path}.**")
+        else:
+            _declare(args[1], f"{path}.*", out)
+
+
+def _check_path(section: str, keys) -> None:
+    hint = _section(section).shape
+    where = section
+    for key in keys:
+        hint = _unwrap(hint)
+        fields = _fields(hint)
+        if fields is not None:
+            if key not in fields:
+                raise KeyError(f"run.json {where} has no field {key!r} (finetune/telemetry/record_schema.py)")
+            hint = fields[key]
+        elif typing.get_origin(hint) is dict and len(typing.get_args(hint)) == 2:
+            if typing.get_args(hint)[1] is Any:
+                return  # free-form below here
+            hint = typing.get_args(hint)[1]
+        else:
+            return
+        where = f"{where}.{key}"
+
+
+def covers(pattern: str, path: str) -> bool:
+    """Whether a declared path (with `*` / `**`) names a present node's path."""
+    want, got = pattern.split("."), path.split(".")
+    for i, part in enumerate(want):
+        if part == "**":
+            return len(got) > i
+        if i >= len(got) or (part != "*" and part != got[i]):
+            return False
+    return len(got) == len(want)

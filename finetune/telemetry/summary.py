@@ -1,44 +1,56 @@
-"""The end-of-run console table: what was trained, how fast, how much memory, what it changed.
-"""
+"""The end-of-run console table: what was trained, how fast, how much memory, what it changed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.telemetry.record import RecordView
 
-def print_summary(rec, run_dir: Path, model_dir: Path | None, method: str) -> None:
-    """The end-of-run table: what was trained, how fast, how much memory, what it changed."""
-    s, b = rec["summary"], rec["batch"]
-    tp, mem = rec["throughput"] or {}, (rec["memory"] or {}).get("max") or {}
-    rows = [("steps", f"{s['steps']} (effective batch {b['effective']} = {b['per_device']} per device x "
-                      f"{b['grad_accum']} accumulation x {b['data_parallel_size']} ranks)"),
-            ("strategy", f"{rec['strategy']['name']} ({rec['strategy']['distributed_type']}), {method}"),
-            ("learning rate", f"{rec['lr']['applied']:.3g} ({rec['lr']['rule']} scaling, factor {rec['lr']['factor']:.3g})"),
-            ("train loss", f"{s['train_loss']:.4f}" + (f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") else "")),
-            ("trained tokens", f"{s['total_trained_tokens']:,} of {s['total_input_tokens']:,} input tokens")]
-    if tp.get("trained_tokens_per_s") is not None:
-        rows.append(("throughput", f"{tp['trained_tokens_per_s']:,.1f} trained tokens/s, {tp['input_tokens_per_s']:,.1f} "
-                                   f"input tokens/s, median step {tp['median_step_s']:.2f} s (first "
-                                   f"{tp['warmup_steps_excluded']} step(s) excluded)"))
-        rows.append(("MFU", f"{100 * tp['mfu']:.1f}% of {tp['peak_device']}" if tp.get("mfu") is not None
-                     else "n/a (" + (tp.get("mfu_note") or "no peak figure") + ")"))
-    device = mem.get("device_peak_allocated_gib")
+
+def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
+    """The table, from the run record of a completed run (rank 0)."""
+    def s(key):
+        return record.get("summary", key)
+
+    def b(key):
+        return record.get("batch", key)
+
+    def tp(key):
+        return record.get("throughput", key)
+
+    def lr(key):
+        return record.get("lr", key)
+
+    rows = [("steps", f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
+                      f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)"),
+            ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"),
+            ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
+            ("train loss", f"{s('train_loss'):.4f}" + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
+            ("trained tokens", f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens")]
+    if tp("trained_tokens_per_s") is not None:
+        rows.append(("throughput", f"{tp('trained_tokens_per_s'):,.1f} trained tokens/s, {tp('input_tokens_per_s'):,.1f} "
+                                   f"input tokens/s, median step {tp('median_step_s'):.2f} s (first "
+                                   f"{tp('warmup_steps_excluded')} step(s) excluded)"))
+        rows.append(("MFU", f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}" if tp("mfu") is not None
+                     else "n/a (" + (tp("mfu_note") or "no peak figure") + ")"))
+    device = record.get("memory", "max", "device_peak_allocated_gib")
     rows.append(("peak memory", (f"device {device:.2f} GiB allocated, " if device is not None else "")
-                 + f"host RSS {mem.get('host_peak_rss_gib') or 0:.2f} GiB (max over ranks)"))
-    ev = rec["eval"]
-    if "exact_match_after" in ev:
-        before = ev.get("exact_match_before")
+                 + f"host RSS {record.get('memory', 'max', 'host_peak_rss_gib') or 0:.2f} GiB (max over ranks)"))
+    after = record.get("eval", "exact_match_after")
+    if after is not None:
+        before = record.get("eval", "exact_match_before")
         rows.append(("exact match", (f"{100 * before:.1f}% -> " if before is not None else "")
-                     + f"{100 * ev['exact_match_after']:.1f}% on {ev['details']['after']['total']} held-out prompts"))
-        per_task = ev["details"]["after"]["per_task"]
+                     + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts"))
+        per_task = record.get("eval", "details", "after", "per_task", default={})
         if len(per_task) > 1:
-            pre = ev["details"].get("before", {}).get("per_task", {})
+            pre = record.get("eval", "details", "before", "per_task", default={})
             rows.append(("  per task", ", ".join(f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre
                                                 else f"{t} {100 * v:.0f}%" for t, v in per_task.items())))
-    rows.append(("wall time", f"{s['wall_s']:.0f} s (training {s['train_s']:.0f} s)"))
+    rows.append(("wall time", f"{s('wall_s'):.0f} s (training {s('train_s'):.0f} s)"))
     rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
         rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
     width = max(len(k) for k, _ in rows)
-    lines = ["", "=" * 78, f"run {rec['run_name']} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 78]
+    lines = (["", "=" * 78, f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+             + ["=" * 78])
     print("\n".join(lines), flush=True)

@@ -19,6 +19,8 @@ import netrc
 import os
 from pathlib import Path
 
+from finetune.telemetry.record import RecordView
+
 log = logging.getLogger(__name__)
 
 
@@ -47,40 +49,40 @@ def configure_environment(project: str, run_dir: Path) -> str:
     return os.environ["WANDB_MODE"] if os.environ.get("WANDB_MODE") else "online"
 
 
-def start(record: dict, *, project: str, run_dir: Path):
+def start(record: RecordView, *, project: str, run_dir: Path):
     import wandb
 
-    strategy = record["strategy"] or {}
+    strategy = record.get("strategy", default={})
     tags = [t for t in (strategy.get("name"), strategy.get("method"),
                         f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None) if t]
     return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", project), name=record["run_name"], group=record["recipe"],
+        project=os.environ.get("WANDB_PROJECT", project), name=record.get("run_name"), group=record.get("recipe"),
         tags=tags, dir=str(run_dir),
-        config={"finetune": {"recipe": record["recipe"], "batch": record["batch"], "lr": record["lr"],
+        config={"finetune": {"recipe": record.get("recipe"), "batch": record.get("batch"), "lr": record.get("lr"),
                              "strategy": strategy, "parameters": record.get("parameters")},
-                "effective_batch_size": (record["batch"] or {}).get("effective"),
-                "lr_applied": (record["lr"] or {}).get("applied"),
-                "lr_scaling": (record["lr"] or {}).get("rule")})
+                "effective_batch_size": record.get("batch", "effective"),
+                "lr_applied": record.get("lr", "applied"),
+                "lr_scaling": record.get("lr", "rule")})
 
 
-def finish(run, record: dict, files: list[Path], *, exit_code: int = 0) -> None:
+def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) -> None:
     """Summary (peaks, throughput, eval), the run-record artifact, then close the run."""
     import wandb
 
     summary = {}
-    for key, value in ((record.get("memory") or {}).get("max") or {}).items():
+    for key, value in record.get("memory", "max", default={}).items():
         if value is not None:
             summary[f"memory/max_{key}"] = value
-    for key, value in (record.get("throughput") or {}).items():
+    for key, value in record.get("throughput", default={}).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             summary[f"perf/{key}"] = value
-    for key, value in (record.get("eval") or {}).items():
+    for key, value in record.get("eval", default={}).items():
         if isinstance(value, (int, float)):
             summary[f"eval/{key}"] = value
-    summary["status"] = record["summary"]["status"]
+    summary["status"] = record.get("summary", "status")
     run.summary.update(summary)
     artifact = wandb.Artifact(f"run-record-{run.id}", type="run-record",
-                              description=f"run.json, resolved recipe and launch configs of {record['run_name']}")
+                              description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}")
     for path in files:
         if path.is_file():
             artifact.add_file(str(path), name=path.name)

@@ -144,14 +144,14 @@ def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, re
         def on_train_begin(self, args, state, control, **kwargs):
             ev = live_evidence(trainer.model_wrapped)
             name, offload = strategy_from_evidence(ev)
-            declared = dict(record["strategy"]) if record is not None else {}
+            declared = dict(record.view.get("strategy", default={})) if record is not None else {}
             live = {"name": name, "offload": offload, "evidence": ev, "world_size": ev["world_size"],
                     "distributed_type": trainer.accelerator.distributed_type.value}
             if ev["zero_stage"] is not None:
                 live.update(zero_stage=ev["zero_stage"], offload_optimizer=ev["offload_optimizer_device"],
                             offload_params=ev["offload_param_device"])
             if record is not None:
-                record["strategy"] = {**declared, **live}
+                record.set("strategy", {**declared, **live})
                 record.write()
             check_expected(expected, live, recipe, expected_offload)
 

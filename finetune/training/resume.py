@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.telemetry.record import RecordView, load
 from finetune.training import checkpoints
 
 
@@ -56,21 +57,22 @@ def continue_record(rec, run_dir: Path, ckpt: Path) -> None:
     """Carry the earlier run.json into `rec` (a fresh RunRecord for this process)."""
     step = _checkpoint_step(ckpt)
     old_path = run_dir / "run.json"
-    old = json.loads(old_path.read_text(encoding="utf-8")) if old_path.is_file() else None
+    old = RecordView(load(old_path)) if old_path.is_file() else None
     entry = {"from": str(ckpt), "step": step, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "previous_status": None, "steps_discarded": 0}
     if old is not None:
-        kept = [s for s in old.get("steps", []) if s.get("step") is not None and s["step"] <= step]
-        entry["previous_status"] = (old.get("summary") or {}).get("status")
-        entry["steps_discarded"] = len(old.get("steps", [])) - len(kept)
-        rec["created"] = old.get("created", rec["created"])
-        rec["steps"] = kept
-        history = list((old.get("summary") or {}).get("resume_history") or [])
+        steps = old.get("steps", default=[])
+        kept = [s for s in steps if s.get("step") is not None and s["step"] <= step]
+        entry["previous_status"] = old.get("summary", "status")
+        entry["steps_discarded"] = len(steps) - len(kept)
+        rec.set("created", old.get("created", default=rec.view.get("created")))
+        rec.set("steps", kept)
+        history = list(old.get("summary", "resume_history", default=[]))
     else:
         history = []
     history.append(entry)
-    rec["summary"].update(resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history),
-                          resume_history=history, steps=step)
+    rec.update("summary", resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history),
+               resume_history=history, steps=step)
 
 
 def _checkpoint_step(ckpt: Path) -> int:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec and resume_ckpt:
         resume.continue_record(rec, run_dir, Path(resume_ckpt))
-        log.info("resuming from %s (step %d)", resume_ckpt, rec["summary"]["resumed_at_step"])
+        log.info("resuming from %s (step %d)", resume_ckpt, rec.view.get("summary", "resumed_at_step"))
     if rec:
         saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
         log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
@@ -84,15 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         return _train(cfg, state, run_dir, rec, resume_ckpt)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if rec:
-            rec["summary"].update(status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
+            rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             rec.write()
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
         if rec:
             interrupted = isinstance(e, KeyboardInterrupt)
-            rec["summary"]["status"] = "interrupted" if interrupted else "failed"
-            rec["summary"]["error"] = None if interrupted else f"{type(e).__name__}: {e}"
+            rec.update("summary", status="interrupted" if interrupted else "failed",
+                       error=None if interrupted else f"{type(e).__name__}: {e}")
             rec.write()
             wandb = sys.modules.get("wandb")
             if wandb is not None and wandb.run is not None:
@@ -167,35 +167,35 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
-                               mixed_precision=trainer.accelerator.mixed_precision)
+                                       mixed_precision=trainer.accelerator.mixed_precision)
     engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
     engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
-                        recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
+                       recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
 
     if rec:
-        rec["strategy"] = strategy_section
-        rec["batch"] = {"per_device": args.per_device_train_batch_size,
-                        "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
-                        "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None}
-        rec["lr"] = lr
-        rec["faults"] = {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
-                         "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
-                         "save_total_limit": save_total_limit}  # docs/faults.md
-        rec["data"] = vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]}
-        rec["parameters"] = {"trainable": trainable, "total": total}
+        rec.set("strategy", strategy_section)
+        rec.set("batch", {"per_device": args.per_device_train_batch_size,
+                          "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
+                          "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
+        rec.set("lr", lr)
+        rec.set("faults", {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
+                           "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
+                           "save_total_limit": save_total_limit})  # docs/faults.md
+        rec.set("data", vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]})
+        rec.set("parameters", {"trainable": trainable, "total": total})
         # memory prediction for the engaged strategy (finetune/planning/memory.py); its error is filled at the end
         from finetune.planning import memory
 
         memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
-                                      weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
-                                      train_dataset=bundle.train)
+                                 weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
+                                 train_dataset=bundle.train)
         rec.write()
         log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
                  "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
                  world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
                  lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length)
 
-    wandb_run = wandb_logging.start(rec.data, project=cfg.logging.wandb_project, run_dir=run_dir) \
+    wandb_run = wandb_logging.start(rec.view, project=cfg.logging.wandb_project, run_dir=run_dir) \
         if use_wandb and rec else None  # transformers' WandbCallback logs the steps into this run
     results = {}
     if heldout_rows is not None and cfg.eval.before:
@@ -218,25 +218,25 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         if state.is_main_process:
             tokenizer.save_pretrained(str(model_dir))
     if rec:
-        rec["summary"].update(train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
-                              total_trained_tokens=sum(measured["trained_tokens"]),
-                              total_input_tokens=sum(measured["input_tokens"]),
-                              train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
-                              status="completed", nonfinite_skipped=trainer.skipped_steps)
+        rec.update("summary", train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
+                   total_trained_tokens=sum(measured["trained_tokens"]),
+                   total_input_tokens=sum(measured["input_tokens"]),
+                   train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
+                   status="completed", nonfinite_skipped=trainer.skipped_steps)
         record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
                             world_size=world, warmup=cfg.training.throughput_warmup_steps)
         memory.record_error(rec)
         if results:
-            rec["eval"] = {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
-                           **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
-                           "details": results}
+            rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
+                             **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
+                             "details": results})
         rec.write()
         if wandb_run is not None:
-            wandb_logging.finish(wandb_run, rec.data, [rec.path, run_dir / "config.yaml",
+            wandb_logging.finish(wandb_run, rec.view, [rec.path, run_dir / "config.yaml",
                                                        *wandb_logging.launch_config_files()])
         from finetune.telemetry.summary import print_summary
 
-        print_summary(rec, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
+        print_summary(rec.view, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
     return 0
 
 
@@ -247,10 +247,9 @@ def _preempted(trainer, rec, run_dir: Path) -> int:
     p = trainer.resilience.preempted
     ckpt = trainer.resilience.last_complete
     if rec:
-        rec["summary"].update(status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
-                              error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} "
-                                    f"at step {p['step']}",
-                              nonfinite_skipped=trainer.skipped_steps)
+        rec.update("summary", status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
+                   error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
+                   nonfinite_skipped=trainer.skipped_steps)
         rec.write()
         print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
               f"complete checkpoint {ckpt}.\nresume with:\n  {resume.resume_command(run_dir)}\n"
@@ -275,19 +274,19 @@ def record_measurements(rec, measured: dict, *, model_config, method: str, world
     from finetune.telemetry import formulas
 
     steps = len(measured["step_s"])
-    rec["memory"] = measured["memory"]
+    rec.set("memory", measured["memory"])
     seq_len = sum(measured["input_tokens"]) / max(sum(measured["samples"]), 1)
     flops, convention = formulas.flops_per_token(model_config, method, seq_len)
-    hw = rec["hardware"]
+    hw = rec.view.get("hardware")
     peak = formulas.peak_flops(hw["device_name"]) if hw["device_type"] == "cuda" else None
     tp = formulas.throughput(measured["step_s"], measured["trained_tokens"], measured["input_tokens"],
                             measured["samples"], world_size=world_size, warmup=warmup, flops_token=flops,
                             peak=peak[1] if peak else None, devices=world_size)
     tp.update(flops_convention=convention, flops_per_token=flops, peak_device=peak[0] if peak else None,
               mfu_note=None if peak else f"no MFU: {hw['device_name']!r} is not in the peak-FLOPS table")
-    rec["throughput"] = tp
-    rec["batch"].update(input_tokens_per_step=round(sum(measured["input_tokens"]) / max(steps, 1), 1),
-                        trained_tokens_per_step=round(sum(measured["trained_tokens"]) / max(steps, 1), 1))
+    rec.set("throughput", tp)
+    rec.update("batch", input_tokens_per_step=round(sum(measured["input_tokens"]) / max(steps, 1), 1),
+               trained_tokens_per_step=round(sum(measured["trained_tokens"]) / max(steps, 1), 1))
 
 
 def _setup_logging(level: str, main_process: bool) -> None:

@@ -46,7 +46,7 @@ class _StepClock(TrainerCallback):
 class FinetuneTrainer(Trainer):
     def __init__(self, *args, record=None, flops_per_token=None, peak_flops=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record = record  # finetune.record.RunRecord on rank 0, None elsewhere
+        self.record = record  # finetune.telemetry.record.RunRecord on rank 0, None elsewhere
         # MFU at each log: model FLOPs per input token (a function of the mean sequence length)
         # and the device's peak dense FLOP/s; None when the device is not in the table.
         self.flops_per_token = flops_per_token
@@ -151,8 +151,8 @@ class FinetuneTrainer(Trainer):
                           "device_peak_allocated_gib": peaks.get("device_peak_allocated_gib")}
         super().log(logs, start_time)
         if self.record is not None and step_entry is not None:
-            self.record["steps"].append(step_entry)
-            self.record["summary"]["steps"] = self.state.global_step
+            self.record.add_step(step_entry)
+            self.record.update("summary", steps=self.state.global_step)
             self.record.write()
 
     # --- end of training -------------------------------------------------------------------
