@@ -185,7 +185,7 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                               data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
     trainer.train()
-    _, n_input, n_trained, _ = trainer._steps[0]
+    _, n_input, n_trained, _ = trainer.meter.steps[0]
     assert n_input == sum(len(e["input_ids"]) for e in examples)
     assert n_trained == sum(sum(1 for x in e["labels"] if x != -100) for e in examples)
 

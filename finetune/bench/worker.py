@@ -3,20 +3,20 @@
     python -m finetune.bench.worker SPEC.json RESULT.json
 
 SPEC names the side (`finetune` or `trl`), the method, the model directory, the data file and
-the settings both sides share. Both sides are measured by the same two hooks, which change
-nothing about the training: a callback timing each optimizer step (CUDA synchronised) and a
-wrapper around the side's own data collator that counts, per batch, trained tokens
-(labels != -100) and real input tokens (attention-mask ones; every position when a batch
-has no mask, i.e. padding-free rows) and rows. Step i trains on batch i (no gradient
-accumulation; the data loader fetches batches in order).
+the settings both sides share. Both sides are measured by the same meter
+(finetune/telemetry/meter.py) through two hooks, which change nothing about the training: a
+callback driving its step clock (CUDA synchronised) and memory tracker, and a wrapper around
+the side's own data collator that counts, per batch, trained tokens (labels != -100), real input
+tokens (the meter's rule: attention-mask ones, the count a packed batch states, every position
+of a padding-free batch) and rows. Step i trains on batch i (no gradient accumulation; the data
+loader fetches batches in order; it fetches ahead of the step clock, so counts are paired with
+steps by index). The figures come from finetune/telemetry/formulas.py.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -34,28 +34,24 @@ def run(spec: dict) -> dict:
     from transformers import TrainerCallback
 
     from finetune.data.collate import REAL_TOKENS_KEY
-    from finetune.telemetry import formulas, meter
+    from finetune.telemetry import formulas
+    from finetune.telemetry.meter import Meter, token_counts
 
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
     dataset = datasets.Dataset.from_list(rows)
-    memory = meter.MemoryTracker()
-    steps: list[float] = []
+    meter = Meter()  # this side's own: its clock and memory; the counts come from the collator below
     batches: list[tuple[int, int, int, int]] = []  # trained tokens, real input tokens, rows, positions
 
     class Clock(TrainerCallback):
-        t0 = 0.0
-
         def on_train_begin(self, *a, **k):
-            memory.reset()  # peaks from here on are training, not model loading
+            meter.memory.reset()  # peaks from here on are training, not model loading
 
         def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
+            meter.step_begin()
 
         def on_step_end(self, *a, **k):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            steps.append(time.perf_counter() - self.t0)
-            memory.sample()
+            meter.step_end()
+            meter.memory.sample()
 
     torch.manual_seed(spec["seed"])
     if spec["side"] == "trl":
@@ -68,43 +64,42 @@ def run(spec: dict) -> dict:
 
     def counting(features):
         batch = collator(features)
-        mask = batch.get("attention_mask")
-        real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
-        if REAL_TOKENS_KEY in batch:  # our packed rows state their real token count
-            real = int(batch[REAL_TOKENS_KEY])
+        n_input, n_trained = token_counts(batch["input_ids"], batch.get("attention_mask"), batch["labels"],
+                                          batch.get(REAL_TOKENS_KEY))
         # Positions computed = real tokens + padding (the batch's input_ids size).
-        batches.append((int((batch["labels"] != -100).sum()), real, len(features), int(batch["input_ids"].numel())))
+        batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel())))
         return batch
 
     trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
     trainer.train()
-    mem = memory.snapshot()
+    mem = meter.memory.snapshot()
+    steps = [s[0] for s in meter.steps]
     n = len(steps)
     trained, inputs, samples, positions = ([b[i] for b in batches[:n]] for i in range(4))
-    warm = spec["warmup_steps"] if n > spec["warmup_steps"] else 0
-    seconds = sum(steps[warm:])
+    r = formulas.rates(steps, trained, inputs, samples, warmup=spec["warmup_steps"])
+    warm = r["excluded"]
     model_config = trainer.model.config if not hasattr(trainer.model, "get_base_model") else \
         trainer.model.get_base_model().config
     seq_len = sum(inputs[warm:]) / max(sum(samples[warm:]), 1)
     flops, convention = formulas.flops_per_token(model_config, spec["method"], seq_len)
-    peak = formulas.peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
-    input_tps = sum(inputs[warm:]) / seconds if seconds > 0 else None
+    peak = formulas.device_peak()
+    input_tps = r["input_tokens_per_s"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
         "side": spec["side"], "method": spec["method"], "round": spec["round"],
         "steps": n, "warmup_steps_excluded": warm, "step_s": steps, "trained_tokens": trained,
         "input_tokens": inputs, "rows": samples, "positions": positions, "losses": losses,
         "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
-        "trained_tokens_per_s": sum(trained[warm:]) / seconds if seconds > 0 else None,
-        "input_tokens_per_s": input_tps, "median_step_s": statistics.median(steps[warm:]) if steps[warm:] else None,
-        "mfu": input_tps * flops / peak[1] if peak and input_tps else None,
+        "trained_tokens_per_s": r["trained_tokens_per_s"], "input_tokens_per_s": input_tps,
+        "median_step_s": r["median_step_s"],
+        "mfu": formulas.mfu(input_tps, flops, peak[1] if peak else None) if input_tps else None,
         "flops_per_token": flops, "flops_convention": convention, "peak_device": peak[0] if peak else None,
         "device_peak_allocated_gib": mem["device_peak_allocated_gib"], "host_peak_rss_gib": mem["host_peak_rss_gib"],
     }
 
 
 def _our_trainer(spec: dict, dataset, callbacks: list):
-    """This project's path: finetune.model loading, finetune.speed batching, FinetuneTrainer."""
+    """This project's path: finetune.modeling loading, finetune.data.collate batching, FinetuneTrainer."""
     import torch
     from transformers import TrainingArguments
 

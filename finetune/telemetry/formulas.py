@@ -1,9 +1,9 @@
-"""Measurements every run records: memory peaks, step times, throughput and MFU.
+"""The formulas of what runs measure, each once: model FLOPs per token, the peak-FLOPs table,
+MFU, throughput over steps, the maximum over ranks.
 
-Definitions are shared/DESIGN.md's: GiB = 2^30 bytes; memory peaks per rank then max over
-ranks, reset at the start of training so loading and training can be told apart; throughput
-over training steps only, the first `warmup` optimizer steps excluded and said so; MFU only
-for devices whose peak is in PEAK_DENSE_FLOPS, never a guess.
+Definitions are shared/DESIGN.md's: throughput over training steps only, the first `warmup`
+optimizer steps excluded and said so; MFU only for devices whose peak is in PEAK_DENSE_FLOPS,
+never a guess. The counters that feed them: finetune/telemetry/meter.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,22 @@ def peak_flops(device_name: str | None) -> tuple[str, float] | None:
         if device_name and re.search(pattern, device_name):
             return label, flops
     return None
+
+
+def device_peak() -> tuple[str, float] | None:
+    """peak_flops() of this process's CUDA device 0, or None (no CUDA, or off the table)."""
+    import torch
+
+    return peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+
+
+def mfu(input_tokens_per_s: float, flops_per_token: float | None, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilization: achieved model FLOP/s / (peak dense FLOP/s x devices). Model FLOPs
+    are spent on every input token (prompt positions too), so it takes input tokens/s. None
+    without a FLOPs figure or a device peak."""
+    if not flops_per_token or not peak:
+        return None
+    return input_tokens_per_s * flops_per_token / (peak * devices)
 
 
 def flops_per_token(config, method: str, seq_len: float) -> tuple[float, str]:
@@ -67,25 +83,34 @@ def max_over_ranks(per_rank: list[dict]) -> dict:
     return out
 
 
+def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *, warmup: int) -> dict:
+    """Unrounded per-second figures over per-optimizer-step times and counts. The first `warmup`
+    steps are excluded (kept when the run has no more steps than that, and then said so):
+    {excluded, steps, seconds, trained_tokens_per_s, input_tokens_per_s, samples_per_s, median_step_s},
+    the per-second ones None when the measured steps took no time."""
+    excluded = warmup if len(step_s) > warmup else 0
+    times = step_s[excluded:]
+    total = sum(times)
+    per_s = (lambda counts: sum(counts[excluded:]) / total) if total > 0 else (lambda counts: None)
+    return {"excluded": excluded, "steps": len(times), "seconds": total, "trained_tokens_per_s": per_s(trained),
+            "input_tokens_per_s": per_s(inputs), "samples_per_s": per_s(samples),
+            "median_step_s": statistics.median(times) if times else None}
+
+
 def throughput(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *,
                world_size: int, warmup: int, flops_token: float | None, peak: float | None,
                devices: int) -> dict:
     """The run record's `throughput` section from per-optimizer-step times and token counts
-    (token counts summed over ranks). The first `warmup` steps are excluded (kept when the
-    run has no more steps than that, and then said so)."""
-    excluded = warmup if len(step_s) > warmup else 0
-    times = step_s[excluded:]
-    total = sum(times)
-    if not times or total <= 0:
+    (token counts summed over ranks), rounded as recorded."""
+    r = rates(step_s, trained, inputs, samples, warmup=warmup)
+    if not r["steps"] or r["seconds"] <= 0:
         return {"trained_tokens_per_s": None, "trained_tokens_per_s_per_device": None, "input_tokens_per_s": None,
                 "samples_per_s": None, "median_step_s": None, "mfu": None, "flops_convention": None,
-                "warmup_steps_excluded": excluded, "steps_measured": 0}
-    tps = sum(trained[excluded:]) / total
-    input_tps = sum(inputs[excluded:]) / total
-    # Model FLOPs are spent on every input token (prompt positions too), so MFU uses input tokens/s.
-    mfu = (input_tps * flops_token) / (peak * devices) if flops_token and peak else None
+                "warmup_steps_excluded": r["excluded"], "steps_measured": 0}
+    tps = r["trained_tokens_per_s"]
+    value = mfu(r["input_tokens_per_s"], flops_token, peak, devices)
     return {"trained_tokens_per_s": round(tps, 3), "trained_tokens_per_s_per_device": round(tps / world_size, 3),
-            "input_tokens_per_s": round(input_tps, 3),
-            "samples_per_s": round(sum(samples[excluded:]) / total, 4),
-            "median_step_s": round(statistics.median(times), 4), "mfu": round(mfu, 4) if mfu is not None else None,
-            "warmup_steps_excluded": excluded, "steps_measured": len(times)}
+            "input_tokens_per_s": round(r["input_tokens_per_s"], 3),
+            "samples_per_s": round(r["samples_per_s"], 4),
+            "median_step_s": round(r["median_step_s"], 4), "mfu": round(value, 4) if value is not None else None,
+            "warmup_steps_excluded": r["excluded"], "steps_measured": r["steps"]}

@@ -107,7 +107,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     from finetune.launch import cpu_rehearsal
     from finetune.modeling import export, zero3
     from finetune.modeling import load as model_lib
-    from finetune.telemetry import wandb_logging
+    from finetune.telemetry import meter, wandb_logging
     from finetune.training import batch, engaged, evaluation
 
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     trainer = ResilientTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
         data_collator=collate.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
-        processing_class=tokenizer, record=rec, **_mfu_inputs(model.config, cfg.method.name),
+        processing_class=tokenizer, record=rec, **meter.mfu_inputs(model.config, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
@@ -223,8 +223,12 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
                    total_input_tokens=sum(measured["input_tokens"]),
                    train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
                    status="completed", nonfinite_skipped=trainer.skipped_steps)
-        record_measurements(rec, measured, model_config=model.config, method=cfg.method.name,
-                            world_size=world, warmup=cfg.training.throughput_warmup_steps)
+        figures = meter.run_figures(measured, hardware=rec.view.get("hardware"), model_config=model.config,
+                                    method=cfg.method.name, world_size=world,
+                                    warmup=cfg.training.throughput_warmup_steps)
+        rec.set("memory", figures["memory"])
+        rec.set("throughput", figures["throughput"])
+        rec.update("batch", **figures["batch"])
         memory.record_error(rec)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
@@ -255,38 +259,6 @@ def _preempted(trainer, rec, run_dir: Path) -> int:
               f"complete checkpoint {ckpt}.\nresume with:\n  {resume.resume_command(run_dir)}\n"
               f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
     return EXIT_PREEMPTED
-
-
-def _mfu_inputs(model_config, method: str) -> dict:
-    """What FinetuneTrainer needs for MFU at each log: FLOPs per token for a mean sequence length,
-    and the device's peak (None off the table, so no MFU is shown rather than a guess)."""
-    import torch
-
-    from finetune.telemetry import formulas
-
-    peak = formulas.peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
-    return {"flops_per_token": lambda seq_len: formulas.flops_per_token(model_config, method, seq_len)[0],
-            "peak_flops": peak[1] if peak else None}
-
-
-def record_measurements(rec, measured: dict, *, model_config, method: str, world_size: int, warmup: int) -> None:
-    """Fill run.json's memory, throughput and per-step token figures from the trainer's measurements."""
-    from finetune.telemetry import formulas
-
-    steps = len(measured["step_s"])
-    rec.set("memory", measured["memory"])
-    seq_len = sum(measured["input_tokens"]) / max(sum(measured["samples"]), 1)
-    flops, convention = formulas.flops_per_token(model_config, method, seq_len)
-    hw = rec.view.get("hardware")
-    peak = formulas.peak_flops(hw["device_name"]) if hw["device_type"] == "cuda" else None
-    tp = formulas.throughput(measured["step_s"], measured["trained_tokens"], measured["input_tokens"],
-                            measured["samples"], world_size=world_size, warmup=warmup, flops_token=flops,
-                            peak=peak[1] if peak else None, devices=world_size)
-    tp.update(flops_convention=convention, flops_per_token=flops, peak_device=peak[0] if peak else None,
-              mfu_note=None if peak else f"no MFU: {hw['device_name']!r} is not in the peak-FLOPS table")
-    rec.set("throughput", tp)
-    rec.update("batch", input_tokens_per_step=round(sum(measured["input_tokens"]) / max(steps, 1), 1),
-               trained_tokens_per_step=round(sum(measured["trained_tokens"]) / max(steps, 1), 1))
 
 
 def _setup_logging(level: str, main_process: bool) -> None:
