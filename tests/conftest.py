@@ -19,6 +19,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = REPO / "finetune" / "train.py"
+# Fixtures that start training processes: a test using one is an integration test, like those
+# marked by hand (`python -m pytest -m "not integration"` is the fast unit set).
+LAUNCHING_FIXTURES = {"launch", "runs", "sweep"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

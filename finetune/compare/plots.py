@@ -13,7 +13,7 @@ from pathlib import Path
 from finetune.compare.table import Table, loss_curve
 
 DPI = 110
-LOSS_RTOL = 1e-5  # fp32 reduction-order differences between backends stay below this (tests/test_strategies.py)
+LOSS_RTOL = 1e-5  # fp32 reduction-order differences between backends stay below this (tests/training/test_strategies.py)
 
 
 def _pyplot():
@@ -56,7 +56,7 @@ def loss_figure(table: Table):
             continue
         # Numerically equivalent strategies (same data, seed and batch) give the same curve; overlaid,
         # only the last would show. One line per distinct curve, its label naming every run on it.
-        # Same = equal to LOSS_RTOL, the cross-strategy equivalence tolerance of tests/test_strategies.py.
+        # Same = equal to LOSS_RTOL, the cross-strategy equivalence tolerance of tests/training/test_strategies.py.
         same = next((g for g in groups if g[0] == xs and all(math.isclose(a, b, rel_tol=LOSS_RTOL)
                                                              for a, b in zip(g[1], ys))), None)
         if same and len(same[1]) == len(ys):

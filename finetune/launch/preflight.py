@@ -291,8 +291,8 @@ def dataset(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
 
 
 def run_directory(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
-    """An existing, non-empty run directory is never replaced without --overwrite (finetune/training/rundir.py)."""
-    from finetune.training import rundir
+    """An existing, non-empty run directory is never replaced without --overwrite (finetune/launch/rundir.py)."""
+    from finetune.launch import rundir
 
     if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
         return []  # a default name is new (it carries the time)

@@ -115,7 +115,7 @@ def activation_bytes(shape: Shape, w: Workload) -> dict:
     # Two RMSNorms keep input, normalized and weighted output (3h each) + the fp32-sized rsqrt (1);
     # attention keeps rotated q and k, v and the SDPA output (2q + 2kv); the gated MLP keeps
     # gate, up, act(gate) and their product (4i). Seen with torch.autograd.graph.saved_tensors_hooks
-    # on transformers' LlamaDecoderLayer (tests/test_plan.py checks it).
+    # on transformers' LlamaDecoderLayer (tests/planning/test_plan.py checks it).
     per_layer = a * s * b * (6 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate + 2)
     per_layer += 4 * b * shape.heads * s  # SDPA's fp32 log-sum-exp per query and head
     if w.attn_implementation == "eager":

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     from finetune.data import demo
-    from finetune.launch import cpu_rehearsal, preflight
+    from finetune.launch import cpu_rehearsal, preflight, rundir
     from finetune.launch.ranks import run_on_main
     from finetune.telemetry import record
-    from finetune.training import resume, rundir
+    from finetune.training import resume
 
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.

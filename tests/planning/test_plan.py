@@ -201,7 +201,7 @@ def test_plan_cli_text_on_a_model_dir_and_clear_errors(tiny_model_dir, tmp_path,
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_bench_comm_two_cpu_processes(tmp_path):
     out = tmp_path / "comm.json"
     proc = subprocess.run([sys.executable, "-m", "finetune.cli", "bench-comm", "--cpu", "--num_processes", "2",
@@ -234,7 +234,7 @@ def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
         bench_comm.launch_args([], cpu=True, num_processes=1)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_model_dir):
     run = launch_train(["--recipe", "demo", f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=16",
                         "--eval.exact_match=false", "--training.max_steps=2", "--training.logging_steps=1",

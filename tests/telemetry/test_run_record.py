@@ -11,8 +11,8 @@ import pytest
 
 from tests.conftest import make_tiny_model_dir
 
-pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 TRAIN_ROWS = 48  # divisible by every effective batch below: one epoch sees each row exactly once
 

@@ -11,7 +11,7 @@ from finetune.errors import ConfigError, UserError
 from finetune.launch import cpu_rehearsal
 from finetune.launch.accelerate import launch_command, launch_environment
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 
 
 def test_recipe_config_is_used_and_deepspeed_json_made_absolute(monkeypatch):

@@ -23,12 +23,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.conftest import REPO, launch_train
+
+pytestmark = pytest.mark.integration
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 STEPS = 5
@@ -291,108 +291,7 @@ def test_fsdp_without_cpu_opt_in_is_refused_not_downgraded(tmp_path, tiny_model_
     assert "FINETUNE_CPU_DISTRIBUTED=1" in run.stderr and "would train alone" in run.stderr, run.explain()
 
 
-# --- the shipped files ----------------------------------------------------------------------
-
-CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
-DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
-STRATEGY_RECIPES = ["ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_offload",
-                    "qlora_baseline"]
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
-def test_accelerate_config_loads_and_opens_with_its_launch_line(path):
-    from accelerate.commands.config.config_args import load_config_from_file
-
-    cfg = load_config_from_file(str(path))
-    text = path.read_text()
-    assert text.startswith("#") and "accelerate launch --config_file" in text.split("compute_environment")[0]
-    assert cfg.num_processes == (4 if cfg.num_machines == 2 else 1 if path.name == "single_gpu.yaml" else 2)
-    ds_file = (cfg.deepspeed_config or {}).get("deepspeed_config_file")
-    if ds_file:
-        assert (REPO / ds_file).is_file(), ds_file
-        assert ("offload" in path.name) == ("offload" in ds_file)
-    if cfg.fsdp_config:
-        assert cfg.fsdp_config["fsdp_version"] == 2
-        assert cfg.fsdp_config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
-        assert cfg.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-        assert cfg.fsdp_config["fsdp_offload_params"] == ("offload" in path.name)
-
-
-@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
-def test_deepspeed_config_offloads_only_when_named_so(path):
-    cfg = json.loads(path.read_text())
-    zero = cfg["zero_optimization"]
-    offloads = [k for k in ("offload_optimizer", "offload_param") if k in zero]
-    assert bool(offloads) == ("offload" in path.name), (path.name, offloads)
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
-        assert cfg[key] == "auto", key  # Trainer fills them; a literal would silently disagree with it
-    assert cfg["bf16"]["enabled"] == "auto" and cfg["fp16"]["enabled"] == "auto"
-    if zero["stage"] == 3:
-        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
-
-
-@pytest.mark.parametrize("name", STRATEGY_RECIPES)
-def test_strategy_recipe_names_its_configs_and_launch_line(name):
-    from finetune.config.recipe import load_recipe
-
-    cfg, _ = load_recipe(name, [])
-    text = (REPO / "recipes" / f"{name}.yaml").read_text()
-    header = text.split("\nmodel:")[0]
-    assert cfg.run.accelerate_config and (REPO / cfg.run.accelerate_config).is_file()
-    assert f"--config_file {cfg.run.accelerate_config} finetune/train.py --recipe {name}" in header
-    assert cfg.method.lora_dropout == 0.0 and cfg.model.name_or_path == "bundled:SmolLM2-135M-Instruct"
-    acc = yaml.safe_load((REPO / cfg.run.accelerate_config).read_text())
-    want = {"single": "NO", "ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "fsdp": "FSDP"}
-    assert acc["distributed_type"] == want[cfg.run.strategy]
-    assert ("offload" in cfg.run.accelerate_config) == (cfg.run.offload not in ("none", "any"))
-    if cfg.run.strategy != "single":
-        assert f"accelerate_configs/cpu/{Path(cfg.run.accelerate_config).name}" in header
-
-
-# --- the decision from evidence (no launch) -------------------------------------------------
-
-
-def _evidence(**kw) -> dict:
-    base = {"engine_class": "PeftModelForCausalLM", "zero_stage": None, "offload_optimizer_device": None,
-            "offload_param_device": None, "fsdp_modules": 0, "dtensor_params": 0, "params": 48,
-            "fsdp_offload_policy": None, "world_size": 2}
-    return {**base, **kw}
-
-
-@pytest.mark.parametrize("evidence, expected", [
-    (_evidence(engine_class="DistributedDataParallel"), ("ddp", "none")),
-    (_evidence(engine_class="DeepSpeedEngine", zero_stage=3, offload_optimizer_device="cpu",
-               offload_param_device="cpu", optimizer_offloaded=True, params_offloaded=True), ("zero3", "optimizer+params")),
-    # the config says offload but the optimizer did not take it: the optimizer's flag wins
-    (_evidence(engine_class="DeepSpeedEngine", zero_stage=2, offload_optimizer_device="cpu",
-               optimizer_offloaded=False), ("zero2", "none")),
-    (_evidence(engine_class="FSDPPeftModelForCausalLM", fsdp_modules=3, dtensor_params=48,
-               fsdp_offload_policy="CPUOffloadPolicy"), ("fsdp", "optimizer+params")),
-    # an FSDP launch Accelerate turned into DDP: no FSDP modules, no DTensors
-    (_evidence(engine_class="DistributedDataParallel", fsdp_modules=0), ("ddp", "none")),
-    (_evidence(world_size=1), ("single", "none")),
-    (_evidence(world_size=2), ("PeftModelForCausalLM", "none")),  # two ranks, nothing wrapping: not a strategy
-])
-def test_strategy_is_decided_by_the_live_evidence(evidence, expected):
-    from finetune.training.engaged import strategy_from_evidence
-
-    assert strategy_from_evidence(evidence) == expected
-
-
-def test_offload_mismatch_is_refused_with_the_launch_line():
-    from finetune.errors import UserError
-    from finetune.training.engaged import check_expected
-
-    engaged = {"name": "zero3", "offload": "none", "distributed_type": "DEEPSPEED", "world_size": 2,
-               "evidence": {"engine_class": "DeepSpeedEngine"}}
-    check_expected("zero3", engaged, "zero3", "none")
-    check_expected("any", engaged, "custom", "any")
-    with pytest.raises(UserError) as err:
-        check_expected("zero3", engaged, "zero3_offload", "optimizer+params")
-    msg = str(err.value)
-    assert "offload 'optimizer+params'" in msg and "Nothing was trained" in msg
-    assert "--config_file accelerate_configs/zero3_offload.yaml finetune/train.py --recipe zero3_offload" in msg
-    assert "FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/zero3_offload.yaml" in msg
+# The shipped files: tests/test_shipped_files.py; the decision from evidence: tests/training/test_engaged.py.
 
 
 # --- resume (docs/faults.md) ----------------------------------------------------------------

@@ -9,9 +9,8 @@ import pytest
 from finetune.telemetry import wandb_logging
 from tests.wandb_records import read_records, summarize
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.integration
 def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_model_dir, launch):
     env = {"HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no ~/.netrc, no API key: must go offline by itself
     run_dir = tmp_path / "runs" / "wb"

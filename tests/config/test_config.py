@@ -15,7 +15,7 @@ from finetune.config.sections import TRAINING_DEFAULTS, Config
 from finetune.config.validate import build_config
 from finetune.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 
 
 def write_recipe(tmp_path: Path, values: dict | str, name: str = "r.yaml") -> Path:

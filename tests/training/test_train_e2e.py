@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def tiny_args(model_dir: Path, *extra: str) -> list[str]:
@@ -116,7 +116,7 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
 
 def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
     """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
-    is past the first 100, which preflight checks before launching (tests/test_preflight.py), so
+    is past the first 100, which preflight checks before launching (tests/launch/test_preflight.py), so
     it is found by the launched process while reading the data."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n' * 120 + '{"instruction": "c"}\n')

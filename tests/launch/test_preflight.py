@@ -20,7 +20,7 @@ from finetune.errors import ConfigError
 from finetune.launch import accelerate as launcher
 from finetune.launch import cpu_rehearsal, preflight
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the repository root
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,10 @@
-"""The bad-input table (tests/bad_inputs_table.py, docs/bad_inputs.md): each broken input gives
+"""The bad-input table (tests/cli/bad_inputs_table.py, docs/bad_inputs.md): each broken input gives
 exit 2, a message naming what and where, no traceback, and leaves every file the user had as it was.
 
 Most cases run `finetune train` / finetune/train.py main() in this process (no launch, no weights);
 one runs the real `finetune train` command in a subprocess to prove the exit code and the absence of
 a traceback end to end. An error from inside the launched process (past preflight) through the real
-command: tests/test_train_e2e.py::test_bad_data_row_fails_the_run_with_file_and_row_in_the_record.
+command: tests/training/test_train_e2e.py::test_bad_data_row_fails_the_run_with_file_and_row_in_the_record.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.bad_inputs_table import CASES, REPO, make_workspace, run_case
+from tests.cli.bad_inputs_table import CASES, REPO, make_workspace, run_case
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.what for c in CASES])

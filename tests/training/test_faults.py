@@ -1,6 +1,6 @@
 """Faults during training (docs/faults.md): torn checkpoints, a rank that dies, non-finite losses.
 
-Resume equality under every strategy and SIGTERM preemption are in tests/test_strategies.py
+Resume equality under every strategy and SIGTERM preemption are in tests/training/test_strategies.py
 (they compare against that module's uninterrupted runs). The launches here go through
 `finetune train` (finetune/cli/dispatch.py), the command users run, so the exit codes are the ones a
 scheduler sees. Fault injection: finetune/training/faults.py.
@@ -122,6 +122,7 @@ def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
 # --- launched runs -------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     """Rank 1 SIGKILLs itself at step 2: the job ends (well inside the harness timeout) non-zero,
     the failed rank named by the launcher; the surviving rank's record says failed."""
@@ -143,6 +144,7 @@ def _adapter(ckpt: Path) -> dict:
     return load_file(str(ckpt / "adapter_model.safetensors"))
 
 
+@pytest.mark.integration
 def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, tiny_model_dir):
     """DDP, a checkpoint every step, on_nonfinite=skip with a limit of 1: rank 1's NaN loss at step 2
     is skipped on both ranks (the step-2 weights equal the step-1 weights), step 3 trains, rank 0's
@@ -168,6 +170,7 @@ def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, t
     assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
 
 
+@pytest.mark.integration
 def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, tiny_model_dir):
     """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
     it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""

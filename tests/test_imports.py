@@ -1,0 +1,165 @@
+"""The package's shape, read from its source (every import statement, the ones inside functions
+too): no import cycle, dependencies pointing one way between the subpackages, no private name used
+across modules, no module over 400 lines. Each check is shown to fail on a crafted case."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+MAX_LINES = 400
+# Who may import whom: a module may import from its own subpackage and from any lower layer.
+# The CLI wires everything; nothing imports it (or the launch script finetune/train.py).
+LAYERS = [
+    {"finetune.errors"},
+    {"finetune.units", "finetune.strategies", "finetune.resources"},
+    {"finetune.config"},
+    {"finetune.data", "finetune.modeling"},
+    {"finetune.launch", "finetune.telemetry", "finetune.planning"},
+    {"finetune.training"},
+    {"finetune.compare", "finetune.bench"},
+    {"finetune.cli"},
+]
+
+
+def module_files(root: Path = REPO / "finetune") -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(path: Path, name: str, known: set[str]) -> dict[str, list[str]]:
+    """finetune module imported -> names taken from it (attributes used through an alias included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: dict[str, list[str]] = {}
+    aliases: dict[str, str] = {}  # local name -> finetune module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base != "finetune" and not base.startswith("finetune."):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:  # `from finetune.x import module`
+                    out.setdefault(sub, [])
+                    aliases[alias.asname or alias.name] = sub
+                else:
+                    out.setdefault(base, []).append(alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("finetune."):
+                    out.setdefault(alias.name, [])
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            out[aliases[node.value.id]].append(node.attr)
+    return out
+
+
+def graph() -> dict[str, dict[str, list[str]]]:
+    files = module_files()
+    return {name: imports(path, name, set(files)) for name, path in files.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), and self-imports."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_of(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if any(module == top or module.startswith(top + ".") for top in layer):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_imports.py LAYERS")
+
+
+def subpackage(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layering_problems(g: dict[str, dict[str, list[str]]]) -> list[str]:
+    problems = []
+    for src, targets in g.items():
+        if src == "finetune.train":
+            continue  # the launch script: it only calls finetune.training.run
+        for dst in targets:
+            if dst == "finetune.train":
+                problems.append(f"{src} imports the launch script finetune.train")
+            elif dst != "finetune" and subpackage(dst) != subpackage(src) and layer_of(dst) >= layer_of(src):
+                problems.append(f"{src} imports {dst}, which is not below it")
+    return problems
+
+
+def private_uses(g: dict[str, dict[str, list[str]]]) -> list[str]:
+    return [f"{src} uses {dst}.{n}" for src, targets in g.items() for dst, names in targets.items()
+            for n in names if n.startswith("_") and not n.startswith("__")]
+
+
+def test_no_import_cycle():
+    edges = {src: set(targets) - {"finetune"} for src, targets in graph().items()}
+    assert cycles(edges) == []
+    # control: the cycle this project had (preflight <-> strategy, through check_world_size)
+    edges["finetune.launch.preflight"].add("finetune.training.engaged")
+    edges["finetune.training.engaged"].add("finetune.launch.preflight")
+    assert ["finetune.launch.preflight", "finetune.training.engaged"] in cycles(edges)
+
+
+def test_dependencies_point_one_way():
+    g = graph()
+    assert layering_problems(g) == []
+    g["finetune.launch.preflight"]["finetune.cli.dispatch"] = []  # control: an edge back toward the CLI
+    assert layering_problems(g) == ["finetune.launch.preflight imports finetune.cli.dispatch, which is not below it"]
+
+
+def test_no_private_name_used_across_modules():
+    g = graph()
+    assert private_uses(g) == []
+    tests = {name: imports(path, name, set(module_files()))
+             for name, path in module_files(REPO / "tests").items()}
+    assert private_uses(tests) == []
+    g["finetune.bench.worker"]["finetune.data.pack"] = ["_empty_packed_row"]  # control
+    assert private_uses(g) == ["finetune.bench.worker uses finetune.data.pack._empty_packed_row"]
+
+
+@pytest.mark.parametrize("name, path", sorted(module_files().items()), ids=lambda v: v if isinstance(v, str) else "")
+def test_module_is_small(name, path):
+    assert len(path.read_text(encoding="utf-8").splitlines()) <= MAX_LINES, f"{name} is over {MAX_LINES} lines"
