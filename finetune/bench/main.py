@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune import resources
 from finetune.errors import UserError
 
 # Real architectures' configurations (Qwen2.5 config.json on the Hub), random weights here.
@@ -187,7 +188,7 @@ def _run_side(spec: dict, out: Path, timeout: float) -> dict:
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(spec, indent=1))
     result_file.unlink(missing_ok=True)
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(resources.PACKAGE_DIR.parent)  # the folder holding this finetune: the worker imports the same copy
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "finetune.bench.worker", str(spec_file), str(result_file)]

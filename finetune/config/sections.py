@@ -156,7 +156,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     "seed": 42,
     "dataloader_num_workers": 0,
     # Collective timeout in seconds (Trainer's default, given to the process group at start,
-    # finetune/train.py): a stalled rank ends the run after this long instead of hanging it.
+    # finetune/training/run.py): a stalled rank ends the run after this long instead of hanging it.
     "ddp_timeout": 1800,
     "disable_tqdm": False,
 }

@@ -111,7 +111,7 @@ def report_failed_ranks(failures: dict) -> int:
     ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
     for i, (rank, f) in enumerate(ordered):
         how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}" + \
-            (" (preempted)" if f.exitcode == 75 else "")
+            (" (preempted)" if f.exitcode == EXIT_PREEMPTED else "")
         first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
         print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
               file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Preflight: every mistake that can be seen in the configs, found before any weights load.
 
-    check_before_loading(cfg, state)   # finetune/train.py, right after PartialState
+    check_before_loading(cfg, state)   # finetune/training/run.py, right after PartialState
     check_launch(launch_args)          # `finetune train`, before `accelerate launch` starts anything
 
 Each check returns problems (strings naming what, where and the fix) instead of raising, and
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
 from finetune.launch.facts import LaunchFacts
-from finetune.strategies import ACCELERATOR_TYPES, launch_line
+from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
@@ -95,7 +95,7 @@ def world_size_problem(state) -> str | None:
     return (f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
             f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
             f"machine without a GPU use a CPU config and opt in to gloo, e.g.\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/ddp.yaml "
+            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
             f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see finetune/launch/cpu_rehearsal.py)")
 
 

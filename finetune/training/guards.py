@@ -2,12 +2,12 @@
 
 What happens in each case (docs/faults.md has the user-facing table):
 
-* SIGTERM or SIGINT on any rank: the handler only records the signal (it never raises, so a
-  second signal cannot interrupt a checkpoint being written; it is logged and ignored). At
-  the end of each optimizer step every rank all-gathers its flag; if any rank was signalled,
-  all of them ask Trainer to save and stop at this step boundary, rank 0 marks the checkpoint
-  complete, and train.py records status `interrupted`, prints the resume command and exits
-  with EXIT_PREEMPTED (75). Trainer's own SIGTERM support (TrainingArguments
+* SIGTERM or SIGINT on any rank: the handler only records the signal (finetune/training/signals.py:
+  it never raises, so a second signal cannot interrupt a checkpoint being written; it is logged
+  and ignored). At the end of each optimizer step every rank all-gathers its flag; if any rank
+  was signalled, all of them ask Trainer to save and stop at this step boundary, rank 0 marks the
+  checkpoint complete, and the run (finetune/training/run.py) records status `interrupted`,
+  prints the resume command and exits with EXIT_PREEMPTED (75). Trainer's own SIGTERM support (TrainingArguments
   enable_jit_checkpoint, transformers 5.23 trainer_jit_checkpoint.py) stops the loop and lets
   the script end normally, exit 0, which a scheduler reads as "finished"; and it only listens
   on the rank that got the signal. Not used here.
@@ -105,7 +105,7 @@ class ResilientTrainer(FinetuneTrainer):
         super().__init__(*args, **kwargs)
         self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
         self.add_callback(self.resilience)
-        install_signal_handlers()  # normally done by train.py at start; idempotent
+        install_signal_handlers()  # normally done by finetune/training/run.py at start; idempotent
         self.on_nonfinite = on_nonfinite
         self.max_nonfinite_skips = max_nonfinite_skips
         self.skipped_steps: list[dict] = []
