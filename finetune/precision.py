@@ -60,6 +60,15 @@ class Policy:
         """The dtype from_pretrained loads the checkpoint in, for `full`, `lora` or `qlora`."""
         return self.full_load_dtype if method == "full" else self.frozen_dtype
 
+    def module_dtype(self, method: str, family: str) -> str:
+        """The dtype the wrapped module holds the weights in: LoRA/QLoRA's frozen base; for full
+        fine-tuning DeepSpeed's module in the compute dtype (its master lives in the optimizer),
+        else the trainable parameters themselves, the master (finetune/modeling/load.py upcasts them)."""
+        _check_family(family)
+        if method != "full":
+            return self.frozen_dtype
+        return self.compute_dtype if family == "deepspeed" else self.master_dtype
+
     def training_args(self, family: str) -> dict:
         """TrainingArguments bf16 / fp16. The policy owns them (training.bf16/fp16 are refused).
         Under DeepSpeed they fill the JSON's "auto" bf16/fp16.enabled
@@ -234,3 +243,42 @@ def frozen_bytes(policy: Policy | str) -> int:
     prepare_model_for_kbit_training casts the unquantized ones to fp32 (the planner's own rule)."""
     p = get(policy) if isinstance(policy, str) else policy
     return DTYPE_BYTES[p.frozen_dtype]
+
+
+# --- configuration that must agree with the policy ---------------------------------------------
+
+
+def config_problems(policy: Policy, *, model_dtype: str, method: str, compute_dtype: str = "auto",
+                    requested: str | None = None) -> list[str]:
+    """model.dtype and QLoRA's method.compute_dtype against the policy: "auto" or the policy's own
+    dtype. `requested` ("auto") says in the message that the policy came from auto."""
+    how = f"training.precision {policy_label(policy, requested)}"
+    problems = []
+    want = policy.load_dtype(method)
+    if model_dtype not in ("auto", want):
+        problems.append(f"model.dtype: {model_dtype!r} contradicts {how}, which loads {method} fine-tuning in "
+                        f"{want}; set model.dtype: auto (or {want}), or choose the policy that loads "
+                        f"{model_dtype} (docs/precision.md)")
+    if method == "qlora" and compute_dtype not in ("auto", policy.compute_dtype):
+        problems.append(f"method.compute_dtype: {compute_dtype!r} contradicts {how}, which computes in "
+                        f"{policy.compute_dtype}; set method.compute_dtype: auto (or {policy.compute_dtype})")
+    return problems
+
+
+def policy_label(policy: Policy, requested: str | None) -> str:
+    """'bf16-mixed' or 'auto (bf16-mixed on this machine)' for messages."""
+    return f"auto ({policy.name} on this machine)" if requested == "auto" else policy.name
+
+
+def mismatches(policy: Policy, family: str, live: dict) -> list[str]:
+    """What the live objects (run.json `precision` fields) show against the policy; [] when they
+    agree. An optimizer_state_dtype of None (an optimizer whose state dtype is not known before
+    step 1) and a reduce_dtype of None (one process: nothing is reduced) are not compared."""
+    problems = [f"{key}: the policy needs {want}, the live run has {live.get(key)}"
+                for key, want in policy.expected_live(family).items()
+                if live.get(key) != want and not (key == "optimizer_state_dtype" and live.get(key) is None)]
+    reduce = live.get("reduce_dtype")
+    if reduce is not None and reduce not in policy.allowed_reduce_dtypes(family):
+        problems.append(f"reduce_dtype: the policy reduces gradients in {' or '.join(policy.allowed_reduce_dtypes(family))}"
+                        f" under {family}, the live run in {reduce}")
+    return problems

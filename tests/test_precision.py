@@ -101,3 +101,59 @@ def test_expected_live_and_reduce_dtypes():
     assert precision.get("bf16-mixed").allowed_reduce_dtypes("deepspeed") == ("bfloat16", "float32")
     assert precision.get("bf16-mixed").allowed_reduce_dtypes("torch") == ("float32",)
     assert precision.get("32-true").allowed_reduce_dtypes("deepspeed") == ("float32",)
+
+
+LIVE_MIXED = {"param_dtype": "float32", "compute_dtype": "bfloat16", "optimizer_state_dtype": "float32",
+              "master_weights": True, "reduce_dtype": "float32"}
+
+
+def test_mismatches_name_each_field_that_differs():
+    mixed = precision.get("bf16-mixed")
+    assert precision.mismatches(mixed, "fsdp2", LIVE_MIXED) == []
+    assert precision.mismatches(mixed, "deepspeed", {**LIVE_MIXED, "reduce_dtype": "bfloat16"}) == []
+    # what the GPU runs had under single/FSDP2: bf16 parameters and states, no master
+    pure_bf16 = {**LIVE_MIXED, "param_dtype": "bfloat16", "optimizer_state_dtype": "bfloat16", "master_weights": False}
+    assert precision.mismatches(mixed, "torch", pure_bf16) == [
+        "param_dtype: the policy needs float32, the live run has bfloat16",
+        "optimizer_state_dtype: the policy needs float32, the live run has bfloat16",
+        "master_weights: the policy needs True, the live run has False"]
+    # Accelerate's default FSDP2 policy reduces in bf16
+    assert precision.mismatches(mixed, "fsdp2", {**LIVE_MIXED, "reduce_dtype": "bfloat16"}) == [
+        "reduce_dtype: the policy reduces gradients in float32 under fsdp2, the live run in bfloat16"]
+    # an optimizer whose state dtype is unknown before step 1, and one process (nothing reduced): not compared
+    assert precision.mismatches(mixed, "torch", {**LIVE_MIXED, "optimizer_state_dtype": None,
+                                                 "reduce_dtype": None}) == []
+    assert precision.mismatches(precision.get("32-true"), "torch", LIVE_MIXED) == [
+        "compute_dtype: the policy needs float32, the live run has bfloat16",
+        "master_weights: the policy needs False, the live run has True"]
+
+
+def test_config_problems_name_both_keys_and_the_fix():
+    mixed = precision.get("bf16-mixed")
+    assert precision.config_problems(mixed, model_dtype="auto", method="full") == []
+    assert precision.config_problems(mixed, model_dtype="bfloat16", method="lora") == []
+    (msg,) = precision.config_problems(mixed, model_dtype="float32", method="full")
+    assert msg.startswith("model.dtype: 'float32' contradicts training.precision bf16-mixed, which loads full")
+    assert "model.dtype: auto (or bfloat16)" in msg
+    (msg,) = precision.config_problems(precision.get("32-true"), model_dtype="auto", method="qlora",
+                                       compute_dtype="bfloat16", requested="auto")
+    assert msg.startswith("method.compute_dtype: 'bfloat16' contradicts training.precision auto (32-true on this")
+    assert precision.config_problems(mixed, model_dtype="auto", method="lora", compute_dtype="bfloat16") == []
+
+
+def test_precision_flags_of_training_arguments_are_refused_with_the_policy_to_use():
+    from finetune.config.validate import build_config
+    from finetune.errors import ConfigError
+
+    for key, value, suggested in (("bf16", True, "bf16-mixed"), ("fp16", True, "16-mixed"),
+                                  ("bf16", False, "32-true"), ("bf16_full_eval", True, "bf16-mixed")):
+        with pytest.raises(ConfigError) as e:
+            build_config({"training": {key: value}})
+        (msg,) = e.value.problems
+        assert msg.startswith(f"training.{key}: set by training.precision") and f"--training.precision={suggested}" in msg
+    assert build_config({"training": {"precision": "bf16-true"}}).training.precision == "bf16-true"
+    assert build_config({}).training.precision == "auto"
+    with pytest.raises(ConfigError, match=r"training.precision: got 'bf16'; allowed: auto, bf16-mixed"):
+        build_config({"training": {"precision": "bf16"}})
+    with pytest.raises(ConfigError, match=r"model.dtype: 'float32' contradicts training.precision bf16-true"):
+        build_config({"training": {"precision": "bf16-true"}, "model": {"dtype": "float32"}})
