@@ -242,8 +242,9 @@ def assumptions(w: Workload, *, on_gpu: bool) -> dict:
                      + f"{int(TEMPORARY_FRACTION * 100)}% temporaries on the computing device"
                      + ("" if on_gpu else " (the host)") + f"; {PROCESS_BASELINE_GIB} GiB Python+torch process baseline",
         "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
-        "precision": (f"{w.precision}: weights held in {w.weight_bytes} bytes/param; the model states follow the "
-                      f"arithmetic above, not yet the policy's table (finetune/precision.py trainable_bytes)")
+        "precision": (f"{w.precision}: weights counted at {w.weight_bytes} bytes/param and torch-native AdamW "
+                      f"states in that dtype with no master copy; the policy's own bytes per parameter "
+                      f"(finetune/precision.py trainable_bytes) are not used yet")
         if w.precision else "not given",
     }
 
