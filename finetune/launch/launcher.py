@@ -72,17 +72,19 @@ def launch_args(argv: list[str]) -> list[str] | None:
 
 
 def from_parent_argv(argv: list[str], cwd: str, *, script: str, main_module: str | None,
-                     default_config: str | None) -> Launcher:
+                     default_config: str | None, env=os.environ) -> Launcher:
     """The launcher from its command line (pure: tests give it made-up ones). `script` is this
     process's sys.argv[0], `main_module` its `python -m` module name (or None); `default_config`
-    the accelerate default config file if it exists."""
+    the accelerate default config file if it exists. Kind `python`: no launcher at all (`python
+    finetune/train.py` from a shell or a program; no rank variables)."""
     rest = launch_args(argv)
     if rest is None:
+        parent = os.path.basename(argv[0]) if argv else "an unnamed process"
         if any(os.path.basename(a) == "torchrun" or a == "torch.distributed.run" for a in argv):
             return Launcher("torchrun")
-        if argv and os.path.basename(argv[0]).startswith("python"):
-            return Launcher("python")
-        return Launcher("unknown", note=f"started by {os.path.basename(argv[0]) if argv else 'an unnamed process'}")
+        if "LOCAL_RANK" in env or "WORLD_SIZE" in env:  # a launcher we do not know (deepspeed, a wrapper...)
+            return Launcher("unknown", note=f"started by {parent} with rank variables set")
+        return Launcher("python", note=f"no launcher, started by {parent}")
     from accelerate.commands.launch import launch_command_parser
 
     try:
@@ -119,7 +121,8 @@ def detect(env=os.environ) -> Launcher:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     return from_parent_argv(argv, cwd, script=sys.argv[0], main_module=getattr(spec, "name", None),
-                            default_config=default_config_file if os.path.isfile(default_config_file) else None)
+                            default_config=default_config_file if os.path.isfile(default_config_file) else None,
+                            env=env)
 
 
 def _real(path: str, cwd: str) -> str:

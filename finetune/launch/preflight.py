@@ -128,16 +128,17 @@ def world_size_problem(state, in_script_recipe: str | None = None) -> str | None
 
 
 def launcher_processes_problem(setup, cfg) -> str | None:
-    """`accelerate launch --num_processes N` that started fewer: without GPUs and without a config
-    asking for CPU processes accelerate's simple launcher starts ONE process (accelerate 1.15
-    commands/launch.py: multi_gpu stays False), which would train alone at the wrong batch size."""
+    """`accelerate launch --num_processes N` that started fewer: with at most one GPU visible and
+    no config file, accelerate's simple launcher starts ONE process (accelerate 1.15
+    commands/launch.py _validate_launch_command: multi_gpu only when cuda.device_count() > 1),
+    which would train alone at another batch size than asked for."""
     if setup is None or setup.launcher.kind != "accelerate launch" or not setup.launcher.num_processes:
         return None
     asked, got = setup.launcher.num_processes, int(os.environ.get("WORLD_SIZE", "1"))
     if asked <= got:
         return None
-    return (f"accelerate launch --num_processes {asked} started {got} process(es) (without GPUs, and without a "
-            f"config file asking for CPU processes, accelerate starts one). For {asked} processes on CPU:\n"
+    return (f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
+            f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
             f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
             f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes")
 
