@@ -16,9 +16,17 @@ with its own config, HSDP, ...) is a new row here plus its shipped files:
   step, ZeRO-Offload paper §4);
 * `description` (plan rows) and `why` (the recommendation's reason).
 
+* `fsdp`: the FSDP2 settings of FSDP rows (`FsdpSettings`).
+
+One source of truth for both ways of launching a row: `accelerate_config(row, cpu=...)` is what the
+shipped accelerate config (or its CPU variant) holds, and `trainer_arguments(row, root)` is what the
+script passes to TrainingArguments when it sets the row up itself (no launcher config:
+finetune/launch/setup.py): the same DeepSpeed JSON, the same FSDP settings.
+
 Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
 name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
-against the shipped files.
+against the shipped files (every shipped YAML equals `accelerate_config`) and the in-script FSDP
+plugin against the launcher's.
 """
 
 from __future__ import annotations
