@@ -167,6 +167,9 @@ def test_in_script_arguments_name_the_rows_files_and_settings(row):
         assert ds_file["zero3_init_flag"] == (row.zero_stage == 3)  # = DeepSpeedPlugin's in-script default
     elif row.distributed_type == "FSDP":
         assert args["fsdp"] is True and args["fsdp_config"]["cpu_offload"] == (row.offload == "optimizer+params")
+        # In-script, the plugin exists only after from_pretrained, so RAM-efficient loading (which needs
+        # ACCELERATE_USE_FSDP + FSDP_CPU_RAM_EFFICIENT_LOADING during the load) would silently not happen.
+        assert row.fsdp.cpu_ram_efficient_loading is False
     else:
         assert args == {}
     assert strategies.by_recipe(row.name, row.offload) == row
