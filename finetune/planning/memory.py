@@ -106,6 +106,9 @@ class Workload:
     lora_dropout: float = 0.0
     double_quant: bool = True
     attn_implementation: str = "sdpa"
+    # The precision policy assumed (finetune/precision.py); stated in the assumptions. The arithmetic
+    # here does not read its table yet: weight_bytes stands for the module's weights.
+    precision: str | None = None
 
 
 def activation_bytes(shape: Shape, w: Workload) -> dict:
@@ -239,16 +242,21 @@ def assumptions(w: Workload, *, on_gpu: bool) -> dict:
                      + f"{int(TEMPORARY_FRACTION * 100)}% temporaries on the computing device"
                      + ("" if on_gpu else " (the host)") + f"; {PROCESS_BASELINE_GIB} GiB Python+torch process baseline",
         "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
+        "precision": (f"{w.precision}: weights counted at {w.weight_bytes} bytes/param and torch-native AdamW "
+                      f"states in that dtype with no master copy; the policy's own bytes per parameter "
+                      f"(finetune/precision.py trainable_bytes) are not used yet")
+        if w.precision else "not given",
     }
 
 
 def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing: bool, on_gpu: bool,
-                     weight_bytes: int, seq_len: int | None = None) -> dict:
+                     weight_bytes: int, seq_len: int | None = None, precision: str | None = None) -> dict:
     """run.json `predicted_memory` for the strategy that engaged (shape in docs/planning.md).
     On a CPU run the device is the host: everything is predicted as one process's RSS."""
     strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
     n = engaged.get("world_size") or 1
     w = workload_from_config(cfg, weight_bytes=weight_bytes, gradient_checkpointing=gradient_checkpointing)
+    w.precision = precision
     if seq_len is not None:
         w.seq_len = seq_len
     shape = shape_of(model_config)
@@ -310,7 +318,7 @@ def workload_from_config(cfg, *, weight_bytes: int, gradient_checkpointing: bool
 
 
 def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int,
-                      train_dataset=None) -> None:
+                      train_dataset=None, precision: str | None = None) -> None:
     """run.json `predicted_memory` for the strategy in the record's `strategy`; null with a logged reason
     when the architecture has no arithmetic here (training goes on: a plan is not a precondition).
     The sequence length is the longest training example when the dataset is given (an input the
@@ -325,7 +333,8 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, w
     try:
         rec.set("predicted_memory", predicted_memory(model_config, cfg, engaged, on_gpu=on_gpu,
                                                      gradient_checkpointing=gradient_checkpointing,
-                                                     weight_bytes=weight_bytes, seq_len=seq_len))
+                                                     weight_bytes=weight_bytes, seq_len=seq_len,
+                                                     precision=precision))
     except ValueError as e:
         logging.getLogger(__name__).warning("no memory prediction in run.json: %s", e)
         rec.set("predicted_memory", None)

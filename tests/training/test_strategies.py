@@ -6,6 +6,11 @@ values: tiny random Llama + LoRA (dropout 0), demo data, seed 42, 4 sequences pe
 checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export. The single-process reference runs 4 x accumulation 2
 = the same 8 sequences per optimizer step.
 
+Precision: these runs take the CPU default, training.precision auto = 32-true, and every record's
+`precision` section is checked to say so from the live run (assert_32_true). The same comparison in
+bf16-mixed, the precision users train in on GPUs, with its own tolerance and a control:
+tests/training/test_precision_equivalence.py.
+
 Tolerance for per-step losses: 1e-5 relative. The runs are fp32 on CPU; what differs between
 backends is only the order of floating-point reductions (gradient all-reduce over 2 ranks vs
 accumulation in one process, DeepSpeed's flattened fp32 buffers, DeepSpeedCPUAdam vs torch
@@ -134,12 +139,6 @@ def runs(tmp_path_factory, tiny_model_dir):
                                            "--training.gradient_accumulation_steps=2"],
                                           run_dir=run_dir, cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
                                           timeout=300)
-            elif name.startswith("full_"):  # full fine-tuning: the export is one consolidated model
-                strategy = name.removeprefix("full_")
-                args = [*common_args(tiny_model_dir), "--method.name=full", "--training.max_steps=2",
-                        "--training.save_steps=1000", "--training.learning_rate=1e-4"]  # no checkpoint
-                done[name] = launch_train(["--recipe", strategy, *args], run_dir=run_dir, cwd=REPO,
-                                          config_file=STRATEGIES[strategy][1], env=CPU_ENV, timeout=420)
             elif name in PLAIN:
                 args = [*common_args(tiny_model_dir), f"--training.max_steps={PLAIN_STEPS}",
                         "--training.gradient_accumulation_steps=2", "--training.save_strategy='no'",
@@ -162,6 +161,22 @@ def runs(tmp_path_factory, tiny_model_dir):
         return done[name]
 
     return get
+
+
+def assert_32_true(rec: dict) -> None:
+    """These runs take the CPU default, training.precision auto = 32-true, read from the live run:
+    fp32 everywhere, no master copy, fp32 seen in step 1's forward (bf16 runs:
+    tests/training/test_precision_equivalence.py)."""
+    p = rec["precision"]
+    assert (p["policy"], p["requested"], p["load_dtype"]) == ("32-true", "auto", "float32"), p
+    assert (p["param_dtype"], p["compute_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == \
+        ("float32", "float32", "float32", False), p
+    assert p["observed_compute_dtype"] == "float32" and p["reduce_dtype"] in (None, "float32"), p
+    family = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(rec["strategy"]["distributed_type"], "torch")
+    assert p["family"] == family and p["evidence"]["accelerate_mixed_precision"] == "no", p
+    if family == "fsdp2":  # no casts: MixedPrecisionPolicy()
+        assert p["evidence"]["mp_policy"] == {"param_dtype": None, "reduce_dtype": None, "output_dtype": None,
+                                              "cast_forward_inputs": True}, p
 
 
 def _steps(record: dict) -> list[dict]:
@@ -195,6 +210,7 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
     assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params",
                             "fsdp_offload": "optimizer+params"}.get(name, "none")
     assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
+    assert_32_true(rec)
     # who set it up: the recipe in the script (torchrun, no config) or the --config_file
     setup = s["setup"]
     if name in TORCHRUN:
@@ -228,6 +244,7 @@ def test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one(
     assert s["set_up_by"] == ev["set_up_by"] == "recipe" and setup["row"] == recipe, s
     assert (setup["launcher"], setup["config_file"], setup["world_of_one"]) == ("accelerate launch", None, True), setup
     assert setup["cpu_gloo"] == "one process on a machine without CUDA" and s["cpu_distributed"] is True, setup
+    assert_32_true(rec)  # the policy follows the strategy the recipe set up in the script
     argument = f"deepspeed={REPO / 'ds_configs' / (recipe + '.json')}" if recipe != "fsdp" else "fsdp=True"
     assert f"strategy {recipe} (offload none) set up by the recipe: TrainingArguments({argument})" in combined, \
         run.explain()
@@ -259,6 +276,7 @@ def test_losses_match_single_process(runs, name):
     got = _steps(runs(name).record)
     assert runs("single").record["strategy"]["name"] == "single"
     assert runs("single").record["batch"]["effective"] == 8
+    assert_32_true(runs("single").record)
     worst = 0.0
     for a, b in zip(ref, got):
         rel = abs(a["loss"] - b["loss"]) / abs(a["loss"])
@@ -278,6 +296,8 @@ def test_qlora_shards_and_matches_single_process_qlora(runs, name):
     ev = rec["strategy"]["evidence"]
     assert rec["strategy"]["method"] == "qlora" and rec["strategy"]["name"] == QLORA[name][0], rec["strategy"]
     assert ev["world_size"] == 2 and 0.4 <= ev["local_param_fraction"] <= 0.6, ev
+    assert_32_true(rec)
+    assert_32_true(runs("single_qlora").record)
     ref, got = _steps(runs("single_qlora").record), _steps(rec)
     plain = _steps(runs("single").record)
     assert abs(ref[0]["loss"] - plain[0]["loss"]) > 1e-4, "the 4-bit base should change the loss"
@@ -331,37 +351,8 @@ def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_m
     assert result["max_abs_diff"] < 1e-5, result  # the gathered adapter equals the single-process one
 
 
-RELOAD_FULL = r"""
-import json, sys, torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-base_dir, a_dir, b_dir = sys.argv[1:4]
-tok = AutoTokenizer.from_pretrained(a_dir)
-model = AutoModelForCausalLM.from_pretrained(a_dir, dtype=torch.float32).eval()
-base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-ids = tok("2 + 3 =", return_tensors="pt")
-out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-a, b = model.state_dict(), AutoModelForCausalLM.from_pretrained(b_dir, dtype=torch.float32).state_dict()
-print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1],
-                  "files": sorted(p for p in __import__("os").listdir(a_dir) if "safetensors" in p),
-                  "same_shapes": all(a[k].shape == base.state_dict()[k].shape for k in a),
-                  "changed": max((a[k] - v).abs().max().item() for k, v in base.state_dict().items()),
-                  "a_vs_b": max((a[k] - b[k]).abs().max().item() for k in a)}))
-"""
-
-
-def test_full_finetune_exports_one_consolidated_model_under_zero3_and_fsdp(runs, tiny_model_dir):
-    """ZeRO-3 gathers 16-bit weights, FSDP2 a full state dict: both exports are whole models that
-    load in a plain process, generate, and agree with each other (same start, data and steps)."""
-    z3, fsdp = runs("full_zero3").run_dir / "model", runs("full_fsdp").run_dir / "model"
-    proc = subprocess.run([sys.executable, "-c", RELOAD_FULL, str(tiny_model_dir), str(z3), str(fsdp)],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["files"] == ["model.safetensors"] and result["same_shapes"], result
-    assert result["new_tokens"] == 4, result
-    assert result["changed"] > 1e-5, result  # trained, not the base model saved back
-    assert result["a_vs_b"] < 1e-5, result  # not one rank's shard: the whole model, identical across strategies
+# Full fine-tuning's consolidated export under ZeRO-3 and FSDP2, in bf16-mixed:
+# tests/training/test_precision_equivalence.py::test_full_export_is_one_consolidated_model_under_zero3_and_fsdp.
 
 
 def _rank_exit_codes(stderr: str) -> set[int]:
