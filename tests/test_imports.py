@@ -17,6 +17,7 @@ MAX_LINES = 400
 LAYERS = [
     {"finetune.errors"},
     {"finetune.units", "finetune.strategies", "finetune.resources"},
+    {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},
     {"finetune.data", "finetune.modeling"},
     {"finetune.launch", "finetune.telemetry", "finetune.planning"},

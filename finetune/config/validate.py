@@ -12,7 +12,9 @@ import types
 import typing
 from typing import Any, Literal, Optional, Union
 
-from finetune.config.sections import SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_RESERVED, Config, TrainingConfig
+from finetune import precision
+from finetune.config.sections import (SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_PRECISION_FLAGS, TRAINING_RESERVED,
+                                      Config, TrainingConfig)
 from finetune.errors import ConfigError
 
 
@@ -79,6 +81,9 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
         if key in TRAINING_RESERVED:
             problems.append(f"{dotted}: set by {TRAINING_RESERVED[key]}, not in training")
             continue
+        if key in TRAINING_PRECISION_FLAGS:
+            problems.append(_precision_flag_problem(dotted, key, value))
+            continue
         if key not in ta_fields:
             problems.append(f"{dotted}: unknown key{_suggest(key, set(ta_fields) | own)}; allowed: "
                             f"{', '.join(sorted(own))} or any transformers.TrainingArguments field")
@@ -130,9 +135,22 @@ def _cross_checks(cfg: Config) -> list[str]:
     lr = t.args.get("learning_rate")
     if isinstance(lr, (int, float)) and lr <= 0:
         p.append(f"training.learning_rate: must be > 0, got {lr}")
+    if t.precision != "auto":  # auto is checked where the device is known (finetune/launch/preflight.py)
+        p += precision.config_problems(precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name,
+                                       compute_dtype=m.compute_dtype)
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
     return p
+
+
+def _precision_flag_problem(dotted: str, key: str, value: Any) -> str:
+    """TrainingArguments' precision flags belong to the policy: one flag cannot say what the master
+    weights, optimizer states and FSDP2/DeepSpeed settings are."""
+    fp16 = key.startswith("fp16")
+    like = ("16-mixed" if fp16 else "bf16-mixed") if value is True else "32-true"
+    return (f"{dotted}: set by training.precision, not in training (the policy sets TrainingArguments bf16/fp16 "
+            f"together with the master weights, optimizer states, FSDP2 and DeepSpeed settings); use "
+            f"--training.precision={like} (allowed: {', '.join(precision.CHOICES)}; docs/precision.md)")
 
 
 def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:

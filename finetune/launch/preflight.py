@@ -12,7 +12,9 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 * the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload;
 * DeepSpeed and FSDP asked for at once;
 * QLoRA under ZeRO-3/FSDP: the 4-bit storage dtype must be the float compute dtype;
-* bf16 (or fp16) asked for on a device without it;
+* the precision policy (finetune/launch/precision_checks.py): 16-mixed on CPU, bf16 on a GPU without
+  it, bf16-true with ZeRO offload, model.dtype / QLoRA compute dtype / the launch's mixed_precision /
+  DeepSpeed bf16 and fp16 values that contradict it;
 * the model (and tokenizer) is a local model directory, or a hub id that is cached or reachable;
 * the dataset file exists and its first rows have the format's fields (finetune/data/build.py);
 * the run directory would not clobber an existing one.
@@ -27,6 +29,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
+from finetune.launch import precision_checks
 from finetune.launch.facts import LaunchFacts
 from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
@@ -74,7 +77,7 @@ def check_launch(launch_args: list[str]) -> None:
 
 def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(facts.problems)
-    checks = [devices, deepspeed_values, strategy_matches_recipe, qlora_storage, precision_supported,
+    checks = [devices, deepspeed_values, strategy_matches_recipe, qlora_storage, precision_checks.policy_problems,
               model_source, dataset]
     if not resume:  # a resumed run continues its directory (finetune/training/resume.py checks it exists)
         checks.append(run_directory)
@@ -145,9 +148,7 @@ def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
                              (f"training.per_device_train_batch_size x gradient_accumulation_steps x "
                              f"{facts.num_processes} processes = {per_device} x {accum} x {facts.num_processes}")),
         "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
-        "bf16.enabled": (bool(a.get("bf16", False)), "training.bf16"),
-        "fp16.enabled": (bool(a.get("fp16", False)), "training.fp16"),
-    }
+    }  # bf16/fp16: the precision policy's (finetune/launch/precision_checks.py)
     problems = []
     for key, (want, field) in expected.items():
         section, _, leaf = key.rpartition(".")
@@ -179,52 +180,16 @@ def strategy_matches_recipe(cfg, facts: LaunchFacts, *, in_process: bool) -> lis
 def qlora_storage(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     """ZeRO-3 and FSDP flatten and shard parameters of one float dtype, so QLoRA's packed 4-bit
     weights must be stored in the compute dtype (bnb_4bit_quant_storage; see finetune/modeling/load.py)."""
-    from finetune.modeling.load import resolve_dtype
-
     strategy, _ = facts.strategy()
     m = cfg.method
     if m.name != "qlora" or strategy not in ("zero3", "fsdp"):
         return []
-    compute = resolve_dtype(cfg.model.dtype) if m.compute_dtype == "auto" else resolve_dtype(m.compute_dtype)
-    compute_name = str(compute).removeprefix("torch.")
+    compute_name = precision_checks.resolve_policy(cfg, facts).compute_dtype
     if m.quant_storage in ("auto", compute_name):
         return []
     return [(f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
             f"parameters of one dtype, so QLoRA's 4-bit weights must be stored as the compute dtype "
-            f"({compute_name} here, from method.compute_dtype / model.dtype); set method.quant_storage: auto")]
-
-
-def precision_supported(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
-    """bf16/fp16 need a device that has them. On CPU, torch autocasts bf16 (slowly) and
-    TrainingArguments accepts it only with use_cpu; fp16 needs an accelerator (Accelerator refuses it on CPU)."""
-    import torch
-
-    from finetune.launch import cpu_rehearsal
-
-    a = cfg.training.args
-    ds = facts.deepspeed or {}
-    wants = {"bf16": bool(a.get("bf16") or a.get("bf16_full_eval")) or (ds.get("bf16") or {}).get("enabled") is True,
-             "fp16": bool(a.get("fp16") or a.get("fp16_full_eval")) or (ds.get("fp16") or {}).get("enabled") is True}
-    launch_mp = facts.mixed_precision if facts.mixed_precision in ("bf16", "fp16") else None
-    # TrainingArguments' bf16 check looks only at its own use_cpu (set for CPU distributed runs too)
-    use_cpu = bool(a.get("use_cpu")) or cpu_rehearsal.requested()
-    problems = []
-    if torch.cuda.is_available() and not (use_cpu or facts.use_cpu):
-        name = torch.cuda.get_device_name(0)
-        if (wants["bf16"] or launch_mp == "bf16" or cfg.model.dtype == "bfloat16") and not torch.cuda.is_bf16_supported():
-            problems.append(f"bf16 requested (training.bf16, model.dtype or {facts.source} mixed_precision) but "
-                            f"{name} has no bf16 (needs compute capability 8.0+, Ampere or newer); use "
-                            f"--training.fp16=true (with --training.bf16=false) or model.dtype: float16")
-        return problems
-    if wants["bf16"] and not use_cpu and not torch.cuda.is_available():
-        problems.append("training.bf16: true but no CUDA GPU is visible and training.use_cpu is false, so "
-                        "TrainingArguments refuses it (\"Your setup doesn't support bf16/gpu\"). On CPU pass "
-                        "--training.use_cpu=true (bf16 autocast runs on CPU, slowly) or --training.bf16=false")
-    if wants["fp16"] or launch_mp == "fp16":
-        problems.append(f"fp16 requested ({'training.fp16' if wants['fp16'] else facts.source + ' mixed_precision'}) "
-                        f"but this run is on CPU, where Accelerate refuses fp16 mixed precision; use "
-                        f"--training.fp16=false (or bf16 with --training.use_cpu=true)")
-    return problems
+            f"({compute_name} here, from training.precision); set method.quant_storage: auto")]
 
 
 def model_source(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:

@@ -1,7 +1,11 @@
 """Model loading: hub id, local directory or the bundled default; full, LoRA or QLoRA.
 
     tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, cfg.method, gradient_checkpointing=...)
+    model = load_model(cfg.model, cfg.method, gradient_checkpointing=..., policy=..., deepspeed=...)
+
+The precision policy (finetune/precision.py, docs/precision.md) decides every dtype here: the
+checkpoint's load dtype, the trainable parameters' dtype (the fp32 master of torch-native
+strategies), the LoRA adapters' dtype and QLoRA's compute dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
+from finetune.precision import Policy, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +37,8 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """'auto' = bfloat16 where the accelerator supports it, else float32 (CPU training in
-    bf16 is slow and loses precision for no memory benefit that matters at demo scale)."""
+    """model.dtype where no precision policy applies (the benchmark's workers): 'auto' = bfloat16
+    where the accelerator supports it, else float32. Training runs load in the policy's dtype."""
     if name != "auto":
         return _DTYPES[name]
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
@@ -55,27 +60,56 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing: bool = False):
-    """The model ready to train: full (all weights trainable), LoRA or QLoRA (peft)."""
+def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing: bool = False,
+               policy: Policy | None = None, deepspeed: bool = False):
+    """The model ready to train: full (all weights trainable), LoRA or QLoRA (peft).
+
+    `policy` (finetune/precision.py) sets the dtypes; `deepspeed` says DeepSpeed will wrap the model,
+    which keeps its own fp32 master and casts the module itself, so nothing is upcast here. Without a
+    policy (the benchmark's workers) the model loads in model.dtype and nothing is cast."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name_or_path)
-    dtype = resolve_dtype(cfg.dtype)
+    dtype = torch_dtype(policy.load_dtype(method.name)) if policy else resolve_dtype(cfg.dtype)
     kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
                   attn_implementation=cfg.attn_implementation, dtype=dtype)
     if method.name == "qlora":
-        kwargs["quantization_config"] = quantization_config(method, dtype)
+        compute = torch_dtype(policy.compute_dtype) if policy else dtype
+        kwargs["quantization_config"] = quantization_config(method, compute)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise UserError(_load_problem("model", path, e)) from None
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory in training
     if method.name == "full":
+        if policy is not None and not deepspeed:
+            # bf16-mixed: the checkpoint is loaded in bf16, as DeepSpeed's master starts from its bf16
+            # module, so every strategy starts from the same weights (research note §0.5: an fp32 start
+            # moved ZeRO's losses 1.8e-4 from DDP's); the fp32 copies below are the master weights.
+            cast_trainable(model, torch_dtype(policy.master_dtype))
         if gradient_checkpointing:
             # transformers 5.23 renamed gradient_checkpointing_enable (deprecated, removed in v6).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         return model
-    return add_lora(model, method, gradient_checkpointing=gradient_checkpointing)
+    # Adapters: fp32 (peft's autocast_adapter_dtype upcasts 16-bit ones) where the strategy keeps no
+    # master of its own; under DeepSpeed they stay in the base dtype and DeepSpeed's fp32 partitions
+    # are the master (ZeRO-3 would otherwise leave them fp32 in the module and compute them in fp32).
+    adapters_fp32 = policy is None or (policy.adapters_fp32 and not deepspeed)
+    model = add_lora(model, method, gradient_checkpointing=gradient_checkpointing, adapters_fp32=adapters_fp32)
+    if policy is not None and method.name == "qlora" and not policy.adapters_fp32 and not deepspeed:
+        # bf16-true: prepare_model_for_kbit_training made the unquantized frozen weights fp32
+        # (peft/utils/other.py); the policy holds the frozen base in the compute dtype.
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.__class__.__name__ != "Params4bit":
+                p.data = p.data.to(torch_dtype(policy.frozen_dtype))
+    return model
+
+
+def cast_trainable(model, dtype: torch.dtype) -> None:
+    """Trainable floating-point parameters -> `dtype` (in place: the optimizer is built later)."""
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def quantization_config(method: MethodConfig, dtype: torch.dtype):
@@ -91,7 +125,7 @@ def quantization_config(method: MethodConfig, dtype: torch.dtype):
                               bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
 
 
-def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool):
+def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapters_fp32: bool = True):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if method.name == "qlora":
@@ -113,7 +147,7 @@ def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool):
     lora = LoraConfig(r=method.lora_r, lora_alpha=method.lora_alpha, lora_dropout=method.lora_dropout,
                       target_modules=method.target_modules, bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, lora)
+        return get_peft_model(model, lora, autocast_adapter_dtype=adapters_fp32)
     except ValueError as e:
         raise UserError(f"method.target_modules: {e}") from None
 

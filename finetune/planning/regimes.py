@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from finetune import precision
+
 B16, F32 = 2, 4  # bytes per element of bf16/fp16 and fp32
 
 
@@ -46,57 +48,35 @@ class Regime:
         return self.compute or self.frozen
 
 
-POLICIES = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
-
-
 def family(strategy: str) -> str:
     """torch | fsdp | deepspeed, from a planner strategy key (finetune/strategies.py)."""
-    if strategy.startswith("zero"):
-        return "deepspeed"
-    if strategy.startswith("fsdp"):
-        return "fsdp"
-    return "torch"
+    fam = precision.family_of(strategy)
+    return "fsdp" if fam == "fsdp2" else fam
 
 
-def policy_regime(policy: str, method: str, strategy: str, *, qlora_fp32_frozen: bool = True) -> Regime:
-    """The live dtypes of `policy` (resolved, not "auto") for a method under a strategy.
+def policy_regime(policy: str, method: str, strategy: str) -> Regime:
+    """The live dtypes of a resolved policy (finetune/precision.py; not "auto") for a method under a
+    strategy: the table's bytes per trainable parameter (precision.trainable_bytes: the module's
+    copy, gradient, master, AdamW states, FSDP2's unsharded working copies) and frozen base.
 
-    bf16-mixed / 16-mixed: fp32 trainable parameters and AdamW states, 16-bit compute; torch-native
-    strategies autocast (Accelerate native AMP); FSDP2 keeps fp32 shards and computes with bf16
-    unsharded copies (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), no autocast;
-    DeepSpeed holds the module in 16-bit with an fp32 master partition (bf16.enabled), gradients
-    accumulated in the module dtype (engine.get_data_types). LoRA adapters are fp32 except under
-    DeepSpeed, where peft's autocast_adapter_dtype is off and DeepSpeed's fp32 partition is the
-    master. QLoRA keeps prepare_model_for_kbit_training's fp32 non-quantized weights
-    (qlora_fp32_frozen; issue 12 open question 1).
-    bf16-true: everything bf16, AdamW states bf16; DeepSpeed with bf16_master_weights_and_grads and
-    bf16_optimizer_states (a bf16 master partition).
-    32-true: everything fp32; DeepSpeed still keeps a separate fp32 master (stage_1_and_2.py
-    clones the partition; stage3.py compares a torch.device with a str and never shares it)."""
+    LoRA/QLoRA adapters take the trainable row: fp32 where the policy keeps fp32 adapters (peft
+    autocast_adapter_dtype), the base dtype under DeepSpeed, whose partition is the master
+    (finetune/modeling/load.py). QLoRA's non-quantized frozen weights stay fp32 after
+    prepare_model_for_kbit_training, except where the policy keeps 16-bit adapters outside
+    DeepSpeed (bf16-true), where load_model casts them back to the frozen dtype."""
+    pol = precision.get(policy)
     fam = family(strategy)
-    if policy not in POLICIES:
-        raise ValueError(f"precision policy {policy!r}: the planner knows {', '.join(POLICIES)} "
-                         f"(resolve 'auto' first)")
-    frozen_q = F32 if qlora_fp32_frozen else B16
-    if policy == "32-true":
-        return Regime(policy, F32, F32, F32, F32, master=F32 if fam == "deepspeed" else 0,
-                      note="fp32 everywhere")
-    if policy == "bf16-true":
-        frozen = frozen_q if method == "qlora" else B16
-        if fam == "deepspeed":
-            return Regime(policy, B16, frozen, B16, B16, master=B16,
-                          note="DeepSpeed bf16 with bf16_master_weights_and_grads + bf16_optimizer_states")
-        return Regime(policy, B16, frozen, B16, B16, note="bf16 weights, gradients and AdamW states, no autocast")
-    # bf16-mixed and 16-mixed: the same bytes (fp16 adds a loss scaler, no tensor of model size)
-    frozen = frozen_q if method == "qlora" else B16
-    if fam == "deepspeed":
-        return Regime(policy, B16, frozen, B16, F32, master=F32,
-                      note="DeepSpeed 16-bit module, fp32 master partition and AdamW states, 16-bit gradients")
-    if fam == "fsdp":
-        return Regime(policy, F32, frozen, F32, F32, compute=B16,
-                      note="FSDP2 fp32 shards, MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)")
-    return Regime(policy, F32, frozen, F32, F32, autocast=True,
-                  note="fp32 trainable weights and AdamW states, torch.autocast 16-bit compute")
+    tb = precision.trainable_bytes(pol, strategy)
+    frozen = precision.frozen_bytes(pol)
+    if method == "qlora" and (pol.adapters_fp32 or fam == "deepspeed"):
+        frozen = F32
+    compute = tb.working_params if (fam == "fsdp" and pol.fsdp_param_dtype) else None
+    autocast = fam == "torch" and pol.torch_autocast is not None
+    how = {"torch": "torch.autocast" if autocast else "no autocast",
+           "fsdp": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
+           "deepspeed": f"DeepSpeed module in {pol.compute_dtype}, separate master"}[fam]
+    return Regime(pol.name, tb.params, frozen, tb.grads, tb.optimizer_states // 2, master=tb.master,
+                  autocast=autocast, compute=compute, note=f"{pol.summary}; {how}")
 
 
 def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_dtype: str = "auto") -> Regime:
@@ -128,13 +108,6 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
         frozen = F32  # zero.Init re-creates the frozen base in fp32 as well
     master = F32 if fam == "deepspeed" else 0
     return Regime(label, F32, frozen, F32, F32, master=master, note="fp32 adapters (peft), frozen base in the load dtype")
-
-
-def resolve_auto(device_type: str, bf16_supported: bool = True) -> str:
-    """Issue 12's `auto`: bf16-mixed on GPUs with bf16, 16-mixed on GPUs without, 32-true on CPU."""
-    if device_type != "cuda":
-        return "32-true"
-    return "bf16-mixed" if bf16_supported else "16-mixed"
 
 
 def regime_of_record(record: dict, method: str, strategy: str) -> Regime:

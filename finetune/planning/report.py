@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune import precision
 from finetune.errors import UserError
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import assumptions, plan_rows, shape_of, workload_from_config
@@ -53,13 +54,17 @@ def load_model_config(name_or_path: str):
 def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float,
                bandwidth: dict, model_name: str) -> dict:
     shape = shape_of(model_config)
-    weight_bytes = 4 if cfg.model.dtype == "float32" else 2  # "auto" trains in bf16 on a GPU
+    # A plan is for GPUs; `auto` is taken as bf16-mixed (a GPU with bf16). The weights' bytes are the
+    # policy's load dtype; the arithmetic does not follow the policy's master copies yet (stated).
+    policy = precision.resolve(cfg.training.precision, True, True)
+    weight_bytes = precision.DTYPE_BYTES[policy.load_dtype(cfg.method.name)]
     w = workload_from_config(cfg, weight_bytes=weight_bytes)
+    w.precision = policy.name if cfg.training.precision != "auto" else f"{policy.name} (auto on a GPU with bf16)"
     n = gpus * nodes
     rows = []
     for row in plan_rows(shape, w, n):
         method_w = workload_from_config(cfg, weight_bytes=weight_bytes)
-        method_w.method = row["method"]
+        method_w.method, method_w.precision = row["method"], w.precision
         traffic = step_traffic(shape, method_w, row["strategy"], n)
         times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
         host_node = row["host_total"] * gpus  # one process per GPU on each node
@@ -151,6 +156,7 @@ def render(plan: dict, all_methods: bool = True) -> str:
              f"sequence {plan['assumptions']['seq_len']}, gradient checkpointing "
              f"{'on' if plan['assumptions']['gradient_checkpointing'] else 'off'}, weights "
              f"{plan['assumptions']['weight_bytes']} bytes/param"),
+             f"precision {plan['assumptions']['precision']}",
              "GiB per device (2^30 bytes); comm = GB (1e9) sent per rank per optimizer step"
              + (f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
                 if hw["bandwidth"]["busbw_gbs"] else "; pass --bandwidth for times"), ""]

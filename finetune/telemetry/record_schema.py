@@ -75,10 +75,51 @@ class Strategy(TypedDict, total=False):
     offload: str  # none | optimizer | params | optimizer+params
     fsdp_version: int | None
     world_size: int
-    mixed_precision: str
     method: str  # full | lora | qlora
     cpu_distributed: bool
     evidence: Evidence | None
+
+
+class MixedPrecisionPolicy(TypedDict):  # torch FSDP2's, as fully_shard got it
+    param_dtype: str | None
+    reduce_dtype: str | None
+    output_dtype: str | None
+    cast_forward_inputs: bool
+
+
+class PrecisionEvidence(TypedDict, total=False):
+    engine: str
+    optimizer: str  # the class whose states the optimizer_state_dtype is for (DeepSpeed: the basic optimizer)
+    accelerate_mixed_precision: str  # Accelerate's raw value: "no" for DeepSpeed bf16 runs too
+    loss_scaler: str | None
+    autocast: bool  # torch families: Accelerate's autocast wrapper is installed
+    autocast_dtype: str | None
+    fsdp_modules: int
+    param_is_dtensor: bool
+    mp_policy: MixedPrecisionPolicy | None
+    zero_optimizer: str  # DeepSpeed
+    module_param_dtype: str | None
+    grad_accum_dtype: str | None
+    bf16_enabled: bool
+    fp16_enabled: bool
+    deepspeed_torch_autocast: bool
+    bf16_update_loss_share: float  # bf16-true: share of trainable elements whose half-spacing > lr
+    bf16_lr_keeping_updates: float  # bf16-true: the smallest lr at which under 10% lose their updates
+
+
+class Precision(TypedDict):
+    policy: str  # bf16-mixed | bf16-true | 16-mixed | 32-true (finetune/precision.py)
+    requested: str  # training.precision as given (auto, ...)
+    family: str  # torch | fsdp2 | deepspeed
+    load_dtype: str
+    param_dtype: str | None  # live, from on_train_begin on
+    compute_dtype: str | None
+    optimizer_state_dtype: str | None
+    master_weights: bool | None
+    reduce_dtype: str | None
+    observed_compute_dtype: str | None
+    warning: str | None
+    evidence: PrecisionEvidence | None
 
 
 class Batch(TypedDict):
@@ -137,6 +178,7 @@ class Assumptions(TypedDict):
     micro_batch: int
     seq_len: int
     gradient_checkpointing: bool
+    precision: str
     seq_len_source: str
     host_scope: str
     device_scope: str
@@ -288,6 +330,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("versions", Versions, ABSENT, False),
     Section("hardware", Hardware, ABSENT, True, "object|null"),
     Section("strategy", Strategy | None, lambda: None, True, "object|null"),
+    Section("precision", Precision | None, lambda: None, False),
     Section("batch", Batch | None, lambda: None, True, "object|null"),
     Section("lr", LearningRate | None, lambda: None, True, "object|null"),
     Section("memory", Memory | None, lambda: None, True, "object|null"),

@@ -24,6 +24,7 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     rows = [("steps", f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
                       f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)"),
             ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"),
+            ("precision", precision_line(record)),
             ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
             ("train loss", f"{s('train_loss'):.4f}" + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
             ("trained tokens", f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens")]
@@ -54,3 +55,22 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     lines = (["", "=" * 78, f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
              + ["=" * 78])
     print("\n".join(lines), flush=True)
+
+
+def precision_line(record: RecordView) -> str:
+    """'bf16-mixed (fp32 master + states, bf16 compute, reduce fp32)', from what the live run showed."""
+    def p(key):
+        return record.get("precision", key)
+
+    if p("policy") is None:
+        return "n/a (no precision section in the record)"
+    if p("param_dtype") is None:
+        return f"{p('policy')} (not read from the live run: training never began)"
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    parts = [f"{short.get(p('param_dtype'), p('param_dtype'))} " + ("master" if p("master_weights") else "params"),
+             f"{short.get(p('optimizer_state_dtype'), p('optimizer_state_dtype'))} states",
+             f"{short.get(p('compute_dtype'), p('compute_dtype'))} compute"]
+    if p("reduce_dtype"):
+        parts.append(f"reduce {short.get(p('reduce_dtype'), p('reduce_dtype'))}")
+    requested = " from auto" if p("requested") == "auto" else ""
+    return f"{p('policy')}{requested} ({', '.join(parts)})"

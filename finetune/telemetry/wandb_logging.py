@@ -59,7 +59,9 @@ def start(record: RecordView, *, project: str, run_dir: Path):
         project=os.environ.get("WANDB_PROJECT", project), name=record.get("run_name"), group=record.get("recipe"),
         tags=tags, dir=str(run_dir),
         config={"finetune": {"recipe": record.get("recipe"), "batch": record.get("batch"), "lr": record.get("lr"),
-                             "strategy": strategy, "parameters": record.get("parameters")},
+                             "strategy": strategy, "parameters": record.get("parameters"),
+                             "precision": record.get("precision")},
+                "precision": record.get("precision", "policy"),  # live values: finish() updates finetune.precision
                 "effective_batch_size": record.get("batch", "effective"),
                 "lr_applied": record.get("lr", "applied"),
                 "lr_scaling": record.get("lr", "rule")})
@@ -81,6 +83,9 @@ def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) ->
             summary[f"eval/{key}"] = value
     summary["status"] = record.get("summary", "status")
     run.summary.update(summary)
+    # The precision section as read from the live objects at on_train_begin (start() had the declared part).
+    run.config.update({"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
+                      allow_val_change=True)
     artifact = wandb.Artifact(f"run-record-{run.id}", type="run-record",
                               description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}")
     for path in files:

@@ -19,13 +19,13 @@ from finetune.launch import cpu_rehearsal
 from finetune.strategies import launch_line, name_of, offload_device, offload_name
 
 
-def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
+def engaged(state, *, method: str) -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
     `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows."""
     dtype = state.distributed_type.value
     out = {"name": None, "distributed_type": dtype, "zero_stage": None, "offload_optimizer": None,
            "offload_params": None, "offload": "none", "fsdp_version": None, "world_size": state.num_processes,
-           "mixed_precision": mixed_precision or str(state.mixed_precision), "method": method,
+           "method": method,  # precision: run.json `precision` (finetune/training/precision_live.py)
            "cpu_distributed": cpu_rehearsal.requested(), "evidence": None}
     if dtype == "DEEPSPEED":
         ds = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
@@ -112,8 +112,9 @@ def live_evidence(wrapped) -> dict:
         ev["local_param_fraction"] = round(sum(p.to_local().numel() for p in dtensors) / max(full, 1), 4)
         ev["placements"] = str(dtensors[0].placements)
     if fsdp_modules:
-        try:
-            group = fsdp_modules[0]._get_fsdp_state()._fsdp_param_group
+        try:  # the first module that holds parameters: under full fine-tuning Accelerate's root holds none
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in fsdp_modules]
+            group = next((g for g in groups if g is not None), None)
             ev["fsdp_offload_policy"] = type(group.offload_policy).__name__ if group else None
         except AttributeError:  # private API; evidence only
             pass

@@ -112,6 +112,16 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
 
     t0 = time.perf_counter()
     targs = cpu_rehearsal.training_overrides(dict(cfg.training.args))
+    # The precision policy (finetune/precision.py, docs/precision.md), `auto` resolved as preflight did.
+    from finetune.launch import facts as launch_facts
+    from finetune.launch import precision_checks
+    from finetune.training import precision_live
+
+    facts = launch_facts.from_environment(state)
+    policy, family = precision_checks.resolve_policy(cfg, facts), precision_checks.family(facts)
+    targs.update(policy.training_args(family))
+    if (targs["bf16"] or targs["fp16"]) and not precision_checks.runs_on_cuda(cfg, facts):
+        targs["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
     save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/training/checkpoints.py
     # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
@@ -144,7 +154,8 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     from transformers import set_seed
 
     set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
-    model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing)
+    model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing,
+                                 policy=policy, deepspeed=family == "deepspeed")
     trainable, total = model_lib.count_parameters(model)
 
     def evaluate(stage: str) -> dict:
@@ -166,14 +177,22 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         processing_class=tokenizer, record=rec, **meter.mfu_inputs(model.config, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
-    strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
-                                       mixed_precision=trainer.accelerator.mixed_precision)
+    strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name)
     engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
     engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
                        recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
+    precision_live.apply(trainer, policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
+    load_dtype = policy.load_dtype(cfg.method.name)
+    precision_live.install(trainer, policy, requested=cfg.training.precision, family=family, method=cfg.method.name,
+                           load_dtype=load_dtype, learning_rate=lr["applied"], record=rec)  # before step 1
 
     if rec:
         rec.set("strategy", strategy_section)
+        # What the policy declares; the live fields are filled at on_train_begin (precision_live.install).
+        rec.set("precision", {"policy": policy.name, "requested": cfg.training.precision, "family": family,
+                              "load_dtype": load_dtype, "param_dtype": None, "compute_dtype": None,
+                              "optimizer_state_dtype": None, "master_weights": None, "reduce_dtype": None,
+                              "observed_compute_dtype": None, "warning": None, "evidence": None})
         rec.set("batch", {"per_device": args.per_device_train_batch_size,
                           "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
                           "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
@@ -185,15 +204,17 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         rec.set("parameters", {"trainable": trainable, "total": total})
         # memory prediction for the engaged strategy (finetune/planning/memory.py); its error is filled at the end
         from finetune.planning import memory
+        from finetune.precision import DTYPE_BYTES
 
         memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
-                                 weight_bytes=model_lib.resolve_dtype(cfg.model.dtype).itemsize,
-                                 train_dataset=bundle.train)
+                                 weight_bytes=DTYPE_BYTES[policy.module_dtype(cfg.method.name, family)],
+                                 precision=policy.name, train_dataset=bundle.train)
         rec.write()
         log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
-                 "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d",
+                 "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d | precision %s",
                  world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
-                 lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length)
+                 lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length,
+                 f"{policy.name} ({policy.summary})")
 
     wandb_run = wandb_logging.start(rec.view, project=cfg.logging.wandb_project, run_dir=run_dir) \
         if use_wandb and rec else None  # transformers' WandbCallback logs the steps into this run

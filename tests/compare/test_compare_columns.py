@@ -113,3 +113,64 @@ def test_loss_plot_draws_equal_curves_once_naming_every_run(runs):
     assert ax.get_legend_handles_labels()[1] == ["base [baseline] = lora1 = ddp (same losses)", "zero3"]
     assert [list(line.get_xdata()) for line in ax.lines] == [[1000, 2200], [1000, 2200]]
     plt.close(fig)
+
+
+def _write(tmp_path: Path, recs: list[dict]) -> list[comparison.Run]:
+    paths = []
+    for rec in recs:
+        (tmp_path / rec["run_name"]).mkdir()
+        (tmp_path / rec["run_name"] / "run.json").write_text(json.dumps(rec))
+        paths.append(tmp_path / rec["run_name"])
+    return comparison.load_runs(paths)
+
+
+def _with(rec: dict, policy: str | None = "bf16-mixed", effective: int = 16, lr: float = 2e-4,
+          max_length: int = 512) -> dict:
+    rec["batch"]["effective"], rec["lr"]["applied"] = effective, lr
+    rec["config"]["data"]["max_length"] = max_length
+    if policy is not None:
+        rec["precision"] = {"policy": policy, "requested": policy, "family": "torch", "load_dtype": "bfloat16",
+                            "param_dtype": None, "compute_dtype": None, "optimizer_state_dtype": None,
+                            "master_weights": None, "reduce_dtype": None, "observed_compute_dtype": None,
+                            "warning": None, "evidence": None}
+    return rec
+
+
+def test_runs_that_differ_in_precision_batch_lr_or_sequence_length_are_marked_not_comparable(tmp_path):
+    base = dict(method="lora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0)
+    runs = _write(tmp_path, [
+        _with(record("ref", strategy="single", **base)),
+        _with(record("same", strategy="ddp", **{**base, "world": 2})),
+        _with(record("true", strategy="zero2", **base), policy="bf16-true"),
+        _with(record("batch_lr", strategy="fsdp", **base), effective=32, lr=4e-4),
+        _with(record("seq", strategy="single", **base), max_length=256),
+        _with(record("old", strategy="single", **base), policy=None)])  # a record from before `precision`
+    table = comparison.build_table(runs)
+    assert table.baseline is None  # no QLoRA run: the reference is the first run
+    rows = {row["run"]: row for row in table.rows}
+    assert rows["ref"]["comparable"] == "reference" and rows["same"]["comparable"] == "yes"
+    assert rows["true"]["comparable"] == "no: precision.policy"
+    assert rows["true"]["differences"] == ["precision.policy 'bf16-true' != 'bf16-mixed'"]
+    assert rows["batch_lr"]["comparable"] == "no: batch.effective, lr.applied"
+    assert rows["seq"]["comparable"] == "no: data.max_length"
+    assert rows["old"]["comparable"] == "no: precision.policy" and rows["old"]["precision"] is None
+    i = {row["run"]: n for n, row in enumerate(table.rows)}
+    assert table.cell(i["true"], "train_loss") == "1.7000 (not comparable)"  # the losses are marked in the table
+    assert table.cell(i["same"], "train_loss") == "1.7000"
+    assert table.cell(i["true"], "precision") == "bf16-true" and table.cell(i["old"], "precision") == "n/a"
+    warned = [w for w in table.warnings if w.startswith("not comparable")]
+    assert warned == [
+        "not comparable: data.max_length differs between runs (512: ref, same, true, batch_lr, old; 256: seq)",
+        "not comparable: precision.policy differs between runs ('bf16-mixed': ref, same, batch_lr, seq; "
+        "'bf16-true': true; None: old)",
+        "not comparable: batch.effective differs between runs (16: ref, same, true, seq, old; 32: batch_lr)",
+        "not comparable: lr.applied differs between runs (0.0002: ref, same, true, seq, old; 0.0004: batch_lr)"]
+
+
+def test_runs_of_one_recipe_and_policy_are_comparable_and_warn_nothing(tmp_path):
+    base = dict(method="lora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0)
+    runs = _write(tmp_path, [_with(record("a", strategy="single", **base)),
+                             _with(record("b", strategy="zero3", **{**base, "world": 2}))])
+    table = comparison.build_table(runs)
+    assert [row["comparable"] for row in table.rows] == ["reference", "yes"]
+    assert not [w for w in table.warnings if w.startswith("not comparable")]

@@ -99,6 +99,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # tests that need a T4's answer set it
     return monkeypatch
 
 
@@ -174,19 +175,53 @@ def test_qlora_storage_must_be_the_float_compute_dtype_under_zero3_and_fsdp(tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_bf16_and_fp16_on_cpu():
-    msg = one_problem("demo", ["--training.bf16=true"], None)
-    assert "no CUDA GPU is visible and training.use_cpu is false" in msg and "--training.use_cpu=true" in msg
-    # torch autocasts bf16 on CPU and TrainingArguments accepts it with use_cpu
-    assert problems_of("demo", ["--training.bf16=true", "--training.use_cpu=true"], None) == []
-    msg = one_problem("demo", ["--training.fp16=true", "--training.use_cpu=true"], None)
-    assert "fp16 requested (training.fp16)" in msg and "on CPU" in msg
+def test_precision_policies_on_cpu():
+    # auto is 32-true here; bf16 autocast runs on CPU (the run sets use_cpu itself)
+    assert problems_of("demo", [], None) == []
+    assert problems_of("demo", ["--training.precision=bf16-mixed"], None) == []
+    assert problems_of("demo", ["--training.precision=bf16-true"], None) == []
+    msg = one_problem("demo", ["--training.precision=16-mixed"], None)
+    assert "training.precision 16-mixed on CPU" in msg and "train in fp32 while reporting fp16" in msg
+    assert "--training.precision=bf16-mixed" in msg and "--training.precision=32-true" in msg
+    # auto resolves where the device is known: model.dtype must then agree with what it loads
+    msg = one_problem("demo", ["--model.dtype=bfloat16"], None)
+    assert msg.startswith("model.dtype: 'bfloat16' contradicts training.precision auto (32-true on this machine)"), msg
+    assert problems_of("demo", ["--model.dtype=float32"], None) == []
 
 
 def test_bf16_on_a_gpu_without_bf16(fake_cuda):
     fake_cuda.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    msg = one_problem("demo", ["--training.bf16=true"], None)
-    assert "Tesla T4 has no bf16" in msg and "--training.fp16=true" in msg
+    msg = one_problem("demo", ["--training.precision=bf16-mixed"], None)
+    assert "training.precision bf16-mixed needs bf16, but Tesla T4 has none" in msg
+    assert "--training.precision=16-mixed" in msg
+    assert problems_of("demo", [], None) == []  # auto: 16-mixed on this GPU
+    assert "float16" in one_problem("demo", ["--model.dtype=bfloat16"], None)  # the LoRA base of 16-mixed
+
+
+def test_bf16_true_with_zero_offload_is_refused_before_loading(tmp_path):
+    offloaded = zero(2)
+    offloaded["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config = deepspeed_yaml(tmp_path, offloaded)
+    msg = one_problem("zero2_offload", ["--training.precision=bf16-true"], config)
+    assert "training.precision bf16-true with zero2 offload 'optimizer'" in msg
+    assert "bf16-mixed with offload" in msg and "without offload" in msg
+    assert problems_of("zero2_offload", ["--training.precision=bf16-mixed"], config) == []
+    assert problems_of("zero2", ["--training.precision=bf16-true"], deepspeed_yaml(tmp_path, zero(2))) == []
+
+
+def test_launch_precision_values_that_contradict_the_policy(tmp_path):
+    config = accelerate_yaml(tmp_path, mixed_precision="bf16")
+    msg = one_problem("ddp", ["--training.precision=32-true"], config)
+    assert "mixed_precision 'bf16' contradicts training.precision 32-true" in msg and "remove mixed_precision" in msg
+    assert problems_of("ddp", ["--training.precision=bf16-mixed"], config) == []
+    assert problems_of("ddp", ["--training.precision=32-true"], accelerate_yaml(tmp_path, mixed_precision="no")) == []
+    found = problems_of("zero2", ["--training.precision=bf16-mixed"], deepspeed_yaml(
+        tmp_path, zero(2, bf16={"enabled": False, "bf16_optimizer_states": True})))
+    assert len(found) == 2, found
+    assert any("bf16.enabled is False but training.precision bf16-mixed needs True" in p for p in found)
+    assert any("bf16.bf16_optimizer_states is True but training.precision bf16-mixed needs False" in p for p in found)
+    assert problems_of("zero2", ["--training.precision=bf16-mixed"],
+                       deepspeed_yaml(tmp_path, zero(2, bf16={"enabled": True}, fp16={"enabled": "auto"}))) == []
 
 
 def test_dataset_missing_and_wrong_columns(tmp_path):
@@ -234,7 +269,7 @@ def test_world_size_mismatch_in_a_launched_process(monkeypatch):
 
 
 def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, monkeypatch, capsys):
-    """One `finetune train` with eight independent mistakes (seven where CUDA has bf16): one error
+    """One `finetune train` with eight independent mistakes (seven where CUDA runs 16-mixed): one error
     (exit 2) lists them all, and `accelerate launch` is never called."""
     run_dir = write(tmp_path / "old-run" / "run.json", "{}").parent
     ds = zero(3, train_micro_batch_size_per_gpu=16, gradient_clipping=0.5)
@@ -244,7 +279,7 @@ def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, mo
     with pytest.raises(SystemExit) as exit_info:
         dispatch.main(["train", "--recipe", "zero2", "--config_file", str(config),
                   f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
-                  "--training.bf16=true", "--method.name=qlora", "--method.quant_storage=uint8",
+                  "--training.precision=16-mixed", "--method.name=qlora", "--method.quant_storage=uint8",
                   f"--model.name_or_path={tmp_path / 'no-model'}"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and launched == []
@@ -252,7 +287,7 @@ def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, mo
     assert f"preflight (nothing was started, loaded or written): {8 if on_cpu else 7} problems:" in err, err
     for part in ("train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", "meant for strategy 'zero2'",
                  "method.quant_storage: 'uint8' under zero3", "missing.jsonl: file not found", "already exists",
-                 "no such local directory", "training.bf16: true" if on_cpu else "bf16"):
+                 "no such local directory", "training.precision 16-mixed on CPU" if on_cpu else "uint8"):
         assert part in err, part
     assert "Traceback" not in err and [p.name for p in run_dir.iterdir()] == ["run.json"]
 

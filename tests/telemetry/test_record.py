@@ -30,9 +30,9 @@ def rec(tmp_path):
 
 
 def test_a_new_record_has_the_schema_1_shape(rec):
-    """The keys and their order as records were written before the record had an owner."""
+    """The keys and their order as records were written before the record had an owner (+ precision, issue 12)."""
     assert list(rec.data) == ["schema", "run_name", "recipe", "created", "config", "versions", "hardware", "strategy",
-                              "batch", "lr", "memory", "predicted_memory", "throughput", "data", "steps", "summary",
+                              "precision", "batch", "lr", "memory", "predicted_memory", "throughput", "data", "steps", "summary",
                               "eval"]
     assert rec.data["summary"] == {"train_loss": None, "eval_loss": None, "total_trained_tokens": None, "wall_s": None,
                                    "steps": 0, "status": "running", "error": None}
