@@ -117,9 +117,10 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         dev["optimizer_states"] = 2 * P * p.state / (n if fam == "fsdp" else 1)
         if strategy == "ddp":
             dev["ddp_grad_buckets"] = P * p.grad  # DDP's flat buckets (gradient_as_bucket_view=False)
-        if st.offload_params:  # FSDP2 CPUOffloadPolicy: sharded params and states on the host
+        if st.offload_params:  # FSDP2 CPUOffloadPolicy: sharded params, their gradients and states on the host
             for key in [k for k in dev if k != "ddp_grad_buckets"]:
                 host[key] = dev.pop(key)
+            host["gradients"] = P * p.grad / n
     return dev, host
 
 
@@ -156,8 +157,11 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     # cast adapter inputs (peft, LoRA) their input grads in the adapter dtype too. The live set is
     # linear in l, so its maximum is at one end: the last block (first to run) or the first block.
     shard = n if st.shards_grads and fam != "deepspeed" else 1
-    head_grad = sh.embedding * p.grad / shard if w.method == "full" else 0
-    layer_grads = sh.params.per_layer * p.grad / shard if (w.method == "full" and fam != "deepspeed") else 0
+    # gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
+    # CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)
+    grads_here = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
+    head_grad = sh.embedding * p.grad / shard if grads_here else 0
+    layer_grads = sh.params.per_layer * p.grad / shard if grads_here else 0
     g = A["lin_out"]
     transient = 2 * g * T * i + A["stream"] * T * h
     if w.method != "full" and A["parts"]["mlp"] > 4 * g * T * i:  # the adapters' inputs were cast copies
@@ -186,7 +190,7 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         if A["weight_casts"]:
             bottom["autocast_weight_copies"] = A["weight_casts_layer"]
         out["first_block_backward"] = bottom
-    if fam in ("torch", "fsdp") and w.method == "full":
+    if grads_here:
         end = {"gradients": P * p.grad / shard}
         if sh.tied:
             # the head's V x h contribution waits in the embedding's input buffer until
@@ -245,7 +249,7 @@ def peak(sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: in
         b = p.param_compute if w.method == "full" else p.frozen_compute
         persistent["fsdp_unsharded_root"] = sh.outside_layers * b
     if st.zero_stage == 3:
-        gathered = zero3_gathered(sh, z, n, p.param, p.frozen, w.method)
+        gathered = zero3_gathered(sh, z, n, p.param, p.frozen, w.method, st.offload_params)
         if gathered:
             persistent["zero3_gathered_params"] = gathered
     P = trainable_params(sh, w)

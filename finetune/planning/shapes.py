@@ -57,6 +57,15 @@ class Shape:
         """Embedding, untied head and final norm: the parameters no decoder block owns."""
         return self.params.total - self.layers * self.params.per_layer
 
+    def parameter_numels(self) -> list[int]:
+        """Elements of every parameter tensor of a Llama-family model (biases and q/k norms folded
+        into each layer's remainder), for allocators that round tensor by tensor."""
+        rest = self.params.per_layer - self.layer_linear_params  # norms (+ biases, q/k norms)
+        per_layer = [i * o for _, i, o in self.linears] + [rest]
+        outside = [self.embedding] + ([self.params.lm_head] if self.params.lm_head else [])
+        outside.append(self.outside_layers - sum(outside))
+        return [x for x in per_layer * self.layers + outside if x > 0]
+
     def lora_params(self, r: int, targets) -> int:
         """LoRA A (r x in) + B (out x r) per targeted linear of every block. "all-linear" is every
         linear of the blocks (peft leaves the output head alone)."""
