@@ -136,7 +136,7 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         tgt = [m for m in names if m in targets]
         if not tgt:
             return 0, False  # a frozen linear saves nothing for its input
-        if w.lora_dropout > 0:  # peft: lora_A(dropout(x)); the dropout saves its mask (1 byte)
+        if w.lora_dropout > 0:  # peft: lora_A(dropout(x)); CUDA's fused native_dropout saves a bool mask
             return len(tgt) * ((B16 if f.autocast else f.adapter) + 1) * T * n, False
         if f.autocast:
             # peft casts x to the adapter's dtype (lora/layer.py _cast_input_dtype; bnb.py skips it under
@@ -207,6 +207,8 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     # LoRA/QLoRA: layer 0's input norm sees no grad (a frozen embedding), unless checkpointing made
     # the embedding's output require grad (enable_input_require_grads)
     first = layer - (norm(h, 1) if lora and not w.gradient_checkpointing else 0)
+    if lora and not w.gradient_checkpointing and w.lora_dropout > 0:  # no grad into q/k/v's dropout: no mask kept
+        first -= T * h * len(targets & {"q_proj", "k_proj", "v_proj"})
     kept = sh.layers * f.stream * T * h  # non-reentrant checkpoint: each block's input
     blocks = kept if w.gradient_checkpointing else first + (sh.layers - 1) * layer
     # the final norm, and lm_head's input when it trains (under autocast a bf16 cast of it)
@@ -225,10 +227,14 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
             cast_layer = B16 * sh.lora_params(w.lora_r, w.lora_targets) // sh.layers
         if p.frozen != B16:  # a frozen fp32 head is cast at every call (not cached) and the copy saved
             cast_head = B16 * sh.vocab * h
-    weight_casts = sh.layers * cast_layer + cast_head
+    cast_first = cast_layer
+    if p.autocast and lora and p.param != B16 and not w.gradient_checkpointing:
+        # layer 0's q/k/v read a norm output that needs no grad: lora_A keeps no weight copy for it
+        cast_first -= B16 * w.lora_r * h * len(targets & {"q_proj", "k_proj", "v_proj"})
+    weight_casts = (sh.layers - 1) * cast_layer + cast_first + cast_head
     return {"per_layer": layer, "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
             "parts": per, "blocks": blocks, "final": final, "rotary": rotary,
-            "indices": indices, "weight_casts": weight_casts, "weight_casts_layer": cast_layer,
+            "indices": indices, "weight_casts": weight_casts, "weight_casts_layer": cast_layer, "weight_casts_first": cast_first,
             "kept_inputs": kept if w.gradient_checkpointing else 0,
             "forward_temporaries": forward_temporaries(sh, w, p, per, cpu=cpu),
             "attn_kind": kind, "attn_bytes": attn_b, "stream": f.stream, "lin_out": g, "head_input": head_in,

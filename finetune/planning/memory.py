@@ -147,7 +147,7 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         fwd = {"activations": A["blocks"] + A["rotary"] + A["indices"],
                "forward_temporaries": A["forward_temporaries"]["forward"]}
         if A["weight_casts"]:
-            fwd["autocast_weight_copies"] = sh.layers * A["weight_casts_layer"]
+            fwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
         out["last_block_forward"] = fwd
     # The blocks' backward, from the last block to the first. At block l: the saved tensors of blocks
     # 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients of the blocks
@@ -183,12 +183,12 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     # (the final norm's and the head's saved tensors were freed by their own backward already)
     top = {"activations": A["blocks"], **common}
     if A["weight_casts"]:
-        top["autocast_weight_copies"] = sh.layers * A["weight_casts_layer"]
+        top["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
     out["last_block_backward"] = top
     if sh.layers > 1:
         bottom = {"activations": A["first_layer"], "upper_block_gradients": (sh.layers - 1) * layer_grads, **common}
         if A["weight_casts"]:
-            bottom["autocast_weight_copies"] = A["weight_casts_layer"]
+            bottom["autocast_weight_copies"] = A["weight_casts_first"]
         out["first_block_backward"] = bottom
     if grads_here:
         end = {"gradients": P * p.grad / shard}
