@@ -257,11 +257,12 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
     log-softmax, nll_loss's grad and log_softmax's grad, all fp32 T x V; the logits and their fp32
     copy are gone (Trainer.compute_loss keeps only the loss; nothing saves them).
 
-    chunked (issue 14's ChunkedLinearCrossEntropy): keeps the head's input and an fp32
-    log-sum-exp per token; one chunk of `chunk` tokens' logits at a time (forward: compute dtype +
-    fp32 copy + logsumexp's fp32 temporary; backward: recomputed compute-dtype logits made fp32,
-    and their compute-dtype copy), the hidden grad, the head's fp32 weight-grad accumulator when
-    the head trains, and the head weight cast to the compute dtype when it is stored otherwise.
+    chunked (issue 14's finetune/modeling/loss.py ChunkedLinearCrossEntropy): keeps the head's input
+    and an fp32 log-sum-exp per token; one chunk of `chunk` tokens' logits at a time (forward: the
+    logits made fp32 + logsumexp's fp32 temporary; backward: the recomputed logits made fp32 and
+    their compute-dtype copy), the hidden grad, the head's fp32 weight-grad accumulator when the
+    head trains (cast to the weight's dtype at the end), and the head weight cast to the compute
+    dtype when it is stored otherwise. Checked on CPU: tests/planning/test_loss_memory.py.
 
     liger (liger_kernel/ops/fused_linear_cross_entropy.py fused_linear_cross_entropy_forward): the
     input and weight grads are computed in the forward (grad_input T x h, grad_weight in the
@@ -277,14 +278,23 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
     a = DtypeFlow(w, p).stream
     if w.loss_impl == "chunked":
         c = min(chunk, T)
-        cast = V * h * lb if head_w != lb else 0
-        saved = a * T * h + F32 * T  # hidden (replaces lm_head's saved input) + fp32 lse
-        fwd = saved + c * V * (lb + (F32 if lb != F32 else 0) + F32) + cast
-        bwd = saved + a * T * h + (F32 * V * h if head_trains else 0) + cast + c * V * (F32 + lb)
+        cast = V * h * lb if head_w != lb else 0  # weight.to(compute dtype), in forward and again in backward
+        saved = a * T * h + F32 * T  # hidden (instead of lm_head's saved input) + fp32 log-sum-exp
+        # forward, per chunk: the logits made fp32 (the compute-dtype ones are freed as .float() returns)
+        # and logsumexp's temporary (aten logsumexp: (x - max).exp_())
+        fwd = saved + c * V * (F32 + F32) + cast
+        grads = a * T * h + (F32 * V * h if head_trains else 0)  # grad_h, the fp32 grad_w accumulator
+        # per chunk: recomputed logits made fp32 and their compute-dtype copy; at the end grad_w cast
+        # to the weight's dtype beside the accumulator
+        last = head_w * V * h if (head_trains and head_w != F32) else 0
+        bwd = saved + grads + cast + max(c * V * (F32 + (lb if lb != F32 else 0)), last)
         return {"forward": fwd, "backward": bwd, "saved_input": saved}
     if w.loss_impl == "liger":
+        # liger_fused_linear_cross_entropy(h, weight.to(cd), ..., accum_dtype=fp32) computes grad_input and
+        # an fp32 grad_weight in the forward, chunk by chunk (liger_kernel/ops/fused_linear_cross_entropy.py);
+        # derived from its source, not measured (Triton kernels: no CPU)
         c = 1 << max(0, math.ceil(math.log2(max(1, -(-T // -(-V // h))))))
-        grads = a * T * h + (head_w * V * h if head_trains else 0)
-        fwd = grads + 2 * c * V * lb
-        return {"forward": fwd, "backward": grads, "saved_input": grads}
+        cast = V * h * lb if head_w != lb else 0
+        grads = a * T * h + (F32 * V * h if head_trains else 0)
+        return {"forward": grads + cast + 2 * c * V * lb, "backward": grads, "saved_input": grads}
     raise ValueError(f"training.loss_impl {w.loss_impl!r}: the planner knows standard, chunked, liger")
