@@ -235,6 +235,7 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     return {"per_layer": layer, "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
             "parts": per, "blocks": blocks, "final": final, "rotary": rotary,
             "indices": indices, "weight_casts": weight_casts, "weight_casts_layer": cast_layer, "weight_casts_first": cast_first,
+            "weight_casts_head": cast_head,
             "kept_inputs": kept if w.gradient_checkpointing else 0,
             "forward_temporaries": forward_temporaries(sh, w, p, per, cpu=cpu),
             "attn_kind": kind, "attn_bytes": attn_b, "stream": f.stream, "lin_out": g, "head_input": head_in,

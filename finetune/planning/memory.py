@@ -135,11 +135,15 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     P = trainable_params(sh, w)
     T, h, i = w.tokens, sh.hidden, sh.intermediate
     act = A["blocks"] + A["final"] + A["rotary"] + A["indices"]  # = A["total"] less the weight casts
+    casts = A["weight_casts"]
     if w.loss_impl != "standard":
-        act -= A["head_input"]  # the chunked/fused loss keeps the head's input itself (in its buffers)
+        # the chunked/fused loss keeps the head's input itself (in its buffers) and casts the head's weight
+        # with autocast off (finetune/modeling/loss.py): no lm_head input or autocast copy is saved
+        act -= A["head_input"]
+        casts -= A["weight_casts_head"]
     base = {"activations": act}
-    if A["weight_casts"]:
-        base["autocast_weight_copies"] = A["weight_casts"]
+    if casts:
+        base["autocast_weight_copies"] = casts
     out = {"forward_end": {**base, "loss_buffers": L["forward"]},
            "backward_start": {**base, "loss_buffers": L["backward"]}}
     if not w.gradient_checkpointing:

@@ -78,3 +78,23 @@ def test_control_four_fp32_loss_buffers_at_once_miss_the_logits_peak():
     loss-dominated peak is off by far more than the tolerance above: the comparison can fail."""
     measured, _, predicted, _ = run("bf16_true_full", "logits", loss_backward_bytes_per_element=16)
     assert abs(predicted - measured["peak"]) / measured["peak"] > 10 * EXACT
+
+
+def test_the_step_peak_with_issue_14s_chunked_loss():
+    """bf16-mixed full fine-tuning with the chunked loss installed (finetune/modeling/loss.py, when present):
+    the loss keeps the head's input itself and casts the head's weight with autocast off, so no lm_head
+    input or autocast copy of the head is saved; one 128-token chunk at a time. On CPU the loss's fp32
+    accumulation copies the chunk's grads and inputs to fp32 (its _addmm_fp32: `a.float(), b.float()`; CUDA
+    adds into fp32 directly): added to the planner's CUDA figure here, by name."""
+    loss = pytest.importorskip("finetune.modeling.loss")
+    regime, sp, chunk = "bf16_mixed_full", SHAPES["logits"], 128
+    cfg = mech.config(vocab_size=sp["vocab"])
+    model = mech.build(regime, cfg)
+    loss.install(model, "chunked", chunk=chunk, device_type="cpu")
+    w = mech.workload(regime, sp["b"], sp["s"], loss_impl="chunked", loss_chunk_tokens=chunk)
+    pred = memory.peak(shape_of(cfg), w, mech.REGIMES[regime][3], "single", 1, sm=None)
+    measured = mech.step_peak(model, mech.batch(sp["vocab"], sp["b"], sp["s"]), regime, pred["attn_kind"])
+    above_states = pred["allocated"] - sum(pred["persistent"].values())
+    cpu_fp32_copies = 4 * chunk * (sp["vocab"] + cfg.hidden_size)
+    assert pred["phase"] == "backward_start"
+    assert above_states + cpu_fp32_copies == pytest.approx(measured["peak"], rel=EXACT)
