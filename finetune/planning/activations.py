@@ -274,8 +274,7 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
     head_trains = w.method == "full"
     head_w = p.param if head_trains else p.frozen
     if w.loss_impl == "standard":
-        return {"forward": T * V * (lb + (F32 if lb != F32 else 0) + F32), "backward": 3 * F32 * T * V,
-                "saved_input": 0}
+        return {"forward": T * V * (lb + (F32 if lb != F32 else 0) + F32), "backward": 3 * F32 * T * V}
     a = DtypeFlow(w, p).stream
     if w.loss_impl == "chunked":
         c = min(chunk, T)
@@ -289,7 +288,7 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
         # to the weight's dtype beside the accumulator
         last = head_w * V * h if (head_trains and head_w != F32) else 0
         bwd = saved + grads + cast + max(c * V * (F32 + (lb if lb != F32 else 0)), last)
-        return {"forward": fwd, "backward": bwd, "saved_input": saved}
+        return {"forward": fwd, "backward": bwd}
     if w.loss_impl == "liger":
         # liger_fused_linear_cross_entropy(h, weight.to(cd), ..., accum_dtype=fp32) computes grad_input and
         # an fp32 grad_weight in the forward, chunk by chunk (liger_kernel/ops/fused_linear_cross_entropy.py);
@@ -297,5 +296,5 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
         c = 1 << max(0, math.ceil(math.log2(max(1, -(-T // -(-V // h))))))
         cast = V * h * lb if head_w != lb else 0
         grads = a * T * h + (F32 * V * h if head_trains else 0)
-        return {"forward": grads + cast + 2 * c * V * lb, "backward": grads, "saved_input": grads}
+        return {"forward": grads + cast + 2 * c * V * lb, "backward": grads}
     raise ValueError(f"training.loss_impl {w.loss_impl!r}: the planner knows standard, chunked, liger")

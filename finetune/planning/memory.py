@@ -6,6 +6,7 @@ states, gradient buffers, cuBLAS workspaces) plus, per phase, what exists at tha
 
     forward_end       activations + the loss's forward buffers
     backward_start    activations + the loss's backward buffers (standard loss: 3 fp32 T x V)
+    final_norm_backward  every block's activations, the final norm's, RMSNorm's backward temporaries
     last_block_backward / first_block_backward
                       a block's backward: the saved tensors of the blocks below (with
                       checkpointing their inputs + the recomputed block), the gradients of the
@@ -173,7 +174,7 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     if w.gradient_checkpointing:  # the block is re-run forward inside the backward: its forward temporaries
         transient = max(transient, A["forward_temporaries"]["recompute"] + A["stream"] * T * h)
     common = {"head_grad": head_grad, "block_backward_temporaries": transient,
-              "loss_saved_input": L["saved_input"], "rotary_and_targets": A["rotary"] + A["indices"]}
+              "rotary_and_targets": A["rotary"] + A["indices"]}
     if w.gradient_checkpointing:
         common["recomputed_block"] = A["per_layer"]
     if fam == "deepspeed" and st.zero_stage in (1, 2):
@@ -184,6 +185,15 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         layer_b = sh.params.per_layer * (p.param_compute if w.method == "full" else p.frozen_compute)
         common["fsdp_unsharded_blocks"] = 2 * layer_b + (sh.params.per_layer * p.param_compute
                                                           if w.method == "full" else 0)
+    # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
+    # the final norm's fp32 input (its weight's xn and its output's grad are freed by then), the head's
+    # gradient, and RMSNorm's backward temporaries: 5 fp32 T x h (measured on one RMSNorm alone: 20 bytes
+    # x T x h new at the peak, 16-bit or fp32, trained weight or not)
+    norm_bwd = {"activations": A["blocks"] + F32 * T * h, "head_grad": head_grad,
+                "norm_backward_temporaries": 5 * F32 * T * h, "rotary_and_targets": A["rotary"] + A["indices"]}
+    if A["weight_casts"]:
+        norm_bwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
+    out["final_norm_backward"] = norm_bwd
     # (the final norm's and the head's saved tensors were freed by their own backward already)
     top = {"activations": A["blocks"], **common}
     if A["weight_casts"]:

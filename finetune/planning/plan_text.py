@@ -13,8 +13,8 @@ COLUMNS = (("params", ("weights", "frozen_weights", "nf4_weights", "unquantized_
                       "accumulated_grad_partition", "gradients", "tied_embedding_grad_parts", "head_grad",
                       "upper_block_gradients", "fp32_grad_partition", "grads_in_partition", "fp32_subgroup_grad")),
            ("activ", ("activations", "autocast_weight_copies", "recomputed_block", "rotary_and_targets",
-                      "forward_temporaries", "block_backward_temporaries")),
-           ("loss", ("loss_buffers", "loss_saved_input")))
+                      "forward_temporaries", "block_backward_temporaries", "norm_backward_temporaries")),
+           ("loss", ("loss_buffers",)))
 NAMED = {name for _, names in COLUMNS for name in names}
 
 
