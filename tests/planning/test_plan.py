@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.errors import UserError
-from finetune.planning import comm, memory, params, prediction, regimes, report, shapes
+from finetune.planning import comm, memory, params, prediction, report, shapes
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
