@@ -162,3 +162,16 @@ def test_precision_flags_of_training_arguments_are_refused_with_the_policy_to_us
         build_config({"training": {"precision": "bf16"}})
     with pytest.raises(ConfigError, match=r"model.dtype: 'float32' contradicts training.precision bf16-true"):
         build_config({"training": {"precision": "bf16-true"}, "model": {"dtype": "float32"}})
+
+
+def test_the_bytes_table_in_docs_precision_md_is_the_code():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text(encoding="utf-8")
+    rows = [line.strip("|").split("|") for line in doc.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip() in precision.POLICY_NAMES]
+    assert len(rows) == 4 * 8, len(rows)
+    for policy, strategy, *numbers in ([c.strip() for c in r] for r in rows):
+        b = precision.trainable_bytes(policy, strategy)
+        assert [int(n) for n in numbers] == [b.params, b.grads, b.master, b.optimizer_states, b.working_params,
+                                             b.working_grads, b.reduce], (policy, strategy)

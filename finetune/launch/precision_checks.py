@@ -26,7 +26,7 @@ def runs_on_cuda(cfg, facts: LaunchFacts) -> bool:
 
     from finetune.launch import cpu_rehearsal
 
-    use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or cpu_rehearsal.requested()
+    use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
     return torch.cuda.is_available() and not use_cpu
 
 

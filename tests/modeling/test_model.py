@@ -226,3 +226,55 @@ def test_load_tokenizer_pads_with_eos_when_there_is_no_pad_token(tiny_model_dir,
     loaded = load_tokenizer(ModelConfig(name_or_path=str(tmp_path)))
     assert loaded.pad_token == loaded.eos_token == "<|im_end|>"
     assert loaded.chat_template
+
+
+# --- the precision policy (finetune/precision.py) at load time -----------------------------------
+
+
+def _policy_model(tiny_model_dir, policy, method, deepspeed=False):
+    from finetune import precision
+
+    return load_model(ModelConfig(name_or_path=str(tiny_model_dir)), MethodConfig(name=method),
+                      policy=precision.get(policy), deepspeed=deepspeed)
+
+
+def test_bf16_mixed_full_keeps_fp32_masters_that_start_from_the_bf16_checkpoint(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    model = _policy_model(tiny_model_dir, "bf16-mixed", "full")
+    fp32 = dict(LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.requires_grad, name
+        # bf16-exact: what DeepSpeed's master starts from (a bf16 module, .float()), not the fp32 file's low bits
+        assert torch.equal(p.detach(), fp32[name].detach().bfloat16().float()), name
+    assert any(not torch.equal(p.detach(), fp32[n].detach()) for n, p in model.named_parameters())  # control
+    # under DeepSpeed nothing is upcast: the engine keeps the module in bf16 and builds its own fp32 master
+    assert {p.dtype for p in _policy_model(tiny_model_dir, "bf16-mixed", "full", deepspeed=True).parameters()} == \
+        {torch.bfloat16}
+    assert {p.dtype for p in _policy_model(tiny_model_dir, "bf16-true", "full").parameters()} == {torch.bfloat16}
+
+
+def test_lora_adapters_are_fp32_on_a_bf16_base_except_under_deepspeed_and_bf16_true(tiny_model_dir):
+    def dtypes(model):
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        adapters = {p.dtype for p in model.parameters() if p.requires_grad}
+        return frozen, adapters
+
+    assert dtypes(_policy_model(tiny_model_dir, "bf16-mixed", "lora")) == ({torch.bfloat16}, {torch.float32})
+    assert dtypes(_policy_model(tiny_model_dir, "bf16-mixed", "lora", deepspeed=True)) == \
+        ({torch.bfloat16}, {torch.bfloat16})  # DeepSpeed's fp32 partitions are the master
+    assert dtypes(_policy_model(tiny_model_dir, "bf16-true", "lora")) == ({torch.bfloat16}, {torch.bfloat16})
+    assert dtypes(_policy_model(tiny_model_dir, "32-true", "lora")) == ({torch.float32}, {torch.float32})
+
+
+def test_qlora_compute_dtype_follows_the_policy(tiny_model_dir):
+    import bitsandbytes as bnb
+
+    mixed = _policy_model(tiny_model_dir, "bf16-mixed", "qlora")
+    layers = [m for m in mixed.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and {m.compute_dtype for m in layers} == {torch.bfloat16}
+    assert {m.weight.dtype for m in layers} == {torch.bfloat16}  # quant_storage auto = the compute dtype
+    unquantized = {p.dtype for p in mixed.parameters() if not p.requires_grad and type(p).__name__ != "Params4bit"}
+    assert unquantized == {torch.float32}  # peft's prepare_model_for_kbit_training upcast, kept (measured policy)
+    true = _policy_model(tiny_model_dir, "bf16-true", "qlora")
+    assert {p.dtype for p in true.parameters() if type(p).__name__ != "Params4bit"} == {torch.bfloat16}

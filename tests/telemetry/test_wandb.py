@@ -29,6 +29,8 @@ def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_mode
     assert wb["config"]["effective_batch_size"] == rec["batch"]["effective"] == 4
     assert wb["config"]["lr_applied"] == rec["lr"]["applied"]
     assert wb["config"]["finetune"]["lr"]["rule"] == rec["lr"]["rule"]
+    assert wb["config"]["precision"] == rec["precision"]["policy"] == "32-true"  # the CPU default (auto)
+    assert wb["config"]["finetune"]["precision"] == rec["precision"]  # as read from the live run, at the end
 
     steps = [h for h in wb["history"] if "train/loss" in h]
     assert len(steps) == 3

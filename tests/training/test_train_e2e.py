@@ -93,6 +93,9 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
     assert adapter["r"] == 16 and (run_dir / "model" / "adapter_model.safetensors").is_file()
     table = {line.split()[0] + " " + line.split()[1]: line for line in res.stdout.splitlines() if len(line.split()) > 2}
     assert str(run_dir) in table["run directory"] and str(run_dir / "model") in table["LoRA adapter"]
+    # the precision policy read from the live run (CPU default: auto = 32-true)
+    assert "precision 32-true from auto (fp32 params, fp32 states, fp32 compute)" in " ".join(res.stdout.split())
+    assert rec["precision"]["policy"] == "32-true" and rec["precision"]["observed_compute_dtype"] == "float32"
 
     out = reload_and_generate(run_dir / "model", adapter=True)
     assert "NEW_TOKENS 5" in out and "PeftModel" in out
