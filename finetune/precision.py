@@ -223,10 +223,12 @@ def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
     master, compute, states = b[p.master_dtype], b[p.compute_dtype], 2 * b[p.optimizer_state_dtype]
     if fam == "deepspeed":
         # The module holds compute-dtype parameters and gradients; the ZeRO optimizer steps a separate
-        # master partition (a clone even when the dtypes match), except ZeRO-3 without optimizer offload
-        # whose module partition already has the master dtype (stage3.py _create_fp32_partitions).
-        shares = row.zero_stage == 3 and not row.offload_optimizer and p.compute_dtype == p.master_dtype
-        return ParamBytes(params=compute, grads=compute, master=0 if shares else master, optimizer_states=states,
+        # master partition, a clone even when the dtypes match (stage_1_and_2.py; stage3.py below).
+        # stage3.py _create_fp32_partitions means to share the module partition when it already has the
+        # master dtype, but compares the partition's torch.device with self.device, a *string*
+        # (get_accelerator().current_device_name()): never equal, so ZeRO-3 clones it too (DeepSpeed
+        # 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy: issue 13).
+        return ParamBytes(params=compute, grads=compute, master=master, optimizer_states=states,
                           working_params=0, working_grads=0, reduce=compute)
     if fam == "fsdp2":
         unsharded = b[p.fsdp_param_dtype] if p.fsdp_param_dtype else master

@@ -180,7 +180,7 @@ COLUMNS = [
     Column("mfu", "MFU", "MFU", "{:.1%}"),
     Column("device_peak_gib", "dev GiB", "peak device memory, GiB (allocated, max over ranks)", "{:.2f}"),
     Column("host_peak_gib", "host GiB", "host peak RSS, GiB (max over ranks)", "{:.2f}"),
-    Column("predicted_gib", "pred GiB", "predicted memory, GiB (device, else host)", "{:.2f}"),
+    Column("predicted_gib", "pred GiB", "predicted memory, GiB (device allocated, else host)", "{:.2f}"),
     Column("predicted_error", "pred err", "prediction error (relative)", "{:+.1%}"),
     Column("train_loss", "train loss", "final train loss (mean over training)", "{:.4f}"),
     Column("eval_loss", "eval loss", "eval loss", "{:.4f}"),
@@ -300,8 +300,14 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     predicted = run.get("predicted_memory")
     if predicted:
         side = "device" if predicted.get("device") else "host"
-        row["predicted_gib"] = (predicted.get(side) or {}).get("total_gib")
-        row["predicted_error"] = ((predicted.get("error") or {}).get(side) or {}).get("relative_error")
+        errors = predicted.get("error") or {}
+        if side == "device":  # allocated against the measured allocated peak (records before issue 13: total)
+            dev = predicted["device"]
+            row["predicted_gib"] = dev.get("allocated_gib", dev.get("total_gib"))
+            row["predicted_error"] = (errors.get("device_allocated") or errors.get("device") or {}).get("relative_error")
+        else:
+            row["predicted_gib"] = (predicted.get("host") or {}).get("total_gib")
+            row["predicted_error"] = (errors.get("host") or {}).get("relative_error")
         row["predicted_side"] = side
     else:
         why["predicted_gib"] = why["predicted_error"] = "no prediction in the record"

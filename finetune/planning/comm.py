@@ -24,7 +24,9 @@ import json
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.planning.memory import Shape, Workload
+from finetune.planning.memory import NF4_BITS
+from finetune.planning.regimes import Regime
+from finetune.planning.shapes import Shape, Workload
 from finetune.strategies import by_key
 from finetune.units import GB  # nccl-tests report GB/s as 1e9 bytes/s
 
@@ -40,22 +42,26 @@ def ring_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def step_traffic(shape: Shape, w: Workload, strategy: str, n: int) -> dict:
-    """{'collectives': {name: bytes per rank}, 'host_device': {name: bytes per rank}} per optimizer step."""
+def step_traffic(shape: Shape, w: Workload, strategy: str, n: int, regime: Regime) -> dict:
+    """{'collectives': {name: bytes per rank}, 'host_device': {name: bytes per rank}} per optimizer step.
+    Bytes per element from the precision regime (finetune/planning/regimes.py): gradients are reduced
+    in their accumulation dtype (DDP's .grad, FSDP2's reduce_dtype, DeepSpeed's module dtype), the
+    updated parameters gathered in the module's dtype, and ZeRO-3/FSDP2 gather what forward reads."""
     st = by_key(strategy)
-    psi = shape.params.total
+    p = regime
     if w.method == "full":
-        trainable, tdt = psi, w.weight_bytes
-        all_bytes = psi * w.weight_bytes
+        trainable = shape.params.total
+        all_bytes = trainable * p.param_compute
     else:
-        trainable, tdt = shape.lora_params(w.lora_r, w.lora_targets), 4
+        trainable = shape.lora_params(w.lora_r, w.lora_targets)
+        frozen = shape.params.total
         if w.method == "qlora":  # the packed 4-bit storage is what gets gathered
-            from finetune.planning.memory import NF4_BITS
             q = shape.block_linear_params
-            all_bytes = q * NF4_BITS[w.double_quant] / 8 + (psi - q) * 4 + trainable * tdt
+            frozen_bytes = q * NF4_BITS[w.double_quant] / 8 + (frozen - q) * p.frozen_compute
         else:
-            all_bytes = psi * w.weight_bytes + trainable * tdt
-    s_g, s_w, a = trainable * tdt, trainable * tdt, w.grad_accum
+            frozen_bytes = frozen * p.frozen_compute
+        all_bytes = frozen_bytes + trainable * p.param_compute
+    s_g, s_w, a = trainable * p.grad, trainable * p.param, w.grad_accum
     coll, h2d = {}, {}
     if n >= 2 and strategy != "single":
         if strategy == "ddp":

@@ -1,347 +1,290 @@
-"""Memory per device and per host process for every strategy and method, from the config alone.
+"""Device memory of one training step, per device, for every strategy and method, from the config.
 
-Model states use the ZeRO paper's partitioning (finetune/planning/params.py, Rajbhandari et al. 2020)
-applied to what this framework actually holds (docs/planning.md has every formula and source):
+The peak is the largest live set over the moments of a step that can hold it ("phases"), not a
+sum of everything ever allocated: model states that persist (weights, master copy, optimizer
+states, gradient buffers, cuBLAS workspaces) plus, per phase, what exists at that moment:
 
-- weights are loaded in the training dtype (model.dtype "auto": bf16 on a GPU, fp32 on a CPU;
-  finetune/modeling/load.py) with no autocast, so torch-native strategies (single, DDP, FSDP2) keep
-  no fp32 master copy and AdamW's two states take the parameter's dtype (2 x its bytes);
-  DeepSpeed (ZeRO-1/2/3) always keeps an fp32 master partition: K = 12 bytes/parameter.
-- LoRA adapters are fp32 (peft casts adapters of a 16-bit model to fp32, autocast_adapter_dtype).
-- QLoRA: NF4 4-bit linear weights of the blocks + quantization constants (QLoRA paper,
-  Dettmers et al. 2023, §3: blocksize 64; double quantization stores the absmax constants in
-  8 bits with one fp32 constant per 256 of them: 8/64 + 32/(64*256) = 0.127 bits/parameter;
-  without it 32/64 = 0.5 bits/parameter); embeddings, norms and lm_head stay unquantized and
-  peft's prepare_model_for_kbit_training casts them to fp32.
-- activations: per layer, the tensors autograd keeps for backward in a Llama block under SDPA
-  (no s x s score matrix is stored), our adaptation of Korthikanti et al. 2022 (sbh(34+5as/h)
-  for GPT blocks with dropout): act_bytes * s * b * (6h + 2q + 2kv + 4i + 2), q = heads*head_dim,
-  kv = kv_heads*head_dim, i = intermediate; eager attention adds 2 * act_bytes * b * heads * s^2.
-  With gradient checkpointing: the L block inputs (act_bytes * s * b * h each) + one block whole.
-- logits: b*s*V in the activation dtype, an fp32 copy for the loss when that dtype is 16-bit,
-  fp32 log-softmax kept for backward and its fp32 gradient: b*s*V*(act_bytes + [4] + 4 + 4).
+    forward_end       activations + the loss's forward buffers
+    backward_start    activations + the loss's backward buffers (standard loss: 3 fp32 T x V)
+    final_norm_backward  every block's activations, the final norm's, RMSNorm's backward temporaries
+    last_block_backward / first_block_backward
+                      a block's backward: the saved tensors of the blocks below (with
+                      checkpointing their inputs + the recomputed block), the gradients of the
+                      blocks above, the head's gradient, the block's backward temporaries
+    backward_end      all gradients (torch-native full fine-tuning) and the tied embedding's parts
+    optimizer_step    DeepSpeed's fp32 gradient partitions / sub-group; foreach AdamW's temporaries
+
+Units: bytes. Derivations and the GPU comparison: docs/planning.md; activations and loss:
+finetune/planning/activations.py; precision regimes: finetune/planning/regimes.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from finetune.planning.activations import activations, loss_buffers
+from finetune.planning.regimes import B16, F32, Regime, family
+from finetune.planning.shapes import Shape, Workload
+from finetune.planning.zero_buffers import ZeroValues, zero3_gathered, zero_values
+from finetune.strategies import by_key
+from finetune.units import GIB
 
-from finetune.planning.params import ADAM_K, ParamCount, count_parameters
-from finetune.strategies import KEYS, by_key, planner_key
-from finetune.units import GIB, gib
+# ---- constants: one per quantity, each with its source --------------------------------------------
+# cuBLAS workspace per (handle, stream), allocated through torch's caching allocator
+# (aten/src/ATen/cuda/CublasHandlePool.cpp getChosenWorkspaceSize: CUBLAS_WORKSPACE_CONFIG default
+# ":4096:8" = 32 MiB on sm90, ":4096:2:16:8" = 8 MiB + 128 KiB elsewhere; cuBLASLt shares it).
+CUBLAS_WORKSPACE_SM90 = 4096 * 1024 * 8
+CUBLAS_WORKSPACE_OTHER = 4096 * 1024 * 2 + 16 * 1024 * 8
+# Handles are per thread: the forward runs on the Python thread, the backward on autograd's device
+# thread, so a training step has two (derived; the six H200 records each leave 0.2-2.3 MiB
+# unexplained after counting these 64 MiB).
+CUBLAS_HANDLES = 2
+# Caching-allocator fragmentation: reserved / allocated - 1 of the steady state. FITTED: the mean
+# over the five H200 records of 2026-11-22 whose step allocates no buffer larger than a block freed
+# before it (single 4.4%, FSDP2 11.7%, ZeRO-3 3.7%, LoRA 7.5%, QLoRA 1.0%).
+ALLOCATOR_FRAGMENTATION = 0.057
+# CUDA context + module images, outside torch's counters (nvidia-smi sees it, memory_stats does
+# not): ASSUMED, a typical H100 figure, not in the records. Counts toward "fits", not toward the
+# allocated/reserved predictions.
+CUDA_CONTEXT_GIB = 0.5
+# issue 14's automatic loss chunk: the largest power of two of tokens whose fp32 logits fit this
+# many bytes (its loss module's DEFAULT_CHUNK_BYTES / auto_chunk_tokens; keep the two equal).
+LOSS_CHUNK_BYTES = 256 * 2**20
+NF4_BITS = {True: 4 + 8 / 64 + 32 / (64 * 256), False: 4 + 32 / 64}  # QLoRA paper §3; tests: bitsandbytes
 
-CUDA_CONTEXT_GIB = 0.5  # CUDA context + cuBLAS/NCCL workspaces, outside torch's allocator (typical H100 figure)
-TEMPORARY_FRACTION = 0.10  # allocator fragmentation and short-lived temporaries, as a share of the rest
-# Resident set of one Python process with torch + transformers + accelerate + peft + deepspeed
-# imported: 0.53 GiB measured here (psutil RSS after the imports, torch 2.13 cpu, transformers 5.23).
-PROCESS_BASELINE_GIB = 0.55
-NF4_BITS = {True: 4 + 8 / 64 + 32 / (64 * 256), False: 4 + 32 / 64}  # double_quant -> bits/parameter
-
-# Plan rows: every strategy of the table (finetune/strategies.py), in its order.
-STRATEGIES = KEYS
 METHODS = ("full", "lora", "qlora")
 
 
-@dataclass
-class Shape:
-    """What the memory arithmetic needs from a transformers config."""
-
-    model_type: str
-    params: ParamCount
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    linears: list = field(default_factory=list)  # (name, in_features, out_features) per block
-
-    @property
-    def block_linear_params(self) -> int:
-        return self.layers * sum(i * o for _, i, o in self.linears)
-
-    def lora_params(self, r: int, targets) -> int:
-        """LoRA A (r x in) + B (out x r) per targeted linear of every block. "all-linear" is every
-        linear of the blocks (peft leaves the output head alone)."""
-        chosen = self.targeted(targets)
-        return self.layers * sum(r * (i + o) for _, i, o in chosen)
-
-    def targeted(self, targets) -> list:
-        if targets == "all-linear":
-            return list(self.linears)
-        names = set(targets)
-        return [t for t in self.linears if t[0] in names or t[0].rsplit(".", 1)[-1] in names]
+def chunk_tokens(w: Workload, vocab: int) -> int:
+    if w.loss_chunk_tokens:
+        return w.loss_chunk_tokens
+    n = max(16, LOSS_CHUNK_BYTES // (4 * vocab))
+    return 1 << (n.bit_length() - 1)
 
 
-def shape_of(config) -> Shape:
-    count = count_parameters(config)  # raises ValueError naming unsupported model types
-    if config.model_type == "gpt2":
-        h, inner = config.n_embd, config.n_inner or 4 * config.n_embd
-        linears = [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, inner), ("mlp.c_proj", inner, h)]
-        return Shape("gpt2", count, h, config.n_layer, config.n_head, config.n_head, h // config.n_head, inner,
-                     config.vocab_size, linears)
-    h, heads = config.hidden_size, config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hd = getattr(config, "head_dim", None) or h // heads
-    inter = config.intermediate_size
-    linears = [("q_proj", h, heads * hd), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h),
-               ("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
-    return Shape(config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size,
-                 linears)
+def cublas_bytes(sm: int | None) -> int:
+    """Both cuBLAS workspaces on a GPU of compute capability major `sm`; 0 off a GPU (sm None)."""
+    if sm is None:
+        return 0
+    return CUBLAS_HANDLES * (CUBLAS_WORKSPACE_SM90 if sm == 9 else CUBLAS_WORKSPACE_OTHER)
 
 
-@dataclass
-class Workload:
-    """The recipe's side of the arithmetic."""
-
-    method: str  # full | lora | qlora
-    micro_batch: int
-    seq_len: int
-    grad_accum: int = 1
-    gradient_checkpointing: bool = False
-    weight_bytes: int = 2  # training dtype of the weights: 2 (bf16/fp16) or 4 (fp32)
-    lora_r: int = 16
-    lora_targets: object = "all-linear"
-    lora_dropout: float = 0.0
-    double_quant: bool = True
-    attn_implementation: str = "sdpa"
-    # The precision policy assumed (finetune/precision.py); stated in the assumptions. The arithmetic
-    # here does not read its table yet: weight_bytes stands for the module's weights.
-    precision: str | None = None
+def batch_bytes(w: Workload) -> int:
+    """The micro-batch on the device while it trains: int64 input_ids and labels, plus the attention
+    mask (padded layout) or position_ids (packed, padding-free) (finetune/data/collate.py); the
+    embedding saves input_ids itself."""
+    return 8 * w.tokens * 3
 
 
-def activation_bytes(shape: Shape, w: Workload) -> dict:
-    """Bytes of activations kept for backward, and of the logits path (see the module docstring)."""
-    a, s, b = w.weight_bytes, w.seq_len, w.micro_batch
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    # Two RMSNorms keep input, normalized and weighted output (3h each) + the fp32-sized rsqrt (1);
-    # attention keeps rotated q and k, v and the SDPA output (2q + 2kv); the gated MLP keeps
-    # gate, up, act(gate) and their product (4i). Seen with torch.autograd.graph.saved_tensors_hooks
-    # on transformers' LlamaDecoderLayer (tests/planning/test_plan.py checks it).
-    per_layer = a * s * b * (6 * shape.hidden + 2 * q + 2 * kv + 4 * shape.intermediate + 2)
-    per_layer += 4 * b * shape.heads * s  # SDPA's fp32 log-sum-exp per query and head
-    if w.attn_implementation == "eager":
-        per_layer += 2 * a * b * shape.heads * s * s  # the s x s weights before and after softmax
-    if w.method in ("lora", "qlora"):
-        chosen = shape.targeted(w.lora_targets)
-        per_layer += a * s * b * w.lora_r * len(chosen)  # lora_A outputs
-        if w.lora_dropout > 0:  # a dropped copy of each adapter input + its mask
-            per_layer += sum((a + 1) * s * b * i for _, i, _ in chosen)
-    block_input = a * s * b * shape.hidden
-    if w.gradient_checkpointing:
-        layers = shape.layers * block_input + per_layer  # block inputs + one block recomputed
-    else:
-        layers = shape.layers * per_layer
-    layers += 3 * block_input  # the final norm: input, normalized, weighted
-    logits = b * s * shape.vocab * (a + (4 if a < 4 else 0) + 4 + 4)
-    return {"activations": layers, "logits": logits}
+def trainable_params(sh: Shape, w: Workload) -> int:
+    return sh.params.total if w.method == "full" else sh.lora_params(w.lora_r, w.lora_targets)
 
 
-def components(shape: Shape, w: Workload, strategy: str, n: int) -> tuple[dict, dict]:
-    """(device bytes per component, host bytes per component of one rank's process)."""
+def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None) -> tuple[dict, dict]:
+    """(device, host) bytes that persist across steps: weights, master copy, optimizer states,
+    persistent gradient buffers, per device / per process."""
     st = by_key(strategy)
-    psi = shape.params.total
-    wb = w.weight_bytes
-    frozen = {}  # frozen base weights by component name (LoRA/QLoRA)
-    if w.method == "full":
-        trainable, tdt = psi, wb
+    fam = family(strategy)
+    P = trainable_params(sh, w)
+    dev: dict[str, float] = {}
+    host: dict[str, float] = {}
+    shard_p = n if st.shards_params else 1  # FSDP2 and ZeRO-3 shard frozen parameters too
+    if w.method == "qlora":
+        quant = sh.block_linear_params
+        dev["nf4_weights"] = quant * NF4_BITS[w.double_quant] / 8 / shard_p
+        dev["unquantized_weights"] = (sh.params.total - quant) * p.frozen / shard_p
+    elif w.method == "lora":
+        dev["frozen_weights"] = sh.params.total * p.frozen / shard_p
+    dev["weights" if w.method == "full" else "lora_adapters"] = P * p.param / shard_p
+    if fam == "deepspeed":
+        # a separate master partition, always: stage_1_and_2.py clones it; stage3.py
+        # _create_fp32_partitions means to share an fp32 partition but compares a torch.device with
+        # the string self.device, never equal (DeepSpeed 0.19.8)
+        dev["master_weights"] = P * p.master / n
+        dev["optimizer_states"] = 2 * P * p.state / n
+        if st.zero_stage == 3:
+            dev["grad_partition_buffer"] = P * p.grad / n  # stage3 grad_partitions_flat_buffer (zeros at init)
+            dev["ipg_bucket"] = z.reduce_bucket_size * p.grad  # stage3 ipg bucket, allocated at init
+        if st.offload_optimizer:
+            for key in ("master_weights", "optimizer_states") + (("grad_partition_buffer",) if st.zero_stage == 3 else ()):
+                host[key] = dev.pop(key)
+            if st.zero_stage != 3:
+                host["fp32_grad_partition"] = P * F32 / n  # single_partition_of_fp32_groups[i].grad, pinned
+        if st.offload_params:
+            key = "weights" if w.method == "full" else "lora_adapters"
+            host[key] = dev.pop(key)
+            for frozen_key in ("frozen_weights", "nf4_weights", "unquantized_weights"):
+                if frozen_key in dev:
+                    host[frozen_key] = dev.pop(frozen_key)
     else:
-        trainable, tdt = shape.lora_params(w.lora_r, w.lora_targets), 4  # fp32 adapters (peft)
-        if w.method == "qlora":
-            quantized = shape.block_linear_params
-            frozen["nf4_weights+constants"] = quantized * NF4_BITS[w.double_quant] / 8
-            frozen["unquantized_weights_fp32"] = (psi - quantized) * 4  # prepare_model_for_kbit_training
+        dev["optimizer_states"] = 2 * P * p.state / (n if fam == "fsdp" else 1)
+        if strategy == "ddp":
+            dev["ddp_grad_buckets"] = P * p.grad  # DDP's flat buckets (gradient_as_bucket_view=False)
+        if st.offload_params:  # FSDP2 CPUOffloadPolicy: sharded params, their gradients and states on the host
+            for key in [k for k in dev if k != "ddp_grad_buckets"]:
+                host[key] = dev.pop(key)
+            host["gradients"] = P * p.grad / n
+    return dev, host
+
+
+
+def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, *,
+           cpu: bool = False) -> dict:
+    """{phase: {component: bytes}} of what exists beyond the persistent states at each moment."""
+    st = by_key(strategy)
+    fam = family(strategy)
+    A = activations(sh, w, p, cpu=cpu)
+    L = loss_buffers(sh, w, p, chunk_tokens(w, sh.vocab))
+    P = trainable_params(sh, w)
+    T, h, i = w.tokens, sh.hidden, sh.intermediate
+    act = A["blocks"] + A["final"] + A["rotary"] + A["indices"]  # = A["total"] less the weight casts
+    casts = A["weight_casts"]
+    if w.loss_impl != "standard":
+        # the chunked/fused loss keeps the head's input itself (in its buffers) and casts the head's weight
+        # with autocast off (finetune/modeling/loss.py): no lm_head input or autocast copy is saved
+        act -= A["head_input"]
+        casts -= A["weight_casts_head"]
+    base = {"activations": act}
+    if casts:
+        base["autocast_weight_copies"] = casts
+    out = {"forward_end": {**base, "loss_buffers": L["forward"]},
+           "backward_start": {**base, "loss_buffers": L["backward"]}}
+    if not w.gradient_checkpointing:
+        # inside the last block's forward: everything before the final norm + the adapters' temporaries
+        fwd = {"activations": A["blocks"] + A["rotary"] + A["indices"],
+               "forward_temporaries": A["forward_temporaries"]["forward"]}
+        if A["weight_casts"]:
+            fwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
+        out["last_block_forward"] = fwd
+    # The blocks' backward, from the last block to the first. At block l: the saved tensors of blocks
+    # 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients of the blocks
+    # above (full fine-tuning), the head's gradient, the gradient flowing in (stream dtype), and the
+    # block's own backward temporaries: the MLP's backward holds the grads of the product, act and up
+    # while gate/act/up are still saved (+2 T x i: the product's saved tensor is freed first); with
+    # cast adapter inputs (peft, LoRA) their input grads in the adapter dtype too. The live set is
+    # linear in l, so its maximum is at one end: the last block (first to run) or the first block.
+    shard = n if st.shards_grads and fam != "deepspeed" else 1
+    # gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
+    # CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)
+    grads_here = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
+    head_grad = sh.embedding * p.grad / shard if grads_here else 0
+    layer_grads = sh.params.per_layer * p.grad / shard if grads_here else 0
+    g = A["lin_out"]
+    transient = 2 * g * T * i + A["stream"] * T * h
+    if w.method != "full" and A["parts"]["mlp"] > 4 * g * T * i:  # the adapters' inputs were cast copies
+        transient += p.param_compute * T * i
+    if w.gradient_checkpointing:  # the block is re-run forward inside the backward: its forward temporaries
+        transient = max(transient, A["forward_temporaries"]["recompute"] + A["stream"] * T * h)
+    common = {"head_grad": head_grad, "block_backward_temporaries": transient,
+              "rotary_and_targets": A["rotary"] + A["indices"]}
+    if w.gradient_checkpointing:
+        common["recomputed_block"] = A["per_layer"]
+    if fam == "deepspeed" and st.zero_stage in (1, 2):
+        common["ipg_bucket"] = z.reduce_bucket_size * p.param  # stage_1_and_2 setup_buckets, first gradient hook
+    if fam == "fsdp" and n > 1:
+        # the block's unsharded parameters (and the prefetched next), and its unsharded gradients
+        # before the reduce-scatter (derived from FSDP2's FSDPParamGroup; not measured)
+        layer_b = sh.params.per_layer * (p.param_compute if w.method == "full" else p.frozen_compute)
+        common["fsdp_unsharded_blocks"] = 2 * layer_b + (sh.params.per_layer * p.param_compute
+                                                          if w.method == "full" else 0)
+    # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
+    # the final norm's fp32 input (its weight's xn and its output's grad are freed by then), the head's
+    # gradient, and RMSNorm's backward temporaries: 5 fp32 T x h (measured on one RMSNorm alone: 20 bytes
+    # x T x h new at the peak, 16-bit or fp32, trained weight or not)
+    norm_bwd = {"activations": A["blocks"] + F32 * T * h, "head_grad": head_grad,
+                "norm_backward_temporaries": 5 * F32 * T * h, "rotary_and_targets": A["rotary"] + A["indices"]}
+    if A["weight_casts"]:
+        norm_bwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
+    out["final_norm_backward"] = norm_bwd
+    # (the final norm's and the head's saved tensors were freed by their own backward already)
+    top = {"activations": A["blocks"], **common}
+    if A["weight_casts"]:
+        top["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
+    out["last_block_backward"] = top
+    if sh.layers > 1:
+        bottom = {"activations": A["first_layer"], "upper_block_gradients": (sh.layers - 1) * layer_grads, **common}
+        if A["weight_casts"]:
+            bottom["autocast_weight_copies"] = A["weight_casts_first"]
+        out["first_block_backward"] = bottom
+    if grads_here:
+        end = {"gradients": P * p.grad / shard}
+        if sh.tied:
+            # the head's V x h contribution waits in the embedding's input buffer until
+            # embedding_dense_backward adds its own: a third tensor, unless the head's part is a fresh
+            # fp32 cast from an autocast weight copy, accumulated in place
+            parts = 1 if (p.autocast and p.param != B16) else 2
+            end["tied_embedding_grad_parts"] = parts * sh.embedding * p.grad / shard
+        out["backward_end"] = end
+        if w.optimizer == "foreach":  # _multi_tensor_adamw: exp_avg_sq.sqrt() for every parameter at once
+            out["optimizer_step"] = {"gradients": P * p.grad / shard, "foreach_temporaries": P * p.state / shard}
+    if fam == "deepspeed" and not st.offload_optimizer:
+        if st.zero_stage in (1, 2):
+            compact = p.grad == F32 and p.param != F32  # fp32 gradient accumulation of a 16-bit module
+            step = {"fp32_grad_partition": P * F32 / n}
+            if not compact:
+                step["grads_in_partition"] = P * p.grad / n  # the 16-bit partition, flattened to fp32 at the step
+            out["optimizer_step"] = step
         else:
-            frozen["frozen_weights"] = psi * wb
-    # Optimizer: DeepSpeed always keeps an fp32 master partition (K = 12); torch AdamW keeps
-    # exp_avg and exp_avg_sq in the parameter's dtype and no master copy.
-    opt_per_param = ADAM_K if st.zero_stage is not None else 2 * tdt
-    grad_per_param = tdt
-    shard_p = n if st.shards_params else 1
-    shard_g = n if st.shards_grads else 1
-    shard_o = n if st.shards_optimizer else 1
-    trainable_w = trainable * tdt / shard_p
-    grads = trainable * grad_per_param / shard_g
-    opt = trainable * opt_per_param / shard_o
-    device, host = {}, {}
-    if w.method == "full":
-        device["weights"] = trainable_w
-    else:
-        device.update({k: v / shard_p for k, v in frozen.items()})
-        device["lora_adapters"] = trainable_w
-    device["gradients"] = grads
-    device["optimizer_states"] = opt
-    if strategy == "ddp":
-        # torch DDP's gradient buckets are a second copy of the gradients unless
-        # gradient_as_bucket_view=True (torch.nn.parallel.DistributedDataParallel docs).
-        device["ddp_grad_buckets"] = trainable * tdt
-    if st.offload_optimizer:
-        host["optimizer_states"] = device.pop("optimizer_states")
-        if st.zero_stage is not None:
-            # ZeRO-Offload (Ren et al. 2021, §4.1): gradients are reduced into an fp32 partition in
-            # host memory next to the states; the device keeps only a reduce bucket (in temporaries).
-            device.pop("gradients")
-            host["fp32_grad_partition"] = trainable * 4 / n
-    if st.offload_params:
-        for key in ("weights", "lora_adapters", *frozen):
-            if key in device:
-                host[key] = device.pop(key)
-        if st.zero_stage is None:  # FSDP2 CPUOffloadPolicy: sharded gradients live on the host too
-            host["gradients"] = device.pop("gradients")
-    if st.shards_params:
-        # Parameters gathered for compute: the current block and the prefetched next one
-        # (FSDP2 wraps each decoder layer; ZeRO-3 fetches module by module with prefetch).
-        block = shape.params.per_layer
-        if w.method == "qlora":
-            block_bytes = sum(i * o for _, i, o in shape.linears) * NF4_BITS[w.double_quant] / 8
-        else:
-            block_bytes = block * wb
-        device["gathered_params"] = 2 * block_bytes
-    device.update(activation_bytes(shape, w))
-    return device, host
+            sub = min(z.sub_group_size, P / n)  # stage3 step: one sub-group's fp32 gradient at a time
+            out["optimizer_step"] = {"fp32_subgroup_grad": sub * F32}
+    return out
 
 
-def totals(device: dict, host: dict, *, on_gpu: bool) -> tuple[dict, dict]:
-    """Add the stated allowances (CUDA context, temporaries, Python process baseline)."""
-    device, host = dict(device), dict(host)
-    if on_gpu:
-        device["temporaries"] = TEMPORARY_FRACTION * sum(device.values())
-        device["cuda_context"] = CUDA_CONTEXT_GIB * GIB
-    else:  # a CPU run computes on the host: the same temporaries there
-        host["temporaries"] = TEMPORARY_FRACTION * sum(host.values())
-    host["process_baseline"] = PROCESS_BASELINE_GIB * GIB
-    return device, host
+def late_unfit(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None) -> float:
+    """Buffers allocated after the activation peak that fit no block freed before them: the caching
+    allocator makes a new segment for them, so reserved grows by their size. Candidates: ZeRO-1/2's
+    fp32 gradient partition and ZeRO-3's fp32 sub-group gradient at the step; what they can reuse
+    is the largest block freed before (the standard loss's fp32 T x V, else an MLP intermediate)."""
+    st = by_key(strategy)
+    if family(strategy) != "deepspeed" or st.offload_optimizer:
+        return 0.0
+    P = trainable_params(sh, w)
+    freed = max(F32 * w.tokens * sh.vocab if w.loss_impl == "standard" else 0, B16 * w.tokens * sh.intermediate)
+    need = P * F32 / n if st.zero_stage in (1, 2) else min(z.sub_group_size, P / n) * F32
+    return need if need > freed else 0.0
 
 
-def plan_rows(shape: Shape, w: Workload, n: int, methods=METHODS, strategies=STRATEGIES) -> list[dict]:
-    """One row per (method, strategy) with bytes per component on one device and one host process."""
-    rows = []
-    for method in methods:
-        wm = Workload(**{**w.__dict__, "method": method})
-        for strategy in strategies:
-            if n == 1 and strategy != "single" and not by_key(strategy).offload_optimizer:
-                continue  # on one device only the offload variants differ from `single`
-            dev, host = totals(*components(shape, wm, strategy, n), on_gpu=True)
-            rows.append({"method": method, "strategy": strategy, "device": dev, "host": host,
-                         "device_total": sum(dev.values()), "host_total": sum(host.values())})
-    return rows
+def peak(sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: int | None = 9,
+         ds_config: dict | None = None) -> dict:
+    """The predicted peak of one device: the phase that holds it, allocated and reserved bytes, the
+    persistent and per-phase components, and what lives on the host. `sm`: the GPU's compute
+    capability major (cuBLAS workspace size), None for a CPU run. `ds_config`: a DeepSpeed config
+    (dict) to use instead of the strategy's shipped file."""
+    z = zero_values(strategy, sh, ds_config)
+    dev, host = states(sh, w, p, strategy, n, z)
+    st = by_key(strategy)
+    fam = family(strategy)
+    persistent = dict(dev)
+    if sm is not None:
+        persistent["cublas_workspaces"] = cublas_bytes(sm)
+    persistent["batch"] = batch_bytes(w)
+    if fam == "fsdp":
+        # accelerate 1.15 fsdp2_prepare_model shards the root (final norm, embedding, head) with
+        # reshard_after_forward=False (accelerate/utils/fsdp_utils.py; torch _fsdp_state.py: False for
+        # the root): its unsharded copy lives from forward into backward, even at world size 1
+        b = p.param_compute if w.method == "full" else p.frozen_compute
+        persistent["fsdp_unsharded_root"] = sh.outside_layers * b
+    if st.zero_stage == 3:
+        gathered = zero3_gathered(sh, z, n, p.param, p.frozen, w.method, st.offload_params)
+        if gathered:
+            persistent["zero3_gathered_params"] = gathered
+    P = trainable_params(sh, w)
+    if w.grad_accum > 1 and fam in ("torch", "fsdp"):
+        persistent["accumulated_grads"] = P * p.grad / (n if fam == "fsdp" else 1)
+    if w.grad_accum > 1 and fam == "deepspeed" and st.zero_stage in (1, 2) and not st.offload_optimizer:
+        persistent["accumulated_grad_partition"] = P * p.grad / n  # the partition survives micro-steps
+    ph = phases(sh, w, p, strategy, n, z, cpu=sm is None)
+    base = sum(persistent.values())
+    totals = {name: base + sum(parts.values()) for name, parts in ph.items()}
+    name = max(totals, key=totals.get)
+    allocated = totals[name]
+    late = late_unfit(sh, w, p, strategy, n, z) if sm is not None else 0.0
+    reserved = allocated * (1 + ALLOCATOR_FRAGMENTATION) + late if sm is not None else allocated
+    A = activations(sh, w, p, cpu=sm is None)
+    return {"phase": name, "allocated": allocated, "reserved": reserved, "late_unfit": late,
+            "persistent": {k: v for k, v in persistent.items() if v}, "at_peak": ph[name],
+            "phases": totals, "host_states": host, "attn_kind": A["attn_kind"], "per_layer": A["per_layer"],
+            "zero": z}
 
 
-def assumptions(w: Workload, *, on_gpu: bool) -> dict:
-    return {
-        "weight_bytes": w.weight_bytes,
-        "optimizer": "AdamW; DeepSpeed keeps fp32 master + momentum + variance (K=12 bytes/param); "
-                     "torch-native strategies keep momentum + variance in the parameter dtype, no master copy",
-        "activation_formula": "per layer act_bytes*s*b*(6h+2q+2kv+4i+2) (+2*act_bytes*b*heads*s^2 for eager), "
-                              "adapted from Korthikanti et al. 2022 sbh(34+5as/h) to Llama blocks under SDPA; "
-                              "checkpointing keeps the L block inputs + one block",
-        "logits": "b*s*V*(act_bytes + fp32 copy if 16-bit + fp32 log-softmax + fp32 grad)",
-        "nf4_bits_per_param": NF4_BITS[w.double_quant],
-        "allowance": (f"CUDA context {CUDA_CONTEXT_GIB} GiB + " if on_gpu else "")
-                     + f"{int(TEMPORARY_FRACTION * 100)}% temporaries on the computing device"
-                     + ("" if on_gpu else " (the host)") + f"; {PROCESS_BASELINE_GIB} GiB Python+torch process baseline",
-        "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
-        "precision": (f"{w.precision}: weights counted at {w.weight_bytes} bytes/param and torch-native AdamW "
-                      f"states in that dtype with no master copy; the policy's own bytes per parameter "
-                      f"(finetune/precision.py trainable_bytes) are not used yet")
-        if w.precision else "not given",
-    }
-
-
-def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing: bool, on_gpu: bool,
-                     weight_bytes: int, seq_len: int | None = None, precision: str | None = None) -> dict:
-    """run.json `predicted_memory` for the strategy that engaged (shape in docs/planning.md).
-    On a CPU run the device is the host: everything is predicted as one process's RSS."""
-    strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
-    n = engaged.get("world_size") or 1
-    w = workload_from_config(cfg, weight_bytes=weight_bytes, gradient_checkpointing=gradient_checkpointing)
-    w.precision = precision
-    if seq_len is not None:
-        w.seq_len = seq_len
-    shape = shape_of(model_config)
-    device, host = components(shape, w, strategy, n)
-    if not on_gpu:  # everything lives in the one process
-        host = {**device, **{f"{k} (offloaded)": v for k, v in host.items()}}
-        device = {}
-    device, host = totals(device, host, on_gpu=on_gpu)
-    notes = assumptions(w, on_gpu=on_gpu)
-    notes["seq_len_source"] = ("longest tokenized training example (batches are padded to their longest; "
-                               "data.max_length caps it)" if seq_len is not None else "data.max_length")
-    notes["host_scope"] = "one process (rank); compared with memory.max.host_peak_rss_gib (training peak)"
-    notes["device_scope"] = "one device; compared with memory.max.device_peak_allocated_gib, less the CUDA context"
-    return {"strategy": strategy, "method": w.method, "world_size": n,
-            "device": {"components_gib": {k: gib(v) for k, v in device.items()},
-                       "total_gib": gib(sum(device.values()))} if on_gpu else None,
-            "host": {"components_gib": {k: gib(v) for k, v in host.items()}, "total_gib": gib(sum(host.values()))},
-            "assumptions": notes, "error": None}
-
-
-def add_error(predicted: dict, memory: dict) -> dict:
-    """Fill predicted['error'] from run.json `memory` (training peaks): (predicted - measured) / measured."""
-    peaks = (memory or {}).get("max") or {}
-
-    def err(pred, measured):
-        if pred is None or not measured:
-            return None
-        return {"predicted_gib": round(pred, 4), "measured_gib": measured,
-                "relative_error": round((pred - measured) / measured, 4)}
-
-    dev = predicted.get("device")
-    dev_pred = None
-    if dev:
-        dev_pred = dev["total_gib"] - dev["components_gib"].get("cuda_context", 0.0)  # outside torch's counters
-    predicted["error"] = {"device": err(dev_pred, peaks.get("device_peak_allocated_gib")),
-                          "host": err(predicted["host"]["total_gib"], peaks.get("host_peak_rss_gib"))}
-    # The training host peak is sampled between micro-steps, so it misses what lives only inside a
-    # step (activations, logits). The kernel's lifetime peak of this process (rank 0) does not miss
-    # it, but it includes model loading: both are given.
-    import resource
-    import sys
-
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
-    predicted["error"]["host_lifetime_peak_rank0"] = err(predicted["host"]["total_gib"], round(lifetime, 4))
-    return predicted
-
-
-def workload_from_config(cfg, *, weight_bytes: int, gradient_checkpointing: bool | None = None) -> Workload:
-    targs = cfg.training.args
-    if gradient_checkpointing is None:
-        gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
-    m = cfg.method
-    return Workload(method=m.name, micro_batch=int(targs.get("per_device_train_batch_size", 8)),
-                    seq_len=cfg.data.max_length, grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
-                    gradient_checkpointing=gradient_checkpointing, weight_bytes=weight_bytes, lora_r=m.lora_r,
-                    lora_targets=m.target_modules, lora_dropout=m.lora_dropout, double_quant=m.double_quant,
-                    attn_implementation=cfg.model.attn_implementation)
-
-
-def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, weight_bytes: int,
-                      train_dataset=None, precision: str | None = None) -> None:
-    """run.json `predicted_memory` for the strategy in the record's `strategy`; null with a logged reason
-    when the architecture has no arithmetic here (training goes on: a plan is not a precondition).
-    The sequence length is the longest training example when the dataset is given (an input the
-    run knows before its first step), else data.max_length."""
-    import logging
-
-    engaged = rec.view.get("strategy", default={})
-    seq_len = None
-    if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
-        seq_len = min(max(len(ids) for ids in train_dataset["input_ids"]), cfg.data.max_length)
-    on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
-    try:
-        rec.set("predicted_memory", predicted_memory(model_config, cfg, engaged, on_gpu=on_gpu,
-                                                     gradient_checkpointing=gradient_checkpointing,
-                                                     weight_bytes=weight_bytes, seq_len=seq_len,
-                                                     precision=precision))
-    except ValueError as e:
-        logging.getLogger(__name__).warning("no memory prediction in run.json: %s", e)
-        rec.set("predicted_memory", None)
-
-
-def record_error(rec) -> None:
-    """Once training ends: the relative error of the prediction against the measured training peaks."""
-    predicted = rec.view.get("predicted_memory")
-    if predicted is not None:
-        rec.set("predicted_memory", add_error(predicted, rec.view.get("memory")))
+def fits_total(reserved: float, on_gpu: bool = True) -> float:
+    """What the device must hold: reserved + the CUDA context outside torch's counters."""
+    return reserved + (CUDA_CONTEXT_GIB * GIB if on_gpu else 0)

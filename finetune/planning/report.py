@@ -9,7 +9,10 @@ from pathlib import Path
 from finetune import precision
 from finetune.errors import UserError
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
-from finetune.planning.memory import assumptions, plan_rows, shape_of, workload_from_config
+from finetune.planning.memory import CUDA_CONTEXT_GIB, chunk_tokens
+from finetune.planning.plan_text import render
+from finetune.planning.prediction import NOT_MODELLED, constants, plan_rows, workload_from_config
+from finetune.planning.shapes import Workload, shape_of
 from finetune.strategies import SPEED_ORDER, by_key
 from finetune.units import GIB, gib, parse_size
 
@@ -54,25 +57,24 @@ def load_model_config(name_or_path: str):
 def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float,
                bandwidth: dict, model_name: str) -> dict:
     shape = shape_of(model_config)
-    # A plan is for GPUs; `auto` is taken as bf16-mixed (a GPU with bf16). The weights' bytes are the
-    # policy's load dtype; the arithmetic does not follow the policy's master copies yet (stated).
+    # A plan is for GPUs: `auto` is taken as bf16-mixed (a GPU with bf16), as issue 12 resolves it there.
     policy = precision.resolve(cfg.training.precision, True, True)
-    weight_bytes = precision.DTYPE_BYTES[policy.load_dtype(cfg.method.name)]
-    w = workload_from_config(cfg, weight_bytes=weight_bytes)
-    w.precision = policy.name if cfg.training.precision != "auto" else f"{policy.name} (auto on a GPU with bf16)"
+    w = workload_from_config(cfg, precision=policy.name)
     n = gpus * nodes
     rows = []
     for row in plan_rows(shape, w, n):
-        method_w = workload_from_config(cfg, weight_bytes=weight_bytes)
-        method_w.method, method_w.precision = row["method"], w.precision
-        traffic = step_traffic(shape, method_w, row["strategy"], n)
+        method_w = Workload(**{**w.__dict__, "method": row["method"]})
+        traffic = step_traffic(shape, method_w, row["strategy"], n, row["regime"])
         times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
         host_node = row["host_total"] * gpus  # one process per GPU on each node
         fit_dev, fit_host = row["device_total"] / gpu_memory, host_node / host_memory
         rows.append({"method": row["method"], "strategy": row["strategy"],
                      "description": by_key(row["strategy"]).description,
+                     "precision": row["regime"].note, "phase": row["phase"], "attention_kernel": row["attn_kind"],
                      "device": {"components_gib": {k: gib(v) for k, v in row["device"].items()},
-                                "total_gib": gib(row["device_total"])},
+                                "allocated_gib": gib(row["allocated"]), "reserved_gib": gib(row["reserved"]),
+                                "cuda_context_gib": CUDA_CONTEXT_GIB, "total_gib": gib(row["device_total"]),
+                                "phases_gib": {k: gib(v) for k, v in row["phases"].items()}},
                      "host_per_process": {"components_gib": {k: gib(v) for k, v in row["host"].items()},
                                           "total_gib": gib(row["host_total"])},
                      "host_per_node_gib": gib(host_node),
@@ -83,23 +85,33 @@ def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, h
                                        "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
                                        **times}})
     p = shape.params
+    how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
+    notes = {"precision": f"{policy.name}{how}: {policy.summary}",
+             "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
+             "grad_accum": w.grad_accum,
+             "layout": w.layout, "loss_impl": w.loss_impl + (f" ({chunk_tokens(w, shape.vocab)} tokens per chunk)"
+                                                            if w.loss_impl == "chunked" else ""),
+             "optimizer": f"AdamW ({w.optimizer})", "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
+             "constants": constants(), "not_modelled": list(NOT_MODELLED)}
     return {"model": {"name": model_name, "model_type": shape.model_type, "parameters": p.total,
                       "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab,
                       "tied_embeddings": p.lm_head == 0,
                       "lora_parameters": shape.lora_params(w.lora_r, w.lora_targets)},
             "hardware": {"gpus_per_node": gpus, "nodes": nodes, "world_size": n, "gpu_memory_gib": gib(gpu_memory),
                          "host_memory_gib": gib(host_memory), "margin": MARGIN, "bandwidth": bandwidth},
-            "recipe": cfg.recipe, "method": w.method, "assumptions": assumptions(w, on_gpu=True),
+            "recipe": cfg.recipe, "method": w.method, "assumptions": notes,
             "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
             "rows": rows, "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n)}
 
 
 DEEPSPEED_DIFFERENCES = (
-    "Model states follow the ZeRO paper, not DeepSpeed's estimators: no fp32 copy of the gradient "
-    "partition on the device (DeepSpeed's estimate_zero2/3 count 4 bytes/param for it), ZeRO-3's gathered "
-    "working set is two decoder blocks in the training dtype (DeepSpeed: the largest layer in fp32), and "
-    "no 1.5x buffer factor on host memory (DeepSpeed's cold estimators multiply host states by 1.5); "
-    "activations, logits and allowances are added, which the estimators leave out.")
+    "Model states follow what DeepSpeed 0.19.8 allocates, not its estimators: the module in its dtype, a "
+    "separate master partition, AdamW states, the ipg bucket and gradient partitions at the sizes the "
+    "config sets (Trainer's 'auto' values filled in), the fp32 gradient partition at the optimizer step "
+    "(as estimate_zero2_model_states_mem_needs counts it); ZeRO-3's gathered parameters by its reuse-distance "
+    "rule instead of the estimator's largest layer in fp32; no 1.5x factor on host memory (pinned buffers "
+    "are rounded up to a power of two instead, as torch's host allocator does); activations, the loss "
+    "and the allocator are added, which the estimators leave out.")
 
 
 def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: float, world: int = 1) -> dict:
@@ -134,57 +146,6 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
     if faster:
         reason += f"; faster ones do not fit: {', '.join(faster)}"
     return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
-
-
-COLUMNS = (("params", ("weights", "frozen_weights", "nf4_weights+constants", "unquantized_weights_fp32",
-                       "lora_adapters", "gathered_params")),
-           ("grads", ("gradients", "ddp_grad_buckets")),
-           ("optim", ("optimizer_states",)),
-           ("activ", ("activations",)),
-           ("logits", ("logits",)),
-           ("allow", ("temporaries", "cuda_context")))
-
-
-def render(plan: dict, all_methods: bool = True) -> str:
-    m, hw = plan["model"], plan["hardware"]
-    lines = [(f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
-             f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
-             f"LoRA adds {m['lora_parameters']:,}"),
-             (f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
-             f"host {hw['host_memory_gib']:.0f} GiB per node; fits = <= {int(hw['margin'] * 100)}% of each"),
-             (f"recipe {plan['recipe']}: method {plan['method']}, micro-batch {plan['assumptions']['micro_batch']}, "
-             f"sequence {plan['assumptions']['seq_len']}, gradient checkpointing "
-             f"{'on' if plan['assumptions']['gradient_checkpointing'] else 'off'}, weights "
-             f"{plan['assumptions']['weight_bytes']} bytes/param"),
-             f"precision {plan['assumptions']['precision']}",
-             "GiB per device (2^30 bytes); comm = GB (1e9) sent per rank per optimizer step"
-             + (f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
-                if hw["bandwidth"]["busbw_gbs"] else "; pass --bandwidth for times"), ""]
-    head = f"{'method':6} {'strategy':18}" + "".join(f"{c:>8}" for c, _ in COLUMNS) + \
-        f"{'device':>9}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}  fits"
-    lines += [head, "-" * len(head)]
-    for r in plan["rows"]:
-        if not all_methods and r["method"] != plan["method"]:
-            continue
-        comp = r["device"]["components_gib"]
-        cells = "".join(f"{sum(comp.get(k, 0.0) for k in keys):8.2f}" for _, keys in COLUMNS)
-        c = r["communication"]
-        coll = sum(c["collectives_bytes"].values()) / 1e9
-        h2d = sum(c["host_device_bytes"].values()) / 1e9
-        t = f"{c['collectives_s']:8.3f}" if c["collectives_s"] is not None else f"{'-':>8}"
-        fit = "yes" if r["fits"] else ("barely" if r["fits_without_margin"] else "NO")
-        lines.append(f"{r['method']:6} {r['strategy']:18}{cells}{r['device']['total_gib']:9.2f}"
-                     f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}  {fit}")
-    rec = plan["recommendation"]
-    if hw["world_size"] > 1:
-        lines.append("(single: one GPU of the same kind, for reference; not recommended when more are there)")
-    lines += ["", f"recommendation for {rec['method']}: {rec['strategy'] or 'none'}", f"  {rec['reason']}"]
-    for s in rec["does_not_fit"]:
-        lines.append(f"  does not fit: {s['strategy']}: {s['problem']}")
-    lines += ["", "assumptions: " + "; ".join(f"{k}: {v}" for k, v in plan["assumptions"].items()
-                                              if k not in ("micro_batch", "seq_len", "gradient_checkpointing")),
-              "differs from DeepSpeed's estimators: " + plan["differences_from_deepspeed"]]
-    return "\n".join(lines)
 
 
 def run(args, overrides: list[str]) -> int:

@@ -214,13 +214,11 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
                            "save_total_limit": save_total_limit})  # docs/faults.md
         rec.set("data", vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]})
         rec.set("parameters", {"trainable": trainable, "total": total})
-        # memory prediction for the engaged strategy (finetune/planning/memory.py); its error is filled at the end
-        from finetune.planning import memory
-        from finetune.precision import DTYPE_BYTES
+        # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
+        from finetune.planning import prediction
 
-        memory.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
-                                 weight_bytes=DTYPE_BYTES[policy.module_dtype(cfg.method.name, family)],
-                                 precision=policy.name, train_dataset=bundle.train)
+        prediction.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
+                                     precision=policy.name, train_dataset=bundle.train)
         rec.write()
         log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
                  "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d | precision %s",
@@ -262,7 +260,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         rec.set("memory", figures["memory"])
         rec.set("throughput", figures["throughput"])
         rec.update("batch", **figures["batch"])
-        memory.record_error(rec)
+        prediction.record_error(rec)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
                              **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},

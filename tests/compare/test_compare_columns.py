@@ -33,10 +33,15 @@ def record(name: str, *, strategy: str, method: str, world: int, tps: float, dev
 
 PREDICTED = {"strategy": "ddp", "method": "lora", "world_size": 2,
              "device": {"components_gib": {"weights": 2.0, "gradients": 0.5, "optimizer": 1.0, "activations": 3.0},
-                        "total_gib": 6.5},
+                        "allocated_gib": 6.5, "reserved_gib": 6.9, "total_gib": 7.4},
              "host": {"components_gib": {"process": 1.0}, "total_gib": 1.0}, "assumptions": {},
-             "error": {"device": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+             "error": {"device_allocated": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+                       "device_reserved": {"predicted_gib": 6.9, "measured_gib": 7.0, "relative_error": -0.0143},
                        "host": {"predicted_gib": 1.0, "measured_gib": 2.0, "relative_error": -0.5}}}
+# the shape records had before issue 13 (device total compared with allocated): still read
+PREDICTED_BEFORE_13 = {**PREDICTED, "device": {"components_gib": PREDICTED["device"]["components_gib"], "total_gib": 6.5},
+                       "error": {"device": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+                                 "host": PREDICTED["error"]["host"]}}
 
 
 @pytest.fixture
@@ -79,6 +84,15 @@ def test_no_price_means_no_cost(runs):
     table = comparison.build_table(runs)
     assert all(row["cost_per_mtok"] is None for row in table.rows)
     assert table.notes[0]["cost_per_mtok"] == "no --gpu-hour-price given"
+
+
+def test_a_prediction_written_before_issue_13_is_still_read(tmp_path):
+    rec = record("old", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
+                 predicted=PREDICTED_BEFORE_13)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run.json").write_text(json.dumps(rec))
+    row = comparison.build_table(comparison.load_runs([tmp_path / "old"])).rows[0]
+    assert row["predicted_gib"] == 6.5 and row["predicted_error"] == pytest.approx(0.0833)
 
 
 def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):

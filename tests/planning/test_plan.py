@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.errors import UserError
-from finetune.planning import comm, memory, params, report
+from finetune.planning import comm, memory, params, prediction, report, shapes
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
@@ -30,30 +30,65 @@ def tiny_llama_config(**kw):
 
 
 def workload(method="full", **kw):
-    return memory.Workload(method=method, micro_batch=2, seq_len=64, **kw)
+    return shapes.Workload(method=method, micro_batch=2, seq_len=64, **kw)
 
 
-@pytest.mark.parametrize("strategy, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def states_at_step(shape, w, strategy, n):
+    """Model states the device holds at the optimizer step: what persists + the step's gradient buffers."""
+    r = memory.peak(shape, w, prediction.regime_for(w, strategy), strategy, n, sm=None)
+    step = memory.phases(shape, w, prediction.regime_for(w, strategy), strategy, n, r["zero"]).get("optimizer_step", {})
+    keep = ("weights", "master_weights", "optimizer_states", "grad_partition_buffer")
+    return sum(v for k, v in r["persistent"].items() if k in keep), step
+
+
 @pytest.mark.parametrize("n", [2, 8, 64])
-def test_zero_model_states_in_the_plan_are_the_papers(strategy, stage, n):
-    """16-bit full fine-tuning under DeepSpeed: params + grads + optimizer = the ZeRO paper's formula."""
-    shape = memory.shape_of(tiny_llama_config())
-    device, host = memory.components(shape, workload(weight_bytes=2), strategy, n)
-    states = device["weights"] + device["gradients"] + device["optimizer_states"]
-    assert states == pytest.approx(params.zero_model_states_bytes(shape.params.total, n, stage))
-    assert host == {}
+def test_zero2_states_at_the_step_are_deepspeeds_estimate_and_the_papers(n):
+    """bf16-mixed full fine-tuning under ZeRO-2: the persistent states + the 16-bit gradient partition
+    are the ZeRO paper's 2Ψ + (2 + K)Ψ/N (K = 12); with the fp32 copy DeepSpeed makes of the partition
+    at the step they are DeepSpeed's own estimate_zero2_model_states_mem_needs, called here."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    shape = shapes.shape_of(tiny_llama_config())
+    psi = shape.params.total
+    persistent, step = states_at_step(shape, workload(precision="bf16-mixed"), "zero2", n)
+    assert persistent + step["grads_in_partition"] == pytest.approx(params.zero_model_states_bytes(psi, n, 2))
+    _, ds = estimate_zero2_model_states_mem_needs(psi, n, 1, cpu_offload=False)
+    assert persistent + step["grads_in_partition"] + step["fp32_grad_partition"] == pytest.approx(ds, abs=1)
 
 
-def test_torch_native_strategies_keep_no_master_copy_and_ddp_keeps_its_buckets():
-    shape = memory.shape_of(tiny_llama_config())
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_zero3_persistent_states_are_the_papers(n):
+    """bf16-mixed under ZeRO-3: 16-bit partition, fp32 master, AdamW states and the 16-bit gradient
+    partition DeepSpeed allocates at init (grad_partitions_flat_buffer) = (2 + 2 + 12)Ψ/N."""
+    shape = shapes.shape_of(tiny_llama_config())
+    persistent, _ = states_at_step(shape, workload(precision="bf16-mixed"), "zero3", n)
+    assert persistent == pytest.approx(params.zero_model_states_bytes(shape.params.total, n, 3))
+
+
+def test_torch_native_strategies_follow_the_policy():
+    """bf16-true keeps no master and bf16 AdamW states (2 + 2 + 4 bytes/param, DDP's buckets + 2);
+    bf16-mixed keeps fp32 weights, gradients and states (4 + 4 + 8) and, under autocast, a bf16 copy of
+    every linear weight for the backward. FSDP2 shards all of it and adds its unsharded root."""
+    shape = shapes.shape_of(tiny_llama_config())
     psi, n = shape.params.total, 4
-    ddp, _ = memory.components(shape, workload(weight_bytes=2), "ddp", n)
-    # bf16 weights, bf16 grads, a bucket copy of the grads (gradient_as_bucket_view=False), AdamW m+v in bf16
-    assert ddp["weights"] + ddp["gradients"] + ddp["ddp_grad_buckets"] + ddp["optimizer_states"] == 10 * psi
-    fsdp, _ = memory.components(shape, workload(weight_bytes=2), "fsdp", n)
-    assert fsdp["weights"] + fsdp["gradients"] + fsdp["optimizer_states"] == pytest.approx(8 * psi / n)
-    offload_dev, offload_host = memory.components(shape, workload(weight_bytes=2), "fsdp_offload", n)
-    assert "weights" not in offload_dev and offload_host["weights"] == pytest.approx(2 * psi / n)
+
+    def at_end(w, strategy):
+        r = memory.peak(shape, w, prediction.regime_for(w, strategy), strategy, n, sm=None)
+        ph = memory.phases(shape, w, prediction.regime_for(w, strategy), strategy, n, r["zero"])
+        return r["persistent"], ph["backward_end"]
+
+    dev, end = at_end(workload(precision="bf16-true"), "ddp")
+    assert "master_weights" not in dev
+    assert dev["weights"] + dev["ddp_grad_buckets"] + dev["optimizer_states"] + end["gradients"] == 10 * psi
+    dev, end = at_end(workload(precision="bf16-mixed"), "ddp")
+    assert dev["weights"] + dev["ddp_grad_buckets"] + dev["optimizer_states"] + end["gradients"] == 20 * psi
+    dev, end = at_end(workload(precision="bf16-mixed"), "fsdp")
+    assert dev["weights"] + dev["optimizer_states"] + end["gradients"] == pytest.approx(16 * psi / n)
+    assert dev["fsdp_unsharded_root"] == shape.outside_layers * 2  # bf16 working copies of the root
+    w = workload(precision="bf16-mixed")
+    dev, host = memory.states(shape, w, prediction.regime_for(w, "fsdp_offload"), "fsdp_offload", n, None)
+    assert "weights" not in dev and host["weights"] == pytest.approx(4 * psi / n)
+    assert host["gradients"] == pytest.approx(4 * psi / n)
 
 
 def test_nf4_bytes_per_parameter_match_bitsandbytes():
@@ -78,43 +113,21 @@ def test_lora_parameter_count_matches_peft(targets):
     cfg = tiny_llama_config()
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert memory.shape_of(cfg).lora_params(8, targets) == trainable
-
-
-def test_activation_formula_matches_the_tensors_autograd_saves():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = tiny_llama_config(num_hidden_layers=4, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    ids = torch.randint(0, cfg.vocab_size, (2, 64))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids)
-    predicted = memory.activation_bytes(memory.shape_of(cfg), workload(weight_bytes=4))
-    saved_log_softmax = 4 * 2 * 64 * cfg.vocab_size  # the one b x s x V tensor the fp32 loss saves
-    assert predicted["activations"] + saved_log_softmax == pytest.approx(sum(saved.values()), rel=0.05)
+    assert shapes.shape_of(cfg).lora_params(8, targets) == trainable
 
 
 def test_communication_volumes_follow_the_zero_paper():
     """ZeRO paper §7: ZeRO-2 moves what DDP moves (2Ψ), ZeRO-3/FSDP 1.5x that (3Ψ), ring factors per nccl-tests."""
-    shape = memory.shape_of(tiny_llama_config())
-    n, w = 4, workload(weight_bytes=2)
+    shape = shapes.shape_of(tiny_llama_config())
+    n, w = 4, workload(precision="bf16-true")  # 16-bit everywhere: one byte count for every strategy
     psi_bytes = 2 * shape.params.total
-    total = {s: sum(comm.step_traffic(shape, w, s, n)["collectives"].values())
+    total = {s: sum(comm.step_traffic(shape, w, s, n, prediction.regime_for(w, s))["collectives"].values())
              for s in ("ddp", "zero2", "zero3", "fsdp")}
     assert total["ddp"] == pytest.approx(2 * (n - 1) / n * psi_bytes)
     assert total["zero2"] == pytest.approx(total["ddp"])
     assert total["zero3"] == pytest.approx(1.5 * total["ddp"]) and total["fsdp"] == pytest.approx(total["zero3"])
-    times = comm.step_time(comm.step_traffic(shape, w, "ddp", n), busbw_gbs=10.0, h2d_gbs=None)
+    times = comm.step_time(comm.step_traffic(shape, w, "ddp", n, prediction.regime_for(w, "ddp")), busbw_gbs=10.0,
+                           h2d_gbs=None)
     assert times["collectives_s"] == pytest.approx(total["ddp"] / 10e9)
 
 
@@ -160,16 +173,18 @@ def run_plan(capsys, *args) -> subprocess.CompletedProcess:
 
 
 def test_plan_cli_on_published_shapes_recommends_what_the_arithmetic_says(capsys):
-    """Llama-3.2-1B full fine-tuning on 2 x 80 GiB: torch-native DDP holds 10 bytes/param, far under 72 GiB
-    -> ddp. Llama-3.1-8B on 2 x 24 GiB: even ZeRO-3's sharded states (16Ψ/2 = 64 GB) exceed the GPU, so only an
-    offload can fit; ZeRO-Offload leaves the 16-bit parameters (2Ψ = 16 GB) on the device with room for b=4 x 128
-    tokens of activations, and it is the fastest offload, given host memory for the states (ZeRO-Offload paper)."""
+    """bf16-mixed (the default on a GPU). Llama-3.2-1B full fine-tuning on 2 x 80 GiB: DDP holds fp32 weights,
+    gradients, buckets and AdamW states (20 bytes/param), far under 72 GiB -> ddp. Llama-3.1-8B on 2 x 24 GiB:
+    even ZeRO-3's sharded states (bf16 partition, its gradient, fp32 master and states: 16Ψ/2 = 64 GB) exceed
+    the GPU, so only an offload can fit; ZeRO-Offload leaves the bf16 module (2Ψ = 16 GB) on the device, and
+    it is the fastest offload, given host memory for the states (ZeRO-Offload paper)."""
     small = run_plan(capsys, "--recipe", "ddp", "--model", str(CONFIGS / "Llama-3.2-1B.json"), "--gpus", "2",
                      "--gpu-memory", "80GiB", "--method.name=full", "--json")
     assert small.returncode == 0, small.stderr
     plan = json.loads(small.stdout)
-    assert 10 * plan["model"]["parameters"] < 0.9 * 80 * GIB
+    assert 20 * plan["model"]["parameters"] < 0.9 * 80 * GIB
     assert plan["recommendation"]["strategy"] == "ddp" and plan["method"] == "full"
+    assert plan["assumptions"]["precision"].startswith("bf16-mixed (auto on a GPU with bf16)")
     big = run_plan(capsys, "--recipe", "ddp", "--model", str(CONFIGS / "Llama-3.1-8B.json"), "--gpus", "2",
                    "--gpu-memory", "24GiB", "--host-memory", "256GiB", "--method.name=full", "--json")
     assert big.returncode == 0, big.stderr
@@ -182,7 +197,12 @@ def test_plan_cli_on_published_shapes_recommends_what_the_arithmetic_says(capsys
     rows = {(r["method"], r["strategy"]): r for r in plan["rows"]}
     assert not rows[("full", "zero3")]["fits"] and rows[("qlora", "ddp")]["fits"]
     for r in plan["rows"]:
-        assert r["device"]["total_gib"] == pytest.approx(sum(r["device"]["components_gib"].values()), abs=1e-3)
+        d = r["device"]
+        assert d["allocated_gib"] == pytest.approx(sum(d["components_gib"].values()), abs=1e-3)
+        assert d["allocated_gib"] < d["reserved_gib"] < d["total_gib"]  # allocator allowance, then the context
+        assert d["total_gib"] == pytest.approx(d["reserved_gib"] + d["cuda_context_gib"], abs=1e-3)
+        assert d["phases_gib"][r["phase"]] == pytest.approx(d["allocated_gib"], abs=1e-3)  # the largest moment
+        assert d["allocated_gib"] == pytest.approx(max(d["phases_gib"].values()), abs=1e-3)
         assert {"collectives_bytes", "host_device_bytes", "collectives_s"} <= set(r["communication"])
 
 
@@ -191,6 +211,10 @@ def test_plan_cli_text_on_a_model_dir_and_clear_errors(tiny_model_dir, tmp_path,
     assert out.returncode == 0, out.stderr
     assert "recommendation for lora: single" in out.stdout and "12.5 GB/s" in out.stdout
     assert "differs from DeepSpeed's estimators" in out.stdout
+    # the breakdown of the recommended row, reserved beside allocated, and every constant with its source
+    assert "breakdown of lora under single" in out.stdout and "allocated" in out.stdout and "reserved" in out.stdout
+    assert "allocator_fragmentation = 0.057 (fitted" in out.stdout
+    assert "precision 32-true" in out.stdout or "precision bf16-mixed" in out.stdout
     missing = run_plan(capsys, "--recipe", "demo", "--model", "nobody/not-cached-model")
     assert missing.returncode == 2 and "config.json" in missing.stderr
     bad = tmp_path / "bad.json"
@@ -247,14 +271,14 @@ def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_mod
     assert pred["strategy"] == rec["strategy"]["name"] == "single" and pred["method"] == "lora"
     assert pred["world_size"] == 1 and pred["device"] is None  # a CPU run: the host is the device
     comps = pred["host"]["components_gib"]
-    assert {"frozen_weights", "lora_adapters", "optimizer_states", "activations", "logits",
-            "process_baseline"} <= set(comps)
+    assert {"frozen_weights", "lora_adapters", "optimizer_states", "activations", "process_base"} <= set(comps)
+    assert pred["precision"]["policy"] == rec["precision"]["policy"] == "32-true"  # auto on a CPU
     assert pred["host"]["total_gib"] == pytest.approx(sum(comps.values()), abs=1e-3)
     measured = rec["memory"]["max"]["host_peak_rss_gib"]
     err = pred["error"]["host"]
     assert err["measured_gib"] == measured > 0
     assert err["relative_error"] == pytest.approx((pred["host"]["total_gib"] - measured) / measured, abs=1e-3)
-    assert pred["error"]["device"] is None
+    assert pred["error"]["device_allocated"] is None and pred["error"]["device_reserved"] is None
     frozen = sum(p.numel() for p in _load(tiny_model_dir).parameters()) * 4 / GIB  # fp32 on CPU
     assert comps["frozen_weights"] == pytest.approx(frozen, abs=1e-4)
 

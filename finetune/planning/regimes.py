@@ -1,0 +1,122 @@
+"""What a training run holds in which dtype, as the memory planner needs it: bytes per element
+of the weights, gradients, optimizer states, master copy and compute, for one precision policy,
+method and strategy. The policy names and what each keeps are issue 12's (`finetune/precision.py`,
+docs in README "Precision"); this module turns them into the live dtypes the memory arithmetic
+(finetune/planning/activations.py, memory.py) follows, strategy by strategy, because the same
+policy is carried out differently by torch autocast, FSDP2's MixedPrecisionPolicy and DeepSpeed.
+
+`legacy_regime` is what the project did before the policy existed (run records without a
+`precision` section, e.g. the six H200 calibration records of 2026-11-22): the model loaded in
+`model.dtype` (`auto` = bf16 on a CUDA GPU with bf16, fp32 elsewhere) and trained with no
+autocast. Evidence per strategy in docs/planning.md "Which regime a run had"; sources inline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from finetune import precision
+
+B16, F32 = 2, 4  # bytes per element of bf16/fp16 and fp32
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Bytes per element of what the live run holds (the planner's view of a precision policy)."""
+
+    policy: str  # the policy name, or "legacy: ..." for runs from before the policy
+    param: int  # trainable parameters as the module holds them (full: the weights; LoRA/QLoRA: the adapters)
+    frozen: int  # frozen weights (LoRA's base; QLoRA's non-quantized embeddings, norms and head)
+    grad: int  # gradients as they are accumulated (.grad, or DeepSpeed's gradient-accumulation dtype)
+    state: int  # each of AdamW's two moments
+    master: int = 0  # a separate master copy of the trainable parameters (DeepSpeed); 0: none
+    autocast: bool = False  # torch.autocast around the forward pass (Accelerate's native AMP)
+    compute: int | None = None  # FSDP2 MixedPrecisionPolicy param_dtype: the unsharded working copies
+    note: str = ""  # how the strategy carries the policy out (source)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def param_compute(self) -> int:
+        """Trainable weights as the forward pass reads them."""
+        return self.compute or self.param
+
+    @property
+    def frozen_compute(self) -> int:
+        """Frozen weights as the forward pass reads them (FSDP2's policy casts every parameter)."""
+        return self.compute or self.frozen
+
+
+def family(strategy: str) -> str:
+    """torch | fsdp | deepspeed, from a planner strategy key (finetune/strategies.py)."""
+    fam = precision.family_of(strategy)
+    return "fsdp" if fam == "fsdp2" else fam
+
+
+def policy_regime(policy: str, method: str, strategy: str) -> Regime:
+    """The live dtypes of a resolved policy (finetune/precision.py; not "auto") for a method under a
+    strategy: the table's bytes per trainable parameter (precision.trainable_bytes: the module's
+    copy, gradient, master, AdamW states, FSDP2's unsharded working copies) and frozen base.
+
+    LoRA/QLoRA adapters take the trainable row: fp32 where the policy keeps fp32 adapters (peft
+    autocast_adapter_dtype), the base dtype under DeepSpeed, whose partition is the master
+    (finetune/modeling/load.py). QLoRA's non-quantized frozen weights stay fp32 after
+    prepare_model_for_kbit_training, except where the policy keeps 16-bit adapters outside
+    DeepSpeed (bf16-true), where load_model casts them back to the frozen dtype."""
+    pol = precision.get(policy)
+    fam = family(strategy)
+    tb = precision.trainable_bytes(pol, strategy)
+    frozen = precision.frozen_bytes(pol)
+    if method == "qlora" and (pol.adapters_fp32 or fam == "deepspeed"):
+        frozen = F32
+    compute = tb.working_params if (fam == "fsdp" and pol.fsdp_param_dtype) else None
+    autocast = fam == "torch" and pol.torch_autocast is not None
+    how = {"torch": "torch.autocast" if autocast else "no autocast",
+           "fsdp": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
+           "deepspeed": f"DeepSpeed module in {pol.compute_dtype}, separate master"}[fam]
+    return Regime(pol.name, tb.params, frozen, tb.grads, tb.optimizer_states // 2, master=tb.master,
+                  autocast=autocast, compute=compute, note=f"{pol.summary}; {how}")
+
+
+def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_dtype: str = "auto") -> Regime:
+    """What the project did before the precision policy (records without `precision`).
+
+    The model loads in `model.dtype` (auto: bf16 on a CUDA GPU, fp32 on CPU; modeling/load.py
+    resolve_dtype) and trains with no autocast (accelerate configs `mixed_precision: "no"`);
+    torch AdamW keeps its states in the parameter dtype (zeros_like). LoRA adapters are fp32
+    (peft autocast_adapter_dtype=True); QLoRA's non-quantized weights fp32
+    (prepare_model_for_kbit_training). DeepSpeed: TrainingArguments.bf16 was never set, so the
+    config's bf16 "auto" resolved to false and the engine ran in fp32 mode
+    (engine.get_data_types() = fp32): ZeRO-1/2 keep the bf16 module with an fp32 master and fp32
+    gradient accumulation; ZeRO-3's zero.Init re-creates the parameters in fp32 (Init._set_dtype)."""
+    loaded = B16 if (model_dtype in ("auto", "bfloat16", "float16") and device_type == "cuda") else F32
+    if model_dtype == "float32":
+        loaded = F32
+    fam = family(strategy)
+    label = f"legacy (before training.precision): model loaded in {'bf16' if loaded == B16 else 'fp32'}, no autocast"
+    if method == "full":
+        if fam == "deepspeed":
+            if strategy.startswith("zero3"):
+                return Regime(label + "; ZeRO-3 zero.Init in fp32", F32, F32, F32, F32, master=F32,
+                              note="DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master")
+            return Regime(label + "; DeepSpeed fp32 mode", loaded, loaded, F32, F32, master=F32,
+                          note="DeepSpeed fp32 mode: 16-bit flat module, fp32 master, fp32 gradient partition")
+        return Regime(label, loaded, loaded, loaded, loaded, note="weights, gradients and AdamW states in the load dtype")
+    frozen = F32 if method == "qlora" else loaded
+    if fam == "deepspeed" and strategy.startswith("zero3") and method != "qlora":
+        frozen = F32  # zero.Init re-creates the frozen base in fp32 as well
+    master = F32 if fam == "deepspeed" else 0
+    return Regime(label, F32, frozen, F32, F32, master=master, note="fp32 adapters (peft), frozen base in the load dtype")
+
+
+def regime_of_record(record: dict, method: str, strategy: str) -> Regime:
+    """The regime a recorded run (a parsed run.json) had: its `precision.policy` when the record
+    has one (issue 12: read from the live run, and the run stops when it differs from the policy),
+    else the legacy rules for the record's device type and model.dtype."""
+    policy = (record.get("precision") or {}).get("policy")
+    if policy:
+        return policy_regime(policy, method, strategy)
+    device = (record.get("hardware") or {}).get("device_type") or "cuda"
+    dtype = ((record.get("config") or {}).get("model") or {}).get("dtype") or "auto"
+    return legacy_regime(method, strategy, device, dtype)

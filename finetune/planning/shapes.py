@@ -1,0 +1,151 @@
+"""The planner's inputs: the model's shape (from its transformers config, no weights) and the
+workload (from the recipe: method, batch, sequence, layout, precision policy, loss, checkpointing).
+finetune/planning/memory.py turns them into bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from finetune.planning.params import ParamCount, count_parameters
+
+# Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary,
+# SDPA, gated MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms).
+BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class Shape:
+    """What the memory arithmetic needs from a transformers config."""
+
+    model_type: str
+    params: ParamCount
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    linears: list = field(default_factory=list)  # (name, in_features, out_features) per block
+
+    @property
+    def tied(self) -> bool:
+        return self.params.lm_head == 0
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(i * o for _, i, o in self.linears)
+
+    @property
+    def block_linear_params(self) -> int:
+        return self.layers * self.layer_linear_params
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def outside_layers(self) -> int:
+        """Embedding, untied head and final norm: the parameters no decoder block owns."""
+        return self.params.total - self.layers * self.params.per_layer
+
+    def parameter_numels(self) -> list[int]:
+        """Elements of every parameter tensor of a Llama-family model (biases and q/k norms folded
+        into each layer's remainder), for allocators that round tensor by tensor."""
+        rest = self.params.per_layer - self.layer_linear_params  # norms (+ biases, q/k norms)
+        per_layer = [i * o for _, i, o in self.linears] + [rest]
+        outside = [self.embedding] + ([self.params.lm_head] if self.params.lm_head else [])
+        outside.append(self.outside_layers - sum(outside))
+        return [x for x in per_layer * self.layers + outside if x > 0]
+
+    def lora_params(self, r: int, targets) -> int:
+        """LoRA A (r x in) + B (out x r) per targeted linear of every block. "all-linear" is every
+        linear of the blocks (peft leaves the output head alone)."""
+        return self.layers * sum(r * (i + o) for _, i, o in self.targeted(targets))
+
+    def targeted(self, targets) -> list:
+        if targets == "all-linear":
+            return list(self.linears)
+        names = set(targets)
+        return [t for t in self.linears if t[0] in names or t[0].rsplit(".", 1)[-1] in names]
+
+    def check_block_mechanism(self) -> None:
+        if self.model_type not in BLOCK_MECHANISM:
+            raise ValueError(f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
+                             f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op)")
+
+
+def shape_of(config) -> Shape:
+    count = count_parameters(config)  # raises ValueError naming unsupported model types
+    if config.model_type == "gpt2":
+        h, inner = config.n_embd, config.n_inner or 4 * config.n_embd
+        linears = [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, inner), ("mlp.c_proj", inner, h)]
+        return Shape("gpt2", count, h, config.n_layer, config.n_head, config.n_head, h // config.n_head, inner,
+                     config.vocab_size, linears)
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    linears = [("q_proj", h, heads * hd), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h),
+               ("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
+    return Shape(config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size,
+                 linears)
+
+
+LAYOUTS = ("padded", "packed", "padding_free")
+LOSS_IMPLS = ("standard", "chunked", "liger")
+
+
+@dataclass
+class Workload:
+    """The recipe's side of the arithmetic. Tokens per micro-batch T = micro_batch x seq_len."""
+
+    method: str  # full | lora | qlora
+    micro_batch: int
+    seq_len: int  # the longest row (padded layout), the packed row length, or each example's cap
+    grad_accum: int = 1
+    gradient_checkpointing: bool = False
+    # precision policy (issue 12), resolved: bf16-mixed | bf16-true | 16-mixed | 32-true, or
+    # "legacy" for what the project did before the policy (finetune/planning/regimes.py)
+    precision: str = "bf16-mixed"
+    lora_r: int = 16
+    lora_targets: object = "all-linear"
+    lora_dropout: float = 0.0
+    double_quant: bool = True
+    attn_implementation: str = "sdpa"
+    # padded: rows padded to seq_len, with an attention mask when some row is shorter (`masked`);
+    # packed: rows of seq_len with position_ids (transformers builds a block-diagonal mask);
+    # padding_free: the batch as ONE row of T tokens with position_ids (data.padding_free)
+    layout: str = "padded"
+    masked: bool = False  # padded layout: some batch carries padding (an attention mask reaches SDPA)
+    loss_impl: str = "standard"  # standard | chunked | liger (issue 14's training.loss_impl)
+    loss_chunk_tokens: int | None = None  # None: issue 14's automatic chunk (memory.chunk_tokens)
+    optimizer: str = "fused"  # adamw_torch_fused (Trainer's default with torch >= 2.8) | foreach
+    legacy_model_dtype: str = "auto"  # model.dtype, only read by the "legacy" precision
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.layout == "padding_free" else self.micro_batch
+
+    @property
+    def row_len(self) -> int:
+        return self.tokens if self.layout == "padding_free" else self.seq_len
+
+    @property
+    def attention_mask(self) -> bool:
+        """Whether SDPA gets a mask: padding, or the block-diagonal mask of packed rows."""
+        if self.attn_implementation.startswith("flash_attention"):
+            return False  # varlen kernels: no mask tensor
+        return self.layout in ("packed", "padding_free") or self.masked

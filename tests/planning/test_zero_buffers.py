@@ -1,0 +1,118 @@
+"""DeepSpeed's buffers as the planner counts them (finetune/planning/memory.py states,
+zero_buffers.py) against a live DeepSpeed 0.19.8 engine built in this process (CPU accelerator,
+gloo, world size 1) from the shipped ds_configs with the "auto" values HF Trainer fills in
+(transformers' own HfTrainerDeepSpeedConfig, called here): the module's partition, the separate
+master, ZeRO-3's gradient partition buffer and ipg bucket, ZeRO-2's gradient accumulation dtype,
+and the fill itself. Under bf16-mixed (TrainingArguments.bf16) and the legacy fp32 mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from finetune.planning import memory, regimes, zero_buffers
+from finetune.planning.shapes import Workload, shape_of
+from finetune.resources import DS_CONFIGS
+
+
+def tiny():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def trainer_filled(stage: str, bf16: bool, model) -> dict:
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, bf16=bf16, use_cpu=True, report_to=[])
+    hf = HfTrainerDeepSpeedConfig(json.loads((DS_CONFIGS / f"{stage}.json").read_text()))
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, model, 10)
+    return hf.config
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_the_auto_fill_is_trainers(stage):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny()
+    shipped = json.loads((DS_CONFIGS / f"{stage}.json").read_text())
+    filled = trainer_filled(stage, True, LlamaForCausalLM(cfg))["zero_optimization"]
+    ours = zero_buffers.fill_auto(shipped["zero_optimization"], cfg.hidden_size)
+    assert {k: float(ours[k]) for k in filled if isinstance(filled[k], (int, float)) and not isinstance(filled[k], bool)} \
+        == {k: float(v) for k, v in filled.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    import os
+    import socket
+
+    with socket.socket() as sock:  # a free port: other processes on this machine may rendezvous too
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    torch.distributed.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def engine_buffers(stage: str, bf16: bool, dtype=torch.bfloat16) -> dict:
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny()).to(dtype)  # bf16: what a bf16 policy loads
+    config = trainer_filled(stage, bf16, model)
+    _, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
+                                        config=config)
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    if stage == "zero3":
+        lp, master = list(opt.fp16_partitioned_groups_flat), list(opt.fp32_partitioned_groups_flat)
+        return {"weights": nbytes(lp), "master_weights": nbytes(master),
+                "separate_master": all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                                       for a, b in zip(lp, master)),
+                "grad_partition_buffer": nbytes([opt.grad_partitions_flat_buffer]),
+                "ipg_bucket": nbytes([b.buffer for b in opt.ipg_buckets.values()])}
+    return {"weights": nbytes(opt.bit16_groups_flat), "master_weights": nbytes(opt.single_partition_of_fp32_groups),
+            "separate_master": True, "grad_bytes": torch.tensor([], dtype=opt.gradient_accumulation_dtype).element_size(),
+            "reduce_bucket_size": opt.reduce_bucket_size}
+
+
+@pytest.mark.parametrize("stage, bf16, policy", [("zero2", True, "bf16-mixed"), ("zero3", True, "bf16-mixed"),
+                                                  ("zero2", False, "legacy"), ("zero3", False, "32-true")],
+                         ids=["zero2-bf16-mixed", "zero3-bf16-mixed", "zero2-fp32-mode", "zero3-32-true"])
+def test_the_planners_deepspeed_states_are_the_engines(process_group, stage, bf16, policy):
+    """zero3-32-true is the case finetune/precision.py first had wrong: an fp32 module partition that
+    DeepSpeed means to share as the master, but copies (stage3.py compares a torch.device with a string)."""
+    shape = shape_of(tiny())
+    w = Workload(method="full", micro_batch=2, seq_len=64)
+    p = (regimes.legacy_regime("full", stage, "cuda") if policy == "legacy"  # bf16 module, DeepSpeed in fp32 mode
+         else regimes.policy_regime(policy, "full", stage))
+    z = zero_buffers.zero_values(stage, shape)
+    dev, _ = memory.states(shape, w, p, stage, 1, z)
+    live = engine_buffers(stage, bf16, torch.float32 if policy == "32-true" else torch.bfloat16)
+    assert live["separate_master"]
+    assert dev["weights"] == live["weights"] and dev["master_weights"] == live["master_weights"]
+    if stage == "zero3":
+        assert dev["grad_partition_buffer"] == live["grad_partition_buffer"]
+        assert dev["ipg_bucket"] == live["ipg_bucket"]  # h^2 elements in the gradient dtype
+    else:
+        assert p.grad == live["grad_bytes"]  # fp32 accumulation in fp32 mode, the module's dtype with bf16
+        assert z.reduce_bucket_size == live["reduce_bucket_size"]
