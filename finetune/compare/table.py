@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.compare.speed import SPEED_KEYS, speed_cells
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, check
 
@@ -181,6 +182,11 @@ COLUMNS = [
     Column("status", "status", "status"),
     Column("strategy", "strategy", "strategy (offload)"),
     Column("method", "method", "method"),
+    Column("layout", "layout", "batch layout"),
+    Column("loss_impl", "loss", "loss implementation"),
+    Column("attention", "attn", "attention (SDPA backend policy)"),
+    Column("compile", "compile", "torch.compile"),
+    Column("liger", "liger", "Liger kernels"),
     Column("devices", "dev", "devices (world size)"),
     Column("effective_batch", "eff.batch", "effective batch (sequences/step)"),
     Column("lr_applied", "lr", "applied LR", "{:.3g}"),
@@ -268,6 +274,7 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "status": run.status,
         "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "")) if strategy else None,
         "method": run.get("strategy", "method") or run.get("config", "method", "name"),
+        **speed_cells(run.get("speed")),
         "devices": run.get("strategy", "world_size"),
         "effective_batch": run.get("batch", "effective"),
         "lr_applied": run.get("lr", "applied"),
@@ -288,6 +295,8 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     }
     if run.record is None:
         return row, {k: "the run failed before writing run.json" for k in row}
+    if run.get("speed") is None:
+        why.update(dict.fromkeys(SPEED_KEYS, "no speed section in the record (written by an older finetune)"))
     if row["mfu"] is None:
         why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
     if row["device_peak_gib"] is None:

@@ -214,3 +214,31 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     assert "miss" in log4 and changed.stats.train_examples == 2
     uncached = build_datasets(_data_cfg(path), tokenizer, seed=0)
     assert uncached.train.to_list() == changed.train.to_list()
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free", "packing"])
+def test_bucketed_batches_keep_loss_gradients_and_real_token_count(layout):
+    """data.pad_to_multiple_of: the batch grows to a multiple of 64 tokens; loss, every gradient
+    (fp32, 1e-5) and the meter's real-token count are those of the unrounded batch."""
+    from finetune.telemetry.meter import token_counts
+    from tests.modeling.test_loss import assert_same, examples, run, tiny
+
+    exs = examples(n=3)
+    if layout == "packing":
+        exs = pack.pack([render.Example(e["input_ids"], e["labels"]) for e in exs], 60, seed=0)
+        assert len(exs) > 1
+    mcfg = build_config({}).model
+    plain = collate.make_collator(_data_cfg("x", **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
+    bucketed = collate.make_collator(
+        _data_cfg("x", pad_to_multiple_of=64, **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
+    n, m = plain["input_ids"].shape[-1], bucketed["input_ids"].shape[-1]
+    assert m % 64 == 0 and m > n  # really rounded up
+    def count(b):
+        return [int(x) for x in token_counts(b["input_ids"], b.get("attention_mask"), b["labels"],
+                                             b.get(collate.REAL_TOKENS_KEY))]
+    assert count(bucketed) == count(plain)  # filler is neither an input token nor trained
+    assert count(plain)[0] == sum(len(e["input_ids"]) for e in exs)
+    model = tiny()
+    def strip(b):  # FinetuneTrainer takes the stated count out before the forward
+        return {k: v for k, v in b.items() if k != collate.REAL_TOKENS_KEY}
+    assert_same(run(model, strip(plain)), run(model, strip(bucketed)))

@@ -138,6 +138,9 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
     assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params",
                             "fsdp_offload": "optimizer+params"}.get(name, "none")
     assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
+    # The default loss is the chunked one under every strategy (docs/speed.md): these launches are its
+    # DDP/ZeRO/FSDP2 equivalence tests (test_losses_match_single_process, the full-model exports).
+    assert rec["speed"]["loss_impl"]["resolved"] == "chunked", rec["speed"]
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -260,6 +263,8 @@ def test_full_finetune_exports_one_consolidated_model_under_zero3_and_fsdp(runs,
     assert result["files"] == ["model.safetensors"] and result["same_shapes"], result
     assert result["new_tokens"] == 4, result
     assert result["changed"] > 1e-5, result  # trained, not the base model saved back
+    # the head is trainable here: the chunked loss's weight gradient under ZeRO-3's gather hooks and FSDP2
+    assert {runs(n).record["speed"]["loss_impl"]["resolved"] for n in ("full_zero3", "full_fsdp")} == {"chunked"}
     assert result["a_vs_b"] < 1e-5, result  # not one rank's shard: the whole model, identical across strategies
 
 
