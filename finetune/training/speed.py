@@ -1,5 +1,6 @@
-"""Speed options: which option combinations are safe (the batch layouts themselves are built by
-finetune/data/collate.py; docs/speed.md).
+"""Speed options: which option combinations are safe, what they imply for TrainingArguments, and
+run.json's `speed` section (the batch layouts are built by finetune/data/collate.py, the SDPA
+backend policy and the loss live in finetune/modeling/attention.py and loss.py; docs/speed.md).
 
 Boundary safety, as read in transformers 5.23 (the claim "no attention crosses an example
 boundary" must hold for the attention implementation that runs, else we refuse):
