@@ -4,7 +4,7 @@ and the ratios ours / TRL plain and ours / TRL tuned.
 
     finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 \
         --steps 30 --rounds 3 --trl both --out bench-out
-    finetune bench --shape qwen2.5-0.5b --shape-overhead --steps 25 --out bench-shapes   # per-shape overhead rows
+    finetune bench --shape qwen2.5-0.5b --shape-overhead --steps 25 --warmup-steps 3 --out bench-shapes
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
 
 Workload: synthetic pre-tokenized instruction data (prompt + response, loss on the response

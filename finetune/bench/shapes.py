@@ -5,7 +5,8 @@ One process, the bench's random-weight model of --shape (bf16 on CUDA, fp32 on C
 attention, padding-free rows (1, N) of 8 examples with position_ids restarting per example (the
 layout our recipes default to in the bench), lengths drawn like the bench's data, clipped to
 --seq-len. Each step: forward with labels, backward, AdamW step. Per row: --steps timed steps
-after 3 untimed ones, CUDA-synchronised, median reported.
+after --warmup-steps untimed ones (3 in the documented GPU command), CUDA-synchronised, median
+reported.
 
 Rows: a fixed shape (8 x 300 tokens every step), then variable lengths with torch's default
 backends, with `auto` (cuDNN off), rounded up to a multiple of 256 and of 1024 tokens (the filler
@@ -30,7 +31,6 @@ ROWS = [  # (name, SDPA policy, variable lengths, bucket tokens)
     ("variable, bucket 1024 tokens", "torch_default", True, 1024),
     ("variable, auto + bucket 256", "auto", True, 256),
 ]
-WARMUP = 3
 
 
 def lengths(rng: random.Random, args, n: int = 8) -> list[int]:
@@ -85,13 +85,13 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
         rng = random.Random(args.seed)
         with attention.flags_restored():
             enabled = attention.apply(policy, device)["sdpa_backends_enabled"]
-            times = [step(lengths(rng, args) if variable else fixed, bucket) for _ in range(WARMUP + args.steps)]
-        timed = times[WARMUP:]
+            times = [step(lengths(rng, args) if variable else fixed, bucket) for _ in range(args.warmup_steps + args.steps)]
+        timed = times[args.warmup_steps:]
         results.append({"row": name, "sdpa_policy": policy, "sdpa_backends_enabled": enabled, "bucket": bucket,
                         "median_ms": round(1e3 * statistics.median(timed), 2), "first_ms": round(1e3 * times[0], 2),
                         "min_ms": round(1e3 * min(timed), 2), "steps": len(timed)})
         print(f"[shape-overhead] {name:36s} median {results[-1]['median_ms']:9.2f} ms", flush=True)
-    report = {"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": WARMUP,
+    report = {"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
               "environment": environment, "rows": results}
     (out / "shapes.json").write_text(json.dumps(report, indent=1))
     lines = ["| row | median ms/step | first ms | min ms |", "|---|---|---|---|"]

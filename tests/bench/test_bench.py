@@ -46,12 +46,13 @@ def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_mo
 
 def test_shape_overhead_rows(tmp_path, bundled_model_dir):
     out = tmp_path / "shapes"
-    code = dispatch.main(["bench", "--shape", "tiny", "--shape-overhead", "--steps", "2", "--seq-len", "64",
+    code = dispatch.main(["bench", "--shape", "tiny", "--shape-overhead", "--steps", "1", "--warmup-steps", "0",
+                          "--seq-len", "32",
                           "--out", str(out), "--tokenizer", str(bundled_model_dir)])
     assert code == 0
     report = json.loads((out / "shapes.json").read_text())
     rows = {r["row"]: r for r in report["rows"]}
     assert len(rows) == 6 and report["shape"] == "tiny"
-    assert rows["fixed shape 8 x 300 tokens"]["median_ms"] > 0 and rows["variable, bucket 256 tokens"]["steps"] == 2
+    assert rows["fixed shape 8 x 300 tokens"]["median_ms"] > 0 and rows["variable, bucket 256 tokens"]["steps"] == 1
     assert rows["variable, auto (cuDNN off)"]["median_ms"] is None  # no cuDNN on CPU: n/a, not a duplicate
     assert "n/a: no cuDNN on CPU" in (out / "shapes.md").read_text()

@@ -6,7 +6,8 @@ reference, the unmodified transformers model (its `ForCausalLMLoss` over the ful
 loss differences <= 1e-6, gradient differences ~3e-8 (different summation order only). The chunk is
 16 tokens, far fewer than a batch's scored tokens, so every case walks many chunks. Controls: a
 changed target moves the loss and gradients far beyond the tolerance; the standard model does build
-an fp32 tokens x vocab tensor, which the chunked one never does.
+an fp32 tokens x vocab tensor, which the chunked one never does (tests/modeling/test_loss.py is
+also the reference other tests import: tiny, examples, padded, flat, run, assert_same).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def assert_same(a, b) -> None:
         torch.testing.assert_close(ga[k], gb[k], atol=ATOL, rtol=0, msg=k)
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+@pytest.mark.parametrize(("layout", "tie"), [("padded", True), ("padding_free", False)],
+                         ids=["padded-tied_head", "padding_free-untied_head"])
 def test_chunked_equals_standard_loss_and_every_gradient(layout, tie):
     ref, new = pair(tie)
     batch = (padded if layout == "padded" else flat)(examples())
@@ -88,9 +89,18 @@ def test_chunked_equals_standard_loss_and_every_gradient(layout, tie):
     else:
         assert (batch["attention_mask"] == 0).any()  # really padded
     assert int((batch["labels"] != -100).sum()) > 4 * CHUNK  # many chunks
-    assert_same(run(ref, batch), run(new, batch))
+    reference = run(ref, batch)
+    assert_same(reference, run(new, batch))
     with torch.no_grad():
         assert new(**batch, use_cache=False).logits is None  # the chunked path built no logits
+    # Control: the comparison sees a wrong loss. One scored label changed moves the loss and the
+    # embedding gradient far beyond the tolerance.
+    bad = {k: v.clone() for k, v in batch.items()}
+    row, col = (bad["labels"] != -100).nonzero()[-1].tolist()
+    bad["labels"][row, col] = (bad["labels"][row, col] + 1) % V
+    (lr, gr), (lb, gb) = reference, run(new, bad)
+    assert abs(lr - lb) > 1e-4
+    assert (gr["model.embed_tokens.weight"] - gb["model.embed_tokens.weight"]).abs().max() > 1e-4
 
 
 def test_gradient_accumulation_divides_by_the_steps_item_count():
@@ -107,22 +117,7 @@ def test_gradient_accumulation_divides_by_the_steps_item_count():
             out.loss.backward()
             total += out.loss.detach()
         results.append((total, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert_same(*results)
-    # the count is used, not ignored: twice the items, half the loss
-    doubled = new(**b1, use_cache=False, num_items_in_batch=torch.tensor(2 * items)).loss
-    single = new(**b1, use_cache=False, num_items_in_batch=torch.tensor(items)).loss
-    torch.testing.assert_close(2 * doubled, single, atol=ATOL, rtol=0)
-
-
-def test_control_a_changed_target_is_seen():
-    ref, new = pair()
-    batch = padded(examples())
-    bad = {k: v.clone() for k, v in batch.items()}
-    i = int((bad["labels"][0] != -100).nonzero()[-1])
-    bad["labels"][0, i] = (bad["labels"][0, i] + 1) % V
-    (lr, gr), (lb, gb) = run(ref, batch), run(new, bad)
-    assert abs(lr - lb) > 1e-4
-    assert (gr["model.embed_tokens.weight"] - gb["model.embed_tokens.weight"]).abs().max() > 1e-4
+    assert_same(*results)  # the reference divides by the count: a chunked loss that ignored it would differ
 
 
 def test_lora_model_installed_after_the_wrap():
