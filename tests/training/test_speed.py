@@ -242,3 +242,35 @@ def test_bucketed_batches_keep_loss_gradients_and_real_token_count(layout):
     def strip(b):  # FinetuneTrainer takes the stated count out before the forward
         return {k: v for k, v in b.items() if k != collate.REAL_TOKENS_KEY}
     assert_same(run(model, strip(plain)), run(model, strip(bucketed)))
+
+
+def test_trainer_passes_the_steps_item_count_to_the_chunked_loss(tmp_path):
+    """Through FinetuneTrainer, 2 micro-batches per step (gradient accumulation) and an evaluation:
+    the chunked model's step loss, gradient norm and eval loss equal the standard model's (fp32, 1e-5
+    relative). Trainer gives num_items_in_batch only to a model whose forward takes loss kwargs; a
+    chunked loss that averaged each micro-batch on its own would give another gradient here."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from finetune.modeling import loss
+    from finetune.training.trainer import FinetuneTrainer
+    from tests.modeling.test_loss import examples, tiny
+
+    rows = examples(seed=5, n=4)
+    rows[0]["labels"][-8:] = [-100] * 8  # unequal scored counts: per-micro-batch means would differ
+    logs = {}
+    for impl in ("standard", "chunked"):
+        model = tiny()
+        assert loss.install(model, impl, chunk=16)["resolved"] == impl
+        args = TrainingArguments(output_dir=str(tmp_path / impl), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=1, logging_steps=1, learning_rate=1e-3,
+                                 report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+        trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                  eval_dataset=datasets.Dataset.from_list(rows[:2]),
+                                  data_collator=collate.make_collator(_data_cfg("x"), build_config({}).model, 0))
+        assert trainer.model_accepts_loss_kwargs  # so Trainer passes num_items_in_batch
+        trainer.train()
+        step = next(h for h in trainer.state.log_history if "loss" in h)
+        logs[impl] = (step["loss"], step["grad_norm"], trainer.evaluate()["eval_loss"])
+    for a, b in zip(logs["standard"], logs["chunked"]):
+        assert abs(a - b) <= 1e-5 * abs(a), logs
