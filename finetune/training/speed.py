@@ -103,7 +103,8 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -
     return {
         "layout": {"name": name, "packing_algorithm": "best_fit_decreasing" if d.packing else None,
                    "pad_to_multiple_of": d.pad_to_multiple_of},
-        "loss_impl": loss_record,
+        # compact skips unlabelled positions with a data-dependent shape, which torch.compile does not trace
+        "loss_impl": loss_record | {"compact": loss_record["compact"] and not args.torch_compile},
         "attention": attention_record | {"implementation": model.config._attn_implementation},
         "compile": {"enabled": bool(args.torch_compile),
                     "mode": args.torch_compile_mode if args.torch_compile else None,
