@@ -72,3 +72,57 @@ def test_strategy_recipe_names_its_configs_and_launch_line(name):
     assert ("offload" in cfg.run.accelerate_config) == (cfg.run.offload not in ("none", "any"))
     if cfg.run.strategy != "single":
         assert f"accelerate_configs/cpu/{Path(cfg.run.accelerate_config).name}" in header
+
+
+ZERO3_JSONS = ["zero3.json", "zero3_offload.json"]
+# Llama-3.2-1B (hidden 2048, MLP 8192): the model of the ZeRO-3 measurement behind these values.
+LLAMA_1B_HIDDEN, LLAMA_1B_LARGEST_MATRIX = 2048, 2048 * 8192
+
+
+def _filled_by_trainer(ds_config: dict, tmp_path) -> dict:
+    """The zero_optimization section as Trainer fills it (transformers HfTrainerDeepSpeedConfig:
+    trainer_config_process from TrainingArguments, trainer_config_finalize from the model's config)."""
+    import copy
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig, unset_hf_deepspeed_config
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=16, report_to="none")
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=LLAMA_1B_HIDDEN))
+    hf = HfTrainerDeepSpeedConfig(copy.deepcopy(ds_config))  # registers itself globally: unset below
+    try:
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, model, num_training_steps=10)
+        return hf.config["zero_optimization"]
+    finally:
+        unset_hf_deepspeed_config()
+
+
+@pytest.mark.parametrize("name", ZERO3_JSONS)
+def test_zero3_buckets_hold_a_whole_weight_matrix_once_trainer_fills_them(name, tmp_path):
+    """Trainer's "auto" bucket sizes (h^2, 0.9 h^2) are smaller than one weight matrix, so ZeRO-3 fetched
+    and reduced one parameter at a time (docs/speed.md "DeepSpeed ZeRO-3 settings"); the shipped numbers
+    survive Trainer's filling unchanged and hold the largest matrix of a 1B model. Control: the old
+    "auto" values, filled the same way, do not."""
+    shipped = json.loads((REPO / "ds_configs" / name).read_text())
+    z = _filled_by_trainer(shipped, tmp_path)
+    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"],
+            z["sub_group_size"]) == (2e8, 5e7, 1e5, 1e8)
+    assert min(z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"]) >= LLAMA_1B_LARGEST_MATRIX
+    old = json.loads(json.dumps(shipped))
+    old["zero_optimization"].update(reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                                    stage3_param_persistence_threshold="auto")
+    z_old = _filled_by_trainer(old, tmp_path)
+    assert z_old["reduce_bucket_size"] == LLAMA_1B_HIDDEN ** 2 < LLAMA_1B_LARGEST_MATRIX
+
+
+def test_every_zero3_setting_has_its_reason_in_docs_speed():
+    """JSON has no comments: docs/speed.md holds one row per key of the shipped ZeRO-3 files."""
+    doc = (REPO / "docs" / "speed.md").read_text()
+    section = doc.split("## DeepSpeed ZeRO-3 settings", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")}
+    for name in ZERO3_JSONS:
+        cfg = json.loads((REPO / "ds_configs" / name).read_text())
+        keys = {f"zero_optimization.{k}" for k in cfg["zero_optimization"]} | {"bf16.enabled", "fp16.enabled"}
+        assert keys <= rows, sorted(keys - rows)

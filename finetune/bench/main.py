@@ -1,8 +1,10 @@
-"""`finetune bench`: the same workload through this project and through a plain TRL SFTTrainer
-script, alternating, in one invocation; reports trained tokens/s, MFU, peak memory and ratios.
+"""`finetune bench`: the same workload through this project and through TRL's SFTTrainer (a plain
+script and a tuned one), alternating, in one invocation; reports trained tokens/s, MFU, peak memory
+and the ratios ours / TRL plain and ours / TRL tuned.
 
     finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 \
-        --steps 30 --rounds 3 --out bench-out
+        --steps 30 --rounds 3 --trl both --out bench-out
+    finetune bench --shape qwen2.5-0.5b --shape-overhead --steps 25 --warmup-steps 3 --out bench-shapes
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
 
 Workload: synthetic pre-tokenized instruction data (prompt + response, loss on the response
@@ -12,25 +14,28 @@ These are chosen to resemble instruction-tuning sets (a long tail of long answer
 not measured from a particular dataset. Models: real architectures' shapes (Qwen2.5-0.5B and
 -1.5B configs) with random weights (speed does not depend on the values), or small Qwen2-
 architecture shapes for CPU. Each run is a separate process (finetune/bench/worker.py); the
-order of the two sides alternates from round to round. Ours: finetune.model loading, the
-chosen batch layout (default padding-free), FinetuneTrainer. TRL: finetune/bench/trl_side.py.
-No timing is asserted anywhere; figures belong to the machine they ran on.
+order of the sides alternates from round to round. Ours: finetune.model loading, the chosen
+batch layout (default padding-free), loss and SDPA backend policy, FinetuneTrainer. TRL:
+finetune/bench/trl_side.py. The report: finetune/bench/report.py. No timing is asserted
+anywhere; figures belong to the machine they ran on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from finetune import resources
+from finetune.bench import report as bench_report
 from finetune.errors import UserError
+from finetune.modeling.loss import LOSS_IMPLS
 
 # Real architectures' configurations (Qwen2.5 config.json on the Hub), random weights here.
 SHAPES = {
@@ -45,7 +50,7 @@ SHAPES = {
 }
 METHODS = ("qlora", "lora", "full")
 LAYOUTS = ("padding_free", "packing", "padded")
-SIDES = ("finetune", "trl")
+TRL_CHOICES = {"plain": ("trl_plain",), "tuned": ("trl_tuned",), "both": ("trl_plain", "trl_tuned")}
 
 
 def parse_args(argv):
@@ -63,6 +68,17 @@ def parse_args(argv):
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--gradient-checkpointing", action="store_true", help="both sides")
     p.add_argument("--torch-compile", action="store_true", help="our side only (a speed option of ours)")
+    p.add_argument("--trl", choices=TRL_CHOICES, default="both",
+                   help="TRL sides: plain (TRL's defaults: padded batches), tuned (TRL's padding-free, or BFD "
+                        "packing when --layout packing; its own loss; our SDPA backend policy), or both")
+    p.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="our side's training.loss_impl")
+    p.add_argument("--sdpa-backends", default="auto",
+                   help="our side's (and tuned TRL's) model.sdpa_backends: auto, torch_default, or a comma-"
+                        "separated list of flash, efficient, math, cudnn")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="our side's data.pad_to_multiple_of")
+    p.add_argument("--shape-overhead", action="store_true",
+                   help="instead of the comparison: time forward+backward+AdamW steps of the shape on fixed vs "
+                        "variable-length rows under SDPA backend choices and bucketing (finetune/bench/shapes.py)")
     p.add_argument("--liger", action="store_true", help="our side only: Liger kernels (CUDA, liger-kernel installed)")
     p.add_argument("--prompt-median", type=float, default=60.0, help="tokens")
     p.add_argument("--response-median", type=float, default=180.0, help="tokens")
@@ -74,6 +90,8 @@ def parse_args(argv):
     p.add_argument("--in-process", action="store_true",
                    help="run both sides in this process (smoke tests: saves start-up; host peaks are then shared)")
     args = p.parse_args(argv)
+    if args.sdpa_backends not in ("auto", "torch_default"):
+        args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
     for name in ("seq_len", "batch", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -131,48 +149,55 @@ def main(argv=None) -> int:
     from finetune.modeling.load import load_tokenizer
     from finetune.training import speed
 
-    # Our side's options pass the same checks as a recipe (boundary safety, Liger on this machine).
-    speed.check(build_config({"data": {"packing": args.layout == "packing", "padding_free": args.layout == "padding_free"},
-                              "model": {"attn_implementation": args.attn_implementation},
-                              "training": {"per_device_train_batch_size": args.batch, "use_liger_kernel": args.liger}},
+    # Our side's options pass the same checks as a recipe (boundary safety, attention, Liger on this machine).
+    speed.check(build_config({"data": {"packing": args.layout == "packing", "padding_free": args.layout == "padding_free",
+                                       "pad_to_multiple_of": args.pad_to_multiple_of},
+                              "model": {"attn_implementation": args.attn_implementation,
+                                        "sdpa_backends": args.sdpa_backends},
+                              "training": {"per_device_train_batch_size": args.batch, "use_liger_kernel": args.liger,
+                                           "loss_impl": args.loss_impl}},
                              source="finetune bench options"))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     tokenizer = load_tokenizer(ModelConfig(name_or_path=args.tokenizer) if args.tokenizer else ModelConfig())
     model_dir = build_model_dir(args.shape, tokenizer, out / "models", cuda=cuda)
-    rows = make_examples(args.steps * args.batch, args.seq_len, len(tokenizer), seed=args.seed,
-                         prompt_median=args.prompt_median, response_median=args.response_median,
-                         special=set(tokenizer.all_special_ids))
+    if args.shape_overhead:
+        from finetune.bench import shapes
+
+        return shapes.run(args, model_dir, out, environment())
+    rows = bench_examples(args, len(tokenizer), set(tokenizer.all_special_ids))
     data_file = out / "data.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lengths = sorted(len(r["input_ids"]) for r in rows)
     print(f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
           f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}", flush=True)
 
+    sides = ("finetune", *TRL_CHOICES[args.trl])
     results, failures = [], []
     for method in args.methods:
         for r in range(args.rounds):
-            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            for side in sides if r % 2 == 0 else sides[::-1]:
                 spec = {"side": side, "method": method, "round": r, "model_dir": str(model_dir),
                         "data_file": str(data_file), "seq_len": args.seq_len, "batch": args.batch,
                         "steps": args.steps, "warmup_steps": args.warmup_steps, "seed": args.seed,
                         "learning_rate": args.learning_rate, "attn_implementation": args.attn_implementation,
                         "gradient_checkpointing": args.gradient_checkpointing, "layout": args.layout,
-                        "torch_compile": args.torch_compile, "liger": args.liger,
+                        "torch_compile": args.torch_compile, "liger": args.liger, "loss_impl": args.loss_impl,
+                        "sdpa_backends": args.sdpa_backends, "pad_to_multiple_of": args.pad_to_multiple_of,
                         "output_dir": str(out / "runs" / f"{method}-{side}-{r}")}
                 result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
                 (results if "error" not in result else failures).append(result)
-                _print_run(result)
+                bench_report.print_run(result)
     report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
               "in_process": args.in_process,
               "environment": environment(), "settings": vars(args) | {"data": "synthetic log-normal lengths",
                                                                    "examples": len(rows)},
               "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1],
                                "mean": sum(lengths) / len(lengths)},
-              "summary": summarize(results, args.methods), "runs": results, "failures": failures}
+              "summary": bench_report.summarize(results, args.methods), "runs": results, "failures": failures}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = markdown_table(report["summary"])
+    table = bench_report.markdown_table(report["summary"])
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
@@ -180,6 +205,19 @@ def main(argv=None) -> int:
         raise UserError(f"{len(failures)} benchmark run(s) failed: "
                         + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures))
     return 0
+
+
+def bench_examples(args, vocab: int, special: set[int]) -> list[dict]:
+    """steps x batch examples; with --layout packing enough for steps x batch full rows (+5%), so no
+    epoch wraps around and no partial last row is timed."""
+    def make(n):
+        return make_examples(n, args.seq_len, vocab, seed=args.seed, prompt_median=args.prompt_median,
+                             response_median=args.response_median, special=special)
+    rows = make(args.steps * args.batch)
+    if args.layout == "packing":
+        mean = sum(len(r["input_ids"]) for r in rows) / len(rows)
+        rows = make(math.ceil(args.steps * args.batch * args.seq_len / mean * 1.05))  # same seed: a longer prefix
+    return rows
 
 
 def _run_side(spec: dict, out: Path, timeout: float) -> dict:
@@ -208,81 +246,6 @@ def _run_in_process(spec: dict) -> dict:
     from finetune.bench import worker
 
     return worker.run(spec)  # an error ends the benchmark with its traceback
-
-
-def _print_run(r: dict) -> None:
-    if "error" in r:
-        print(f"[bench] {r['method']:5s} {r['side']:8s} round {r['round']}: FAILED {r['error']}", flush=True)
-        return
-    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-    print(f"[bench] {r['method']:5s} {r['side']:8s} round {r['round']}: {r['trained_tokens_per_s']:,.1f} trained tok/s,"
-          f" padding {100 * (r['padding_fraction'] or 0):.0f}% of positions,"
-          f" MFU {mfu}, median step {r['median_step_s']:.3f} s, host peak {r['host_peak_rss_gib']:.2f} GiB"
-          + (f", device peak {r['device_peak_allocated_gib']:.2f} GiB" if r["device_peak_allocated_gib"] else "")
-          + f", first losses {[round(x, 4) for x in r['losses'][:2]]}", flush=True)
-
-
-def summarize(results: list[dict], methods: list[str]) -> list[dict]:
-    """Per method: each side's median over rounds, and ours / TRL."""
-    rows = []
-    for method in methods:
-        sides = {}
-        for side in SIDES:
-            runs = [r for r in results if r["method"] == method and r["side"] == side]
-            if not runs:
-                continue
-            def med(key, runs=runs):
-                values = [r[key] for r in runs if r[key] is not None]
-                return statistics.median(values) if values else None
-
-            def peak(key, runs=runs):
-                values = [r[key] for r in runs if r[key] is not None]
-                return max(values) if values else None
-            sides[side] = {"runs": len(runs), "trained_tokens_per_s": med("trained_tokens_per_s"),
-                           "input_tokens_per_s": med("input_tokens_per_s"), "mfu": med("mfu"),
-                           "median_step_s": med("median_step_s"),
-                           "device_peak_allocated_gib": peak("device_peak_allocated_gib"),
-                           "host_peak_rss_gib": peak("host_peak_rss_gib"), "padding_fraction": med("padding_fraction"),
-                           "trained_tokens_per_step": statistics.mean(
-                               t for r in runs for t in r["trained_tokens"][r["warmup_steps_excluded"]:] or [0])}
-        ours, trl = sides.get("finetune"), sides.get("trl")
-        row = {"method": method, "finetune": ours, "trl": trl,
-               "ratio_trained_tokens_per_s": _ratio(ours, trl, "trained_tokens_per_s"),
-               "ratio_mfu": _ratio(ours, trl, "mfu"),
-               "ratio_device_peak": _ratio(ours, trl, "device_peak_allocated_gib"),
-               "ratio_host_peak": _ratio(ours, trl, "host_peak_rss_gib")}
-        rows.append(row)
-    return rows
-
-
-def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-    if not a or not b or a.get(key) is None or not b.get(key):
-        return None
-    return a[key] / b[key]
-
-
-def markdown_table(summary: list[dict]) -> str:
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    lines = [("| method | side | trained tok/s | MFU | device peak GiB | host peak GiB | median step s | padding | "
-              "tok/s ratio (ours/TRL) | MFU ratio | device mem ratio | host mem ratio |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in summary:
-        for side in SIDES:
-            s = row[side]
-            if s is None:
-                continue
-            ours = side == "finetune"
-            lines.append(" | ".join([
-                f"| {row['method']}", "finetune" if ours else "TRL SFTTrainer", f(s["trained_tokens_per_s"], ",.1f"),
-                "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%", f(s["device_peak_allocated_gib"], ".2f"),
-                f(s["host_peak_rss_gib"], ".2f"), f(s["median_step_s"], ".3f"),
-                "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.0f}%",
-                f(row["ratio_trained_tokens_per_s"], ".2f") if ours else "",
-                f(row["ratio_mfu"], ".2f") if ours else "", f(row["ratio_device_peak"], ".2f") if ours else "",
-                f(row["ratio_host_peak"], ".2f") if ours else ""]) + " |")
-    return "\n".join(lines)
 
 
 def environment() -> dict:

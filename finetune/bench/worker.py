@@ -2,8 +2,8 @@
 
     python -m finetune.bench.worker SPEC.json RESULT.json
 
-SPEC names the side (`finetune` or `trl`), the method, the model directory, the data file and
-the settings both sides share. Both sides are measured by the same meter
+SPEC names the side (`finetune`, `trl_plain` or `trl_tuned`), the method, the model directory,
+the data file and the settings the sides share. The sides are measured by the same meter
 (finetune/telemetry/meter.py) through two hooks, which change nothing about the training: a
 callback driving its step clock (CUDA synchronised) and memory tracker, and a wrapper around
 the side's own data collator that counts, per batch, trained tokens (labels != -100), real input
@@ -11,6 +11,16 @@ tokens (the meter's rule: attention-mask ones, the count a packed batch states, 
 of a padding-free batch) and rows. Step i trains on batch i (no gradient accumulation; the data
 loader fetches batches in order; it fetches ahead of the step clock, so counts are paired with
 steps by index). The figures come from finetune/telemetry/formulas.py.
+
+Device peak memory: FinetuneTrainer's meter resets torch's peak counters at every log (it keeps
+per-window peaks), so on our side the worker reads the trainer's own run peak (the max over its
+windows, `final_measurements()`), never the global counters afterwards; TRL's side resets nothing,
+so the worker's tracker (reset once when training begins) reads them. `device_peak_source` says
+which.
+
+SDPA backends: our side and tuned TRL run under the benchmark's policy (--sdpa-backends, as our
+recipes' model.sdpa_backends), plain TRL under torch's defaults; the flags are restored after the
+run (finetune/modeling/attention.py), so --in-process sides do not inherit each other's.
 """
 
 from __future__ import annotations
@@ -29,14 +39,29 @@ def main(argv=None) -> int:
 
 
 def run(spec: dict) -> dict:
+    import torch
+
+    from finetune.modeling import attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy = "torch_default" if spec["side"] == "trl_plain" else spec.get("sdpa_backends", "auto")
+    with attention.flags_restored():
+        attention_record = attention.apply(policy, device, spec["attn_implementation"])
+        result = _run(spec, attention_record)
+    return result
+
+
+def _run(spec: dict, attention_record: dict) -> dict:
     import datasets
     import torch
     from transformers import TrainerCallback
 
     from finetune.data.collate import REAL_TOKENS_KEY
+    from finetune.modeling import loss
     from finetune.telemetry import formulas
     from finetune.telemetry.meter import Meter, token_counts
 
+    ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
     dataset = datasets.Dataset.from_list(rows)
     meter = Meter()  # this side's own: its clock and memory; the counts come from the collator below
@@ -44,7 +69,8 @@ def run(spec: dict) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            meter.memory.reset()  # peaks from here on are training, not model loading
+            if not ours:  # FinetuneTrainer's own meter resets (and keeps) our side's peaks
+                meter.memory.reset()  # peaks from here on are training, not model loading
 
         def on_step_begin(self, *a, **k):
             meter.step_begin()
@@ -54,12 +80,12 @@ def run(spec: dict) -> dict:
             meter.memory.sample()
 
     torch.manual_seed(spec["seed"])
-    if spec["side"] == "trl":
+    if ours:
+        trainer = _our_trainer(spec, dataset, [Clock()])
+    else:
         from finetune.bench import trl_side
 
-        trainer = trl_side.build_trainer(spec, dataset, [Clock()])
-    else:
-        trainer = _our_trainer(spec, dataset, [Clock()])
+        trainer = trl_side.build_trainer(spec, dataset, [Clock()], tuned=spec["side"] == "trl_tuned")
     collator = trainer.data_collator
 
     def counting(features):
@@ -72,7 +98,12 @@ def run(spec: dict) -> dict:
 
     trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
     trainer.train()
-    mem = meter.memory.snapshot()
+    mem = meter.memory.snapshot()  # host peak: this worker's samples at every step, both sides alike
+    if ours:  # the trainer's own run peak (max over its log windows), not the counters it reset
+        device_peak = trainer.final_measurements()["memory"]["max"]["device_peak_allocated_gib"]
+        peak_source = "FinetuneTrainer run peak (max over its log windows)"
+    else:
+        device_peak, peak_source = mem["device_peak_allocated_gib"], "worker tracker (reset at train begin)"
     steps = [s[0] for s in meter.steps]
     n = len(steps)
     trained, inputs, samples, positions = ([b[i] for b in batches[:n]] for i in range(4))
@@ -94,7 +125,9 @@ def run(spec: dict) -> dict:
         "median_step_s": r["median_step_s"],
         "mfu": formulas.mfu(input_tps, flops, peak[1] if peak else None) if input_tps else None,
         "flops_per_token": flops, "flops_convention": convention, "peak_device": peak[0] if peak else None,
-        "device_peak_allocated_gib": mem["device_peak_allocated_gib"], "host_peak_rss_gib": mem["host_peak_rss_gib"],
+        "device_peak_allocated_gib": device_peak, "device_peak_source": peak_source,
+        "host_peak_rss_gib": mem["host_peak_rss_gib"], "attention": attention_record,
+        "loss_impl": loss.installed(trainer.model) if ours else "TRL's own (SFTConfig loss_type nll)",
     }
 
 
@@ -105,6 +138,7 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
 
     from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
     from finetune.data import collate
+    from finetune.modeling import loss
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.training import speed
     from finetune.training.trainer import FinetuneTrainer
@@ -112,7 +146,7 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
     cuda = torch.cuda.is_available()
     mcfg = ModelConfig(name_or_path=spec["model_dir"], dtype="bfloat16" if cuda else "float32",
                        attn_implementation=spec["attn_implementation"])
-    dcfg = DataConfig(path=spec["data_file"], max_length=spec["seq_len"],
+    dcfg = DataConfig(path=spec["data_file"], max_length=spec["seq_len"], pad_to_multiple_of=spec["pad_to_multiple_of"],
                       padding_free=spec["layout"] == "padding_free", packing=spec["layout"] == "packing")
     tokenizer = load_tokenizer(mcfg)
     if spec["layout"] == "packing":
@@ -123,11 +157,12 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
-    args = TrainingArguments(
+    loss.install(model, spec["loss_impl"], use_liger_kernel=spec["liger"], device_type="cuda" if cuda else "cpu")
+    args = TrainingArguments(**speed.trainer_overrides(dict(
         output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         learning_rate=spec["learning_rate"], bf16=cuda, logging_steps=1, save_strategy="no", report_to="none",
         seed=spec["seed"], disable_tqdm=True, use_cpu=not cuda, torch_compile=spec["torch_compile"],
-        use_liger_kernel=spec["liger"])
+        use_liger_kernel=spec["liger"])))
     if spec["liger"]:
         speed.check_liger()
     return FinetuneTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,

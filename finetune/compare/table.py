@@ -32,6 +32,7 @@ from pathlib import Path
 
 from finetune.compare import comparable
 from finetune.compare.comparable import NOT_COMPARABLE
+from finetune.compare.speed import SPEED_KEYS, speed_cells
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, check
 
@@ -172,6 +173,11 @@ COLUMNS = [
     Column("method", "method", "method"),
     Column("precision", "precision", "precision policy"),
     Column("comparable", "comparable", "comparable with the reference run (same model, data, precision, batch, LR)"),
+    Column("layout", "layout", "batch layout"),
+    Column("loss_impl", "loss", "loss implementation"),
+    Column("attention", "attn", "attention (SDPA backend policy)"),
+    Column("compile", "compile", "torch.compile"),
+    Column("liger", "liger", "Liger kernels"),
     Column("devices", "dev", "devices (world size)"),
     Column("effective_batch", "eff.batch", "effective batch (sequences/step)"),
     Column("lr_applied", "lr", "applied LR", "{:.3g}"),
@@ -269,6 +275,7 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "method": run.get("strategy", "method") or run.get("config", "method", "name"),
         "precision": run.get("precision", "policy"),
         "comparable": None, "differences": [],
+        **speed_cells(run.get("speed")),
         "devices": run.get("strategy", "world_size"),
         "effective_batch": run.get("batch", "effective"),
         "lr_applied": run.get("lr", "applied"),
@@ -291,6 +298,8 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         return row, {k: "the run failed before writing run.json" for k in row}
     if row["precision"] is None:
         why["precision"] = "no precision section in the record (written before it existed, or failed before Trainer)"
+    if run.get("speed") is None:
+        why.update(dict.fromkeys(SPEED_KEYS, "no speed section in the record (written by an older finetune)"))
     if row["mfu"] is None:
         why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
     if row["device_peak_gib"] is None:

@@ -18,6 +18,8 @@ from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
 METHODS = ("full", "lora", "qlora")
+# torch's scaled-dot-product-attention backends by our names (finetune/modeling/attention.py).
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
 
 @dataclass
@@ -32,6 +34,10 @@ class ModelConfig:
     # float32 for full fine-tuning, float16 for the LoRA/QLoRA base).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    # Which SDPA backends torch may pick (finetune/modeling/attention.py, docs/speed.md): "auto" = on
+    # CUDA every backend but cuDNN (it re-plans for every new shape); "torch_default" = torch's
+    # flags untouched; or a list of flash, efficient, math, cudnn.
+    sdpa_backends: Union[Literal["auto", "torch_default"], list] = "auto"
     trust_remote_code: bool = False
     # Overrides the tokenizer's maximum length bookkeeping only; truncation is data.max_length.
     tokenizer_name_or_path: Optional[str] = None
@@ -73,6 +79,10 @@ class DataConfig:
     packing: bool = False
     # Concatenate each batch into one row, no padding (docs/speed.md); exclusive with packing.
     padding_free: bool = False
+    # Round every batch's token length up to a multiple of this many tokens (shape bucketing: fewer
+    # distinct shapes, e.g. for torch.compile); null = no rounding, the measured fastest on CUDA
+    # with model.sdpa_backends auto (docs/speed.md). Filler tokens carry no label.
+    pad_to_multiple_of: Optional[int] = None
     # Reuse tokenized examples across runs, keyed by file bytes + tokenizer + data settings
     # (finetune/data/cache.py); cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
     cache_tokenized: bool = False
@@ -144,6 +154,12 @@ class TrainingConfig:
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = 10
+    # The loss (finetune/modeling/loss.py, docs/speed.md): "auto" = chunked cross-entropy that never
+    # builds the full (tokens x vocab) logits (liger when use_liger_kernel chose Liger; standard,
+    # with the reason recorded, where the model's head or options need the logits); "standard" =
+    # the model's own; "chunked"; "liger" (CUDA, liger-kernel installed).
+    loss_impl: Literal["auto", "standard", "chunked", "liger"] = "auto"
+    loss_chunk_tokens: Optional[int] = None  # tokens per chunk; null = finetune.modeling.loss.chunk_tokens(vocab)
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).
     args: dict = field(default_factory=dict)
 

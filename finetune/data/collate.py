@@ -26,7 +26,11 @@ FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 REAL_TOKENS_KEY = "num_real_input_tokens"
 
 
-def collate(features: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+def round_up(n: int, multiple: int | None) -> int:
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a batch: input_ids with pad_token_id, labels with -100.
 
     Unpacked batches get attention_mask (1 real, 0 padding). Packed batches (features have
@@ -42,7 +46,7 @@ def collate(features: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     packed = ["position_ids" in f for f in features]
     if any(packed) and not all(packed):
         raise ValueError("collate() got a batch mixing packed and unpacked rows")
-    longest = max(len(f["input_ids"]) for f in features)
+    longest = round_up(max(len(f["input_ids"]) for f in features), pad_to_multiple_of)
     batch = len(features)
     input_ids = torch.full((batch, longest), pad_token_id, dtype=torch.long)
     labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
@@ -68,7 +72,9 @@ def collate(features: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 
 def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict]], dict]:
-    """The batch builder for the configured layout (see the module docstring)."""
+    """The batch builder for the configured layout (see the module docstring). With
+    data.pad_to_multiple_of every batch's length is rounded up to that multiple (shape bucketing)."""
+    multiple = getattr(data_cfg, "pad_to_multiple_of", None)
     if getattr(data_cfg, "padding_free", False):
         from transformers import DataCollatorWithFlattening
 
@@ -77,11 +83,23 @@ def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict
         def padding_free(features: list[dict]) -> dict:
             if any("position_ids" in f for f in features):  # the collator would renumber them
                 raise ValueError("padding-free batches take unpacked examples; data.packing is also set")
-            return flat(features)
+            real = sum(len(f["input_ids"]) for f in features)
+            filler = round_up(real, multiple) - real
+            if not filler:
+                return flat(features)
+            # The filler extends the last example (positions continue, labels -100): causal
+            # attention keeps every real token blind to it, the example count is unchanged, and
+            # the stated count keeps it out of the input tokens.
+            last = features[-1]
+            padded = [*features[:-1], {"input_ids": [*last["input_ids"], *[pad_token_id] * filler],
+                                       "labels": [*last["labels"], *[IGNORE_INDEX] * filler]}]
+            batch = flat(padded)
+            batch[REAL_TOKENS_KEY] = torch.tensor(real, dtype=torch.long)
+            return batch
         return padding_free
     if getattr(data_cfg, "packing", False):
-        return lambda features: count_real_tokens(collate(features, pad_token_id), features)
-    return lambda features: collate(features, pad_token_id)
+        return lambda features: count_real_tokens(collate(features, pad_token_id, multiple), features)
+    return lambda features: collate(features, pad_token_id, multiple)
 
 
 def count_real_tokens(batch: dict, features: list[dict]) -> dict:

@@ -358,6 +358,48 @@ class Parameters(TypedDict):
     total: int
 
 
+class SpeedLayout(TypedDict):
+    name: str  # padded | padding_free | packing
+    packing_algorithm: str | None  # best_fit_decreasing when packing
+    pad_to_multiple_of: int | None  # tokens; data.pad_to_multiple_of
+
+
+class SpeedLoss(TypedDict):
+    requested: str  # training.loss_impl: auto | standard | chunked | liger
+    resolved: str  # standard | chunked | liger
+    reason: str | None  # why auto fell back to standard
+    chunk_tokens: int | None  # tokens per chunk (chunked)
+    compact: bool  # only labelled positions go through the head
+    logits_materialised: bool  # the full (tokens x vocab) logits are built
+
+
+class SpeedAttention(TypedDict):
+    implementation: str  # the model's live attention implementation
+    sdpa_backends_policy: str | list[str]  # model.sdpa_backends
+    sdpa_backends_enabled: list[str] | None  # torch's flags after the policy; null when not sdpa
+    sdpa_priority: list[str] | None  # the order torch tries them in
+
+
+class SpeedCompile(TypedDict):
+    enabled: bool
+    mode: str | None
+    backend: str | None
+
+
+class SpeedLiger(TypedDict):
+    layer_kernels: bool  # training.use_liger_kernel: Trainer's Liger patch (RMSNorm, RoPE, SwiGLU)
+    fused_linear_cross_entropy: bool  # Liger's fused loss (loss_impl liger)
+    version: str | None  # liger-kernel, null when not installed
+
+
+class Speed(TypedDict):
+    layout: SpeedLayout
+    loss_impl: SpeedLoss
+    attention: SpeedAttention
+    compile: SpeedCompile
+    liger: SpeedLiger
+
+
 ABSENT = object()  # a section's initial value when the key appears only once it is first set
 
 
@@ -393,5 +435,6 @@ SECTIONS: tuple[Section, ...] = (
     Section("eval", Eval, dict, False),
     Section("faults", Faults, ABSENT, False),
     Section("parameters", Parameters, ABSENT, False),
+    Section("speed", Speed, ABSENT, False),
 )
 BY_NAME = {s.name: s for s in SECTIONS}

@@ -142,6 +142,9 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     use_wandb = wandb_logging.enabled(cfg.logging.report_to)
     if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
         wandb_logging.configure_environment(cfg.logging.wandb_project, run_dir)
+    from finetune.training import speed
+
+    targs = speed.trainer_overrides(targs)  # Liger's fused loss is training.loss_impl's, not Trainer's patch
     try:
         args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
     except (ValueError, TypeError) as e:
@@ -156,9 +159,12 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     args.learning_rate = lr["applied"]  # the optimizer is built from this value
 
     from finetune.data import collate
-    from finetune.training import speed
+    from finetune.modeling import attention
+    from finetune.modeling import loss as loss_lib
 
     speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
+    # Process-global SDPA flags, on every rank before the first forward (training, evaluation, generate).
+    attention_record = attention.apply(cfg.model.sdpa_backends, args.device.type, cfg.model.attn_implementation)
     tokenizer = model_lib.load_tokenizer(cfg.model)
     bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
     heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
@@ -168,6 +174,13 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
     model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing,
                                  policy=policy, deepspeed=family == "deepspeed")
+    if family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype for DeepSpeed
+        from finetune.precision import torch_dtype
+
+        zero3.check_init_dtype(model, torch_dtype(policy.module_dtype(cfg.method.name, family)))
+    loss_lib.install(model, cfg.training.loss_impl, chunk=cfg.training.loss_chunk_tokens,
+                     label_smoothing=args.label_smoothing_factor, use_liger_kernel=args.use_liger_kernel,
+                     device_type=args.device.type)  # before Trainer wraps the model (finetune/modeling/loss.py)
     trainable, total = model_lib.count_parameters(model)
 
     def evaluate(stage: str) -> dict:
@@ -214,6 +227,8 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
                            "save_total_limit": save_total_limit})  # docs/faults.md
         rec.set("data", vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]})
         rec.set("parameters", {"trainable": trainable, "total": total})
+        rec.set("speed", speed.section(cfg, model, trainer, attention_record=attention_record,
+                                       loss_record=loss_lib.installed(model)))
         # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
         from finetune.planning import prediction
 

@@ -1,5 +1,6 @@
-"""Speed options: which option combinations are safe (the batch layouts themselves are built by
-finetune/data/collate.py; docs/speed.md).
+"""Speed options: which option combinations are safe, what they imply for TrainingArguments, and
+run.json's `speed` section (the batch layouts are built by finetune/data/collate.py, the SDPA
+backend policy and the loss live in finetune/modeling/attention.py and loss.py; docs/speed.md).
 
 Boundary safety, as read in transformers 5.23 (the claim "no attention crosses an example
 boundary" must hold for the attention implementation that runs, else we refuse):
@@ -25,6 +26,7 @@ import importlib.util
 import torch
 
 from finetune.data.collate import FLASH_ATTENTION
+from finetune.modeling import attention
 from finetune.errors import ConfigError, UserError
 
 # Attention implementations whose handling of position_ids without an attention mask was
@@ -54,17 +56,59 @@ def check(cfg) -> None:
                             "FlashAttention path reads position_ids only for a batch of one row, so packed rows "
                             f"would attend across examples at per_device_train_batch_size {batch}; use "
                             "data.padding_free instead, or per_device_train_batch_size: 1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problems += attention.problems(m.sdpa_backends, device)  # a CPU run must keep flash or math
     if problems:
         raise ConfigError(problems, "speed options")
     if args.get("use_liger_kernel"):
         check_liger()
+    if cfg.training.loss_impl == "liger":
+        check_liger("training.loss_impl: liger", "use loss_impl: chunked")
 
 
-def check_liger() -> None:
+def check_liger(key: str = "training.use_liger_kernel", instead: str = "set use_liger_kernel: false") -> None:
     """Liger's kernels are Triton GPU kernels: say so before Trainer fails inside them."""
     if importlib.util.find_spec("liger_kernel") is None:
-        raise UserError("training.use_liger_kernel: the liger-kernel package is not installed; "
-                        "pip install 'finetune[liger]' (or set use_liger_kernel: false)")
+        raise UserError(f"{key}: the liger-kernel package is not installed; pip install 'finetune[liger]' "
+                        f"(or {instead})")
     if not torch.cuda.is_available():
-        raise UserError("training.use_liger_kernel: Liger kernels are Triton GPU kernels and need a CUDA device; "
-                        "this machine has none (set use_liger_kernel: false)")
+        raise UserError(f"{key}: Liger kernels are Triton GPU kernels and need a CUDA device; this machine has "
+                        f"none ({instead})")
+
+
+def trainer_overrides(targs: dict) -> dict:
+    """TrainingArguments values the speed options imply. With use_liger_kernel, Trainer applies
+    Liger's patches to the model after we load it; its fused linear cross-entropy would replace the
+    causal LM's forward, and with it the loss of training.loss_impl (and read the head's weight
+    directly, a shard under ZeRO-3). Liger's fused loss is ours to install (loss_impl: liger), so
+    Trainer's patch keeps only the layer kernels (RMSNorm, RoPE, SwiGLU)."""
+    if targs.get("use_liger_kernel"):
+        config = dict(targs.get("liger_kernel_config") or {})
+        config["fused_linear_cross_entropy"] = False
+        targs = {**targs, "liger_kernel_config": config}
+    return targs
+
+
+def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -> dict:
+    """run.json `speed`, from the live objects: the collator's layout, the installed loss, torch's
+    SDPA flags after the policy was applied, Trainer's compile and Liger settings."""
+    import importlib.metadata as md
+
+    d, args = cfg.data, trainer.args
+    name = "packing" if d.packing else "padding_free" if d.padding_free else "padded"
+    try:
+        liger_version = md.version("liger-kernel")
+    except md.PackageNotFoundError:
+        liger_version = None
+    return {
+        "layout": {"name": name, "packing_algorithm": "best_fit_decreasing" if d.packing else None,
+                   "pad_to_multiple_of": d.pad_to_multiple_of},
+        # compact skips unlabelled positions with a data-dependent shape, which torch.compile does not trace
+        "loss_impl": loss_record | {"compact": loss_record["compact"] and not args.torch_compile},
+        "attention": attention_record | {"implementation": model.config._attn_implementation},
+        "compile": {"enabled": bool(args.torch_compile),
+                    "mode": args.torch_compile_mode if args.torch_compile else None,
+                    "backend": args.torch_compile_backend if args.torch_compile else None},
+        "liger": {"layer_kernels": bool(args.use_liger_kernel),
+                  "fused_linear_cross_entropy": loss_record["resolved"] == "liger", "version": liger_version},
+    }

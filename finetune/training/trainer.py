@@ -13,6 +13,7 @@ from __future__ import annotations
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.telemetry.meter import Meter
 from finetune.training.progress import CompactProgress
 
@@ -47,6 +48,10 @@ class FinetuneTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs.pop(REAL_TOKENS_KEY, None)  # a count for the meter (bucketed batches), not a model input
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         training_log = "loss" in logs and "train_runtime" not in logs

@@ -188,3 +188,34 @@ def test_runs_of_one_recipe_and_policy_are_comparable_and_warn_nothing(tmp_path)
     table = comparison.build_table(runs)
     assert [row["comparable"] for row in table.rows] == ["reference", "yes"]
     assert not [w for w in table.warnings if w.startswith("not comparable")]
+
+
+SPEED = {"layout": {"name": "packing", "packing_algorithm": "best_fit_decreasing", "pad_to_multiple_of": 256},
+         "loss_impl": {"requested": "auto", "resolved": "chunked", "reason": None, "chunk_tokens": 256,
+                       "compact": True, "logits_materialised": False},
+         "attention": {"implementation": "sdpa", "sdpa_backends_policy": "auto",
+                       "sdpa_backends_enabled": ["flash", "efficient", "math"],
+                       "sdpa_priority": ["flash", "efficient", "math", "cudnn"]},
+         "compile": {"enabled": True, "mode": "max-autotune", "backend": "inductor"},
+         "liger": {"layer_kernels": True, "fused_linear_cross_entropy": False, "version": "0.8.5"}}
+
+
+def test_speed_columns_show_the_record_and_say_when_it_is_missing(runs):
+    runs[1].record["speed"] = SPEED
+    runs[2].record["speed"] = {**SPEED, "layout": {"name": "padding_free", "packing_algorithm": None,
+                                                   "pad_to_multiple_of": None},
+                               "loss_impl": {**SPEED["loss_impl"], "requested": "standard", "resolved": "standard"},
+                               "attention": {**SPEED["attention"], "sdpa_backends_policy": ["flash", "math"]},
+                               "compile": {"enabled": False, "mode": None, "backend": None},
+                               "liger": {"layer_kernels": False, "fused_linear_cross_entropy": False, "version": None}}
+    table = comparison.build_table(runs)
+    cells = [{k: table.cell(i, k) for k in ("layout", "loss_impl", "attention", "compile", "liger")}
+             for i in range(len(runs))]
+    assert cells[1] == {"layout": "packing (BFD), x256 tokens", "loss_impl": "chunked (auto)",
+                        "attention": "sdpa/auto", "compile": "on (max-autotune)", "liger": "layers"}
+    assert cells[2] == {"layout": "padding-free", "loss_impl": "standard", "attention": "sdpa/flash+math",
+                        "compile": "off", "liger": "off"}
+    assert cells[0]["loss_impl"] == "n/a" and "no speed section" in table.notes[0]["loss_impl"]
+    from finetune.compare.report import console_table
+
+    assert "packing (BFD), x256 tokens" in console_table(table) and "loss" in console_table(table).splitlines()[0]

@@ -61,3 +61,37 @@ def test_rates_exclude_warmup_and_mfu_needs_a_peak():
     assert formulas.rates([2.0], [1], [1], [1], warmup=1)["excluded"] == 0  # no more steps than the warm-up
     assert formulas.rates([0.0], [1], [1], [1], warmup=0)["trained_tokens_per_s"] is None
     assert formulas.mfu(20.0, 1e3, None) is None and formulas.mfu(20.0, 1e3, 1e5, devices=2) == 20 * 1e3 / 2e5
+
+
+def test_run_peak_survives_the_per_log_resets(monkeypatch):
+    """The meter resets torch's peak counters after every log window and keeps the max over windows
+    (what `finetune bench` now reads for our side). A fake allocator: window peaks of 10 then 3 GiB.
+    Control: reading the global counter afterwards, as the benchmark used to, gives 3."""
+    from finetune.units import GIB
+
+    class FakeAllocator:
+        def __init__(self):
+            self.peak = 0
+
+        def stats(self):
+            return {"allocated_bytes.all.peak": self.peak, "reserved_bytes.all.peak": self.peak,
+                    "active_bytes.all.peak": self.peak, "num_alloc_retries": 0, "num_ooms": 0}
+
+        def reset(self):
+            self.peak = 0
+
+    fake = FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", fake.stats)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)
+    meter = Meter()
+    meter.start_training(ONE_RANK)
+    for step, window_peak in ((1, 10 * GIB), (2, 3 * GIB)):
+        meter.record_step(1.0)
+        fake.peak = window_peak
+        logs = {"loss": 1.0}
+        meter.log_window(logs, ONE_RANK, global_step=step)
+        assert logs["memory/max_device_peak_allocated_gib"] == window_peak / GIB
+    fake.peak = 3 * GIB  # the tail after the last log
+    assert meter.memory.snapshot()["device_peak_allocated_gib"] == 3.0  # the old read: the tail only
+    assert meter.final(ONE_RANK)["memory"]["max"]["device_peak_allocated_gib"] == 10.0

@@ -55,8 +55,8 @@ def test_writers_cannot_add_undeclared_fields(rec):
         rec.update("summary", status_code=3)
     with pytest.raises(ValueError, match=r"steps\[\]: field.*'tokens'"):
         rec.add_step({"step": 1, "tokens": 5})
-    with pytest.raises(KeyError, match="no section 'speed'"):
-        rec.set("speed", {})
+    with pytest.raises(KeyError, match="no section 'kernels'"):
+        rec.set("kernels", {})
     assert rec.data["lr"] is None and rec.data["steps"] == []  # nothing was written
     rec.add_step({"step": 1, "loss": 2.0})
     rec.update("summary", steps=1, status="completed")

@@ -231,5 +231,7 @@ def test_full_export_is_one_consolidated_model_under_zero3_and_fsdp(bf16_runs, t
     assert result["new_tokens"] == 4, result
     assert result["changed_share"] > 0.5, result  # trained (bf16 view of 5 steps at 1e-4), not the base saved back
     assert result["differ_share"] < 0.01 and result["max_excess"] <= 0, result  # the whole model, both times
+    # the head is trainable here: the chunked loss's weight gradient under ZeRO-3's gather hooks and FSDP2
+    assert {bf16_runs(n).record["speed"]["loss_impl"]["resolved"] for n in ("full_zero3", "full_fsdp")} == {"chunked"}
     print(f"exports: {result['differ_share']:.2%} of the weights differ in bf16, by at most "
           f"{result['max_abs_diff']:.2e} (bound {bound:.2e} + one spacing); {result['changed_share']:.1%} changed")

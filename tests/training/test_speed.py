@@ -214,3 +214,63 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     assert "miss" in log4 and changed.stats.train_examples == 2
     uncached = build_datasets(_data_cfg(path), tokenizer, seed=0)
     assert uncached.train.to_list() == changed.train.to_list()
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free", "packing"])
+def test_bucketed_batches_keep_loss_gradients_and_real_token_count(layout):
+    """data.pad_to_multiple_of: the batch grows to a multiple of 64 tokens; loss, every gradient
+    (fp32, 1e-5) and the meter's real-token count are those of the unrounded batch."""
+    from finetune.telemetry.meter import token_counts
+    from tests.modeling.test_loss import assert_same, examples, run, tiny
+
+    exs = examples(n=3)
+    if layout == "packing":
+        exs = pack.pack([render.Example(e["input_ids"], e["labels"]) for e in exs], 60, seed=0)
+        assert len(exs) > 1
+    mcfg = build_config({}).model
+    plain = collate.make_collator(_data_cfg("x", **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
+    bucketed = collate.make_collator(
+        _data_cfg("x", pad_to_multiple_of=64, **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
+    n, m = plain["input_ids"].shape[-1], bucketed["input_ids"].shape[-1]
+    assert m % 64 == 0 and m > n  # really rounded up
+    def count(b):
+        return [int(x) for x in token_counts(b["input_ids"], b.get("attention_mask"), b["labels"],
+                                             b.get(collate.REAL_TOKENS_KEY))]
+    assert count(bucketed) == count(plain)  # filler is neither an input token nor trained
+    assert count(plain)[0] == sum(len(e["input_ids"]) for e in exs)
+    model = tiny()
+    def strip(b):  # FinetuneTrainer takes the stated count out before the forward
+        return {k: v for k, v in b.items() if k != collate.REAL_TOKENS_KEY}
+    assert_same(run(model, strip(plain)), run(model, strip(bucketed)))
+
+
+def test_trainer_passes_the_steps_item_count_to_the_chunked_loss(tmp_path):
+    """Through FinetuneTrainer, 2 micro-batches per step (gradient accumulation) and an evaluation:
+    the chunked model's step loss, gradient norm and eval loss equal the standard model's (fp32, 1e-5
+    relative). Trainer gives num_items_in_batch only to a model whose forward takes loss kwargs; a
+    chunked loss that averaged each micro-batch on its own would give another gradient here."""
+    import datasets
+    from transformers import TrainingArguments
+
+    from finetune.modeling import loss
+    from finetune.training.trainer import FinetuneTrainer
+    from tests.modeling.test_loss import examples, tiny
+
+    rows = examples(seed=5, n=4)
+    rows[0]["labels"][-8:] = [-100] * 8  # unequal scored counts: per-micro-batch means would differ
+    logs = {}
+    for impl in ("standard", "chunked"):
+        model = tiny()
+        assert loss.install(model, impl, chunk=16)["resolved"] == impl
+        args = TrainingArguments(output_dir=str(tmp_path / impl), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=1, logging_steps=1, learning_rate=1e-3,
+                                 report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+        trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                  eval_dataset=datasets.Dataset.from_list(rows[:2]),
+                                  data_collator=collate.make_collator(_data_cfg("x"), build_config({}).model, 0))
+        assert trainer.model_accepts_loss_kwargs  # so Trainer passes num_items_in_batch
+        trainer.train()
+        step = next(h for h in trainer.state.log_history if "loss" in h)
+        logs[impl] = (step["loss"], step["grad_norm"], trainer.evaluate()["eval_loss"])
+    for a, b in zip(logs["standard"], logs["chunked"]):
+        assert abs(a - b) <= 1e-5 * abs(a), logs

@@ -220,6 +220,9 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
         assert s["set_up_by"] == ev["set_up_by"] == "launcher-config", s
         assert (setup["launcher"], setup["config_from"]) == ("accelerate launch", "--config_file"), setup
         assert setup["config_file"] == str(REPO / STRATEGIES[name][1]) and setup["trainer_arguments"] is None, setup
+    # The default loss is the chunked one under every strategy (docs/speed.md): these launches are its
+    # DDP/ZeRO/FSDP2 equivalence tests (test_losses_match_single_process, the full-model exports).
+    assert rec["speed"]["loss_impl"]["resolved"] == "chunked", rec["speed"]
 
 
 @pytest.mark.parametrize("name", list(PLAIN))

@@ -82,7 +82,15 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
     assert (run_dir / "trainer_state.json").is_file()
 
     assert 0.0 <= rec["eval"]["exact_match_before"] <= 1.0 and 0.0 <= rec["eval"]["exact_match_after"] <= 1.0
-    assert rec["eval"]["details"]["after"]["total"] == 8
+    assert rec["eval"]["details"]["after"]["total"] == 8  # generate ran under the chunked loss's forward
+
+    speed = rec["speed"]  # docs/speed.md: the defaults, read back from the live objects
+    assert speed["layout"] == {"name": "padded", "packing_algorithm": None, "pad_to_multiple_of": None}
+    assert speed["loss_impl"] == {"requested": "auto", "resolved": "chunked", "reason": None, "chunk_tokens": 1024,
+                                  "compact": True, "logits_materialised": False}  # vocabulary 49,152
+    assert speed["attention"]["implementation"] == "sdpa" and speed["attention"]["sdpa_backends_policy"] == "auto"
+    assert {"flash", "math"} <= set(speed["attention"]["sdpa_backends_enabled"])  # auto leaves the CPU's as they are
+    assert speed["compile"]["enabled"] is False and speed["liger"]["fused_linear_cross_entropy"] is False
 
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["model"]["name_or_path"] == str(tiny_model_dir)

@@ -1,0 +1,103 @@
+"""`finetune bench --shape-overhead`: what a new input shape costs per step, under SDPA backend
+choices and shape bucketing (the measurements behind model.sdpa_backends `auto`; docs/speed.md).
+
+One process, the bench's random-weight model of --shape (bf16 on CUDA, fp32 on CPU), sdpa
+attention, padding-free rows (1, N) of 8 examples with position_ids restarting per example (the
+layout our recipes default to in the bench), lengths drawn like the bench's data, clipped to
+--seq-len. Each step: forward with labels, backward, AdamW step. Per row: --steps timed steps
+after --warmup-steps untimed ones (3 in the documented GPU command), CUDA-synchronised, median
+reported.
+
+Rows: a fixed shape (8 x 300 tokens every step), then variable lengths with torch's default
+backends, with `auto` (cuDNN off), rounded up to a multiple of 256 and of 1024 tokens (the filler
+extends the last example, as data.pad_to_multiple_of does), and `auto` with 256. On CPU there is
+no cuDNN: the `auto` rows are n/a rather than a duplicate of the default rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+
+ROWS = [  # (name, SDPA policy, variable lengths, bucket tokens)
+    ("fixed shape 8 x 300 tokens", "torch_default", False, None),
+    ("variable, torch default backends", "torch_default", True, None),
+    ("variable, auto (cuDNN off)", "auto", True, None),
+    ("variable, bucket 256 tokens", "torch_default", True, 256),
+    ("variable, bucket 1024 tokens", "torch_default", True, 1024),
+    ("variable, auto + bucket 256", "auto", True, 256),
+]
+
+
+def lengths(rng: random.Random, args, n: int = 8) -> list[int]:
+    out = []
+    for _ in range(n):
+        prompt = max(4, min(int(rng.lognormvariate(math.log(args.prompt_median), 0.8)), args.seq_len // 2))
+        response = max(4, min(int(rng.lognormvariate(math.log(args.response_median), 0.9)), args.seq_len - prompt))
+        out.append(prompt + response)
+    return out
+
+
+def run(args, model_dir: Path, out: Path, environment: dict) -> int:
+    """args: `finetune bench`'s options (seq_len, steps, seed, prompt/response medians, shape);
+    model_dir: the bench's model of the shape (finetune/bench/main.py build_model_dir)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.modeling import attention
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                 attn_implementation="sdpa").to(device)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = model.config.vocab_size
+    fixed = [min(300, args.seq_len)] * 8
+
+    def step(lens: list[int], bucket: int | None) -> float:
+        n = sum(lens)
+        filler = (-n % bucket) if bucket else 0
+        ids = torch.randint(0, vocab, (1, n + filler), device=device)
+        pos = torch.cat([torch.arange(x, device=device) for x in lens[:-1]]
+                        + [torch.arange(lens[-1] + filler, device=device)]).unsqueeze(0)
+        labels = ids.clone()
+        labels[0, n:] = -100
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    results = []
+    for name, policy, variable, bucket in ROWS:
+        if policy == "auto" and not cuda:
+            results.append({"row": name, "median_ms": None, "note": "n/a: no cuDNN on CPU (auto changes nothing)"})
+            continue
+        rng = random.Random(args.seed)
+        with attention.flags_restored():
+            enabled = attention.apply(policy, device)["sdpa_backends_enabled"]
+            times = [step(lengths(rng, args) if variable else fixed, bucket) for _ in range(args.warmup_steps + args.steps)]
+        timed = times[args.warmup_steps:]
+        results.append({"row": name, "sdpa_policy": policy, "sdpa_backends_enabled": enabled, "bucket": bucket,
+                        "median_ms": round(1e3 * statistics.median(timed), 2), "first_ms": round(1e3 * times[0], 2),
+                        "min_ms": round(1e3 * min(timed), 2), "steps": len(timed)})
+        print(f"[shape-overhead] {name:36s} median {results[-1]['median_ms']:9.2f} ms", flush=True)
+    report = {"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
+              "environment": environment, "rows": results}
+    (out / "shapes.json").write_text(json.dumps(report, indent=1))
+    lines = ["| row | median ms/step | first ms | min ms |", "|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['row']} | " + (" | ".join(str(r[k]) for k in ("median_ms", "first_ms", "min_ms"))
+                                         if r["median_ms"] is not None else f"{r['note']} | | ") + " |")
+    (out / "shapes.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines) + f"\n\n[shape-overhead] {out / 'shapes.json'}, {out / 'shapes.md'}", flush=True)
+    return 0

@@ -1,0 +1,105 @@
+"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per
+process before the model's first forward, and read back for the run record (docs/speed.md).
+
+Why: on CUDA, torch's cuDNN SDPA backend builds a new execution plan for every new input shape.
+Padding-free and packed rows change shape every step, so with torch's default backends a 0.5B
+Qwen2 step took 204.5 ms median against 84.4 ms at a fixed shape; with cuDNN disabled it took
+80.6 ms, and rounding lengths up to a multiple of 1024 (bucketing) 90.6 ms (H200, torch 2.11,
+forward + backward + AdamW; ../shared/gpu-measurements/2026-11-22/README.md). Hence `auto`:
+on CUDA every backend but cuDNN; no bucketing by default (`data.pad_to_multiple_of`).
+
+torch 2.13: `torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp(bool)` set
+process-global flags (not thread- or context-local), so training steps, their backward, Trainer's
+evaluation and `generate` all run under them. `torch.nn.attention.sdpa_kernel` sets the same flags
+for a `with` block. On CPU only FLASH (`aten::_scaled_dot_product_flash_attention_for_cpu`) and
+MATH exist; a CPU run with neither enabled fails at its first attention call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from finetune.config.sections import SDPA_BACKENDS
+
+# recipe name -> torch's flag name (torch.backends.cuda.enable_<flag>_sdp / <flag>_sdp_enabled)
+# and the torch.nn.attention.SDPBackend member.
+BACKENDS = {"flash": ("flash", "FLASH_ATTENTION"), "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"),
+            "math": ("math", "MATH"), "cudnn": ("cudnn", "CUDNN_ATTENTION")}
+CPU_USABLE = ("flash", "math")
+# `auto` on CUDA: every backend but cuDNN (the per-shape re-planning above).
+AUTO_CUDA = ("flash", "efficient", "math")
+POLICIES = ("auto", "torch_default")  # or a list of BACKENDS names
+
+
+def problems(policy, device_type: str | None = None) -> list[str]:
+    """What is wrong with a `model.sdpa_backends` value ([] = nothing); device_type adds the
+    check that a CPU run keeps a backend the CPU has."""
+    if isinstance(policy, str):
+        return [] if policy in POLICIES else [
+            f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"]
+    if not isinstance(policy, list) or not policy or any(p not in SDPA_BACKENDS for p in policy):
+        return [f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of "
+                f"{', '.join(SDPA_BACKENDS)}"]
+    if device_type == "cpu" and not set(policy) & set(CPU_USABLE):
+        return [f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
+                f"{' and '.join(CPU_USABLE)})"]
+    return []
+
+
+def resolve(policy, device_type: str) -> tuple[str, ...] | None:
+    """The backends to enable, or None to leave torch's flags as they are."""
+    found = problems(policy, device_type)
+    if found:
+        raise ValueError(found[0])
+    if policy == "torch_default":
+        return None
+    if policy == "auto":
+        return AUTO_CUDA if device_type == "cuda" else None  # CPU: nothing to choose (flash, then math)
+    return tuple(policy)
+
+
+def enabled() -> list[str]:
+    """The backends torch may pick now, from its flags."""
+    return [name for name, (flag, _) in BACKENDS.items() if getattr(torch.backends.cuda, f"{flag}_sdp_enabled")()]
+
+
+def set_enabled(names) -> None:
+    for name, (flag, _) in BACKENDS.items():
+        getattr(torch.backends.cuda, f"enable_{flag}_sdp")(name in names)
+
+
+def priority() -> list[str] | None:
+    """The order torch tries the backends in (torch._C._get_sdp_priority_order, torch 2.13), or
+    None where this torch does not say."""
+    from torch.nn.attention import SDPBackend
+
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is None:
+        return None
+    by_int = {int(getattr(SDPBackend, member)): name for name, (_, member) in BACKENDS.items()}
+    return [by_int[i] for i in order() if i in by_int]
+
+
+def apply(policy, device_type: str, implementation: str = "sdpa") -> dict:
+    """Set the process-global flags (every rank, before the first forward) and return what is in
+    force: run.json `speed.attention`. With an attention implementation other than sdpa the flags
+    change nothing the model runs; they are still set, and the record says they do not apply."""
+    chosen = resolve(policy, device_type)
+    if chosen is not None:
+        set_enabled(chosen)
+    sdpa = implementation == "sdpa"
+    return {"implementation": implementation, "sdpa_backends_policy": policy,
+            "sdpa_backends_enabled": enabled() if sdpa else None, "sdpa_priority": priority() if sdpa else None}
+
+
+@contextlib.contextmanager
+def flags_restored():
+    """Put torch's SDPA flags back as they were (the global setters do not restore them): for
+    code that runs several trainings in one process (the benchmark's --in-process, tests)."""
+    before = enabled()
+    try:
+        yield
+    finally:
+        set_enabled(before)

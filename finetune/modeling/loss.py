@@ -1,0 +1,269 @@
+"""The training loss of a causal LM without its full (tokens x vocab) logits: `training.loss_impl`
+(docs/speed.md "Loss implementations").
+
+    info = install(model, "auto", label_smoothing=0.0, use_liger_kernel=False, device_type="cuda")
+
+transformers 5.23's causal LMs compute `logits = lm_head(hidden)` for every position (b x s x V in
+the compute dtype), then `ForCausalLMLoss` upcasts them to fp32 and takes the cross-entropy: at a
+vocabulary of 151,936 and 8 x 2048 tokens that is 5 GB of bf16 logits plus 10 GB of fp32 copies
+and their gradient. Here the loss walks the tokens in chunks (`ChunkedLinearCrossEntropy`): one
+chunk's logits at a time, the log-sum-exp kept per token (4 bytes), the chunk's logits recomputed
+in the backward, the head's weight gradient accumulated in fp32. Only positions with a label go
+through the head at all (prompt tokens need no logits).
+
+How it is installed, and why it works under peft, DDP, DeepSpeed ZeRO-3 and FSDP2: two
+instance-level forward replacements, made after the model (and its LoRA wrap) is loaded and before
+Trainer wraps it:
+* the causal LM's `forward` (the ROOT module: FSDP2's root unshard, Accelerate's autocast wrapper,
+  DDP and the DeepSpeed engine all call it as they call the original; peft's LoraModel calls
+  `self.model.forward`, which finds it). Without labels it is the class's own forward (generation,
+  callers that want logits are unchanged);
+* the output head's `forward`: the head is still CALLED as a module, once per step, with the whole
+  chunked loss as its forward, so ZeRO-3's pre-forward gather and pre-backward re-gather hooks fire
+  exactly as for nn.Linear, whatever the number of chunks. Without targets it is nn.Linear's.
+Neither closes over the instance (they use `self`), so a deep copy of the model stays correct.
+
+`liger` runs Liger's fused linear cross-entropy kernel inside the same head call (Liger's own patch
+reads `lm_head.weight` directly, which is a shard under ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from finetune.errors import ConfigError, UserError
+
+IGNORE_INDEX = -100
+LOSS_IMPLS = ("auto", "standard", "chunked", "liger")
+
+# One chunk's fp32 logits stay within this many bytes. Why 256 MiB: it bounds the loss's working
+# memory whatever the vocabulary (forward: the chunk's logits in the compute dtype and in fp32;
+# backward: the recomputed fp32 softmax and its compute-dtype copy; so about chunk x V x (a + 4)
+# bytes live at once, a = compute dtype bytes: <= 384 MiB in bf16), under 1% of a 40 GB device,
+# while a chunk keeps >= 256 tokens for any vocabulary up to 262,144, enough rows for a full-speed
+# GEMM (chunk x H x V). Measured on CPU (profiler allocator events, V 49,152, 8,192 tokens): loss
+# peak 6,735 MiB standard, 977 MiB chunked (docs/speed.md "Loss implementations"). The planner
+# (finetune/planning/memory.py) models the loss memory from chunk_tokens().
+CHUNK_LOGITS_BYTES = 256 * 2**20
+MIN_CHUNK_TOKENS = 16
+
+
+def chunk_tokens(vocab_size: int, budget: int = CHUNK_LOGITS_BYTES) -> int:
+    """Tokens per chunk: the largest power of two whose fp32 logits (tokens x vocab x 4 bytes) fit
+    the budget, at least MIN_CHUNK_TOKENS. V 151,936 -> 256; 128,256 -> 512; 49,152 -> 1,024."""
+    n = max(MIN_CHUNK_TOKENS, budget // (4 * vocab_size))
+    return 1 << (n.bit_length() - 1)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b into an fp32 accumulator, without rounding a @ b to a 16-bit dtype first."""
+    if acc.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # torch >= 2.8, CUDA
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over tokens of cross_entropy(hidden @ weight.T + bias, targets), targets -100 ignored;
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N]. Returns an fp32 scalar."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, compute_dtype: torch.dtype):
+        n = hidden.shape[0]
+        lse = torch.empty(n, device=hidden.device, dtype=torch.float32)
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        w = weight.to(compute_dtype)
+        b = bias.to(compute_dtype) if bias is not None else None
+        with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes, same in the backward
+            for s in range(0, n, chunk):
+                t = targets[s:s + chunk]
+                logits = F.linear(hidden[s:s + chunk].to(compute_dtype), w, b).float()
+                lse_c = torch.logsumexp(logits, dim=-1)
+                lse[s:s + chunk] = lse_c
+                target_logit = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+                total += torch.where(t != IGNORE_INDEX, lse_c - target_logit, 0.0).sum()
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk, ctx.compute_dtype = chunk, compute_dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        chunk, cd = ctx.chunk, ctx.compute_dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(cd)
+        b = bias.to(cd) if bias is not None else None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_b else None
+        g = grad_total.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                t = targets[s:s + chunk]
+                h = hidden[s:s + chunk].to(cd)
+                p = F.linear(h, w, b).float()
+                p.sub_(lse[s:s + chunk].unsqueeze(1)).exp_()  # softmax
+                p[torch.arange(t.shape[0], device=t.device), t.clamp(min=0)] -= 1.0  # softmax - one-hot
+                p.mul_((g * (t != IGNORE_INDEX)).unsqueeze(1))  # d total / d logits
+                pc = p.to(cd)
+                if need_h:
+                    grad_h[s:s + chunk] = (pc @ w).to(hidden.dtype)  # chunks are disjoint rows
+                if need_w:
+                    _addmm_fp32(grad_w, pc.t(), h)
+                if need_b:
+                    grad_b += p.sum(0)
+                del p, pc
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None)
+
+
+def _head_forward(self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | None = None):
+    """nn.Linear's forward; with targets: (sum of the token losses, number of scored tokens)."""
+    if targets is None:
+        return F.linear(input, self.weight, self.bias)
+    h = input.reshape(-1, input.shape[-1])
+    t = targets.reshape(-1).to(h.device)
+    scored = t != IGNORE_INDEX
+    count = scored.sum()
+    if not torch.compiler.is_compiling():
+        # Only scored positions go through the head. One host sync (nonzero); its data-dependent
+        # shape is why this is skipped under torch.compile.
+        idx = scored.nonzero().squeeze(1)
+        h, t = h.index_select(0, idx), t.index_select(0, idx)
+    cd = _compute_dtype(h)
+    if self.finetune_loss_kernel == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        bias = self.bias.to(cd) if self.bias is not None else None
+        total = liger_fused_linear_cross_entropy(h.to(cd), self.weight.to(cd), t, bias, reduction="sum",
+                                                 accum_dtype=torch.float32).float()
+    else:
+        total = ChunkedLinearCrossEntropy.apply(h, self.weight, self.bias, t, self.finetune_chunk_tokens, cd)
+    return total, count
+
+
+def _make_forward(cls_forward):
+    @functools.wraps(cls_forward)  # keeps the signature: generate() and Trainer inspect it
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        shift_labels = kwargs.pop("shift_labels", None)
+        if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values,
+                                      inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                      logits_to_keep=logits_to_keep, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        num_items = kwargs.pop("num_items_in_batch", None)
+        return_dict = kwargs.pop("return_dict", None)
+        out = getattr(self, self.base_model_prefix)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        if shift_labels is None:  # as transformers' ForCausalLMLoss: position t is scored against label t + 1
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        total, count = self.get_output_embeddings()(out.last_hidden_state, targets=shift_labels)
+        if num_items is not None:  # gradient accumulation: Trainer's count over the whole step
+            loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
+        else:
+            loss = total / count  # mean over scored tokens (0/0 = nan, as the standard loss)
+        result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+                                        hidden_states=out.hidden_states, attentions=out.attentions)
+        return result.to_tuple() if return_dict is False else result
+    return forward
+
+
+def check_supported(model) -> list[str]:
+    """Why the chunked loss cannot stand in for this model's own ([] = it can)."""
+    problems = []
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear:
+        problems.append(f"the output head is {type(head).__name__}, not torch.nn.Linear (LoRA or quantization "
+                        "on the head?)")
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                "lm_head_multiplier"):
+        if getattr(cfg, key, None) not in (None, 1, 1.0):
+            problems.append(f"config.{key}={getattr(cfg, key)!r} transforms the logits")
+    if getattr(cfg, "output_router_logits", False):
+        problems.append("config.output_router_logits: the model's own forward adds a router loss")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        problems.append("config.pretraining_tp > 1 splits the head")
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not hasattr(model, prefix):
+        problems.append(f"no backbone attribute {prefix!r} (the model's base_model_prefix)")
+    return problems
+
+
+def causal_lm(model):
+    """The transformers causal LM inside a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_kernel: bool = False,
+            device_type: str = "cpu") -> tuple[str, str | None]:
+    """(the implementation to install, why `auto` fell back to standard or None). Explicit
+    choices that cannot be honoured raise: ConfigError for the model/options, UserError for the
+    machine. `auto` = chunked; liger when training.use_liger_kernel chose Liger; standard (with
+    the reason) where the chunked loss cannot stand in."""
+    if requested not in LOSS_IMPLS:
+        raise ConfigError([f"training.loss_impl: got {requested!r}; allowed: {', '.join(LOSS_IMPLS)}"])
+    if requested == "standard":
+        return "standard", None
+    why = check_supported(causal_lm(model))
+    if label_smoothing:  # Trainer then takes the labels out of the batch and needs the logits
+        why.append(f"training.label_smoothing_factor {label_smoothing} needs the full logits")
+    if requested == "auto":
+        if why:
+            return "standard", "; ".join(why)
+        requested = "liger" if use_liger_kernel else "chunked"
+    elif why:
+        raise ConfigError([f"training.loss_impl: {requested} cannot replace this model's loss: {w}" for w in why])
+    if requested == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise UserError("training.loss_impl: liger needs the liger-kernel package, which is not installed; "
+                            "pip install 'finetune[liger]', or use loss_impl: chunked")
+        if device_type != "cuda":
+            raise UserError("training.loss_impl: liger runs Triton GPU kernels and needs a CUDA device; this run "
+                            "has none (use loss_impl: chunked)")
+    return requested, None
+
+
+def install(model, requested: str = "auto", *, chunk: int | None = None, label_smoothing: float = 0.0,
+            use_liger_kernel: bool = False, device_type: str = "cpu") -> dict:
+    """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it.
+    Returns run.json `speed.loss_impl`."""
+    resolved, reason = resolve(requested, model, label_smoothing=label_smoothing,
+                               use_liger_kernel=use_liger_kernel, device_type=device_type)
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    info = {"requested": requested, "resolved": resolved, "reason": reason, "chunk_tokens": None,
+            "compact": False, "logits_materialised": resolved == "standard"}
+    if resolved != "standard":
+        if chunk is not None and chunk < 1:
+            raise ConfigError([f"training.loss_chunk_tokens: must be >= 1 or null, got {chunk}"])
+        head.finetune_chunk_tokens = chunk or chunk_tokens(head.out_features)
+        head.finetune_loss_kernel = resolved
+        head.forward = types.MethodType(_head_forward, head)
+        lm.forward = types.MethodType(_make_forward(type(lm).forward), lm)
+        info.update(chunk_tokens=head.finetune_chunk_tokens if resolved == "chunked" else None, compact=True)
+    lm.finetune_loss = info
+    return info
+
+
+def installed(model) -> dict | None:
+    """What install() put on this model (None: nothing was installed)."""
+    return getattr(causal_lm(model), "finetune_loss", None)
