@@ -38,28 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.errors import ConfigError, UserError
+# the chunk size and what `auto` picks: pure arithmetic the planner reads too
+from finetune.modeling.loss_choice import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, auto_choice, chunk_tokens  # noqa: F401
 
 IGNORE_INDEX = -100
 LOSS_IMPLS = ("auto", "standard", "chunked", "liger")
-
-# One chunk's fp32 logits stay within this many bytes. Why 256 MiB: it bounds the loss's working
-# memory whatever the vocabulary (forward: the chunk's logits in the compute dtype and in fp32;
-# backward: the recomputed fp32 softmax and its compute-dtype copy; so about chunk x V x (a + 4)
-# bytes live at once, a = compute dtype bytes: <= 384 MiB in bf16), under 1% of a 40 GB device,
-# while a chunk keeps >= 256 tokens for any vocabulary up to 262,144, enough rows for a full-speed
-# GEMM (chunk x H x V). Measured on CPU (profiler allocator events, V 49,152, 8,192 tokens): loss
-# peak 6,735 MiB standard, 977 MiB chunked (docs/speed.md "Loss implementations"). The planner
-# (finetune/planning/memory.py) models the loss memory from chunk_tokens().
-CHUNK_LOGITS_BYTES = 256 * 2**20
-MIN_CHUNK_TOKENS = 16
-
-
-def chunk_tokens(vocab_size: int, budget: int = CHUNK_LOGITS_BYTES) -> int:
-    """Tokens per chunk: the largest power of two whose fp32 logits (tokens x vocab x 4 bytes) fit
-    the budget, at least MIN_CHUNK_TOKENS. V 151,936 -> 256; 128,256 -> 512; 49,152 -> 1,024."""
-    n = max(MIN_CHUNK_TOKENS, budget // (4 * vocab_size))
-    return 1 << (n.bit_length() - 1)
-
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     dev = t.device.type
@@ -214,11 +197,13 @@ def causal_lm(model):
 
 
 def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_kernel: bool = False,
-            device_type: str = "cpu") -> tuple[str, str | None]:
+            device_type: str = "cpu", tokens: int | None = None, chunk: int | None = None) -> tuple[str, str | None]:
     """(the implementation to install, why `auto` fell back to standard or None). Explicit
     choices that cannot be honoured raise: ConfigError for the model/options, UserError for the
     machine. `auto` = chunked; liger when training.use_liger_kernel chose Liger; standard (with
-    the reason) where the chunked loss cannot stand in."""
+    the reason) where the chunked loss cannot stand in, or where it would hold more memory than the
+    standard loss for micro-batches of `tokens` tokens (loss_choice.auto_choice: a trainable head's
+    fp32 weight-gradient accumulator against the logits; `tokens` None: not weighed, chunked)."""
     if requested not in LOSS_IMPLS:
         raise ConfigError([f"training.loss_impl: got {requested!r}; allowed: {', '.join(LOSS_IMPLS)}"])
     if requested == "standard":
@@ -229,7 +214,16 @@ def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_ke
     if requested == "auto":
         if why:
             return "standard", "; ".join(why)
-        requested = "liger" if use_liger_kernel else "chunked"
+        if use_liger_kernel:
+            requested = "liger"
+        else:
+            head = causal_lm(model).get_output_embeddings()
+            if tokens is not None:
+                choice, why_choice = auto_choice(tokens=tokens, vocab=head.out_features, hidden=head.in_features,
+                                                 head_trains=head.weight.requires_grad, chunk=chunk)
+                if choice == "standard":
+                    return "standard", why_choice
+            requested = "chunked"
     elif why:
         raise ConfigError([f"training.loss_impl: {requested} cannot replace this model's loss: {w}" for w in why])
     if requested == "liger":
@@ -243,11 +237,11 @@ def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_ke
 
 
 def install(model, requested: str = "auto", *, chunk: int | None = None, label_smoothing: float = 0.0,
-            use_liger_kernel: bool = False, device_type: str = "cpu") -> dict:
+            use_liger_kernel: bool = False, device_type: str = "cpu", tokens: int | None = None) -> dict:
     """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it.
     Returns run.json `speed.loss_impl`."""
-    resolved, reason = resolve(requested, model, label_smoothing=label_smoothing,
-                               use_liger_kernel=use_liger_kernel, device_type=device_type)
+    resolved, reason = resolve(requested, model, label_smoothing=label_smoothing, use_liger_kernel=use_liger_kernel,
+                               device_type=device_type, tokens=tokens, chunk=chunk)
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     info = {"requested": requested, "resolved": resolved, "reason": reason, "chunk_tokens": None,

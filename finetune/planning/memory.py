@@ -20,6 +20,9 @@ finetune/planning/activations.py; precision regimes: finetune/planning/regimes.p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from finetune.modeling import loss_choice
 from finetune.planning.activations import activations, loss_buffers
 from finetune.planning.regimes import B16, F32, Regime, family
 from finetune.planning.shapes import Shape, Workload
@@ -45,19 +48,29 @@ ALLOCATOR_FRAGMENTATION = 0.057
 # not): ASSUMED, a typical H100 figure, not in the records. Counts toward "fits", not toward the
 # allocated/reserved predictions.
 CUDA_CONTEXT_GIB = 0.5
-# issue 14's automatic loss chunk: the largest power of two of tokens whose fp32 logits fit this
-# many bytes (its loss module's DEFAULT_CHUNK_BYTES / auto_chunk_tokens; keep the two equal).
-LOSS_CHUNK_BYTES = 256 * 2**20
 NF4_BITS = {True: 4 + 8 / 64 + 32 / (64 * 256), False: 4 + 32 / 64}  # QLoRA paper §3; tests: bitsandbytes
 
 METHODS = ("full", "lora", "qlora")
 
 
 def chunk_tokens(w: Workload, vocab: int) -> int:
-    if w.loss_chunk_tokens:
-        return w.loss_chunk_tokens
-    n = max(16, LOSS_CHUNK_BYTES // (4 * vocab))
-    return 1 << (n.bit_length() - 1)
+    return w.loss_chunk_tokens or loss_choice.chunk_tokens(vocab)
+
+
+def resolve_loss(sh: Shape, w: Workload) -> Workload:
+    """The workload with `auto` replaced by what the run installs (finetune/modeling/loss_choice.py)."""
+    if w.loss_impl != "auto":
+        return w
+    impl, _ = loss_choice.auto_choice(tokens=w.tokens, vocab=sh.vocab, hidden=sh.hidden, head_trains=w.method == "full",
+                                      chunk=w.loss_chunk_tokens)
+    return replace(w, loss_impl=impl)
+
+
+def loss_text(w: Workload, sh: Shape) -> str:
+    """The loss as the plan shows it: `auto` with what it resolves to for this workload's method."""
+    r = resolve_loss(sh, w)
+    text = r.loss_impl + (f" ({chunk_tokens(r, sh.vocab)} tokens per chunk)" if r.loss_impl == "chunked" else "")
+    return f"auto: {text}" if w.loss_impl == "auto" else text
 
 
 def cublas_bytes(sm: int | None) -> int:
@@ -248,6 +261,7 @@ def peak(sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: in
     persistent and per-phase components, and what lives on the host. `sm`: the GPU's compute
     capability major (cuBLAS workspace size), None for a CPU run. `ds_config`: a DeepSpeed config
     (dict) to use instead of the strategy's shipped file."""
+    w = resolve_loss(sh, w)
     z = zero_values(strategy, sh, ds_config)
     dev, host = states(sh, w, p, strategy, n, z)
     st = by_key(strategy)

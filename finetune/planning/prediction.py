@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from finetune.modeling import loss_choice
 from finetune.planning import host as host_mem
 from finetune.planning import memory
 from finetune.planning.activations import logits_bytes
@@ -45,8 +46,8 @@ def constants() -> dict:
                                        "source": "median training RSS of the six H200 records (2026-11-22)"},
         "host_cpu_process_base_gib": {"value": host_mem.HOST_CPU_PROCESS_BASE_GIB, "kind": "measured",
                                       "source": "psutil RSS after the imports, CPU build"},
-        "loss_chunk_bytes": {"value": memory.LOSS_CHUNK_BYTES, "kind": "derived",
-                             "source": "issue 14's chunk rule (fp32 logits of one chunk)"},
+        "loss_chunk_bytes": {"value": loss_choice.CHUNK_LOGITS_BYTES, "kind": "derived",
+                             "source": "the chunk rule, fp32 logits of one chunk (finetune/modeling/loss_choice.py)"},
     }
 
 
@@ -69,8 +70,7 @@ def assumptions(shape: Shape, w: Workload, p: Regime, r: dict, *, seq_len_source
         "grad_accum": w.grad_accum, "gradient_checkpointing": w.gradient_checkpointing,
         "layout": w.layout + (" with padding (attention mask)" if w.masked and w.layout == "padded" else ""),
         "attention_kernel": r["attn_kind"],
-        "loss_impl": w.loss_impl + (f" ({memory.chunk_tokens(w, shape.vocab)} tokens per chunk)"
-                                    if w.loss_impl == "chunked" else ""),
+        "loss_impl": memory.loss_text(w, shape),
         "logits_bytes": logits_bytes(w, p),
         "optimizer": f"AdamW ({w.optimizer})",
         "nf4_bits_per_param": memory.NF4_BITS[w.double_quant],
@@ -131,15 +131,14 @@ def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | 
                          seq_len: int | None = None, masked: bool = False, loss_impl: str | None = None,
                          loss_chunk_tokens: int | None = None) -> Workload:
     """The workload of a recipe. `loss_impl`: the resolved loss (a run's speed record); else the
-    recipe's training.loss_impl, where "auto" is taken as chunked (issue 14: auto = chunked unless
-    the model's head needs the logits, which the run then records)."""
+    recipe's training.loss_impl; "auto" is resolved per method and shape as the run resolves it
+    (finetune/modeling/loss_choice.py; a head that needs the logits is recorded by the run)."""
     targs = cfg.training.args
     if gradient_checkpointing is None:
         gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
     m, d, t = cfg.method, cfg.data, cfg.training
     if loss_impl is None:
-        loss_impl = getattr(t, "loss_impl", "standard")
-        loss_impl = "chunked" if loss_impl == "auto" else loss_impl
+        loss_impl = getattr(t, "loss_impl", "standard")  # "auto": resolved per method (memory.resolve_loss)
     layout = "padding_free" if getattr(d, "padding_free", False) else ("packed" if d.packing else "padded")
     optim = str(targs.get("optim", "adamw_torch_fused"))
     return Workload(method=m.name, micro_batch=int(targs.get("per_device_train_batch_size", 8)),

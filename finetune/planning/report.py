@@ -9,7 +9,7 @@ from pathlib import Path
 from finetune import precision
 from finetune.errors import UserError
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
-from finetune.planning.memory import CUDA_CONTEXT_GIB, chunk_tokens
+from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
 from finetune.planning.prediction import NOT_MODELLED, constants, plan_rows, workload_from_config
 from finetune.planning.shapes import Workload, shape_of
@@ -89,8 +89,7 @@ def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, h
     notes = {"precision": f"{policy.name}{how}: {policy.summary}",
              "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
              "grad_accum": w.grad_accum,
-             "layout": w.layout, "loss_impl": w.loss_impl + (f" ({chunk_tokens(w, shape.vocab)} tokens per chunk)"
-                                                            if w.loss_impl == "chunked" else ""),
+             "layout": w.layout, "loss_impl": loss_text(w, shape),
              "optimizer": f"AdamW ({w.optimizer})", "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
              "constants": constants(), "not_modelled": list(NOT_MODELLED)}
     return {"model": {"name": model_name, "model_type": shape.model_type, "parameters": p.total,

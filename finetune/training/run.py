@@ -180,7 +180,8 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         zero3.check_init_dtype(model, torch_dtype(policy.module_dtype(cfg.method.name, family)))
     loss_lib.install(model, cfg.training.loss_impl, chunk=cfg.training.loss_chunk_tokens,
                      label_smoothing=args.label_smoothing_factor, use_liger_kernel=args.use_liger_kernel,
-                     device_type=args.device.type)  # before Trainer wraps the model (finetune/modeling/loss.py)
+                     device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
+                     tokens=args.per_device_train_batch_size * cfg.data.max_length)  # a micro-batch's most tokens
     trainable, total = model_lib.count_parameters(model)
 
     def evaluate(stage: str) -> dict:

@@ -218,3 +218,16 @@ def test_auto_falls_back_with_the_reason_and_explicit_choices_refuse():
         loss.install(tiny(), "liger", device_type="cpu")
     with pytest.raises(ConfigError, match="allowed: auto, standard, chunked, liger"):
         loss.install(tiny(), "fused")
+
+
+def test_auto_weighs_the_micro_batch_when_the_head_trains():
+    """Full fine-tuning of the tiny model (V 49,152, h of `tiny`): a 1-token micro-batch makes the fp32
+    head-gradient accumulator the larger cost, so `auto` installs the standard loss and says why; a long
+    one, or the same head frozen, gets the chunked loss; `tokens` not given: chunked (nothing weighed)."""
+    short = loss.install(tiny(tie=False), "auto", tokens=1)
+    assert short["resolved"] == "standard" and "weight-gradient accumulator" in short["reason"], short
+    assert loss.install(tiny(tie=False), "auto", tokens=8192)["resolved"] == "chunked"
+    frozen = tiny(tie=False)
+    frozen.lm_head.weight.requires_grad_(False)
+    assert loss.install(frozen, "auto", tokens=1)["resolved"] == "chunked"
+    assert loss.install(tiny(tie=False), "auto")["resolved"] == "chunked"

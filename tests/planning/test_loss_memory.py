@@ -1,6 +1,6 @@
 """The loss's bytes (finetune/planning/activations.py loss_buffers) against the CPU allocator events of
 the loss alone (torch profiler, profile_memory=True): transformers' ForCausalLMLoss in bf16 and fp32,
-and issue 14's chunked cross-entropy (finetune/modeling/loss.py) when that module is present."""
+and issue 14's chunked cross-entropy (finetune/modeling/loss.py)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_chunked_loss_of_issue_14(dtype):
     accumulator and one recomputed chunk. On CPU its fp32 accumulation also copies the chunk's grads and
     inputs to fp32 (finetune/modeling/loss.py _addmm_fp32: `acc.addmm_(a.float(), b.float())`; CUDA adds in
     an fp32 output directly): that is added to the planner's CUDA figure here, by name."""
-    loss = pytest.importorskip("finetune.modeling.loss")
+    from finetune.modeling import loss
     hidden, weight, labels = inputs(dtype)
     chunk = 128
     state = {}
@@ -86,3 +86,36 @@ def test_chunked_loss_of_issue_14(dtype):
     assert fwd == pytest.approx(expected["forward"] - hidden_bytes, rel=0.01)
     cpu_fp32_copies = (4 * chunk * V + 4 * chunk * H) if dtype == torch.bfloat16 else 0
     assert bwd + 4 * T == pytest.approx(expected["backward"] - hidden_bytes + cpu_fp32_copies, rel=0.01)
+
+
+@pytest.mark.parametrize("tokens, want", [(64, "standard"), (T, "chunked")])
+def test_auto_picks_the_loss_that_measures_smaller(tokens, want):
+    """`auto` (finetune/modeling/loss_choice.py) weighs the standard loss's fp32 logit tensors against the
+    chunked loss's fp32 head-gradient accumulator when the head trains. Measured here, fp32, head
+    training: at 64 tokens (h 256, V 8192) the standard loss's backward holds less, at 512 the chunked
+    one; the rule must pick the smaller both times (either direction alone would pass a constant rule)."""
+    from finetune.modeling import loss, loss_choice
+
+    g = torch.Generator().manual_seed(0)
+    measured = {}
+    for impl in ("standard", "chunked"):
+        hidden = torch.randn(tokens, H, generator=g).requires_grad_()
+        weight = torch.randn(V, H, generator=g).requires_grad_()
+        labels = torch.randint(0, V, (tokens,), generator=g)
+        state = {}
+        if impl == "standard":
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            def forward():
+                state["loss"] = ForCausalLMLoss((hidden @ weight.t())[None], labels[None], V,
+                                                num_items_in_batch=torch.tensor(tokens))
+        else:
+            def forward():
+                state["loss"] = loss.ChunkedLinearCrossEntropy.apply(hidden, weight, None, labels, 128, torch.float32)
+        peak_of(forward)
+        measured[impl] = peak_of(lambda: state["loss"].backward())
+    got, why = loss_choice.auto_choice(tokens=tokens, vocab=V, hidden=H, head_trains=True, chunk=128)
+    assert min(measured, key=measured.get) == want, measured  # the shapes really sit on both sides
+    assert got == want, (why, measured)
+    # a frozen head (LoRA) has no accumulator: chunked at any length
+    assert loss_choice.auto_choice(tokens=tokens, vocab=V, hidden=H, head_trains=False, chunk=128)[0] == "chunked"

@@ -82,13 +82,13 @@ def test_control_four_fp32_loss_buffers_at_once_miss_the_logits_peak():
 
 @pytest.mark.parametrize("shape, phase", [("logits", "backward_start"), ("block", "final_norm_backward")])
 def test_the_step_peak_with_issue_14s_chunked_loss(shape, phase):
-    """bf16-mixed full fine-tuning with the chunked loss installed (finetune/modeling/loss.py, when present):
+    """bf16-mixed full fine-tuning with the chunked loss installed (finetune/modeling/loss.py):
     the loss keeps the head's input itself and casts the head's weight with autocast off, so no lm_head
     input or autocast copy of the head is saved; one 128-token chunk at a time. With a small vocabulary the
     peak moves to the final norm's backward. On CPU the loss's fp32 accumulation copies the chunk's grads
     and inputs to fp32 (its _addmm_fp32: `a.float(), b.float()`; CUDA adds into fp32 directly): added to the
     planner's CUDA figure here, by name, where the loss holds the peak."""
-    loss = pytest.importorskip("finetune.modeling.loss")
+    from finetune.modeling import loss
     regime, sp, chunk = "bf16_mixed_full", SHAPES[shape], 128
     cfg = mech.config(vocab_size=sp["vocab"])
     model = mech.build(regime, cfg)
