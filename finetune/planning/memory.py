@@ -269,8 +269,10 @@ def predicted_memory(model_config, cfg, engaged: dict, *, gradient_checkpointing
             "assumptions": notes, "error": None}
 
 
-def add_error(predicted: dict, memory: dict) -> dict:
-    """Fill predicted['error'] from run.json `memory` (training peaks): (predicted - measured) / measured."""
+def add_error(predicted: dict, memory: dict, host_lifetime_gib: float | None = None) -> dict:
+    """Fill predicted['error'] from run.json `memory` (training peaks): (predicted - measured) / measured.
+    host_lifetime_gib: rank 0's lifetime peak RSS as the meter kept it (its high-water-mark resets
+    also reset what getrusage reports, finetune/telemetry/memory_peaks.py); getrusage without it."""
     peaks = (memory or {}).get("max") or {}
 
     def err(pred, measured):
@@ -285,14 +287,15 @@ def add_error(predicted: dict, memory: dict) -> dict:
         dev_pred = dev["total_gib"] - dev["components_gib"].get("cuda_context", 0.0)  # outside torch's counters
     predicted["error"] = {"device": err(dev_pred, peaks.get("device_peak_allocated_gib")),
                           "host": err(predicted["host"]["total_gib"], peaks.get("host_peak_rss_gib"))}
-    # The training host peak is sampled between micro-steps, so it misses what lives only inside a
-    # step (activations, logits). The kernel's lifetime peak of this process (rank 0) does not miss
-    # it, but it includes model loading: both are given.
+    # The training host peak covers training only (where the kernel's high-water mark cannot be
+    # reset it is sampled between micro-steps and misses what lives only inside a step); the
+    # lifetime peak of this process (rank 0) includes model loading: both are given.
     import resource
     import sys
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+    lifetime = host_lifetime_gib if host_lifetime_gib is not None else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
     predicted["error"]["host_lifetime_peak_rank0"] = err(predicted["host"]["total_gib"], round(lifetime, 4))
     return predicted
 
@@ -331,8 +334,8 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, w
         rec.set("predicted_memory", None)
 
 
-def record_error(rec) -> None:
+def record_error(rec, host_lifetime_gib: float | None = None) -> None:
     """Once training ends: the relative error of the prediction against the measured training peaks."""
     predicted = rec.view.get("predicted_memory")
     if predicted is not None:
-        rec.set("predicted_memory", add_error(predicted, rec.view.get("memory")))
+        rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), host_lifetime_gib))
