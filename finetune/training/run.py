@@ -222,7 +222,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         rec.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
                    wall_s=round(time.perf_counter() - t0, 2), status="completed",
                    nonfinite_skipped=trainer.skipped_steps)
-        _record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
+        record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
                              **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
@@ -237,7 +237,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     return 0
 
 
-def _record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
+def record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
     """Summary totals, memory, throughput and the prediction's error of a run whose training
     completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
     computed is null with the reason in the record; the run stays completed (its training did)."""

@@ -73,7 +73,7 @@ def test_the_record_of_a_resumed_run_is_whole_run(tmp_path, tiny_model_dir):
                 "sum_sq_lengths": [200, 200], "host_lifetime_peak_gib": 1.0,
                 "memory": {"per_rank": [], "max": {}, "host_peak_method": "vmhwm", "loading": {"per_rank": [], "max": {}}}}
     cfg = SimpleNamespace(training=SimpleNamespace(throughput_warmup_steps=1), method=SimpleNamespace(name="lora"))
-    run._record_figures(rec, measured, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=2,
+    run.record_figures(rec, measured, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=2,
                         train_loss=0.5)
     s, tp = rec.view.data["summary"], rec.view.data["throughput"]
     assert s["total_trained_tokens"] == 10 + 12 + 14 + 30 and s["total_input_tokens"] == 20 + 22 + 24 + 50
