@@ -334,9 +334,9 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
         assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
     # the totals are whole-run, as the uninterrupted run's (issue 15 item 7), not the last segment's
     summary, want_summary = rec["summary"], ref["summary"]
-    assert summary["steps_counted"] == STEPS, summary
     assert (summary["total_trained_tokens"], summary["total_input_tokens"]) == \
         (want_summary["total_trained_tokens"], want_summary["total_input_tokens"]), (summary, want_summary)
+    assert summary["steps_counted"] == STEPS, summary
     assert math.isclose(summary["train_loss"], want_summary["train_loss"], rel_tol=1e-5), (summary, want_summary)
     tp = rec["throughput"]
     assert tp["steps_measured"] + tp["warmup_steps_excluded"] == STEPS and "earlier segments" in tp["scope"], tp
