@@ -25,8 +25,10 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
                       f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)"),
             ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"),
             ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
-            ("train loss", f"{s('train_loss'):.4f}" + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
-            ("trained tokens", f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
+            ("train loss", (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
+             + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
+            ("trained tokens", (f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
+                                if s("total_trained_tokens") is not None else "n/a (see run.json throughput.mfu_note)")
                                + (f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
                                   if record.get("summary", "resumed_from") else ""))]
     if tp("trained_tokens_per_s") is not None:

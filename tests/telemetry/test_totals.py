@@ -87,3 +87,28 @@ def test_the_record_of_a_resumed_run_is_whole_run(tmp_path, tiny_model_dir):
         assert tp["mfu"] is None and "not in the peak-FLOPS table" in tp["mfu_note"]
     assert "earlier segments" in tp["scope"] and "excludes data loading" in tp["scope"]
     assert formulas.throughput([], excluded=0)["steps_measured"] == 0
+
+
+def test_a_figure_error_after_training_leaves_the_run_completed_with_the_reason(tmp_path, tiny_model_dir, capsys):
+    """Issue 15 item 2: an error in the figures after training turned a completed run into `failed`."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.summary import print_summary
+    from finetune.training import run
+
+    rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
+    rec.update("summary", status="completed", steps=2, wall_s=3.0, train_s=2.0)
+    broken = {"step_s": [1.0, 1.0], "input_tokens": [5, 5], "trained_tokens": [2, 2]}  # no memory, no lengths
+    cfg = SimpleNamespace(training=SimpleNamespace(throughput_warmup_steps=1), method=SimpleNamespace(name="full"))
+    run.record_figures(rec, broken, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=1,
+                       train_loss=1.0)
+    data = rec.view.data
+    assert data["summary"]["status"] == "completed" and data["memory"] is None
+    assert data["throughput"]["mfu"] is None and data["throughput"]["mfu_note"].startswith("figures not computed: KeyError")
+    rec.set("batch", {"per_device": 1, "grad_accum": 1, "data_parallel_size": 1, "effective": 1,
+                      "input_tokens_per_step": None, "trained_tokens_per_step": None})
+    rec.set("lr", {"base": 1e-3, "rule": "none", "reference_batch": 1, "factor": 1.0, "applied": 1e-3})
+    rec.set("strategy", {"name": "single", "distributed_type": "NO"})
+    print_summary(rec.view, tmp_path, None, "full")  # the end-of-run table does not fail on the nulls
+    assert "run r completed" in capsys.readouterr().out

@@ -185,10 +185,12 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                               data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
     trainer.train()
-    _, n_input, n_trained, n_examples, sum_sq = trainer.meter.steps[0]
+    step = trainer.meter.steps[0]  # seconds, input tokens, trained tokens, examples, sum of squared lengths
+    n_input, n_trained, n_examples = step[1:4]
     assert n_input == sum(len(e["input_ids"]) for e in examples)
     assert n_trained == sum(sum(1 for x in e["labels"][1:] if x != -100) for e in examples)
-    assert n_examples == len(examples) and sum_sq == sum(len(e["input_ids"]) ** 2 for e in examples)
+    assert n_examples == len(examples), (layout, n_examples)  # not the batch's rows (issue 15 item 1)
+    assert step[4] == sum(len(e["input_ids"]) ** 2 for e in examples)
     # the batch fetch (Trainer.get_batch_samples, outside the step clock) was timed: data loading
     assert trainer.meter.tail_window(trainer.accelerator, 1)["data_loading_s"] > 0
 
