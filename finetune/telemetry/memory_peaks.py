@@ -82,6 +82,8 @@ class MemoryTracker:
                 self.host_peak = max(self.host_peak, mark)
         else:
             self.host_peak = max(self.host_peak, host_rss())
+            # never reset under this method: the kernel's lifetime figure still holds
+            self.lifetime_host_peak = max(self.lifetime_host_peak, ru_maxrss_bytes())
         self.lifetime_host_peak = max(self.lifetime_host_peak, self.host_peak)
         return self.host_peak
 
