@@ -8,6 +8,7 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 
 * launcher world size vs the processes Accelerate set up (in a launched process only);
 * processes per machine vs visible CUDA devices (or no GPU at all for a GPU launch);
+* one process with several CUDA devices visible (Trainer would use nn.DataParallel);
 * DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
 * the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload;
 * DeepSpeed and FSDP asked for at once;
@@ -15,7 +16,8 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 * bf16 (or fp16) asked for on a device without it;
 * the model (and tokenizer) is a local model directory, or a hub id that is cached or reachable;
 * the dataset file exists and its first rows have the format's fields (finetune/data/build.py);
-* the run directory would not clobber an existing one.
+* the run directory would not clobber an existing one (one left by a run that failed before its
+  first step is reused: finetune/launch/rundir.py).
 
 What engaged is still proven on the live engine after Trainer is built (finetune/training/engaged.py);
 this module catches what the configs already show, minutes of model loading earlier.

@@ -1,4 +1,5 @@
-"""The run directory, `runs/<run_name>/` by default: created once, never silently replaced.
+"""The run directory, `runs/<run_name>/` by default: created once, never silently replaced (a
+directory left by a run that failed before its first step is reused, and the console says so).
 
     runs/<name>/config.yaml     the resolved configuration (defaults < recipe < overrides)
     runs/<name>/run.json        the run record (finetune/telemetry/record.py)
