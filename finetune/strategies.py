@@ -16,20 +16,68 @@ with its own config, HSDP, ...) is a new row here plus its shipped files:
   step, ZeRO-Offload paper §4);
 * `description` (plan rows) and `why` (the recommendation's reason).
 
+* `fsdp`: the FSDP2 settings of FSDP rows (`FsdpSettings`).
+
+One source of truth for both ways of launching a row: `accelerate_config(row, cpu=...)` is what the
+shipped accelerate config (or its CPU variant) holds, and `trainer_arguments(row, root)` is what the
+script passes to TrainingArguments when it sets the row up itself (no launcher config:
+finetune/launch/setup.py): the same DeepSpeed JSON, the same FSDP settings.
+
 Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
 name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
-against the shipped files.
+against the shipped files (every shipped YAML equals `accelerate_config`) and the in-script FSDP
+plugin against the launcher's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # Accelerate DistributedType values (accelerate/utils/dataclasses.py DistributedType).
 # Data-parallel process groups: DDP under this project's names.
 DATA_PARALLEL_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_HPU")
 # Launches whose processes each need an accelerator (torchrun / DeepSpeed launches).
 ACCELERATOR_TYPES = ("MULTI_GPU", "DEEPSPEED", "FSDP")
+# Processes per shipped multi-process config: the 2-GPU machines the recipes are sized for
+# (`--num_processes N` overrides at launch).
+SHIPPED_PROCESSES = 2
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    """A row's FSDP2 settings: the one source of the shipped accelerate configs' `fsdp_config` and of
+    what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
+    checks both, and that the two build the same FullyShardedDataParallelPlugin)."""
+    offload_params: bool = False  # CPUOffloadPolicy: parameters, gradients and the optimizer step on the host
+    version: int = 2
+    auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"  # one unit per model._no_split_modules class (decoder layer)
+    # Explicit because the two routes default differently: accelerate's FSDP2 plugin SHARDED, transformers'
+    # TrainingArguments FULL_STATE_DICT (training_args.py _process_fsdp_args). Checkpoints: each rank writes its shard.
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    reshard_after_forward: bool = True
+    # True would need ACCELERATE_USE_FSDP and FSDP_CPU_RAM_EFFICIENT_LOADING exported before
+    # from_pretrained (transformers is_fsdp_enabled()), which the in-script route cannot do: keep False.
+    cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: bool = False  # training.gradient_checkpointing instead
+
+    def accelerate_config(self) -> dict:
+        """The `fsdp_config` section of an accelerate config YAML (accelerate's names)."""
+        return {"fsdp_version": self.version, "fsdp_auto_wrap_policy": self.auto_wrap_policy,
+                "fsdp_state_dict_type": self.state_dict_type, "fsdp_offload_params": self.offload_params,
+                "fsdp_reshard_after_forward": self.reshard_after_forward,
+                "fsdp_cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
+                "fsdp_activation_checkpointing": self.activation_checkpointing}
+
+    def trainer_config(self) -> dict:
+        """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
+        the `fsdp_` prefix, except offload, which is `cpu_offload` there (`offload_params` would be
+        ignored without a word, as any unknown key is)."""
+        return {"version": self.version, "auto_wrap_policy": self.auto_wrap_policy,
+                "state_dict_type": self.state_dict_type, "cpu_offload": self.offload_params,
+                "reshard_after_forward": self.reshard_after_forward,
+                "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
+                "activation_checkpointing": self.activation_checkpointing}
 
 
 @dataclass(frozen=True)
@@ -51,6 +99,7 @@ class Strategy:
     speed_rank: int  # 0 = fastest (see the module docstring)
     description: str
     why: str
+    fsdp: FsdpSettings | None = None  # FSDP rows: the settings both launch routes use
 
     @property
     def launchable(self) -> bool:
@@ -92,12 +141,13 @@ STRATEGIES: tuple[Strategy, ...] = (
              "parameters and optimizer on the host: the least device memory, the slowest"),
     Strategy("fsdp", "fsdp", "none", "FSDP", None, True, True, True, False, False,
              "accelerate_configs/fsdp.yaml", "accelerate_configs/cpu/fsdp.yaml", None, "fsdp", 4,
-             "FSDP2: parameters, grads, optimizer sharded", _SHARDS_PARAMS),
+             "FSDP2: parameters, grads, optimizer sharded", _SHARDS_PARAMS, fsdp=FsdpSettings()),
     Strategy("fsdp_offload", "fsdp", "optimizer+params", "FSDP", None, True, True, True, True, True,
              "accelerate_configs/fsdp_offload.yaml", "accelerate_configs/cpu/fsdp_offload.yaml", None,
              "fsdp_offload", 8,
              "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
-             "parameters, gradients and optimizer on the host: the least device memory, the slowest"),
+             "parameters, gradients and optimizer on the host: the least device memory, the slowest",
+             fsdp=FsdpSettings(offload_params=True)),
 )
 
 KEYS = tuple(s.key for s in STRATEGIES)
@@ -114,6 +164,53 @@ def by_key(key: str) -> Strategy:
         if s.key == key:
             return s
     raise KeyError(f"no strategy {key!r} (known: {', '.join(KEYS)})")
+
+
+def by_recipe(name: str, offload: str) -> Strategy | None:
+    """The launchable row a recipe's (run.strategy, run.offload) means: offload `any` is the row
+    without offload. None for `any` and for pairs no shipped row has (the config validator allows
+    only shipped names, so that is an offload the strategy has no row for)."""
+    for s in STRATEGIES:
+        if s.launchable and s.name == name and s.offload == ("none" if offload == "any" else offload):
+            return s
+    return None
+
+
+def trainer_arguments(row: Strategy, root: Path) -> dict:
+    """What the script passes to TrainingArguments to engage `row` itself, when no launcher config
+    set a strategy up (finetune/launch/setup.py): the same DeepSpeed JSON the row's accelerate
+    config names (absolute: `root` is the resources root), or the row's FSDP settings. DDP and a
+    single device need nothing beyond the processes."""
+    if row.zero_stage is not None:
+        return {"deepspeed": str(root / row.deepspeed_config)}
+    if row.fsdp is not None:
+        return {"fsdp": True, "fsdp_config": row.fsdp.trainer_config()}
+    return {}
+
+
+def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
+    """The content (comments aside) of the row's shipped accelerate config, or of its
+    accelerate_configs/cpu/ variant: tests/test_strategies_table.py holds every shipped YAML to it."""
+    if row.name == "single":
+        if cpu:
+            raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
+        return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_machines": 1,
+                "num_processes": 1, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False, "gpu_ids": "all"}
+    out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
+    if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
+        out["deepspeed_config"] = {"deepspeed_config_file": row.deepspeed_config,
+                                   "deepspeed_multinode_launcher": "standard",
+                                   # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
+                                   "zero3_init_flag": row.zero_stage == 3}
+    else:
+        out["mixed_precision"] = "no"
+    if row.fsdp is not None:
+        out["fsdp_config"] = row.fsdp.accelerate_config()
+    out.update(num_machines=1, num_processes=SHIPPED_PROCESSES, machine_rank=0, main_training_function="main",
+               rdzv_backend="static", same_network=True, use_cpu=cpu)
+    if not cpu:
+        out["gpu_ids"] = "all"
+    return out
 
 
 def planner_key(name: str | None, offload: str = "none") -> str:

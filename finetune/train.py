@@ -1,6 +1,7 @@
-"""Fine-tune a causal LM from a recipe. The strategy is whatever the accelerate config launches:
+"""Fine-tune a causal LM from a recipe. The recipe's strategy is set up by the script itself when the
+launcher read no accelerate config; with one, the config sets it up (and must agree with the recipe):
 
-    accelerate launch finetune/train.py --recipe demo
+    accelerate launch finetune/train.py --recipe zero2
     accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py --recipe zero2 \
         --training.max_steps=100
 

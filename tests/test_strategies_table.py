@@ -130,3 +130,125 @@ def test_launch_line_names_the_shipped_configs():
     assert "--config_file accelerate_configs/cpu/zero3_offload.yaml" in line
     assert strategies.launch_line("single", "none", "r").count("accelerate launch") == 1
     assert Path(resources.ROOT / "accelerate_configs/zero3_offload.yaml").is_file()
+
+
+# --- one source of truth: the shipped configs and the in-script route come from the table ---------
+
+
+@pytest.mark.parametrize("row, cpu", [(s, cpu) for s in SHIPPED for cpu in (False, True) if not cpu or s.cpu_config],
+                         ids=lambda v: v.key if hasattr(v, "key") else ("cpu" if v else "gpu"))
+def test_shipped_accelerate_config_is_what_the_table_generates(row, cpu):
+    """Every value of every shipped accelerate config (comments aside) = strategies.accelerate_config:
+    a setting changed in one place only fails here, so the launcher route and the in-script route
+    (strategies.trainer_arguments) cannot drift apart."""
+    path = row.cpu_config if cpu else row.accelerate_config
+    shipped = yaml.safe_load(resources.resolve(path).read_text())
+    generated = strategies.accelerate_config(row, cpu=cpu)
+    assert shipped == generated, {k: (shipped.get(k), generated.get(k)) for k in {*shipped, *generated}
+                                  if shipped.get(k) != generated.get(k)}
+
+
+def test_generated_config_differs_when_a_setting_differs():
+    """Control: the comparison above sees a one-setting change."""
+    from dataclasses import replace
+
+    row = strategies.by_key("fsdp")
+    other = replace(row, fsdp=replace(row.fsdp, reshard_after_forward=False))
+    assert yaml.safe_load(resources.resolve(row.accelerate_config).read_text()) != \
+        strategies.accelerate_config(other, cpu=False)
+
+
+@pytest.mark.parametrize("row", SHIPPED, ids=[s.key for s in SHIPPED])
+def test_in_script_arguments_name_the_rows_files_and_settings(row):
+    args = strategies.trainer_arguments(row, resources.ROOT)
+    if row.zero_stage is not None:  # the same JSON the accelerate config names, made absolute
+        ds_file = yaml.safe_load(resources.resolve(row.accelerate_config).read_text())["deepspeed_config"]
+        assert args == {"deepspeed": str(resources.resolve(ds_file["deepspeed_config_file"]))}
+        assert ds_file["zero3_init_flag"] == (row.zero_stage == 3)  # = DeepSpeedPlugin's in-script default
+    elif row.distributed_type == "FSDP":
+        assert args["fsdp"] is True and args["fsdp_config"]["cpu_offload"] == (row.offload == "optimizer+params")
+        # In-script, the plugin exists only after from_pretrained, so RAM-efficient loading (which needs
+        # ACCELERATE_USE_FSDP + FSDP_CPU_RAM_EFFICIENT_LOADING during the load) would silently not happen.
+        assert row.fsdp.cpu_ram_efficient_loading is False
+    else:
+        assert args == {}
+    assert strategies.by_recipe(row.name, row.offload) == row
+
+
+def _launcher_fsdp_env(config: Path) -> dict:
+    """The FSDP_* / ACCELERATE_USE_FSDP variables `accelerate launch --config_file CONFIG` exports to
+    its ranks (accelerate 1.15 commands/launch.py + utils/launch.py prepare_multi_gpu_env)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"}
+
+
+def _forget_fsdp_env(monkeypatch, config: Path) -> None:
+    """No FSDP variable from elsewhere, and none left behind: TrainingArguments(fsdp=...) itself
+    exports FSDP_CPU_RAM_EFFICIENT_LOADING (transformers 5.23); setenv+delenv records the original
+    so monkeypatch's teardown restores it (or removes what the test set)."""
+    for key in {*_launcher_fsdp_env(config), "FSDP_CPU_RAM_EFFICIENT_LOADING", "ACCELERATE_USE_FSDP"}:
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+
+
+PLUGIN_FIELDS = ("fsdp_version", "reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap",
+                 "min_num_params", "state_dict_type", "cpu_offload", "cpu_ram_efficient_loading",
+                 "activation_checkpointing", "sync_module_states", "use_orig_params", "forward_prefetch",
+                 "backward_prefetch", "mixed_precision_policy", "ignored_modules", "state_dict_config",
+                 "optim_state_dict_config")
+
+
+def _plugin_view(plugin) -> dict:
+    import enum
+
+    out = {}
+    for name in PLUGIN_FIELDS:
+        v = getattr(plugin, name)
+        if isinstance(v, enum.Enum) or isinstance(v, (bool, int, str, list, type(None))):
+            out[name] = v
+        elif callable(v) and hasattr(v, "__name__"):
+            out[name] = v.__name__
+        else:
+            out[name] = (type(v).__name__, vars(v) if hasattr(v, "__dict__") else repr(v))
+    return out
+
+
+@pytest.mark.parametrize("config", [s.accelerate_config for s in SHIPPED if s.fsdp] +
+                         [s.cpu_config for s in SHIPPED if s.fsdp])
+def test_fsdp_plugin_in_script_equals_the_launchers(config, monkeypatch):
+    """The plugin Accelerate builds in a launched rank from the launcher's FSDP_* variables equals,
+    field by field, the one Trainer builds from TrainingArguments(fsdp=True, fsdp_config=<the row's
+    settings>): fails if accelerate or transformers rename a key or change a default."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    row = next(s for s in SHIPPED if config in (s.accelerate_config, s.cpu_config))
+    _forget_fsdp_env(monkeypatch, resources.resolve(config))
+    args = TrainingArguments(output_dir="unused", report_to="none",
+                             **strategies.trainer_arguments(row, resources.ROOT))
+    in_script = _plugin_view(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+    for key, value in _launcher_fsdp_env(resources.resolve(config)).items():
+        monkeypatch.setenv(key, value)
+    launched = _plugin_view(FullyShardedDataParallelPlugin())
+    assert in_script == launched, {k: (launched[k], in_script[k]) for k in PLUGIN_FIELDS if launched[k] != in_script[k]}
+    assert (launched["cpu_offload"][0] == "CPUOffloadPolicy") == (row.offload == "optimizer+params")
+
+
+def test_fsdp_plugin_comparison_sees_a_renamed_key(monkeypatch):
+    """Control: the accelerate-config name `offload_params` is silently ignored by TrainingArguments
+    (it reads `cpu_offload`), and the comparison above catches the lost offload."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    row = strategies.by_key("fsdp_offload")
+    _forget_fsdp_env(monkeypatch, resources.resolve(row.accelerate_config))
+    wrong = {**row.fsdp.trainer_config(), "offload_params": True}
+    del wrong["cpu_offload"]
+    args = TrainingArguments(output_dir="unused", report_to="none", fsdp=True, fsdp_config=wrong)
+    in_script = _plugin_view(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+    for key, value in _launcher_fsdp_env(resources.resolve(row.accelerate_config)).items():
+        monkeypatch.setenv(key, value)
+    assert in_script["cpu_offload"] != _plugin_view(FullyShardedDataParallelPlugin())["cpu_offload"]

@@ -167,9 +167,9 @@ TRAINING_RESERVED = {
     "run_name": "run.name",
     "overwrite_output_dir": "run.overwrite (or --overwrite)",
     "report_to": "logging.report_to",
-    "deepspeed": "the accelerate config (accelerate_configs/*.yaml)",
-    "fsdp": "the accelerate config (accelerate_configs/*.yaml)",
-    "fsdp_config": "the accelerate config (accelerate_configs/*.yaml)",
+    "deepspeed": "run.strategy / run.offload (the strategy table's DeepSpeed JSON) or the accelerate config",
+    "fsdp": "run.strategy / run.offload (the strategy table's FSDP settings) or the accelerate config",
+    "fsdp_config": "run.strategy / run.offload (the strategy table's FSDP settings) or the accelerate config",
 }
 
 

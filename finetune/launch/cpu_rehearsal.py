@@ -19,6 +19,9 @@ of accelerate_configs/cpu/*.yaml:
     FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/fsdp.yaml \
         finetune/train.py --recipe fsdp
 
+(A recipe that sets up its strategy itself with ONE process on a machine without CUDA joins gloo
+without the variable: there are no lone processes to guard against; finetune/launch/setup.py.)
+
 It then (1) makes every process join the gloo group (`PartialState(cpu=True)` and
 TrainingArguments.use_cpu=True) and (2) applies Accelerate's own FSDP branch when it was skipped
 only because the device is a CPU (with FSDP offload, unpinned host memory: pinning needs an accelerator). torch's `fully_shard` runs on CPU over gloo, so the FSDP2
@@ -41,10 +44,11 @@ def requested() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def training_overrides(targs: dict) -> dict:
+def training_overrides(targs: dict, active: bool | None = None) -> dict:
     """TrainingArguments values for a CPU distributed run: use_cpu makes Trainer's PartialState
-    join the gloo group instead of falling back to one process per rank."""
-    if not requested():
+    join the gloo group instead of falling back to one process per rank. `active`: this run joins
+    gloo (finetune/launch/setup.py decides it, the opt-in included); None: the opt-in alone."""
+    if not (requested() if active is None else active):
         return targs
     _keep_fsdp_on_cpu()
     return {**targs, "use_cpu": True}

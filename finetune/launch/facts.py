@@ -11,7 +11,10 @@ Two sources describe the same launch:
   ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS,
   ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_CPU; torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE).
 
-Both give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
+A third, `from_recipe`, describes what the script engages itself when no launcher config set a
+strategy up (finetune/launch/setup.py): the recipe's strategy row and its DeepSpeed JSON.
+
+All give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
 missing or malformed DeepSpeed JSON, DeepSpeed and FSDP at once) are collected in it, not
 raised, so finetune/launch/preflight.py can report them with everything else.
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from finetune.errors import UserError
-from finetune.strategies import name_of, offload_device, offload_name
+from finetune.strategies import DATA_PARALLEL_TYPES, name_of, offload_device, offload_name
 
 
 @dataclass
@@ -41,6 +44,9 @@ class LaunchFacts:
     deepspeed: dict | None = None  # the DeepSpeed config (JSON file, or the accelerate config's fields)
     deepspeed_source: str | None = None
     fsdp_offload: bool = False
+    gloo: bool = False  # the processes join gloo as CPU processes (TrainingArguments.use_cpu is set)
+    data_parallel: bool = False  # a process group of one is still DDP (the recipe's ddp row engaged in-script)
+    default_config: str | None = None  # the launcher read the user's accelerate default config (this path)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -55,6 +61,8 @@ class LaunchFacts:
                     offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))))
         if self.distributed_type == "FSDP":
             return "fsdp", "optimizer+params" if self.fsdp_offload else "none"
+        if self.data_parallel and self.distributed_type in DATA_PARALLEL_TYPES:
+            return "ddp", "none"
         return name_of(self.distributed_type, num_processes=self.num_processes), "none"
 
 
@@ -171,13 +179,14 @@ def _deepspeed_from_fields(fields: dict) -> dict:
     return out
 
 
-def from_environment(state) -> LaunchFacts:
-    """What `accelerate launch` set up for this process (see the module docstring for the names)."""
+def from_environment(state, source: str | None = None) -> LaunchFacts:
+    """What `accelerate launch` set up for this process (see the module docstring for the names).
+    `source` names the launch in problems (finetune/launch/setup.py knows the config file)."""
     from finetune.launch import cpu_rehearsal
 
     env = os.environ
     config = env.get("FINETUNE_ACCELERATE_CONFIG")
-    facts = LaunchFacts(source=f"accelerate config {config}" if config else "the accelerate launch environment")
+    facts = LaunchFacts(source=source or (f"accelerate config {config}" if config else "the accelerate launch environment"))
     use_ds = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     use_fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if use_ds and use_fsdp:
@@ -187,6 +196,7 @@ def from_environment(state) -> LaunchFacts:
     facts.distributed_type = "DEEPSPEED" if use_ds else "FSDP" if use_fsdp else state.distributed_type.value
     facts.num_processes = int(env.get("WORLD_SIZE", state.num_processes))
     facts.use_cpu = env.get("ACCELERATE_USE_CPU", "false").lower() == "true" or cpu_rehearsal.requested()
+    facts.gloo = cpu_rehearsal.requested()
     facts.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION")
     local = env.get("LOCAL_WORLD_SIZE")
     if local and local.isdigit():
@@ -212,6 +222,31 @@ def from_environment(state) -> LaunchFacts:
             facts.deepspeed_source = "the DeepSpeed settings of " + facts.source
     if use_fsdp:
         facts.fsdp_offload = env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"
+    return facts
+
+
+def from_recipe(setup, state, root: Path) -> LaunchFacts:
+    """What the script engages itself (setup.set_up_by == "recipe"): the row's DeepSpeed JSON or FSDP
+    settings with the processes the launcher gave; DDP and one device as Accelerate set them up."""
+    row = setup.row
+    source = (f"the recipe's strategy row {row.key!r} (set up in the script; {setup.because})"
+              if row.zero_stage is not None or row.fsdp is not None
+              else f"the processes of {setup.launcher.describe()} (no strategy set up by a launcher config)")
+    facts = from_environment(state, source=source)
+    facts.gloo = setup.cpu_gloo is not None
+    facts.use_cpu = facts.use_cpu or facts.gloo
+    if row.zero_stage is not None:
+        facts.distributed_type = "DEEPSPEED"
+        path = root / row.deepspeed_config
+        try:
+            facts.deepspeed = read_deepspeed_json(path, f"the strategy row {row.key!r}")
+            facts.deepspeed_source = f"DeepSpeed config {path} (the recipe's row {row.key!r})"
+        except UserError as e:
+            facts.problems.append(str(e))
+    elif row.fsdp is not None:
+        facts.distributed_type = "FSDP"
+        facts.fsdp_offload = row.fsdp.offload_params
+    facts.data_parallel = row.name == "ddp"
     return facts
 
 

@@ -1,6 +1,6 @@
 """Preflight: every mistake that can be seen in the configs, found before any weights load.
 
-    check_before_loading(cfg, state)   # finetune/training/run.py, right after PartialState
+    check_before_loading(cfg, state, setup=setup)   # finetune/training/run.py, right after PartialState
     check_launch(launch_args)          # `finetune train`, before `accelerate launch` starts anything
 
 Each check returns problems (strings naming what, where and the fix) instead of raising, and
@@ -10,7 +10,9 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 * processes per machine vs visible CUDA devices (or no GPU at all for a GPU launch);
 * one process with several CUDA devices visible (Trainer would use nn.DataParallel);
 * DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
-* the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload;
+* the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload
+  (when a launcher config set one up; else the recipe's own row is engaged: finetune/launch/setup.py);
+* `accelerate launch --num_processes N` that started fewer processes;
 * DeepSpeed and FSDP asked for at once;
 * QLoRA under ZeRO-3/FSDP: the 4-bit storage dtype must be the float compute dtype;
 * bf16 (or fp16) asked for on a device without it;
@@ -35,18 +37,37 @@ from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 SOURCE = "preflight (nothing was started, loaded or written)"
 
 
-def check_before_loading(cfg, state, *, resume: str | None = None) -> None:
+def check_before_loading(cfg, state, *, setup=None, resume: str | None = None) -> None:
     """In each launched process: raise one ConfigError listing every problem; ranks agree.
-    `resume` (train.py's --resume) lets the run directory exist: a resumed run continues it."""
-    from finetune.launch.facts import from_environment
+    `setup` (finetune/launch/setup.py) says who sets up the strategy: under `recipe` the facts are
+    the recipe's row, else what the launcher exported. `resume` (train.py's --resume) lets the
+    run directory exist: a resumed run continues it."""
+    from finetune import resources
+    from finetune.launch.facts import from_environment, from_recipe
 
-    facts = from_environment(state)
-    problems = [p for p in (world_size_problem(state),) if p] + run_checks(cfg, facts, in_process=True, resume=resume)
+    if setup is not None and setup.set_up_by == "recipe":
+        facts = from_recipe(setup, state, resources.ROOT)
+    else:
+        facts = from_environment(state, source=_launcher_source(setup))
+        if setup is not None and setup.launcher.config_from == "default config":
+            facts.default_config = setup.launcher.config_file
+    found = (world_size_problem(state, cfg.recipe if _in_script(setup) else None), launcher_processes_problem(setup, cfg))
+    problems = [p for p in found if p] + run_checks(cfg, facts, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
         raise UserError(f"preflight found {len(problems)} problem(s) (listed by rank 0); nothing was started")
     if problems:
         raise ConfigError(problems, SOURCE)
+
+
+def _launcher_source(setup) -> str | None:
+    if setup is None or setup.launcher.config_file is None:
+        return None  # from_environment's own naming
+    return setup.launcher.describe()
+
+
+def _in_script(setup) -> bool:
+    return setup is not None and setup.set_up_by == "recipe"
 
 
 def check_launch(launch_args: list[str]) -> None:
@@ -88,17 +109,40 @@ def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None 
 # --- the checks ------------------------------------------------------------------------------
 
 
-def world_size_problem(state) -> str | None:
+def world_size_problem(state, in_script_recipe: str | None = None) -> str | None:
     """The launcher's world size must equal the processes Accelerate set up (DESIGN.md: a
-    2-process launch without use_cpu on a machine without a GPU gives two lone runs)."""
+    2-process launch without use_cpu on a machine without a GPU gives two lone runs).
+    `in_script_recipe`: the recipe sets up its strategy itself, so the fix is a plain torchrun line."""
     launcher = int(os.environ.get("WORLD_SIZE", "1"))
     if launcher == state.num_processes:
         return None
-    return (f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
+    head = (f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
             f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
-            f"machine without a GPU use a CPU config and opt in to gloo, e.g.\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
-            f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see finetune/launch/cpu_rehearsal.py)")
+            f"machine without a GPU ")
+    if in_script_recipe:
+        return head + (f"opt in to gloo (the recipe sets up its strategy itself), e.g.\n"
+                       f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {launcher} finetune/train.py "
+                       f"--recipe {in_script_recipe}\n  (see finetune/launch/cpu_rehearsal.py)")
+    return head + (f"use a CPU config and opt in to gloo, e.g.\n"
+                   f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
+                   f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see "
+                   f"finetune/launch/cpu_rehearsal.py)")
+
+
+def launcher_processes_problem(setup, cfg) -> str | None:
+    """`accelerate launch --num_processes N` that started fewer: with at most one GPU visible and
+    no config file, accelerate's simple launcher starts ONE process (accelerate 1.15
+    commands/launch.py _validate_launch_command: multi_gpu only when cuda.device_count() > 1),
+    which would train alone at another batch size than asked for."""
+    if setup is None or setup.launcher.kind != "accelerate launch" or not setup.launcher.num_processes:
+        return None
+    asked, got = setup.launcher.num_processes, int(os.environ.get("WORLD_SIZE", "1"))
+    if asked <= got:
+        return None
+    return (f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
+            f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
+            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
+            f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes")
 
 
 def devices(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
@@ -107,7 +151,7 @@ def devices(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
 
     from finetune.launch import cpu_rehearsal
 
-    if facts.distributed_type not in ACCELERATOR_TYPES or facts.use_cpu or cpu_rehearsal.requested():
+    if facts.distributed_type not in ACCELERATOR_TYPES or facts.use_cpu or facts.gloo or cpu_rehearsal.requested():
         return []
     per_machine = facts.processes_per_machine
     if not torch.cuda.is_available():
@@ -200,10 +244,14 @@ def strategy_matches_recipe(cfg, facts: LaunchFacts, *, in_process: bool) -> lis
         return []
     where = facts.deepspeed_source if facts.distributed_type == "DEEPSPEED" else facts.source
     launch = launch_line(want if want != "any" else got, want_offload if want_offload != "any" else "none", cfg.recipe)
+    aside = "" if not facts.default_config else (
+        f"\n  or, to let the recipe set up its strategy itself, move your default config aside (e.g. "
+        f"`mv {facts.default_config} {facts.default_config}.off`) and launch without one:\n"
+        f"    accelerate launch finetune/train.py --recipe {cfg.recipe}")
     return [(f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
              f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
-             f"{facts.num_processes} process(es)). Launch it with:\n{launch}\n  or set run.strategy: any (and "
-             f"run.offload: any) to accept whatever the launch gives")]
+             f"{facts.num_processes} process(es)). Launch it with:\n{launch}{aside}\n  or set run.strategy: any "
+             f"(and run.offload: any) to accept whatever the launch gives")]
 
 
 def qlora_storage(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
@@ -237,7 +285,7 @@ def precision_supported(cfg, facts: LaunchFacts, *, in_process: bool) -> list[st
              "fp16": bool(a.get("fp16") or a.get("fp16_full_eval")) or (ds.get("fp16") or {}).get("enabled") is True}
     launch_mp = facts.mixed_precision if facts.mixed_precision in ("bf16", "fp16") else None
     # TrainingArguments' bf16 check looks only at its own use_cpu (set for CPU distributed runs too)
-    use_cpu = bool(a.get("use_cpu")) or cpu_rehearsal.requested()
+    use_cpu = bool(a.get("use_cpu")) or cpu_rehearsal.requested() or facts.gloo
     problems = []
     if torch.cuda.is_available() and not (use_cpu or facts.use_cpu):
         name = torch.cuda.get_device_name(0)

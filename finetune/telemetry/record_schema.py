@@ -64,6 +64,19 @@ class Evidence(TypedDict, total=False):
     optimizer_offloaded: bool  # DeepSpeed
     params_offloaded: bool  # DeepSpeed
     placements: str  # FSDP2: the DTensor placements of the first parameter
+    set_up_by: str | None  # = strategy.set_up_by, so the evidence says it too
+
+
+class Setup(TypedDict):
+    """Who set the strategy up and how (finetune/launch/setup.py)."""
+    launcher: str  # accelerate launch | torchrun | python | finetune train | unknown
+    config_file: str | None  # the accelerate config the launcher read
+    config_from: str | None  # --config_file | default config | finetune train
+    because: str  # the evidence for set_up_by, one clause
+    row: str | None  # the strategy table row engaged in the script (set_up_by recipe)
+    trainer_arguments: dict[str, Any] | None  # what the script passed to TrainingArguments for it
+    world_of_one: bool  # the script exported RANK=0, WORLD_SIZE=1, ... itself (no launcher process group)
+    cpu_gloo: str | None  # why the processes joined gloo as CPU processes; null: they did not
 
 
 class Strategy(TypedDict, total=False):
@@ -78,6 +91,8 @@ class Strategy(TypedDict, total=False):
     mixed_precision: str
     method: str  # full | lora | qlora
     cpu_distributed: bool
+    set_up_by: str | None  # launcher-config | recipe | launcher-processes
+    setup: Setup | None
     evidence: Evidence | None
 
 

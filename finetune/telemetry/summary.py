@@ -23,7 +23,8 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
 
     rows = [("steps", f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
                       f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)"),
-            ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"),
+            ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"
+                         + _set_up_by(record.get("strategy", "set_up_by", default=None))),
             ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
             ("train loss", (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
              + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
@@ -59,3 +60,10 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     lines = (["", "=" * 78, f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
              + ["=" * 78])
     print("\n".join(lines), flush=True)
+
+
+def _set_up_by(value: str | None) -> str:
+    """How the strategy was set up (finetune/launch/setup.py), in words."""
+    words = {"recipe": "set up by the recipe", "launcher-config": "set up by the accelerate config",
+             "launcher-processes": "as the launcher's processes gave it"}
+    return f", {words.get(value, value)}" if value else ""

@@ -19,14 +19,17 @@ from finetune.launch import cpu_rehearsal
 from finetune.strategies import launch_line, name_of, offload_device, offload_name
 
 
-def engaged(state, *, method: str, mixed_precision: str | None = None) -> dict:
+def engaged(state, *, method: str, mixed_precision: str | None = None, setup=None) -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
-    `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows."""
+    `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
+    `setup` (finetune/launch/setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
     dtype = state.distributed_type.value
     out = {"name": None, "distributed_type": dtype, "zero_stage": None, "offload_optimizer": None,
            "offload_params": None, "offload": "none", "fsdp_version": None, "world_size": state.num_processes,
            "mixed_precision": mixed_precision or str(state.mixed_precision), "method": method,
-           "cpu_distributed": cpu_rehearsal.requested(), "evidence": None}
+           "cpu_distributed": cpu_rehearsal.requested() if setup is None else setup.cpu_gloo is not None,
+           "set_up_by": setup.set_up_by if setup is not None else None,
+           "setup": setup.record() if setup is not None else None, "evidence": None}
     if dtype == "DEEPSPEED":
         ds = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         stage = int(ds.get("stage", 0))
@@ -145,6 +148,7 @@ def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, re
             ev = live_evidence(trainer.model_wrapped)
             name, offload = strategy_from_evidence(ev)
             declared = dict(record.view.get("strategy", default={})) if record is not None else {}
+            ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
             live = {"name": name, "offload": offload, "evidence": ev, "world_size": ev["world_size"],
                     "distributed_type": trainer.accelerator.distributed_type.value}
             if ev["zero_stage"] is not None:

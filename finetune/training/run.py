@@ -1,5 +1,6 @@
 """One training run, what finetune/train.py (the launch script) runs in every process:
 
+    accelerate launch finetune/train.py --recipe zero2          # the recipe sets up ZeRO-2 itself
     accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py --recipe zero2
 
 Wiring only: config -> run directory -> tokenizer, data -> model -> Trainer -> run record.
@@ -31,18 +32,26 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     from finetune.data import demo
-    from finetune.launch import cpu_rehearsal, preflight, rundir
+    from finetune.launch import preflight, rundir
+    from finetune.launch import setup as launch_setup
     from finetune.launch.ranks import run_on_main
     from finetune.telemetry import record
     from finetune.training import resume
 
+    # Who sets up the strategy: the launcher's accelerate config, or the recipe from inside this
+    # script (finetune/launch/setup.py); the latter prepares the environment before PartialState.
+    setup = launch_setup.detect(cfg)
+    launch_setup.prepare(setup)
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=cpu_rehearsal.requested(),  # opt-in CPU/gloo runs: finetune/launch/cpu_rehearsal.py
+    state = PartialState(cpu=setup.cpu_gloo is not None,  # CPU/gloo runs: finetune/launch/cpu_rehearsal.py
                          timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    launch_setup.adopt_deepspeed_comm(setup)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
-    preflight.check_before_loading(cfg, state, resume=args.resume)
+    preflight.check_before_loading(cfg, state, setup=setup, resume=args.resume)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
+    if state.is_main_process:
+        log.info("%s", setup.describe())
 
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
@@ -82,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
     try:
-        return _train(cfg, state, run_dir, rec, resume_ckpt)
+        return _train(cfg, state, run_dir, rec, setup, resume_ckpt)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if rec:
             rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> int:
+def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None) -> int:
     from transformers import TrainingArguments
 
     from finetune.data import build, read
@@ -112,7 +121,10 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     from finetune.training import batch, engaged, evaluation
 
     t0 = time.perf_counter()
-    targs = cpu_rehearsal.training_overrides(dict(cfg.training.args))
+    targs = cpu_rehearsal.training_overrides(dict(cfg.training.args), active=setup.cpu_gloo is not None)
+    # The recipe's strategy engaged here (deepspeed= / fsdp=, fsdp_config=): before from_pretrained,
+    # so ZeRO-3 loads straight into shards (transformers' zero.Init weak-ref is set by TrainingArguments).
+    targs.update(setup.trainer_arguments)
     save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/training/checkpoints.py
     # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
@@ -168,7 +180,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
-                                       mixed_precision=trainer.accelerator.mixed_precision)
+                                       mixed_precision=trainer.accelerator.mixed_precision, setup=setup)
     engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
     engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
                        recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step

@@ -241,6 +241,19 @@ NOT_ERRORS = [
     ("recipe zero3 launched with the DDP config, straight through accelerate launch", "accelerate launch",
      ("each rank exits 2 before the run directory exists: 'recipe 'zero3' is meant for strategy 'zero3' ... sets up "
      "'ddp'' (tests/training/test_strategies.py::test_mismatched_launch_stops_before_training)")),
+    ("a strategy recipe launched without an accelerate config (`accelerate launch finetune/train.py --recipe zero2`, "
+     "torchrun, python)", "accelerate launch",
+     ("not an error: the recipe sets up its strategy in the script with the processes the launcher gave; run.json "
+      "strategy.set_up_by is `recipe` (tests/training/test_strategies.py::"
+      "test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one)")),
+    ("a strategy recipe under the user's accelerate default config of another strategy", "accelerate launch",
+     ("each rank exits 2: '... but your accelerate default config <path> (read by every `accelerate launch` without "
+      "--config_file or --cpu) sets up 'ddp' ...', with the --config_file line and how to move the default config "
+      "aside (tests/launch/test_preflight.py::test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_"
+      "default_config)")),
+    ("`accelerate launch --num_processes 2` without GPUs or a config file", "accelerate launch",
+     ("the rank exits 2: 'accelerate launch --num_processes 2 started 1 process(es) ...' with the torchrun line "
+      "(tests/launch/test_preflight.py::test_accelerate_launch_num_processes_that_started_one_process_is_refused)")),
 ]
 
 

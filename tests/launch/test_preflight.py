@@ -28,7 +28,7 @@ def clean_launch_env(monkeypatch):
     """No accelerate/torchrun variables from the shell or from other tests' `finetune train` calls."""
     for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
                 "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU",
-                "FINETUNE_ACCELERATE_CONFIG", cpu_rehearsal.ENV, "FSDP_OFFLOAD_PARAMS"):
+                "FINETUNE_ACCELERATE_CONFIG", cpu_rehearsal.ENV, "FSDP_OFFLOAD_PARAMS", "LOCAL_RANK"):
         monkeypatch.setenv(var, "")  # records the original, so teardown also removes what the code sets
         monkeypatch.delenv(var)
 
@@ -264,6 +264,94 @@ def test_world_size_mismatch_in_a_launched_process(monkeypatch):
     assert "FINETUNE_CPU_DISTRIBUTED=1" in str(err.value)
 
 
+# --- who sets up the strategy (finetune/launch/setup.py) decides what preflight compares ------------
+
+
+def _setup(recipe: str, launched=None, env=None):
+    from finetune import resources
+    from finetune.launch import setup
+    from finetune.launch.launcher import Launcher
+
+    cfg = _recipe(recipe)
+    return cfg, setup.decide(env or {}, launched or Launcher("accelerate launch"), cfg.run.strategy, cfg.run.offload,
+                             root=resources.ROOT)
+
+
+@pytest.mark.parametrize("recipe, dtype", [("zero2", "NO"), ("zero3_offload", "MULTI_CPU"), ("fsdp", "MULTI_GPU"),
+                                           ("ddp", "MULTI_CPU")])
+def test_a_plain_launch_passes_when_the_recipe_sets_up_its_strategy(recipe, dtype):
+    """The issue's refusal of `accelerate launch finetune/train.py --recipe zero2` is gone: the facts are
+    the recipe's row (its DeepSpeed JSON, FSDP settings; DDP in a group of one is DDP)."""
+    cfg, setup = _setup(recipe)
+    assert setup.set_up_by == "recipe"
+    preflight.check_before_loading(cfg, _state(dtype=dtype), setup=setup)  # raises on any problem
+    # control: read as a launcher setup (what main did before), the same launch is refused
+    with pytest.raises(ConfigError, match=f"meant for strategy '{cfg.run.strategy}'"):
+        preflight.check_before_loading(cfg, _state(dtype=dtype))
+
+
+def test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_default_config(monkeypatch):
+    from finetune.launch.launcher import Launcher
+
+    default = "/home/u/.cache/huggingface/accelerate/default_config.yaml"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(REPO / "ds_configs" / "zero3.json"))
+    import os
+
+    cfg, setup = _setup("zero2", Launcher("accelerate launch", default, "default config"), dict(os.environ))
+    assert setup.set_up_by == "launcher-config"
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state(), setup=setup)
+    msg = err.value.problems[0]
+    assert "ds_configs/zero3.json sets up 'zero3'" in msg and "--config_file accelerate_configs/zero2.yaml" in msg
+    assert f"mv {default} {default}.off" in msg and "accelerate launch finetune/train.py --recipe zero2" in msg
+
+
+def test_a_launcher_ddp_config_that_differs_is_refused_naming_the_file(monkeypatch):
+    from finetune.launch.launcher import Launcher
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, setup = _setup("zero3", Launcher("accelerate launch", "/r/ddp.yaml", "--config_file"))
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state(num_processes=2, dtype="MULTI_CPU"), setup=setup)
+    msg = err.value.problems[0]
+    assert "the accelerate config /r/ddp.yaml (accelerate launch --config_file) sets up 'ddp'" in msg
+    assert "mv " not in msg  # only a default config is moved aside
+
+
+def test_a_one_device_recipe_under_two_launcher_processes_is_refused(monkeypatch):
+    from finetune.launch.launcher import Launcher
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, setup = _setup("demo", Launcher("torchrun"))
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state(num_processes=2, dtype="MULTI_GPU"), setup=setup)
+    assert "meant for strategy 'single'" in str(err.value) and "the processes of torchrun" in str(err.value)
+    assert "sets up 'ddp'" in str(err.value)
+
+
+def test_lone_processes_under_a_recipe_setup_get_the_torchrun_line(monkeypatch):
+    from finetune.launch.launcher import Launcher
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, setup = _setup("zero2", Launcher("torchrun"))
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state(num_processes=1), setup=setup)
+    assert "FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node 2 finetune/train.py --recipe zero2" in str(err.value)
+
+
+def test_accelerate_launch_num_processes_that_started_one_process_is_refused():
+    from finetune.launch.launcher import Launcher
+
+    cfg, setup = _setup("zero2", Launcher("accelerate launch", num_processes=2))
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state(), setup=setup)
+    assert "accelerate launch --num_processes 2 started 1 process(es)" in str(err.value)
+    assert "torchrun --nproc_per_node 2" in str(err.value)
+    cfg, setup = _setup("zero2", Launcher("accelerate launch", num_processes=1))
+    preflight.check_before_loading(cfg, _state(), setup=setup)  # control: what was asked for
+
+
 def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, monkeypatch, capsys):
     """One `finetune train` with eight independent mistakes (seven where CUDA has bf16): one error
     (exit 2) lists them all, and `accelerate launch` is never called."""
@@ -310,7 +398,7 @@ def _recipe(name: str, overrides: list[str] = ()):
     return load_recipe(name, list(overrides))[0]
 
 
-def _state(num_processes: int = 1):
+def _state(num_processes: int = 1, dtype: str = "NO"):
     from accelerate.utils import DistributedType
 
-    return SimpleNamespace(num_processes=num_processes, distributed_type=DistributedType.NO, is_main_process=True)
+    return SimpleNamespace(num_processes=num_processes, distributed_type=DistributedType(dtype), is_main_process=True)

@@ -26,7 +26,9 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, launch_train
+from pathlib import Path
+
+from tests.conftest import REPO, TRAIN_SCRIPT, Launch, launch_train, run_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +69,51 @@ def common_args(tiny_model_dir) -> list[str]:
             "--training.save_strategy=steps", f"--training.save_steps={RESUME_FROM}"]  # and at the last step
 
 
+# Launched without an accelerate config (issue 18): the recipe sets up its strategy in the script.
+# `zero2` above is one of them: `FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node 2`, so every zero2
+# test covers the in-script route at world size 2 while the other rows keep the --config_file route.
+# The plain_* runs are `accelerate launch finetune/train.py --recipe X` as users type it: one process
+# on CPU, 2 steps at the module's effective batch (accumulation 2), no checkpoint or export.
+TORCHRUN = {"zero2"}
+PLAIN = {"plain_zero2": ("zero2", {"engine_class": "DeepSpeedEngine", "zero_stage": 2,
+                                   "zero_optimizer_class": "DeepSpeedZeroOptimizer", "optimizer_offloaded": False}),
+         "plain_zero3": ("zero3", {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "local_param_fraction": 1.0,
+                                   "zero_optimizer_class": "DeepSpeedZeroOptimizer_Stage3", "params_offloaded": False}),
+         "plain_fsdp": ("fsdp", {"fsdp_offload_policy": "OffloadPolicy", "local_param_fraction": 1.0,
+                                 "placements": "(Shard(dim=0),)"})}
+PLAIN_STEPS = 2
+
+
+def _launcher_free_env(**extra) -> dict:
+    """This process's environment without launcher variables (accelerate's, torchrun's, ours)."""
+    drop = ("ACCELERATE_", "FSDP_", "FINETUNE_ACCELERATE_CONFIG", "FINETUNE_CPU_DISTRIBUTED", "RANK", "LOCAL_RANK",
+            "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    return {**env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+def torchrun_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420) -> Launch:
+    """`torchrun --standalone --nproc_per_node 2 finetune/train.py ARGS` (standalone: a free rendezvous port)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN_SCRIPT),
+           *args, f"--run.output_dir={run_dir}"]
+    code, out, err = run_process_group(cmd, cwd=REPO, env=_launcher_free_env(**env), timeout=timeout)
+    return Launch(code, out, err, run_dir)
+
+
+def plain_accelerate_launch(args: list[str], *, run_dir: Path, home: Path, timeout: float = 300) -> Launch:
+    """`accelerate launch finetune/train.py ARGS` as typed: the accelerate console script, the script
+    relative to the repository root, no config file, and no accelerate default config (HF_HOME is an
+    empty directory: a default config there would be read, finetune/launch/launcher.py). No GPU is
+    made visible, so the launch is the CPU one on any machine."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    assert accelerate.is_file(), f"no accelerate console script next to {sys.executable}"
+    assert not (home / "accelerate").exists()
+    cmd = [str(accelerate), "launch", "finetune/train.py", *args, f"--run.output_dir={run_dir}"]
+    env = _launcher_free_env(HF_HOME=str(home), CUDA_VISIBLE_DEVICES="")
+    code, out, err = run_process_group(cmd, cwd=REPO, env=env, timeout=timeout)
+    return Launch(code, out, err, run_dir)
+
+
 # QLoRA (4-bit NF4 base, float storage so it shards) under the sharded strategies, against one process.
 QLORA = {"qlora_zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml"),
          "qlora_fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml")}
@@ -93,6 +140,16 @@ def runs(tmp_path_factory, tiny_model_dir):
                         "--training.save_steps=1000", "--training.learning_rate=1e-4"]  # no checkpoint
                 done[name] = launch_train(["--recipe", strategy, *args], run_dir=run_dir, cwd=REPO,
                                           config_file=STRATEGIES[strategy][1], env=CPU_ENV, timeout=420)
+            elif name in PLAIN:
+                args = [*common_args(tiny_model_dir), f"--training.max_steps={PLAIN_STEPS}",
+                        "--training.gradient_accumulation_steps=2", "--training.save_strategy='no'",
+                        "--run.save_model=false"]
+                done[name] = plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir,
+                                                     home=tmp_path_factory.mktemp("hf_home"))
+            elif name in TORCHRUN:
+                recipe, _, _ = STRATEGIES[name]
+                done[name] = torchrun_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir,
+                                            env=CPU_ENV)
             elif name in QLORA:
                 recipe, config = QLORA[name]
                 done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
@@ -138,6 +195,15 @@ def test_strategy_engaged_from_the_live_engine(runs, name, tiny_model_dir):
     assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params",
                             "fsdp_offload": "optimizer+params"}.get(name, "none")
     assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
+    # who set it up: the recipe in the script (torchrun, no config) or the --config_file
+    setup = s["setup"]
+    if name in TORCHRUN:
+        assert s["set_up_by"] == ev["set_up_by"] == "recipe" and setup["launcher"] == "torchrun", s
+        assert setup["row"] == name and not setup["world_of_one"] and setup["cpu_gloo"].startswith("opt-in"), setup
+    else:
+        assert s["set_up_by"] == ev["set_up_by"] == "launcher-config", s
+        assert (setup["launcher"], setup["config_from"]) == ("accelerate launch", "--config_file"), setup
+        assert setup["config_file"] == str(REPO / STRATEGIES[name][1]) and setup["trainer_arguments"] is None, setup
     # parameter counts of the whole model, not of this rank's ZeRO-3 shards (issue 15 item 3)
     assert rec["parameters"] == _expected_parameters(STRATEGIES[name][0], tiny_model_dir), rec["parameters"]
 
@@ -153,7 +219,42 @@ def _expected_parameters(recipe: str, model_dir) -> dict:
     return {"trainable": trainable, "total": total}
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one(runs, name):
+    """Issue 18: `accelerate launch finetune/train.py --recipe X` (no config file, CPU, one process)
+    engages the recipe's strategy, proven from the live engine; its losses and grad norms are the
+    single-process reference's (the same 8 sequences per step; LR decay differs from step 2 on, which
+    only affects losses after step 2)."""
+    run = runs(name)
+    rec, combined = run.record, run.stdout + run.stderr
+    s, ev = rec["strategy"], rec["strategy"]["evidence"]
+    recipe, want = PLAIN[name]
+    assert rec["summary"]["status"] == "completed" and s["name"] == recipe and s["offload"] == "none", s
+    assert s["world_size"] == 1 and ev["world_size"] == 1 and rec["batch"]["effective"] == 8, (s, rec["batch"])
+    for key, value in want.items():
+        assert ev[key] == value, (key, ev)
+    if recipe == "fsdp":
+        assert s["distributed_type"] == "FSDP" and ev["fsdp_modules"] >= 3 and ev["dtensor_params"] == ev["params"] > 0
+    else:
+        assert s["distributed_type"] == "DEEPSPEED" and s["zero_stage"] == int(recipe[-1]), s
+    setup = s["setup"]
+    assert s["set_up_by"] == ev["set_up_by"] == "recipe" and setup["row"] == recipe, s
+    assert (setup["launcher"], setup["config_file"], setup["world_of_one"]) == ("accelerate launch", None, True), setup
+    assert setup["cpu_gloo"] == "one process on a machine without CUDA" and s["cpu_distributed"] is True, setup
+    argument = f"deepspeed={REPO / 'ds_configs' / (recipe + '.json')}" if recipe != "fsdp" else "fsdp=True"
+    assert f"strategy {recipe} (offload none) set up by the recipe: TrainingArguments({argument})" in combined, \
+        run.explain()
+    assert re.search(rf"\n  strategy +{recipe} \({s['distributed_type']}\), lora, set up by the recipe\n", run.stdout), \
+        run.explain()  # the summary table
+    ref, got = _steps(runs("single").record), [x for x in rec["steps"] if x.get("loss") is not None]
+    assert [x["step"] for x in got] == list(range(1, PLAIN_STEPS + 1)), rec["steps"]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= LOSS_RTOL * abs(a["loss"]), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=GRAD_NORM_RTOL), (a, b)
+        assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
+
+
+@pytest.mark.parametrize("name", [*STRATEGIES, *PLAIN])
 def test_every_field_of_the_record_is_documented(runs, name):
     """docs/run_record.md names every field a 2-process run writes (the DeepSpeed and FSDP2 evidence
     included) and the run writes every field documented `always` (tests/telemetry/test_run_record_doc.py
