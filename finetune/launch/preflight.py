@@ -31,6 +31,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
+from finetune.launch import data_parallel
 from finetune.launch.facts import LaunchFacts
 from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
@@ -97,7 +98,7 @@ def check_launch(launch_args: list[str]) -> None:
 
 def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(facts.problems)
-    checks = [devices, data_parallel, deepspeed_values, strategy_matches_recipe, qlora_storage,
+    checks = [devices, data_parallel.check, deepspeed_values, strategy_matches_recipe, qlora_storage,
               precision_supported, model_source, dataset]
     if not resume:  # a resumed run continues its directory (finetune/training/resume.py checks it exists)
         checks.append(run_directory)
@@ -173,34 +174,6 @@ def devices(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
         return []
     return [(f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
             f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible")]
-
-
-def data_parallel(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
-    """One process (distributed type NO) with several CUDA devices visible: Trainer would wrap the
-    model in torch.nn.DataParallel over all of them (transformers 5.23 training_args.py
-    _setup_devices sets n_gpu = torch.cuda.device_count(); Trainer then wraps and multiplies the
-    batch by n_gpu) while the record says "single", with the wrong effective batch, LR scaling and
-    MFU. accelerate's simple launcher sets CUDA_VISIBLE_DEVICES only when gpu_ids is not "all"
-    (accelerate/utils/launch.py prepare_simple_launcher_cmd_env), so the shipped single_gpu.yaml
-    pins gpu_ids: "0"."""
-    import torch
-
-    from finetune.launch import cpu_rehearsal
-
-    if facts.distributed_type != "NO" or facts.use_cpu or cfg.training.args.get("use_cpu") \
-            or cpu_rehearsal.requested() or not torch.cuda.is_available():
-        return []
-    visible = torch.cuda.device_count()
-    ids = facts.gpu_ids
-    if not in_process and ids not in (None, "all"):  # the launch will set CUDA_VISIBLE_DEVICES=ids
-        visible = len([x for x in str(ids).split(",") if x.strip()])
-    if visible <= 1:
-        return []
-    return [(f"{facts.source}: one process (distributed type NO) with {visible} CUDA devices visible "
-             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): Trainer would wrap the model "
-             f"in torch.nn.DataParallel over all {visible} and train {visible}x the batch while the record says "
-             f"'single'. Pin one device: CUDA_VISIBLE_DEVICES=0 (or gpu_ids: \"0\" in the accelerate config, as "
-             f"accelerate_configs/single_gpu.yaml has), or train on all of them with DDP:\n{launch_line('ddp', 'none', cfg.recipe)}")]
 
 
 # DeepSpeed key -> (TrainingArguments field it must equal, how the value follows from the args)
