@@ -195,7 +195,8 @@ def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
         if cpu:
             raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
         return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_machines": 1,
-                "num_processes": 1, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False, "gpu_ids": "all"}
+                "num_processes": 1, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False,
+                "gpu_ids": "0"}  # one GPU visible: never nn.DataParallel (finetune/launch/data_parallel.py)
     out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
     if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
         out["deepspeed_config"] = {"deepspeed_config_file": row.deepspeed_config,

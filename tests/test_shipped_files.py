@@ -28,6 +28,8 @@ def test_accelerate_config_loads_and_opens_with_its_launch_line(path):
     text = path.read_text()
     assert text.startswith("#") and "accelerate launch --config_file" in text.split("compute_environment")[0]
     assert cfg.num_processes == (4 if cfg.num_machines == 2 else 1 if path.name == "single_gpu.yaml" else 2)
+    if cfg.num_processes == 1 and not cfg.use_cpu:  # one process sees one GPU: never nn.DataParallel (issue 15 item 5)
+        assert str(cfg.gpu_ids) == "0", cfg.gpu_ids
     ds_file = (cfg.deepspeed_config or {}).get("deepspeed_config_file")
     if ds_file:
         assert (REPO / ds_file).is_file(), ds_file

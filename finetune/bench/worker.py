@@ -59,13 +59,14 @@ def _run(spec: dict, attention_record: dict) -> dict:
     from finetune.data.collate import REAL_TOKENS_KEY
     from finetune.modeling import loss
     from finetune.telemetry import formulas
-    from finetune.telemetry.meter import Meter, token_counts
+    from finetune.telemetry import model_flops
+    from finetune.telemetry.meter import Meter, batch_counts, token_counts
 
     ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
     dataset = datasets.Dataset.from_list(rows)
     meter = Meter()  # this side's own: its clock and memory; the counts come from the collator below
-    batches: list[tuple[int, int, int, int]] = []  # trained tokens, real input tokens, rows, positions
+    batches: list[tuple[int, int, int, int, int]] = []  # trained, real input tokens, rows, positions, sum T_i^2
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -92,8 +93,10 @@ def _run(spec: dict, attention_record: dict) -> dict:
         batch = collator(features)
         n_input, n_trained = token_counts(batch["input_ids"], batch.get("attention_mask"), batch["labels"],
                                           batch.get(REAL_TOKENS_KEY))
-        # Positions computed = real tokens + padding (the batch's input_ids size).
-        batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel())))
+        # Positions computed = real tokens + padding (the batch's input_ids size); squared example
+        # lengths for the attention FLOPs (finetune/telemetry/model_flops.py).
+        sum_sq = int(batch_counts(dict(batch))[3])
+        batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel()), sum_sq))
         return batch
 
     trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
@@ -106,13 +109,13 @@ def _run(spec: dict, attention_record: dict) -> dict:
         device_peak, peak_source = mem["device_peak_allocated_gib"], "worker tracker (reset at train begin)"
     steps = [s[0] for s in meter.steps]
     n = len(steps)
-    trained, inputs, samples, positions = ([b[i] for b in batches[:n]] for i in range(4))
+    trained, inputs, samples, positions, sum_sq = ([b[i] for b in batches[:n]] for i in range(5))
     r = formulas.rates(steps, trained, inputs, samples, warmup=spec["warmup_steps"])
     warm = r["excluded"]
-    model_config = trainer.model.config if not hasattr(trainer.model, "get_base_model") else \
-        trainer.model.get_base_model().config
-    seq_len = sum(inputs[warm:]) / max(sum(samples[warm:]), 1)
-    flops, convention = formulas.flops_per_token(model_config, spec["method"], seq_len)
+    counter, why = model_flops.from_model(trainer.model, spec["method"])
+    total_flops = sum(counter.flops(i, q) for i, q in zip(inputs[warm:], sum_sq[warm:])) if counter else None
+    flops = total_flops / sum(inputs[warm:]) if total_flops and sum(inputs[warm:]) else None  # per input token
+    convention = counter.convention if counter else f"no FLOPs figure: {why}"
     peak = formulas.device_peak()
     input_tps = r["input_tokens_per_s"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -146,7 +146,7 @@ class TrainingConfig:
 
     # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    lr_reference_batch_size: Optional[int] = None  # None: the run's own effective batch
+    lr_reference_batch_size: Optional[int] = None  # required by linear/sqrt; with none, unused
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
     # A non-finite loss or gradient norm on any rank (finetune/training/guards.py, docs/faults.md):

@@ -39,6 +39,8 @@ def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe"
             sections[name] = _build_training(body, problems)
         else:
             sections[name] = _build_section(name, SECTION_CLASSES[name], body, problems)
+    if "training" not in sections:  # our TrainingArguments defaults apply with or without the section
+        sections["training"] = _build_training({}, problems)
     for name, cls in SECTION_CLASSES.items():
         sections.setdefault(name, cls())
     cfg = Config(**sections, recipe=recipe)
@@ -123,6 +125,11 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append("eval.heldout_path: 'demo' needs data.path: demo")
     if t.lr_reference_batch_size is not None and t.lr_reference_batch_size < 1:
         p.append(f"training.lr_reference_batch_size: must be >= 1, got {t.lr_reference_batch_size}")
+    if t.lr_scaling != "none" and t.lr_reference_batch_size is None:
+        # Without a reference the run's own effective batch would be it, and the factor always 1.
+        p.append(f"training.lr_scaling: {t.lr_scaling!r} needs training.lr_reference_batch_size, the effective "
+                 f"batch (sequences per optimizer step) at which training.learning_rate was chosen; set it "
+                 f"(e.g. lr_reference_batch_size: 8), or lr_scaling: none to use learning_rate as it is")
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         v = t.args.get(key)
         if isinstance(v, int) and v < 1:

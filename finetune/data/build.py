@@ -241,7 +241,8 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
         truncated=truncated,
         packed=packing,
         train_input_tokens=sum(len(r["input_ids"]) for r in train_rows),
-        train_trained_tokens=sum(sum(1 for x in r["labels"] if x != IGNORE_INDEX) for r in train_rows),
+        # what the shifted loss scores: label 0 of a row never is (finetune/telemetry/meter.py token_counts)
+        train_trained_tokens=sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in train_rows),
         dropped_no_labels=dropped,
     )
     logger.info(

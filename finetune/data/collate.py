@@ -21,8 +21,8 @@ from finetune.data.render import IGNORE_INDEX
 
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 # A packed batch has no attention mask, so the trainer cannot tell the padding at the end of a
-# shorter row from real tokens; the collator states the real count under this key and
-# FinetuneTrainer takes it out of the batch before the forward pass.
+# shorter row from real tokens; the collator states each row's real token count under this key
+# and FinetuneTrainer takes it out of the batch before the forward pass.
 REAL_TOKENS_KEY = "num_real_input_tokens"
 
 
@@ -105,5 +105,5 @@ def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict
 def count_real_tokens(batch: dict, features: list[dict]) -> dict:
     if "attention_mask" in batch:  # unpacked (eval) batches: the mask already tells padding apart
         return batch
-    batch[REAL_TOKENS_KEY] = torch.tensor(sum(len(f["input_ids"]) for f in features), dtype=torch.long)
+    batch[REAL_TOKENS_KEY] = torch.tensor([len(f["input_ids"]) for f in features], dtype=torch.long)  # per row
     return batch

@@ -8,6 +8,7 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 
 * launcher world size vs the processes Accelerate set up (in a launched process only);
 * processes per machine vs visible CUDA devices (or no GPU at all for a GPU launch);
+* one process with several CUDA devices visible (Trainer would use nn.DataParallel);
 * DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
 * the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload
   (when a launcher config set one up; else the recipe's own row is engaged: finetune/launch/setup.py);
@@ -19,7 +20,8 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
   DeepSpeed bf16 and fp16 values that contradict it;
 * the model (and tokenizer) is a local model directory, or a hub id that is cached or reachable;
 * the dataset file exists and its first rows have the format's fields (finetune/data/build.py);
-* the run directory would not clobber an existing one.
+* the run directory would not clobber an existing one (one left by a run that failed before its
+  first step is reused: finetune/launch/rundir.py).
 
 What engaged is still proven on the live engine after Trainer is built (finetune/training/engaged.py);
 this module catches what the configs already show, minutes of model loading earlier.
@@ -31,7 +33,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
-from finetune.launch import precision_checks
+from finetune.launch import data_parallel, precision_checks
 from finetune.launch.facts import LaunchFacts
 from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
@@ -104,8 +106,8 @@ def check_launch(launch_args: list[str]) -> None:
 
 def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(facts.problems)
-    checks = [devices, deepspeed_values, strategy_matches_recipe, qlora_storage, precision_checks.policy_problems,
-              model_source, dataset]
+    checks = [devices, data_parallel.check, deepspeed_values, strategy_matches_recipe, qlora_storage,
+              precision_checks.policy_problems, model_source, dataset]
     if not resume:  # a resumed run continues its directory (finetune/training/resume.py checks it exists)
         checks.append(run_directory)
     for check in checks:
@@ -316,10 +318,9 @@ def run_directory(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
         return []  # a default name is new (it carries the time)
     path = rundir.resolve_run_dir(cfg.run.name, cfg.run.output_dir)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
-        return []
-    return [(f"run directory {path} already exists; nothing was changed. Choose another --run.name "
-            f"(or --run.output_dir), or pass --overwrite to replace it")]
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())) or rundir.reusable(path):
+        return []  # a directory a run left by failing before step 1 is reused (said so when it is)
+    return [rundir.exists_message(path, "--run.output_dir" if cfg.run.output_dir else "--run.name")]
 
 
 # --- helpers ---------------------------------------------------------------------------------

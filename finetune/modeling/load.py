@@ -76,6 +76,10 @@ def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing
     if method.name == "qlora":
         compute = torch_dtype(policy.compute_dtype) if policy else dtype
         kwargs["quantization_config"] = quantization_config(method, compute)
+        from finetune import CPU_4BIT_NOTICE
+
+        if not torch.cuda.is_available() and CPU_4BIT_NOTICE.held:  # 4-bit matmuls on CPU: it applies here
+            log.warning("QLoRA on CPU: %s", CPU_4BIT_NOTICE.held[0])
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
@@ -153,10 +157,13 @@ def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapt
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameters; 4-bit packed weights counted as their logical size."""
+    """(trainable, total) parameters; 4-bit packed weights counted as their logical size, and
+    ZeRO-3-partitioned ones at their full size: under zero3_init_flag from_pretrained loads each
+    weight straight into its shard and leaves an empty placeholder (numel 0) whose full element
+    count DeepSpeed keeps in `ds_numel` (deepspeed/runtime/zero/partition_parameters.py)."""
     trainable = total = 0
     for p in model.parameters():
-        n = p.numel()
+        n = getattr(p, "ds_numel", None) or p.numel()
         if p.__class__.__name__ == "Params4bit":
             n = n * 2 * p.element_size()  # two 4-bit values per byte of storage
         total += n

@@ -185,8 +185,10 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, p
         rec.set("predicted_memory", None)
 
 
-def record_error(rec) -> None:
-    """Once training ends: the relative errors of the prediction against the measured training peaks."""
+def record_error(rec, host_lifetime_gib: float | None = None) -> None:
+    """Once training ends: the relative errors of the prediction against the measured training peaks.
+    host_lifetime_gib: rank 0's lifetime peak RSS as the meter kept it (its high-water-mark resets
+    also reset what getrusage reports, finetune/telemetry/memory_peaks.py); getrusage without it."""
     predicted = rec.view.get("predicted_memory")
     if predicted is None:
         return
@@ -194,7 +196,8 @@ def record_error(rec) -> None:
     import sys
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    lifetime = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB, 4)
+    lifetime = round(host_lifetime_gib if host_lifetime_gib is not None else
+                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB, 4)
     rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), lifetime_peak_gib=lifetime))
 
 

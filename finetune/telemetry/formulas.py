@@ -1,5 +1,5 @@
-"""The formulas of what runs measure, each once: model FLOPs per token, the peak-FLOPs table,
-MFU, throughput over steps, the maximum over ranks.
+"""The formulas of what runs measure, each once: the peak-FLOPs table, MFU, throughput over
+steps, the maximum over ranks (model FLOPs: finetune/telemetry/model_flops.py).
 
 Definitions are shared/DESIGN.md's: throughput over training steps only, the first `warmup`
 optimizer steps excluded and said so; MFU only for devices whose peak is in PEAK_DENSE_FLOPS,
@@ -10,36 +10,76 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import dataclass
 
-# Peak dense (no sparsity) bf16 tensor FLOP/s per device, from the vendors' datasheets
-# (NVIDIA H100/H200/A100/L4/A10/T4 product briefs; T4 has no bf16: its fp16 figure).
-# Order matters: the first pattern that matches torch.cuda.get_device_name() wins.
-# A10G (AWS) has no public datasheet figure, so it is deliberately absent: no MFU there.
-PEAK_DENSE_FLOPS: list[tuple[str, str, float]] = [
-    (r"H100.*PCIe", "H100 PCIe", 756e12),
-    (r"H100.*NVL", "H100 NVL", 835e12),
-    (r"H100", "H100 SXM", 989e12),
-    (r"H200", "H200", 989e12),
-    (r"A100", "A100", 312e12),
-    (r"\bL4\b", "L4", 121e12),
-    (r"\bA10\b", "A10", 125e12),
-    (r"\bT4\b", "T4 (fp16)", 65e12),
+# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s per device, from the vendor's documents
+# (figures "with sparsity" halved). T4 has no bf16: its fp16 (mixed precision) figure.
+# (regex on torch.cuda.get_device_name(), label, FLOP/s, source); the first pattern that matches
+# wins, so the PCIe/NVL variants come before their SXM row. A figure that could not be checked
+# against a datasheet is not in the table: no MFU is better than a guess.
+PEAK_DENSE_FLOPS: list[tuple[str, str, float, str]] = [
+    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 756e12,
+     "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 PCIe: BF16 1,513 TFLOPS with sparsity"),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835e12,
+     "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 NVL: BF16 1,671 TFLOPS with sparsity"),
+    (r"\bH100\b", "H100 SXM", 989.4e12,
+     "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 SXM5: BF16 989.4 TFLOPS dense"),
+    (r"\bH200\b(?!.*\bNVL\b)", "H200 SXM", 989.4e12,
+     "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: BF16 1,979 TFLOPS with sparsity; "
+     "the H100 SXM5 silicon and clocks"),
+    (r"\bA100\b", "A100", 312e12,
+     "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 312 TFLOPS dense, SXM and PCIe alike"),
+    (r"\bL40S\b", "L40S", 362.05e12, "NVIDIA L40S datasheet: BF16 362.05 TFLOPS (733 with sparsity)"),
+    (r"\bL4\b", "L4", 121e12, "NVIDIA L4 datasheet: BF16 242 TFLOPS with sparsity"),
+    (r"\bA10\b", "A10", 125e12, "NVIDIA A10 datasheet: BF16 125 TFLOPS (250 with sparsity)"),
+    (r"\bT4\b", "T4 (fp16)", 65e12, "NVIDIA T4 datasheet: mixed precision FP16/FP32 65 TFLOPS (no bf16)"),
+]
+# Devices that would match a row above but are a different part, or have no figure we could check.
+NO_FIGURE: list[tuple[str, str]] = [
+    (r"\bH200\b.*\bNVL\b", "the H200 NVL (600 W, lower clocks than the H200 SXM) has no dense BF16 figure checked "
+     "against its datasheet here"),
+    (r"\bA10G\b", "the A10G (AWS) has no public datasheet figure"),
+    (r"\bGH200\b", "the GH200 superchip is not in the peak table"),
 ]
 
 
-def peak_flops(device_name: str | None) -> tuple[str, float] | None:
-    """(table entry, peak dense FLOP/s) for a device name, or None when it is not in the table."""
-    for pattern, label, flops in PEAK_DENSE_FLOPS:
-        if device_name and re.search(pattern, device_name):
+def peak_flops(device_name: str | None, visible_devices: str | None = None) -> tuple[str, float] | None:
+    """(table entry, peak dense FLOP/s) of a device, or None: not in the table, or a MIG slice
+    (no_peak_reason says which)."""
+    if no_peak_reason(device_name, visible_devices) is not None:
+        return None
+    for pattern, label, flops, _ in PEAK_DENSE_FLOPS:
+        if re.search(pattern, device_name):
             return label, flops
     return None
 
 
+def no_peak_reason(device_name: str | None, visible_devices: str | None = None) -> str | None:
+    """Why a device has no peak figure (so no MFU), or None when it has one. A MIG slice (its
+    name says MIG, or CUDA_VISIBLE_DEVICES holds MIG- UUIDs) computes on a fraction of the GPU's
+    SMs that its name does not give: the full GPU's peak would understate MFU."""
+    if not device_name:
+        return "no device name"
+    if " MIG " in f" {device_name} " or "MIG-" in (visible_devices or ""):
+        return (f"{device_name!r} is a MIG slice (CUDA_VISIBLE_DEVICES={visible_devices or '(unset)'}): its share of "
+                f"the GPU's compute is not known here")
+    for pattern, why in NO_FIGURE:
+        if re.search(pattern, device_name):
+            return f"{device_name!r}: {why}"
+    if not any(re.search(pattern, device_name) for pattern, *_ in PEAK_DENSE_FLOPS):
+        return f"{device_name!r} is not in the peak-FLOPS table (finetune/telemetry/formulas.py)"
+    return None
+
+
 def device_peak() -> tuple[str, float] | None:
-    """peak_flops() of this process's CUDA device 0, or None (no CUDA, or off the table)."""
+    """peak_flops() of this process's CUDA device 0, or None (no CUDA, off the table, MIG)."""
+    import os
+
     import torch
 
-    return peak_flops(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    return peak_flops(torch.cuda.get_device_name(0), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def mfu(input_tokens_per_s: float, flops_per_token: float | None, peak: float | None, devices: int = 1) -> float | None:
@@ -49,29 +89,6 @@ def mfu(input_tokens_per_s: float, flops_per_token: float | None, peak: float | 
     if not flops_per_token or not peak:
         return None
     return input_tokens_per_s * flops_per_token / (peak * devices)
-
-
-def flops_per_token(config, method: str, seq_len: float) -> tuple[float, str]:
-    """Model FLOPs per trained token and the convention used.
-
-    full: 6N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B): 2N forward, 4N backward,
-    plus attention scores. LoRA/QLoRA: frozen weights get no weight gradients, so the
-    backward costs 2N instead of 4N: 4N + 12·L·H·Q·T (adapter FLOPs, <1% of N, ignored).
-    N counts every matmul weight: all parameters except the input embedding table (a lookup),
-    with the LM head counted even when tied. T is the mean sequence length actually trained.
-    """
-    hidden = config.hidden_size
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    inter = config.intermediate_size
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter
-    n = layers * per_layer + hidden * config.vocab_size  # + LM head
-    attention = 12 * layers * heads * head_dim * seq_len
-    if method == "full":
-        return 6 * n + attention, "6N + 12LHQT (PaLM appendix B), N = matmul weights incl. LM head"
-    return 4 * n + attention, "4N + 12LHQT: frozen base (no weight gradients), LoRA FLOPs ignored"
 
 
 def max_over_ranks(per_rank: list[dict]) -> dict:
@@ -97,20 +114,39 @@ def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: l
             "median_step_s": statistics.median(times) if times else None}
 
 
-def throughput(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *,
-               world_size: int, warmup: int, flops_token: float | None, peak: float | None,
-               devices: int) -> dict:
-    """The run record's `throughput` section from per-optimizer-step times and token counts
-    (token counts summed over ranks), rounded as recorded."""
-    r = rates(step_s, trained, inputs, samples, warmup=warmup)
-    if not r["steps"] or r["seconds"] <= 0:
-        return {"trained_tokens_per_s": None, "trained_tokens_per_s_per_device": None, "input_tokens_per_s": None,
-                "samples_per_s": None, "median_step_s": None, "mfu": None, "flops_convention": None,
-                "warmup_steps_excluded": r["excluded"], "steps_measured": 0}
-    tps = r["trained_tokens_per_s"]
-    value = mfu(r["input_tokens_per_s"], flops_token, peak, devices)
-    return {"trained_tokens_per_s": round(tps, 3), "trained_tokens_per_s_per_device": round(tps / world_size, 3),
-            "input_tokens_per_s": round(r["input_tokens_per_s"], 3),
-            "samples_per_s": round(r["samples_per_s"], 4),
-            "median_step_s": round(r["median_step_s"], 4), "mfu": round(value, 4) if value is not None else None,
-            "warmup_steps_excluded": r["excluded"], "steps_measured": r["steps"]}
+@dataclass(frozen=True)
+class Stretch:
+    """A measured stretch of training: one optimizer step of this launch, or one log window of an
+    earlier segment of a resumed run (its steps[] entry). Counts are summed over ranks."""
+
+    steps: int  # optimizer steps it covers
+    seconds: float  # summed step-clock time
+    trained: int
+    inputs: int
+    examples: int
+    devices: int  # world size while it ran
+    peak_seconds: float | None  # model FLOPs / one device's peak FLOP/s; None without a FLOPs or peak figure
+
+
+def throughput(stretches: list[Stretch], *, excluded: int) -> dict:
+    """The run record's `throughput` rates over measured stretches (warm-up already left out;
+    `excluded` says how many steps were), rounded as recorded: tokens and examples / summed step
+    time; per device / summed (step time x devices); median step time over the steps (a window
+    of an earlier segment contributes its mean step time once per step); MFU = model FLOPs /
+    (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
+    seconds = sum(s.seconds for s in stretches)
+    empty = {"trained_tokens_per_s": None, "trained_tokens_per_s_per_device": None, "input_tokens_per_s": None,
+             "samples_per_s": None, "median_step_s": None, "mfu": None,
+             "warmup_steps_excluded": excluded, "steps_measured": 0}
+    if not stretches or seconds <= 0:
+        return empty
+    device_seconds = sum(s.seconds * s.devices for s in stretches)
+    times = [s.seconds / s.steps for s in stretches for _ in range(s.steps)]
+    busy = [s.peak_seconds for s in stretches]
+    value = sum(busy) / device_seconds if all(b is not None for b in busy) else None
+    return {"trained_tokens_per_s": round(sum(s.trained for s in stretches) / seconds, 3),
+            "trained_tokens_per_s_per_device": round(sum(s.trained for s in stretches) / device_seconds, 3),
+            "input_tokens_per_s": round(sum(s.inputs for s in stretches) / seconds, 3),
+            "samples_per_s": round(sum(s.examples for s in stretches) / seconds, 4),
+            "median_step_s": round(statistics.median(times), 4), "mfu": round(value, 4) if value is not None else None,
+            "warmup_steps_excluded": excluded, "steps_measured": len(times)}

@@ -20,96 +20,113 @@ must call the methods that gather (log_window, final, start_training).
 
 from __future__ import annotations
 
-import resource
 import time
 
-import psutil
 import torch
 
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.telemetry import formulas
+from finetune.telemetry.memory_peaks import MemoryTracker, host_rss
 from finetune.units import GIB
 
-
-def host_rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
-class MemoryTracker:
-    """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host RSS.
-    Host RSS is sampled (at every micro-step) because the OS peak cannot be reset."""
-
-    def __init__(self):
-        self.cuda = torch.cuda.is_available()
-        self.host_peak = host_rss()
-
-    def sample(self) -> None:
-        self.host_peak = max(self.host_peak, host_rss())
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        self.host_peak = host_rss()
-
-    def snapshot(self) -> dict:
-        self.sample()
-        out = {"device_peak_allocated_gib": None, "device_peak_reserved_gib": None,
-               "device_peak_active_gib": None, "host_peak_rss_gib": round(self.host_peak / GIB, 4),
-               "alloc_retries": None, "ooms": None}
-        if self.cuda:
-            s = torch.cuda.memory_stats()
-            out.update(device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
-                       alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0))
-        return out
+__all__ = ["Meter", "MemoryTracker", "batch_counts", "host_rss", "mfu_inputs", "run_figures", "token_counts"]
 
 
 def token_counts(input_ids: torch.Tensor, attention_mask, labels, real) -> tuple[torch.Tensor, torch.Tensor]:
     """(input tokens, trained tokens) of one batch, as tensors on the batch's device (read them
-    once per step: int() here would stall the GPU queue at every micro-batch). `real` is the
-    count a packed batch states (REAL_TOKENS_KEY): it has no mask to tell its padding apart.
-    No mask and no stated count: a padding-free batch, where every position is a real token."""
-    n_input = attention_mask.sum() if attention_mask is not None else real.to(input_ids.device) \
+    once per step: int() here would stall the GPU queue at every micro-batch). `real` is what a
+    packed batch states under REAL_TOKENS_KEY (its real tokens per row; it has no mask to tell
+    its padding apart). No mask and no stated count: a padding-free batch, where every position
+    is a real token. Trained tokens are what the shifted causal-LM loss scores: labels[..., 1:]
+    that are not -100 (position t is scored against label t + 1, so label 0 of a row never is;
+    transformers' ForCausalLMLoss and Trainer's num_items_in_batch count the same)."""
+    n_input = attention_mask.sum() if attention_mask is not None else real.to(input_ids.device).sum() \
         if real is not None else torch.tensor(input_ids.numel(), device=input_ids.device)
-    n_trained = (labels != -100).sum() if labels is not None else n_input
+    n_trained = (labels[..., 1:] != -100).sum() if labels is not None else n_input
     return n_input, n_trained
 
 
-def mfu_inputs(model_config, method: str) -> dict:
-    """What the meter needs for MFU at each log: FLOPs per token for a mean sequence length, and
-    the device's peak (None off the table, so no MFU is shown rather than a guess)."""
+def batch_counts(inputs: dict) -> torch.Tensor:
+    """[input tokens, trained tokens, examples, sum of squared example lengths] of one batch, a
+    long tensor on the batch's device (no host sync). Examples are found from the sequence
+    boundaries, as the attention mask sees them: a padded batch has one example per row (its
+    attention-mask ones); a packed or padding-free batch starts a new example wherever
+    position_ids do not continue by +1 (transformers' find_packed_sequence_indices), counted on
+    real tokens only (a packed row's padding is no example); cu_seq_lens_q when position_ids are
+    absent (FlashAttention kwargs). The squared lengths give the attention FLOPs
+    (finetune/telemetry/model_flops.py)."""
+    ids = inputs["input_ids"]
+    real = inputs.get(REAL_TOKENS_KEY)
+    n_input, n_trained = token_counts(ids, inputs.get("attention_mask"), inputs.get("labels"), real)
+    positions, mask, cu = inputs.get("position_ids"), inputs.get("attention_mask"), inputs.get("cu_seq_lens_q")
+    if positions is not None and mask is None:
+        positions = positions.reshape(-1, positions.shape[-1])
+        rows, width = positions.shape
+        col = torch.arange(width, device=positions.device)
+        real_mask = col < real.to(positions.device).reshape(-1, 1) if real is not None and real.dim() > 0 \
+            else torch.ones_like(positions, dtype=torch.bool)
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        starts &= real_mask
+        segment = starts.reshape(-1).long().cumsum(0) - 1  # example index of every position (padding: its row's last)
+        lengths = torch.zeros(rows * width, dtype=torch.long, device=positions.device)
+        lengths.scatter_add_(0, segment.clamp(min=0), real_mask.reshape(-1).long())
+        examples, sum_sq = starts.sum(), (lengths * lengths).sum()
+    elif mask is not None:
+        per_row = mask.reshape(-1, mask.shape[-1]).long().sum(-1)
+        examples, sum_sq = (per_row > 0).sum(), (per_row * per_row).sum()
+    elif cu is not None:
+        lengths = (cu[1:] - cu[:-1]).long()
+        examples, sum_sq = (lengths > 0).sum(), (lengths * lengths).sum()
+    else:  # one example per row, every position real
+        rows = ids.numel() // ids.shape[-1]
+        examples = torch.tensor(rows, device=ids.device)
+        sum_sq = torch.tensor(rows * ids.shape[-1] ** 2, device=ids.device)
+    return torch.stack([n_input.long(), n_trained.long(), examples.long().to(ids.device), sum_sq.long().to(ids.device)])
+
+
+def mfu_inputs(model, method: str) -> dict:
+    """What the meter needs for MFU at each log: the model's FLOPs (from the live model; None with
+    the reason when they cannot be known) and the device's peak (None off the table or on a MIG
+    slice, so no MFU is shown rather than a guess)."""
+    from finetune.telemetry import model_flops
+
     peak = formulas.device_peak()
-    return {"flops_per_token": lambda seq_len: formulas.flops_per_token(model_config, method, seq_len)[0],
-            "peak_flops": peak[1] if peak else None}
+    flops, _ = model_flops.from_model(model, method)
+    return {"model_flops": flops, "peak_flops": peak[1] if peak else None}
 
 
 class Meter:
     """Counters, step clock and memory peaks of one training process, and their per-log window."""
 
-    def __init__(self, *, flops_per_token=None, peak_flops=None):
-        # MFU at each log: model FLOPs per input token (a function of the mean sequence length)
-        # and the device's peak dense FLOP/s; None when the device is not in the table.
-        self.flops_per_token = flops_per_token
+    def __init__(self, *, model_flops=None, peak_flops=None):
+        # MFU at each log: the model's FLOPs (finetune/telemetry/model_flops.py ModelFlops) and the
+        # device's peak dense FLOP/s; either None and there is no MFU.
+        self.model_flops = model_flops
         self.peak_flops = peak_flops
         self.memory = MemoryTracker()
-        self.steps: list[tuple[float, int, int, int]] = []  # per optimizer step: seconds, input, trained, rows
+        # per optimizer step on this rank: seconds, input tokens, trained tokens, examples, sum of squared example lengths
+        self.steps: list[tuple[float, int, int, int, int]] = []
         self.loading_memory: list[dict] | None = None
-        self._micro: torch.Tensor | None = None  # input tokens, trained tokens, rows: the step in progress
+        self._micro: torch.Tensor | None = None  # batch_counts() summed over the step's micro-batches
         self._logged_steps = 0
         self._train_peak: dict | None = None
         self._t0: float | None = None
+        self._window_t0: float | None = None  # wall clock at the start of the log window
+        self._data_s = 0.0  # seconds spent fetching batches in the window (this rank)
 
-    # --- counting and the clock ------------------------------------------------------------
+    # --- counting and the clocks -------------------------------------------------------------
 
     def count_batch(self, inputs: dict) -> None:
         """Count one micro-batch the trainer is about to train on (takes REAL_TOKENS_KEY out of it:
         the model must not see it)."""
-        ids = inputs["input_ids"]
-        n_input, n_trained = token_counts(ids, inputs.get("attention_mask"), inputs.get("labels"),
-                                          inputs.pop(REAL_TOKENS_KEY, None))
-        counts = torch.stack([n_input.long(), n_trained.long(), torch.tensor(ids.shape[0], device=ids.device)])
+        counts = batch_counts(inputs)
+        inputs.pop(REAL_TOKENS_KEY, None)
         self._micro = counts if self._micro is None else self._micro + counts
+
+    def data_loading(self, seconds: float) -> None:
+        """Time spent fetching the batches of a step (outside the step clock)."""
+        self._data_s += seconds
 
     def step_begin(self) -> None:
         self._t0 = time.perf_counter()
@@ -121,8 +138,8 @@ class Meter:
 
     def record_step(self, seconds: float) -> None:
         """One optimizer step done: its time and the counts of its micro-batches on this rank."""
-        n_input, n_trained, n_rows = self._micro.tolist() if self._micro is not None else (0, 0, 0)
-        self.steps.append((seconds, n_input, n_trained, n_rows))
+        counts = self._micro.tolist() if self._micro is not None else (0, 0, 0, 0)
+        self.steps.append((seconds, *counts))
         self._micro = None
 
     # --- memory ----------------------------------------------------------------------------
@@ -130,9 +147,11 @@ class Meter:
     def start_training(self, accelerator) -> None:
         """Peaks so far are model loading (and engine set-up); training peaks start from here."""
         snap = self.memory.snapshot()
-        snap["host_peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 4)
+        snap["host_peak_rss_gib"] = round(self.memory.lifetime_host_peak / GIB, 4)  # the process so far
         self.loading_memory = _gather(snap, accelerator)
         self.memory.reset()
+        self._window_t0 = time.perf_counter()
+        self._data_s = 0.0
 
     def _memory_since_last_log(self, accelerator) -> list[dict]:
         per_rank = _gather(self.memory.snapshot(), accelerator)
@@ -153,64 +172,108 @@ class Meter:
         run.json `steps` entry; resets the window's counters and memory peaks."""
         window = self.steps[self._logged_steps:]
         self._logged_steps = len(self.steps)
-        counts = _sum_over_ranks(torch.tensor([[s[1], s[2], s[3]] for s in window] or [[0, 0, 0]]).sum(0),
-                                 accelerator)
+        counts = _sum_over_ranks(torch.tensor([s[1:] for s in window] or [[0, 0, 0, 0]]).sum(0), accelerator)
+        n_input, n_trained, n_examples, sum_sq = (int(c) for c in counts)
         seconds = sum(s[0] for s in window)
         peaks = formulas.max_over_ranks(self._memory_since_last_log(accelerator))
+        now = time.perf_counter()
+        wall = now - self._window_t0 if self._window_t0 is not None else None
+        data_s, self._data_s, self._window_t0 = self._data_s, 0.0, now
         n = accelerator.num_processes
-        logs["tokens/input"] = int(counts[0])
-        logs["tokens/trained"] = int(counts[1])
+        logs["tokens/input"] = n_input
+        logs["tokens/trained"] = n_trained
         logs["perf/step_s"] = round(seconds / max(len(window), 1), 4)
+        logs["perf/data_loading_s"] = round(data_s, 4)
+        share = round(data_s / wall, 4) if wall else None
+        if share is not None:
+            logs["perf/data_loading_share"] = share
+        mfu = None
         if seconds > 0:
-            logs["perf/trained_tokens_per_s"] = round(int(counts[1]) / seconds, 2)
-            logs["perf/trained_tokens_per_s_per_device"] = round(int(counts[1]) / seconds / n, 2)
-            logs["perf/input_tokens_per_s"] = round(int(counts[0]) / seconds, 2)
-            logs["perf/samples_per_s"] = round(int(counts[2]) / seconds, 3)
-            if self.flops_per_token and self.peak_flops and int(counts[2]):
-                flops = self.flops_per_token(int(counts[0]) / int(counts[2]))
-                logs["perf/mfu"] = round(formulas.mfu(int(counts[0]) / seconds, flops, self.peak_flops, n), 4)
+            logs["perf/trained_tokens_per_s"] = round(n_trained / seconds, 2)
+            logs["perf/trained_tokens_per_s_per_device"] = round(n_trained / seconds / n, 2)
+            logs["perf/input_tokens_per_s"] = round(n_input / seconds, 2)
+            logs["perf/samples_per_s"] = round(n_examples / seconds, 3)
+            if self.model_flops is not None and self.peak_flops:
+                mfu = self.model_flops.flops(n_input, sum_sq) / seconds / (self.peak_flops * n)
+                logs["perf/mfu"] = round(mfu, 4)
         for key, value in peaks.items():
             if value is not None:
                 logs[f"memory/max_{key}"] = value
         return {"step": global_step, "loss": logs.get("loss"), "lr": logs.get("learning_rate"),
-                "grad_norm": logs.get("grad_norm"), "trained_tokens": logs["tokens/trained"],
-                "input_tokens": logs["tokens/input"], "step_s": logs["perf/step_s"],
+                "grad_norm": logs.get("grad_norm"), "trained_tokens": n_trained, "input_tokens": n_input,
+                "examples": n_examples, "window_steps": len(window), "world_size": n,
+                "step_s": logs["perf/step_s"], "data_loading_s": logs["perf/data_loading_s"],
+                "data_loading_share": share, "mfu": round(mfu, 6) if mfu is not None else None,
                 "host_peak_rss_gib": peaks.get("host_peak_rss_gib"),
                 "device_peak_allocated_gib": peaks.get("device_peak_allocated_gib")}
 
+    def tail_window(self, accelerator, global_step: int) -> dict | None:
+        """The steps after the last log as one more `steps` entry (loss null: Trainer logs no loss
+        for them), or None when there are none; every rank calls it (it gathers)."""
+        if len(self.steps) == self._logged_steps:
+            return None
+        return self.log_window({}, accelerator, global_step)
+
     def final(self, accelerator) -> dict:
-        """Totals, per-step series summed over ranks, and memory peaks (per rank, max)."""
+        """Per-step series summed over ranks, memory peaks (per rank, max) and the host method."""
         self._memory_since_last_log(accelerator)  # folds the tail after the last log into the peak
         train_peaks = _gather({k: v for k, v in self._train_peak.items() if k != "rank"}, accelerator)
-        series = torch.tensor([[s[1], s[2], s[3]] for s in self.steps] or [[0, 0, 0]], dtype=torch.long)
+        series = torch.tensor([s[1:] for s in self.steps] or [[0, 0, 0, 0]], dtype=torch.long)
         series = _sum_over_ranks(series, accelerator)
+        columns = {name: series[:, i].tolist() if self.steps else []
+                   for i, name in enumerate(("input_tokens", "trained_tokens", "samples", "sum_sq_lengths"))}
         return {
-            "step_s": [s[0] for s in self.steps],
-            "input_tokens": series[:, 0].tolist() if self.steps else [],
-            "trained_tokens": series[:, 1].tolist() if self.steps else [],
-            "samples": series[:, 2].tolist() if self.steps else [],
+            "step_s": [s[0] for s in self.steps], **columns,
+            "host_lifetime_peak_gib": round(self.memory.lifetime_host_peak / GIB, 4),  # this rank's
             "memory": {"per_rank": train_peaks, "max": formulas.max_over_ranks(train_peaks),
+                       "host_peak_method": self.memory.method,
                        "loading": {"per_rank": self.loading_memory,
                                    "max": formulas.max_over_ranks(self.loading_memory)}},
         }
 
 
-def run_figures(measured: dict, *, hardware: dict, model_config, method: str, world_size: int,
-                warmup: int) -> dict:
+def run_figures(measured: dict, *, hardware: dict, model_flops, flops_reason: str | None, world_size: int,
+                warmup: int, earlier: list | None = None, earlier_excluded: int = 0) -> dict:
     """run.json's `memory` and `throughput` sections and the `batch` tokens per step, from
-    Meter.final(). MFU against the peak of the recorded device (CUDA only)."""
+    Meter.final() of this launch and, for a resumed run, `earlier`: the stretches of the earlier
+    segments, `earlier_excluded` of their steps left out as warm-up (finetune/telemetry/totals.py).
+    MFU against the peak of the recorded device (CUDA only; none on a MIG slice or off the
+    table, with the reason)."""
+    import os
+
     steps = len(measured["step_s"])
-    seq_len = sum(measured["input_tokens"]) / max(sum(measured["samples"]), 1)
-    flops, convention = formulas.flops_per_token(model_config, method, seq_len)
-    peak = formulas.peak_flops(hardware["device_name"]) if hardware["device_type"] == "cuda" else None
-    tp = formulas.throughput(measured["step_s"], measured["trained_tokens"], measured["input_tokens"],
-                             measured["samples"], world_size=world_size, warmup=warmup, flops_token=flops,
-                             peak=peak[1] if peak else None, devices=world_size)
-    tp.update(flops_convention=convention, flops_per_token=flops, peak_device=peak[0] if peak else None,
-              mfu_note=None if peak else f"no MFU: {hardware['device_name']!r} is not in the peak-FLOPS table")
+    excluded = warmup if steps > warmup else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # MIG slices show there as MIG-<uuid>
+    peak = formulas.peak_flops(hardware["device_name"], visible) if hardware["device_type"] == "cuda" else None
+    flops = [model_flops.flops(i, q) for i, q in zip(measured["input_tokens"], measured["sum_sq_lengths"])] \
+        if model_flops is not None else None
+    mine = [formulas.Stretch(steps=1, seconds=t, trained=tr, inputs=i, examples=e, devices=world_size,
+                             peak_seconds=flops[k] / peak[1] if flops is not None and peak else None)
+            for k, (t, tr, i, e) in enumerate(zip(measured["step_s"], measured["trained_tokens"],
+                                                  measured["input_tokens"], measured["samples"]))][excluded:]
+    earlier = earlier or []
+    tp = formulas.throughput(earlier + mine, excluded=excluded + earlier_excluded)
+    measured_inputs = sum(measured["input_tokens"][excluded:])
+    note = formulas.no_peak_reason(hardware["device_name"], visible) if peak is None else None
+    note = f"no MFU: {note}" if note else None
+    if model_flops is None:
+        note = f"no MFU: {flops_reason}"
+    elif tp["mfu"] is None and note is None and earlier:
+        note = "no MFU: an earlier segment of this resumed run has no MFU figure"
+    tp.update(flops_convention=model_flops.convention if model_flops else None,
+              flops_per_token=round(sum(flops[excluded:]) / measured_inputs, 1) if flops and measured_inputs else None,
+              peak_device=peak[0] if peak else None, mfu_note=note, scope=SCOPE + (
+                  f"; whole run: {len(earlier)} log window(s) of earlier segments and this launch's steps"
+                  if earlier else ""))
     return {"memory": measured["memory"], "throughput": tp,
             "batch": {"input_tokens_per_step": round(sum(measured["input_tokens"]) / max(steps, 1), 1),
                       "trained_tokens_per_step": round(sum(measured["trained_tokens"]) / max(steps, 1), 1)}}
+
+
+# What throughput figures cover (docs/run_record.md `throughput`, README "What the figures mean").
+SCOPE = ("step clock: start to end of each optimizer step, CUDA-synchronised, rank 0; excludes data loading, "
+         "logging, evaluation and checkpoint saves; rates = summed counts / summed step time over the steps "
+         "after each segment's warm-up")
 
 
 def _sum_over_ranks(t: torch.Tensor, accelerator) -> torch.Tensor:

@@ -178,6 +178,7 @@ class Memory(TypedDict):
     per_rank: list[RankMemory]
     max: MemoryPeaks
     loading: LoadingMemory
+    host_peak_method: str  # vmhwm | sampled (finetune/telemetry/memory_peaks.py)
 
 
 class Throughput(TypedDict, total=False):
@@ -190,9 +191,10 @@ class Throughput(TypedDict, total=False):
     warmup_steps_excluded: int
     steps_measured: int
     flops_convention: str | None
-    flops_per_token: float
+    flops_per_token: float | None
     peak_device: str | None
     mfu_note: str | None
+    scope: str  # what the figures cover (finetune/telemetry/meter.py SCOPE)
 
 
 class DataSummary(TypedDict):
@@ -215,7 +217,13 @@ class Step(TypedDict, total=False):
     grad_norm: float | None
     trained_tokens: int
     input_tokens: int
+    examples: int
+    window_steps: int
+    world_size: int
     step_s: float
+    data_loading_s: float
+    data_loading_share: float | None
+    mfu: float | None
     host_peak_rss_gib: float | None
     device_peak_allocated_gib: float | None
 
@@ -235,6 +243,7 @@ class Summary(TypedDict, total=False):
     eval_loss: float | None
     total_trained_tokens: int | None
     total_input_tokens: int
+    steps_counted: int
     wall_s: float | None
     train_s: float
     steps: int

@@ -27,12 +27,17 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
                          + _set_up_by(record.get("strategy", "set_up_by", default=None))),
             ("precision", precision_line(record)),
             ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
-            ("train loss", f"{s('train_loss'):.4f}" + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
-            ("trained tokens", f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens")]
+            ("train loss", (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
+             + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
+            ("trained tokens", (f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
+                                if s("total_trained_tokens") is not None else "n/a (see run.json throughput.mfu_note)")
+                               + (f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
+                                  if record.get("summary", "resumed_from") else ""))]
     if tp("trained_tokens_per_s") is not None:
         rows.append(("throughput", f"{tp('trained_tokens_per_s'):,.1f} trained tokens/s, {tp('input_tokens_per_s'):,.1f} "
-                                   f"input tokens/s, median step {tp('median_step_s'):.2f} s (first "
-                                   f"{tp('warmup_steps_excluded')} step(s) excluded)"))
+                                   f"input tokens/s, median step {tp('median_step_s'):.2f} s over "
+                                   f"{tp('steps_measured')} step(s) ({tp('warmup_steps_excluded')} warm-up excluded; "
+                                   f"step clock only: no data loading, logging, evaluation or saves)"))
         rows.append(("MFU", f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}" if tp("mfu") is not None
                      else "n/a (" + (tp("mfu_note") or "no peak figure") + ")"))
     device = record.get("memory", "max", "device_peak_allocated_gib")

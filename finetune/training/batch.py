@@ -15,7 +15,10 @@ def effective_batch(per_device: int, grad_accum: int, data_parallel_size: int) -
 
 
 def lr_scaling(base_lr: float, rule: str, effective: int, reference: int | None) -> dict:
-    """The run record's `lr` section. reference None means the run's own effective batch."""
+    """The run record's `lr` section. reference None (allowed only with rule none: the config
+    refuses linear/sqrt without one, finetune/config/validate.py) means the run's own effective batch."""
+    if reference is None and rule != "none":
+        raise ValueError(f"lr_scaling {rule!r} needs a reference batch (training.lr_reference_batch_size)")
     reference = reference or effective
     ratio = effective / reference
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         path = rundir.resolve_run_dir(name, cfg.run.output_dir)
         if args.resume:  # the run directory is reused as it is (finetune/training/resume.py)
             return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
-        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
+        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite,
+                               name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name")
         return name, str(path), None
 
     cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
@@ -200,7 +201,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     trainer = ResilientTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
         data_collator=collate.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
-        processing_class=tokenizer, record=rec, **meter.mfu_inputs(model.config, cfg.method.name),
+        processing_class=tokenizer, record=rec, **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name, setup=setup)
@@ -265,18 +266,10 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         if state.is_main_process:
             tokenizer.save_pretrained(str(model_dir))
     if rec:
-        rec.update("summary", train_loss=out.training_loss, eval_loss=eval_loss, steps=trainer.state.global_step,
-                   total_trained_tokens=sum(measured["trained_tokens"]),
-                   total_input_tokens=sum(measured["input_tokens"]),
-                   train_s=round(train_s, 2), wall_s=round(time.perf_counter() - t0, 2),
-                   status="completed", nonfinite_skipped=trainer.skipped_steps)
-        figures = meter.run_figures(measured, hardware=rec.view.get("hardware"), model_config=model.config,
-                                    method=cfg.method.name, world_size=world,
-                                    warmup=cfg.training.throughput_warmup_steps)
-        rec.set("memory", figures["memory"])
-        rec.set("throughput", figures["throughput"])
-        rec.update("batch", **figures["batch"])
-        prediction.record_error(rec)
+        rec.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
+                   wall_s=round(time.perf_counter() - t0, 2), status="completed",
+                   nonfinite_skipped=trainer.skipped_steps)
+        record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
                              **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
@@ -291,12 +284,46 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     return 0
 
 
+def record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
+    """Summary totals, memory, throughput and the prediction's error of a run whose training
+    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
+    computed is null with the reason in the record; the run stays completed (its training did)."""
+    from finetune.planning import prediction
+    from finetune.telemetry import formulas, meter, model_flops, totals
+
+    view = rec.view
+    warmup = cfg.training.throughput_warmup_steps
+    try:
+        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
+        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
+        summary, stretches, excluded = totals.whole_run(
+            earlier, starts, warmup=warmup, steps=len(measured["step_s"]), trained=sum(measured["trained_tokens"]),
+            inputs=sum(measured["input_tokens"]), train_loss=train_loss)
+        rec.update("summary", **summary)
+        flops, reason = model_flops.from_model(model, cfg.method.name)
+        figures = meter.run_figures(measured, hardware=view.get("hardware"), model_flops=flops, flops_reason=reason,
+                                    world_size=world, warmup=warmup, earlier=stretches, earlier_excluded=excluded)
+    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
+        log.exception("run figures could not be computed; they are null in run.json, with the error")
+        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
+        rec.set("memory", None)
+        rec.set("throughput", {**formulas.throughput([], excluded=0), "flops_convention": None, "flops_per_token": None,
+                               "peak_device": None, "scope": meter.SCOPE,
+                               "mfu_note": f"figures not computed: {type(e).__name__}: {e}"})
+        return
+    rec.set("memory", figures["memory"])
+    rec.set("throughput", figures["throughput"])
+    rec.update("batch", **figures["batch"])
+    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
+
+
 def _preempted(trainer, rec, run_dir: Path) -> int:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
     from finetune.training import resume
 
     p = trainer.resilience.preempted
     ckpt = trainer.resilience.last_complete
+    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
     if rec:
         rec.update("summary", status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
                    error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",

@@ -10,6 +10,8 @@ Trainer hands the dict to its callbacks, so every `report_to` integration receiv
 
 from __future__ import annotations
 
+import time
+
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
@@ -35,13 +37,22 @@ class _StepClock(TrainerCallback):
 
 
 class FinetuneTrainer(Trainer):
-    def __init__(self, *args, record=None, flops_per_token=None, peak_flops=None, **kwargs):
+    def __init__(self, *args, record=None, model_flops=None, peak_flops=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.record = record  # finetune.telemetry.record.RunRecord on rank 0, None elsewhere
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
-        self.meter = Meter(flops_per_token=flops_per_token, peak_flops=peak_flops)
+        self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
         self.add_callback(_StepClock(self))
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Trainer fetches every batch of an optimizer step here, before on_step_begin (transformers
+        5.23 Trainer._run_epoch): outside the step clock, so its time is the data loading of the
+        step, measured on its own (the meter's per-window data_loading_s and share of wall time)."""
+        t0 = time.perf_counter()
+        out = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.meter.data_loading(time.perf_counter() - t0)
+        return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.meter.count_batch(inputs)
@@ -62,7 +73,16 @@ class FinetuneTrainer(Trainer):
             self.record.update("summary", steps=self.state.global_step)
             self.record.write()
 
+    def record_tail(self) -> None:
+        """The steps after the last log as one more `steps` entry, so steps[] covers every step of
+        the launch (a resumed run totals its earlier segments from it). Every rank (it gathers)."""
+        tail = self.meter.tail_window(self.accelerator, self.state.global_step)
+        if self.record is not None and tail is not None:
+            self.record.add_step(tail)
+            self.record.write()
+
     def final_measurements(self) -> dict:
-        """Totals, per-step series summed over ranks, and memory peaks (per rank, max). Every rank
-        must call this (it gathers)."""
+        """record_tail(), then the per-step series summed over ranks and memory peaks (per rank,
+        max). Every rank must call this (it gathers)."""
+        self.record_tail()
         return self.meter.final(self.accelerator)

@@ -112,6 +112,8 @@ CASES = [
          ("trainer", "unknown section", "training")),
     Case("wrong type: data.max_length: long", "recipe file", _recipe("data:\n  max_length: long\n"),
          ("data.max_length", "integer", "'long'")),
+    Case("lr_scaling: linear without lr_reference_batch_size", "recipe file", _recipe("training:\n  lr_scaling: linear\n"),
+         ("training.lr_scaling", "'linear' needs training.lr_reference_batch_size", "lr_scaling: none")),
     Case("recipe that does not exist", "--recipe", lambda ws: ["--recipe", "zero5"],
          ("--recipe 'zero5'", "available", "zero2")),
     # --- command-line overrides ---
@@ -212,9 +214,9 @@ CASES = [
          ("has no chat template", "data.chat_template: false"), entry="train.py"),
     # --- the run directory ---
     Case("run name of an existing run, no --overwrite", "run.name", lambda ws: ["--run.name=keep"],
-         ("runs/keep already exists", "--overwrite")),
+         ("runs/keep already exists", "--run.name=keep-2", "--overwrite")),
     Case("run name of an existing run, no --overwrite (train.py)", "run.name", lambda ws: ["--run.name=keep"],
-         ("runs/keep already exists", "--overwrite"), entry="train.py"),
+         ("runs/keep already exists", "--run.name=keep-2", "--overwrite"), entry="train.py"),
 ]
 
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
@@ -227,6 +229,19 @@ NOT_ERRORS = [
     ("bad rows with data.on_bad_rows: skip", "data.path",
      ("not an error: the rows are skipped, logged and listed in run.json data.rows_skipped; all rows bad is an "
      "error (tests/data/test_data.py::test_skip_still_raises_when_every_row_is_bad)")),
+    ("recipe without a training: section", "recipe file",
+     ("not an error: the training defaults apply as with an empty section (tests/config/test_config.py::"
+      "test_a_recipe_without_a_training_section_gets_the_training_defaults)")),
+    ("run name of a run that failed before its first step (no checkpoint, nothing but run.json, config.yaml, data/)",
+     "run.name", ("not an error: the directory is reused and the console says so: 'reusing run directory ...: its run "
+                  "failed before its first step (...)' (tests/launch/test_rundir.py::"
+                  "test_a_run_that_failed_before_step_1_leaves_a_directory_the_retry_reuses)")),
+    ("one process with two GPUs visible (accelerate config with distributed_type NO and gpu_ids: all)",
+     "accelerate config / CUDA_VISIBLE_DEVICES",
+     ("preflight refuses it, exit 2: 'one process (distributed type NO) with 2 CUDA devices visible ... Trainer would "
+      "wrap the model in torch.nn.DataParallel ... Pin one device: CUDA_VISIBLE_DEVICES=0 ... or train on all of them "
+      "with DDP' (needs two GPUs; tests/launch/test_preflight.py::"
+      "test_one_process_with_two_visible_gpus_is_refused_before_dataparallel makes two visible)")),
     ("2-process GPU launch on a machine without a GPU, straight through accelerate launch", "accelerate launch",
      ("each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
      "(tests/training/test_strategies.py::test_fsdp_without_cpu_opt_in_is_refused_not_downgraded)")),

@@ -172,3 +172,31 @@ def test_existing_run_directory_is_not_touched(tmp_path):
 
 def test_recipes_dir_is_in_the_repo():
     assert RECIPES_DIR == REPO / "recipes"
+
+
+def test_a_recipe_without_a_training_section_gets_the_training_defaults(tmp_path):
+    """Issue 15 item 6: the section defaults applied only when `training:` was present, so a recipe
+    without one crashed later with KeyError 'ddp_timeout'."""
+    for values in ({"method": {"name": "lora"}}, {"training": None}, {}):
+        cfg = build_config(values)
+        assert cfg.training.args == TRAINING_DEFAULTS, values
+        assert cfg.training.args["ddp_timeout"] == 1800
+    cfg, _ = load_recipe(str(write_recipe(tmp_path, "model:\n  dtype: float32\n")))
+    assert cfg.training.args["per_device_train_batch_size"] == TRAINING_DEFAULTS["per_device_train_batch_size"]
+
+
+@pytest.mark.parametrize("rule", ["linear", "sqrt"])
+def test_lr_scaling_without_a_reference_batch_is_an_error_naming_both_keys(rule):
+    """Issue 15 item 9: it silently gave factor 1 (the run's own batch was the reference)."""
+    with pytest.raises(ConfigError) as info:
+        build_config({"training": {"lr_scaling": rule}})
+    text = str(info.value)
+    assert f"training.lr_scaling: '{rule}' needs training.lr_reference_batch_size" in text
+    assert "lr_scaling: none" in text
+    cfg = build_config({"training": {"lr_scaling": rule, "lr_reference_batch_size": 4}})  # with one: fine
+    assert cfg.training.lr_reference_batch_size == 4
+    assert build_config({"training": {"lr_scaling": "none"}}).training.lr_reference_batch_size is None
+    from finetune.training import batch
+
+    with pytest.raises(ValueError, match="needs a reference batch"):
+        batch.lr_scaling(1e-3, rule, 8, None)

@@ -241,8 +241,39 @@ def test_existing_run_directory_is_reported_and_untouched(tmp_path):
     write(run_dir / "run.json", '{"precious": true}')
     msg = one_problem("demo", [f"--run.output_dir={run_dir}"], None)
     assert f"run directory {run_dir} already exists" in msg and "--overwrite" in msg
+    assert f"--run.output_dir={tmp_path / 'mine-2'}" in msg and "--resume" not in msg  # no checkpoint to resume
     assert problems_of("demo", [f"--run.output_dir={run_dir}", "--run.overwrite=true"], None) == []
     assert [p.name for p in run_dir.iterdir()] == ["run.json"] and "precious" in (run_dir / "run.json").read_text()
+
+
+def test_a_run_directory_left_by_a_run_that_failed_before_step_1_is_not_a_problem(tmp_path):
+    """Issue 15 item 11: a failed model download left runs/<name> behind and the retry was refused."""
+    run_dir = tmp_path / "failed"
+    write(run_dir / "run.json", {"summary": {"status": "failed", "steps": 0, "error": "OSError: offline"}, "steps": []})
+    write(run_dir / "config.yaml", "model: {}\n")
+    assert problems_of("demo", [f"--run.output_dir={run_dir}"], None) == []
+    write(run_dir / "checkpoint-2" / "trainer_state.json", "{}")  # it trained: never reused
+    msg = one_problem("demo", [f"--run.output_dir={run_dir}"], None)
+    assert "--resume" in msg and "checkpoint-2" in msg and f"--run.output_dir={tmp_path / 'failed-2'}" in msg
+
+
+def test_one_process_with_two_visible_gpus_is_refused_before_dataparallel(tmp_path, fake_cuda):
+    """Issue 15 item 5: one process (distributed type NO) on a machine with two visible GPUs:
+    Trainer would wrap the model in nn.DataParallel (n_gpu = 2) while the record says single."""
+    fake_cuda.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = _recipe("demo", ["--eval.exact_match=false"])
+    with pytest.raises(ConfigError) as err:
+        preflight.check_before_loading(cfg, _state())  # in the launched process
+    msg = str(err.value)
+    assert "2 CUDA devices visible" in msg and "torch.nn.DataParallel" in msg
+    assert "CUDA_VISIBLE_DEVICES=0" in msg and "accelerate_configs/ddp.yaml finetune/train.py --recipe demo" in msg
+    # before the launch: a one-process config leaving every GPU visible is refused; the shipped one pins GPU 0
+    every_gpu = accelerate_yaml(tmp_path, distributed_type="NO", use_cpu=False, num_processes=1, gpu_ids="all")
+    assert "torch.nn.DataParallel" in one_problem("demo", [], every_gpu)
+    assert problems_of("demo", [], REPO / "accelerate_configs" / "single_gpu.yaml") == []
+    assert problems_of("demo", ["--training.use_cpu=true"], every_gpu) == []  # a CPU run has no DataParallel
+    fake_cuda.setattr(torch.cuda, "device_count", lambda: 1)  # control: one visible device is fine
+    preflight.check_before_loading(cfg, _state())
 
 
 def test_model_path_that_does_not_exist(tmp_path):

@@ -37,7 +37,7 @@ def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, i
                           packing=False, on_bad_rows="error", max_samples=None)
     train = build_datasets(cfg, tokenizer, seed=42).train
     inputs = sum(len(ids) for ids in train["input_ids"])
-    trained = sum(sum(1 for x in labels if x != -100) for labels in train["labels"])
+    trained = sum(sum(1 for x in labels[1:] if x != -100) for labels in train["labels"])  # what the shifted loss scores
     return inputs, trained
 
 

@@ -164,8 +164,8 @@ def test_liger_on_cpu_is_a_clear_error():
 
 @pytest.mark.parametrize("layout", ["packing", "padding_free"])
 def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examples, tmp_path, layout):
-    """Input tokens = real tokens (no padding), trained tokens = labels != -100, for both layouts;
-    expected values come from the examples themselves."""
+    """Input tokens = real tokens (no padding), trained tokens = labels[1:] != -100 of each example,
+    examples = the examples in the rows, for both layouts; expected values come from the examples."""
     import datasets
     from transformers import TrainingArguments
 
@@ -185,9 +185,14 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                               data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
     trainer.train()
-    _, n_input, n_trained, _ = trainer.meter.steps[0]
+    step = trainer.meter.steps[0]  # seconds, input tokens, trained tokens, examples, sum of squared lengths
+    n_input, n_trained, n_examples = step[1:4]
     assert n_input == sum(len(e["input_ids"]) for e in examples)
-    assert n_trained == sum(sum(1 for x in e["labels"] if x != -100) for e in examples)
+    assert n_trained == sum(sum(1 for x in e["labels"][1:] if x != -100) for e in examples)
+    assert n_examples == len(examples), (layout, n_examples)  # not the batch's rows (issue 15 item 1)
+    assert step[4] == sum(len(e["input_ids"]) ** 2 for e in examples)
+    # the batch fetch (Trainer.get_batch_samples, outside the step clock) was timed: data loading
+    assert trainer.meter.tail_window(trainer.accelerator, 1)["data_loading_s"] > 0
 
 
 def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplog):

@@ -186,7 +186,7 @@ def _steps(record: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_strategy_engaged_from_the_live_engine(runs, name):
+def test_strategy_engaged_from_the_live_engine(runs, name, tiny_model_dir):
     rec = runs(name).record
     s = rec["strategy"]
     ev = s["evidence"]
@@ -223,6 +223,19 @@ def test_strategy_engaged_from_the_live_engine(runs, name):
     # The default loss is the chunked one under every strategy (docs/speed.md): these launches are its
     # DDP/ZeRO/FSDP2 equivalence tests (test_losses_match_single_process, the full-model exports).
     assert rec["speed"]["loss_impl"]["resolved"] == "chunked", rec["speed"]
+    # parameter counts of the whole model, not of this rank's ZeRO-3 shards (issue 15 item 3)
+    assert rec["parameters"] == _expected_parameters(STRATEGIES[name][0], tiny_model_dir), rec["parameters"]
+
+
+def _expected_parameters(recipe: str, model_dir) -> dict:
+    """The recipe's model counted here, in one process, unpartitioned."""
+    from finetune.config.recipe import load_recipe
+    from finetune.modeling.load import count_parameters, load_model
+
+    cfg, _ = load_recipe(recipe, [f"--model.name_or_path={model_dir}", "--model.dtype=float32"])
+    trainable, total = count_parameters(load_model(cfg.model, cfg.method))
+    assert 0 < trainable < total
+    return {"trainable": trainable, "total": total}
 
 
 @pytest.mark.parametrize("name", list(PLAIN))
@@ -414,6 +427,14 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
         assert abs(a["loss"] - b["loss"]) <= RESUME_RTOL * abs(a["loss"]), (name, a, b)
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-5), (name, a, b)
         assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
+    # the totals are whole-run, as the uninterrupted run's (issue 15 item 7), not the last segment's
+    summary, want_summary = rec["summary"], ref["summary"]
+    assert (summary["total_trained_tokens"], summary["total_input_tokens"]) == \
+        (want_summary["total_trained_tokens"], want_summary["total_input_tokens"]), (summary, want_summary)
+    assert summary["steps_counted"] == STEPS, summary
+    assert math.isclose(summary["train_loss"], want_summary["train_loss"], rel_tol=1e-5), (summary, want_summary)
+    tp = rec["throughput"]
+    assert tp["steps_measured"] + tp["warmup_steps_excluded"] == STEPS and "earlier segments" in tp["scope"], tp
     print(f"{name}: resumed from step {from_step}, largest relative loss difference in steps 1-{STEPS} "
           f"(1-{from_step} before the interruption): {worst:.2e}")
 

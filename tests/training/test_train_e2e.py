@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -141,3 +142,61 @@ def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, ti
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["summary"]["status"] == "failed"
     assert "row 121" in rec["summary"]["error"]
+
+
+def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(tmp_path, tokenizer, launch):
+    """Issue 15 items 1, 2, 8, 10, 13 in one launch. A GPT-2 (Conv1D, n_head/n_embd: the old FLOPs
+    arithmetic crashed after training and the run was recorded `failed`), padding-free batches
+    (one row per batch: examples were counted as rows), first labels trained (train_on_prompt:
+    label 0 of a row is never scored), one epoch over 12 examples in 3 steps of 4, logged at step
+    2 (step 3 is the tail entry). Expected values from the tokenized examples and the model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from finetune.data.build import build_datasets
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-gpt2"
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=64, n_layer=2, n_head=4,
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    run_dir = tmp_path / "runs" / "gpt2"
+    res = launch(["--recipe", "demo", f"--model.name_or_path={model_dir}", "--method.name=full",
+                  "--data.padding_free=true", "--data.train_on_prompt=true", "--data.demo_train_size=12",
+                  "--eval.exact_match=false", "--training.max_steps=-1", "--training.num_train_epochs=1",
+                  "--training.per_device_train_batch_size=4", "--training.logging_steps=2", "--run.save_model=false"],
+                 run_dir=run_dir, cwd=tmp_path)
+    assert res.returncode == 0, res.explain()
+    rec = res.record
+    assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 3, rec["summary"]
+
+    cfg = SimpleNamespace(path=str(run_dir / "data" / "train.jsonl"), format="auto", split="train", max_length=512,
+                          eval_fraction=0.0, train_on_prompt=True, system_prompt=None, chat_template=True,
+                          packing=False, on_bad_rows="error", max_samples=None)
+    train = build_datasets(cfg, tokenizer, seed=42).train
+    lengths = [len(ids) for ids in train["input_ids"]]
+    assert len(lengths) == 12 and any(labels[0] != -100 for labels in train["labels"])  # label 0 is trained data
+    steps = rec["steps"]
+    assert [(s["step"], s["window_steps"], s["examples"]) for s in steps] == [(2, 2, 8), (3, 1, 4)], steps
+    assert steps[-1]["loss"] is None and steps[0]["loss"] is not None  # the tail entry
+    summary = rec["summary"]
+    assert summary["total_input_tokens"] == sum(lengths) == sum(s["input_tokens"] for s in steps)
+    trained = sum(sum(1 for x in labels[1:] if x != -100) for labels in train["labels"])
+    assert summary["total_trained_tokens"] == trained == rec["data"]["train_trained_tokens"]
+    assert summary["steps_counted"] == 3
+
+    tp = rec["throughput"]
+    assert "N = matmul weights of the live model" in tp["flops_convention"] and tp["mfu"] is None  # a CPU
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wte" not in name and "wpe" not in name)
+    n += model.get_output_embeddings().weight.numel()  # the tied LM head multiplies too
+    attention = 12 * 2 * 64  # 12 L H Q
+    assert 6 * n + attention * min(lengths) <= tp["flops_per_token"] <= 6 * n + attention * max(lengths), tp
+    assert rec["parameters"]["total"] == rec["parameters"]["trainable"] == sum(p.numel() for p in model.parameters())
+    assert "excludes data loading" in tp["scope"]
+    assert all(s["data_loading_s"] > 0 and 0 < s["data_loading_share"] < 1 for s in steps), steps
+    from finetune.telemetry import memory_peaks
+
+    if memory_peaks.vmhwm() is not None and memory_peaks.reset_vmhwm():
+        assert rec["memory"]["host_peak_method"] == "vmhwm"
+    assert rec["memory"]["max"]["host_peak_rss_gib"] > 0.1
