@@ -40,32 +40,46 @@ def main(argv: list[str] | None = None) -> int:
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
     state = PartialState(cpu=cpu_rehearsal.requested(),  # opt-in CPU/gloo runs: finetune/launch/cpu_rehearsal.py
                          timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    plan = None
+    if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+        from finetune.launch.facts import from_environment
+        from finetune.training import resume_plan
+
+        facts = from_environment(state)
+        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, facts, args.resume, overrides))
+        resume_plan.apply(plan, cfg)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=args.resume)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
 
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
-        name = cfg.run.name or rundir.default_run_name(cfg.recipe)
-        path = rundir.resolve_run_dir(name, cfg.run.output_dir)
-        if args.resume:  # the run directory is reused as it is (finetune/training/resume.py)
-            return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
-        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
-        return name, str(path), None
+        if plan:  # the run directory is reused as it is (finetune/training/resume.py)
+            from finetune.training import checkpoints
 
-    cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
+            planned_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
+            moved = checkpoints.move_aside_newer(planned_dir, plan.step)  # never saved into: see there
+            return name, str(planned_dir), plan.checkpoint, [new for _, new in moved]
+        name_ = cfg.run.name or rundir.default_run_name(cfg.recipe)
+        path = rundir.resolve_run_dir(name_, cfg.run.output_dir)
+        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
+        return name_, str(path), None, []
+
+    cfg.run.name, run_path, resume_ckpt, superseded = run_on_main(state, make_run_dir)
     run_dir = Path(run_path)
     cfg.run.output_dir = str(run_dir)
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec and resume_ckpt:
-        resume.continue_record(rec, run_dir, Path(resume_ckpt))
-        log.info("resuming from %s (step %d)", resume_ckpt, rec.view.get("summary", "resumed_at_step"))
+        resume.continue_record(rec, run_dir, Path(resume_ckpt), plan, superseded)
+        # said loudly when the layout changes (accumulation recomputed, states resharded)
+        (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     if rec:
         saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
         log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
                  saved, saved.read_text(encoding="utf-8").rstrip())
         rec.write()
+    universal_dir = _universal(state, plan, rec)
 
     if cfg.data.path == "demo":
         train_file = run_dir / "data" / "train.jsonl"
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
     try:
-        return _train(cfg, state, run_dir, rec, resume_ckpt)
+        return _train(cfg, state, run_dir, rec, resume_ckpt, plan, universal_dir)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if rec:
             rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
@@ -100,7 +114,29 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> int:
+def _universal(state, plan, rec) -> str | None:
+    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
+    beside the original (finetune/training/universal.py) while the others wait; its directory."""
+    if plan is None or plan.reshard != "universal":
+        return None
+    from finetune.launch.ranks import run_on_main
+    from finetune.training import resume, universal
+
+    def convert():
+        out, seconds = universal.convert(Path(plan.checkpoint))
+        return str(out), seconds
+
+    out, seconds = run_on_main(state, convert)
+    if rec:
+        resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
+        rec.write()
+        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
+                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
+    return out
+
+
+def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None, plan=None,
+           universal_dir: str | None = None) -> int:
     from transformers import TrainingArguments
 
     from finetune.data import build, read
@@ -108,7 +144,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     from finetune.modeling import export, zero3
     from finetune.modeling import load as model_lib
     from finetune.telemetry import meter, wandb_logging
-    from finetune.training import batch, engaged, evaluation
+    from finetune.training import batch, checkpoint_facts, engaged, evaluation, resume, universal
 
     t0 = time.perf_counter()
     targs = cpu_rehearsal.training_overrides(dict(cfg.training.args))
@@ -139,6 +175,11 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
     tokenizer = model_lib.load_tokenizer(cfg.model)
     bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
+    fingerprint = checkpoint_facts.data_fingerprint(bundle.train)  # the rows, in order (checkpoint markers)
+    if plan:  # the same rows as the checkpoint's, before the model loads
+        from finetune.training.resume_plan import check_data
+
+        check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
     heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
 
     from transformers import set_seed
@@ -166,6 +207,9 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         processing_class=tokenizer, record=rec, **meter.mfu_inputs(model.config, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
+    trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: training/rng.py
+    if universal_dir:
+        universal.enable_loading(trainer)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name,
                                        mixed_precision=trainer.accelerator.mixed_precision)
     engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
@@ -178,6 +222,11 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
                           "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
                           "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
         rec.set("lr", lr)
+        if not resume_ckpt:
+            resume.first_segment(rec)
+        static = checkpoint_facts.static_facts(cfg, train_rows=len(bundle.train), fingerprint=fingerprint)
+        trainer.resilience.run_facts = lambda: checkpoint_facts.run_block(
+            rec.view.get("strategy"), rec.view.get("batch"), rec.view.get("lr"), static)  # the marker's `run` block
         rec.set("faults", {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
                            "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
                            "save_total_limit": save_total_limit})  # docs/faults.md
@@ -202,10 +251,10 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
         with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
             results["before"] = evaluate("before")
     train_start = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=resume_ckpt)
+    out = trainer.train(resume_from_checkpoint=universal_dir or resume_ckpt)
     train_s = time.perf_counter() - train_start
     if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
-        return _preempted(trainer, rec, run_dir)
+        return _preempted(trainer, rec, run_dir, effective)
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
@@ -244,7 +293,7 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None) -> in
     return 0
 
 
-def _preempted(trainer, rec, run_dir: Path) -> int:
+def _preempted(trainer, rec, run_dir: Path, effective: int) -> int:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
     from finetune.training import resume
 
@@ -256,7 +305,8 @@ def _preempted(trainer, rec, run_dir: Path) -> int:
                    nonfinite_skipped=trainer.skipped_steps)
         rec.write()
         print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-              f"complete checkpoint {ckpt}.\nresume with:\n  {resume.resume_command(run_dir)}\n"
+              f"complete checkpoint {ckpt}.\nresume with:\n  "
+              f"{resume.resume_command(run_dir, effective=effective, per_device=trainer.args.per_device_train_batch_size)}\n"
               f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
     return EXIT_PREEMPTED
 

@@ -14,6 +14,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from finetune.telemetry.meter import Meter
+from finetune.training import rng, sample_trace
 from finetune.training.progress import CompactProgress
 
 
@@ -41,8 +42,10 @@ class FinetuneTrainer(Trainer):
             self.add_callback(CompactProgress)
         self.meter = Meter(flops_per_token=flops_per_token, peak_flops=peak_flops)
         self.add_callback(_StepClock(self))
+        self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        sample_trace.record(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
         self.meter.count_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
@@ -56,6 +59,14 @@ class FinetuneTrainer(Trainer):
             self.record.add_step(step_entry)
             self.record.update("summary", steps=self.state.global_step)
             self.record.write()
+
+    def _load_rng_state(self, checkpoint):
+        """Trainer's own restore at the same world size; across a change, the explicit rule of
+        finetune/training/rng.py (Trainer would look for files of its own layout and say nothing)."""
+        old = self.resumed_world_size
+        if checkpoint is None or old is None or old == self.args.world_size:
+            return super()._load_rng_state(checkpoint)
+        rng.restore(checkpoint, rank=self.args.process_index, old_world_size=old)
 
     def final_measurements(self) -> dict:
         """Totals, per-step series summed over ranks, and memory peaks (per rank, max). Every rank
