@@ -39,16 +39,6 @@ from finetune.telemetry.record import RecordView, load
 from finetune.training import checkpoints
 
 
-def prepare(run_dir: Path, resume: str, *, overwrite: bool) -> Path:
-    """Rank 0: the checkpoint to resume from; the run directory is reused as it is."""
-    if overwrite:
-        raise UserError("--resume and --overwrite contradict each other: --overwrite deletes the run directory "
-                        "that --resume continues; drop one of them")
-    ckpt = checkpoints.resolve(resume, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
-    return ckpt
-
-
 def first_segment(rec) -> None:
     """A run that starts from scratch: `resumes` = [segment 0], from the record's strategy and batch."""
     rec.set("resumes", [{"step": 0, "from": None, "at": rec.view.get("created"), **_layout(rec.view)}])
@@ -82,15 +72,14 @@ def save_config(run_dir: Path, config: dict) -> Path:
 HISTORY_KEYS = ("from", "step", "at", "previous_status", "steps_discarded")  # summary.resume_history entries
 
 
-def continue_record(rec, run_dir: Path, ckpt: Path, plan=None, superseded: list[str] = ()) -> None:
-    """Carry the earlier run.json into `rec` (a fresh RunRecord for this process) and open this
-    segment. `plan`: the ResumePlan (finetune/training/resume_plan.py); `superseded`: the names
-    checkpoints were moved aside to."""
+def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
+    """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
+    and open this segment. `plan`: the ResumePlan (finetune/training/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
     old_path = run_dir / "run.json"
     old = RecordView(load(old_path)) if old_path.is_file() else None
     entry = {"step": step, "from": str(ckpt), "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "previous_status": None, "steps_discarded": 0, "superseded": list(superseded)}
+             "previous_status": None, "steps_discarded": 0, "superseded": []}
     if plan is not None:
         entry.update(world_size=plan.world_size, strategy=plan.strategy, offload=plan.offload,
                      per_device=plan.per_device, grad_accum=plan.grad_accum,
@@ -111,6 +100,23 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None, superseded: list[
     history = [{k: s.get(k) for k in HISTORY_KEYS} for s in segments if s.get("from")]
     rec.update("summary", resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history),
                resume_history=history, steps=step)
+
+
+def keep_previous_record(run_dir: Path) -> Path | None:
+    """run.json as it was before this resume, kept as run.before-resume<n>.json: the continued
+    record drops the steps after the checkpoint, and a resume that fails later (a rank dies while
+    the model loads, say) must not have lost them. Rank 0, before the continued record is written."""
+    import shutil
+
+    record = Path(run_dir) / "run.json"
+    if not record.is_file():
+        return None
+    n = 1
+    while (record.parent / f"run.before-resume{n}.json").exists():
+        n += 1
+    out = record.parent / f"run.before-resume{n}.json"
+    shutil.copy2(record, out)
+    return out
 
 
 def _migrated_segments(old: RecordView) -> list[dict]:

@@ -176,7 +176,10 @@ def _identity_problems(name: str, what: str, old: dict | None, new: dict) -> lis
     keys = [k for k in old if k in new and old[k] is not None and new[k] is not None and old[k] != new[k]]
     if not keys:
         return []
-    diff = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in keys)
+    def short(v):  # a SHA-256 by its first 12 hex digits
+        return v[:12] if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v) else v
+
+    diff = "; ".join(f"{k}: {short(old[k])!r} in the checkpoint, {short(new[k])!r} now" for k in keys)
     return [f"{name} was trained with another {what} ({diff}); resume with the {what} it was trained with"]
 
 

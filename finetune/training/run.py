@@ -55,31 +55,38 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
         if plan:  # the run directory is reused as it is (finetune/training/resume.py)
-            from finetune.training import checkpoints
-
             planned_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
-            moved = checkpoints.move_aside_newer(planned_dir, plan.step)  # never saved into: see there
-            return name, str(planned_dir), plan.checkpoint, [new for _, new in moved]
+            return name, str(planned_dir), plan.checkpoint
         name_ = cfg.run.name or rundir.default_run_name(cfg.recipe)
         path = rundir.resolve_run_dir(name_, cfg.run.output_dir)
         rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite)
-        return name_, str(path), None, []
+        return name_, str(path), None
 
-    cfg.run.name, run_path, resume_ckpt, superseded = run_on_main(state, make_run_dir)
+    cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
     run_dir = Path(run_path)
     cfg.run.output_dir = str(run_dir)
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec and resume_ckpt:
-        resume.continue_record(rec, run_dir, Path(resume_ckpt), plan, superseded)
+        resume.continue_record(rec, run_dir, Path(resume_ckpt), plan)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
-    if rec:
-        saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
-        log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-                 saved, saved.read_text(encoding="utf-8").rstrip())
-        rec.write()
-    universal_dir = _universal(state, plan, rec)
+    # A resumed run replaces run.json and writes config.resume<n>.yaml only once its data is checked
+    # (_train): a resume refused there leaves the run directory as it was.
+    committed: list[bool] = []
+
+    def commit() -> None:
+        committed.append(True)
+        if rec:
+            if resume_ckpt:
+                resume.keep_previous_record(run_dir)
+            saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
+            log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+                     saved, saved.read_text(encoding="utf-8").rstrip())
+            rec.write()
+
+    if not resume_ckpt:
+        commit()
 
     if cfg.data.path == "demo":
         train_file = run_dir / "data" / "train.jsonl"
@@ -95,15 +102,15 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
     try:
-        return _train(cfg, state, run_dir, rec, resume_ckpt, plan, universal_dir)
+        return _train(cfg, state, run_dir, rec, resume_ckpt, plan, commit)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
-        if rec:
+        if rec and committed:
             rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             rec.write()
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        if rec:
+        if rec and committed:
             interrupted = isinstance(e, KeyboardInterrupt)
             rec.update("summary", status="interrupted" if interrupted else "failed",
                        error=None if interrupted else f"{type(e).__name__}: {e}")
@@ -135,8 +142,7 @@ def _universal(state, plan, rec) -> str | None:
     return out
 
 
-def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None, plan=None,
-           universal_dir: str | None = None) -> int:
+def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
     from transformers import TrainingArguments
 
     from finetune.data import build, read
@@ -180,6 +186,8 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None, plan=
         from finetune.training.resume_plan import check_data
 
         check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
+        commit()  # the continued record replaces run.json from here on
+    universal_dir = _universal(state, plan, rec)
     heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
 
     from transformers import set_seed
@@ -250,6 +258,14 @@ def _train(cfg, state, run_dir: Path, rec, resume_ckpt: str | None = None, plan=
     if heldout_rows is not None and cfg.eval.before:
         with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
             results["before"] = evaluate("before")
+    if plan:  # never saved into by this run: finetune/training/checkpoints.py move_aside_newer
+        from finetune.launch.ranks import run_on_main
+        from finetune.training import checkpoints
+
+        moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, plan.step))
+        if rec:
+            resume.note_segment(rec, superseded=[new for _, new in moved])
+            rec.write()
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or resume_ckpt)
     train_s = time.perf_counter() - train_start

@@ -301,7 +301,8 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     ckpt = _checkpoint(tmp_path, 3)
     p = plan(written(world=2, step=3), launch(world=1))
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
-    resume.continue_record(rec, tmp_path, ckpt, p, ["checkpoint-5.superseded-1"])
+    resume.continue_record(rec, tmp_path, ckpt, p)
+    resume.note_segment(rec, superseded=["checkpoint-5.superseded-1"])
     segments = rec.view.get("resumes")
     assert [(s["step"], s["world_size"], s["grad_accum"], s["from"]) for s in segments] == \
         [(0, 2, 1, None), (3, 1, 2, str(ckpt))]
@@ -312,7 +313,9 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     assert rec.view.get("summary", "resume_history") == [{k: last[k] for k in resume.HISTORY_KEYS}]
     resume.note_segment(rec, universal_cache="c.universal", conversion_s=0.7)
     assert rec.view.get("resumes")[-1]["conversion_s"] == 0.7
+    assert resume.keep_previous_record(tmp_path).name == "run.before-resume1.json"  # what the resume replaces
     rec.write()
+    assert [s["step"] for s in json.loads((tmp_path / "run.before-resume1.json").read_text())["steps"]] == [1, 2, 3, 4, 5]
     again = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
     resume.continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
     assert [s["world_size"] for s in again.view.get("resumes")] == [2, 1, 2]
