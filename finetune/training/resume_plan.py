@@ -145,7 +145,8 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     layout = (M, per_device, grad_accum) != (N, w.per_device, w.grad_accum)
     problems += _order_problems(name, w, launch, layout)
     position = None
-    if not problems and E is not None and w.data and w.data.get("train_rows"):
+    skips = not launch.training.get("ignore_data_skip")  # otherwise Trainer starts the epoch over: no position
+    if not problems and E is not None and w.data and w.data.get("train_rows") and skips:
         position, problem = _position(name, w, M, per_device, grad_accum)
         problems += [problem] if problem else []
     if problems:

@@ -320,10 +320,9 @@ def _preempted(trainer, rec, run_dir: Path, effective: int) -> int:
                    error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
                    nonfinite_skipped=trainer.skipped_steps)
         rec.write()
+        command = resume.resume_command(run_dir, effective=effective, per_device=trainer.args.per_device_train_batch_size)
         print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-              f"complete checkpoint {ckpt}.\nresume with:\n  "
-              f"{resume.resume_command(run_dir, effective=effective, per_device=trainer.args.per_device_train_batch_size)}\n"
-              f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
+              f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
     return EXIT_PREEMPTED
 
 
