@@ -70,6 +70,7 @@ def save_config(run_dir: Path, config: dict) -> Path:
 
 
 HISTORY_KEYS = ("from", "step", "at", "previous_status", "steps_discarded")  # summary.resume_history entries
+LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", "effective")
 
 
 def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
@@ -79,7 +80,7 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     old_path = run_dir / "run.json"
     old = RecordView(load(old_path)) if old_path.is_file() else None
     entry = {"step": step, "from": str(ckpt), "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "previous_status": None, "steps_discarded": 0, "superseded": []}
+             **dict.fromkeys(LAYOUT_KEYS), "previous_status": None, "steps_discarded": 0, "superseded": []}
     if plan is not None:
         entry.update(world_size=plan.world_size, strategy=plan.strategy, offload=plan.offload,
                      per_device=plan.per_device, grad_accum=plan.grad_accum,
@@ -123,7 +124,7 @@ def _migrated_segments(old: RecordView) -> list[dict]:
     """`resumes` for a record written before it existed: segment 0 and one per summary.resume_history
     entry; the world size and batch are known only for the last segment (the record's sections)."""
     history = list(old.get("summary", "resume_history", default=[]))
-    unknown = dict.fromkeys(("world_size", "strategy", "offload", "per_device", "grad_accum", "effective"))
+    unknown = dict.fromkeys(LAYOUT_KEYS)
     segments = [{"step": 0, "from": None, "at": old.get("created"), **unknown}]
     segments += [{**unknown, **{k: h.get(k) for k in HISTORY_KEYS}} for h in history]
     segments[-1].update(_layout(old))

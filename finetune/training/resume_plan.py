@@ -142,7 +142,8 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
             problems.append(f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
                             f"{E}: {M} x {per_device} x {given} = {M * per_device * given}; leave it out (on resume it "
                             f"is recomputed, here {grad_accum}) or make the product {E}")
-    layout = (M, per_device, grad_accum) != (N, w.per_device, w.grad_accum)
+    # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
+    layout = (M, per_device, grad_accum) != (N, w.per_device or per_device, w.grad_accum or grad_accum)
     problems += _order_problems(name, w, launch, layout)
     position = None
     skips = not launch.training.get("ignore_data_skip")  # otherwise Trainer starts the epoch over: no position
@@ -162,8 +163,17 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
                       written={"world_size": N, "strategy": w.strategy, "offload": w.offload,
                                "per_device": w.per_device, "grad_accum": w.grad_accum, "effective": E},
                       world_size=M, strategy=launch.strategy, offload=launch.offload, per_device=per_device,
-                      grad_accum=grad_accum, effective=E, reshard=RESHARD[family] if M != N else "none",
+                      grad_accum=grad_accum, effective=E, reshard=_reshard(family, M != N, w.offload, launch.offload),
                       rng=state, rng_ranks=ranks, position=position, data=w.data, notes=notes)
+
+
+def _reshard(family: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
+    """How the states reach this launch. DeepSpeed also goes through the universal checkpoint when
+    only the offload changes: that is the path shown to work across offload (ZeRO-2 -> ZeRO-2 with
+    the optimizer offloaded, research/17 run F1); its own loader is not known to."""
+    if RESHARD[family] == "universal" and old_offload not in (None, new_offload):
+        return "universal"
+    return RESHARD[family] if world_changes else "none"
 
 
 def _config_of(strategy: str) -> str:

@@ -419,3 +419,13 @@ def test_universal_cache_counts_only_when_built_from_this_very_checkpoint(tmp_pa
     assert universal.convert(ckpt) == (cache, None)  # reused: nothing converted
     (cache / universal.MARKER).write_text(json.dumps({"source_completed": "2020-01-01T00:00:00+00:00"}))
     assert universal.current(ckpt) is None  # built from an older checkpoint-3: rebuilt on use
+
+
+def test_deepspeed_offload_change_goes_through_the_universal_checkpoint_even_at_the_same_world_size():
+    assert plan(written("zero2", world=2), launch("zero2", world=2, offload="optimizer")).reshard == "universal"
+    assert plan(written("zero2", world=2), launch("zero2", world=2)).reshard == "none"
+    assert plan(written("fsdp", world=2), launch("fsdp", world=2, offload="optimizer+params")).reshard == "none"
+    old = written(world=2, strategy=None, per_device=None, accum=None, effective=None, method=None, model=None,
+                  data=None)  # a checkpoint without its layout, resumed as it was: drop_last is Trainer's own business
+    same = plan(old, launch(world=2, training={"dataloader_drop_last": True}))  # no ConfigError: not a layout change
+    assert (same.world_size, same.reshard) == (2, "none")
