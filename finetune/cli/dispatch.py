@@ -89,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = launcher.launch_command(args.recipe, rest, args.config_file, args.num_processes,
                                               cpu=args.cpu, overwrite=args.overwrite, resume=args.resume)
         from finetune.launch import preflight
+        from finetune.training import resume_plan
 
         os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
-        preflight.check_launch(launch_args)  # config mistakes, all at once, before any process starts
+        # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
+        preflight.check_launch(launch_args, resume_check=resume_plan.preflight_problems)
         env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
         print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
         return launcher.run_accelerate_launch(launch_args)

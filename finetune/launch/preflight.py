@@ -3,6 +3,12 @@
     check_before_loading(cfg, state, setup=setup)   # finetune/training/run.py, right after PartialState
     check_launch(launch_args)          # `finetune train`, before `accelerate launch` starts anything
 
+With `--resume`, `check_launch` also takes the resume check (finetune/training/resume_plan.py
+preflight_problems, handed in by the CLI: training sits above this module): a checkpoint that
+cannot resume under this launch is refused before any process starts, and the plan it makes
+(accumulation recomputed, DDP on one process = single) is what the other checks see. In a
+launched process finetune/training/run.py applies the same plan before check_before_loading.
+
 Each check returns problems (strings naming what, where and the fix) instead of raising, and
 all of them are raised together as one ConfigError (exit 2). What is checked:
 
@@ -79,8 +85,9 @@ def _in_script(setup) -> bool:
     return setup is not None and setup.set_up_by == "recipe"
 
 
-def check_launch(launch_args: list[str]) -> None:
-    """For `finetune train`: the same checks from the accelerate config it is about to launch."""
+def check_launch(launch_args: list[str], resume_check=None) -> None:
+    """For `finetune train`: the same checks from the accelerate config it is about to launch.
+    `resume_check(cfg, facts, resume, overrides) -> problems` runs first when --resume is given."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
@@ -99,7 +106,8 @@ def check_launch(launch_args: list[str]) -> None:
     else:
         facts = LaunchFacts(source="accelerate launch without a config file", num_processes=parsed.num_processes or 1,
                             use_cpu=parsed.cpu)
-    problems = run_checks(cfg, facts, in_process=False, resume=args.resume)
+    problems = resume_check(cfg, facts, args.resume, overrides) if args.resume and resume_check else []
+    problems += run_checks(cfg, facts, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
 

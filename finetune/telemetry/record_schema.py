@@ -238,6 +238,22 @@ ResumeEntry = TypedDict("ResumeEntry", {"from": str, "step": int, "at": str, "pr
                                         "steps_discarded": int})
 
 
+class Position(TypedDict):
+    epoch: int  # epochs completed before the checkpoint
+    samples_into_epoch: int  # samples of that epoch trained before it
+    samples_per_epoch: int  # train rows
+
+
+# One segment of a run: the first start (step 0) or a resume. The first seven keys are always
+# there; the resume-only keys from `previous_status` on (finetune/training/resume.py).
+Segment = TypedDict("Segment", {
+    "step": int, "from": str | None, "at": str | None, "world_size": int | None, "strategy": str | None,
+    "offload": str | None, "per_device": int | None, "grad_accum": int | None, "effective": int | None,
+    "previous_status": str | None, "steps_discarded": int, "superseded": list[str], "from_world_size": int,
+    "reshard": str, "rng": str, "rng_ranks": list[int], "position": Position | None, "universal_cache": str,
+    "conversion_s": float | None}, total=False)
+
+
 class Summary(TypedDict, total=False):
     train_loss: float | None
     eval_loss: float | None
@@ -368,6 +384,7 @@ SECTIONS: tuple[Section, ...] = (
             True, "object"),
     Section("eval", Eval, dict, False),
     Section("faults", Faults, ABSENT, False),
+    Section("resumes", list[Segment], ABSENT, False),
     Section("parameters", Parameters, ABSENT, False),
     Section("speed", Speed, ABSENT, False),
 )

@@ -11,12 +11,24 @@ too. Sizes, not content hashes: hashing gigabytes of weights at every save would
 minutes per checkpoint on the GPUs this runs on, while truncation (the failure seen in
 practice) always changes a size.
 
+The marker also carries the `run` block: what wrote the checkpoint (world size, strategy,
+per-device batch, accumulation, method, model, data and seed; finetune/training/resume_plan.py
+`run_block`). A resume under another world size reads it to reshard and keep the effective batch
+and the data position, and to refuse what cannot work before any weights load.
+
 Rotation (training.args.save_total_limit) is done here rather than by Trainer: Trainer's
 rotate_checkpoints runs inside _save_checkpoint on rank 0 (transformers 5.23,
 trainer.py:_save_checkpoint), before the other ranks have finished writing the new checkpoint
 and before any marker exists, so it can delete the last complete checkpoint while the new
 one is still torn. Here old checkpoints are deleted only after the new one is complete, and
-only valid ones count towards the limit.
+only valid ones count towards the limit. A DeepSpeed universal cache (`<checkpoint>.universal`,
+finetune/training/universal.py) is derived data and goes with its checkpoint.
+
+A resumed run moves the checkpoints newer than the one it resumed from aside
+(`checkpoint-K.superseded-<n>`, never deleted): it would otherwise save into them, and a
+checkpoint-K written by 1 rank into a directory holding 2 ranks' shards of the interrupted
+segment mixes both (found resuming ZeRO-2 2 -> 1: the marker listed both, the universal
+conversion then failed with "shape '[64, 16]' is invalid").
 """
 
 from __future__ import annotations
@@ -46,19 +58,31 @@ def _files(ckpt: Path) -> dict[str, int]:
             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
-def write_marker(ckpt: Path, *, step: int, world_size: int) -> Path:
-    """Rank 0 only, after every rank finished writing `ckpt`: the list of files and sizes."""
+def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = None) -> Path:
+    """Rank 0 only, after every rank finished writing `ckpt`: the list of files and sizes, and
+    what wrote it (`run`, see the module docstring)."""
     ckpt = Path(ckpt)
     files = _files(ckpt)
     if not files:
         raise RuntimeError(f"checkpoint {ckpt} has no files; refusing to mark it complete")
     marker = ckpt / MARKER
     tmp = ckpt / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "world_size": world_size, "files": files,
-                               "completed": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-                              indent=1), encoding="utf-8")
+    body = {"step": step, "world_size": world_size, "files": files,
+            "completed": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if run is not None:
+        body["run"] = run
+    tmp.write_text(json.dumps(body, indent=1), encoding="utf-8")
     tmp.replace(marker)  # atomic: a reader sees no marker or a whole one
     return marker
+
+
+def read_marker(ckpt: Path) -> dict | None:
+    """The completion marker of `ckpt` as a dict, or None when it has none or it does not parse."""
+    try:
+        marker = json.loads((Path(ckpt) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def problem(ckpt: Path) -> str | None:
@@ -138,5 +162,31 @@ def rotate(run_dir: Path, keep: int | None, newest: Path) -> list[Path]:
     for c in doomed:
         log.info("rotating out %s (training.save_total_limit=%d)", c, keep)
         shutil.rmtree(c, ignore_errors=True)
+        shutil.rmtree(c.with_name(c.name + UNIVERSAL_SUFFIX), ignore_errors=True)  # derived from c
     return doomed
+
+
+UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkpoint (training/universal.py)
+
+
+def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
+    """Rank 0, before a resumed run from `step` trains: rename every checkpoint-K with K > step
+    (and its universal cache) to checkpoint-K.superseded-<n>, the first n not taken. Nothing is
+    deleted. Returns [(old name, new name)], oldest step first."""
+    moved = []
+    for ckpt in checkpoints(run_dir):
+        if step_of(ckpt) <= step:
+            continue
+        n = 1
+        while any(ckpt.with_name(f"{ckpt.name}{extra}.superseded-{n}").exists() for extra in ("", UNIVERSAL_SUFFIX)):
+            n += 1
+        new = ckpt.with_name(f"{ckpt.name}.superseded-{n}")
+        ckpt.rename(new)
+        cache = ckpt.with_name(ckpt.name + UNIVERSAL_SUFFIX)
+        if cache.exists():
+            cache.rename(cache.with_name(f"{cache.name}.superseded-{n}"))
+        log.warning("set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
+                    ckpt, new.name, step)
+        moved.append((ckpt.name, new.name))
+    return moved
 

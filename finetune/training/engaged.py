@@ -43,8 +43,8 @@ def engaged(state, *, method: str, setup=None) -> dict:
         out.update(name=name_of(dtype), fsdp_version=getattr(plugin, "fsdp_version", 1),
                    offload_optimizer="cpu" if offload else "none", offload_params="cpu" if offload else "none",
                    offload="optimizer+params" if offload else "none")
-    else:
-        out["name"] = name_of(dtype)
+    else:  # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
+        out["name"] = name_of(dtype, num_processes=state.num_processes)
     return out
 
 
@@ -135,7 +135,9 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
         offloaded = ev.get("fsdp_offload_policy") == "CPUOffloadPolicy"
         return "fsdp", "optimizer+params" if offloaded else "none"
     if ev["engine_class"] == "DistributedDataParallel":
-        return "ddp", "none"
+        # On CPU rehearsal Accelerate wraps even one MULTI_CPU process in DDP (accelerator.py
+        # prepare_model; MULTI_GPU with one process is not wrapped): one process is `single`.
+        return ("ddp" if ev["world_size"] > 1 else "single"), "none"
     return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 

@@ -4,6 +4,8 @@
     FINETUNE_FAULT_INJECT="inf_loss@rank0,step2"            +Inf instead of NaN
     FINETUNE_FAULT_INJECT="kill@rank1,step2"                rank 1 SIGKILLs itself when step 2 begins
     FINETUNE_FAULT_INJECT="hang@rank1,step2"                rank 1 stops (sleeps) when step 2 begins
+    FINETUNE_FAULT_INJECT="sigterm@rank0,step4"             rank 0 gets SIGTERM when step 4 begins: a preemption
+                                                            drill (all ranks stop after step 4, checkpoint-4, exit 75)
     FINETUNE_FAULT_INJECT="nan_loss@rank1,step3;nan_loss@rank0,step5"   several, `;`-separated
 
 Steps are optimizer steps counted from 1, as in run.json's steps[] (the step being computed,
@@ -22,7 +24,7 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "kill", "hang")
+KINDS = ("nan_loss", "inf_loss", "kill", "hang", "sigterm")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+),step(?P<step>\d+)$")
 
 
@@ -55,9 +57,13 @@ def corrupt_loss(loss, *, rank: int, step: int):
 
 
 def at_step_begin(*, rank: int, step: int) -> None:
-    """Process-level faults: die without any cleanup (SIGKILL) or stall forever."""
-    kind = _active(("kill", "hang"), rank, step)
-    if kind == "kill":
+    """Process-level faults: die without any cleanup (SIGKILL), stall forever, or be preempted (SIGTERM,
+    handled as a real one: finetune/training/signals.py)."""
+    kind = _active(("kill", "hang", "sigterm"), rank, step)
+    if kind == "sigterm":
+        print(f"[fault injection] rank {rank} gets SIGTERM at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif kind == "kill":
         print(f"[fault injection] rank {rank} kills itself (SIGKILL) at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":

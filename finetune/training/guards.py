@@ -61,6 +61,7 @@ class ResilienceCallback(TrainerCallback):
         self.save_total_limit = save_total_limit
         self.preempted: dict | None = None  # {step, signal, ranks} once the ranks agreed to stop
         self.last_complete: Path | None = None
+        self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/training/checkpoint_facts.py)
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -90,7 +91,8 @@ class ResilienceCallback(TrainerCallback):
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         acc.wait_for_everyone()  # every rank's shards are on disk before the marker says so
         if acc.is_main_process:
-            checkpoints.write_marker(ckpt, step=state.global_step, world_size=acc.num_processes)
+            checkpoints.write_marker(ckpt, step=state.global_step, world_size=acc.num_processes,
+                                     run=self.run_facts() if self.run_facts else None)
             checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
             log.info("checkpoint %s complete", ckpt)
         self.last_complete = ckpt

@@ -11,11 +11,19 @@ ever written at optimizer-step boundaries (Trainer saves from _maybe_log_save_ev
 runs after the optimizer step of the last micro-batch of an accumulation cycle), so a resumed
 run starts a fresh accumulation cycle exactly where the interrupted one would have.
 
-What this module adds: choosing the checkpoint (finetune/training/checkpoints.py: complete ones only),
-reusing the existing run directory without deleting anything, and continuing run.json:
-steps[] up to the checkpoint's step are kept, later ones (trained after the checkpoint, and
-about to be trained again) are dropped and counted, and summary.resumed_from / resumes say
-where the run continued from and how many times.
+Under another number of processes the states are resharded and the effective batch and data
+position are kept: finetune/training/resume_plan.py decides (and refuses what cannot work)
+before anything loads; finetune/training/universal.py converts DeepSpeed checkpoints.
+
+What this module adds: reusing the existing run directory without deleting anything (newer
+checkpoints than the one resumed from are moved aside: finetune/training/checkpoints.py
+move_aside_newer), and continuing run.json: steps[] up to the checkpoint's step are kept, later
+ones (trained after the checkpoint, and about to be trained again) are dropped and counted, and
+`resumes` gets one entry per segment of the run (the first run is segment 0): step, world size,
+strategy, per-device batch, accumulation, when, and for a resume where from, how the states were
+resharded, what RNG streams continued and the data position. `summary.resumed_from` /
+`resumed_at_step` / `resumes` (count) / `resume_history` stay for schema-1 readers;
+resume_history is derived from the same entries.
 """
 
 from __future__ import annotations
@@ -31,14 +39,22 @@ from finetune.telemetry.record import RecordView, load
 from finetune.training import checkpoints
 
 
-def prepare(run_dir: Path, resume: str, *, overwrite: bool) -> Path:
-    """Rank 0: the checkpoint to resume from; the run directory is reused as it is."""
-    if overwrite:
-        raise UserError("--resume and --overwrite contradict each other: --overwrite deletes the run directory "
-                        "that --resume continues; drop one of them")
-    ckpt = checkpoints.resolve(resume, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
-    return ckpt
+def first_segment(rec) -> None:
+    """A run that starts from scratch: `resumes` = [segment 0], from the record's strategy and batch."""
+    rec.set("resumes", [{"step": 0, "from": None, "at": rec.view.get("created"), **_layout(rec.view)}])
+
+
+def _layout(view) -> dict:
+    s, b = view.get("strategy", default={}), view.get("batch", default={})
+    return {"world_size": s.get("world_size"), "strategy": s.get("name"), "offload": s.get("offload"),
+            "per_device": b.get("per_device"), "grad_accum": b.get("grad_accum"), "effective": b.get("effective")}
+
+
+def note_segment(rec, **fields) -> None:
+    """Add facts to the current (last) segment, e.g. the universal conversion's time."""
+    segments = list(rec.view.get("resumes", default=[]))
+    segments[-1] = {**segments[-1], **fields}
+    rec.set("resumes", segments)
 
 
 def save_config(run_dir: Path, config: dict) -> Path:
@@ -53,13 +69,25 @@ def save_config(run_dir: Path, config: dict) -> Path:
     return out
 
 
-def continue_record(rec, run_dir: Path, ckpt: Path) -> None:
-    """Carry the earlier run.json into `rec` (a fresh RunRecord for this process)."""
+HISTORY_KEYS = ("from", "step", "at", "previous_status", "steps_discarded")  # summary.resume_history entries
+LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", "effective")
+
+
+def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
+    """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
+    and open this segment. `plan`: the ResumePlan (finetune/training/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
     old_path = run_dir / "run.json"
     old = RecordView(load(old_path)) if old_path.is_file() else None
-    entry = {"from": str(ckpt), "step": step, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             "previous_status": None, "steps_discarded": 0}
+    entry = {"step": step, "from": str(ckpt), "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             **dict.fromkeys(LAYOUT_KEYS), "previous_status": None, "steps_discarded": 0, "superseded": []}
+    if plan is not None:
+        entry.update(world_size=plan.world_size, strategy=plan.strategy, offload=plan.offload,
+                     per_device=plan.per_device, grad_accum=plan.grad_accum,
+                     effective=plan.world_size * plan.per_device * plan.grad_accum,
+                     from_world_size=plan.written["world_size"], reshard=plan.reshard, rng=plan.rng,
+                     rng_ranks=plan.rng_ranks, position=plan.position)
+    segments = []
     if old is not None:
         steps = old.get("steps", default=[])
         kept = [s for s in steps if s.get("step") is not None and s["step"] <= step]
@@ -67,12 +95,40 @@ def continue_record(rec, run_dir: Path, ckpt: Path) -> None:
         entry["steps_discarded"] = len(steps) - len(kept)
         rec.set("created", old.get("created", default=rec.view.get("created")))
         rec.set("steps", kept)
-        history = list(old.get("summary", "resume_history", default=[]))
-    else:
-        history = []
-    history.append(entry)
+        segments = list(old.get("resumes", default=[])) or _migrated_segments(old)
+    segments.append(entry)
+    rec.set("resumes", segments)
+    history = [{k: s.get(k) for k in HISTORY_KEYS} for s in segments if s.get("from")]
     rec.update("summary", resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history),
                resume_history=history, steps=step)
+
+
+def keep_previous_record(run_dir: Path) -> Path | None:
+    """run.json as it was before this resume, kept as run.before-resume<n>.json: the continued
+    record drops the steps after the checkpoint, and a resume that fails later (a rank dies while
+    the model loads, say) must not have lost them. Rank 0, before the continued record is written."""
+    import shutil
+
+    record = Path(run_dir) / "run.json"
+    if not record.is_file():
+        return None
+    n = 1
+    while (record.parent / f"run.before-resume{n}.json").exists():
+        n += 1
+    out = record.parent / f"run.before-resume{n}.json"
+    shutil.copy2(record, out)
+    return out
+
+
+def _migrated_segments(old: RecordView) -> list[dict]:
+    """`resumes` for a record written before it existed: segment 0 and one per summary.resume_history
+    entry; the world size and batch are known only for the last segment (the record's sections)."""
+    history = list(old.get("summary", "resume_history", default=[]))
+    unknown = dict.fromkeys(LAYOUT_KEYS)
+    segments = [{"step": 0, "from": None, "at": old.get("created"), **unknown}]
+    segments += [{**unknown, **{k: h.get(k) for k in HISTORY_KEYS}} for h in history]
+    segments[-1].update(_layout(old))
+    return segments
 
 
 def _checkpoint_step(ckpt: Path) -> int:
@@ -85,14 +141,24 @@ def _checkpoint_step(ckpt: Path) -> int:
     return step
 
 
-def resume_command(run_dir: Path) -> str:
+def resume_command(run_dir: Path, *, effective: int | None = None, per_device: int | None = None) -> str:
     """The command that continues this run (the same arguments, plus --resume); absolute paths,
-    so it works from any directory."""
+    so it works from any directory. With the effective batch and per-device batch, a second line
+    says which other process counts keep the effective batch. An explicit accumulation is left
+    out: on resume it is recomputed from the checkpoint for whatever count the launch has."""
     argv = [a for a in sys.argv[1:] if a != "--overwrite" and not a.startswith("--resume")
-            and not a.startswith("--run.output_dir")]
+            and not a.startswith("--run.output_dir") and not a.startswith("--training.gradient_accumulation_steps")]
     argv.append(f"--run.output_dir={run_dir.resolve()}")
     config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
     env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
     launch = f"--config_file {config} " if config else "<the same accelerate launch options> "
     script = Path(sys.argv[0]).resolve()
-    return f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
+    command = f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
+    if effective and per_device:
+        from finetune.training.resume_plan import allowed_world_sizes
+
+        counts = ", ".join(map(str, allowed_world_sizes(effective, per_device)))
+        command += (f"\n  on another number of GPUs too: add --num_processes M with M in {{{counts}}} (M x {per_device} "
+                    f"per device must divide the effective batch {effective}; gradient accumulation is recomputed), "
+                    f"or more with a smaller --training.per_device_train_batch_size")
+    return command

@@ -47,6 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=setup.cpu_gloo is not None,  # CPU/gloo runs: finetune/launch/cpu_rehearsal.py
                          timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
     launch_setup.adopt_deepspeed_comm(setup)
+    plan = None
+    if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+        from finetune.training import resume_plan
+
+        facts = preflight.launch_facts(state, setup)  # what this launch sets up (launcher config or recipe)
+        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, facts, args.resume, overrides))
+        resume_plan.apply(plan, cfg)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, setup=setup, resume=args.resume)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
@@ -55,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
-        name = cfg.run.name or rundir.default_run_name(cfg.recipe)
-        path = rundir.resolve_run_dir(name, cfg.run.output_dir)
-        if args.resume:  # the run directory is reused as it is (finetune/training/resume.py)
-            return name, str(path), str(resume.prepare(path, args.resume, overwrite=cfg.run.overwrite))
+        if plan:  # the run directory is reused as it is (finetune/training/resume.py)
+            planned_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
+            return name, str(planned_dir), plan.checkpoint
+        name_ = cfg.run.name or rundir.default_run_name(cfg.recipe)
+        path = rundir.resolve_run_dir(name_, cfg.run.output_dir)
         rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite,
                                name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name")
-        return name, str(path), None
+        return name_, str(path), None
 
     cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
     run_dir = Path(run_path)
@@ -69,13 +77,25 @@ def main(argv: list[str] | None = None) -> int:
     rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
                            config=cfg.to_dict()) if state.is_main_process else None
     if rec and resume_ckpt:
-        resume.continue_record(rec, run_dir, Path(resume_ckpt))
-        log.info("resuming from %s (step %d)", resume_ckpt, rec.view.get("summary", "resumed_at_step"))
-    if rec:
-        saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
-        log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-                 saved, saved.read_text(encoding="utf-8").rstrip())
-        rec.write()
+        resume.continue_record(rec, run_dir, Path(resume_ckpt), plan)
+        # said loudly when the layout changes (accumulation recomputed, states resharded)
+        (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
+    # A resumed run replaces run.json and writes config.resume<n>.yaml only once its data is checked
+    # (_train): a resume refused there leaves the run directory as it was.
+    committed: list[bool] = []
+
+    def commit() -> None:
+        committed.append(True)
+        if rec:
+            if resume_ckpt:
+                resume.keep_previous_record(run_dir)
+            saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
+            log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+                     saved, saved.read_text(encoding="utf-8").rstrip())
+            rec.write()
+
+    if not resume_ckpt:
+        commit()
 
     if cfg.data.path == "demo":
         train_file = run_dir / "data" / "train.jsonl"
@@ -91,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
     try:
-        return _train(cfg, state, run_dir, rec, setup, resume_ckpt)
+        return _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
-        if rec:
+        if rec and committed:
             rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             rec.write()
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        if rec:
+        if rec and committed:
             interrupted = isinstance(e, KeyboardInterrupt)
             rec.update("summary", status="interrupted" if interrupted else "failed",
                        error=None if interrupted else f"{type(e).__name__}: {e}")
@@ -110,7 +130,28 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None) -> int:
+def _universal(state, plan, rec) -> str | None:
+    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
+    beside the original (finetune/training/universal.py) while the others wait; its directory."""
+    if plan is None or plan.reshard != "universal":
+        return None
+    from finetune.launch.ranks import run_on_main
+    from finetune.training import resume, universal
+
+    def convert():
+        out, seconds = universal.convert(Path(plan.checkpoint))
+        return str(out), seconds
+
+    out, seconds = run_on_main(state, convert)
+    if rec:
+        resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
+        rec.write()
+        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
+                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
+    return out
+
+
+def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
     from transformers import TrainingArguments
 
     from finetune.data import build, read
@@ -118,7 +159,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     from finetune.modeling import export, zero3
     from finetune.modeling import load as model_lib
     from finetune.telemetry import meter, wandb_logging
-    from finetune.training import batch, engaged, evaluation
+    from finetune.training import batch, checkpoint_facts, engaged, evaluation, resume, universal
 
     t0 = time.perf_counter()
     targs = cpu_rehearsal.training_overrides(dict(cfg.training.args), active=setup.cpu_gloo is not None)
@@ -168,6 +209,13 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     attention_record = attention.apply(cfg.model.sdpa_backends, args.device.type, cfg.model.attn_implementation)
     tokenizer = model_lib.load_tokenizer(cfg.model)
     bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
+    fingerprint = checkpoint_facts.data_fingerprint(bundle.train)  # the rows, in order (checkpoint markers)
+    if plan:  # the same rows as the checkpoint's, before the model loads
+        from finetune.training.resume_plan import check_data
+
+        check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
+        commit()  # the continued record replaces run.json from here on
+    universal_dir = _universal(state, plan, rec)
     heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
 
     from transformers import set_seed
@@ -204,6 +252,9 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         processing_class=tokenizer, record=rec, **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
+    trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: training/rng.py
+    if universal_dir:
+        universal.enable_loading(trainer)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name, setup=setup)
     engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
     engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
@@ -224,6 +275,11 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
                           "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
                           "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
         rec.set("lr", lr)
+        if not resume_ckpt:
+            resume.first_segment(rec)
+        static = checkpoint_facts.static_facts(cfg, train_rows=len(bundle.train), fingerprint=fingerprint)
+        trainer.resilience.run_facts = lambda: checkpoint_facts.run_block(
+            rec.view.get("strategy"), rec.view.get("batch"), rec.view.get("lr"), static)  # the marker's `run` block
         rec.set("faults", {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
                            "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
                            "save_total_limit": save_total_limit})  # docs/faults.md
@@ -249,11 +305,19 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     if heldout_rows is not None and cfg.eval.before:
         with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
             results["before"] = evaluate("before")
+    if plan:  # never saved into by this run: finetune/training/checkpoints.py move_aside_newer
+        from finetune.launch.ranks import run_on_main
+        from finetune.training import checkpoints
+
+        moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, plan.step))
+        if rec:
+            resume.note_segment(rec, superseded=[new for _, new in moved])
+            rec.write()
     train_start = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=resume_ckpt)
+    out = trainer.train(resume_from_checkpoint=universal_dir or resume_ckpt)
     train_s = time.perf_counter() - train_start
     if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
-        return _preempted(trainer, rec, run_dir)
+        return _preempted(trainer, rec, run_dir, effective)
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
@@ -269,6 +333,8 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         rec.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
                    wall_s=round(time.perf_counter() - t0, 2), status="completed",
                    nonfinite_skipped=trainer.skipped_steps)
+        from finetune.training.run_figures import record_figures
+
         record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
@@ -284,40 +350,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     return 0
 
 
-def record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
-    """Summary totals, memory, throughput and the prediction's error of a run whose training
-    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
-    computed is null with the reason in the record; the run stays completed (its training did)."""
-    from finetune.planning import prediction
-    from finetune.telemetry import formulas, meter, model_flops, totals
-
-    view = rec.view
-    warmup = cfg.training.throughput_warmup_steps
-    try:
-        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
-        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
-        summary, stretches, excluded = totals.whole_run(
-            earlier, starts, warmup=warmup, steps=len(measured["step_s"]), trained=sum(measured["trained_tokens"]),
-            inputs=sum(measured["input_tokens"]), train_loss=train_loss)
-        rec.update("summary", **summary)
-        flops, reason = model_flops.from_model(model, cfg.method.name)
-        figures = meter.run_figures(measured, hardware=view.get("hardware"), model_flops=flops, flops_reason=reason,
-                                    world_size=world, warmup=warmup, earlier=stretches, earlier_excluded=excluded)
-    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
-        log.exception("run figures could not be computed; they are null in run.json, with the error")
-        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
-        rec.set("memory", None)
-        rec.set("throughput", {**formulas.throughput([], excluded=0), "flops_convention": None, "flops_per_token": None,
-                               "peak_device": None, "scope": meter.SCOPE,
-                               "mfu_note": f"figures not computed: {type(e).__name__}: {e}"})
-        return
-    rec.set("memory", figures["memory"])
-    rec.set("throughput", figures["throughput"])
-    rec.update("batch", **figures["batch"])
-    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
-
-
-def _preempted(trainer, rec, run_dir: Path) -> int:
+def _preempted(trainer, rec, run_dir: Path, effective: int) -> int:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
     from finetune.training import resume
 
@@ -329,9 +362,9 @@ def _preempted(trainer, rec, run_dir: Path) -> int:
                    error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
                    nonfinite_skipped=trainer.skipped_steps)
         rec.write()
+        command = resume.resume_command(run_dir, effective=effective, per_device=trainer.args.per_device_train_batch_size)
         print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-              f"complete checkpoint {ckpt}.\nresume with:\n  {resume.resume_command(run_dir)}\n"
-              f"exit code {EXIT_PREEMPTED} (preempted)", flush=True)
+              f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
     return EXIT_PREEMPTED
 
 

@@ -17,6 +17,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.telemetry.meter import Meter
+from finetune.training import rng, sample_trace
 from finetune.training.progress import CompactProgress
 
 
@@ -44,6 +45,7 @@ class FinetuneTrainer(Trainer):
             self.add_callback(CompactProgress)
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
         self.add_callback(_StepClock(self))
+        self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Trainer fetches every batch of an optimizer step here, before on_step_begin (transformers
@@ -55,6 +57,7 @@ class FinetuneTrainer(Trainer):
         return out
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        sample_trace.record(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
         self.meter.count_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
@@ -80,6 +83,14 @@ class FinetuneTrainer(Trainer):
         if self.record is not None and tail is not None:
             self.record.add_step(tail)
             self.record.write()
+
+    def _load_rng_state(self, checkpoint):
+        """Trainer's own restore at the same world size; across a change, the explicit rule of
+        finetune/training/rng.py (Trainer would look for files of its own layout and say nothing)."""
+        old = self.resumed_world_size
+        if checkpoint is None or old is None or old == self.args.world_size:
+            return super()._load_rng_state(checkpoint)
+        rng.restore(checkpoint, rank=self.args.process_index, old_world_size=old)
 
     def final_measurements(self) -> dict:
         """record_tail(), then the per-step series summed over ranks and memory peaks (per rank,

@@ -98,6 +98,34 @@ def _no_chat_template(ws: Path) -> list[str]:
     return [f"--model.name_or_path={model}"]
 
 
+def _resume(launch: list[str], *, model_sha: str | None = None, strategy: str = "zero3", world: int = 2,
+            fingerprint: str | None = None):
+    """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
+    on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
+    `--resume` of it."""
+    def setup(ws: Path) -> list[str]:
+        from finetune.training import checkpoints
+        from finetune.training.checkpoint_facts import model_identity
+
+        model = os.environ["FINETUNE_TABLE_MODEL"]
+        identity = model_identity(type("M", (), {"name_or_path": model, "revision": None})())
+        ckpt = ws / "runs" / "prev" / "checkpoint-3"
+        for name in ("trainer_state.json", "latest", "rng_state_0.pth", "rng_state_1.pth",
+                     "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            _write(ckpt / name, '{"global_step": 3}')
+        _write(ws / "runs" / "prev" / "run.json", '{"summary": {"status": "interrupted", "steps": 4}}')
+        run = {"world_size": world, "strategy": strategy, "offload": "none", "per_device": 8 // world, "grad_accum": 1,
+               "effective": 8, "method": {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+               "model": {**identity, "config_sha256": model_sha or identity["config_sha256"]},
+               "data": {"train_rows": 8, "fingerprint": fingerprint, "seed": 42, "data_seed": None, "sampling": "random",
+                        "drop_last": False, "packing": False}}
+        checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
+        return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
+    return setup
+
+
+ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
+
 CASES = [
     # --- recipe YAML ---
     Case("YAML syntax error (unclosed bracket)", "recipe file", _recipe("training:\n  max_steps: [3\n"),
@@ -212,6 +240,28 @@ CASES = [
          ("bundled:Llama-9000", "bundled:SmolLM2-135M-Instruct")),
     Case("tokenizer without a chat template, recipe asks for it", "model (tokenizer)", _no_chat_template,
          ("has no chat template", "data.chat_template: false"), entry="train.py"),
+    # --- --resume of a checkpoint that cannot continue under this launch (docs/faults.md) ---
+    Case("resume under another strategy family (ZeRO-3 checkpoint, FSDP launch)", "--resume",
+         _resume(["--recipe", "fsdp", "--config_file", "accelerate_configs/cpu/fsdp.yaml"]),
+         ("checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp",
+          "launch with accelerate_configs/zero3.yaml (any --num_processes)", "nothing was loaded")),
+    Case("resume on a process count that cannot keep the effective batch", "--resume / --num_processes",
+         _resume([*ZERO3_CPU, "--num_processes", "3"]),
+         ("effective batch 8 = 2 rank(s) x 4 per device x accumulation 1", "3 process(es) x 4 per device cannot make 8",
+          "--num_processes 1 or 2")),
+    Case("resume with an accumulation that contradicts the effective batch", "--resume / training",
+         _resume([*ZERO3_CPU, "--num_processes", "1", "--training.gradient_accumulation_steps=1"]),
+         ("--training.gradient_accumulation_steps=1 contradicts", "recomputed, here 2")),
+    Case("resume with another model", "--resume / model.name_or_path", _resume(ZERO3_CPU, model_sha="0" * 64),
+         ("checkpoint-3 was trained with another model", "config_sha256")),
+    Case("resume on another process count with dataloader_drop_last", "--resume / training",
+         _resume([*ZERO3_CPU, "--num_processes", "1", "--training.dataloader_drop_last=true"]),
+         ("training.dataloader_drop_last: true", "the layout changes (2 -> 1 process(es))")),
+    Case("resume with another seed", "--resume / training.seed", _resume([*ZERO3_CPU, "--training.seed=7"]),
+         ("training.seed is 7 but checkpoint-3 was trained with 42", "--training.seed=42")),
+    Case("resume on other training data (the rows differ)", "--resume / data.path",
+         _resume([], strategy="single", world=1, fingerprint="0" * 64),
+         ("the training data differs from the data it was trained on", "fingerprint 000000000000"), entry="train.py"),
     # --- the run directory ---
     Case("run name of an existing run, no --overwrite", "run.name", lambda ws: ["--run.name=keep"],
          ("runs/keep already exists", "--run.name=keep-2", "--overwrite")),

@@ -25,6 +25,8 @@ def _evidence(**kw) -> dict:
     # an FSDP launch Accelerate turned into DDP: no FSDP modules, no DTensors
     (_evidence(engine_class="DistributedDataParallel", fsdp_modules=0), ("ddp", "none")),
     (_evidence(world_size=1), ("single", "none")),
+    # one MULTI_CPU process (a DDP run resumed on one process): Accelerate still wraps it in DDP
+    (_evidence(engine_class="DistributedDataParallel", world_size=1), ("single", "none")),
     (_evidence(world_size=2), ("PeftModelForCausalLM", "none")),  # two ranks, nothing wrapping: not a strategy
 ])
 def test_strategy_is_decided_by_the_live_evidence(evidence, expected):

@@ -104,8 +104,13 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
         assert got.get("summary", "resume_history")[0]["steps_discarded"] == 2
         assert got.get("created") == old.view.get("created")
         rec.write()
+    from finetune.config.recipe import load_recipe
+    from finetune.training import resume_plan
+
+    cfg = load_recipe("ddp", [f"--run.output_dir={tmp_path}"])[0]
+    cfg.run.overwrite = True
     with pytest.raises(UserError, match="--resume and --overwrite"):
-        resume.prepare(tmp_path, "auto", overwrite=True)
+        resume_plan.locate(cfg, "auto")
 
 
 def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
