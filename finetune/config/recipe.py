@@ -29,6 +29,15 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+# Booleans as YAML 1.2 has them: true/false only. YAML 1.1 (PyYAML) also reads yes/no/on/off as
+# booleans, so `--training.save_strategy=no` (a TrainingArguments value) became False and was refused.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+
+
 def parse_yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 

@@ -200,3 +200,16 @@ def test_lr_scaling_without_a_reference_batch_is_an_error_naming_both_keys(rule)
 
     with pytest.raises(ValueError, match="needs a reference batch"):
         batch.lr_scaling(1e-3, rule, 8, None)
+
+
+def test_yes_no_on_off_stay_strings_and_true_false_are_booleans(tmp_path):
+    """TrainingArguments takes save_strategy/eval_strategy "no"; YAML 1.1 (PyYAML's safe_load, the
+    control here) reads it as False, which TrainingArguments refuses. Recipes and overrides read
+    booleans as YAML 1.2 does: only true/false."""
+    assert yaml.safe_load("no") is False  # the trap, in the library itself
+    path = write_recipe(tmp_path, "training:\n  save_strategy: no\n  gradient_checkpointing: true\n")
+    cfg, _ = load_recipe(str(path), ["--training.eval_strategy=no", "--data.packing=False"])
+    assert cfg.training.args["save_strategy"] == "no" and cfg.training.args["eval_strategy"] == "no"
+    assert cfg.training.args["gradient_checkpointing"] is True and cfg.data.packing is False
+    with pytest.raises(ConfigError, match="data.packing"):
+        load_recipe(str(path), ["--data.packing=yes"])  # a string now, and packing wants a boolean
