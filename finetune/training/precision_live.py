@@ -251,9 +251,14 @@ def install(trainer, policy: precision.Policy, *, requested: str, family: str, m
 
 def _confirm_compute_dtype(trainer, expected: str, record) -> None:
     """The output dtype of the first Linear with a trainable weight in step 1's first forward (not
-    a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype)."""
-    linear = next((m for m in trainer.model_wrapped.modules()
-                   if isinstance(m, torch.nn.Linear) and m.weight.requires_grad), None)
+    a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D
+    counts as one; an output head whose forward is the chunked loss does not (it returns the loss
+    sum and count, finetune/modeling/loss.py)."""
+    def observable(m) -> bool:
+        linear = isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"  # transformers.pytorch_utils
+        return linear and m.weight.requires_grad and not hasattr(m, "finetune_loss_kernel")
+
+    linear = next((m for m in trainer.model_wrapped.modules() if observable(m)), None)
     if linear is None:
         return
 

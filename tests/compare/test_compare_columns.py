@@ -51,12 +51,7 @@ def runs(tmp_path) -> list[comparison.Run]:
             record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
                    predicted=PREDICTED),
             record("zero3", strategy="zero3", method="full", world=2, tps=900.0, device_gib=None, host_gib=6.0)]
-    paths = []
-    for rec in recs:
-        (tmp_path / rec["run_name"]).mkdir()
-        (tmp_path / rec["run_name"] / "run.json").write_text(json.dumps(rec))
-        paths.append(tmp_path / rec["run_name"])
-    return comparison.load_runs(paths)
+    return _write(tmp_path, recs)
 
 
 def test_derived_columns(runs):
