@@ -160,7 +160,8 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
-    loss.install(model, spec["loss_impl"], use_liger_kernel=spec["liger"], device_type="cuda" if cuda else "cpu")
+    loss.install(model, spec["loss_impl"], use_liger_kernel=spec["liger"], device_type="cuda" if cuda else "cpu",
+                 tokens=spec["batch"] * spec["seq_len"])  # `auto` weighed as finetune train weighs it
     args = TrainingArguments(**speed.trainer_overrides(dict(
         output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         learning_rate=spec["learning_rate"], bf16=cuda, logging_steps=1, save_strategy="no", report_to="none",
