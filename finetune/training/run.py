@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.data import demo
     from finetune.launch import preflight, rundir
     from finetune.launch import setup as launch_setup
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.ranks import close_process_group_at_exit, run_on_main
     from finetune.telemetry import record
     from finetune.training import resume
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=setup.cpu_gloo is not None,  # CPU/gloo runs: finetune/launch/cpu_rehearsal.py
                          timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
     launch_setup.adopt_deepspeed_comm(setup)
+    finished = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     plan = None
     if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
         from finetune.training import resume_plan
@@ -111,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
     try:
-        return _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
+        code = _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
+        finished.append(True)  # every rank returns here together (completed or preempted)
+        return code
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if rec and committed:
             rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             rec.write()
             print(f"error: {e}", file=sys.stderr, flush=True)
+        finished.append(True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
         if rec and committed:
