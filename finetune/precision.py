@@ -179,7 +179,17 @@ def family_of(strategy: str) -> str:
     row = next((s for s in STRATEGIES if strategy in (s.key, s.name)), None)
     if row is None:
         raise ValueError(f"no strategy {strategy!r} in finetune/strategies.py")
-    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(row.distributed_type, "torch")
+    return family_of_distributed_type(row.distributed_type)
+
+
+def family_of_distributed_type(distributed_type: str | None) -> str:
+    """torch | fsdp2 | deepspeed for Accelerate's DistributedType name (DEEPSPEED, FSDP, else torch)."""
+    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(distributed_type, "torch")
+
+
+def dtype_name(dtype) -> str | None:
+    """torch's dtype as this table names it ("bfloat16"), None for None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _check_family(family: str) -> None:

@@ -126,3 +126,12 @@ def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: in
 @pytest.fixture
 def launch():
     return launch_train
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (other processes on this machine may rendezvous too)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -18,7 +18,7 @@ from finetune.launch.facts import LaunchFacts
 
 def family(facts: LaunchFacts) -> str:
     """torch | fsdp2 | deepspeed (finetune/precision.py FAMILIES) for the launch's distributed type."""
-    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(facts.distributed_type, "torch")
+    return precision.family_of_distributed_type(facts.distributed_type)
 
 
 def runs_on_cuda(cfg, facts: LaunchFacts) -> bool:

@@ -43,11 +43,13 @@ def check_init_dtype(model, requested) -> None:
 
     got = {p.ds_tensor.dtype for p in model.parameters()
            if hasattr(p, "ds_tensor") and p.ds_tensor.dtype.is_floating_point and type(p).__name__ != "Params4bit"}
-    wrong = sorted(str(d).removeprefix("torch.") for d in got if d != requested)
+    from finetune.precision import dtype_name
+
+    wrong = sorted(dtype_name(d) for d in got if d != requested)
     if wrong and requested in (torch.bfloat16, torch.float16, torch.float32):
         from finetune.errors import UserError
 
-        want = str(requested).removeprefix("torch.")
+        want = dtype_name(requested)
         raise UserError(
             f"ZeRO-3 created the model's parameters in {', '.join(wrong)}, not the {want} it was loaded in "
             f"(model.dtype): zero.Init (accelerate's zero3_init_flag) takes the dtype from the DeepSpeed config, "

@@ -23,13 +23,10 @@ import logging
 import torch
 
 from finetune import precision
+from finetune.precision import dtype_name
 from finetune.errors import UserError
 
 log = logging.getLogger(__name__)
-
-
-def dtype_name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def apply(trainer, policy: precision.Policy) -> None:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 SCRIPT = r"""
 import json, os, sys
@@ -45,10 +44,7 @@ print(json.dumps(out))
 
 
 def test_zero_init_fp32_parameters_are_refused(tiny_model_dir):
-    with socket.socket() as s:  # a free port for the one-process group
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(port)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(free_port())], capture_output=True,
                           text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -50,12 +50,10 @@ def test_the_auto_fill_is_trainers(stage):
 @pytest.fixture(scope="module")
 def process_group():
     import os
-    import socket
 
-    with socket.socket() as sock:  # a free port: other processes on this machine may rendezvous too
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from tests.conftest import free_port
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import deepspeed

@@ -144,7 +144,7 @@ def runs(tmp_path_factory, tiny_model_dir):
                                           env=trace_env(run_dir), timeout=300)
             elif name in PLAIN:
                 args = [*common_args(tiny_model_dir), f"--training.max_steps={PLAIN_STEPS}",
-                        "--training.gradient_accumulation_steps=2", "--training.save_strategy='no'",
+                        "--training.gradient_accumulation_steps=2", "--training.save_strategy=no",
                         "--run.save_model=false"]
                 done[name] = plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir,
                                                      home=tmp_path_factory.mktemp("hf_home"))
