@@ -36,7 +36,19 @@ def close_process_group_at_exit(state) -> list:
     as 2 of about 40 launches failing after "run ... completed".
     After an error another rank may still be inside a collective: gloo's group is torn down
     locally (that rank then errors instead of waiting out the timeout); NCCL's is destroyed only
-    after a clean end, since destroying it with work in flight can hang."""
+    after a clean end, since destroying it with work in flight can hang.
+
+    After a clean end every rank first meets at a barrier. Destroying the group does not stop
+    gloo's worker threads while something else still holds it (DeepSpeed's ZeRO-3 parameters
+    do; destroy_process_group's shutdown() joins them only when nothing does), and a worker that
+    drops the last reference to a finished collective's tensors needs the GIL: after atexit the
+    interpreter is finalizing, the thread is forced to exit inside a noexcept destructor and the
+    process aborts (core dump read in gdb: ~AsyncAllgatherWork -> THPVariable_clear -> take_gil
+    -> PyThread_exit_thread -> std::terminate, rank 1 of a ZeRO-3 run that exited right after its
+    last all-gather, while rank 0 was still printing the summary). gloo's barrier waits for every collective queued or running before it,
+    and while a rank waits there for the others the workers take the GIL and let go. Measured
+    (2 ranks, ZeRO-3 LoRA, tiny Llama, 5 steps, CPU): 3 of 24 launches aborted without it, 0 of 30
+    with it."""
     import atexit
 
     finished: list = []
@@ -46,6 +58,8 @@ def close_process_group_at_exit(state) -> list:
 
         if not (dist.is_available() and dist.is_initialized()):
             return
+        if finished and state.num_processes > 1:
+            dist.barrier()
         if finished or dist.get_backend() == "gloo":
             state.destroy_process_group()
 

@@ -4,6 +4,8 @@
     FINETUNE_FAULT_INJECT="inf_loss@rank0,step2"            +Inf instead of NaN
     FINETUNE_FAULT_INJECT="kill@rank1,step2"                rank 1 SIGKILLs itself when step 2 begins
     FINETUNE_FAULT_INJECT="hang@rank1,step2"                rank 1 stops (sleeps) when step 2 begins
+    FINETUNE_FAULT_INJECT="pause@rank0,step2"               rank 0 sleeps PAUSE_S when step 2 begins, then goes
+                                                            on: holds step 2 open for a signal sent from outside
     FINETUNE_FAULT_INJECT="sigterm@rank0,step4"             rank 0 gets SIGTERM when step 4 begins: a preemption
                                                             drill (all ranks stop after step 4, checkpoint-4, exit 75)
     FINETUNE_FAULT_INJECT="nan_loss@rank1,step3;nan_loss@rank0,step5"   several, `;`-separated
@@ -24,7 +26,10 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "kill", "hang", "sigterm")
+KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm")
+# seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
+# (polled every 0.2 s), short enough to add little to the run
+PAUSE_S = 5.0
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+),step(?P<step>\d+)$")
 
 
@@ -57,15 +62,18 @@ def corrupt_loss(loss, *, rank: int, step: int):
 
 
 def at_step_begin(*, rank: int, step: int) -> None:
-    """Process-level faults: die without any cleanup (SIGKILL), stall forever, or be preempted (SIGTERM,
-    handled as a real one: finetune/training/signals.py)."""
-    kind = _active(("kill", "hang", "sigterm"), rank, step)
+    """Process-level faults: die without any cleanup (SIGKILL), stall forever or for PAUSE_S, or be
+    preempted (SIGTERM, handled as a real one: finetune/training/signals.py)."""
+    kind = _active(("kill", "hang", "pause", "sigterm"), rank, step)
     if kind == "sigterm":
         print(f"[fault injection] rank {rank} gets SIGTERM at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
     elif kind == "kill":
         print(f"[fault injection] rank {rank} kills itself (SIGKILL) at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "pause":
+        print(f"[fault injection] rank {rank} pauses {PAUSE_S:g} s at step {step}", flush=True)
+        time.sleep(PAUSE_S)
     elif kind == "hang":
         print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
         while True:

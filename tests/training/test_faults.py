@@ -124,6 +124,23 @@ def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
     faults.faults.cache_clear()
 
 
+
+def test_a_pause_holds_only_its_rank_and_step_open_then_returns(monkeypatch):
+    """The external-SIGTERM test (tests/training/test_strategies.py) relies on this window."""
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setenv(faults.ENV, "pause@rank0,step2")
+    faults.faults.cache_clear()
+    try:
+        for rank, step in ((1, 2), (0, 1), (0, 3)):
+            faults.at_step_begin(rank=rank, step=step)
+        assert slept == []
+        faults.at_step_begin(rank=0, step=2)
+        assert slept == [faults.PAUSE_S] and faults.PAUSE_S >= 1
+    finally:
+        faults.faults.cache_clear()
+
+
 # --- launched runs -------------------------------------------------------------------------------
 
 

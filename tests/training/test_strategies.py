@@ -632,9 +632,11 @@ def _trace(launch):
 
 
 def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(runs, tmp_path, tiny_model_dir):
-    """DDP through `finetune train`: SIGTERM to rank 1 only, after step 1. Both ranks stop
-    at the same step boundary k with a complete checkpoint-k, the record says interrupted, the
-    exit code is 75 with "preempted" and the resume command; resuming reproduces steps k+1..5."""
+    """DDP through `finetune train`: SIGTERM from outside to rank 1 only, after step 1, while rank 0
+    holds step 2 open (a 5 s pause fault, so the signal lands inside step 2 however fast the machine:
+    rank 1 is then waiting in a collective). Both ranks stop at the same step boundary, 2, with a
+    complete checkpoint-2, the record says interrupted, the exit code is 75 with "preempted" and the
+    resume command; resuming reproduces steps 3..5."""
     import signal
     import time
 
@@ -645,7 +647,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **CPU_ENV}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **CPU_ENV,
+           "FINETUNE_FAULT_INJECT": "pause@rank0,step2"}
     cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "ddp", "--config_file",
            "accelerate_configs/cpu/ddp.yaml", *common_args(tiny_model_dir), f"--run.output_dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -655,7 +658,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
         rank1 = None
         while rank1 is None and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-            try:  # once step 1 is logged, so the stop comes at a step k < 5 (one step takes ~1-2 s here)
+            try:  # once step 1 is logged: rank 0 is then pausing at the start of step 2
                 ready = len(json.loads((run_dir / "run.json").read_text())["steps"]) >= 1
             except (OSError, ValueError, KeyError):
                 ready = False
@@ -674,7 +677,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     k = rec["summary"]["steps"]
     assert rec["summary"]["status"] == "interrupted", rec["summary"]
     assert rec["summary"]["error"] == f"preempted by SIGTERM on rank(s) [1] at step {k}", rec["summary"]
-    assert 1 <= k < STEPS, f"stopped at step {k}: the signal came too late to test a resume"
+    assert k == 2, f"stopped at step {k}, not at the end of step 2, which the signal landed in"
     assert checkpoints.newest_valid(run_dir) == run_dir / f"checkpoint-{k}"
     assert "preempted: SIGTERM on rank(s) [1]" in out and f"--run.output_dir={run_dir} --resume" in out, out[-3000:]
     assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in out, out[-3000:]
