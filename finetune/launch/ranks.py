@@ -59,7 +59,7 @@ def close_process_group_at_exit(state) -> list:
         if not (dist.is_available() and dist.is_initialized()):
             return
         if finished and state.num_processes > 1:
-            dist.barrier()
+            state.wait_for_everyone()  # a barrier on this rank's own device (NCCL) or gloo's
         if finished or dist.get_backend() == "gloo":
             state.destroy_process_group()
 
