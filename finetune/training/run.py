@@ -134,27 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _universal(state, plan, rec) -> str | None:
-    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
-    beside the original (finetune/training/universal.py) while the others wait; its directory."""
-    if plan is None or plan.reshard != "universal":
-        return None
-    from finetune.launch.ranks import run_on_main
-    from finetune.training import resume, universal
-
-    def convert():
-        out, seconds = universal.convert(Path(plan.checkpoint))
-        return str(out), seconds
-
-    out, seconds = run_on_main(state, convert)
-    if rec:
-        resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
-        rec.write()
-        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
-                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
-    return out
-
-
 def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
     from transformers import TrainingArguments
 
@@ -219,7 +198,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
 
         check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
         commit()  # the continued record replaces run.json from here on
-    universal_dir = _universal(state, plan, rec)
+    universal_dir = universal.for_resume(state, plan, rec)  # DeepSpeed under another world size
     heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
 
     from transformers import set_seed

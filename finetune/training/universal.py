@@ -8,6 +8,7 @@ and state instead, which any world size loads (`"checkpoint": {"load_universal":
 `load_checkpoint` reads `<dir>/latest_universal` and the ZeRO optimizers'
 `_load_universal_checkpoint`).
 
+    for_resume(state, plan, rec)   every rank: convert on rank 0, the others wait; noted in the record
     convert(ckpt)          rank 0: <ckpt>.universal/, built once beside the original, reused after
     enable_loading(trainer) after Trainer(...), before train(): the engine is built loading it
 
@@ -69,6 +70,28 @@ def current(ckpt: Path) -> Path | None:
     except (OSError, ValueError):
         return None
     return out if info.get("source_completed") == _source_stamp(ckpt) else None
+
+
+def for_resume(state, plan, rec) -> str | None:
+    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
+    beside the original while the others wait; its directory, on every rank (None when the resume
+    plan needs no resharding through it: finetune/training/resume_plan.py)."""
+    if plan is None or plan.reshard != "universal":
+        return None
+    from finetune.launch.ranks import run_on_main
+    from finetune.training import resume
+
+    def build():
+        out, seconds = convert(Path(plan.checkpoint))
+        return str(out), seconds
+
+    out, seconds = run_on_main(state, build)
+    if rec:
+        resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
+        rec.write()
+        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
+                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
+    return out
 
 
 def convert(ckpt: Path) -> tuple[Path, float | None]:
