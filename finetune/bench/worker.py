@@ -56,11 +56,10 @@ def _run(spec: dict, attention_record: dict) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from finetune.data.collate import REAL_TOKENS_KEY
     from finetune.modeling import loss
     from finetune.telemetry import formulas
     from finetune.telemetry import model_flops
-    from finetune.telemetry.meter import Meter, batch_counts, token_counts
+    from finetune.telemetry.meter import Meter, batch_counts
 
     ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
@@ -91,22 +90,24 @@ def _run(spec: dict, attention_record: dict) -> dict:
 
     def counting(features):
         batch = collator(features)
-        n_input, n_trained = token_counts(batch["input_ids"], batch.get("attention_mask"), batch["labels"],
-                                          batch.get(REAL_TOKENS_KEY))
-        # Positions computed = real tokens + padding (the batch's input_ids size); squared example
-        # lengths for the attention FLOPs (finetune/telemetry/model_flops.py).
-        sum_sq = int(batch_counts(dict(batch))[3])
+        # real input tokens, trained tokens, examples, squared example lengths (the attention FLOPs:
+        # finetune/telemetry/model_flops.py), as FinetuneTrainer counts them; positions computed =
+        # real tokens + padding (the batch's input_ids size)
+        n_input, n_trained, _, sum_sq = batch_counts(dict(batch)).tolist()
         batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel()), sum_sq))
         return batch
 
     trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
     trainer.train()
-    mem = meter.memory.snapshot()  # host peak: this worker's samples at every step, both sides alike
-    if ours:  # the trainer's own run peak (max over its log windows), not the counters it reset
-        device_peak = trainer.final_measurements()["memory"]["max"]["device_peak_allocated_gib"]
+    # Our side's peaks, device and host, are the trainer's own training peaks (max over its log
+    # windows): its meter resets torch's peak counters and the kernel's VmHWM at every log, so
+    # this worker's tracker would see only the steps after the last one. TRL's side: the tracker.
+    if ours:
+        mem = trainer.final_measurements()["memory"]["max"]
         peak_source = "FinetuneTrainer run peak (max over its log windows)"
     else:
-        device_peak, peak_source = mem["device_peak_allocated_gib"], "worker tracker (reset at train begin)"
+        mem, peak_source = meter.memory.snapshot(), "worker tracker (reset at train begin)"
+    device_peak = mem["device_peak_allocated_gib"]
     steps = [s[0] for s in meter.steps]
     n = len(steps)
     trained, inputs, samples, positions, sum_sq = ([b[i] for b in batches[:n]] for i in range(5))
