@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                            allow_abbrev=False, epilog="other options: see `python -m finetune.planning.bench_comm --help`")
     bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
     bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
-    sub.add_parser("bench", add_help=False, help="this project vs a plain TRL SFTTrainer script, side by side "
+    sub.add_parser("bench", add_help=False, help="this project vs TRL's SFTTrainer (plain and tuned), side by side "
                    "(finetune bench --help)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":

@@ -22,6 +22,15 @@ METHODS = ("full", "lora", "qlora")
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
 
+def sdpa_list_problem(policy) -> str | None:
+    """What is wrong with `model.sdpa_backends` given as other than auto or torch_default (None:
+    a non-empty list of known backends). Torch-free: validation and finetune/modeling/attention.py."""
+    if isinstance(policy, list) and policy and all(b in SDPA_BACKENDS for b in policy):
+        return None
+    return f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of " \
+           f"{', '.join(SDPA_BACKENDS)}"
+
+
 @dataclass
 class ModelConfig:
     """Which model to fine-tune and how to load it."""

@@ -13,8 +13,8 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 from finetune import precision
-from finetune.config.sections import (SDPA_BACKENDS, SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_PRECISION_FLAGS,
-                                      TRAINING_RESERVED, Config, TrainingConfig)
+from finetune.config.sections import (SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_PRECISION_FLAGS,
+                                      TRAINING_RESERVED, Config, TrainingConfig, sdpa_list_problem)
 from finetune.errors import ConfigError
 
 
@@ -141,10 +141,8 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append(f"data.pad_to_multiple_of: must be >= 1 tokens or null, got {d.pad_to_multiple_of}")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
         p.append(f"training.loss_chunk_tokens: must be >= 1 or null, got {t.loss_chunk_tokens}")
-    sdpa = cfg.model.sdpa_backends
-    if isinstance(sdpa, list) and (not sdpa or any(b not in SDPA_BACKENDS for b in sdpa)):
-        p.append(f"model.sdpa_backends: got {sdpa!r}; allowed: auto, torch_default, or a non-empty list of "
-                 f"{', '.join(SDPA_BACKENDS)}")
+    if isinstance(cfg.model.sdpa_backends, list) and (problem := sdpa_list_problem(cfg.model.sdpa_backends)):
+        p.append(problem)
     if t.max_nonfinite_skips < 0:
         p.append(f"training.max_nonfinite_skips: must be >= 0, got {t.max_nonfinite_skips}")
     lr = t.args.get("learning_rate")

@@ -1,7 +1,7 @@
 """Preflight: every mistake that can be seen in the configs, found before any weights load.
 
     check_before_loading(cfg, state, setup=setup)   # finetune/training/run.py, right after PartialState
-    check_launch(launch_args)          # `finetune train`, before `accelerate launch` starts anything
+    check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
 
 With `--resume`, `check_launch` also takes the resume check (finetune/training/resume_plan.py
 preflight_problems, handed in by the CLI: training sits above this module): a checkpoint that

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from finetune.config.sections import SDPA_BACKENDS
+from finetune.config.sections import sdpa_list_problem
 
 # recipe name -> torch's flag name (torch.backends.cuda.enable_<flag>_sdp / <flag>_sdp_enabled)
 # and the torch.nn.attention.SDPBackend member.
@@ -39,9 +39,8 @@ def problems(policy, device_type: str | None = None) -> list[str]:
     if isinstance(policy, str):
         return [] if policy in POLICIES else [
             f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"]
-    if not isinstance(policy, list) or not policy or any(p not in SDPA_BACKENDS for p in policy):
-        return [f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of "
-                f"{', '.join(SDPA_BACKENDS)}"]
+    if problem := sdpa_list_problem(policy):
+        return [problem]
     if device_type == "cpu" and not set(policy) & set(CPU_USABLE):
         return [f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
                 f"{' and '.join(CPU_USABLE)})"]

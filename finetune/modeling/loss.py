@@ -41,7 +41,7 @@ from finetune.errors import ConfigError, UserError
 # the chunk size and what `auto` picks: pure arithmetic the planner reads too
 from finetune.modeling.loss_choice import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, auto_choice, chunk_tokens  # noqa: F401
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # finetune/data/render.py IGNORE_INDEX: the label that carries no loss (data sits beside modeling, not below it)
 LOSS_IMPLS = ("auto", "standard", "chunked", "liger")
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

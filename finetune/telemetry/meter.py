@@ -26,10 +26,10 @@ import torch
 
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.telemetry import formulas
-from finetune.telemetry.memory_peaks import MemoryTracker, host_rss
+from finetune.telemetry.memory_peaks import MemoryTracker
 from finetune.units import GIB
 
-__all__ = ["Meter", "MemoryTracker", "batch_counts", "host_rss", "mfu_inputs", "run_figures", "token_counts"]
+__all__ = ["Meter", "MemoryTracker", "batch_counts", "mfu_inputs", "run_figures", "token_counts"]
 
 
 def token_counts(input_ids: torch.Tensor, attention_mask, labels, real) -> tuple[torch.Tensor, torch.Tensor]:

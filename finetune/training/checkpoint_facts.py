@@ -94,12 +94,17 @@ def data_fingerprint(dataset) -> str:
     return hashlib.sha256((lengths.hexdigest() + values.hexdigest()).encode()).hexdigest()
 
 
+def layout(strategy: dict, batch: dict) -> dict:
+    """How a run was laid out, from run.json's `strategy` and `batch` sections: the facts a
+    checkpoint marker's `run` block and each `resumes` segment share (None where unknown)."""
+    return {"world_size": strategy.get("world_size"), "strategy": strategy.get("name"), "offload": strategy.get("offload"),
+            "per_device": batch.get("per_device"), "grad_accum": batch.get("grad_accum"), "effective": batch.get("effective")}
+
+
 def run_block(strategy: dict, batch: dict, lr: dict, static: dict) -> dict:
     """The marker's `run` block: the live strategy and batch (run.json sections) + static facts."""
-    return {"world_size": strategy["world_size"], "strategy": strategy["name"], "offload": strategy.get("offload"),
-            "zero_stage": strategy.get("zero_stage"), "fsdp_version": strategy.get("fsdp_version"),
-            "per_device": batch["per_device"], "grad_accum": batch["grad_accum"], "effective": batch["effective"],
-            "lr_applied": lr["applied"], **static}
+    return {**layout(strategy, batch), "zero_stage": strategy.get("zero_stage"),
+            "fsdp_version": strategy.get("fsdp_version"), "lr_applied": lr["applied"], **static}
 
 
 def static_facts(cfg, *, train_rows: int, fingerprint: str) -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, load
-from finetune.training import checkpoints
+from finetune.training import checkpoint_facts, checkpoints
 
 
 def first_segment(rec) -> None:
@@ -45,9 +45,7 @@ def first_segment(rec) -> None:
 
 
 def _layout(view) -> dict:
-    s, b = view.get("strategy", default={}), view.get("batch", default={})
-    return {"world_size": s.get("world_size"), "strategy": s.get("name"), "offload": s.get("offload"),
-            "per_device": b.get("per_device"), "grad_accum": b.get("grad_accum"), "effective": b.get("effective")}
+    return checkpoint_facts.layout(view.get("strategy", default={}), view.get("batch", default={}))
 
 
 def note_segment(rec, **fields) -> None:

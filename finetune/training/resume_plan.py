@@ -30,7 +30,7 @@ universal checkpoint (finetune/training/universal.py).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
@@ -261,10 +261,6 @@ def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
                         f"({d.get('train_rows')} rows, fingerprint {str(d.get('fingerprint'))[:12]}; now {rows} rows, "
                         f"{fingerprint[:12]}): the position resumed at would be meaningless. Resume with the same "
                         f"data and data settings, or start a new run")
-
-
-def as_dict(p: ResumePlan) -> dict:
-    return asdict(p)
 
 
 def locate(cfg, resume: str) -> tuple[str, Path, Path]:

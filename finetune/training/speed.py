@@ -25,6 +25,7 @@ import importlib.util
 
 import torch
 
+from finetune.data import pack
 from finetune.data.collate import FLASH_ATTENTION
 from finetune.modeling import attention
 from finetune.errors import ConfigError, UserError
@@ -101,7 +102,7 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -
     except md.PackageNotFoundError:
         liger_version = None
     return {
-        "layout": {"name": name, "packing_algorithm": "best_fit_decreasing" if d.packing else None,
+        "layout": {"name": name, "packing_algorithm": pack.ALGORITHM if d.packing else None,
                    "pad_to_multiple_of": d.pad_to_multiple_of},
         # compact skips unlabelled positions with a data-dependent shape, which torch.compile does not trace
         "loss_impl": loss_record | {"compact": loss_record["compact"] and not args.torch_compile},
