@@ -127,7 +127,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
         "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
         "trained_tokens_per_s": r["trained_tokens_per_s"], "input_tokens_per_s": input_tps,
         "median_step_s": r["median_step_s"],
-        "mfu": formulas.mfu(input_tps, flops, peak[1] if peak else None) if input_tps else None,
+        "mfu": formulas.mfu(total_flops, r["seconds"], peak[1] if peak else None),
         "flops_per_token": flops, "flops_convention": convention, "peak_device": peak[0] if peak else None,
         "device_peak_allocated_gib": device_peak, "device_peak_source": peak_source,
         "host_peak_rss_gib": mem["host_peak_rss_gib"], "attention": attention_record,

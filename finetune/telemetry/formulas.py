@@ -82,13 +82,15 @@ def device_peak() -> tuple[str, float] | None:
     return peak_flops(torch.cuda.get_device_name(0), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def mfu(input_tokens_per_s: float, flops_per_token: float | None, peak: float | None, devices: int = 1) -> float | None:
-    """Model FLOPs utilization: achieved model FLOP/s / (peak dense FLOP/s x devices). Model FLOPs
-    are spent on every input token (prompt positions too), so it takes input tokens/s. None
-    without a FLOPs figure or a device peak."""
-    if not flops_per_token or not peak:
+def mfu(model_flops: float | None, seconds: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilization: the model FLOPs of a stretch of steps (finetune/telemetry/model_flops.py:
+    every input token, prompt positions too, with each example's own attention length) / (its
+    step-clock seconds x peak dense FLOP/s x devices). None without a FLOPs figure, a device peak
+    or measured time. The one definition: log windows (meter.py) and `finetune bench` call it;
+    `throughput` below sums it over stretches of different world sizes (FLOPs / peak per stretch)."""
+    if not model_flops or not peak or seconds <= 0:
         return None
-    return input_tokens_per_s * flops_per_token / (peak * devices)
+    return model_flops / (seconds * peak * devices)
 
 
 def max_over_ranks(per_rank: list[dict]) -> dict:

@@ -193,8 +193,9 @@ class Meter:
             logs["perf/trained_tokens_per_s_per_device"] = round(n_trained / seconds / n, 2)
             logs["perf/input_tokens_per_s"] = round(n_input / seconds, 2)
             logs["perf/samples_per_s"] = round(n_examples / seconds, 3)
-            if self.model_flops is not None and self.peak_flops:
-                mfu = self.model_flops.flops(n_input, sum_sq) / seconds / (self.peak_flops * n)
+            if self.model_flops is not None:
+                mfu = formulas.mfu(self.model_flops.flops(n_input, sum_sq), seconds, self.peak_flops, n)
+            if mfu is not None:
                 logs["perf/mfu"] = round(mfu, 4)
         for key, value in peaks.items():
             if value is not None:

@@ -139,7 +139,10 @@ def test_rates_exclude_warmup_and_mfu_needs_a_peak():
     assert r["trained_tokens_per_s"] == 40 / 4 and r["input_tokens_per_s"] == 80 / 4 and r["median_step_s"] == 2.0
     assert formulas.rates([2.0], [1], [1], [1], warmup=1)["excluded"] == 0  # no more steps than the warm-up
     assert formulas.rates([0.0], [1], [1], [1], warmup=0)["trained_tokens_per_s"] is None
-    assert formulas.mfu(20.0, 1e3, None) is None and formulas.mfu(20.0, 1e3, 1e5, devices=2) == 20 * 1e3 / 2e5
+    # 2e4 model FLOPs in 1 s on 2 devices of 1e5 FLOP/s peak: 10%; no peak, no FLOPs or no time: no MFU
+    assert formulas.mfu(2e4, 1.0, 1e5, devices=2) == pytest.approx(0.1)
+    assert formulas.mfu(2e4, 1.0, None) is None and formulas.mfu(None, 1.0, 1e5) is None
+    assert formulas.mfu(2e4, 0.0, 1e5) is None
 
 
 def test_run_peak_survives_the_per_log_resets(monkeypatch):
