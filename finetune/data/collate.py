@@ -18,16 +18,13 @@ from collections.abc import Callable
 import torch
 
 from finetune.data.render import IGNORE_INDEX
+from finetune.data.rows import round_up
 
 FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 # A packed batch has no attention mask, so the trainer cannot tell the padding at the end of a
 # shorter row from real tokens; the collator states each row's real token count under this key
 # and FinetuneTrainer takes it out of the batch before the forward pass.
 REAL_TOKENS_KEY = "num_real_input_tokens"
-
-
-def round_up(n: int, multiple: int | None) -> int:
-    return n if not multiple else -(-n // multiple) * multiple
 
 
 def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from finetune.data.rows import longest_row
 from finetune.modeling import loss_choice
 from finetune.planning import host as host_mem
 from finetune.planning import memory
@@ -137,12 +138,15 @@ def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | 
     if gradient_checkpointing is None:
         gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
     m, d, t = cfg.method, cfg.data, cfg.training
+    micro_batch = int(targs.get("per_device_train_batch_size", 8))
+    # the longest row a batch can have: data.pad_to_multiple_of rounds it up (finetune/data/rows.py)
+    seq_len = longest_row(micro_batch, seq_len or d.max_length, d)
     if loss_impl is None:
         loss_impl = getattr(t, "loss_impl", "standard")  # "auto": resolved per method (memory.resolve_loss)
     layout = "padding_free" if getattr(d, "padding_free", False) else ("packed" if d.packing else "padded")
     optim = str(targs.get("optim", "adamw_torch_fused"))
-    return Workload(method=m.name, micro_batch=int(targs.get("per_device_train_batch_size", 8)),
-                    seq_len=seq_len or d.max_length, grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
+    return Workload(method=m.name, micro_batch=micro_batch,
+                    seq_len=seq_len, grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
                     gradient_checkpointing=gradient_checkpointing, precision=precision, lora_r=m.lora_r,
                     lora_targets=m.target_modules, lora_dropout=m.lora_dropout, double_quant=m.double_quant,
                     attn_implementation=cfg.model.attn_implementation, layout=layout, masked=masked,
@@ -163,7 +167,8 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, p
     if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         seq_len = min(max(lengths), cfg.data.max_length)
-        masked = min(lengths) < seq_len
+        rows = int(cfg.training.args.get("per_device_train_batch_size", 8))
+        masked = min(lengths) < longest_row(rows, seq_len, cfg.data)  # bucketing pads equal lengths too
         source = "longest tokenized training example (data.max_length caps it)"
     speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # issue 14's record, when present
     on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")

@@ -183,7 +183,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
                           cfg.training.lr_reference_batch_size)
     args.learning_rate = lr["applied"]  # the optimizer is built from this value
 
-    from finetune.data import collate
+    from finetune.data import collate, rows as data_rows
     from finetune.modeling import attention
     from finetune.modeling import loss as loss_lib
 
@@ -213,7 +213,8 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     loss_lib.install(model, cfg.training.loss_impl, chunk=cfg.training.loss_chunk_tokens,
                      label_smoothing=args.label_smoothing_factor, use_liger_kernel=args.use_liger_kernel,
                      device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-                     tokens=args.per_device_train_batch_size * cfg.data.max_length)  # a micro-batch's most tokens
+                     tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
+                     * data_rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data))
     trainable, total = model_lib.count_parameters(model)
 
     def evaluate(stage: str) -> dict:
