@@ -215,8 +215,11 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
     from finetune.training import signals
 
-    # What SIGINT was before: Python's default_int_handler in a terminal, SIG_IGN when the suite
-    # runs as a background job of a non-interactive shell (POSIX ignores SIGINT for those).
+    # Undo what an earlier test left installed (a ResilientTrainer built in this process installs
+    # the handlers; only a finished train() restores them), then take what SIGINT was before:
+    # Python's default_int_handler in a terminal, SIG_IGN when the suite runs as a background job
+    # of a non-interactive shell (POSIX ignores SIGINT for those).
+    signals.restore_signal_handlers()
     before = signal.getsignal(signal.SIGINT)
     signals.received.clear()
     signals.install_signal_handlers()
