@@ -52,16 +52,31 @@ def close_process_group_at_exit(state) -> list:
     import atexit
 
     finished: list = []
-
-    def close() -> None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        if finished and state.num_processes > 1:
-            state.wait_for_everyone()  # a barrier on this rank's own device (NCCL) or gloo's
-        if finished or dist.get_backend() == "gloo":
-            state.destroy_process_group()
-
-    atexit.register(close)
+    atexit.register(close_process_group, state, finished)
     return finished
+
+
+def close_process_group(state, finished: list) -> None:
+    """What the atexit hook above does: after a clean end (`finished` not empty) a barrier, then
+    destroy; after an error destroy only a group that cannot have NCCL work in flight."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if finished and state.num_processes > 1:
+        state.wait_for_everyone()  # a barrier on this rank's own device (NCCL) or gloo's
+    if finished or not _may_use_nccl(dist):
+        state.destroy_process_group()
+
+
+def _may_use_nccl(dist) -> bool:
+    """Whether the default group can have NCCL work in flight. Deciding by `get_backend() == "gloo"`
+    missed a group initialised without a backend, as Accelerate does for a launch it leaves
+    undistributed (DistributedType.NO under a 2-process launcher, which preflight refuses): its
+    backend reads "undefined" while its config is "cpu:gloo" (torch 2.13 CPU). It was never
+    destroyed, its gloo workers outlived atexit, and 1 of 22 such refusals aborted at exit (core
+    dump: the same ~AsyncAllgatherWork -> take_gil -> std::terminate as above, after preflight's
+    all_gather_object). Destroyed, its 3 gloo threads are joined before the interpreter finalizes."""
+    import torch
+
+    return "nccl" in str(dist.get_backend_config()) and torch.cuda.is_available()
