@@ -45,8 +45,9 @@ def close_process_group_at_exit(state) -> list:
     interpreter is finalizing, the thread is forced to exit inside a noexcept destructor and the
     process aborts (core dump read in gdb: ~AsyncAllgatherWork -> THPVariable_clear -> take_gil
     -> PyThread_exit_thread -> std::terminate, rank 1 of a ZeRO-3 run that exited right after its
-    last all-gather, while rank 0 was still printing the summary). gloo's barrier waits for every collective queued or running before it,
-    and while a rank waits there for the others the workers take the GIL and let go. Measured
+    last all-gather, while rank 0 was still printing the summary). gloo's barrier waits for every
+    collective queued or running before it, and while a rank waits there for the others the
+    workers take the GIL and let go. Measured
     (2 ranks, ZeRO-3 LoRA, tiny Llama, 5 steps, CPU): 3 of 24 launches aborted without it, 0 of 30
     with it."""
     import atexit

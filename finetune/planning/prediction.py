@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from finetune.config.sections import TRAINING_DEFAULTS
 from finetune.data.rows import longest_row
 from finetune.modeling import loss_choice
 from finetune.planning import host as host_mem
@@ -128,6 +129,11 @@ def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib
     return predicted
 
 
+def micro_batch_of(cfg) -> int:
+    """The recipe's per-device micro-batch (rows), Trainer's default where the recipe has none."""
+    return int(cfg.training.args.get("per_device_train_batch_size", TRAINING_DEFAULTS["per_device_train_batch_size"]))
+
+
 def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | None = None,
                          seq_len: int | None = None, masked: bool = False, loss_impl: str | None = None,
                          loss_chunk_tokens: int | None = None) -> Workload:
@@ -138,7 +144,7 @@ def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | 
     if gradient_checkpointing is None:
         gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
     m, d, t = cfg.method, cfg.data, cfg.training
-    micro_batch = int(targs.get("per_device_train_batch_size", 8))
+    micro_batch = micro_batch_of(cfg)
     # the longest row a batch can have: data.pad_to_multiple_of rounds it up (finetune/data/rows.py)
     seq_len = longest_row(micro_batch, seq_len or d.max_length, d)
     if loss_impl is None:
@@ -167,8 +173,7 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, p
     if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         seq_len = min(max(lengths), cfg.data.max_length)
-        rows = int(cfg.training.args.get("per_device_train_batch_size", 8))
-        masked = min(lengths) < longest_row(rows, seq_len, cfg.data)  # bucketing pads equal lengths too
+        masked = min(lengths) < longest_row(micro_batch_of(cfg), seq_len, cfg.data)  # bucketing pads equal lengths too
         source = "longest tokenized training example (data.max_length caps it)"
     speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # issue 14's record, when present
     on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")

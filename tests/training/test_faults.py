@@ -124,7 +124,6 @@ def test_fault_injection_spec_is_parsed_or_refused(monkeypatch):
     faults.faults.cache_clear()
 
 
-
 def test_a_pause_holds_only_its_rank_and_step_open_then_returns(monkeypatch):
     """The external-SIGTERM test (tests/training/test_strategies.py) relies on this window."""
     slept = []
