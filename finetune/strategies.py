@@ -21,7 +21,7 @@ with its own config, HSDP, ...) is a new row here plus its shipped files:
 One source of truth for both ways of launching a row: `accelerate_config(row, cpu=...)` is what the
 shipped accelerate config (or its CPU variant) holds, and `trainer_arguments(row, root)` is what the
 script passes to TrainingArguments when it sets the row up itself (no launcher config:
-finetune/launch/setup.py): the same DeepSpeed JSON, the same FSDP settings.
+finetune/launch/strategy_setup.py): the same DeepSpeed JSON, the same FSDP settings.
 
 Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
 name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
@@ -178,7 +178,7 @@ def by_recipe(name: str, offload: str) -> Strategy | None:
 
 def trainer_arguments(row: Strategy, root: Path) -> dict:
     """What the script passes to TrainingArguments to engage `row` itself, when no launcher config
-    set a strategy up (finetune/launch/setup.py): the same DeepSpeed JSON the row's accelerate
+    set a strategy up (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate
     config names (absolute: `root` is the resources root), or the row's FSDP settings. DDP and a
     single device need nothing beyond the processes."""
     if row.zero_stage is not None:
@@ -196,7 +196,7 @@ def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
             raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
         return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_machines": 1,
                 "num_processes": 1, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False,
-                "gpu_ids": "0"}  # one GPU visible: never nn.DataParallel (finetune/launch/data_parallel.py)
+                "gpu_ids": "0"}  # one GPU visible: never nn.DataParallel (finetune/preflight/devices.py)
     out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
     if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
         out["deepspeed_config"] = {"deepspeed_config_file": row.deepspeed_config,

@@ -52,7 +52,7 @@ def test_deepspeed_config_offloads_only_when_named_so(path):
     assert cfg["bf16"]["enabled"] == "auto" and cfg["fp16"]["enabled"] == "auto"
     # Trainer builds torch's AdamW and the schedule from TrainingArguments. An optimizer section with
     # lr "auto" would differ between the routes: in-script, TrainingArguments(deepspeed=...) fills it
-    # before finetune/training/run.py applies the LR scaling (finetune/launch/setup.py).
+    # before finetune/training/run.py applies the LR scaling (finetune/launch/strategy_setup.py).
     assert "optimizer" not in cfg and "scheduler" not in cfg, path.name
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is True

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from finetune import resources, strategies
-from finetune.launch.facts import from_config_file
+from finetune.launch.configs import from_config_file
 
 ROWS = list(strategies.STRATEGIES)
 SHIPPED = [s for s in ROWS if s.launchable]

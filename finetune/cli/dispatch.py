@@ -17,7 +17,7 @@ import os
 
 from finetune.errors import exit_on_user_error
 from finetune.launch import accelerate as launcher
-from finetune.launch.script_args import TRAIN_EPILOG
+from finetune.cli.args import TRAIN_EPILOG
 
 
 @launcher.restores_environment
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         launch_args = launcher.launch_command(args.recipe, rest, args.config_file, args.num_processes,
                                               cpu=args.cpu, overwrite=args.overwrite, resume=args.resume)
-        from finetune.launch import preflight
-        from finetune.training import resume_plan
+        from finetune import preflight
+        from finetune.checkpointing import resume_plan
 
         os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
         # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts

@@ -158,7 +158,7 @@ class TrainingConfig:
     lr_reference_batch_size: Optional[int] = None  # required by linear/sqrt; with none, unused
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
-    # A non-finite loss or gradient norm on any rank (finetune/training/guards.py, docs/faults.md):
+    # A non-finite loss or gradient norm on any rank (finetune/training/trainer.py, docs/faults.md):
     # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"

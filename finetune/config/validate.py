@@ -148,7 +148,7 @@ def _cross_checks(cfg: Config) -> list[str]:
     lr = t.args.get("learning_rate")
     if isinstance(lr, (int, float)) and lr <= 0:
         p.append(f"training.learning_rate: must be > 0, got {lr}")
-    if t.precision != "auto":  # auto is checked where the device is known (finetune/launch/preflight.py)
+    if t.precision != "auto":  # auto is checked where the device is known (finetune/preflight/checks.py)
         p += precision.config_problems(precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name,
                                        compute_dtype=m.compute_dtype)
     if not all(isinstance(x, str) for x in cfg.logging.report_to):

@@ -2,7 +2,7 @@
 
     bundle = build_datasets(cfg.data, tokenizer, seed=42)   # DataBundle(train, eval, stats)
 
-`check_head` is preflight's look at the first rows (finetune/launch/preflight.py), with the
+`check_head` is preflight's look at the first rows (finetune/preflight/checks.py), with the
 same messages `build_datasets` would give. Tokenized examples can be cached across runs
 (finetune/data/cache.py); the split and packing run after the cache (they depend on the seed
 and are cheap).

@@ -66,7 +66,7 @@ def _absolute_deepspeed_config(config: Path) -> list[str]:
     """Configs name their DeepSpeed JSON relative to the resources root (the repository's top
     level); pass it absolute so `finetune train` works from any directory (accelerate's command
     line beats the file)."""
-    from finetune.launch.facts import read_yaml
+    from finetune.launch.configs import read_yaml
 
     ds = read_yaml(config).get("deepspeed_config") or {}
     ds_file = ds.get("deepspeed_config_file")

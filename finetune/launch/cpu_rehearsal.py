@@ -20,7 +20,7 @@ of accelerate_configs/cpu/*.yaml:
         finetune/train.py --recipe fsdp
 
 (A recipe that sets up its strategy itself with ONE process on a machine without CUDA joins gloo
-without the variable: there are no lone processes to guard against; finetune/launch/setup.py.)
+without the variable: there are no lone processes to guard against; finetune/launch/strategy_setup.py.)
 
 It then (1) makes every process join the gloo group (`PartialState(cpu=True)` and
 TrainingArguments.use_cpu=True) and (2) applies Accelerate's own FSDP branch when it was skipped
@@ -47,7 +47,7 @@ def requested() -> bool:
 def training_overrides(targs: dict, active: bool | None = None) -> dict:
     """TrainingArguments values for a CPU distributed run: use_cpu makes Trainer's PartialState
     join the gloo group instead of falling back to one process per rank. `active`: this run joins
-    gloo (finetune/launch/setup.py decides it, the opt-in included); None: the opt-in alone."""
+    gloo (finetune/launch/strategy_setup.py decides it, the opt-in included); None: the opt-in alone."""
     if not (requested() if active is None else active):
         return targs
     _keep_fsdp_on_cpu()

@@ -78,7 +78,7 @@ def exists_message(path: Path, name_given_by: str = "--run.name") -> str:
     lines = [f"run directory {path} already exists; nothing was changed. Retry with the same command and one of:",
              f"    {other}   (a new run directory)",
              f"    --overwrite   (deletes {path} and everything in it first)"]
-    if steps:  # --resume picks the newest complete one (finetune/training/checkpoints.py)
+    if steps:  # --resume picks the newest complete one (finetune/checkpointing/checkpoints.py)
         lines.append(f"    --resume   (continues this run from its newest complete checkpoint, up to "
                      f"checkpoint-{max(steps)})")
     return "\n".join(lines)

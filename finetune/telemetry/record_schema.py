@@ -70,7 +70,7 @@ class Evidence(TypedDict, total=False):
 
 
 class Setup(TypedDict):
-    """Who set the strategy up and how (finetune/launch/setup.py)."""
+    """Who set the strategy up and how (finetune/launch/strategy_setup.py)."""
     launcher: str  # accelerate launch | torchrun | python | finetune train | unknown
     config_file: str | None  # the accelerate config the launcher read
     config_from: str | None  # --config_file | default config | finetune train
@@ -245,7 +245,7 @@ class Position(TypedDict):
 
 
 # One segment of a run: the first start (step 0) or a resume. The first seven keys are always
-# there; the resume-only keys from `previous_status` on (finetune/training/resume.py).
+# there; the resume-only keys from `previous_status` on (finetune/checkpointing/resume.py).
 Segment = TypedDict("Segment", {
     "step": int, "from": str | None, "at": str | None, "world_size": int | None, "strategy": str | None,
     "offload": str | None, "per_device": int | None, "grad_accum": int | None, "effective": int | None,

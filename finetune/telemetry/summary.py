@@ -64,7 +64,7 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
 
 
 def _set_up_by(value: str | None) -> str:
-    """How the strategy was set up (finetune/launch/setup.py), in words."""
+    """How the strategy was set up (finetune/launch/strategy_setup.py), in words."""
     words = {"recipe": "set up by the recipe", "launcher-config": "set up by the accelerate config",
              "launcher-processes": "as the launcher's processes gave it"}
     return f", {words.get(value, value)}" if value else ""

@@ -3,7 +3,7 @@ and throughput cover every segment, not only the last launch.
 
 What each launch knows: its own per-step measurements (finetune/telemetry/meter.py), and the
 `steps` entries the earlier segments logged, kept up to the checkpoint's step on resume
-(finetune/training/resume.py). Every launch ends its steps[] with the steps after its last log
+(finetune/checkpointing/resume.py). Every launch ends its steps[] with the steps after its last log
 (a tail entry), so a segment that ended at a checkpoint (preemption, completion) is covered to
 its last step. A segment that crashed and is resumed from an older checkpoint can leave steps
 between its last kept log and the checkpoint uncounted: `summary.steps_counted` says how many

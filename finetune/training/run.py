@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
-from finetune.launch.script_args import parse_train_args
+from finetune.cli.args import parse_train_args
 
 log = logging.getLogger("finetune")
 
@@ -32,14 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     from finetune.data import demo
-    from finetune.launch import preflight, rundir
-    from finetune.launch import setup as launch_setup
+    from finetune.launch import rundir
+    from finetune.preflight import checks as preflight
+    from finetune.launch import strategy_setup as launch_setup
     from finetune.launch.ranks import close_process_group_at_exit, run_on_main
     from finetune.telemetry import record
-    from finetune.training import resume
+    from finetune.checkpointing import resume
 
     # Who sets up the strategy: the launcher's accelerate config, or the recipe from inside this
-    # script (finetune/launch/setup.py); the latter prepares the environment before PartialState.
+    # script (finetune/launch/strategy_setup.py); the latter prepares the environment before PartialState.
     setup = launch_setup.detect(cfg)
     launch_setup.prepare(setup)
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     finished = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     plan = None
     if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
-        from finetune.training import resume_plan
+        from finetune.checkpointing import resume_plan
 
         facts = preflight.launch_facts(state, setup)  # what this launch sets up (launcher config or recipe)
         name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, facts, args.resume, overrides))
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every rank must agree on the run directory; rank 0 names and creates it.
     def make_run_dir():
-        if plan:  # the run directory is reused as it is (finetune/training/resume.py)
+        if plan:  # the run directory is reused as it is (finetune/checkpointing/resume.py)
             planned_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
             return name, str(planned_dir), plan.checkpoint
         name_ = cfg.run.name or rundir.default_run_name(cfg.recipe)
@@ -107,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.eval.heldout_path == "demo":
             cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
 
-    from finetune.training.guards import NonFiniteError
+    from finetune.training.trainer import NonFiniteError
     from finetune.training.signals import install_signal_handlers
 
-    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
+    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
         code = _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
         finished.append(True)  # every rank returns here together (completed or preempted)
@@ -142,7 +143,9 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     from finetune.modeling import export, zero3
     from finetune.modeling import load as model_lib
     from finetune.telemetry import meter, wandb_logging
-    from finetune.training import batch, checkpoint_facts, engaged, evaluation, resume, universal
+    from finetune import batch
+    from finetune.checkpointing import provenance as checkpoint_facts, resume, universal
+    from finetune.training import engaged_strategy as engaged, evaluation
 
     t0 = time.perf_counter()
     targs = cpu_rehearsal.training_overrides(dict(cfg.training.args), active=setup.cpu_gloo is not None)
@@ -151,7 +154,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     targs.update(setup.trainer_arguments)
     # The precision policy (finetune/precision.py, docs/precision.md), `auto` resolved as preflight did,
     # for the strategy this process sets up (the launcher's config or the recipe's row).
-    from finetune.launch import precision_checks, preflight
+    from finetune.preflight import checks as preflight, precision as precision_checks
     from finetune.training import precision_live
 
     facts = preflight.launch_facts(state, setup)
@@ -159,7 +162,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     targs.update(policy.training_args(family))
     if (targs["bf16"] or targs["fp16"]) and not precision_checks.runs_on_cuda(cfg, facts):
         targs["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
-    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/training/checkpoints.py
+    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/checkpointing/checkpoints.py
     # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
     gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
         targs.pop("activation_checkpointing", False))
@@ -194,7 +197,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
     fingerprint = checkpoint_facts.data_fingerprint(bundle.train)  # the rows, in order (checkpoint markers)
     if plan:  # the same rows as the checkpoint's, before the model loads
-        from finetune.training.resume_plan import check_data
+        from finetune.checkpointing.resume_plan import check_data
 
         check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
         commit()  # the continued record replaces run.json from here on
@@ -228,7 +231,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
                      result["correct"], result["total"])
         return result
 
-    from finetune.training.guards import ResilientTrainer
+    from finetune.training.trainer import ResilientTrainer
 
     trainer = ResilientTrainer(
         model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
@@ -236,7 +239,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         processing_class=tokenizer, record=rec, **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
-    trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: training/rng.py
+    trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: finetune/checkpointing/rng.py
     if universal_dir:
         universal.enable_loading(trainer)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name, setup=setup)
@@ -289,9 +292,9 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     if heldout_rows is not None and cfg.eval.before:
         with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
             results["before"] = evaluate("before")
-    if plan:  # never saved into by this run: finetune/training/checkpoints.py move_aside_newer
+    if plan:  # never saved into by this run: finetune/checkpointing/checkpoints.py move_aside_newer
         from finetune.launch.ranks import run_on_main
-        from finetune.training import checkpoints
+        from finetune.checkpointing import checkpoints
 
         moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, plan.step))
         if rec:
@@ -317,8 +320,6 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         rec.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
                    wall_s=round(time.perf_counter() - t0, 2), status="completed",
                    nonfinite_skipped=trainer.skipped_steps)
-        from finetune.training.run_figures import record_figures
-
         record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
         if results:
             rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
@@ -336,7 +337,7 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
 
 def _preempted(trainer, rec, run_dir: Path, effective: int) -> int:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
-    from finetune.training import resume
+    from finetune.checkpointing import resume
 
     p = trainer.resilience.preempted
     ckpt = trainer.resilience.last_complete
@@ -359,3 +360,35 @@ def _setup_logging(level: str, main_process: bool) -> None:
                         level=getattr(logging, level.upper()) if main_process else logging.WARNING)
     transformers.logging.set_verbosity_warning()
 
+
+def record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
+    """Summary totals, memory, throughput and the prediction's error of a run whose training
+    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
+    computed is null with the reason in the record; the run stays completed (its training did)."""
+    from finetune.planning import prediction
+    from finetune.telemetry import formulas, meter, model_flops, totals
+
+    view = rec.view
+    warmup = cfg.training.throughput_warmup_steps
+    try:
+        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
+        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
+        summary, stretches, excluded = totals.whole_run(
+            earlier, starts, warmup=warmup, steps=len(measured["step_s"]), trained=sum(measured["trained_tokens"]),
+            inputs=sum(measured["input_tokens"]), train_loss=train_loss)
+        rec.update("summary", **summary)
+        flops, reason = model_flops.from_model(model, cfg.method.name)
+        figures = meter.run_figures(measured, hardware=view.get("hardware"), model_flops=flops, flops_reason=reason,
+                                    world_size=world, warmup=warmup, earlier=stretches, earlier_excluded=excluded)
+    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
+        log.exception("run figures could not be computed; they are null in run.json, with the error")
+        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
+        rec.set("memory", None)
+        rec.set("throughput", {**formulas.throughput([], excluded=0), "flops_convention": None, "flops_per_token": None,
+                               "peak_device": None, "scope": meter.SCOPE,
+                               "mfu_note": f"figures not computed: {type(e).__name__}: {e}"})
+        return
+    rec.set("memory", figures["memory"])
+    rec.set("throughput", figures["throughput"])
+    rec.update("batch", **figures["batch"])
+    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])

@@ -104,8 +104,8 @@ def _resume(launch: list[str], *, model_sha: str | None = None, strategy: str = 
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
     `--resume` of it."""
     def setup(ws: Path) -> list[str]:
-        from finetune.training import checkpoints
-        from finetune.training.checkpoint_facts import model_identity
+        from finetune.checkpointing import checkpoints
+        from finetune.checkpointing.provenance import model_identity
 
         model = os.environ["FINETUNE_TABLE_MODEL"]
         identity = model_identity(type("M", (), {"name_or_path": model, "revision": None})())
@@ -290,7 +290,7 @@ NOT_ERRORS = [
      "accelerate config / CUDA_VISIBLE_DEVICES",
      ("preflight refuses it, exit 2: 'one process (distributed type NO) with 2 CUDA devices visible ... Trainer would "
       "wrap the model in torch.nn.DataParallel ... Pin one device: CUDA_VISIBLE_DEVICES=0 ... or train on all of them "
-      "with DDP' (needs two GPUs; tests/launch/test_preflight.py::"
+      "with DDP' (needs two GPUs; tests/preflight/test_preflight.py::"
       "test_one_process_with_two_visible_gpus_is_refused_before_dataparallel makes two visible)")),
     ("2-process GPU launch on a machine without a GPU, straight through accelerate launch", "accelerate launch",
      ("each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
@@ -306,11 +306,11 @@ NOT_ERRORS = [
     ("a strategy recipe under the user's accelerate default config of another strategy", "accelerate launch",
      ("each rank exits 2: '... but your accelerate default config <path> (read by every `accelerate launch` without "
       "--config_file or --cpu) sets up 'ddp' ...', with the --config_file line and how to move the default config "
-      "aside (tests/launch/test_preflight.py::test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_"
+      "aside (tests/preflight/test_preflight.py::test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_"
       "default_config)")),
     ("`accelerate launch --num_processes 2` without GPUs or a config file", "accelerate launch",
      ("the rank exits 2: 'accelerate launch --num_processes 2 started 1 process(es) ...' with the torchrun line "
-      "(tests/launch/test_preflight.py::test_accelerate_launch_num_processes_that_started_one_process_is_refused)")),
+      "(tests/preflight/test_preflight.py::test_accelerate_launch_num_processes_that_started_one_process_is_refused)")),
 ]
 
 

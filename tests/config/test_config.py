@@ -196,7 +196,7 @@ def test_lr_scaling_without_a_reference_batch_is_an_error_naming_both_keys(rule)
     cfg = build_config({"training": {"lr_scaling": rule, "lr_reference_batch_size": 4}})  # with one: fine
     assert cfg.training.lr_reference_batch_size == 4
     assert build_config({"training": {"lr_scaling": "none"}}).training.lr_reference_batch_size is None
-    from finetune.training import batch
+    from finetune import batch
 
     with pytest.raises(ValueError, match="needs a reference batch"):
         batch.lr_scaling(1e-3, rule, 8, None)

@@ -1,4 +1,4 @@
-"""Who sets up the strategy (finetune/launch/setup.py) and what started the process
+"""Who sets up the strategy (finetune/launch/strategy_setup.py) and what started the process
 (finetune/launch/launcher.py), on made-up command lines and environments: no process is launched.
 
 The command lines are the ones seen from real ranks (research note 18 §1.4, and the launches in
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from finetune import resources
-from finetune.launch import launcher, setup
+from finetune.launch import launcher
+from finetune.launch import strategy_setup as setup
 from finetune.launch.launcher import Launcher
 
 SCRIPT = "finetune/train.py"

@@ -1,5 +1,5 @@
 """Whole-run totals of a resumed run (finetune/telemetry/totals.py and the record assembly in
-finetune/training/run_figures.py): an earlier segment's kept steps[] entries plus this launch's steps,
+finetune/training/run.py): an earlier segment's kept steps[] entries plus this launch's steps,
 with every expected value worked out here by hand."""
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ def test_not_resumed_means_no_earlier_entries():
 
 
 def test_the_record_of_a_resumed_run_is_whole_run(tmp_path, tiny_model_dir):
-    """The record assembly (finetune/training/run_figures.py) on a record continued from checkpoint-3: the
+    """The record assembly (finetune/training/run.py) on a record continued from checkpoint-3: the
     summary and throughput cover steps 1-5, and say what throughput covers."""
     from transformers import AutoModelForCausalLM
 
     from finetune.telemetry.record import RunRecord
-    from finetune.training import run_figures as run
+    from finetune.training import run
 
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
     rec.set("steps", EARLIER + [_entry(4, 0.6, 15, 25, 9.0), _entry(5, 0.4, 15, 25, 1.0)])  # this launch's logs too
@@ -95,7 +95,7 @@ def test_a_figure_error_after_training_leaves_the_run_completed_with_the_reason(
 
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.summary import print_summary
-    from finetune.training import run_figures as run
+    from finetune.training import run
 
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
     rec.update("summary", status="completed", steps=2, wall_s=3.0, train_s=2.0)

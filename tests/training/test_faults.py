@@ -3,7 +3,7 @@
 Resume equality under every strategy and SIGTERM preemption are in tests/training/test_strategies.py
 (they compare against that module's uninterrupted runs). The launches here go through
 `finetune train` (finetune/cli/dispatch.py), the command users run, so the exit codes are the ones a
-scheduler sees. Fault injection: finetune/training/faults.py.
+scheduler sees. Fault injection: finetune/training/fault_injection.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import EXIT_NONFINITE, UserError
-from finetune.training import checkpoints, faults, resume
+from finetune.checkpointing import checkpoints, resume
+from finetune.training import fault_injection as faults
 from tests.conftest import REPO, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
@@ -105,7 +106,7 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
         assert got.get("created") == old.view.get("created")
         rec.write()
     from finetune.config.recipe import load_recipe
-    from finetune.training import resume_plan
+    from finetune.checkpointing import resume_plan
 
     cfg = load_recipe("ddp", [f"--run.output_dir={tmp_path}"])[0]
     cfg.run.overwrite = True
@@ -240,7 +241,7 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
 def test_finetune_train_passes_resume_through_to_train_py():
     from finetune.launch.accelerate import launch_command
-    from finetune.launch.script_args import parse_train_args
+    from finetune.cli.args import parse_train_args
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
     path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")

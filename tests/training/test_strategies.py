@@ -403,7 +403,7 @@ def _rank_exit_codes(stderr: str) -> set[int]:
 
 
 def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
-    """Recipe zero3 under the DDP config: preflight (finetune/launch/preflight.py) exits 2 with the right launch
+    """Recipe zero3 under the DDP config: preflight (finetune/preflight/checks.py) exits 2 with the right launch
     line before the model loads or the run directory exists. (torchrun reports each rank's exit code;
     `accelerate launch` itself always exits 1 on a failed child.) The engaged-strategy check after the
     model loads stays as the proof of what engaged: test_offload_mismatch_is_refused_with_the_launch_line."""
@@ -425,7 +425,7 @@ def test_fsdp_without_cpu_opt_in_is_refused_not_downgraded(tmp_path, tiny_model_
     assert "FINETUNE_CPU_DISTRIBUTED=1" in run.stderr and "would train alone" in run.stderr, run.explain()
 
 
-# The shipped files: tests/test_shipped_files.py; the decision from evidence: tests/training/test_engaged.py.
+# The shipped files: tests/test_shipped_files.py; the decision from evidence: tests/training/test_engaged_strategy.py.
 
 
 # --- resume (docs/faults.md) ----------------------------------------------------------------
@@ -465,7 +465,7 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
           f"(1-{from_step} before the interruption): {worst:.2e}")
 
 
-# --- resume under another number of processes (docs/faults.md, finetune/training/resume_plan.py) ------
+# --- resume under another number of processes (docs/faults.md, finetune/checkpointing/resume_plan.py) ------
 # Each strategy's uninterrupted 2-rank run (above) is copied, its newest checkpoint (5) torn, and
 # resumed in two segments: (A) `--resume` on ONE process skips the torn checkpoint-5, continues
 # checkpoint-3 (effective batch 8 kept: accumulation recomputed 1 -> 2) and is preempted by a
@@ -548,7 +548,7 @@ def _segments(rec: dict) -> list[tuple]:
 
 @pytest.mark.parametrize("name", list(RESHARDED))
 def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losses(runs, resumed, name):
-    from finetune.training import checkpoints
+    from finetune.checkpointing import checkpoints
 
     ref, r = runs(name), resumed(name)
     a, rec = r["a"], r["a_record"]
@@ -643,7 +643,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     import psutil
 
     from finetune.errors import EXIT_PREEMPTED
-    from finetune.training import checkpoints
+    from finetune.checkpointing import checkpoints
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"
@@ -694,7 +694,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
 def test_universal_cache_is_built_once_and_reused(resumed):
     """ZeRO-2 2 -> 1 built checkpoint-3.universal; converting again reuses it (nothing rewritten)."""
-    from finetune.training import universal
+    from finetune.checkpointing import universal
 
     ckpt = resumed("zero2")["a"].run_dir / f"checkpoint-{RESUME_FROM}"
     cache = universal.current(ckpt)

@@ -128,7 +128,7 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
 
 def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
     """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
-    is past the first 100, which preflight checks before launching (tests/launch/test_preflight.py), so
+    is past the first 100, which preflight checks before launching (tests/preflight/test_preflight.py), so
     it is found by the launched process while reading the data."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n' * 120 + '{"instruction": "c"}\n')

@@ -5,14 +5,14 @@ FSDP each write their own shards) and nothing in it says that the writing finish
 killed while saving leaves a directory that looks like a checkpoint and fails deep inside
 torch or DeepSpeed on load, or silently loads half a state. So a checkpoint counts here only
 when it holds MARKER, which rank 0 writes last, after a barrier that every rank reaches only
-once its own files are written (finetune/training/guards.py). The marker lists every file with
+once its own files are written (finetune/training/trainer.py). The marker lists every file with
 its size in bytes, so a file truncated or removed later (copying, a full disk) is detected
 too. Sizes, not content hashes: hashing gigabytes of weights at every save would cost
 minutes per checkpoint on the GPUs this runs on, while truncation (the failure seen in
 practice) always changes a size.
 
 The marker also carries the `run` block: what wrote the checkpoint (world size, strategy,
-per-device batch, accumulation, method, model, data and seed; finetune/training/resume_plan.py
+per-device batch, accumulation, method, model, data and seed; finetune/checkpointing/resume_plan.py
 `run_block`). A resume under another world size reads it to reshard and keep the effective batch
 and the data position, and to refuse what cannot work before any weights load.
 
@@ -22,7 +22,7 @@ trainer.py:_save_checkpoint), before the other ranks have finished writing the n
 and before any marker exists, so it can delete the last complete checkpoint while the new
 one is still torn. Here old checkpoints are deleted only after the new one is complete, and
 only valid ones count towards the limit. A DeepSpeed universal cache (`<checkpoint>.universal`,
-finetune/training/universal.py) is derived data and goes with its checkpoint.
+finetune/checkpointing/universal.py) is derived data and goes with its checkpoint.
 
 A resumed run moves the checkpoints newer than the one it resumed from aside
 (`checkpoint-K.superseded-<n>`, never deleted): it would otherwise save into them, and a
@@ -166,7 +166,7 @@ def rotate(run_dir: Path, keep: int | None, newest: Path) -> list[Path]:
     return doomed
 
 
-UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkpoint (training/universal.py)
+UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkpoint (universal.py)
 
 
 def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:

@@ -1,5 +1,5 @@
 """Resuming under another launch, without a launch: the plan's refusals and arithmetic
-(finetune/training/resume_plan.py), the data order it relies on (replayed with accelerate's own
+(finetune/checkpointing/resume_plan.py), the data order it relies on (replayed with accelerate's own
 samplers), checkpoints moved aside, RNG streams, the record's `resumes` and the preflight refusal
 before any process starts. The launches (2 -> 1 and 1 -> 2 per strategy) are in
 tests/training/test_strategies.py."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import ConfigError, UserError
-from finetune.training import checkpoint_facts, checkpoints, resume, resume_plan, rng
-from finetune.training.checkpoint_facts import Written
-from finetune.training.resume_plan import Launch, plan
+from finetune.checkpointing import checkpoints, provenance as checkpoint_facts, resume, resume_plan, rng
+from finetune.checkpointing.provenance import Written
+from finetune.checkpointing.resume_plan import Launch, plan
 
 LORA = {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 MODEL = {"name_or_path": "/models/tiny", "revision": None, "config_sha256": "a" * 64}
@@ -376,7 +376,7 @@ def tiny(tmp_path) -> Path:
 
 def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_path, tiny, monkeypatch):
     from finetune.launch import accelerate as launcher
-    from finetune.launch import preflight
+    from finetune import preflight
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "zero3", 2)
@@ -394,7 +394,7 @@ def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_pat
 
 def test_finetune_train_accepts_ddp_resumed_on_one_process_as_single(tmp_path, tiny, monkeypatch):
     from finetune.launch import accelerate as launcher
-    from finetune.launch import preflight
+    from finetune import preflight
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "ddp", 2)
@@ -407,7 +407,7 @@ def test_finetune_train_accepts_ddp_resumed_on_one_process_as_single(tmp_path, t
 
 
 def test_universal_cache_counts_only_when_built_from_this_very_checkpoint(tmp_path):
-    from finetune.training import universal
+    from finetune.checkpointing import universal
 
     ckpt = _checkpoint(tmp_path, 3)
     cache = tmp_path / "checkpoint-3.universal"

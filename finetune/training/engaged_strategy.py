@@ -22,7 +22,7 @@ from finetune.strategies import launch_line, name_of, offload_device, offload_na
 def engaged(state, *, method: str, setup=None) -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
     `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
-    `setup` (finetune/launch/setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
+    `setup` (finetune/launch/strategy_setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
     dtype = state.distributed_type.value
     out = {"name": None, "distributed_type": dtype, "zero_stage": None, "offload_optimizer": None,
            "offload_params": None, "offload": "none", "fsdp_version": None, "world_size": state.num_processes,

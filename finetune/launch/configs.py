@@ -12,11 +12,11 @@ Two sources describe the same launch:
   ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_CPU; torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE).
 
 A third, `from_recipe`, describes what the script engages itself when no launcher config set a
-strategy up (finetune/launch/setup.py): the recipe's strategy row and its DeepSpeed JSON.
+strategy up (finetune/launch/strategy_setup.py): the recipe's strategy row and its DeepSpeed JSON.
 
 All give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
 missing or malformed DeepSpeed JSON, DeepSpeed and FSDP at once) are collected in it, not
-raised, so finetune/launch/preflight.py can report them with everything else.
+raised, so finetune/preflight/checks.py can report them with everything else.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _deepspeed_from_fields(fields: dict) -> dict:
 
 def from_environment(state, source: str | None = None) -> LaunchFacts:
     """What `accelerate launch` set up for this process (see the module docstring for the names).
-    `source` names the launch in problems (finetune/launch/setup.py knows the config file)."""
+    `source` names the launch in problems (finetune/launch/strategy_setup.py knows the config file)."""
     from finetune.launch import cpu_rehearsal
 
     env = os.environ

@@ -1,7 +1,7 @@
 """Resuming under another launch: what wrote the checkpoint, what this launch sets up, what is
 refused, and how the effective batch and the data position are kept (docs/faults.md).
 
-    written = read(ckpt)                       the marker's `run` block (finetune/training/checkpoint_facts.py)
+    written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan
     apply(p, cfg)                              accumulation, per-device batch, run.strategy for this launch
 
@@ -9,7 +9,7 @@ Both `finetune train` (before `accelerate launch` starts anything: preflight_pro
 launched process (before any weights load: finetune/training/run.py) plan the same way.
 
 Why keeping the effective batch E is enough for the data position (transformers 5.23 Trainer,
-accelerate 1.15; tests/training/test_resume_plan.py replays it with accelerate's own samplers):
+accelerate 1.15; tests/checkpointing/test_resume_plan.py replays it with accelerate's own samplers):
 accelerate swaps Trainer's RandomSampler for SeedableRandomSampler (one permutation per epoch,
 seeded by seed + epoch, the same at any world size), BatchSamplerShard gives rank r the
 per-device batches r, r+N, ..., and Trainer skips `(global_step % steps_per_epoch) x accumulation`
@@ -24,7 +24,7 @@ skip arithmetic for the new layout and refuses if it would not land on the same 
 Strategy families: a checkpoint resumes only within its family; offload may differ within one.
 single/ddp hold whole states (nothing to reshard); FSDP2 saves a torch distributed checkpoint,
 which loads under any world size as it is; ZeRO partitions are resharded through DeepSpeed's
-universal checkpoint (finetune/training/universal.py).
+universal checkpoint (finetune/checkpointing/universal.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
 from finetune.strategies import STRATEGIES
-from finetune.training import checkpoints, rng
-from finetune.training.checkpoint_facts import Written, data_order_settings, method_identity, model_identity, read
+from finetune.checkpointing import checkpoints, rng
+from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
 
 FAMILIES = {"single": "single/ddp", "ddp": "single/ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
             "fsdp": "fsdp"}
@@ -276,7 +276,7 @@ def locate(cfg, resume: str) -> tuple[str, Path, Path]:
 
 
 def for_launch(cfg, facts, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
-    """Locate the checkpoint and plan for the launch `facts` describe (finetune/launch/facts.py)."""
+    """Locate the checkpoint and plan for the launch `facts` describe (finetune/launch/configs.py)."""
     name, run_dir, ckpt = locate(cfg, resume)
     strategy, offload = facts.strategy()
     return name, run_dir, plan(read(ckpt), launch_from(cfg, strategy=strategy, offload=offload,
@@ -284,7 +284,7 @@ def for_launch(cfg, facts, resume: str, overrides: list[str]) -> tuple[str, Path
 
 
 def preflight_problems(cfg, facts, resume: str, overrides: list[str]) -> list[str]:
-    """For `finetune train --resume` (finetune/launch/preflight.py check_launch): the refusals, as
+    """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
     problems, before any process starts; the plan is applied to `cfg` for the other checks."""
     try:
         _, _, p = for_launch(cfg, facts, resume, overrides)

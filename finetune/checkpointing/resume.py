@@ -12,11 +12,11 @@ runs after the optimizer step of the last micro-batch of an accumulation cycle),
 run starts a fresh accumulation cycle exactly where the interrupted one would have.
 
 Under another number of processes the states are resharded and the effective batch and data
-position are kept: finetune/training/resume_plan.py decides (and refuses what cannot work)
-before anything loads; finetune/training/universal.py converts DeepSpeed checkpoints.
+position are kept: finetune/checkpointing/resume_plan.py decides (and refuses what cannot work)
+before anything loads; finetune/checkpointing/universal.py converts DeepSpeed checkpoints.
 
 What this module adds: reusing the existing run directory without deleting anything (newer
-checkpoints than the one resumed from are moved aside: finetune/training/checkpoints.py
+checkpoints than the one resumed from are moved aside: finetune/checkpointing/checkpoints.py
 move_aside_newer), and continuing run.json: steps[] up to the checkpoint's step are kept, later
 ones (trained after the checkpoint, and about to be trained again) are dropped and counted, and
 `resumes` gets one entry per segment of the run (the first run is segment 0): step, world size,
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, load
-from finetune.training import checkpoint_facts, checkpoints
+from finetune.checkpointing import checkpoints, provenance as checkpoint_facts
 
 
 def first_segment(rec) -> None:
@@ -73,7 +73,7 @@ LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", 
 
 def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
-    and open this segment. `plan`: the ResumePlan (finetune/training/resume_plan.py)."""
+    and open this segment. `plan`: the ResumePlan (finetune/checkpointing/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
     old_path = run_dir / "run.json"
     old = RecordView(load(old_path)) if old_path.is_file() else None
@@ -153,7 +153,7 @@ def resume_command(run_dir: Path, *, effective: int | None = None, per_device: i
     script = Path(sys.argv[0]).resolve()
     command = f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
     if effective and per_device:
-        from finetune.training.resume_plan import allowed_world_sizes
+        from finetune.checkpointing.resume_plan import allowed_world_sizes
 
         counts = ", ".join(map(str, allowed_world_sizes(effective, per_device)))
         command += (f"\n  on another number of GPUs too: add --num_processes M with M in {{{counts}}} (M x {per_device} "

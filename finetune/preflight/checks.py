@@ -3,7 +3,7 @@
     check_before_loading(cfg, state, setup=setup)   # finetune/training/run.py, right after PartialState
     check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
 
-With `--resume`, `check_launch` also takes the resume check (finetune/training/resume_plan.py
+With `--resume`, `check_launch` also takes the resume check (finetune/checkpointing/resume_plan.py
 preflight_problems, handed in by the CLI: training sits above this module): a checkpoint that
 cannot resume under this launch is refused before any process starts, and the plan it makes
 (accumulation recomputed, DDP on one process = single) is what the other checks see. In a
@@ -17,11 +17,11 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 * one process with several CUDA devices visible (Trainer would use nn.DataParallel);
 * DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
 * the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload
-  (when a launcher config set one up; else the recipe's own row is engaged: finetune/launch/setup.py);
+  (when a launcher config set one up; else the recipe's own row is engaged: finetune/launch/strategy_setup.py);
 * `accelerate launch --num_processes N` that started fewer processes;
 * DeepSpeed and FSDP asked for at once;
 * QLoRA under ZeRO-3/FSDP: the 4-bit storage dtype must be the float compute dtype;
-* the precision policy (finetune/launch/precision_checks.py): 16-mixed on CPU, bf16 on a GPU without
+* the precision policy (finetune/preflight/precision.py): 16-mixed on CPU, bf16 on a GPU without
   it, bf16-true with ZeRO offload, model.dtype / QLoRA compute dtype / the launch's mixed_precision /
   DeepSpeed bf16 and fp16 values that contradict it;
 * the model (and tokenizer) is a local model directory, or a hub id that is cached or reachable;
@@ -29,7 +29,7 @@ all of them are raised together as one ConfigError (exit 2). What is checked:
 * the run directory would not clobber an existing one (one left by a run that failed before its
   first step is reused: finetune/launch/rundir.py).
 
-What engaged is still proven on the live engine after Trainer is built (finetune/training/engaged.py);
+What engaged is still proven on the live engine after Trainer is built (finetune/training/engaged_strategy.py);
 this module catches what the configs already show, minutes of model loading earlier.
 """
 
@@ -39,20 +39,20 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
-from finetune.launch import data_parallel, precision_checks
-from finetune.launch.facts import LaunchFacts
-from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
+from finetune.preflight import devices, precision as precision_checks
+from finetune.launch.configs import LaunchFacts
+from finetune.strategies import launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
 
 def check_before_loading(cfg, state, *, setup=None, resume: str | None = None) -> None:
     """In each launched process: raise one ConfigError listing every problem; ranks agree.
-    `setup` (finetune/launch/setup.py) says who sets up the strategy: under `recipe` the facts are
+    `setup` (finetune/launch/strategy_setup.py) says who sets up the strategy: under `recipe` the facts are
     the recipe's row, else what the launcher exported. `resume` (train.py's --resume) lets the
     run directory exist: a resumed run continues it."""
     facts = launch_facts(state, setup)
-    found = (world_size_problem(state, cfg.recipe if _in_script(setup) else None), launcher_processes_problem(setup, cfg))
+    found = (devices.world_size_problem(state, cfg.recipe if _in_script(setup) else None), devices.launcher_processes_problem(setup, cfg))
     problems = [p for p in found if p] + run_checks(cfg, facts, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
@@ -65,7 +65,7 @@ def launch_facts(state, setup=None) -> LaunchFacts:
     """What this process's launch sets up: under `recipe` the recipe's row, else what the launcher
     exported (also what finetune/training/run.py resolves the precision policy for)."""
     from finetune import resources
-    from finetune.launch.facts import from_environment, from_recipe
+    from finetune.launch.configs import from_environment, from_recipe
 
     if setup is not None and setup.set_up_by == "recipe":
         return from_recipe(setup, state, resources.ROOT)
@@ -92,8 +92,8 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
 
     from finetune import resources
     from finetune.config.recipe import load_recipe
-    from finetune.launch.facts import from_config_file
-    from finetune.launch.script_args import parse_train_args
+    from finetune.launch.configs import from_config_file
+    from finetune.cli.args import parse_train_args
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
@@ -114,9 +114,9 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
 
 def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(facts.problems)
-    checks = [devices, data_parallel.check, deepspeed_values, strategy_matches_recipe, qlora_storage,
+    checks = [devices.one_device_per_process, devices.one_process_many_devices, deepspeed_values, strategy_matches_recipe, qlora_storage,
               precision_checks.policy_problems, model_source, dataset]
-    if not resume:  # a resumed run continues its directory (finetune/training/resume.py checks it exists)
+    if not resume:  # a resumed run continues its directory (finetune/checkpointing/resume.py checks it exists)
         checks.append(run_directory)
     for check in checks:
         problems += check(cfg, facts, in_process=in_process)
@@ -124,72 +124,6 @@ def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None 
 
 
 # --- the checks ------------------------------------------------------------------------------
-
-
-def world_size_problem(state, in_script_recipe: str | None = None) -> str | None:
-    """The launcher's world size must equal the processes Accelerate set up (DESIGN.md: a
-    2-process launch without use_cpu on a machine without a GPU gives two lone runs).
-    `in_script_recipe`: the recipe sets up its strategy itself, so the fix is a plain torchrun line."""
-    launcher = int(os.environ.get("WORLD_SIZE", "1"))
-    if launcher == state.num_processes:
-        return None
-    head = (f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
-            f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
-            f"machine without a GPU ")
-    if in_script_recipe:
-        return head + (f"opt in to gloo (the recipe sets up its strategy itself), e.g.\n"
-                       f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {launcher} finetune/train.py "
-                       f"--recipe {in_script_recipe}\n  (see finetune/launch/cpu_rehearsal.py)")
-    return head + (f"use a CPU config and opt in to gloo, e.g.\n"
-                   f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
-                   f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see "
-                   f"finetune/launch/cpu_rehearsal.py)")
-
-
-def launcher_processes_problem(setup, cfg) -> str | None:
-    """`accelerate launch --num_processes N` that started fewer: with at most one GPU visible and
-    no config file, accelerate's simple launcher starts ONE process (accelerate 1.15
-    commands/launch.py _validate_launch_command: multi_gpu only when cuda.device_count() > 1),
-    which would train alone at another batch size than asked for."""
-    if setup is None or setup.launcher.kind != "accelerate launch" or not setup.launcher.num_processes:
-        return None
-    asked, got = setup.launcher.num_processes, int(os.environ.get("WORLD_SIZE", "1"))
-    if asked <= got:
-        return None
-    return (f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
-            f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
-            f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes")
-
-
-def devices(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
-    """One CUDA device per process on each machine, for launches that need accelerators."""
-    import torch
-
-    from finetune.launch import cpu_rehearsal
-
-    if facts.distributed_type not in ACCELERATOR_TYPES or facts.use_cpu or facts.gloo or cpu_rehearsal.requested():
-        return []
-    per_machine = facts.processes_per_machine
-    if not torch.cuda.is_available():
-        if in_process or per_machine < 2:  # in a process, world_size_problem already says it
-            return []
-        return [(f"{facts.source}: {facts.distributed_type} with {per_machine} processes per machine, but no CUDA "
-                f"GPU is visible here: each process would train alone. Rehearse on CPU with "
-                f"`finetune train --recipe {cfg.recipe} --cpu` (2 processes over gloo), or launch on a GPU machine")]
-    visible = torch.cuda.device_count()
-    ids = facts.gpu_ids
-    if not in_process and ids not in (None, "all"):
-        visible = min(visible, len([x for x in str(ids).split(",") if x.strip()]))
-        where = f"gpu_ids {ids} of {torch.cuda.device_count()} visible"
-    else:
-        where = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
-    if in_process:
-        per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", per_machine))
-    if per_machine <= visible:
-        return []
-    return [(f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
-            f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible")]
 
 
 # DeepSpeed key -> (TrainingArguments field it must equal, how the value follows from the args)
@@ -208,7 +142,7 @@ def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
                              (f"training.per_device_train_batch_size x gradient_accumulation_steps x "
                              f"{facts.num_processes} processes = {per_device} x {accum} x {facts.num_processes}")),
         "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
-    }  # bf16/fp16: the precision policy's (finetune/launch/precision_checks.py)
+    }  # bf16/fp16: the precision policy's (finetune/preflight/precision.py)
     problems = []
     for key, (want, field) in expected.items():
         section, _, leaf = key.rpartition(".")

@@ -27,7 +27,7 @@ Measured on the tests' tiny model: 0.7 s in process; 1.2 MB (ZeRO-3 LoRA) and 26
 copies of the module state) for a 4 MB checkpoint. For full fine-tuning expect about 12 bytes per
 parameter and minutes for billions of parameters: convert beforehand with
 
-    python -m finetune.training.universal runs/exp1/checkpoint-200
+    python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
 
 (the run then reuses the cache), since during a run the other ranks wait for it within
 training.ddp_timeout.
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from finetune.errors import UserError
-from finetune.training import checkpoints
+from finetune.checkpointing import checkpoints
 
 log = logging.getLogger("finetune")
 
@@ -75,11 +75,11 @@ def current(ckpt: Path) -> Path | None:
 def for_resume(state, plan, rec) -> str | None:
     """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
     beside the original while the others wait; its directory, on every rank (None when the resume
-    plan needs no resharding through it: finetune/training/resume_plan.py)."""
+    plan needs no resharding through it: finetune/checkpointing/resume_plan.py)."""
     if plan is None or plan.reshard != "universal":
         return None
     from finetune.launch.ranks import run_on_main
-    from finetune.training import resume
+    from finetune.checkpointing import resume
 
     def build():
         out, seconds = convert(Path(plan.checkpoint))
@@ -142,7 +142,7 @@ def enable_loading(trainer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.training.universal",
+    parser = argparse.ArgumentParser(prog="python -m finetune.checkpointing.universal",
                                      description="Convert a DeepSpeed checkpoint to its universal cache beforehand.")
     parser.add_argument("checkpoint", help="a complete checkpoint-N directory written under DeepSpeed")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Preflight (finetune/launch/preflight.py): each check on a crafted config, and every problem in one error.
+"""Preflight (finetune/preflight/checks.py): each check on a crafted config, and every problem in one error.
 
 No model is loaded and no process is launched: `check_launch` reads the accelerate config
 `finetune train` would launch, `check_before_loading` reads what a launched process sees.
@@ -18,7 +18,8 @@ from finetune.cli import dispatch
 from finetune.config.recipe import available_recipes
 from finetune.errors import ConfigError
 from finetune.launch import accelerate as launcher
-from finetune.launch import cpu_rehearsal, preflight
+from finetune import preflight
+from finetune.launch import cpu_rehearsal
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root
 
@@ -299,12 +300,12 @@ def test_world_size_mismatch_in_a_launched_process(monkeypatch):
     assert "FINETUNE_CPU_DISTRIBUTED=1" in str(err.value)
 
 
-# --- who sets up the strategy (finetune/launch/setup.py) decides what preflight compares ------------
+# --- who sets up the strategy (finetune/launch/strategy_setup.py) decides what preflight compares ------------
 
 
 def _setup(recipe: str, launched=None, env=None):
     from finetune import resources
-    from finetune.launch import setup
+    from finetune.launch import strategy_setup as setup
     from finetune.launch.launcher import Launcher
 
     cfg = _recipe(recipe)

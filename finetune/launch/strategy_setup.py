@@ -13,7 +13,7 @@ The rule (docs/preflight.md "Who sets up the strategy"):
    processes (one device or DDP) -> `launcher-processes`.
 
 Under `launcher-config` a strategy other than the recipe's is refused as before
-(finetune/launch/preflight.py). Under `recipe` this module prepares the process before the first
+(finetune/preflight/checks.py). Under `recipe` this module prepares the process before the first
 PartialState (finetune/training/run.py), all seen necessary on CPU (accelerate 1.15,
 transformers 5.23, DeepSpeed 0.19.8):
 

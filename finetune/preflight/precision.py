@@ -1,7 +1,7 @@
 """The precision policy of a launch, resolved and checked before any weights load.
 
     policy = resolve_policy(cfg, facts)        # training.precision, `auto` resolved for this launch's device
-    problems = policy_problems(cfg, facts)     # one of finetune/launch/preflight.py's checks
+    problems = policy_problems(cfg, facts)     # one of finetune/preflight/checks.py's checks
 
 `auto` is resolved where the device is known: CUDA when this machine has a CUDA device and the
 launch does not ask for CPU processes (use_cpu, --cpu, FINETUNE_CPU_DISTRIBUTED). `finetune train`
@@ -13,7 +13,7 @@ same combinations. What engaged is proven later from the live objects
 from __future__ import annotations
 
 from finetune import precision
-from finetune.launch.facts import LaunchFacts
+from finetune.launch.configs import LaunchFacts
 
 
 def family(facts: LaunchFacts) -> str:
@@ -77,7 +77,7 @@ def policy_problems(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
 
 def _deepspeed_keys(policy: precision.Policy, label: str, facts: LaunchFacts) -> list[str]:
     """Explicit DeepSpeed precision values must be the policy's; "auto" or absent: the policy fills
-    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/precision_apply.py for the rest)."""
+    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/precision_live.py apply for the rest)."""
     low = policy.deepspeed_low_precision_master
     wanted = {("bf16", "enabled"): policy.deepspeed_bf16, ("fp16", "enabled"): policy.deepspeed_fp16,
               ("bf16", "bf16_master_weights_and_grads"): low, ("bf16", "bf16_optimizer_states"): low}
