@@ -82,7 +82,7 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     if plan is not None:
         entry.update(world_size=plan.world_size, strategy=plan.strategy, offload=plan.offload,
                      per_device=plan.per_device, grad_accum=plan.grad_accum,
-                     effective=plan.world_size * plan.per_device * plan.grad_accum,
+                     effective=plan.effective_now,
                      from_world_size=plan.written["world_size"], reshard=plan.reshard, rng=plan.rng,
                      rng_ranks=plan.rng_ranks, position=plan.position)
     segments = []

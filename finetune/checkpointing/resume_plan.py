@@ -33,7 +33,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.batch import effective_batch
 from finetune.errors import ConfigError, UserError
+from finetune.launch.plan import LaunchPlan
 from finetune.strategies import STRATEGIES
 from finetune.checkpointing import checkpoints, rng
 from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
@@ -81,6 +83,11 @@ class ResumePlan:
     position: dict | None  # {epoch, samples_into_epoch, samples_per_epoch}
     data: dict | None  # the checkpoint's data block, checked once the data is built
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def effective_now(self) -> int:
+        """The effective batch under this launch (the checkpoint's, unless it did not record one)."""
+        return effective_batch(self.per_device, self.grad_accum, self.world_size)
 
     @property
     def layout_changed(self) -> bool:
@@ -275,19 +282,18 @@ def locate(cfg, resume: str) -> tuple[str, Path, Path]:
     return name, run_dir, checkpoints.resolve(resume, run_dir)
 
 
-def for_launch(cfg, facts, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
-    """Locate the checkpoint and plan for the launch `facts` describe (finetune/launch/configs.py)."""
+def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
+    """Locate the checkpoint and plan for `launch` (finetune/launch/plan.py)."""
     name, run_dir, ckpt = locate(cfg, resume)
-    strategy, offload = facts.strategy()
-    return name, run_dir, plan(read(ckpt), launch_from(cfg, strategy=strategy, offload=offload,
-                                                       world_size=facts.num_processes, overrides=overrides))
+    return name, run_dir, plan(read(ckpt), launch_from(cfg, strategy=launch.strategy, offload=launch.offload,
+                                                       world_size=launch.world_size, overrides=overrides))
 
 
-def preflight_problems(cfg, facts, resume: str, overrides: list[str]) -> list[str]:
+def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> list[str]:
     """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
     problems, before any process starts; the plan is applied to `cfg` for the other checks."""
     try:
-        _, _, p = for_launch(cfg, facts, resume, overrides)
+        _, _, p = for_launch(cfg, launch, resume, overrides)
     except ConfigError as e:
         return [f"{e.source}: {problem}" for problem in e.problems]
     except UserError as e:
@@ -310,7 +316,7 @@ def describe(p: ResumePlan) -> str:
     kept = "kept" if p.effective else "as configured"
     lines = [f"resuming {p.checkpoint} (step {p.step}): written by {old} ({w['strategy'] or 'strategy not recorded'})",
              f"  now {p.world_size} process(es) x {p.per_device} per device x accumulation {p.grad_accum} = effective "
-             f"batch {p.world_size * p.per_device * p.grad_accum} ({kept}), {p.strategy}",
+             f"batch {p.effective_now} ({kept}), {p.strategy}",
              f"  states: {RESHARD_WORDS[p.reshard]}"]
     if p.position:
         pos = p.position

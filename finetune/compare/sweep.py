@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from finetune import resources, strategies
+from finetune.batch import effective_batch
 from finetune.errors import UserError
 
 SINGLE = "single"  # not a recipe: one process, the recipe's own method
@@ -129,7 +130,7 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
     base_world = processes(launch_config(cfg.run.accelerate_config, cpu)) if cfg.run.accelerate_config else 1
     args = cfg.training.args
     per_device, accum = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
-    effective = per_device * accum * base_world
+    effective = effective_batch(per_device, accum, base_world)
     planned, problems = [], []
     for name in strategies:
         run_values, method_values = _strategy_values(name)

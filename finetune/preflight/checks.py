@@ -1,36 +1,13 @@
-"""Preflight: every mistake that can be seen in the configs, found before any weights load.
+"""Preflight's entry points and the checks of the configs themselves: every problem the configs
+show, found before any weights load and raised together as one ConfigError (exit 2). What is
+checked, and where: docs/preflight.md.
 
-    check_before_loading(cfg, state, setup=setup)   # finetune/training/run.py, right after PartialState
+    check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group
     check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
 
-With `--resume`, `check_launch` also takes the resume check (finetune/checkpointing/resume_plan.py
-preflight_problems, handed in by the CLI: training sits above this module): a checkpoint that
-cannot resume under this launch is refused before any process starts, and the plan it makes
-(accumulation recomputed, DDP on one process = single) is what the other checks see. In a
-launched process finetune/training/run.py applies the same plan before check_before_loading.
-
-Each check returns problems (strings naming what, where and the fix) instead of raising, and
-all of them are raised together as one ConfigError (exit 2). What is checked:
-
-* launcher world size vs the processes Accelerate set up (in a launched process only);
-* processes per machine vs visible CUDA devices (or no GPU at all for a GPU launch);
-* one process with several CUDA devices visible (Trainer would use nn.DataParallel);
-* DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
-* the strategy and offload the launch config will give vs the recipe's run.strategy / run.offload
-  (when a launcher config set one up; else the recipe's own row is engaged: finetune/launch/strategy_setup.py);
-* `accelerate launch --num_processes N` that started fewer processes;
-* DeepSpeed and FSDP asked for at once;
-* QLoRA under ZeRO-3/FSDP: the 4-bit storage dtype must be the float compute dtype;
-* the precision policy (finetune/preflight/precision.py): 16-mixed on CPU, bf16 on a GPU without
-  it, bf16-true with ZeRO offload, model.dtype / QLoRA compute dtype / the launch's mixed_precision /
-  DeepSpeed bf16 and fp16 values that contradict it;
-* the model (and tokenizer) is a local model directory, or a hub id that is cached or reachable;
-* the dataset file exists and its first rows have the format's fields (finetune/data/build.py);
-* the run directory would not clobber an existing one (one left by a run that failed before its
-  first step is reused: finetune/launch/rundir.py).
-
-What engaged is still proven on the live engine after Trainer is built (finetune/training/engaged_strategy.py);
-this module catches what the configs already show, minutes of model loading earlier.
+With `--resume`, `check_launch` first runs the resume check the CLI hands in (resume_plan
+preflight_problems): its plan (accumulation recomputed, DDP on one process = single) is what the
+other checks see. What engaged is still proven on the live engine (training/engaged_strategy.py).
 """
 
 from __future__ import annotations
@@ -39,21 +16,24 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
-from finetune.preflight import devices, precision as precision_checks
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.plan import LaunchPlan
+from finetune.preflight import devices
+from finetune.preflight import precision as precision_checks
 from finetune.strategies import launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
 
-def check_before_loading(cfg, state, *, setup=None, resume: str | None = None) -> None:
-    """In each launched process: raise one ConfigError listing every problem; ranks agree.
-    `setup` (finetune/launch/strategy_setup.py) says who sets up the strategy: under `recipe` the facts are
-    the recipe's row, else what the launcher exported. `resume` (train.py's --resume) lets the
-    run directory exist: a resumed run continues it."""
-    facts = launch_facts(state, setup)
-    found = (devices.world_size_problem(state, cfg.recipe if _in_script(setup) else None), devices.launcher_processes_problem(setup, cfg))
-    problems = [p for p in found if p] + run_checks(cfg, facts, in_process=True, resume=resume)
+def check_before_loading(cfg, state, *, setup=None, resume: str | None = None,
+                         launch: LaunchPlan | None = None) -> None:
+    """In each launched process: raise one ConfigError listing every problem; ranks agree. `launch`:
+    this process's launch (resolved from `state` and `setup` when not given). `resume` (--resume)
+    lets the run directory exist: a resumed run continues it."""
+    launch = launch or LaunchPlan.resolve(cfg, state, setup)
+    in_script = launch.set_up_by == "recipe"
+    found = (devices.world_size_problem(state, cfg.recipe if in_script else None),
+             devices.launcher_processes_problem(launch.setup, cfg))
+    problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
         raise UserError(f"preflight found {len(problems)} problem(s) (listed by rank 0); nothing was started")
@@ -61,65 +41,41 @@ def check_before_loading(cfg, state, *, setup=None, resume: str | None = None) -
         raise ConfigError(problems, SOURCE)
 
 
-def launch_facts(state, setup=None) -> LaunchFacts:
-    """What this process's launch sets up: under `recipe` the recipe's row, else what the launcher
-    exported (also what finetune/training/run.py resolves the precision policy for)."""
-    from finetune import resources
-    from finetune.launch.configs import from_environment, from_recipe
-
-    if setup is not None and setup.set_up_by == "recipe":
-        return from_recipe(setup, state, resources.ROOT)
-    facts = from_environment(state, source=_launcher_source(setup))
-    if setup is not None and setup.launcher.config_from == "default config":
-        facts.default_config = setup.launcher.config_file
-    return facts
-
-
-def _launcher_source(setup) -> str | None:
-    if setup is None or setup.launcher.config_file is None:
-        return None  # from_environment's own naming
-    return setup.launcher.describe()
-
-
-def _in_script(setup) -> bool:
-    return setup is not None and setup.set_up_by == "recipe"
-
-
 def check_launch(launch_args: list[str], resume_check=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
-    `resume_check(cfg, facts, resume, overrides) -> problems` runs first when --resume is given."""
+    `resume_check(cfg, launch, resume, overrides) -> problems` runs first when --resume is given."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
-    from finetune.config.recipe import load_recipe
-    from finetune.launch.configs import from_config_file
     from finetune.cli.args import parse_train_args
+    from finetune.config.recipe import load_recipe
+    from finetune.launch.configs import LaunchFacts, from_config_file
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
     cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
-        facts = from_config_file(Path(parsed.config_file), num_processes=parsed.num_processes,
-                                               cpu=parsed.cpu, deepspeed_config_file=parsed.deepspeed_config_file,
-                                               base_dirs=[resources.ROOT])
+        facts = from_config_file(Path(parsed.config_file), num_processes=parsed.num_processes, cpu=parsed.cpu,
+                                 deepspeed_config_file=parsed.deepspeed_config_file, base_dirs=[resources.ROOT])
     else:
         facts = LaunchFacts(source="accelerate launch without a config file", num_processes=parsed.num_processes or 1,
                             use_cpu=parsed.cpu)
-    problems = resume_check(cfg, facts, args.resume, overrides) if args.resume and resume_check else []
-    problems += run_checks(cfg, facts, in_process=False, resume=args.resume)
+    launch = LaunchPlan.of(cfg, facts)
+    problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
+    problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
 
 
-def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None = None) -> list[str]:
-    problems = list(facts.problems)
-    checks = [devices.one_device_per_process, devices.one_process_many_devices, deepspeed_values, strategy_matches_recipe, qlora_storage,
-              precision_checks.policy_problems, model_source, dataset]
+def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None = None) -> list[str]:
+    problems = list(launch.facts.problems)
+    checks = [devices.one_device_per_process, devices.one_process_many_devices, deepspeed_values,
+              strategy_matches_recipe, qlora_storage, precision_checks.policy_problems, model_source, dataset]
     if not resume:  # a resumed run continues its directory (finetune/checkpointing/resume.py checks it exists)
         checks.append(run_directory)
     for check in checks:
-        problems += check(cfg, facts, in_process=in_process)
+        problems += check(cfg, launch, in_process=in_process)
     return problems
 
 
@@ -127,10 +83,10 @@ def run_checks(cfg, facts: LaunchFacts, *, in_process: bool, resume: str | None 
 
 
 # DeepSpeed key -> (TrainingArguments field it must equal, how the value follows from the args)
-def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """Explicit DeepSpeed values must equal what Trainer computes; "auto" lets Trainer fill them in
     (transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process)."""
-    ds = facts.deepspeed
+    facts, ds, dp = launch.facts, launch.facts.deepspeed, launch.data_parallel_size
     if facts.distributed_type != "DEEPSPEED" or not ds:
         return []
     a = cfg.training.args
@@ -138,9 +94,9 @@ def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     expected = {
         "train_micro_batch_size_per_gpu": (per_device, "training.per_device_train_batch_size"),
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
-        "train_batch_size": (per_device * accum * facts.num_processes,
+        "train_batch_size": (launch.effective_batch(per_device, accum),
                              (f"training.per_device_train_batch_size x gradient_accumulation_steps x "
-                             f"{facts.num_processes} processes = {per_device} x {accum} x {facts.num_processes}")),
+                              f"{dp} processes = {per_device} x {accum} x {dp}")),
         "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (finetune/preflight/precision.py)
     problems = []
@@ -155,34 +111,33 @@ def deepspeed_values(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     return problems
 
 
-def strategy_matches_recipe(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def strategy_matches_recipe(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """The recipe's run.strategy / run.offload against what the launch config will set up."""
-    want, want_offload = cfg.run.strategy, cfg.run.offload
+    facts, want, want_offload = launch.facts, cfg.run.strategy, cfg.run.offload
     if (want == "any" and want_offload == "any") or facts.problems:
         return []
-    got, got_offload = facts.strategy()
+    got, got_offload = launch.strategy, launch.offload
     if (want in ("any", got)) and (want_offload in ("any", got_offload)):
         return []
     where = facts.deepspeed_source if facts.distributed_type == "DEEPSPEED" else facts.source
-    launch = launch_line(want if want != "any" else got, want_offload if want_offload != "any" else "none", cfg.recipe)
+    line = launch_line(want if want != "any" else got, want_offload if want_offload != "any" else "none", cfg.recipe)
     aside = "" if not facts.default_config else (
         f"\n  or, to let the recipe set up its strategy itself, move your default config aside (e.g. "
         f"`mv {facts.default_config} {facts.default_config}.off`) and launch without one:\n"
         f"    accelerate launch finetune/train.py --recipe {cfg.recipe}")
     return [(f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
              f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
-             f"{facts.num_processes} process(es)). Launch it with:\n{launch}{aside}\n  or set run.strategy: any "
+             f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
              f"(and run.offload: any) to accept whatever the launch gives")]
 
 
-def qlora_storage(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """ZeRO-3 and FSDP flatten and shard parameters of one float dtype, so QLoRA's packed 4-bit
     weights must be stored in the compute dtype (bnb_4bit_quant_storage; see finetune/modeling/load.py)."""
-    strategy, _ = facts.strategy()
-    m = cfg.method
+    strategy, m = launch.strategy, cfg.method
     if m.name != "qlora" or strategy not in ("zero3", "fsdp"):
         return []
-    compute_name = precision_checks.resolve_policy(cfg, facts).compute_dtype
+    compute_name = launch.policy.compute_dtype
     if m.quant_storage in ("auto", compute_name):
         return []
     return [(f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
@@ -190,7 +145,7 @@ def qlora_storage(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
             f"({compute_name} here, from training.precision); set method.quant_storage: auto")]
 
 
-def model_source(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def model_source(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """model.name_or_path / model.tokenizer_name_or_path: an existing model directory, or a hub
     id that is in the local Hugging Face cache or whose hub can be reached. Without this, an
     uncached id on a machine without network costs a minute of retries inside from_pretrained."""
@@ -242,7 +197,7 @@ def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
     return None
 
 
-def dataset(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def dataset(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """The data file exists and its first rows read as the format (finetune/data/build.py's own checks)."""
     from finetune.data import build, read
 
@@ -253,7 +208,7 @@ def dataset(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
     return problems
 
 
-def run_directory(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def run_directory(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """An existing, non-empty run directory is never replaced without --overwrite (finetune/launch/rundir.py)."""
     from finetune.launch import rundir
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.plan import LaunchPlan
 from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
 
@@ -47,15 +47,16 @@ def launcher_processes_problem(setup, cfg) -> str | None:
             f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes")
 
 
-def one_device_per_process(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """One CUDA device per process on each machine, for launches that need accelerators."""
     import torch
 
     from finetune.launch import cpu_rehearsal
 
+    facts = launch.facts
     if facts.distributed_type not in ACCELERATOR_TYPES or facts.use_cpu or facts.gloo or cpu_rehearsal.requested():
         return []
-    per_machine = facts.processes_per_machine
+    per_machine = launch.machines.processes_per_machine
     if not torch.cuda.is_available():
         if in_process or per_machine < 2:  # in a process, world_size_problem already says it
             return []
@@ -77,13 +78,14 @@ def one_device_per_process(cfg, facts: LaunchFacts, *, in_process: bool) -> list
             f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible")]
 
 
-def one_process_many_devices(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """The problem when one process would see several CUDA devices (none for CPU runs, launches
     of several processes, or one visible device); before a launch, gpu_ids is what it will see."""
     import torch
 
     from finetune.launch import cpu_rehearsal
 
+    facts = launch.facts
     if facts.distributed_type != "NO" or facts.use_cpu or cfg.training.args.get("use_cpu") \
             or cpu_rehearsal.requested() or not torch.cuda.is_available():
         return []

@@ -1,54 +1,25 @@
-"""The precision policy of a launch, resolved and checked before any weights load.
-
-    policy = resolve_policy(cfg, facts)        # training.precision, `auto` resolved for this launch's device
-    problems = policy_problems(cfg, facts)     # one of finetune/preflight/checks.py's checks
-
-`auto` is resolved where the device is known: CUDA when this machine has a CUDA device and the
-launch does not ask for CPU processes (use_cpu, --cpu, FINETUNE_CPU_DISTRIBUTED). `finetune train`
-resolves it before the launch and every launched process again, the same way, so both refuse the
-same combinations. What engaged is proven later from the live objects
-(finetune/training/precision_live.py).
+"""Preflight's check of the precision policy against the launch: combinations it cannot honour,
+each with the alternative. The policy itself is resolved with the launch (finetune/launch/plan.py);
+what engaged is proven later from the live objects (finetune/training/precision_live.py).
 """
 
 from __future__ import annotations
 
 from finetune import precision
 from finetune.launch.configs import LaunchFacts
+from finetune.launch.plan import LaunchPlan
 
 
-def family(facts: LaunchFacts) -> str:
-    """torch | fsdp2 | deepspeed (finetune/precision.py FAMILIES) for the launch's distributed type."""
-    return precision.family_of_distributed_type(facts.distributed_type)
-
-
-def runs_on_cuda(cfg, facts: LaunchFacts) -> bool:
-    import torch
-
-    from finetune.launch import cpu_rehearsal
-
-    use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
-    return torch.cuda.is_available() and not use_cpu
-
-
-def resolve_policy(cfg, facts: LaunchFacts) -> precision.Policy:
-    import torch
-
-    cuda = runs_on_cuda(cfg, facts)
-    return precision.resolve(cfg.training.precision, cuda, cuda and torch.cuda.is_bf16_supported())
-
-
-def policy_problems(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
+def policy_problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """Combinations the policy cannot honour, each with the alternative (docs/bad_inputs.md)."""
     import torch
 
-    policy = resolve_policy(cfg, facts)
+    facts, policy, fam, cuda = launch.facts, launch.policy, launch.family, launch.cuda
     label = precision.policy_label(policy, cfg.training.precision)
-    fam = family(facts)
     problems = []
     if cfg.training.precision == "auto":  # explicit policies were checked with the config
         problems += precision.config_problems(policy, model_dtype=cfg.model.dtype, method=cfg.method.name,
                                               compute_dtype=cfg.method.compute_dtype, requested="auto")
-    cuda = runs_on_cuda(cfg, facts)
     if policy.needs_cuda and not cuda:
         problems.append(f"training.precision {label} on CPU: Accelerate skips fp16 autocast and loss scaling on "
                         f"CPU and would train in fp32 while reporting fp16 (accelerate/accelerator.py), and "
@@ -58,7 +29,7 @@ def policy_problems(cfg, facts: LaunchFacts, *, in_process: bool) -> list[str]:
         problems.append(f"training.precision {label} needs bf16, but {torch.cuda.get_device_name(0)} has none "
                         f"(compute capability 8.0+, Ampere or newer); use --training.precision=16-mixed "
                         f"(or auto, which picks it on this GPU)")
-    strategy, offload = facts.strategy()
+    strategy, offload = launch.strategy, launch.offload
     if fam == "deepspeed" and offload != "none" and not policy.deepspeed_offload_ok:
         problems.append(f"training.precision {label} with {strategy} offload {offload!r} ({facts.deepspeed_source}): "
                         f"DeepSpeed's offloaded optimizer (DeepSpeedCPUAdam, built by Accelerate) keeps fp32 states "

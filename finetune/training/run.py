@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import PartialState
 
     from finetune.data import demo
+    from finetune import preflight
     from finetune.launch import rundir
-    from finetune.preflight import checks as preflight
+    from finetune.launch.plan import LaunchPlan
     from finetune.launch import strategy_setup as launch_setup
     from finetune.launch.ranks import close_process_group_at_exit, run_on_main
     from finetune.telemetry import record
@@ -49,15 +50,15 @@ def main(argv: list[str] | None = None) -> int:
                          timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
     launch_setup.adopt_deepspeed_comm(setup)
     finished = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
+    launch = LaunchPlan.resolve(cfg, state, setup)  # the launch, worked out once
     plan = None
     if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
         from finetune.checkpointing import resume_plan
 
-        facts = preflight.launch_facts(state, setup)  # what this launch sets up (launcher config or recipe)
-        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, facts, args.resume, overrides))
+        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, args.resume, overrides))
         resume_plan.apply(plan, cfg)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
-    preflight.check_before_loading(cfg, state, setup=setup, resume=args.resume)
+    preflight.check_before_loading(cfg, state, resume=args.resume, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", setup.describe())
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
-        code = _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
+        code = _train(cfg, state, run_dir, rec, launch, resume_ckpt, plan, commit)
         finished.append(True)  # every rank returns here together (completed or preempted)
         return code
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
+def _train(cfg, state, run_dir: Path, rec, launch, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
+    setup = launch.setup
     from transformers import TrainingArguments
 
     from finetune.data import build, read
@@ -154,13 +156,11 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
     targs.update(setup.trainer_arguments)
     # The precision policy (finetune/precision.py, docs/precision.md), `auto` resolved as preflight did,
     # for the strategy this process sets up (the launcher's config or the recipe's row).
-    from finetune.preflight import checks as preflight, precision as precision_checks
     from finetune.training import precision_live
 
-    facts = preflight.launch_facts(state, setup)
-    policy, family = precision_checks.resolve_policy(cfg, facts), precision_checks.family(facts)
+    policy, family = launch.policy, launch.family
     targs.update(policy.training_args(family))
-    if (targs["bf16"] or targs["fp16"]) and not precision_checks.runs_on_cuda(cfg, facts):
+    if (targs["bf16"] or targs["fp16"]) and not launch.cuda:
         targs["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
     save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/checkpointing/checkpoints.py
     # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
