@@ -1,4 +1,5 @@
-"""Batch arithmetic shared by training, reports and the planner (definitions: shared/DESIGN.md).
+"""Batch arithmetic shared by training, preflight, resume, sweeps and reports; run.json's `batch` and
+`lr` sections (docs/run_record.md).
 
 effective batch (sequences per optimizer step) = per-device batch x accumulation x data-parallel size
 applied LR = base x (effective / reference)        for lr_scaling: linear
@@ -12,6 +13,13 @@ import math
 
 def effective_batch(per_device: int, grad_accum: int, data_parallel_size: int) -> int:
     return per_device * grad_accum * data_parallel_size
+
+
+def section(per_device: int, grad_accum: int, data_parallel_size: int) -> dict:
+    """The run record's `batch` section; the tokens per step are measured (filled at the end of the run)."""
+    return {"per_device": per_device, "grad_accum": grad_accum, "data_parallel_size": data_parallel_size,
+            "effective": effective_batch(per_device, grad_accum, data_parallel_size),
+            "input_tokens_per_step": None, "trained_tokens_per_step": None}
 
 
 def lr_scaling(base_lr: float, rule: str, effective: int, reference: int | None) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from finetune.cli import options
 from finetune.errors import UserError
 
 COMPARE_HELP = "compare run records side by side against the single-device QLoRA baseline"
@@ -22,7 +23,7 @@ def add_sweep_parser(sub) -> None:
     p = sub.add_parser("sweep", help=SWEEP_HELP, allow_abbrev=False,
                        description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides "
                                                 "apply to every run.")
-    p.add_argument("--recipe", required=True, help="the recipe every strategy runs (model, data, hyperparameters)")
+    options.add_recipe(p, "the recipe every strategy runs (model, data, hyperparameters)")
     p.add_argument("--strategies", required=True,
                    help="comma-separated: single or strategy recipe names, e.g. qlora_baseline,ddp,zero2,fsdp")
     p.add_argument("--cpu", action="store_true",

@@ -17,7 +17,7 @@ import os
 
 from finetune.errors import exit_on_user_error
 from finetune.launch import accelerate as launcher
-from finetune.cli.args import TRAIN_EPILOG
+from finetune.cli import options
 
 
 @launcher.restores_environment
@@ -26,16 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs under any strategy.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="launch finetune/train.py through accelerate launch",
-                           epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=options.TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            allow_abbrev=False)
-    train.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    options.add_recipe(train)
     train.add_argument("--config_file", help="accelerate config (default: the recipe's run.accelerate_config)")
     train.add_argument("--num_processes", type=int, help="override the accelerate config's process count")
     train.add_argument("--cpu", action="store_true",
                        help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    train.add_argument("--resume", nargs="?", const="auto", metavar="PATH",
-                       help="continue the run from its newest complete checkpoint, or from PATH (docs/faults.md)")
+    options.add_run_options(train)
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
     # compare and sweep (issue 6): their parsers and wiring live in finetune/cli/compare.py
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     # Memory/communication planner and collective benchmark (finetune/planning/).
     plan = sub.add_parser("plan", help="predict memory and communication per strategy and recommend one",
                           allow_abbrev=False, epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full")
-    plan.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    options.add_recipe(plan)
     plan.add_argument("--model", help="local dir, config.json, or hub id with a cached config (default: the recipe's)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")

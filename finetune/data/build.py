@@ -39,9 +39,12 @@ _LOG_FIRST_N = 5
 
 @dataclass
 class DataStats:
+    """What the data phase built; also the run record's `data` section (finetune/telemetry/record_schema.py
+    declares it from these fields; docs/run_record.md gives their meanings)."""
+
     format: str
     rows_read: int  # rows taken from the source and examined (bad ones included)
-    rows_skipped: list[tuple[int, str]]
+    rows_skipped: list[tuple[int, str]]  # (row number, reason)
     train_examples: int  # examples, not packed rows (len(bundle.train) gives rows)
     eval_examples: int
     truncated: int
@@ -49,6 +52,10 @@ class DataStats:
     train_input_tokens: int
     train_trained_tokens: int
     dropped_no_labels: int = 0  # examples left with no trained token (e.g. truncated away)
+
+    def section(self) -> dict:
+        """run.json `data`: these fields, the first 50 skipped rows."""
+        return vars(self) | {"rows_skipped": self.rows_skipped[:50]}
 
 
 @dataclass

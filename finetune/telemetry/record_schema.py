@@ -14,8 +14,10 @@ a field says per rank; null where a value does not apply (device memory on a CPU
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Any, Callable, TypedDict
 
+from finetune.data.build import DataStats
 from finetune.telemetry.record_predicted import PredictedMemory
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
@@ -197,17 +199,8 @@ class Throughput(TypedDict, total=False):
     scope: str  # what the figures cover (finetune/telemetry/meter.py SCOPE)
 
 
-class DataSummary(TypedDict):
-    format: str
-    rows_read: int
-    rows_skipped: list[list]  # [row number, reason], the first 50
-    train_examples: int
-    eval_examples: int
-    truncated: int
-    packed: bool
-    train_input_tokens: int
-    train_trained_tokens: int
-    dropped_no_labels: int
+# The data phase's DataStats, field for field (finetune/data/build.py)
+DataSummary = TypedDict("DataSummary", typing.get_type_hints(DataStats))
 
 
 class Step(TypedDict, total=False):

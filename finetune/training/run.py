@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
-from finetune.cli.args import parse_train_args
+from finetune.cli.options import parse_train_args
 
 log = logging.getLogger("finetune")
 
@@ -270,7 +270,7 @@ def _train(cfg, state, run_dir: Path, rec, launch, resume_ckpt: str | None = Non
         rec.set("faults", {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
                            "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
                            "save_total_limit": save_total_limit})  # docs/faults.md
-        rec.set("data", vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]})
+        rec.set("data", bundle.stats.section())
         rec.set("parameters", {"trainable": trainable, "total": total})
         rec.set("speed", speed.section(cfg, model, trainer, attention_record=attention_record,
                                        loss_record=loss_lib.installed(model)))

@@ -241,7 +241,7 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
 def test_finetune_train_passes_resume_through_to_train_py():
     from finetune.launch.accelerate import launch_command
-    from finetune.cli.args import parse_train_args
+    from finetune.cli.options import parse_train_args
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
     path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")
