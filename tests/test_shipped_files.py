@@ -50,9 +50,8 @@ def test_deepspeed_config_offloads_only_when_named_so(path):
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert cfg[key] == "auto", key  # Trainer fills them; a literal would silently disagree with it
     assert cfg["bf16"]["enabled"] == "auto" and cfg["fp16"]["enabled"] == "auto"
-    # Trainer builds torch's AdamW and the schedule from TrainingArguments. An optimizer section with
-    # lr "auto" would differ between the routes: in-script, TrainingArguments(deepspeed=...) fills it
-    # before finetune/training/run.py applies the LR scaling (finetune/launch/strategy_setup.py).
+    # Trainer builds torch's AdamW and the schedule from TrainingArguments (finetune/training/arguments.py,
+    # the scaled learning rate included); an optimizer or scheduler section would replace them.
     assert "optimizer" not in cfg and "scheduler" not in cfg, path.name
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is True

@@ -26,12 +26,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from finetune.config.sections import MethodConfig, ModelConfig
     from finetune.data import build, collate, demo
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.telemetry.record import RunRecord
+    from finetune.training import arguments
     from finetune.training.trainer import FinetuneTrainer
 
     class Clock(TrainerCallback):  # the same external clock for both trainers
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         for label in results:
             torch.manual_seed(0)
             model = load_model(mcfg, MethodConfig(name="lora", lora_dropout=0.0))
-            targs = TrainingArguments(output_dir=str(work / f"{label}-{r}"), per_device_train_batch_size=args.batch,
+            targs = arguments.build(output_dir=str(work / f"{label}-{r}"), per_device_train_batch_size=args.batch,
                                       max_steps=args.steps, logging_steps=5, report_to="none", save_strategy="no",
                                       disable_tqdm=True, seed=0, learning_rate=1e-4)
             kwargs = dict(model=model, args=targs, train_dataset=dataset,
@@ -90,12 +91,12 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
     start of training (not its CUDA synchronize: that waits for the step's own work). Far more precise
     than a difference of step times, which on a shared CPU varies by several percent."""
     import torch
-    from transformers import TrainingArguments
 
     from finetune.config.sections import MethodConfig
     from finetune.data import collate
     from finetune.modeling.load import load_model
     from finetune.telemetry.record import RunRecord
+    from finetune.training import arguments
 
     spent = {"outer": 0.0, "inner": 0.0}
 
@@ -119,7 +120,7 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
         torch.manual_seed(0)
         model = load_model(ctx["model_cfg"], MethodConfig(name="lora", lora_dropout=0.0))
         out = ctx["work"] / "direct"
-        targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=ctx["batch"], max_steps=ctx["steps"],
+        targs = arguments.build(output_dir=str(out), per_device_train_batch_size=ctx["batch"], max_steps=ctx["steps"],
                                   logging_steps=5, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
         tok = ctx["tokenizer"]
         trainer = Timed(model=model, args=targs, train_dataset=ctx["dataset"],

@@ -138,13 +138,12 @@ def _run(spec: dict, attention_record: dict) -> dict:
 def _our_trainer(spec: dict, dataset, callbacks: list):
     """This project's path: finetune.modeling loading, finetune.data.collate batching, FinetuneTrainer."""
     import torch
-    from transformers import TrainingArguments
 
     from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
     from finetune.data import collate
     from finetune.modeling import loss
     from finetune.modeling.load import load_model, load_tokenizer
-    from finetune.training import speed
+    from finetune.training import arguments, speed
     from finetune.training.trainer import FinetuneTrainer
 
     cuda = torch.cuda.is_available()
@@ -163,11 +162,11 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
     model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
     loss.install(model, spec["loss_impl"], use_liger_kernel=spec["liger"], device_type="cuda" if cuda else "cpu",
                  tokens=spec["batch"] * spec["seq_len"])  # `auto` weighed as finetune train weighs it
-    args = TrainingArguments(**speed.trainer_overrides(dict(
+    args = arguments.build(
         output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
         learning_rate=spec["learning_rate"], bf16=cuda, logging_steps=1, save_strategy="no", report_to="none",
         seed=spec["seed"], disable_tqdm=True, use_cpu=not cuda, torch_compile=spec["torch_compile"],
-        use_liger_kernel=spec["liger"])))
+        use_liger_kernel=spec["liger"])
     if spec["liger"]:
         speed.check_liger()
     return FinetuneTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,

@@ -44,18 +44,10 @@ def requested() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def training_overrides(targs: dict, active: bool | None = None) -> dict:
-    """TrainingArguments values for a CPU distributed run: use_cpu makes Trainer's PartialState
-    join the gloo group instead of falling back to one process per rank. `active`: this run joins
-    gloo (finetune/launch/strategy_setup.py decides it, the opt-in included); None: the opt-in alone."""
-    if not (requested() if active is None else active):
-        return targs
-    _keep_fsdp_on_cpu()
-    return {**targs, "use_cpu": True}
-
-
 @functools.cache
-def _keep_fsdp_on_cpu() -> None:
+def keep_fsdp_on_cpu() -> None:
+    """Apply Accelerate's own FSDP branch where it skips it only because the device is a CPU; before
+    Trainer builds its AcceleratorState. Idempotent."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 

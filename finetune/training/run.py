@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.data import demo
     from finetune import preflight
     from finetune.launch import rundir
+    from finetune.launch import cpu_rehearsal
     from finetune.launch.plan import LaunchPlan
     from finetune.launch import strategy_setup as launch_setup
     from finetune.launch.ranks import close_process_group_at_exit, run_on_main
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     launch_setup.adopt_deepspeed_comm(setup)
     finished = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     launch = LaunchPlan.resolve(cfg, state, setup)  # the launch, worked out once
+    if setup.cpu_gloo is not None:
+        cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
     plan = None
     if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
         from finetune.checkpointing import resume_plan
@@ -138,53 +141,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(cfg, state, run_dir: Path, rec, launch, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
     setup = launch.setup
-    from transformers import TrainingArguments
-
     from finetune.data import build, read
-    from finetune.launch import cpu_rehearsal
     from finetune.modeling import export, zero3
     from finetune.modeling import load as model_lib
     from finetune.telemetry import meter, wandb_logging
-    from finetune import batch
     from finetune.checkpointing import provenance as checkpoint_facts, resume, universal
     from finetune.training import engaged_strategy as engaged, evaluation
 
     t0 = time.perf_counter()
-    targs = cpu_rehearsal.training_overrides(dict(cfg.training.args), active=setup.cpu_gloo is not None)
-    # The recipe's strategy engaged here (deepspeed= / fsdp=, fsdp_config=): before from_pretrained,
-    # so ZeRO-3 loads straight into shards (transformers' zero.Init weak-ref is set by TrainingArguments).
-    targs.update(setup.trainer_arguments)
-    # The precision policy (finetune/precision.py, docs/precision.md), `auto` resolved as preflight did,
-    # for the strategy this process sets up (the launcher's config or the recipe's row).
-    from finetune.training import precision_live
+    from finetune.training import arguments, precision_live, speed
 
-    policy, family = launch.policy, launch.family
-    targs.update(policy.training_args(family))
-    if (targs["bf16"] or targs["fp16"]) and not launch.cuda:
-        targs["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
-    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/checkpointing/checkpoints.py
-    # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
-    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
-        targs.pop("activation_checkpointing", False))
-    report_to = cfg.logging.report_to or "none"
-    use_wandb = wandb_logging.enabled(cfg.logging.report_to)
-    if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
+    if wandb_logging.enabled(cfg.logging.report_to):  # before Trainer builds its callbacks: they read W&B's environment
         wandb_logging.configure_environment(cfg.logging.wandb_project, run_dir)
-    from finetune.training import speed
-
-    targs = speed.trainer_overrides(targs)  # Liger's fused loss is training.loss_impl's, not Trainer's patch
-    try:
-        args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
-    except (ValueError, TypeError) as e:
-        from finetune.errors import ConfigError
-
-        raise ConfigError([f"training: {e}"], "TrainingArguments") from None
-
-    world = args.world_size
-    effective = batch.effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
-    lr = batch.lr_scaling(args.learning_rate, cfg.training.lr_scaling, effective,
-                          cfg.training.lr_reference_batch_size)
-    args.learning_rate = lr["applied"]  # the optimizer is built from this value
+    run_args = arguments.for_run(cfg, launch, output_dir=run_dir, run_name=cfg.run.name)  # TrainingArguments, once
+    args, lr, effective = run_args.args, run_args.lr, run_args.batch["effective"]
+    world, policy, family = launch.data_parallel_size, launch.policy, launch.family
+    save_total_limit, gradient_checkpointing = run_args.save_total_limit, run_args.gradient_checkpointing
+    use_wandb = wandb_logging.enabled(cfg.logging.report_to)
 
     from finetune.data import collate, rows as data_rows
     from finetune.modeling import attention
@@ -258,9 +231,7 @@ def _train(cfg, state, run_dir: Path, rec, launch, resume_ckpt: str | None = Non
                               "load_dtype": load_dtype, "param_dtype": None, "compute_dtype": None,
                               "optimizer_state_dtype": None, "master_weights": None, "reduce_dtype": None,
                               "observed_compute_dtype": None, "warning": None, "evidence": None})
-        rec.set("batch", {"per_device": args.per_device_train_batch_size,
-                          "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
-                          "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
+        rec.set("batch", run_args.batch)
         rec.set("lr", lr)
         if not resume_ckpt:
             resume.first_segment(rec)
