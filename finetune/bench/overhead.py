@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     from finetune.data import build, collate, demo
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson, Sinks
     from finetune.training import arguments
     from finetune.training.trainer import FinetuneTrainer
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
                           data_collator=lambda f: collate.collate(f, tokenizer.pad_token_id))
             if label == "FinetuneTrainer":
                 rec = RunRecord(work / f"{label}-{r}" / "run.json", run_name="bench", recipe="bench", config={})
-                trainer = FinetuneTrainer(**kwargs, record=rec)
+                trainer = FinetuneTrainer(**kwargs, sinks=Sinks(RunJson(rec)))
             else:
                 trainer = Trainer(**kwargs)
             clock = Clock()
@@ -96,6 +97,7 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
     from finetune.data import collate
     from finetune.modeling.load import load_model
     from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson, Sinks
     from finetune.training import arguments
 
     spent = {"outer": 0.0, "inner": 0.0}
@@ -125,7 +127,7 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
         tok = ctx["tokenizer"]
         trainer = Timed(model=model, args=targs, train_dataset=ctx["dataset"],
                         data_collator=lambda f: collate.collate(f, tok.pad_token_id),
-                        record=RunRecord(out / "run.json", run_name="bench", recipe="bench", config={}))
+                        sinks=Sinks(RunJson(RunRecord(out / "run.json", run_name="bench", recipe="bench", config={}))))
         trainer.meter.record_step = timed(trainer.meter.record_step, "outer")
         trainer.meter.start_training = timed(trainer.meter.start_training, "outer")
         trainer.train()

@@ -107,6 +107,11 @@ def run_block(strategy: dict, batch: dict, lr: dict, static: dict) -> dict:
             "fsdp_version": strategy.get("fsdp_version"), "lr_applied": lr["applied"], **static}
 
 
+def run_block_of(record, static: dict) -> dict:
+    """The marker's `run` block from a run record's live sections (RecordView) and the static facts."""
+    return run_block(record.get("strategy"), record.get("batch"), record.get("lr"), static)
+
+
 def static_facts(cfg, *, train_rows: int, fingerprint: str) -> dict:
     return {"method": method_identity(cfg.method), "model": model_identity(cfg.model),
             "data": {"train_rows": train_rows, "fingerprint": fingerprint, **data_order_settings(cfg)}}

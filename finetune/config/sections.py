@@ -220,6 +220,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     recipe: str = "custom"  # name of the recipe the values came from
 
+    def replaced(self, section: str, **fields) -> Config:
+        """A copy with some fields of one section replaced (the run resolves its config this way)."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **fields)})
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         training = out.pop("training")

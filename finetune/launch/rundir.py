@@ -27,6 +27,20 @@ def resolve_run_dir(name: str, output_dir: str | None) -> Path:
     return Path(output_dir) if output_dir else Path("runs") / name
 
 
+def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
+    """Rank 0: the run's name and directory, created. A resumed run's directory (`resumed`, from the
+    resume plan) is reused as it is; --resume=PATH may name a new one."""
+    if resumed is not None:
+        name, path = resumed
+        path.mkdir(parents=True, exist_ok=True)
+        return name, str(path)
+    name = cfg.run.name or default_run_name(cfg.recipe)
+    path = resolve_run_dir(name, cfg.run.output_dir)
+    prepare_run_dir(path, overwrite=cfg.run.overwrite,
+                    name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name")
+    return name, str(path)
+
+
 # What a run that failed before its first step leaves behind (run.json, the resolved config, the
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
 LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}

@@ -172,6 +172,12 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def parameters_section(model) -> dict:
+    """run.json `parameters`: count_parameters' figures."""
+    trainable, total = count_parameters(model)
+    return {"trainable": trainable, "total": total}
+
+
 def _load_problem(what: str, path: str, err: Exception) -> str:
     hint = ("no such local directory, and hub ids need network access" if not Path(path).exists()
             else "the directory exists but is not a transformers model directory")

@@ -1,10 +1,44 @@
-"""The end-of-run console table: what was trained, how fast, how much memory, what it changed."""
+"""The console: the run's layout in one line before step 1, and the end-of-run table (what was trained,
+how fast, how much memory, what it changed). Rank 0."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from finetune import precision
 from finetune.telemetry.record import RecordView
+
+log = logging.getLogger("finetune")
+
+
+class Console:
+    """The console as a sink of the run's record (finetune/telemetry/sinks.py). Each log window's line
+    is the progress bar's (finetune/training/trainer.py CompactProgress)."""
+
+    def __init__(self, run_dir: Path, model_dir: Path | None, method: str):
+        self.run_dir, self.model_dir, self.method = run_dir, model_dir, method
+
+    def start(self, record: RecordView) -> None:
+        log.info("%s", start_line(record))
+
+    def log(self, entry: dict) -> None:
+        pass
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        if exit_code == 0:
+            print_summary(record, self.run_dir, self.model_dir, self.method)
+
+
+def start_line(record: RecordView) -> str:
+    """World size, batch, learning rate, parameters, length and precision, as the run set them up."""
+    b, lr, p = record.get("batch"), record.get("lr"), record.get("parameters")
+    policy = precision.get(record.get("precision", "policy"))
+    world = b["data_parallel_size"]
+    return (f"world size {world} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x {world} = "
+            f"effective batch {b['effective']} | lr {lr['applied']:.3g} ({lr['rule']} scaling, factor "
+            f"{lr['factor']:.3g}) | trainable {p['trainable']:,} of {p['total']:,} parameters | max length "
+            f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})")
 
 
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:

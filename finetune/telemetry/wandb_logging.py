@@ -28,6 +28,29 @@ def enabled(report_to: list[str]) -> bool:
     return "wandb" in report_to
 
 
+class WandB:
+    """W&B as a sink of the run's record (finetune/telemetry/sinks.py): the run is started with the
+    record's declared sections and closed with its summary and the run-record artifact. Each log
+    window goes in through transformers' WandbCallback (report_to: wandb), which finds this run."""
+
+    def __init__(self, project: str, run_dir: Path):
+        self.project, self.run_dir, self.run = project, run_dir, None
+
+    def start(self, record: RecordView) -> None:
+        self.run = start(record, project=self.project, run_dir=self.run_dir)
+
+    def log(self, entry: dict) -> None:
+        pass
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        if self.run is None:
+            return
+        if exit_code == 0:
+            finish(self.run, record, [self.run_dir / "run.json", self.run_dir / "config.yaml", *launch_config_files()])
+        else:
+            self.run.finish(exit_code=exit_code)
+
+
 def has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True

@@ -141,16 +141,19 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
     return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 
-def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, record=None):
-    """A callback that, once Trainer has wrapped the model and before the first optimizer step,
-    reads the live engine, records it in run.json (`strategy.evidence`) and refuses a mismatch."""
+def live_check(trainer, *, declared: dict, expected: str, expected_offload: str, recipe: str, record=None):
+    """run.json `strategy` as `engaged` declared it, now; then a callback that, once Trainer has wrapped
+    the model and before the first optimizer step, reads the live engine, records it
+    (`strategy.evidence`) and refuses a mismatch."""
     from transformers import TrainerCallback
+
+    if record is not None:
+        record.set("strategy", declared)
 
     class _LiveStrategyCheck(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             ev = live_evidence(trainer.model_wrapped)
             name, offload = strategy_from_evidence(ev)
-            declared = dict(record.view.get("strategy", default={})) if record is not None else {}
             ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
             live = {"name": name, "offload": offload, "evidence": ev, "world_size": ev["world_size"],
                     "distributed_type": trainer.accelerator.distributed_type.value}

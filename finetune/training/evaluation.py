@@ -87,3 +87,9 @@ def exact_match(model, tokenizer, rows: list[dict], *, system_prompt: str | None
         "per_task": {t: int(counts[k, 0]) / max(1, int(counts[k, 1])) for k, t in enumerate(tasks)},
         "examples": examples,
     }
+
+
+def section(results: dict[str, dict], heldout_path: str) -> dict:
+    """run.json `eval`: exact match before and after training (each stage's `exact_match` result)."""
+    return {"metric": "exact_match", "heldout_path": heldout_path,
+            **{f"exact_match_{stage}": r["exact_match"] for stage, r in results.items()}, "details": results}

@@ -211,7 +211,14 @@ def bf16_true_warning(share: float, needed: float, lr: float, *, policy: str, me
             f"learning rate of at least {needed:g} (below {precision.VANISHING_WARN_SHARE:.0%} lost)")
 
 
-# --- the callback --------------------------------------------------------------------------------
+# --- the record and the callback -------------------------------------------------------------------
+
+
+def declared(policy: precision.Policy, *, requested: str, family: str, load_dtype: str) -> dict:
+    """run.json `precision` as the policy declares it; `install` fills the live fields at on_train_begin."""
+    return {"policy": policy.name, "requested": requested, "family": family, "load_dtype": load_dtype,
+            "param_dtype": None, "compute_dtype": None, "optimizer_state_dtype": None, "master_weights": None,
+            "reduce_dtype": None, "observed_compute_dtype": None, "warning": None, "evidence": None}
 
 
 def install(trainer, policy: precision.Policy, *, requested: str, family: str, method: str, load_dtype: str,
@@ -220,13 +227,16 @@ def install(trainer, policy: precision.Policy, *, requested: str, family: str, m
     compute dtype in step 1's first forward, and warn under bf16-true (see the module docstring)."""
     from transformers import TrainerCallback
 
+    if record is not None:
+        record.set("precision", declared(policy, requested=requested, family=family, load_dtype=load_dtype))
+
     class _PrecisionCheck(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             live = read_live(trainer)
-            section = {"policy": policy.name, "requested": requested, "family": family, "load_dtype": load_dtype,
+            section = {**declared(policy, requested=requested, family=family, load_dtype=load_dtype),
                        **{k: live[k] for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype",
                                                "master_weights", "reduce_dtype")},
-                       "observed_compute_dtype": None, "warning": None, "evidence": live["evidence"]}
+                       "evidence": live["evidence"]}
             if policy.name == "bf16-true":
                 share, needed, _ = vanishing_share(trainer.model_wrapped, learning_rate)
                 section["evidence"].update(bf16_update_loss_share=round(share, 4), bf16_lr_keeping_updates=needed)

@@ -23,6 +23,7 @@ from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.telemetry.meter import Meter
+from finetune.telemetry.sinks import Sinks
 from finetune.training import fault_injection, sample_trace
 from finetune.training.signals import flags_per_rank, install_signal_handlers, received, restore_signal_handlers
 
@@ -46,9 +47,9 @@ class _StepClock(TrainerCallback):
 
 
 class FinetuneTrainer(Trainer):
-    def __init__(self, *args, record=None, model_flops=None, peak_flops=None, **kwargs):
+    def __init__(self, *args, sinks: Sinks | None = None, model_flops=None, peak_flops=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record = record  # finetune.telemetry.record.RunRecord on rank 0, None elsewhere
+        self.sinks = sinks  # where each log window goes (finetune/telemetry/sinks.py): rank 0, None elsewhere
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
@@ -79,18 +80,15 @@ class FinetuneTrainer(Trainer):
         training_log = "loss" in logs and "train_runtime" not in logs
         step_entry = self.meter.log_window(logs, self.accelerator, self.state.global_step) if training_log else None
         super().log(logs, start_time)
-        if self.record is not None and step_entry is not None:
-            self.record.add_step(step_entry)
-            self.record.update("summary", steps=self.state.global_step)
-            self.record.write()
+        if self.sinks is not None and step_entry is not None:
+            self.sinks.log(step_entry)
 
     def record_tail(self) -> None:
         """The steps after the last log as one more `steps` entry, so steps[] covers every step of
         the launch (a resumed run totals its earlier segments from it). Every rank (it gathers)."""
         tail = self.meter.tail_window(self.accelerator, self.state.global_step)
-        if self.record is not None and tail is not None:
-            self.record.add_step(tail)
-            self.record.write()
+        if self.sinks is not None and tail is not None:
+            self.sinks.log(tail)
 
     def _load_rng_state(self, checkpoint):
         """Trainer's own restore at the same world size; across a change, the explicit rule of
@@ -204,6 +202,11 @@ class ResilientTrainer(FinetuneTrainer):
         self.skipped_steps: list[dict] = []
         self._skip_update = False
         check_policy(on_nonfinite, self.accelerator.distributed_type.value)
+
+    def faults_section(self) -> dict:
+        """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
+        return {"collective_timeout_s": self.args.ddp_timeout, "on_nonfinite": self.on_nonfinite,
+                "max_nonfinite_skips": self.max_nonfinite_skips, "save_total_limit": self.resilience.save_total_limit}
 
     def _nonfinite(self, what: str, value: torch.Tensor) -> bool:
         """Agree across ranks on a non-finite `value`; stop or mark this step skipped. True = skip."""

@@ -1,0 +1,59 @@
+"""Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new
+backend is one more class (rank 0 holds them; docs/run_record.md).
+
+The run calls `start` once the record holds what the run set up (before step 1), `log` once per log
+window with that window's steps[] entry, and `close` once it ends, with its exit code. Each window also
+reaches Trainer's own callbacks first (FinetuneTrainer.log): the progress bar prints its line there, and
+transformers' WandbCallback (report_to: wandb) logs it into the W&B run this module starts.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from finetune.telemetry.record import RecordView, RunRecord
+
+
+class Sink(Protocol):
+    def start(self, record: RecordView) -> None: ...
+
+    def log(self, entry: dict) -> None: ...
+
+    def close(self, record: RecordView, exit_code: int) -> None: ...
+
+
+class Sinks:
+    """Every backend of a run, called in the order given."""
+
+    def __init__(self, *sinks: Sink):
+        self.sinks = sinks
+
+    def start(self, record: RecordView) -> None:
+        for sink in self.sinks:
+            sink.start(record)
+
+    def log(self, entry: dict) -> None:
+        for sink in self.sinks:
+            sink.log(entry)
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        for sink in self.sinks:
+            sink.close(record, exit_code)
+
+
+class RunJson:
+    """run.json: written at the start, after each log window (steps[] and summary.steps) and at the end."""
+
+    def __init__(self, record: RunRecord):
+        self.record = record
+
+    def start(self, record: RecordView) -> None:
+        self.record.write()
+
+    def log(self, entry: dict) -> None:
+        self.record.add_step(entry)
+        self.record.update("summary", steps=entry["step"])
+        self.record.write()
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        self.record.write()
