@@ -1,22 +1,7 @@
-"""The precision policy table: one row per `training.precision` value, what it keeps in which dtype.
-
-Names are PyTorch Lightning's (lightning/fabric/plugins/precision): `bf16-mixed` (the default on
-GPUs with bf16), `bf16-true` (opt-in memory saver), `16-mixed` (GPUs without bf16), `32-true`
-(CPU), and `auto` that picks one of them for the device (`resolve`). One policy means the same
-master, optimizer-state and matmul precision under every strategy (docs/precision.md). The
-strategies implement a mixed policy in one of three ways, the "families" below:
-
-* `torch` (single process, DDP): autocast over fp32 parameters (Accelerate's native AMP,
-  accelerate/accelerator.py Accelerator.prepare_model wraps forward in torch.autocast);
-* `fsdp2`: fp32 sharded parameters, 16-bit unsharded working copies (torch
-  MixedPrecisionPolicy; Accelerate's FSDP2 path does not autocast, _prepare_fsdp2);
-* `deepspeed` (ZeRO-1/2/3): the module in 16-bit, fp32 master partitions inside the ZeRO
-  optimizer (deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups,
-  stage3.py fp32_partitioned_groups_flat).
-
-This module is pure (no torch at import): the config, preflight, model loading, the live check
-(finetune/training/precision_live.py) and the memory planner all read the same rows. Dtypes are
-torch's names without the `torch.` prefix ("bfloat16"); `torch_dtype` turns one into the object.
+"""The precision policy table: one row per `training.precision` value (Lightning's names), what it
+keeps in which dtype, and how each strategy family (torch autocast, FSDP2 MixedPrecisionPolicy,
+DeepSpeed's 16-bit module with fp32 master partitions) implements it (docs/precision.md). Pure, no
+torch at import: config, preflight, loading, the live check and the planner read the same rows.
 """
 
 from __future__ import annotations
@@ -82,7 +67,7 @@ class Policy:
     def fsdp_mixed_precision(self) -> dict | None:
         """Keyword arguments of torch MixedPrecisionPolicy for FSDP2, or None for MixedPrecisionPolicy()
         (no casts). output_dtype None: Accelerate's default (the param dtype) rounds the returned
-        loss to bf16 (research note §0.8); cast_forward_inputs as torch's default."""
+        loss to bf16; cast_forward_inputs as torch's default."""
         if self.fsdp_param_dtype is None:
             return None
         return {"param_dtype": self.fsdp_param_dtype, "reduce_dtype": self.fsdp_reduce_dtype,
@@ -124,7 +109,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
            torch_autocast=None, fsdp_param_dtype=None, fsdp_reduce_dtype=None,
            deepspeed_bf16=True, deepspeed_fp16=False, deepspeed_low_precision_master=True,
            # Accelerate's map_pytorch_optim_to_deepspeed builds DeepSpeedCPUAdam without
-           # fp32_optimizer_states=False, which ZeRO-Offload then asserts on (research note §0.7).
+           # fp32_optimizer_states=False, which ZeRO-Offload then asserts on.
            deepspeed_offload_ok=False, needs_cuda=False),
     Policy("16-mixed", "fp32 master weights and optimizer states, fp16 compute with dynamic loss scaling",
            # fp32 for full fine-tuning: a bf16 checkpoint loaded in fp16 can leave fp16's range.

@@ -1,32 +1,9 @@
-"""The strategy table: every distributed strategy variant this project knows, one row each.
-
-A row ties together everything that names or describes one variant, so that adding one (ZeRO-1
-with its own config, HSDP, ...) is a new row here plus its shipped files:
-
-* `key`: the planner's name (`finetune plan` rows, run.json `predicted_memory.strategy`);
-* `name` and `offload`: what recipes say (`run.strategy`, `run.offload`) and what a run records
-  as engaged (run.json `strategy.name`, `strategy.offload`);
-* the shipped files: accelerate config, its CPU-rehearsal variant (accelerate_configs/cpu/,
-  finetune/launch/cpu_rehearsal.py), DeepSpeed JSON and strategy recipe, as paths relative to the
-  resources root (finetune/resources.py); None where nothing ships (planner-only rows);
-* the planner's flags: ZeRO stage and what is sharded / offloaded (ZeRO paper, Rajbhandari et
-  al. 2020, §5; finetune/planning/memory.py);
-* `speed_rank`: the recommendation's order, fastest first: fewer bytes moved per step and
-  nothing on the PCIe link (ZeRO paper §7; offload adds host<->device copies and a CPU optimizer
-  step, ZeRO-Offload paper §4);
-* `description` (plan rows) and `why` (the recommendation's reason).
-
-* `fsdp`: the FSDP2 settings of FSDP rows (`FsdpSettings`).
-
-One source of truth for both ways of launching a row: `accelerate_config(row, cpu=...)` is what the
-shipped accelerate config (or its CPU variant) holds, and `trainer_arguments(row, root)` is what the
-script passes to TrainingArguments when it sets the row up itself (no launcher config:
-finetune/launch/strategy_setup.py): the same DeepSpeed JSON, the same FSDP settings.
-
-Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
-name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
-against the shipped files (every shipped YAML equals `accelerate_config`) and the in-script FSDP
-plugin against the launcher's.
+"""The strategy table: every distributed strategy variant this project knows, one row each, so that
+adding one is a new row here plus its shipped files. A row ties its names (planner key,
+run.strategy/run.offload), its shipped files, the planner's flags and its recommendation order
+together, and is the one source of both ways of launching it: the shipped accelerate config
+(`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
+tests/test_strategies_table.py holds the shipped files to the rows.
 """
 
 from __future__ import annotations

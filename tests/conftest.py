@@ -112,7 +112,7 @@ def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: in
     else:
         cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
                 "--dynamo_backend", "no"]
-        # `--cpu --num_processes 2` starts ONE process (see DESIGN.md): multi-process CPU
+        # `--cpu --num_processes 2` starts ONE process (docs/preflight.md): multi-process CPU
         # launches must come from a config file with distributed_type MULTI_CPU / use_cpu.
         assert num_processes == 1, "pass config_file for multi-process launches"
     cmd += list(launch_args) + [str(TRAIN_SCRIPT), *args, f"--run.output_dir={run_dir}"]

@@ -1,23 +1,12 @@
 """`finetune bench`: the same workload through this project and through TRL's SFTTrainer (a plain
 script and a tuned one), alternating, in one invocation; reports trained tokens/s, MFU, peak memory
-and the ratios ours / TRL plain and ours / TRL tuned.
+and the ratios ours / TRL plain and ours / TRL tuned (docs/benchmarks.md: the workload, the shapes,
+the sides and the figures).
 
-    finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 \
-        --steps 30 --rounds 3 --trl both --out bench-out
-    finetune bench --shape qwen2.5-0.5b --shape-overhead --steps 25 --warmup-steps 3 --out bench-shapes
+    finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
 
-Workload: synthetic pre-tokenized instruction data (prompt + response, loss on the response
-only) with lengths drawn from log-normal distributions (defaults: prompt median 60 tokens,
-sigma 0.8; response median 180 tokens, sigma 0.9; both clipped so a row fits --seq-len).
-These are chosen to resemble instruction-tuning sets (a long tail of long answers); they are
-not measured from a particular dataset. Models: real architectures' shapes (Qwen2.5-0.5B and
--1.5B configs) with random weights (speed does not depend on the values), or small Qwen2-
-architecture shapes for CPU. Each run is a separate process (finetune/bench/worker.py); the
-order of the sides alternates from round to round. Ours: finetune.model loading, the chosen
-batch layout (default padding-free), loss and SDPA backend policy, FinetuneTrainer. TRL:
-finetune/bench/trl_side.py. The report: finetune/bench/report.py. No timing is asserted
-anywhere; figures belong to the machine they ran on.
+Each run is its own process (worker.py); no timing is asserted anywhere.
 """
 
 from __future__ import annotations

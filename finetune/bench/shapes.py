@@ -1,17 +1,6 @@
 """`finetune bench --shape-overhead`: what a new input shape costs per step, under SDPA backend
-choices and shape bucketing (the measurements behind model.sdpa_backends `auto`; docs/speed.md).
-
-One process, the bench's random-weight model of --shape (bf16 on CUDA, fp32 on CPU), sdpa
-attention, padding-free rows (1, N) of 8 examples with position_ids restarting per example (the
-layout our recipes default to in the bench), lengths drawn like the bench's data, clipped to
---seq-len. Each step: forward with labels, backward, AdamW step. Per row: --steps timed steps
-after --warmup-steps untimed ones (3 in the documented GPU command), CUDA-synchronised, median
-reported.
-
-Rows: a fixed shape (8 x 300 tokens every step), then variable lengths with torch's default
-backends, with `auto` (cuDNN off), rounded up to a multiple of 256 and of 1024 tokens (the filler
-extends the last example, as data.pad_to_multiple_of does), and `auto` with 256. On CPU there is
-no cuDNN: the `auto` rows are n/a rather than a duplicate of the default rows.
+choices and shape bucketing: the measurements behind model.sdpa_backends `auto` (docs/speed.md,
+docs/benchmarks.md: the rows and the method). On CPU there is no cuDNN: the `auto` rows are n/a.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""The TRL sides of `finetune bench`: TRL's SFTTrainer as a user would write it, plain or tuned.
-
-Both: same model directory, same pre-tokenized data (input_ids + labels, -100 on prompt tokens),
-same sequence length, batch, precision, learning rate, steps and seed as our side. Two TRL defaults
-are overridden because they would change the workload rather than the batching, and our side gets
-the same value: gradient_checkpointing (TRL default True; here the benchmark's
---gradient-checkpointing) and bf16 (TRL default True; here True exactly when the device is CUDA,
-as on our side). TRL's loss is its own on both (TRL 1.16's default `loss_type="nll"` already
-computes the cross-entropy through its chunked fused LM head, trl/trainer/utils.py
-add_fused_lm_head).
-
-* plain: TRL's defaults for batching, SFTConfig(packing=False, padding_free=False), so batches are
-  padded to their longest example; torch's default SDPA backends (the worker applies no policy).
-* tuned: what a user who read TRL's documentation would set for this data. Our layout
-  padding_free or padded: `padding_free=True` (one row per batch, position_ids; TRL requires
-  `max_length=None` then, the rows are already clipped to --seq-len). Our layout packing:
-  `packing=True, packing_strategy="bfd", max_length=seq_len` (TRL's best-fit decreasing packing,
-  itself padding-free). Same SDPA backend policy as ours (the worker applies it).
+"""The TRL sides of `finetune bench`: TRL's SFTTrainer as a user would write it, plain (TRL's default
+padded batching, torch's SDPA defaults) or tuned (padding-free or TRL's packing, our SDPA policy);
+the same model, data, length, batch, precision, learning rate, steps, seed and gradient
+checkpointing as our side (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,25 +2,9 @@
 
     python -m finetune.bench.worker SPEC.json RESULT.json
 
-SPEC names the side (`finetune`, `trl_plain` or `trl_tuned`), the method, the model directory,
-the data file and the settings the sides share. The sides are measured by the same meter
-(finetune/telemetry/meter.py) through two hooks, which change nothing about the training: a
-callback driving its step clock (CUDA synchronised) and memory tracker, and a wrapper around
-the side's own data collator that counts, per batch, trained tokens (labels != -100), real input
-tokens (the meter's rule: attention-mask ones, the count a packed batch states, every position
-of a padding-free batch) and rows. Step i trains on batch i (no gradient accumulation; the data
-loader fetches batches in order; it fetches ahead of the step clock, so counts are paired with
-steps by index). The figures come from finetune/telemetry/formulas.py.
-
-Device peak memory: FinetuneTrainer's meter resets torch's peak counters at every log (it keeps
-per-window peaks), so on our side the worker reads the trainer's own run peak (the max over its
-windows, `final_measurements()`), never the global counters afterwards; TRL's side resets nothing,
-so the worker's tracker (reset once when training begins) reads them. `device_peak_source` says
-which.
-
-SDPA backends: our side and tuned TRL run under the benchmark's policy (--sdpa-backends, as our
-recipes' model.sdpa_backends), plain TRL under torch's defaults; the flags are restored after the
-run (finetune/modeling/attention.py), so --in-process sides do not inherit each other's.
+Every side is measured by the same meter (finetune/telemetry/meter.py) through two hooks that
+change nothing about the training: a callback driving its step clock and memory tracker, and a
+wrapper around the side's collator counting tokens and rows per batch (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
-"""Checkpoint validity, choice of the checkpoint to resume from, and rotation.
+"""Checkpoint validity, the choice of the checkpoint to resume from, and rotation (docs/faults.md
+"Torn or corrupt checkpoints").
 
-A Trainer checkpoint (`<run_dir>/checkpoint-<step>/`) is written by every rank (DeepSpeed and
-FSDP each write their own shards) and nothing in it says that the writing finished: a run
-killed while saving leaves a directory that looks like a checkpoint and fails deep inside
-torch or DeepSpeed on load, or silently loads half a state. So a checkpoint counts here only
-when it holds MARKER, which rank 0 writes last, after a barrier that every rank reaches only
-once its own files are written (finetune/training/trainer.py). The marker lists every file with
-its size in bytes, so a file truncated or removed later (copying, a full disk) is detected
-too. Sizes, not content hashes: hashing gigabytes of weights at every save would cost
-minutes per checkpoint on the GPUs this runs on, while truncation (the failure seen in
-practice) always changes a size.
-
-The marker also carries the `run` block: what wrote the checkpoint (world size, strategy,
-per-device batch, accumulation, method, model, data and seed; finetune/checkpointing/resume_plan.py
-`run_block`). A resume under another world size reads it to reshard and keep the effective batch
-and the data position, and to refuse what cannot work before any weights load.
-
-Rotation (training.args.save_total_limit) is done here rather than by Trainer: Trainer's
-rotate_checkpoints runs inside _save_checkpoint on rank 0 (transformers 5.23,
-trainer.py:_save_checkpoint), before the other ranks have finished writing the new checkpoint
-and before any marker exists, so it can delete the last complete checkpoint while the new
-one is still torn. Here old checkpoints are deleted only after the new one is complete, and
-only valid ones count towards the limit. A DeepSpeed universal cache (`<checkpoint>.universal`,
-finetune/checkpointing/universal.py) is derived data and goes with its checkpoint.
-
-A resumed run moves the checkpoints newer than the one it resumed from aside
-(`checkpoint-K.superseded-<n>`, never deleted): it would otherwise save into them, and a
-checkpoint-K written by 1 rank into a directory holding 2 ranks' shards of the interrupted
-segment mixes both (found resuming ZeRO-2 2 -> 1: the marker listed both, the universal
-conversion then failed with "shape '[64, 16]' is invalid").
+A checkpoint counts only when it holds MARKER, which rank 0 writes last, once every rank has
+written its files; it lists every file with its size and what wrote the checkpoint (the `run`
+block, finetune/checkpointing/provenance.py). Rotation happens here, after the new checkpoint is
+complete, not inside Trainer's save.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
-"""`--resume`: continue a run in its own run directory, from a complete checkpoint.
-
-    finetune train --recipe zero2 --run.name=exp1 --resume                  newest complete checkpoint of runs/exp1
-    finetune train --recipe zero2 --run.name=exp1 --resume=runs/exp1/checkpoint-200
-
-Trainer restores everything from the checkpoint (transformers 5.23 Trainer.train(
-resume_from_checkpoint=...)): weights (DeepSpeed through deepspeed_load_checkpoint, FSDP2
-through its sharded state dict), optimizer and scheduler, every rank's RNG state, and the data
-position (accelerate.skip_first_batches over the same seeded sampler). Checkpoints are only
-ever written at optimizer-step boundaries (Trainer saves from _maybe_log_save_evaluate, which
-runs after the optimizer step of the last micro-batch of an accumulation cycle), so a resumed
-run starts a fresh accumulation cycle exactly where the interrupted one would have.
-
-Under another number of processes the states are resharded and the effective batch and data
-position are kept: finetune/checkpointing/resume_plan.py decides (and refuses what cannot work)
-before anything loads; finetune/checkpointing/universal.py converts DeepSpeed checkpoints.
-
-What this module adds: reusing the existing run directory without deleting anything (newer
-checkpoints than the one resumed from are moved aside: finetune/checkpointing/checkpoints.py
-move_aside_newer), and continuing run.json: steps[] up to the checkpoint's step are kept, later
-ones (trained after the checkpoint, and about to be trained again) are dropped and counted, and
-`resumes` gets one entry per segment of the run (the first run is segment 0): step, world size,
-strategy, per-device batch, accumulation, when, and for a resume where from, how the states were
-resharded, what RNG streams continued and the data position. `summary.resumed_from` /
-`resumed_at_step` / `resumes` (count) / `resume_history` stay for schema-1 readers;
-resume_history is derived from the same entries.
+"""`--resume`: continue a run in its own run directory, from a complete checkpoint (docs/faults.md
+"Resume"). Trainer restores the states; this module keeps the run directory (nothing deleted) and
+continues run.json: steps[] up to the checkpoint's step, one `resumes` segment per launch, the
+schema-1 summary fields, and the command that resumes a preempted run.
 """
 
 from __future__ import annotations

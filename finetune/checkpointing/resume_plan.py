@@ -1,30 +1,10 @@
 """Resuming under another launch: what wrote the checkpoint, what this launch sets up, what is
-refused, and how the effective batch and the data position are kept (docs/faults.md).
+refused, and how the effective batch and the data position are kept (docs/faults.md "Resume on
+another number of GPUs").
 
     written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan
     apply(p, cfg)                              accumulation, per-device batch, run.strategy for this launch
-
-Both `finetune train` (before `accelerate launch` starts anything: preflight_problems) and every
-launched process (before any weights load: finetune/training/run.py) plan the same way.
-
-Why keeping the effective batch E is enough for the data position (transformers 5.23 Trainer,
-accelerate 1.15; tests/checkpointing/test_resume_plan.py replays it with accelerate's own samplers):
-accelerate swaps Trainer's RandomSampler for SeedableRandomSampler (one permutation per epoch,
-seeded by seed + epoch, the same at any world size), BatchSamplerShard gives rank r the
-per-device batches r, r+N, ..., and Trainer skips `(global_step % steps_per_epoch) x accumulation`
-batches per rank on resume. So optimizer step s of an epoch trains rows perm[s*E:(s+1)*E] for
-every N x A x B = E, and steps_per_epoch = ceil(rows / E) whatever the factors. Hence: refuse
-what changes E, recompute the accumulation A' = E / (M x B'), and on a layout change refuse what
-makes the order depend on the layout (dataloader_drop_last, length-grouped or rebalancing samplers,
-split/dispatch/uneven batches, no seedable sampler, auto_find_batch_size, ignore_data_skip) or
-on other data (seed, data_seed, the rows themselves: check_data). The plan also replays Trainer's
-skip arithmetic for the new layout and refuses if it would not land on the same sample.
-
-Strategy families: a checkpoint resumes only within its family; offload may differ within one.
-single/ddp hold whole states (nothing to reshard); FSDP2 saves a torch distributed checkpoint,
-which loads under any world size as it is; ZeRO partitions are resharded through DeepSpeed's
-universal checkpoint (finetune/checkpointing/universal.py).
 """
 
 from __future__ import annotations
@@ -177,7 +157,7 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
 def _reshard(family: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
     """How the states reach this launch. DeepSpeed also goes through the universal checkpoint when
     only the offload changes: that is the path shown to work across offload (ZeRO-2 -> ZeRO-2 with
-    the optimizer offloaded, research/17 run F1); its own loader is not known to."""
+    the optimizer offloaded, measured on CPU); its own loader is not known to."""
     if RESHARD[family] == "universal" and old_offload not in (None, new_offload):
         return "universal"
     return RESHARD[family] if world_changes else "none"

@@ -1,36 +1,12 @@
-"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint, cached.
-
-ZeRO-1/2/3 checkpoints hold each rank's flat partition of the fp32 weights and Adam moments, and
-DeepSpeed refuses to load them under another data-parallel size (deepspeed 0.19.8,
-runtime/engine.py `_load_zero_checkpoint`: "The checkpoint being loaded used a DP world size of
-2 but the current world size is 1"). Its universal checkpoint format holds one file per parameter
-and state instead, which any world size loads (`"checkpoint": {"load_universal": true}`, engine.py
-`load_checkpoint` reads `<dir>/latest_universal` and the ZeRO optimizers'
-`_load_universal_checkpoint`).
+"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint (one file per
+parameter and state, which any world size loads), converted once and cached beside the original
+(docs/faults.md "Resume on another number of GPUs").
 
     for_resume(state, plan, rec)   every rank: convert on rank 0, the others wait; noted in the record
-    convert(ckpt)          rank 0: <ckpt>.universal/, built once beside the original, reused after
-    enable_loading(trainer) after Trainer(...), before train(): the engine is built loading it
+    convert(ckpt)                  rank 0: <ckpt>.universal/, built once beside the original, reused after
+    enable_loading(trainer)        after Trainer(...), before train(): the engine is built loading it
 
-The conversion is DeepSpeed's own (deepspeed/checkpoint/ds_to_universal.py `main`), run in this
-process with one worker (its process pools are for big offline conversions). Hugging Face Trainer
-checkpoints lack the `universal_checkpoint_info` state Megatron-DeepSpeed writes, so it runs with
-`inject_missing_state`. The original is only read (tests/training/test_strategies.py hashes every
-file before and after). The cache also holds copies of the files Trainer reads from the directory
-it resumes from (trainer_state.json, scheduler.pt, scaler.pt, rng_state*.pth: transformers 5.23
-trainer.py train/_load_optimizer_and_scheduler/_load_scaler/_load_rng_state), because Trainer
-takes one directory for both. It is built in `<ckpt>.universal.tmp` and renamed, so a reader sees
-no cache or a whole one; its marker names the source checkpoint's completion stamp, so a cache
-left from an older checkpoint of the same name is rebuilt.
-
-Measured on the tests' tiny model: 0.7 s in process; 1.2 MB (ZeRO-3 LoRA) and 26 MB (ZeRO-2: fp32
-copies of the module state) for a 4 MB checkpoint. For full fine-tuning expect about 12 bytes per
-parameter and minutes for billions of parameters: convert beforehand with
-
-    python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
-
-(the run then reuses the cache), since during a run the other ranks wait for it within
-training.ddp_timeout.
+For big models convert beforehand: python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
 """
 
 from __future__ import annotations

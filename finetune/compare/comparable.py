@@ -1,5 +1,5 @@
 """When two runs' losses may be compared: the same model, data and sequence length, precision
-policy, effective batch and applied learning rate (shared/DESIGN.md definitions). A bf16-true run
+policy, effective batch and applied learning rate (docs/compare.md). A bf16-true run
 against an fp32-master one measures the precision regime, not the strategy (issue 12: on an H200
 pure-bf16 full fine-tuning at LR 1e-5 barely trained while ZeRO, with its fp32 master, did).
 

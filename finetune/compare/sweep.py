@@ -2,28 +2,10 @@
 
     finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
 
-How a sweep run is put together (so that the runs differ only in the strategy):
-
-- Model, data, hyperparameters, seed and evaluation come from `--recipe` (plus the command-line
-  overrides), the same for every run: each run is `finetune train --recipe R ...`.
-- A strategy is the name of a shipped strategy recipe in recipes/ (ddp, zero2, zero2_offload,
-  zero3, zero3_offload, fsdp, fsdp_offload, qlora_baseline), or `single` (one process, the
-  recipe's own method). From it the sweep takes only what defines the strategy: `run.strategy`,
-  `run.offload` and `run.accelerate_config` (so train.py still checks on the live engine that the
-  strategy engaged). The baseline (a strategy recipe with run.strategy single and method qlora:
-  qlora_baseline) is defined by its method too, so it also carries its quantization keys
-  (method.name, quant_type, double_quant, compute_dtype, quant_storage); the LoRA rank, alpha,
-  dropout and targets stay the recipe's.
-- Same effective batch: the recipe's effective batch (per-device x accumulation x the process
-  count of its own accelerate config) is kept for every strategy by setting the per-device batch
-  to effective / (processes x accumulation). If that is not a whole number the sweep refuses
-  before running anything. The LR rule and reference are the recipe's, so the applied LR is the
-  same too. After each run, its record is checked for that effective batch.
-- On a machine without CUDA (or with --cpu) each strategy's accelerate_configs/cpu/ variant is
-  used (2 processes over gloo), exactly as `finetune train --cpu` picks it.
-- Runs go to OUT/<strategy>/ (run name <recipe>-<strategy>), their console output to
-  OUT/logs/<strategy>.log, the comparison to OUT/report/. A failed run is reported as failed
-  with its error and the sweep goes on; the exit code is then 1.
+The runs differ only in the strategy: model, data, hyperparameters, seed and evaluation are the
+recipe's; each strategy contributes its run.strategy, run.offload and accelerate config (and the
+baseline its quantization keys); the effective batch is kept by setting the per-device batch
+(docs/compare.md `finetune sweep`).
 """
 
 from __future__ import annotations

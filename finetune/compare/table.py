@@ -1,26 +1,9 @@
-"""Runs side by side: read and check run records, pick the baseline, derive the comparison columns.
+"""Runs side by side: read and check run records, pick the baseline, derive the comparison columns
+(speedup, memory ratio, scaling efficiency, cost per 1M trained tokens; docs/compare.md has the
+definitions). Each derived value is None with a reason when it cannot be had.
 
     runs = load_runs(["runs/a", "runs/b"])          # CompareInputError (exit 2) on unusable input
     table = build_table(runs, baseline=None, gpu_hour_price=2.5)
-
-Definitions are shared/DESIGN.md's. Derived columns, each None with a reason when it cannot be had:
-
-- speedup        = trained tokens/s of the run / trained tokens/s of the baseline
-- memory ratio   = peak memory of the run / peak memory of the baseline, on device peak allocated
-                   when both runs have one (GPU runs), else on host peak RSS; the basis is shown
-- scaling eff.   = trained tokens/s / (N x trained tokens/s of a single-device run of the same
-                   method), N = the run's world size (data-parallel ranks)
-- cost / 1M tok  = price per device-hour x devices x training hours / (trained tokens / 1e6).
-                   Training time is summary.train_s (Trainer.train(): every optimizer step, the
-                   warm-up step included; not model loading, the exact-match evaluation or saving),
-                   so the figure extrapolates to longer runs of the same setup; wall_s is shown too.
-
-The baseline is the single-device QLoRA run (strategy single, method qlora) unless one is named.
-
-Each row says whether its losses are comparable with the reference run (the baseline, else the
-first run with a record): finetune/compare/comparable.py.
-
-This module knows nothing of the CLI, plots or report formats.
 """
 
 from __future__ import annotations

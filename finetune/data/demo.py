@@ -1,17 +1,10 @@
-"""The demo dataset: short instructions whose answers can be checked exactly.
-
-Five task families, each with one right answer and a terse output format the untrained
-instruct model does not use on its own (it answers in sentences), so exact match before
-fine-tuning is low and rises once the model has learned the tasks and the format:
+"""The demo dataset: short instructions whose answers can be checked exactly, in five task families
+(add, upper, reverse, date, sort), each with a terse output format the untrained instruct model
+does not use on its own, so exact match is low before fine-tuning and rises once the model learns
+the tasks. Seeded and deterministic; the held-out split shares no instruction with training.
 
     add       What is 23 + 48? Reply with the number only.                 -> 71
-    upper     Write in capital letters: quiet river                        -> QUIET RIVER
     reverse   Reverse the order of this list: lamp, frog, nut              -> nut, frog, lamp
-    date      Rewrite the date 2024-03-09 as DD/MM/YYYY.                   -> 09/03/2024
-    sort      Sort these numbers from smallest to largest: 42, 7, 19       -> 7, 19, 42
-
-Generation is seeded and deterministic; the held-out split never shares an instruction with
-the training split. Rows are alpaca-format dicts (instruction, input, output) plus `task`.
 """
 
 from __future__ import annotations

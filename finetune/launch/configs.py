@@ -1,22 +1,8 @@
-"""What a launch will set up, read from its configs before any process or weight exists.
-
-Two sources describe the same launch:
-
-* `from_config_file`: the accelerate config YAML (and the DeepSpeed JSON it names), read by
-  `finetune train` before it starts `accelerate launch`.
-* `from_environment`: inside a launched process, where `accelerate launch` has turned the
-  config into environment variables (accelerate 1.x, accelerate/utils/launch.py:
-  ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_DEEPSPEED_ZERO_STAGE,
-  ACCELERATE_DEEPSPEED_OFFLOAD_{OPTIMIZER,PARAM}_DEVICE, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
-  ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS,
-  ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_CPU; torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE).
-
-A third, `from_recipe`, describes what the script engages itself when no launcher config set a
-strategy up (finetune/launch/strategy_setup.py): the recipe's strategy row and its DeepSpeed JSON.
-
-All give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
-missing or malformed DeepSpeed JSON, DeepSpeed and FSDP at once) are collected in it, not
-raised, so finetune/preflight/checks.py can report them with everything else.
+"""What a launch sets up, read into a LaunchFacts from one of three sources: the accelerate config
+(and the DeepSpeed JSON it names) before `finetune train` launches (`from_config_file`), the
+environment `accelerate launch` exported to a process (`from_environment`), or the recipe's
+strategy row the script engages itself (`from_recipe`). Problems met while reading are collected,
+not raised, so preflight reports them with the rest (docs/preflight.md).
 """
 
 from __future__ import annotations

@@ -1,33 +1,7 @@
-"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU (2 processes, gloo).
-
-Why this exists: on a CPU-only machine `accelerate launch` silently runs something other than
-what the config asks for (accelerate 1.15):
-
-* torchrun / DeepSpeed launches (distributed_type MULTI_GPU, DEEPSPEED, FSDP) do not pass the
-  config's `use_cpu` to the processes. `PartialState()` then finds no GPU, sets
-  DistributedType.NO and num_processes 1: two independent single-process runs.
-  (finetune.strategy.check_world_size refuses that.)
-* With `cpu=True` the processes do join over gloo (DistributedType.MULTI_CPU), DeepSpeed is
-  kept (AcceleratorState only needs `cpu=False` there, which Trainer passes), but
-  `AcceleratorState.__init__` (accelerate/state.py, the `elif self.distributed_type in
-  [MULTI_GPU, MULTI_NPU, ...]` branch) only switches to DistributedType.FSDP for accelerator
-  device types: MULTI_CPU is not in that list, so an FSDP launch trains as plain DDP.
-
-The opt-in is explicit: set FINETUNE_CPU_DISTRIBUTED=1 on the launch line together with one
-of accelerate_configs/cpu/*.yaml:
-
-    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/fsdp.yaml \
-        finetune/train.py --recipe fsdp
-
-(A recipe that sets up its strategy itself with ONE process on a machine without CUDA joins gloo
-without the variable: there are no lone processes to guard against; finetune/launch/strategy_setup.py.)
-
-It then (1) makes every process join the gloo group (`PartialState(cpu=True)` and
-TrainingArguments.use_cpu=True) and (2) applies Accelerate's own FSDP branch when it was skipped
-only because the device is a CPU (with FSDP offload, unpinned host memory: pinning needs an accelerator). torch's `fully_shard` runs on CPU over gloo, so the FSDP2
-code users run on GPUs (Accelerate's fsdp2_prepare_model, DTensor parameters, sharded and
-full state dicts) is what gets exercised. Nothing else changes; without the variable this module
-does nothing, and finetune.strategy still verifies from the live model what engaged.
+"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU: two processes over
+gloo, opted in with FINETUNE_CPU_DISTRIBUTED=1 and one of accelerate_configs/cpu/*.yaml (or
+`finetune train --cpu`). On CPU, Accelerate would otherwise run lone processes, or FSDP as DDP
+(docs/preflight.md "CPU rehearsal").
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""What started this process, and which accelerate config file (if any) it read.
-
-Why the parent's command line: `accelerate launch` turns a DeepSpeed or FSDP config into
-environment variables (ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP + their settings;
-accelerate 1.15 utils/launch.py prepare_deepspeed_cmd_env, prepare_multi_gpu_env), but a DDP
-(MULTI_GPU) or single-process (NO) config file gives the processes byte for byte the variables a
-plain launch gives (seen: `--config_file ddp.yaml` vs a plain launch on a 2-GPU machine;
-`single_gpu.yaml` vs a plain 1-process launch). Only the launcher's own command line tells them
-apart. A rank's parent process IS the `accelerate launch` process under both of its launchers
-(the simple launcher's subprocess.Popen; torchrun's agent, which accelerate runs in-process), so
-we read the parent's argv (psutil) and apply accelerate's own rule for which config it read
-(commands/launch.py _validate_launch_command): `--config_file`, else the default config
-(`accelerate config`'s file) when it exists and `--cpu` is not given.
-
-What this cannot see (the run then treats the launcher as having set up no strategy, engages
-the recipe's, and records that): launches through accelerate's Python API from another program
-(`notebook_launcher`, home-made wrappers; `finetune train` is covered, it exports
-FINETUNE_ACCELERATE_CONFIG), a parent that exited or cannot be read, and a default config that
-changed between the launch and this process starting. docs/preflight.md says the same.
+"""What started this process, and which accelerate config file (if any) it read. A DDP or one-device
+config gives the processes the same environment as a plain launch, so only the launcher's own
+command line tells them apart: the parent process's argv, read with psutil and parsed with
+accelerate's own parser (docs/preflight.md "How a config file is seen", and what it cannot see).
 """
 
 from __future__ import annotations

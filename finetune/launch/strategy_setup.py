@@ -1,38 +1,6 @@
-"""Who sets up the distributed strategy of this run: the launcher's config, or the recipe.
-
-The rule (docs/preflight.md "Who sets up the strategy"):
-
-1. `ACCELERATE_USE_DEEPSPEED` or `ACCELERATE_USE_FSDP` is true: an accelerate config (or
-   accelerate launch's --use_deepspeed/--use_fsdp flags) set up DeepSpeed/FSDP -> `launcher-config`;
-2. else the launcher read an accelerate config file: `finetune train`'s (FINETUNE_ACCELERATE_CONFIG),
-   `accelerate launch --config_file`, or the user's accelerate default config
-   (finetune/launch/launcher.py) -> `launcher-config`: it says DDP or one device;
-3. else the launcher only started processes (plain `accelerate launch`, `torchrun`, `python`):
-   the recipe's strategy row (finetune/strategies.py) is engaged from inside the script with those
-   processes -> `recipe`; a recipe with `run.strategy: any` takes what Accelerate makes of the
-   processes (one device or DDP) -> `launcher-processes`.
-
-Under `launcher-config` a strategy other than the recipe's is refused as before
-(finetune/preflight/checks.py). Under `recipe` this module prepares the process before the first
-PartialState (finetune/training/run.py), all seen necessary on CPU (accelerate 1.15,
-transformers 5.23, DeepSpeed 0.19.8):
-
-* a world of one (RANK=0 ... MASTER_PORT=<free>) when no launcher made a process group (a
-  one-process `accelerate launch` and `python` export none of these): else DeepSpeed's
-  init_distributed falls back to MPI discovery (`No module named 'mpi4py'`) and Trainer refuses
-  FSDP ("Using fsdp only works in distributed training");
-* the gloo group of CPU processes (`PartialState(cpu=True)`, TrainingArguments.use_cpu,
-  finetune/launch/cpu_rehearsal.py): implicit for one process on a machine without CUDA; more
-  processes on CPU keep the FINETUNE_CPU_DISTRIBUTED=1 opt-in (two lone runs is the risk it guards);
-* `accelerate launch --cpu`: ACCELERATE_USE_CPU is dropped in this process, else AcceleratorState
-  skips its DeepSpeed branch (`... and not cpu`) and the run would engage DDP; the gloo path is
-  taken instead;
-* after PartialState, DeepSpeed's comm adopts the torch process group (`adopt_deepspeed_comm`):
-  with cpu=True PartialState skips DeepSpeed's init, and ZeRO-3's zero.Init then sees world size
-  1 against a train_batch_size filled for the real world size (batch assertion `8 != 4 * 1 * 1`).
-
-TrainingArguments gets the row's `deepspeed=` / `fsdp=, fsdp_config=` (strategies.trainer_arguments)
-before the model loads (ZeRO-3's zero.Init hooks from_pretrained through transformers' weak-ref).
+"""Who sets up the distributed strategy of this run: the launcher's config, or the recipe from
+inside the script (docs/preflight.md "Who sets up the strategy": the rule, and what the recipe
+route prepares before the first PartialState).
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per
-process before the model's first forward, and read back for the run record (docs/speed.md).
-
-Why: on CUDA, torch's cuDNN SDPA backend builds a new execution plan for every new input shape.
-Padding-free and packed rows change shape every step, so with torch's default backends a 0.5B
-Qwen2 step took 204.5 ms median against 84.4 ms at a fixed shape; with cuDNN disabled it took
-80.6 ms, and rounding lengths up to a multiple of 1024 (bucketing) 90.6 ms (H200, torch 2.11,
-forward + backward + AdamW; ../shared/gpu-measurements/2026-11-22/README.md). Hence `auto`:
-on CUDA every backend but cuDNN; no bucketing by default (`data.pad_to_multiple_of`).
-
-torch 2.13: `torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp(bool)` set
-process-global flags (not thread- or context-local), so training steps, their backward, Trainer's
-evaluation and `generate` all run under them. `torch.nn.attention.sdpa_kernel` sets the same flags
-for a `with` block. On CPU only FLASH (`aten::_scaled_dot_product_flash_attention_for_cpu`) and
-MATH exist; a CPU run with neither enabled fails at its first attention call.
+"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per process
+before the first forward (torch's flags are process-global), and read back for the run record.
+`auto` turns cuDNN off on CUDA: it re-plans for every new input shape, which padding-free and
+packed batches have at every step (docs/speed.md, with the measurements).
 """
 
 from __future__ import annotations

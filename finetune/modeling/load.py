@@ -88,7 +88,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing
     if method.name == "full":
         if policy is not None and not deepspeed:
             # bf16-mixed: the checkpoint is loaded in bf16, as DeepSpeed's master starts from its bf16
-            # module, so every strategy starts from the same weights (research note §0.5: an fp32 start
+            # module, so every strategy starts from the same weights (measured: an fp32 start
             # moved ZeRO's losses 1.8e-4 from DDP's); the fp32 copies below are the master weights.
             cast_trainable(model, torch_dtype(policy.master_dtype))
         if gradient_checkpointing:

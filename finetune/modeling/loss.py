@@ -1,30 +1,8 @@
 """The training loss of a causal LM without its full (tokens x vocab) logits: `training.loss_impl`
-(docs/speed.md "Loss implementations").
+(docs/speed.md "Loss implementations": the memory it saves, and why installing it as two forward
+replacements works under peft, DDP, DeepSpeed ZeRO-3 and FSDP2).
 
     info = install(model, "auto", label_smoothing=0.0, use_liger_kernel=False, device_type="cuda")
-
-transformers 5.23's causal LMs compute `logits = lm_head(hidden)` for every position (b x s x V in
-the compute dtype), then `ForCausalLMLoss` upcasts them to fp32 and takes the cross-entropy: at a
-vocabulary of 151,936 and 8 x 2048 tokens that is 5 GB of bf16 logits plus 10 GB of fp32 copies
-and their gradient. Here the loss walks the tokens in chunks (`ChunkedLinearCrossEntropy`): one
-chunk's logits at a time, the log-sum-exp kept per token (4 bytes), the chunk's logits recomputed
-in the backward, the head's weight gradient accumulated in fp32. Only positions with a label go
-through the head at all (prompt tokens need no logits).
-
-How it is installed, and why it works under peft, DDP, DeepSpeed ZeRO-3 and FSDP2: two
-instance-level forward replacements, made after the model (and its LoRA wrap) is loaded and before
-Trainer wraps it:
-* the causal LM's `forward` (the ROOT module: FSDP2's root unshard, Accelerate's autocast wrapper,
-  DDP and the DeepSpeed engine all call it as they call the original; peft's LoraModel calls
-  `self.model.forward`, which finds it). Without labels it is the class's own forward (generation,
-  callers that want logits are unchanged);
-* the output head's `forward`: the head is still CALLED as a module, once per step, with the whole
-  chunked loss as its forward, so ZeRO-3's pre-forward gather and pre-backward re-gather hooks fire
-  exactly as for nn.Linear, whatever the number of chunks. Without targets it is nn.Linear's.
-Neither closes over the instance (they use `self`), so a deep copy of the model stays correct.
-
-`liger` runs Liger's fused linear cross-entropy kernel inside the same head call (Liger's own patch
-reads `lm_head.weight` directly, which is a shard under ZeRO-3).
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
-"""Communication per optimizer step and per rank, and the time it implies at a bandwidth.
-
-Bytes are what one rank sends (= receives) in ring collectives of a buffer of S bytes over N
-ranks (nccl-tests doc/PERFORMANCE.md, "Bus bandwidth"): all-reduce 2(N-1)/N * S, reduce-scatter
-and all-gather (N-1)/N * S. nccl-tests' bus bandwidth is defined so that time = those bytes /
-busbw, hence time here = bytes per rank / busbw, with busbw from `finetune bench-comm` or
---bandwidth (GB/s, 1e9 bytes/s).
-
-Per strategy (S_g: gradient bytes of the trainable parameters, S_w: their 16-bit/fp32 weight
-bytes, S_all: every parameter's bytes, frozen included, A: gradient accumulation steps):
-    DDP        all-reduce S_g once per optimizer step (no_sync during accumulation)
-    ZeRO-1/2   reduce-scatter S_g per micro-batch (DeepSpeed reduces every backward)
-               + all-gather of the updated S_w once per step (ZeRO paper §7: same volume as DDP)
-    ZeRO-3     all-gather S_all in forward and again in backward per micro-batch
-    FSDP2      + reduce-scatter S_g per micro-batch (ZeRO paper §7.2: 1.5x DDP)
-Offload adds host<->device copies: ZeRO-Offload moves the gradient partition down and the
-updated 16-bit partition up each step; parameter offload copies the rank's parameter shard up
-for forward and again for backward each micro-batch (FSDP2 also moves its gradient shard down).
+"""Communication per optimizer step and per rank, and the time it implies at a bus bandwidth (ring
+collectives as nccl-tests counts them; per-strategy volumes and offload copies: docs/planning.md).
 """
 
 from __future__ import annotations

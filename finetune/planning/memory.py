@@ -1,21 +1,6 @@
-"""Device memory of one training step, per device, for every strategy and method, from the config.
-
-The peak is the largest live set over the moments of a step that can hold it ("phases"), not a
-sum of everything ever allocated: model states that persist (weights, master copy, optimizer
-states, gradient buffers, cuBLAS workspaces) plus, per phase, what exists at that moment:
-
-    forward_end       activations + the loss's forward buffers
-    backward_start    activations + the loss's backward buffers (standard loss: 3 fp32 T x V)
-    final_norm_backward  every block's activations, the final norm's, RMSNorm's backward temporaries
-    last_block_backward / first_block_backward
-                      a block's backward: the saved tensors of the blocks below (with
-                      checkpointing their inputs + the recomputed block), the gradients of the
-                      blocks above, the head's gradient, the block's backward temporaries
-    backward_end      all gradients (torch-native full fine-tuning) and the tied embedding's parts
-    optimizer_step    DeepSpeed's fp32 gradient partitions / sub-group; foreach AdamW's temporaries
-
-Units: bytes. Derivations and the GPU comparison: docs/planning.md; activations and loss:
-finetune/planning/activations.py; precision regimes: finetune/planning/regimes.py.
+"""Device memory of one training step, per device, for every strategy and method, from the config:
+the largest live set over the moments of a step that can hold it ("phases"), not a sum of
+everything ever allocated. Units: bytes. Derivations and the GPU comparison: docs/planning.md.
 """
 
 from __future__ import annotations

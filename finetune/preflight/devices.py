@@ -12,9 +12,9 @@ from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
 
 def world_size_problem(state, in_script_recipe: str | None = None) -> str | None:
-    """The launcher's world size must equal the processes Accelerate set up (DESIGN.md: a
-    2-process launch without use_cpu on a machine without a GPU gives two lone runs).
-    `in_script_recipe`: the recipe sets up its strategy itself, so the fix is a plain torchrun line."""
+    """The launcher's world size must equal the processes Accelerate set up (a 2-process launch
+    without use_cpu on a machine without a GPU gives two lone runs). `in_script_recipe`: the
+    recipe sets up its strategy itself, so the fix is a plain torchrun line."""
     launcher = int(os.environ.get("WORLD_SIZE", "1"))
     if launcher == state.num_processes:
         return None

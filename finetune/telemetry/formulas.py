@@ -1,7 +1,7 @@
 """The formulas of what runs measure, each once: the peak-FLOPs table, MFU, throughput over
 steps, the maximum over ranks (model FLOPs: finetune/telemetry/model_flops.py).
 
-Definitions are shared/DESIGN.md's: throughput over training steps only, the first `warmup`
+Definitions (docs/run_record.md): throughput over training steps only, the first `warmup`
 optimizer steps excluded and said so; MFU only for devices whose peak is in PEAK_DENSE_FLOPS,
 never a guess. The counters that feed them: finetune/telemetry/meter.py.
 """

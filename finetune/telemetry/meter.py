@@ -1,21 +1,8 @@
-"""The meter: what one training process counts and clocks, in one object (the model is
-torchtitan's MetricsProcessor: it owns its counters and resets them after each log).
-
-* Token counters: input tokens (attention positions that are not padding; every position of a
-  padding-free batch, which has no mask; the count a packed batch states under REAL_TOKENS_KEY),
-  trained tokens (labels != -100) and rows, per micro-batch on this rank, per optimizer step.
-* Step clock: wall time of each optimizer step, CUDA-synchronised at its end (kernels are
-  asynchronous: time the work, not its launch).
-* Memory: accelerator peaks (torch.cuda.memory_stats) and host RSS per rank; reset when
-  training begins so model loading and training can be told apart, and again after each log.
-* The per-log window -> the metrics dict (namespaced keys with units: `perf/trained_tokens_per_s`,
-  `memory/max_host_peak_rss_gib`) and a `steps` entry of run.json; the end of training -> the
-  figures of run.json's `memory`, `throughput` and `batch` (finetune/telemetry/record.py).
-
-Used by FinetuneTrainer (finetune/training/trainer.py) and by both sides of `finetune bench`
-(finetune/bench/worker.py). Formulas (throughput, MFU, FLOPs): finetune/telemetry/formulas.py.
-Collectives take an Accelerator (num_processes, process_index, device, reduce); every rank
-must call the methods that gather (log_window, final, start_training).
+"""The meter: what one training process counts and clocks, in one object that owns its counters and
+resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
+micro-batch, the optimizer-step clock (CUDA-synchronised), memory peaks per rank; each log window
+becomes the metrics dict and a steps[] entry, the end of training the `memory`, `throughput` and
+`batch` figures. Every rank must call the methods that gather (log_window, final, start_training).
 """
 
 from __future__ import annotations

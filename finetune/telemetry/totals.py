@@ -1,22 +1,7 @@
-"""Whole-run totals of a run that continued from a checkpoint (`--resume`): the record's summary
-and throughput cover every segment, not only the last launch.
-
-What each launch knows: its own per-step measurements (finetune/telemetry/meter.py), and the
-`steps` entries the earlier segments logged, kept up to the checkpoint's step on resume
-(finetune/checkpointing/resume.py). Every launch ends its steps[] with the steps after its last log
-(a tail entry), so a segment that ended at a checkpoint (preemption, completion) is covered to
-its last step. A segment that crashed and is resumed from an older checkpoint can leave steps
-between its last kept log and the checkpoint uncounted: `summary.steps_counted` says how many
-optimizer steps the totals cover (equal to `summary.steps` when nothing is missing).
-
-* trained / input tokens: summed over the earlier entries and this launch's steps.
-* train loss: mean per optimizer step over the steps with a known loss: each earlier log window
-  weighs its logged mean loss by its steps, this launch's Trainer mean by its steps (Trainer's own
-  convention for one launch: the mean of the per-step losses).
-* throughput: each earlier window is one measured stretch (its mean step time x its steps), except
-  windows that hold any of their segment's first `warmup` steps, which are left out whole (a
-  window's warm-up steps cannot be separated from the rest); this launch's steps count one by one
-  after its own warm-up (finetune/telemetry/formulas.py throughput).
+"""Whole-run totals of a run continued from a checkpoint: the summary and throughput cover every
+segment, from the earlier segments' steps[] entries (kept up to the checkpoint) and this launch's
+measurements; `summary.steps_counted` says how many optimizer steps they cover (docs/run_record.md,
+docs/faults.md).
 """
 
 from __future__ import annotations

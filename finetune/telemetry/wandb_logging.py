@@ -1,15 +1,7 @@
-"""Weights & Biases, when `logging.report_to` includes wandb. Rank 0 only.
-
-Works with no account and no network: without an API key (WANDB_API_KEY or a wandb entry in
-~/.netrc) the run is written offline into the run directory (`wandb sync` uploads it later);
-an explicit WANDB_MODE is always respected. Runs are grouped by recipe and tagged with the
-strategy and method, so one recipe's strategies sit together in the W&B UI. The config holds
-the effective batch and LR scaling; the summary holds the memory peaks and throughput; the run
-record, the resolved recipe and the launch configs are attached as one artifact.
-
-We start the W&B run ourselves before training; transformers' WandbCallback then finds it and
-logs every step into it (including our namespaced perf/ and memory/ keys, added in
-FinetuneTrainer.log before the callbacks run).
+"""Weights & Biases, when `logging.report_to` includes wandb (rank 0). Offline into the run directory
+without an API key; runs grouped by recipe and tagged with strategy and method; the record's
+sections as config, the peaks and throughput as summary, the run record and configs as one
+artifact. Each log window reaches W&B through transformers' WandbCallback, which finds our run.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Which distributed strategy actually engaged, and the refusal to train anything else.
-
-Accelerate downgrades some launches without a word (a 2-process launch without `use_cpu` on
-a machine without a GPU runs two independent single-process jobs; an FSDP launch on CPU runs
-plain DDP), so the run checks twice and refuses a mismatch with the recipe's `run.strategy` /
-`run.offload`, naming the launch line that would work:
-
-1. `engaged()`: from Accelerate's state once Trainer exists (before the model is wrapped).
-2. `live_check()`: a callback at on_train_begin, after Trainer wrapped the model and before the
-   first optimizer step, that reads the wrapped model itself (DeepSpeed engine: stage, offload
-   devices, the ZeRO optimizer's own offload flags, clipping; FSDP2: FSDP modules, DTensor
-   parameters and the fraction this rank holds; DDP wrapper) into run.json `strategy.evidence`.
+"""Which distributed strategy actually engaged, and the refusal to train anything else. Accelerate
+downgrades some launches without a word, so the run checks twice against the recipe's run.strategy
+and run.offload: from Accelerate's state once Trainer exists (`engaged`), and from the wrapped
+model itself before the first optimizer step (`live_check`: run.json `strategy.evidence`).
 """
 
 from __future__ import annotations

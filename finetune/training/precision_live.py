@@ -1,19 +1,10 @@
 """The precision policy applied to the Trainer, and proven from the live objects before step 1.
 
-    apply(trainer, policy)                      # after Trainer is built, before trainer.train()
+    apply(trainer, policy)                      # FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 keys
     install(trainer, policy, record=..., ...)   # a callback: run.json `precision`, the mismatch stop
 
-`apply` gives FSDP2 the policy's MixedPrecisionPolicy (the accelerate config has no key for it,
-and Accelerate's own choice, param = reduce = output = bf16, rounds the returned loss to bf16) and
-DeepSpeed the policy's bf16/fp16 keys (bf16-true: bf16 master weights and optimizer states).
-
-`install` reads, at on_train_begin (the model is wrapped and the optimizer exists; no optimizer
-state yet), what the optimizer will update and in which dtype its states will be, what computes
-in which dtype and how gradients are reduced (`read_live`), writes it to run.json `precision`, and
-stops the run on a mismatch with the policy (finetune/precision.py `mismatches`). It must stop
-there: DeepSpeed steps inside backward (Accelerate's backward calls engine.step()), before any
-on_pre_optimizer_step. A forward hook on the first Linear with a trainable weight then confirms
-the compute dtype during step 1's first forward, before its backward.
+The check runs at on_train_begin, because DeepSpeed steps inside backward; a forward hook then
+confirms the compute dtype during step 1's first forward (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -202,7 +193,7 @@ def _collective_device():
 
 
 def bf16_true_warning(share: float, needed: float, lr: float, *, policy: str, method: str) -> str | None:
-    """The warning text when bf16-true full fine-tuning loses most updates (research note §5.5)."""
+    """The warning text when bf16-true full fine-tuning loses most updates (docs/precision.md)."""
     if policy != "bf16-true" or method != "full" or share < precision.VANISHING_WARN_SHARE:
         return None
     return (f"bf16-true: {share:.0%} of the trainable weights have a bf16 half-spacing larger than the learning "

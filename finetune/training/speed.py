@@ -1,22 +1,7 @@
-"""Speed options: which option combinations are safe, what they imply for TrainingArguments, and
-run.json's `speed` section (the batch layouts are built by finetune/data/collate.py, the SDPA
-backend policy and the loss live in finetune/modeling/attention.py and loss.py; docs/speed.md).
-
-Boundary safety, as read in transformers 5.23 (the claim "no attention crosses an example
-boundary" must hold for the attention implementation that runs, else we refuse):
-
-* sdpa, eager: ``masking_utils._preprocess_mask_arguments`` calls
-  ``find_packed_sequence_indices(position_ids)`` whenever attention_mask is None and there is
-  no KV cache; every position that does not follow its predecessor by +1 starts a new
-  sequence and the causal mask becomes block-diagonal, for any batch size (also under
-  torch.compile, where the check is not skipped). A new example starts at position 0 after
-  one that ended at p >= 0, a step of -p != +1, so every boundary is found.
-* flash_attention_2/3: ``modeling_flash_attention_utils._is_packed_sequence`` only looks at
-  position_ids when the batch has ONE row; with several packed rows it runs plain causal
-  attention over each row and examples leak into each other. Padding-free batches are one
-  row (and we also hand FlashAttention the cu_seq_lens directly), so they are safe; packed
-  batches are safe only with per_device_train_batch_size 1, and are refused otherwise.
-* models with trust_remote_code may build their own masks: refused with packing/padding-free.
+"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's
+`speed` section. Packing and padding-free are allowed only with attention implementations whose
+handling of position_ids was read to keep examples apart (sdpa, eager; FlashAttention with one row
+per batch), never with remote model code (docs/speed.md).
 """
 
 from __future__ import annotations

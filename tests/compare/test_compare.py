@@ -5,7 +5,7 @@ recipe on the tiny random model over two strategies, the single-device QLoRA bas
 (2 processes over gloo), 2 steps, logged to W&B offline (two strategies: each launch costs ~30 s
 of start-up on a 2-core machine; DDP and ZeRO are run by the demo sweep in docs/compare.md). Everything else reads the
 records, the report and the W&B files it left behind. Expected values come from the run records
-and are recomputed here with the definitions in shared/DESIGN.md, never from the code under test.
+and are recomputed here with the definitions in docs/compare.md, never from the code under test.
 """
 
 from __future__ import annotations

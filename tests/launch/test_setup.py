@@ -1,7 +1,7 @@
 """Who sets up the strategy (finetune/launch/strategy_setup.py) and what started the process
 (finetune/launch/launcher.py), on made-up command lines and environments: no process is launched.
 
-The command lines are the ones seen from real ranks (research note 18 §1.4, and the launches in
+The command lines are the ones seen from real ranks (the launches in
 tests/training/test_strategies.py, which exercise the real parent-process reading): the
 `accelerate` console script, `python -m accelerate.commands.launch` (the tests' form), torchrun's
 agent, and a shell.

@@ -1,8 +1,8 @@
 """The planner against six H200 measurements (issue 13): Llama-3.2-1B shape, micro-batch 16 x 512
 tokens, full fine-tuning under single, FSDP2, ZeRO-2 and ZeRO-3 (world size 1), LoRA and QLoRA.
 
-The records (tests/planning/data/gpu_records_2026-11-22/, copied unchanged from
-shared/gpu-measurements/2026-11-22/calib) are the expected values: peak allocated and reserved
+The records (tests/planning/data/gpu_records_2026-11-22/, the GPU runs' own run.json files,
+unchanged) are the expected values: peak allocated and reserved
 device memory, and the host's training-peak RSS, measured by the run; nothing here comes from the
 planner. Each record is predicted under the regime it ran (regimes.json, with evidence: they
 predate training.precision), which the planner's legacy rules must reproduce from the record alone.

@@ -16,7 +16,7 @@ differ in where the other tensors round: autocast keeps the embedding output, re
 RMSNorm outputs in fp32, the working-copy family holds them in bf16. Under LoRA the frozen base is
 bf16 in both, so step 1 is bit-identical; under full fine-tuning it is not.
 
-The tolerance, derived (research note §4.3). At random init the per-token loss is
+The tolerance, derived. At random init the per-token loss is
 logsumexp(z) - z_y with a near-uniform softmax, so a logit perturbation moves the mean loss by about
 -(1/T) sum_t dz_{t,y_t}. The two families round differently at m = 4L + 3 points along the residual
 path (2 adds and 2 norm outputs per layer, the embedding, the final norm, the logits); a

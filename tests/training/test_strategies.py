@@ -477,9 +477,9 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
 # 2 ranks vs accumulation in one process, DeepSpeed's flat buffers, universal-checkpoint copies),
 # the same kind of difference test_losses_match_single_process allows for: LOSS_RTOL (1e-5, ~80
 # fp32 ulps) on losses, GRAD_NORM_RTOL on grad norms, 1e-5 absolute on the adapter; seen: 0 for
-# every strategy and direction here (research note: at most 9e-8). What a broken resume does is
+# every strategy and direction here (at most 9e-8 when it was measured). What a broken resume does is
 # far larger: not recomputing the accumulation (effective batch 4) moved step 4 by 5.2e-3 (FSDP2
-# 2 -> 1, research/17); the position lost (ignore_data_skip) by 6.5e-4; the ZeRO-2 universal
+# 2 -> 1); the position lost (ignore_data_skip) by 6.5e-4; the ZeRO-2 universal
 # checkpoint's Adam moments zeroed moved step 5 by 4.3e-4 (2 -> 1) and the exported adapter by
 # 2.8e-4 absolute (1 -> 2); a fresh optimizer (Adam state not loaded) moved step 5 by 1.9e-3.
 RESHARDED = {"ddp": "replicated", "zero2": "universal", "zero3": "universal", "fsdp": "dcp"}
