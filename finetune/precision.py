@@ -212,7 +212,7 @@ class ParamBytes:
 def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
     """Bytes per trainable parameter of `policy` under the strategy row `strategy_key`."""
     p = get(policy) if isinstance(policy, str) else policy
-    row = by_key(strategy_key)
+    by_key(strategy_key)  # a planner key (KeyError otherwise), not a run.strategy name
     fam = family_of(strategy_key)
     b = DTYPE_BYTES
     master, compute, states = b[p.master_dtype], b[p.compute_dtype], 2 * b[p.optimizer_state_dtype]

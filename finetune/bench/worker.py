@@ -41,8 +41,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     from transformers import TrainerCallback
 
     from finetune.modeling import loss
-    from finetune.telemetry import formulas
-    from finetune.telemetry import model_flops
+    from finetune.telemetry import formulas, model_flops
     from finetune.telemetry.meter import Meter, batch_counts
 
     ours = spec["side"] == "finetune"

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.batch import effective_batch
+from finetune.checkpointing import checkpoints, rng
+from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.strategies import STRATEGIES
-from finetune.checkpointing import checkpoints, rng
-from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
 
 FAMILIES = {"single": "single/ddp", "ddp": "single/ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
             "fsdp": "fsdp"}

@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from finetune.errors import UserError
 from finetune.checkpointing import checkpoints
+from finetune.errors import UserError
 
 log = logging.getLogger("finetune")
 
@@ -54,8 +54,8 @@ def for_resume(state, plan, rec) -> str | None:
     plan needs no resharding through it: finetune/checkpointing/resume_plan.py)."""
     if plan is None or plan.reshard != "universal":
         return None
-    from finetune.launch.ranks import run_on_main
     from finetune.checkpointing import resume
+    from finetune.launch.ranks import run_on_main
 
     def build():
         out, seconds = convert(Path(plan.checkpoint))

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from finetune.cli import options
 from finetune.errors import exit_on_user_error
 from finetune.launch import accelerate as launcher
-from finetune.cli import options
 
 
 @launcher.restores_environment

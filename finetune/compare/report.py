@@ -33,10 +33,10 @@ def _footnotes(table: Table) -> list[str]:
     if bases:
         lines.append("memory ratio: " + " and ".join(
             {"device": "peak device memory allocated (device)", "host": "host peak RSS (host)"}[b] for b in sorted(bases)))
-    for i, row in enumerate(table.rows):
+    for row in table.rows:
         if row.get("scaling_reference") and (row["devices"] or 0) > 1:
             lines.append(f"scaling efficiency of {row['run']}: against {row['scaling_reference']}")
-    for i, row in enumerate(table.rows):
+    for row in table.rows:
         if row["error"]:
             lines.append(f"{row['run']} {row['status']}: {row['error']}")
     lines += [f"warning: {w}" for w in table.warnings]

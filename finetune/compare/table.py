@@ -19,6 +19,7 @@ from finetune.compare.speed import SPEED_KEYS, speed_cells
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, check
 
+
 class CompareInputError(UserError):
     """Run records that cannot be compared: every problem, one per line."""
 

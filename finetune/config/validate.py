@@ -10,11 +10,18 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 from finetune import precision
-from finetune.config.sections import (SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_PRECISION_FLAGS,
-                                      TRAINING_RESERVED, Config, TrainingConfig, sdpa_list_problem)
+from finetune.config.sections import (
+    SECTION_CLASSES,
+    TRAINING_DEFAULTS,
+    TRAINING_PRECISION_FLAGS,
+    TRAINING_RESERVED,
+    Config,
+    TrainingConfig,
+    sdpa_list_problem,
+)
 from finetune.errors import ConfigError
 
 
@@ -166,7 +173,7 @@ def _precision_flag_problem(dotted: str, key: str, value: Any) -> str:
             f"--training.precision={like} (allowed: {', '.join(precision.CHOICES)}; docs/precision.md)")
 
 
-def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:
+def check_type(value: Any, hint: Any, lenient: bool = False) -> str | None:
     """Return a problem description if `value` does not fit `hint`, else None.
 
     `lenient` accepts values for annotations we cannot check precisely (TrainingArguments

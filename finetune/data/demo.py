@@ -47,8 +47,10 @@ def _date(rng: random.Random) -> tuple[str, str]:
 
 def _sort(rng: random.Random) -> tuple[str, str]:
     nums = rng.sample(range(1, 100), 3)
-    return (f"Sort these numbers from smallest to largest: {', '.join(map(str, nums))}",
-            ", ".join(map(str, sorted(nums))))
+    return (
+        f"Sort these numbers from smallest to largest: {', '.join(map(str, nums))}",
+        ", ".join(map(str, sorted(nums))),
+    )
 
 
 _MAKERS = {"add": _add, "upper": _upper, "reverse": _reverse, "date": _date, "sort": _sort}
@@ -88,3 +90,11 @@ def write_demo(directory: Path, train_size: int, heldout_size: int, seed: int = 
     """Write train.jsonl and heldout.jsonl into `directory`; returns their paths."""
     train, heldout = generate(train_size, heldout_size, seed)
     return write_jsonl(train, directory / "train.jsonl"), write_jsonl(heldout, directory / "heldout.jsonl")
+
+
+def paths(cfg, run_dir: Path) -> tuple[str, str | None]:
+    """(data.path, eval.heldout_path) as a run reads them: `demo` is its run directory's data/."""
+    if cfg.data.path != "demo":
+        return cfg.data.path, cfg.eval.heldout_path
+    heldout = str(run_dir / "data" / "heldout.jsonl") if cfg.eval.heldout_path == "demo" else cfg.eval.heldout_path
+    return str(run_dir / "data" / "train.jsonl"), heldout

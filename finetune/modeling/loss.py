@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.errors import ConfigError, UserError
+
 # the chunk size and what `auto` picks: pure arithmetic the planner reads too
 from finetune.modeling.loss_choice import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, auto_choice, chunk_tokens  # noqa: F401
 

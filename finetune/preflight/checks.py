@@ -18,21 +18,24 @@ from pathlib import Path
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices
-from finetune.preflight import precision as precision_checks
+from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
 
-def check_before_loading(cfg, state, *, setup=None, resume: str | None = None,
-                         launch: LaunchPlan | None = None) -> None:
+def check_before_loading(
+    cfg, state, *, setup=None, resume: str | None = None, launch: LaunchPlan | None = None
+) -> None:
     """In each launched process: raise one ConfigError listing every problem; ranks agree. `launch`:
     this process's launch (resolved from `state` and `setup` when not given). `resume` (--resume)
     lets the run directory exist: a resumed run continues it."""
     launch = launch or LaunchPlan.resolve(cfg, state, setup)
     in_script = launch.set_up_by == "recipe"
-    found = (devices.world_size_problem(state, cfg.recipe if in_script else None),
-             devices.launcher_processes_problem(launch.setup, cfg))
+    found = (
+        devices.world_size_problem(state, cfg.recipe if in_script else None),
+        devices.launcher_processes_problem(launch.setup, cfg),
+    )
     problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
@@ -56,11 +59,19 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
     cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
-        facts = from_config_file(Path(parsed.config_file), num_processes=parsed.num_processes, cpu=parsed.cpu,
-                                 deepspeed_config_file=parsed.deepspeed_config_file, base_dirs=[resources.ROOT])
+        facts = from_config_file(
+            Path(parsed.config_file),
+            num_processes=parsed.num_processes,
+            cpu=parsed.cpu,
+            deepspeed_config_file=parsed.deepspeed_config_file,
+            base_dirs=[resources.ROOT],
+        )
     else:
-        facts = LaunchFacts(source="accelerate launch without a config file", num_processes=parsed.num_processes or 1,
-                            use_cpu=parsed.cpu)
+        facts = LaunchFacts(
+            source="accelerate launch without a config file",
+            num_processes=parsed.num_processes or 1,
+            use_cpu=parsed.cpu,
+        )
     launch = LaunchPlan.of(cfg, facts)
     problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
@@ -70,8 +81,16 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
 
 def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None = None) -> list[str]:
     problems = list(launch.facts.problems)
-    checks = [devices.one_device_per_process, devices.one_process_many_devices, deepspeed_values,
-              strategy_matches_recipe, qlora_storage, precision_checks.policy_problems, model_source, dataset]
+    checks = [
+        devices.one_device_per_process,
+        devices.one_process_many_devices,
+        deepspeed_values,
+        strategy_matches_recipe,
+        qlora_storage,
+        policy_checks.policy_problems,
+        model_source,
+        dataset,
+    ]
     if not resume:  # a resumed run continues its directory (finetune/checkpointing/resume.py checks it exists)
         checks.append(run_directory)
     for check in checks:
@@ -94,9 +113,13 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     expected = {
         "train_micro_batch_size_per_gpu": (per_device, "training.per_device_train_batch_size"),
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
-        "train_batch_size": (launch.effective_batch(per_device, accum),
-                             (f"training.per_device_train_batch_size x gradient_accumulation_steps x "
-                              f"{dp} processes = {per_device} x {accum} x {dp}")),
+        "train_batch_size": (
+            launch.effective_batch(per_device, accum),
+            (
+                f"training.per_device_train_batch_size x gradient_accumulation_steps x "
+                f"{dp} processes = {per_device} x {accum} x {dp}"
+            ),
+        ),
         "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (finetune/preflight/precision.py)
     problems = []
@@ -106,8 +129,10 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
         if value is None or value == "auto":
             continue
         if _as_number(value) != _as_number(want):
-            problems.append(f"{facts.deepspeed_source}: {key} is {value!r} but {field} gives {want!r}; "
-                            f"set it to \"auto\" (Trainer fills it in) or make the two agree")
+            problems.append(
+                f"{facts.deepspeed_source}: {key} is {value!r} but {field} gives {want!r}; "
+                f'set it to "auto" (Trainer fills it in) or make the two agree'
+            )
     return problems
 
 
@@ -121,14 +146,23 @@ def strategy_matches_recipe(cfg, launch: LaunchPlan, *, in_process: bool) -> lis
         return []
     where = facts.deepspeed_source if facts.distributed_type == "DEEPSPEED" else facts.source
     line = launch_line(want if want != "any" else got, want_offload if want_offload != "any" else "none", cfg.recipe)
-    aside = "" if not facts.default_config else (
-        f"\n  or, to let the recipe set up its strategy itself, move your default config aside (e.g. "
-        f"`mv {facts.default_config} {facts.default_config}.off`) and launch without one:\n"
-        f"    accelerate launch finetune/train.py --recipe {cfg.recipe}")
-    return [(f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
-             f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
-             f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
-             f"(and run.offload: any) to accept whatever the launch gives")]
+    aside = (
+        ""
+        if not facts.default_config
+        else (
+            f"\n  or, to let the recipe set up its strategy itself, move your default config aside (e.g. "
+            f"`mv {facts.default_config} {facts.default_config}.off`) and launch without one:\n"
+            f"    accelerate launch finetune/train.py --recipe {cfg.recipe}"
+        )
+    )
+    return [
+        (
+            f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
+            f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
+            f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
+            f"(and run.offload: any) to accept whatever the launch gives"
+        )
+    ]
 
 
 def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
@@ -140,9 +174,13 @@ def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     compute_name = launch.policy.compute_dtype
     if m.quant_storage in ("auto", compute_name):
         return []
-    return [(f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
+    return [
+        (
+            f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
             f"parameters of one dtype, so QLoRA's 4-bit weights must be stored as the compute dtype "
-            f"({compute_name} here, from training.precision); set method.quant_storage: auto")]
+            f"({compute_name} here, from training.precision); set method.quant_storage: auto"
+        )
+    ]
 
 
 def model_source(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
@@ -152,8 +190,10 @@ def model_source(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     from finetune.config.sections import BUNDLED_MODEL
 
     problems = []
-    for key, name, marker in (("model.name_or_path", cfg.model.name_or_path, "config.json"),
-                              ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path, "tokenizer_config.json")):
+    for key, name, marker in (
+        ("model.name_or_path", cfg.model.name_or_path, "config.json"),
+        ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path, "tokenizer_config.json"),
+    ):
         if not name or name == BUNDLED_MODEL:
             continue
         if name.startswith("bundled:"):
@@ -184,16 +224,20 @@ def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
             return None  # cached: loads without network
     except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
         return f"{repo_id!r} is neither a local directory nor a valid hub id: {e}"
-    fix = (f"download it where there is network (`hf download {repo_id}`, then copy ~/.cache/huggingface) "
-           f"or pass a local model directory")
+    fix = (
+        f"download it where there is network (`hf download {repo_id}`, then copy ~/.cache/huggingface) "
+        f"or pass a local model directory"
+    )
     if constants.HF_HUB_OFFLINE:
         return f"hub id {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
     endpoint = urlparse(constants.ENDPOINT)
     try:  # seconds, not the minute of retries from_pretrained spends before giving up
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
     except OSError as e:
-        return (f"hub id {repo_id!r} is not in the local Hugging Face cache and {endpoint.hostname} cannot be "
-                f"reached ({e}); {fix}")
+        return (
+            f"hub id {repo_id!r} is not in the local Hugging Face cache and {endpoint.hostname} cannot be "
+            f"reached ({e}); {fix}"
+        )
     return None
 
 

@@ -13,9 +13,10 @@ a field says per rank; null where a value does not apply (device memory on a CPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import typing
-from typing import Any, Callable, TypedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from finetune.data.build import DataStats
 from finetune.telemetry.record_predicted import PredictedMemory

@@ -9,6 +9,7 @@ transformers' WandbCallback (report_to: wandb) logs it into the W&B run this mod
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 from finetune.telemetry.record import RecordView, RunRecord
@@ -57,3 +58,14 @@ class RunJson:
 
     def close(self, record: RecordView, exit_code: int) -> None:
         self.record.write()
+
+
+def for_run(cfg, record: RunRecord, run_dir: Path) -> Sinks:
+    """A run's backends (rank 0): run.json, the console, and W&B when logging.report_to names it."""
+    from finetune.telemetry import wandb_logging
+    from finetune.telemetry.summary import Console
+
+    backends = [RunJson(record), Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
+    if wandb_logging.enabled(cfg.logging.report_to):
+        backends.append(wandb_logging.WandB(cfg.logging.wandb_project, run_dir))
+    return Sinks(*backends)

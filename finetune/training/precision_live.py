@@ -14,8 +14,8 @@ import logging
 import torch
 
 from finetune import precision
-from finetune.precision import dtype_name
 from finetune.errors import UserError
+from finetune.precision import dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -64,6 +64,15 @@ class Data:
     heldout: list[dict] | None  # exact-match rows, when eval.exact_match
 
 
+@dataclass(frozen=True)
+class Trained:
+    train_loss: float
+    train_s: float  # Trainer.train() of this launch
+    measured: dict  # the meter's per-step series and peaks (FinetuneTrainer.final_measurements)
+    eval_loss: float | None
+    exact_match: dict  # "before" / "after" -> evaluation.exact_match's result
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     from finetune.config.recipe import load_recipe
@@ -91,41 +100,33 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # the record must say how the run ended, then the error goes on
         if run.record and run.committed:
             interrupted = isinstance(e, KeyboardInterrupt)
-            run.record.update("summary", status="interrupted" if interrupted else "failed",
-                              error=None if interrupted else f"{type(e).__name__}: {e}")
+            run.record.update(
+                "summary",
+                status="interrupted" if interrupted else "failed",
+                error=None if interrupted else f"{type(e).__name__}: {e}",
+            )
             run.sinks.close(run.record.view, 1)
         raise
 
 
 def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read."""
+    from finetune.checkpointing import universal
+
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
     data = load_data(run, arguments)
-    universal_dir = _universal_checkpoint(run)
+    universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments, data)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record)
         run.sinks.start(run.record.view)
-    results = {}
-    if data.heldout is not None and run.cfg.eval.before:
-        results["before"] = _exact_match(run, trainer, model, data, "before")
-    if run.resume:  # never saved into by this run: finetune/checkpointing/checkpoints.py move_aside_newer
-        _move_aside_newer_checkpoints(run)
-    train_start = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
-    train_s = time.perf_counter() - train_start
-    if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
+    trained = train(run, trainer, model, data, universal_dir)
+    if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
         return preempted(run, trainer, arguments)
-    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-    measured = trainer.final_measurements()
-    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
-    if data.heldout is not None:
-        results["after"] = _exact_match(run, trainer, model, data, "after")
-    return finish(run, trainer, model, data, measured=measured, results=results, eval_loss=eval_loss,
-                  train_loss=out.training_loss, train_s=train_s, started=started)
+    return finish(run, trainer, model, data, trained, started)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
@@ -154,15 +155,18 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     return state, LaunchPlan.resolve(cfg, state, setup), ended
 
 
-def prepare(cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None,
-            overrides: list[str]) -> Run:
+def prepare(
+    cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None, overrides: list[str]
+) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     from finetune import preflight
     from finetune.checkpointing import resume as resuming
     from finetune.checkpointing import resume_plan
+    from finetune.data import demo
     from finetune.launch import rundir
     from finetune.launch.ranks import run_on_main
+    from finetune.telemetry import sinks
     from finetune.telemetry.record import RunRecord
 
     plan = resumed = None
@@ -178,16 +182,29 @@ def prepare(cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *
     name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
-    record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe,
-                       config=cfg.to_dict()) if state.is_main_process else None
+    record = (
+        RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
+        if state.is_main_process
+        else None
+    )
     if record and plan:
         resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
-    data_path, heldout_path = _data_files(cfg, run_dir)
-    run = Run(cfg=cfg, launch=launch, state=state, name=name, dir=run_dir, data_path=data_path,
-              heldout_path=heldout_path, record=record, sinks=_sinks(cfg, record, run_dir) if record else None,
-              resume=plan, ended=ended)
+    data_path, heldout_path = demo.paths(cfg, run_dir)
+    run = Run(
+        cfg=cfg,
+        launch=launch,
+        state=state,
+        name=name,
+        dir=run_dir,
+        data_path=data_path,
+        heldout_path=heldout_path,
+        record=record,
+        sinks=sinks.for_run(cfg, record, run_dir) if record else None,
+        resume=plan,
+        ended=ended,
+    )
     if not plan:  # a resumed run commits once its data is checked (load_data)
         commit(run)
     if cfg.data.path == "demo":
@@ -207,8 +224,11 @@ def commit(run: Run) -> None:
     if run.resume:
         resume.keep_previous_record(run.dir)
     saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-    log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-             saved, saved.read_text(encoding="utf-8").rstrip())
+    log.info(
+        "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+        saved,
+        saved.read_text(encoding="utf-8").rstrip(),
+    )
     run.record.write()
 
 
@@ -245,8 +265,9 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
-    bundle = build.build_datasets(dataclasses.replace(cfg.data, path=run.data_path), tokenizer,
-                                  seed=arguments.args.seed)
+    bundle = build.build_datasets(
+        dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
+    )
     fingerprint = provenance.data_fingerprint(bundle.train)
     if run.resume:
         resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
@@ -266,15 +287,25 @@ def load_model(run: Run, arguments: RunArguments, data: Data):
 
     cfg, launch, args = run.cfg, run.launch, arguments.args
     set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
-    model = load(cfg.model, cfg.method, gradient_checkpointing=arguments.gradient_checkpointing, policy=launch.policy,
-                 deepspeed=launch.family == "deepspeed")
+    model = load(
+        cfg.model,
+        cfg.method,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        policy=launch.policy,
+        deepspeed=launch.family == "deepspeed",
+    )
     if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
         zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
-    loss.install(model, cfg.training.loss_impl, chunk=cfg.training.loss_chunk_tokens,
-                 label_smoothing=args.label_smoothing_factor, use_liger_kernel=args.use_liger_kernel,
-                 device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-                 tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-                 * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data))
+    loss.install(
+        model,
+        cfg.training.loss_impl,
+        chunk=cfg.training.loss_chunk_tokens,
+        label_smoothing=args.label_smoothing_factor,
+        use_liger_kernel=args.use_liger_kernel,
+        device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
+    )
     return model
 
 
@@ -289,27 +320,48 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
 
     cfg, launch = run.cfg, run.launch
     trainer = ResilientTrainer(
-        model=model, args=arguments.args, train_dataset=data.bundle.train, eval_dataset=data.bundle.eval,
+        model=model,
+        args=arguments.args,
+        train_dataset=data.bundle.train,
+        eval_dataset=data.bundle.eval,
         data_collator=collate.make_collator(cfg.data, cfg.model, data.tokenizer.pad_token_id),
-        processing_class=data.tokenizer, sinks=run.sinks, **meter.mfu_inputs(model, cfg.method.name),
-        save_total_limit=arguments.save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
-        max_nonfinite_skips=cfg.training.max_nonfinite_skips)
+        processing_class=data.tokenizer,
+        sinks=run.sinks,
+        **meter.mfu_inputs(model, cfg.method.name),
+        save_total_limit=arguments.save_total_limit,
+        on_nonfinite=cfg.training.on_nonfinite,
+        max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+    )
     trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
         universal.enable_loading(trainer)
     engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
     engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
-    engaged_strategy.live_check(trainer, declared=engaged, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
-                                recipe=cfg.recipe, record=run.record)  # the wrapped engine, before the first step
+    engaged_strategy.live_check(
+        trainer,
+        declared=engaged,
+        expected=cfg.run.strategy,
+        expected_offload=cfg.run.offload,
+        recipe=cfg.recipe,
+        record=run.record,
+    )  # the wrapped engine, before the first step
     precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
-    precision_live.install(trainer, launch.policy, requested=cfg.training.precision, family=launch.family,
-                           method=cfg.method.name, load_dtype=launch.policy.load_dtype(cfg.method.name),
-                           learning_rate=arguments.lr["applied"], record=run.record)  # before step 1
+    precision_live.install(
+        trainer,
+        launch.policy,
+        requested=cfg.training.precision,
+        family=launch.family,
+        method=cfg.method.name,
+        load_dtype=launch.policy.load_dtype(cfg.method.name),
+        learning_rate=arguments.lr["applied"],
+        record=run.record,
+    )  # before step 1
     return trainer
 
 
-def record_setup(run: Run, trainer: ResilientTrainer, arguments: RunArguments, model, data: Data,
-                 attention_record: dict) -> None:
+def record_setup(
+    run: Run, trainer: ResilientTrainer, arguments: RunArguments, model, data: Data, attention_record: dict
+) -> None:
     """What the run set up, into its record (rank 0), each section as its owner builds it."""
     from finetune.checkpointing import provenance, resume
     from finetune.modeling import loss
@@ -327,11 +379,42 @@ def record_setup(run: Run, trainer: ResilientTrainer, arguments: RunArguments, m
     record.set("faults", trainer.faults_section())  # docs/faults.md
     record.set("data", data.bundle.stats.section())
     record.set("parameters", parameters_section(model))
-    record.set("speed", speed.section(cfg, model, trainer, attention_record=attention_record,
-                                      loss_record=loss.installed(model)))
+    record.set(
+        "speed",
+        speed.section(cfg, model, trainer, attention_record=attention_record, loss_record=loss.installed(model)),
+    )
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
-    prediction.record_prediction(record, model.config, cfg, gradient_checkpointing=arguments.gradient_checkpointing,
-                                 precision=run.launch.policy.name, train_dataset=data.bundle.train)
+    prediction.record_prediction(
+        record,
+        model.config,
+        cfg,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        precision=run.launch.policy.name,
+        train_dataset=data.bundle.train,
+    )
+
+
+def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
+    """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
+    loss and exact match after; None when the run was preempted."""
+    from finetune.checkpointing import resume
+
+    results = {}
+    if data.heldout is not None and run.cfg.eval.before:
+        results["before"] = _exact_match(run, trainer, model, data, "before")
+    if run.resume:  # never saved into by this run
+        resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
+    train_start = time.perf_counter()
+    out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
+    train_s = time.perf_counter() - train_start
+    if trainer.resilience.preempted:
+        return None
+    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
+    measured = trainer.final_measurements()
+    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+    if data.heldout is not None:
+        results["after"] = _exact_match(run, trainer, model, data, "after")
+    return Trained(out.training_loss, train_s, measured, eval_loss, results)
 
 
 def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
@@ -341,19 +424,27 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
     p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
     trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
     if run.record:
-        run.record.update("summary", status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
-                          error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
-                          nonfinite_skipped=trainer.skipped_steps)
+        run.record.update(
+            "summary",
+            status="interrupted",
+            steps=trainer.state.global_step,
+            checkpoint=str(ckpt),
+            error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
+            nonfinite_skipped=trainer.skipped_steps,
+        )
         run.sinks.close(run.record.view, EXIT_PREEMPTED)
-        command = resume.resume_command(run.dir, effective=arguments.batch["effective"],
-                                        per_device=trainer.args.per_device_train_batch_size)
-        print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-              f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
+        command = resume.resume_command(
+            run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
+        )
+        print(
+            f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
+            f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
+            flush=True,
+        )
     return EXIT_PREEMPTED
 
 
-def finish(run: Run, trainer: ResilientTrainer, model, data: Data, *, measured: dict, results: dict,
-           eval_loss: float | None, train_loss: float, train_s: float, started: float) -> int:
+def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
     """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
     from finetune.modeling import export
     from finetune.training import evaluation
@@ -364,12 +455,18 @@ def finish(run: Run, trainer: ResilientTrainer, model, data: Data, *, measured: 
         if run.state.is_main_process:
             data.tokenizer.save_pretrained(str(run.dir / "model"))
     if record:
-        record.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
-                      wall_s=round(time.perf_counter() - started, 2), status="completed",
-                      nonfinite_skipped=trainer.skipped_steps)
-        record_figures(record, measured, model, cfg, world=run.launch.world_size, train_loss=train_loss)
-        if results:
-            record.set("eval", evaluation.section(results, run.heldout_path))
+        record.update(
+            "summary",
+            eval_loss=trained.eval_loss,
+            steps=trainer.state.global_step,
+            train_s=round(trained.train_s, 2),
+            wall_s=round(time.perf_counter() - started, 2),
+            status="completed",
+            nonfinite_skipped=trainer.skipped_steps,
+        )
+        record_figures(record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+        if trained.exact_match:
+            record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
         run.sinks.close(record.view, 0)
     return 0
 
@@ -387,19 +484,41 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
         starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
         earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
         summary, stretches, excluded = totals.whole_run(
-            earlier, starts, warmup=warmup, steps=len(measured["step_s"]), trained=sum(measured["trained_tokens"]),
-            inputs=sum(measured["input_tokens"]), train_loss=train_loss)
+            earlier,
+            starts,
+            warmup=warmup,
+            steps=len(measured["step_s"]),
+            trained=sum(measured["trained_tokens"]),
+            inputs=sum(measured["input_tokens"]),
+            train_loss=train_loss,
+        )
         rec.update("summary", **summary)
         flops, reason = model_flops.from_model(model, cfg.method.name)
-        figures = meter.run_figures(measured, hardware=view.get("hardware"), model_flops=flops, flops_reason=reason,
-                                    world_size=world, warmup=warmup, earlier=stretches, earlier_excluded=excluded)
+        figures = meter.run_figures(
+            measured,
+            hardware=view.get("hardware"),
+            model_flops=flops,
+            flops_reason=reason,
+            world_size=world,
+            warmup=warmup,
+            earlier=stretches,
+            earlier_excluded=excluded,
+        )
     except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
         log.exception("run figures could not be computed; they are null in run.json, with the error")
         rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
         rec.set("memory", None)
-        rec.set("throughput", {**formulas.throughput([], excluded=0), "flops_convention": None, "flops_per_token": None,
-                               "peak_device": None, "scope": meter.SCOPE,
-                               "mfu_note": f"figures not computed: {type(e).__name__}: {e}"})
+        rec.set(
+            "throughput",
+            {
+                **formulas.throughput([], excluded=0),
+                "flops_convention": None,
+                "flops_per_token": None,
+                "peak_device": None,
+                "scope": meter.SCOPE,
+                "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
+            },
+        )
         return
     rec.set("memory", figures["memory"])
     rec.set("throughput", figures["throughput"])
@@ -408,27 +527,6 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
-
-
-def _sinks(cfg: Config, record: RunRecord, run_dir: Path) -> Sinks:
-    """run.json, the console, and W&B when logging.report_to names it (rank 0)."""
-    from finetune.telemetry import wandb_logging
-    from finetune.telemetry.sinks import RunJson, Sinks
-    from finetune.telemetry.summary import Console
-
-    sinks = [RunJson(record), Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
-    if wandb_logging.enabled(cfg.logging.report_to):
-        sinks.append(wandb_logging.WandB(cfg.logging.wandb_project, run_dir))
-    return Sinks(*sinks)
-
-
-def _data_files(cfg: Config, run_dir: Path) -> tuple[str, str | None]:
-    """(data.path, eval.heldout_path) as the run reads them: `demo` is the run directory's data/."""
-    if cfg.data.path != "demo":
-        return cfg.data.path, cfg.eval.heldout_path
-    data_dir = run_dir / "data"
-    heldout = str(data_dir / "heldout.jsonl") if cfg.eval.heldout_path == "demo" else cfg.eval.heldout_path
-    return str(data_dir / "train.jsonl"), heldout
 
 
 def _write_demo_data(run: Run) -> None:
@@ -441,23 +539,6 @@ def _write_demo_data(run: Run) -> None:
     run.state.wait_for_everyone()
 
 
-def _universal_checkpoint(run: Run) -> str | None:
-    """DeepSpeed states resumed under another world size: their universal checkpoint (rank 0 converts)."""
-    from finetune.checkpointing import universal
-
-    return universal.for_resume(run.state, run.resume, run.record)
-
-
-def _move_aside_newer_checkpoints(run: Run) -> None:
-    from finetune.checkpointing import checkpoints, resume
-    from finetune.launch.ranks import run_on_main
-
-    moved = run_on_main(run.state, lambda: checkpoints.move_aside_newer(run.dir, run.resume.step))
-    if run.record:
-        resume.note_segment(run.record, superseded=[new for _, new in moved])
-        run.record.write()
-
-
 def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
     """Exact match on the held-out rows, sharded over the ranks; `before` gathers ZeRO-3 shards first."""
     from finetune.modeling import zero3
@@ -466,19 +547,33 @@ def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: 
     cfg = run.cfg
     with zero3.full_parameters(model) if stage == "before" else contextlib.nullcontext():
         result = evaluation.exact_match(
-            model, data.tokenizer, data.heldout, system_prompt=cfg.data.system_prompt,
-            use_chat_template=cfg.data.chat_template, max_new_tokens=cfg.eval.max_new_tokens,
-            batch_size=cfg.eval.batch_size, source=run.heldout_path,
-            accelerator=trainer.accelerator)  # reduce() across ranks: an Accelerator, not PartialState
+            model,
+            data.tokenizer,
+            data.heldout,
+            system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            source=run.heldout_path,
+            accelerator=trainer.accelerator,
+        )  # reduce() across ranks: an Accelerator, not PartialState
     if run.state.is_main_process:
-        log.info("exact match %s training: %.1f%% (%d/%d)", stage, 100 * result["exact_match"], result["correct"],
-                 result["total"])
+        log.info(
+            "exact match %s training: %.1f%% (%d/%d)",
+            stage,
+            100 * result["exact_match"],
+            result["correct"],
+            result["total"],
+        )
     return result
 
 
 def _setup_logging(level: str, main_process: bool) -> None:
     import transformers
 
-    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
-                        level=getattr(logging, level.upper()) if main_process else logging.WARNING)
+    logging.basicConfig(
+        format="[%(asctime)s %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+        level=getattr(logging, level.upper()) if main_process else logging.WARNING,
+    )
     transformers.logging.set_verbosity_warning()

@@ -12,8 +12,8 @@ import torch
 
 from finetune.data import pack
 from finetune.data.collate import FLASH_ATTENTION
-from finetune.modeling import attention
 from finetune.errors import ConfigError, UserError
+from finetune.modeling import attention
 
 # Attention implementations whose handling of position_ids without an attention mask was
 # read in transformers 5.23 (see the module docstring).

@@ -33,7 +33,7 @@ log = logging.getLogger("finetune")
 class _StepClock(TrainerCallback):
     """Drives the meter's clock: training begins, each optimizer step begins and ends."""
 
-    def __init__(self, trainer: "FinetuneTrainer"):
+    def __init__(self, trainer: FinetuneTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):

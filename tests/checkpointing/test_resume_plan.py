@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from finetune.errors import ConfigError, UserError
-from finetune.checkpointing import checkpoints, provenance as checkpoint_facts, resume, resume_plan, rng
+from finetune.checkpointing import checkpoints, resume, resume_plan, rng
+from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
 from finetune.checkpointing.resume_plan import Launch, plan
+from finetune.errors import ConfigError, UserError
 
 LORA = {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 MODEL = {"name_or_path": "/models/tiny", "revision": None, "config_sha256": "a" * 64}
@@ -375,8 +376,8 @@ def tiny(tmp_path) -> Path:
 
 
 def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_path, tiny, monkeypatch):
-    from finetune.launch import accelerate as launcher
     from finetune import preflight
+    from finetune.launch import accelerate as launcher
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "zero3", 2)
@@ -393,8 +394,8 @@ def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_pat
 
 
 def test_finetune_train_accepts_ddp_resumed_on_one_process_as_single(tmp_path, tiny, monkeypatch):
-    from finetune.launch import accelerate as launcher
     from finetune import preflight
+    from finetune.launch import accelerate as launcher
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "ddp", 2)

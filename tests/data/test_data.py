@@ -157,7 +157,7 @@ def test_messages_multi_turn_with_system_from_parquet(tokenizer, eot, tmp_path):
     assert "You answer tersely." in full
     runs = trained_runs(tokenizer, example["input_ids"], example["labels"])
     assert runs == ["First answer." + eot, "Second answer." + eot]
-    untrained = tokenizer.decode([t for t, l in zip(example["input_ids"], example["labels"]) if l == IGNORE])
+    untrained = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label == IGNORE])
     for text in ("You answer tersely.", "First question?", "Second question?"):
         assert text in untrained
 
@@ -489,7 +489,9 @@ def test_eval_split_is_deterministic_disjoint_and_sized(tokenizer, tmp_path):
 
     def split(seed):
         bundle = build(tokenizer, path, seed=seed, eval_fraction=0.25)
-        texts = lambda ds: {tokenizer.decode(ex["input_ids"]) for ex in ds}
+        def texts(ds):
+            return {tokenizer.decode(ex["input_ids"]) for ex in ds}
+
         return texts(bundle.train), texts(bundle.eval), bundle.stats
 
     train, eval_, stats = split(seed=3)
@@ -538,9 +540,9 @@ def test_packing_fits_rows_restarts_positions_and_masks_boundaries(tokenizer, tm
             assert labels == expected
 
     # Text rows train every token, so each example after the first in a row loses one label.
-    unpacked_trained = sum(sum(l != IGNORE for l in ex["labels"]) for ex in unpacked.train)
+    unpacked_trained = sum(sum(label != IGNORE for label in ex["labels"]) for ex in unpacked.train)
     boundaries = len(unpacked.train) - len(packed.train)
-    packed_trained = sum(sum(l != IGNORE for l in row["labels"]) for row in packed.train)
+    packed_trained = sum(sum(label != IGNORE for label in row["labels"]) for row in packed.train)
     assert packed_trained == unpacked_trained - boundaries
     # trained tokens are what the shifted loss scores: label 0 of a row never is, so each row gives
     # up its first label too, and packed and unpacked layouts count the same (issue 15 item 8)

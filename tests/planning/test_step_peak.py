@@ -34,7 +34,7 @@ CASES = [  # (regime, shape, predicted phase, op at the measured peak (None: not
 ]
 
 
-@functools.lru_cache(maxsize=None)  # the control reuses a measurement of the cases
+@functools.cache  # the control reuses a measurement of the cases
 def measure(regime: str, shape: str) -> dict:
     sp = SHAPES[shape]
     cfg = mech.config(vocab_size=sp["vocab"])

@@ -14,11 +14,11 @@ import pytest
 import torch
 import yaml
 
+from finetune import preflight
 from finetune.cli import dispatch
 from finetune.config.recipe import available_recipes
 from finetune.errors import ConfigError
 from finetune.launch import accelerate as launcher
-from finetune import preflight
 from finetune.launch import cpu_rehearsal
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root

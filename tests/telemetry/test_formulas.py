@@ -29,7 +29,7 @@ def test_known_devices_have_their_datasheet_peak(name, label, flops):
 
 
 def test_every_peak_row_names_its_source():
-    for pattern, label, flops, source in formulas.PEAK_DENSE_FLOPS:
+    for _pattern, label, _flops, source in formulas.PEAK_DENSE_FLOPS:
         assert "NVIDIA" in source and ("datasheet" in source or "whitepaper" in source), (label, source)
 
 

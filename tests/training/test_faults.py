@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.checkpointing import checkpoints, resume
+from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.training import fault_injection as faults
 from tests.conftest import REPO, run_process_group
 
@@ -105,8 +105,8 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
         assert got.get("summary", "resume_history")[0]["steps_discarded"] == 2
         assert got.get("created") == old.view.get("created")
         rec.write()
-    from finetune.config.recipe import load_recipe
     from finetune.checkpointing import resume_plan
+    from finetune.config.recipe import load_recipe
 
     cfg = load_recipe("ddp", [f"--run.output_dir={tmp_path}"])[0]
     cfg.run.overwrite = True
@@ -240,8 +240,8 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
 
 def test_finetune_train_passes_resume_through_to_train_py():
-    from finetune.launch.accelerate import launch_command
     from finetune.cli.options import parse_train_args
+    from finetune.launch.accelerate import launch_command
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
     path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")

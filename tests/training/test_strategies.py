@@ -29,10 +29,9 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from tests.conftest import REPO, TRAIN_SCRIPT, Launch, launch_train, run_process_group
 
@@ -642,8 +641,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
     import psutil
 
-    from finetune.errors import EXIT_PREEMPTED
     from finetune.checkpointing import checkpoints
+    from finetune.errors import EXIT_PREEMPTED
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"
