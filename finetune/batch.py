@@ -17,9 +17,14 @@ def effective_batch(per_device: int, grad_accum: int, data_parallel_size: int) -
 
 def section(per_device: int, grad_accum: int, data_parallel_size: int) -> dict:
     """The run record's `batch` section; the tokens per step are measured (filled at the end of the run)."""
-    return {"per_device": per_device, "grad_accum": grad_accum, "data_parallel_size": data_parallel_size,
-            "effective": effective_batch(per_device, grad_accum, data_parallel_size),
-            "input_tokens_per_step": None, "trained_tokens_per_step": None}
+    return {
+        "per_device": per_device,
+        "grad_accum": grad_accum,
+        "data_parallel_size": data_parallel_size,
+        "effective": effective_batch(per_device, grad_accum, data_parallel_size),
+        "input_tokens_per_step": None,
+        "trained_tokens_per_step": None,
+    }
 
 
 def lr_scaling(base_lr: float, rule: str, effective: int, reference: int | None) -> dict:
@@ -30,5 +35,4 @@ def lr_scaling(base_lr: float, rule: str, effective: int, reference: int | None)
     reference = reference or effective
     ratio = effective / reference
     factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
-    return {"base": base_lr, "rule": rule, "reference_batch": reference, "factor": factor,
-            "applied": base_lr * factor}
+    return {"base": base_lr, "rule": rule, "reference_batch": reference, "factor": factor, "applied": base_lr * factor}

@@ -49,7 +49,9 @@ def imports(path: Path, name: str, known: set[str]) -> dict[str, list[str]]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base != "finetune" and not base.startswith("finetune."):
                 continue
             for alias in node.names:
@@ -133,8 +135,13 @@ def layering_problems(g: dict[str, dict[str, list[str]]]) -> list[str]:
 
 
 def private_uses(g: dict[str, dict[str, list[str]]]) -> list[str]:
-    return [f"{src} uses {dst}.{n}" for src, targets in g.items() for dst, names in targets.items()
-            for n in names if n.startswith("_") and not n.startswith("__")]
+    return [
+        f"{src} uses {dst}.{n}"
+        for src, targets in g.items()
+        for dst, names in targets.items()
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
 
 
 def test_no_import_cycle():
@@ -156,8 +163,7 @@ def test_dependencies_point_one_way():
 def test_no_private_name_used_across_modules():
     g = graph()
     assert private_uses(g) == []
-    tests = {name: imports(path, name, set(module_files()))
-             for name, path in module_files(REPO / "tests").items()}
+    tests = {name: imports(path, name, set(module_files())) for name, path in module_files(REPO / "tests").items()}
     assert private_uses(tests) == []
     g["finetune.bench.worker"]["finetune.data.pack"] = ["_empty_packed_row"]  # control
     assert private_uses(g) == ["finetune.bench.worker uses finetune.data.pack._empty_packed_row"]

@@ -19,21 +19,41 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
     kwargs = {"dtype": dtype, "attn_implementation": spec["attn_implementation"]}
     if spec["method"] == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
     peft_config = None
     if spec["method"] in ("lora", "qlora"):
-        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
-                                 task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     layout = {"max_length": spec["seq_len"]}
     if tuned:
-        layout = ({"packing": True, "packing_strategy": "bfd", "max_length": spec["seq_len"]}
-                  if spec["layout"] == "packing" else {"padding_free": True, "max_length": None})
+        layout = (
+            {"packing": True, "packing_strategy": "bfd", "max_length": spec["seq_len"]}
+            if spec["layout"] == "packing"
+            else {"padding_free": True, "max_length": None}
+        )
     args = SFTConfig(
-        output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
-        learning_rate=spec["learning_rate"], bf16=cuda,
-        gradient_checkpointing=spec["gradient_checkpointing"], logging_steps=1, save_strategy="no",
-        report_to="none", seed=spec["seed"], disable_tqdm=True, use_cpu=not cuda, **layout,
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch"],
+        learning_rate=spec["learning_rate"],
+        bf16=cuda,
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec["seed"],
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        **layout,
     )
-    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                      peft_config=peft_config, callbacks=callbacks)
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )

@@ -30,8 +30,11 @@ def step_of(path: Path) -> int | None:
 
 
 def _files(ckpt: Path) -> dict[str, int]:
-    return {p.relative_to(ckpt).as_posix(): p.stat().st_size
-            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(ckpt).as_posix(): p.stat().st_size
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = None) -> Path:
@@ -43,8 +46,12 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
         raise RuntimeError(f"checkpoint {ckpt} has no files; refusing to mark it complete")
     marker = ckpt / MARKER
     tmp = ckpt / (MARKER + ".tmp")
-    body = {"step": step, "world_size": world_size, "files": files,
-            "completed": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    body = {
+        "step": step,
+        "world_size": world_size,
+        "files": files,
+        "completed": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     if run is not None:
         body["run"] = run
     tmp.write_text(json.dumps(body, indent=1), encoding="utf-8")
@@ -103,19 +110,22 @@ def newest_valid(run_dir: Path) -> Path:
         log.warning("skipping checkpoint %s: %s", ckpt, why)
         skipped.append(f"{ckpt.name} ({why})")
     if not found:
-        raise UserError(f"--resume: no checkpoint-<step> directory in {run_dir}. Checkpoints are written "
-                        f"every training.save_steps steps (with --training.save_strategy=steps) and when "
-                        f"a run is preempted; start a new run instead.")
-    raise UserError(f"--resume: no complete checkpoint in {run_dir}; every one is incomplete: "
-                    + "; ".join(skipped))
+        raise UserError(
+            f"--resume: no checkpoint-<step> directory in {run_dir}. Checkpoints are written "
+            f"every training.save_steps steps (with --training.save_strategy=steps) and when "
+            f"a run is preempted; start a new run instead."
+        )
+    raise UserError(f"--resume: no complete checkpoint in {run_dir}; every one is incomplete: " + "; ".join(skipped))
 
 
 def resolve(resume: str, run_dir: Path) -> Path:
     """`--resume` (auto) or `--resume=PATH` -> a complete checkpoint directory, or UserError."""
     if resume == "auto":
         if not Path(run_dir).is_dir():
-            raise UserError(f"--resume: run directory {run_dir} does not exist; give --run.name or "
-                            f"--run.output_dir of the run to continue, or --resume=PATH/checkpoint-N")
+            raise UserError(
+                f"--resume: run directory {run_dir} does not exist; give --run.name or "
+                f"--run.output_dir of the run to continue, or --resume=PATH/checkpoint-N"
+            )
         return newest_valid(run_dir)
     path = Path(resume)
     if step_of(path) is None and path.is_dir() and checkpoints(path):  # a run directory was given
@@ -161,8 +171,11 @@ def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
         cache = ckpt.with_name(ckpt.name + UNIVERSAL_SUFFIX)
         if cache.exists():
             cache.rename(cache.with_name(f"{cache.name}.superseded-{n}"))
-        log.warning("set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
-                    ckpt, new.name, step)
+        log.warning(
+            "set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
+            ckpt,
+            new.name,
+            step,
+        )
         moved.append((ckpt.name, new.name))
     return moved
-

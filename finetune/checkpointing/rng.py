@@ -29,8 +29,12 @@ def restore(checkpoint: Path, *, rank: int, old_world_size: int) -> str | None:
     name = source_file(rank, old_world_size)
     path = Path(checkpoint) / name if name else None
     if path is None or not path.is_file():
-        log.info("rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
-                 rank, checkpoint, old_world_size)
+        log.info(
+            "rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
+            rank,
+            checkpoint,
+            old_world_size,
+        )
         return None
     with safe_globals():  # numpy's state objects allow-listed, as Trainer loads the file
         state = torch.load(path, weights_only=True)

@@ -65,8 +65,12 @@ def for_resume(state, plan, rec) -> str | None:
     if rec:
         resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
         rec.write()
-        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
-                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
+        log.warning(
+            "  DeepSpeed states resharded through %s (%s; %s unchanged)",
+            out,
+            "reused" if seconds is None else f"converted in {seconds:.2f} s",
+            Path(plan.checkpoint).name,
+        )
     return out
 
 
@@ -78,8 +82,10 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
         return cache_dir(ckpt), None
     latest = ckpt / "latest"
     if not latest.is_file():
-        raise UserError(f"--resume: {ckpt} has no `latest` file naming its DeepSpeed tag (global_stepN), so it "
-                        f"cannot be converted to a universal checkpoint for another world size")
+        raise UserError(
+            f"--resume: {ckpt} has no `latest` file naming its DeepSpeed tag (global_stepN), so it "
+            f"cannot be converted to a universal checkpoint for another world size"
+        )
     tag = latest.read_text(encoding="utf-8").strip()
     out, tmp = cache_dir(ckpt), ckpt.with_name(ckpt.name + checkpoints.UNIVERSAL_SUFFIX + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a conversion cut short: ours, rebuilt
@@ -89,16 +95,27 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
 
     # ds_to_universal prints its progress; keep it in a log beside the result instead of the console.
     with open(tmp / "conversion.log", "w", encoding="utf-8") as out_log, contextlib.redirect_stdout(out_log):
-        ds_to_universal.main(argparse.Namespace(
-            input_folder=str(ckpt / tag), output_folder=str(tmp / f"{tag}_universal"),  # latest_universal -> tmp/
-            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-            inject_missing_state=True))
+        ds_to_universal.main(
+            argparse.Namespace(
+                input_folder=str(ckpt / tag),
+                output_folder=str(tmp / f"{tag}_universal"),  # latest_universal -> tmp/
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
+        )
     for pattern in TRAINER_FILES:
         for f in ckpt.glob(pattern):
             shutil.copy2(f, tmp / f.name)
     seconds = round(time.perf_counter() - t0, 2)
-    (tmp / MARKER).write_text(json.dumps({"source": str(ckpt), "source_completed": _source_stamp(ckpt), "tag": tag,
-                                          "seconds": seconds}, indent=1), encoding="utf-8")
+    (tmp / MARKER).write_text(
+        json.dumps(
+            {"source": str(ckpt), "source_completed": _source_stamp(ckpt), "tag": tag, "seconds": seconds}, indent=1
+        ),
+        encoding="utf-8",
+    )
     if out.exists():  # stale: built from an older checkpoint of the same name; derived data, rebuilt
         log.warning("DeepSpeed universal checkpoint %s was built from an older %s; rebuilt", out, ckpt.name)
         shutil.rmtree(out)
@@ -118,8 +135,10 @@ def enable_loading(trainer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.checkpointing.universal",
-                                     description="Convert a DeepSpeed checkpoint to its universal cache beforehand.")
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.checkpointing.universal",
+        description="Convert a DeepSpeed checkpoint to its universal cache beforehand.",
+    )
     parser.add_argument("checkpoint", help="a complete checkpoint-N directory written under DeepSpeed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -10,21 +10,33 @@ TRAIN_EPILOG = """overrides: any recipe value as --section.key=value, e.g.
 sections: model, method, data, training (any TrainingArguments field), eval, logging, run"""
 
 
-def add_recipe(parser: argparse.ArgumentParser, text: str = "recipe name in recipes/ (e.g. demo) or a YAML path") -> None:
+def add_recipe(
+    parser: argparse.ArgumentParser, text: str = "recipe name in recipes/ (e.g. demo) or a YAML path"
+) -> None:
     parser.add_argument("--recipe", required=True, help=text)
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--overwrite and --resume: what a run does with an existing run directory."""
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory of the same name")
-    parser.add_argument("--resume", nargs="?", const="auto", metavar="PATH",
-                        help="continue the run in its run directory from its newest complete checkpoint, or from "
-                             "PATH (a checkpoint-N directory); see docs/faults.md")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        metavar="PATH",
+        help="continue the run in its run directory from its newest complete checkpoint, or from "
+        "PATH (a checkpoint-N directory); see docs/faults.md",
+    )
 
 
 def train_parser(prog: str = "finetune/train.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Fine-tune a causal LM from a recipe.", allow_abbrev=False,
-                                epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Fine-tune a causal LM from a recipe.",
+        allow_abbrev=False,
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_recipe(p)
     add_run_options(p)
     return p

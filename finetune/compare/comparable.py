@@ -36,8 +36,11 @@ def comparison_keys(run) -> dict[str, object]:
 def differences(run, reference) -> list[str]:
     """The comparison keys on which `run` differs from `reference` ("lr.applied 0.001 != 0.0001")."""
     mine, theirs = comparison_keys(run), comparison_keys(reference)
-    return [f"{k} {mine.get(k)!r} != {theirs.get(k)!r}" for k in dict.fromkeys([*theirs, *mine])
-            if json.dumps(mine.get(k), default=str) != json.dumps(theirs.get(k), default=str)]
+    return [
+        f"{k} {mine.get(k)!r} != {theirs.get(k)!r}"
+        for k in dict.fromkeys([*theirs, *mine])
+        if json.dumps(mine.get(k), default=str) != json.dumps(theirs.get(k), default=str)
+    ]
 
 
 def warnings(runs: list) -> list[str]:

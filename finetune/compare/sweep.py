@@ -43,8 +43,16 @@ class PlannedRun:
     log: Path = field(default=Path())
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "finetune.cli", "train", "--recipe", self.recipe,
-                *(["--cpu"] if self.cpu else []), *self.args]
+        return [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "train",
+            "--recipe",
+            self.recipe,
+            *(["--cpu"] if self.cpu else []),
+            *self.args,
+        ]
 
 
 def strategy_names() -> list[str]:
@@ -75,8 +83,11 @@ def _strategy_values(name: str) -> tuple[dict, dict]:
         raise UserError(f"--strategies: unknown strategy {name!r}; allowed: {', '.join(allowed)}")
     values = read_recipe_file(path)
     run = values["run"]
-    run_values = {"strategy": run["strategy"], "offload": run.get("offload", "any"),
-                  "accelerate_config": run["accelerate_config"]}
+    run_values = {
+        "strategy": run["strategy"],
+        "offload": run.get("offload", "any"),
+        "accelerate_config": run["accelerate_config"],
+    }
     method = values.get("method") or {}
     method_values = {}
     if run["strategy"] == "single" and method.get("name") == "qlora":
@@ -119,21 +130,40 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
         config = launch_config(run_values["accelerate_config"], cpu)
         world = processes(config)
         if effective % (world * accum):
-            problems.append(f"{name}: the recipe's effective batch {effective} ({per_device} per device x {accum} "
-                            f"accumulation x {base_world} processes) cannot be kept with {world} processes "
-                            f"x {accum} accumulation; set --training.per_device_train_batch_size / "
-                            f"--training.gradient_accumulation_steps so that it divides")
+            problems.append(
+                f"{name}: the recipe's effective batch {effective} ({per_device} per device x {accum} "
+                f"accumulation x {base_world} processes) cannot be kept with {world} processes "
+                f"x {accum} accumulation; set --training.per_device_train_batch_size / "
+                f"--training.gradient_accumulation_steps so that it divides"
+            )
             continue
         run_dir = out / name
         extra = [f"--run.{k}={v}" for k, v in run_values.items()]
         extra += [f"--method.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in method_values.items()]
-        extra += [f"--training.per_device_train_batch_size={effective // (world * accum)}",
-                  f"--run.output_dir={run_dir}", f"--run.name={cfg.recipe}-{name}"]
+        extra += [
+            f"--training.per_device_train_batch_size={effective // (world * accum)}",
+            f"--run.output_dir={run_dir}",
+            f"--run.name={cfg.recipe}-{name}",
+        ]
         load_recipe(recipe, [*overrides, *extra])  # the exact values this run will train with must load
-        planned.append(PlannedRun(name, run_values["accelerate_config"], world, effective // (world * accum),
-                                  run_dir, [*overrides, *extra], cpu, recipe, effective, out / "logs" / f"{name}.log"))
+        planned.append(
+            PlannedRun(
+                name,
+                run_values["accelerate_config"],
+                world,
+                effective // (world * accum),
+                run_dir,
+                [*overrides, *extra],
+                cpu,
+                recipe,
+                effective,
+                out / "logs" / f"{name}.log",
+            )
+        )
     if problems:
-        raise UserError("cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise UserError(
+            "cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return planned
 
 
@@ -155,8 +185,9 @@ def execute(run: PlannedRun) -> Outcome:
     env.setdefault("PYTHONUNBUFFERED", "1")
     tail: list[str] = []
     with open(run.log, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                bufsize=1)
+        proc = subprocess.Popen(
+            run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+        )
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -183,6 +214,8 @@ def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
         return f"status {status}: {error}"
     effective, world = record.get("batch", "effective"), record.get("strategy", "world_size")
     if effective != run.effective or world != run.world_size:
-        return (f"ran with effective batch {effective} on {world} "
-                f"processes, planned {run.effective} on {run.world_size}: not comparable")
+        return (
+            f"ran with effective batch {effective} on {world} "
+            f"processes, planned {run.effective} on {run.world_size}: not comparable"
+        )
     return None

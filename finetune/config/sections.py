@@ -27,8 +27,10 @@ def sdpa_list_problem(policy) -> str | None:
     a non-empty list of known backends). Torch-free: validation and finetune/modeling/attention.py."""
     if isinstance(policy, list) and policy and all(b in SDPA_BACKENDS for b in policy):
         return None
-    return f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of " \
-           f"{', '.join(SDPA_BACKENDS)}"
+    return (
+        f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of "
+        f"{', '.join(SDPA_BACKENDS)}"
+    )
 
 
 @dataclass
@@ -244,5 +246,3 @@ SECTION_CLASSES = {
 
 
 # --- type checking --------------------------------------------------------------------------
-
-

@@ -125,9 +125,11 @@ def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int
                 f"(rendering the conversation up to turn {e.turn} is not a prefix of the full rendering), so "
                 "assistant tokens cannot be located exactly; set data.train_on_prompt: true, or "
                 "data.chat_template: false for alpaca/prompt_completion data",
-                path=path, row=number,
+                path=path,
+                row=number,
             ) from None
     return rendered, examined
+
 
 _HEAD_BYTES = 1 << 20  # JSON-lines preflight reads at most the first MiB
 
@@ -197,9 +199,14 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
     log.report(good=len(rendered))
 
     examples, truncated, dropped = truncate(tokenize(rendered, tokenizer), max_length)
-    return {"format": fmt, "examined": examined, "skipped": [list(x) for x in log.skipped],
-            "truncated": truncated, "dropped": dropped,
-            "examples": [[ex.input_ids, ex.labels] for ex in examples]}
+    return {
+        "format": fmt,
+        "examined": examined,
+        "skipped": [list(x) for x in log.skipped],
+        "truncated": truncated,
+        "dropped": dropped,
+        "examples": [[ex.input_ids, ex.labels] for ex in examples],
+    }
 
 
 def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
@@ -225,8 +232,11 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     skipped = [tuple(x) for x in entry["skipped"]]
     examples = [Example(ids, labels) for ids, labels in entry["examples"]]
     if not examples:
-        raise DataError(f"no example has a trained token within max_length={max_length} (every completion "
-                        "starts beyond it); raise data.max_length or shorten the prompts", path=path)
+        raise DataError(
+            f"no example has a trained token within max_length={max_length} (every completion "
+            "starts beyond it); raise data.max_length or shorten the prompts",
+            path=path,
+        )
     train, eval_ = _split(examples, getattr(cfg, "eval_fraction", 0.0), seed, path)
 
     packing = bool(getattr(cfg, "packing", False))
@@ -254,7 +264,12 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     )
     logger.info(
         "%s: %s data, %d train / %d eval examples, %d train tokens (%d trained)%s",
-        path, fmt, stats.train_examples, stats.eval_examples, stats.train_input_tokens,
-        stats.train_trained_tokens, f", packed into {len(train_rows)} rows" if packing else "",
+        path,
+        fmt,
+        stats.train_examples,
+        stats.eval_examples,
+        stats.train_input_tokens,
+        stats.train_trained_tokens,
+        f", packed into {len(train_rows)} rows" if packing else "",
     )
     return DataBundle(train=train_ds, eval=eval_ds, stats=stats)

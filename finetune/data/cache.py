@@ -23,8 +23,16 @@ logger = logging.getLogger(__name__)
 # truncation, which rows are skipped), so no run trains on stale cached examples.
 FORMAT_VERSION = 1
 # Settings of the data section that change the tokenized examples (not packing: applied after).
-KEY_FIELDS = ("format", "split", "max_length", "train_on_prompt", "system_prompt", "chat_template",
-              "on_bad_rows", "max_samples")
+KEY_FIELDS = (
+    "format",
+    "split",
+    "max_length",
+    "train_on_prompt",
+    "system_prompt",
+    "chat_template",
+    "on_bad_rows",
+    "max_samples",
+)
 
 
 def default_dir() -> Path:

@@ -30,8 +30,11 @@ def keep_fsdp_on_cpu() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        was_initialized = AcceleratorState._shared_state != {} and self.__class__ is AcceleratorState and \
-            AcceleratorState._shared_state != PartialState._shared_state
+        was_initialized = (
+            AcceleratorState._shared_state != {}
+            and self.__class__ is AcceleratorState
+            and AcceleratorState._shared_state != PartialState._shared_state
+        )
         original(self, *args, **kwargs)
         if was_initialized:
             return

@@ -27,8 +27,10 @@ class Launcher:
     def describe(self) -> str:
         """The launch, as problems and the record name it."""
         if self.config_from == "default config":
-            return (f"your accelerate default config {self.config_file} (read by every `accelerate launch` "
-                    f"without --config_file or --cpu)")
+            return (
+                f"your accelerate default config {self.config_file} (read by every `accelerate launch` "
+                f"without --config_file or --cpu)"
+            )
         if self.config_from == "finetune train":
             return f"accelerate config {self.config_file}"
         if self.config_file:
@@ -44,20 +46,21 @@ def launch_args(argv: list[str]) -> list[str] | None:
     accelerate.commands.launch ...`, `python -m accelerate.commands.accelerate_cli launch ...`)."""
     for i, arg in enumerate(argv):
         name = os.path.basename(arg)
-        if name == "accelerate" and argv[i + 1:i + 2] == ["launch"]:
-            return argv[i + 2:]
+        if name == "accelerate" and argv[i + 1 : i + 2] == ["launch"]:
+            return argv[i + 2 :]
         if name == "accelerate-launch":
-            return argv[i + 1:]
+            return argv[i + 1 :]
         if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in _LAUNCH_MODULES:
             skip = _LAUNCH_MODULES[argv[i + 1]]
-            if skip and argv[i + 2:i + 3] != ["launch"]:
+            if skip and argv[i + 2 : i + 3] != ["launch"]:
                 return None
-            return argv[i + 2 + skip:]
+            return argv[i + 2 + skip :]
     return None
 
 
-def from_parent_argv(argv: list[str], cwd: str, *, script: str, main_module: str | None,
-                     default_config: str | None, env=os.environ) -> Launcher:
+def from_parent_argv(
+    argv: list[str], cwd: str, *, script: str, main_module: str | None, default_config: str | None, env=os.environ
+) -> Launcher:
     """The launcher from its command line (pure: tests give it made-up ones). `script` is this
     process's sys.argv[0], `main_module` its `python -m` module name (or None); `default_config`
     the accelerate default config file if it exists. Kind `python`: no launcher at all (`python
@@ -105,9 +108,14 @@ def detect(env=os.environ) -> Launcher:
         return Launcher("unknown", note=f"the parent process could not be read: {type(e).__name__}")
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    return from_parent_argv(argv, cwd, script=sys.argv[0], main_module=getattr(spec, "name", None),
-                            default_config=default_config_file if os.path.isfile(default_config_file) else None,
-                            env=env)
+    return from_parent_argv(
+        argv,
+        cwd,
+        script=sys.argv[0],
+        main_module=getattr(spec, "name", None),
+        default_config=default_config_file if os.path.isfile(default_config_file) else None,
+        env=env,
+    )
 
 
 def _real(path: str, cwd: str) -> str:

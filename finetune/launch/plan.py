@@ -77,9 +77,17 @@ class LaunchPlan:
         use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
         cuda = torch.cuda.is_available() and not use_cpu
         policy = precision.resolve(cfg.training.precision, cuda, cuda and torch.cuda.is_bf16_supported())
-        return cls(facts=facts, setup=setup, strategy=strategy, offload=offload, world_size=facts.num_processes,
-                   machines=Machines(facts.num_machines, facts.processes_per_machine), policy=policy,
-                   family=precision.family_of_distributed_type(facts.distributed_type), cuda=cuda)
+        return cls(
+            facts=facts,
+            setup=setup,
+            strategy=strategy,
+            offload=offload,
+            world_size=facts.num_processes,
+            machines=Machines(facts.num_machines, facts.processes_per_machine),
+            policy=policy,
+            family=precision.family_of_distributed_type(facts.distributed_type),
+            cuda=cuda,
+        )
 
     @classmethod
     def resolve(cls, cfg, state, setup: LaunchSetup | None = None) -> LaunchPlan:

@@ -36,18 +36,26 @@ class LaunchSetup:
             how = ", ".join(f"{k}={v}" for k, v in self.trainer_arguments.items() if k != "fsdp_config")
             how = f"TrainingArguments({how})" if how else "the processes as launched"
             gloo = f", gloo on CPU ({self.cpu_gloo})" if self.cpu_gloo else ""
-            return (f"strategy {self.row.name} (offload {self.row.offload}) set up by the recipe: {how}{gloo}; "
-                    f"{self.because}")
+            return (
+                f"strategy {self.row.name} (offload {self.row.offload}) set up by the recipe: {how}{gloo}; "
+                f"{self.because}"
+            )
         if self.set_up_by == "launcher-processes":
             return f"strategy from the processes (the recipe accepts any): {self.because}"
         return f"strategy set up by the launcher: {self.because}"
 
     def record(self) -> dict:
         """run.json `strategy.setup` (docs/run_record.md)."""
-        return {"launcher": self.launcher.kind, "config_file": self.launcher.config_file,
-                "config_from": self.launcher.config_from, "because": self.because,
-                "row": self.row.key if self.row else None, "trainer_arguments": self.trainer_arguments or None,
-                "world_of_one": self.world_of_one, "cpu_gloo": self.cpu_gloo}
+        return {
+            "launcher": self.launcher.kind,
+            "config_file": self.launcher.config_file,
+            "config_from": self.launcher.config_from,
+            "because": self.because,
+            "row": self.row.key if self.row else None,
+            "trainer_arguments": self.trainer_arguments or None,
+            "world_of_one": self.world_of_one,
+            "cpu_gloo": self.cpu_gloo,
+        }
 
 
 def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root) -> LaunchSetup:
@@ -61,10 +69,15 @@ def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root
         return LaunchSetup("launcher-processes", launcher, f"{launcher.describe()}, no strategy set up")
     row = by_recipe(run_strategy, run_offload)
     if row is None:  # the config validator allows only shipped names; a pair without a row is said here
-        return LaunchSetup("launcher-processes", launcher, f"{launcher.describe()}; no shipped strategy row "
-                           f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}")
-    return LaunchSetup("recipe", launcher, f"{launcher.describe()} set up no strategy", row,
-                       trainer_arguments(row, root))
+        return LaunchSetup(
+            "launcher-processes",
+            launcher,
+            f"{launcher.describe()}; no shipped strategy row "
+            f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}",
+        )
+    return LaunchSetup(
+        "recipe", launcher, f"{launcher.describe()} set up no strategy", row, trainer_arguments(row, root)
+    )
 
 
 def detect(cfg, env=os.environ) -> LaunchSetup:
@@ -94,8 +107,14 @@ def prepare(setup: LaunchSetup, env=os.environ) -> None:
         with socket.socket() as s:  # a free port: parallel runs on one machine must not share one
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     if setup.cpu_gloo == "accelerate launch --cpu":
         env.pop("ACCELERATE_USE_CPU")
 

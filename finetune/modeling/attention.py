@@ -14,8 +14,12 @@ from finetune.config.sections import sdpa_list_problem
 
 # recipe name -> torch's flag name (torch.backends.cuda.enable_<flag>_sdp / <flag>_sdp_enabled)
 # and the torch.nn.attention.SDPBackend member.
-BACKENDS = {"flash": ("flash", "FLASH_ATTENTION"), "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"),
-            "math": ("math", "MATH"), "cudnn": ("cudnn", "CUDNN_ATTENTION")}
+BACKENDS = {
+    "flash": ("flash", "FLASH_ATTENTION"),
+    "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"),
+    "math": ("math", "MATH"),
+    "cudnn": ("cudnn", "CUDNN_ATTENTION"),
+}
 CPU_USABLE = ("flash", "math")
 # `auto` on CUDA: every backend but cuDNN (the per-shape re-planning above).
 AUTO_CUDA = ("flash", "efficient", "math")
@@ -26,13 +30,20 @@ def problems(policy, device_type: str | None = None) -> list[str]:
     """What is wrong with a `model.sdpa_backends` value ([] = nothing); device_type adds the
     check that a CPU run keeps a backend the CPU has."""
     if isinstance(policy, str):
-        return [] if policy in POLICIES else [
-            f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"]
+        return (
+            []
+            if policy in POLICIES
+            else [
+                f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"
+            ]
+        )
     if problem := sdpa_list_problem(policy):
         return [problem]
     if device_type == "cpu" and not set(policy) & set(CPU_USABLE):
-        return [f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
-                f"{' and '.join(CPU_USABLE)})"]
+        return [
+            f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
+            f"{' and '.join(CPU_USABLE)})"
+        ]
     return []
 
 
@@ -78,8 +89,12 @@ def apply(policy, device_type: str, implementation: str = "sdpa") -> dict:
     if chosen is not None:
         set_enabled(chosen)
     sdpa = implementation == "sdpa"
-    return {"implementation": implementation, "sdpa_backends_policy": policy,
-            "sdpa_backends_enabled": enabled() if sdpa else None, "sdpa_priority": priority() if sdpa else None}
+    return {
+        "implementation": implementation,
+        "sdpa_backends_policy": policy,
+        "sdpa_backends_enabled": enabled() if sdpa else None,
+        "sdpa_priority": priority() if sdpa else None,
+    }
 
 
 @contextlib.contextmanager

@@ -32,7 +32,9 @@ def loss_bytes(impl: str, *, tokens: int, vocab: int, hidden: int, head_trains: 
     return 2 * F32 * min(chunk, tokens) * vocab + (F32 * vocab * hidden if head_trains else 0)
 
 
-def auto_choice(*, tokens: int, vocab: int, hidden: int, head_trains: bool, chunk: int | None = None) -> tuple[str, str]:
+def auto_choice(
+    *, tokens: int, vocab: int, hidden: int, head_trains: bool, chunk: int | None = None
+) -> tuple[str, str]:
     """("chunked" | "standard", why) for `auto`, given the tokens of one micro-batch (padded length x
     rows: an upper bound), the vocabulary, the hidden size and whether the head trains."""
     chunk = chunk or chunk_tokens(vocab)
@@ -41,5 +43,7 @@ def auto_choice(*, tokens: int, vocab: int, hidden: int, head_trains: bool, chun
     mib = 2**20
     if chunked < standard:
         return "chunked", f"chunked {chunked / mib:,.0f} MiB < standard {standard / mib:,.0f} MiB at {tokens} tokens"
-    return "standard", (f"standard {standard / mib:,.0f} MiB <= chunked {chunked / mib:,.0f} MiB at {tokens} tokens "
-                        f"(the trainable head's fp32 weight-gradient accumulator outweighs the logits)")
+    return "standard", (
+        f"standard {standard / mib:,.0f} MiB <= chunked {chunked / mib:,.0f} MiB at {tokens} tokens "
+        f"(the trainable head's fp32 weight-gradient accumulator outweighs the logits)"
+    )

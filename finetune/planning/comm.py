@@ -69,8 +69,10 @@ def step_time(traffic: dict, busbw_gbs: float | None, h2d_gbs: float | None) -> 
     """Seconds per optimizer step spent moving those bytes (no overlap with compute assumed)."""
     coll = sum(traffic["collectives"].values())
     host = sum(traffic["host_device"].values())
-    return {"collectives_s": coll / (busbw_gbs * GB) if busbw_gbs else None,
-            "host_device_s": host / (h2d_gbs * GB) if h2d_gbs and host else (0.0 if not host else None)}
+    return {
+        "collectives_s": coll / (busbw_gbs * GB) if busbw_gbs else None,
+        "host_device_s": host / (h2d_gbs * GB) if h2d_gbs and host else (0.0 if not host else None),
+    }
 
 
 def read_bandwidth(value: str | None) -> dict:
@@ -89,18 +91,25 @@ def read_bandwidth(value: str | None) -> dict:
         return {"busbw_gbs": number, "h2d_gbs": None, "source": f"--bandwidth {value} GB/s"}
     path = Path(value)
     if not path.is_file():
-        raise UserError(f"--bandwidth: {value!r} is neither a number of GB/s nor a file written by "
-                        f"`finetune bench-comm --out FILE.json`")
+        raise UserError(
+            f"--bandwidth: {value!r} is neither a number of GB/s nor a file written by "
+            f"`finetune bench-comm --out FILE.json`"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         rows = [r for r in data["results"] if r["op"] == "all_reduce"]
         best = max(rows, key=lambda r: r["bytes"])
         busbw = float(best["busbw_gbs"])
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--bandwidth: {path} is not a bench-comm result (needs results[] with op "
-                        f"'all_reduce', bytes, busbw_gbs): {type(e).__name__}: {e}") from None
+        raise UserError(
+            f"--bandwidth: {path} is not a bench-comm result (needs results[] with op "
+            f"'all_reduce', bytes, busbw_gbs): {type(e).__name__}: {e}"
+        ) from None
     copy = data.get("host_device") or {}
     h2d = copy.get("h2d_gbs") if isinstance(copy, dict) else None
-    return {"busbw_gbs": busbw, "h2d_gbs": h2d,
-            "source": f"{path}: all_reduce busbw at {best['bytes']:,} bytes over {data.get('world_size')} ranks "
-                      f"({data.get('backend')})"}
+    return {
+        "busbw_gbs": busbw,
+        "h2d_gbs": h2d,
+        "source": f"{path}: all_reduce busbw at {best['bytes']:,} bytes over {data.get('world_size')} ranks "
+        f"({data.get('backend')})",
+    }

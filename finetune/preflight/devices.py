@@ -18,17 +18,23 @@ def world_size_problem(state, in_script_recipe: str | None = None) -> str | None
     launcher = int(os.environ.get("WORLD_SIZE", "1"))
     if launcher == state.num_processes:
         return None
-    head = (f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
-            f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
-            f"machine without a GPU ")
+    head = (
+        f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
+        f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
+        f"machine without a GPU "
+    )
     if in_script_recipe:
-        return head + (f"opt in to gloo (the recipe sets up its strategy itself), e.g.\n"
-                       f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {launcher} finetune/train.py "
-                       f"--recipe {in_script_recipe}\n  (see finetune/launch/cpu_rehearsal.py)")
-    return head + (f"use a CPU config and opt in to gloo, e.g.\n"
-                   f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
-                   f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see "
-                   f"finetune/launch/cpu_rehearsal.py)")
+        return head + (
+            f"opt in to gloo (the recipe sets up its strategy itself), e.g.\n"
+            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {launcher} finetune/train.py "
+            f"--recipe {in_script_recipe}\n  (see finetune/launch/cpu_rehearsal.py)"
+        )
+    return head + (
+        f"use a CPU config and opt in to gloo, e.g.\n"
+        f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
+        f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see "
+        f"finetune/launch/cpu_rehearsal.py)"
+    )
 
 
 def launcher_processes_problem(setup, cfg) -> str | None:
@@ -41,10 +47,12 @@ def launcher_processes_problem(setup, cfg) -> str | None:
     asked, got = setup.launcher.num_processes, int(os.environ.get("WORLD_SIZE", "1"))
     if asked <= got:
         return None
-    return (f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
-            f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
-            f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes")
+    return (
+        f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
+        f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
+        f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
+        f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes"
+    )
 
 
 def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
@@ -60,9 +68,13 @@ def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list
     if not torch.cuda.is_available():
         if in_process or per_machine < 2:  # in a process, world_size_problem already says it
             return []
-        return [(f"{facts.source}: {facts.distributed_type} with {per_machine} processes per machine, but no CUDA "
+        return [
+            (
+                f"{facts.source}: {facts.distributed_type} with {per_machine} processes per machine, but no CUDA "
                 f"GPU is visible here: each process would train alone. Rehearse on CPU with "
-                f"`finetune train --recipe {cfg.recipe} --cpu` (2 processes over gloo), or launch on a GPU machine")]
+                f"`finetune train --recipe {cfg.recipe} --cpu` (2 processes over gloo), or launch on a GPU machine"
+            )
+        ]
     visible = torch.cuda.device_count()
     ids = facts.gpu_ids
     if not in_process and ids not in (None, "all"):
@@ -74,8 +86,12 @@ def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list
         per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", per_machine))
     if per_machine <= visible:
         return []
-    return [(f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
-            f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible")]
+    return [
+        (
+            f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
+            f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible"
+        )
+    ]
 
 
 def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
@@ -86,8 +102,13 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
     from finetune.launch import cpu_rehearsal
 
     facts = launch.facts
-    if facts.distributed_type != "NO" or facts.use_cpu or cfg.training.args.get("use_cpu") \
-            or cpu_rehearsal.requested() or not torch.cuda.is_available():
+    if (
+        facts.distributed_type != "NO"
+        or facts.use_cpu
+        or cfg.training.args.get("use_cpu")
+        or cpu_rehearsal.requested()
+        or not torch.cuda.is_available()
+    ):
         return []
     visible = torch.cuda.device_count()
     ids = facts.gpu_ids
@@ -95,8 +116,12 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
         visible = len([x for x in str(ids).split(",") if x.strip()])
     if visible <= 1:
         return []
-    return [(f"{facts.source}: one process (distributed type NO) with {visible} CUDA devices visible "
-             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): Trainer would wrap the model "
-             f"in torch.nn.DataParallel over all {visible} and train {visible}x the batch while the record says "
-             f"'single'. Pin one device: CUDA_VISIBLE_DEVICES=0 (or gpu_ids: \"0\" in the accelerate config, as "
-             f"accelerate_configs/single_gpu.yaml has), or train on all of them with DDP:\n{launch_line('ddp', 'none', cfg.recipe)}")]
+    return [
+        (
+            f"{facts.source}: one process (distributed type NO) with {visible} CUDA devices visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): Trainer would wrap the model "
+            f"in torch.nn.DataParallel over all {visible} and train {visible}x the batch while the record says "
+            f"'single'. Pin one device: CUDA_VISIBLE_DEVICES=0 (or gpu_ids: \"0\" in the accelerate config, as "
+            f"accelerate_configs/single_gpu.yaml has), or train on all of them with DDP:\n{launch_line('ddp', 'none', cfg.recipe)}"
+        )
+    ]

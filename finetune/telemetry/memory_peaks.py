@@ -85,13 +85,21 @@ class MemoryTracker:
         self.host_peak = host_rss()
 
     def snapshot(self) -> dict:
-        out = {"device_peak_allocated_gib": None, "device_peak_reserved_gib": None,
-               "device_peak_active_gib": None, "host_peak_rss_gib": round(self.host_peak_now() / GIB, 4),
-               "alloc_retries": None, "ooms": None}
+        out = {
+            "device_peak_allocated_gib": None,
+            "device_peak_reserved_gib": None,
+            "device_peak_active_gib": None,
+            "host_peak_rss_gib": round(self.host_peak_now() / GIB, 4),
+            "alloc_retries": None,
+            "ooms": None,
+        }
         if self.cuda:
             s = torch.cuda.memory_stats()
-            out.update(device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
-                       alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0))
+            out.update(
+                device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
+                device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
+                device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
+                alloc_retries=s.get("num_alloc_retries", 0),
+                ooms=s.get("num_ooms", 0),
+            )
         return out

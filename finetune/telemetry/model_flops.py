@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 # Module name parts whose parameters are not weights of the base forward (peft's adapters and
 # the frozen copy ModulesToSaveWrapper keeps beside the trained one).
-SKIPPED_PARTS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
-                 "original_module"}
+SKIPPED_PARTS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "original_module"}
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 
 
@@ -48,24 +47,42 @@ def _from_model(model, method: str) -> tuple[ModelFlops | None, str | None]:
     dense, experts, banks = count_matmul_params(base)
     if experts:
         top_k = next((getattr(text, k) for k in TOP_K_KEYS if isinstance(getattr(text, k, None), int)), None)
-        n_experts = banks or next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                                   if isinstance(getattr(text, k, None), int)), None)
+        n_experts = banks or next(
+            (
+                getattr(text, k)
+                for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                if isinstance(getattr(text, k, None), int)
+            ),
+            None,
+        )
         if not top_k or not n_experts:
-            return None, (f"{type(base).__name__} is a mixture of experts but its config does not say how many "
-                          f"experts a token uses ({' / '.join(TOP_K_KEYS)}) or how many there are")
+            return None, (
+                f"{type(base).__name__} is a mixture of experts but its config does not say how many "
+                f"experts a token uses ({' / '.join(TOP_K_KEYS)}) or how many there are"
+            )
         dense += experts * top_k // n_experts
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) // heads if heads else None)
     if not (isinstance(layers, int) and isinstance(heads, int) and head_dim):
-        return None, (f"{type(text).__name__} does not give the attention shape (num_hidden_layers "
-                      f"{layers!r}, num_attention_heads {heads!r}, head_dim {head_dim!r})")
+        return None, (
+            f"{type(text).__name__} does not give the attention shape (num_hidden_layers "
+            f"{layers!r}, num_attention_heads {heads!r}, head_dim {head_dim!r})"
+        )
     full = method == "full"
     return ModelFlops(
-        matmul_params=int(dense), weight_factor=6 if full else 4, attention_coeff=12 * layers * heads * head_dim,
-        convention=("6N + 12LHQT (PaLM appendix B)" if full else "4N + 12LHQT: frozen base (no weight gradients), "
-                    "LoRA FLOPs ignored") + "; N = matmul weights of the live model incl. LM head"
-        + (", active experts only" if experts else "") + "; T = each example's own length"), None
+        matmul_params=int(dense),
+        weight_factor=6 if full else 4,
+        attention_coeff=12 * layers * heads * head_dim,
+        convention=(
+            "6N + 12LHQT (PaLM appendix B)"
+            if full
+            else "4N + 12LHQT: frozen base (no weight gradients), LoRA FLOPs ignored"
+        )
+        + "; N = matmul weights of the live model incl. LM head"
+        + (", active experts only" if experts else "")
+        + "; T = each example's own length",
+    ), None
 
 
 def count_matmul_params(model) -> tuple[int, int, int]:

@@ -30,8 +30,16 @@ def windows(entries: list[dict], segment_starts: list[int]) -> list[tuple[dict, 
     return out
 
 
-def whole_run(entries: list[dict], segment_starts: list[int], *, warmup: int, steps: int, trained: int,
-              inputs: int, train_loss: float | None) -> tuple[dict, list[Stretch], int]:
+def whole_run(
+    entries: list[dict],
+    segment_starts: list[int],
+    *,
+    warmup: int,
+    steps: int,
+    trained: int,
+    inputs: int,
+    train_loss: float | None,
+) -> tuple[dict, list[Stretch], int]:
     """(summary fields, throughput stretches of the earlier segments, their steps left out as
     warm-up), from the earlier segments' entries and this launch's `steps`, token sums and
     Trainer mean loss."""
@@ -48,9 +56,21 @@ def whole_run(entries: list[dict], segment_starts: list[int], *, warmup: int, st
         elif e.get("step_s") is not None and e.get("examples") is not None and e.get("world_size"):
             devices = e["world_size"]
             seconds = e["step_s"] * n
-            stretches.append(Stretch(steps=n, seconds=seconds, trained=e["trained_tokens"], inputs=e["input_tokens"],
-                                     examples=e["examples"], devices=devices,
-                                     peak_seconds=e["mfu"] * seconds * devices if e.get("mfu") is not None else None))
-    summary = {"total_trained_tokens": trained, "total_input_tokens": inputs, "steps_counted": counted,
-               "train_loss": loss_sum / loss_steps if loss_steps else train_loss}
+            stretches.append(
+                Stretch(
+                    steps=n,
+                    seconds=seconds,
+                    trained=e["trained_tokens"],
+                    inputs=e["input_tokens"],
+                    examples=e["examples"],
+                    devices=devices,
+                    peak_seconds=e["mfu"] * seconds * devices if e.get("mfu") is not None else None,
+                )
+            )
+    summary = {
+        "total_trained_tokens": trained,
+        "total_input_tokens": inputs,
+        "steps_counted": counted,
+        "train_loss": loss_sum / loss_steps if loss_steps else train_loss,
+    }
     return summary, stretches, excluded

@@ -68,18 +68,36 @@ def start(record: RecordView, *, project: str, run_dir: Path):
     import wandb
 
     strategy = record.get("strategy", default={})
-    tags = [t for t in (strategy.get("name"), strategy.get("method"),
-                        f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None) if t]
+    tags = [
+        t
+        for t in (
+            strategy.get("name"),
+            strategy.get("method"),
+            f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None,
+        )
+        if t
+    ]
     return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", project), name=record.get("run_name"), group=record.get("recipe"),
-        tags=tags, dir=str(run_dir),
-        config={"finetune": {"recipe": record.get("recipe"), "batch": record.get("batch"), "lr": record.get("lr"),
-                             "strategy": strategy, "parameters": record.get("parameters"),
-                             "precision": record.get("precision")},
-                "precision": record.get("precision", "policy"),  # live values: finish() updates finetune.precision
-                "effective_batch_size": record.get("batch", "effective"),
-                "lr_applied": record.get("lr", "applied"),
-                "lr_scaling": record.get("lr", "rule")})
+        project=os.environ.get("WANDB_PROJECT", project),
+        name=record.get("run_name"),
+        group=record.get("recipe"),
+        tags=tags,
+        dir=str(run_dir),
+        config={
+            "finetune": {
+                "recipe": record.get("recipe"),
+                "batch": record.get("batch"),
+                "lr": record.get("lr"),
+                "strategy": strategy,
+                "parameters": record.get("parameters"),
+                "precision": record.get("precision"),
+            },
+            "precision": record.get("precision", "policy"),  # live values: finish() updates finetune.precision
+            "effective_batch_size": record.get("batch", "effective"),
+            "lr_applied": record.get("lr", "applied"),
+            "lr_scaling": record.get("lr", "rule"),
+        },
+    )
 
 
 def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) -> None:
@@ -99,10 +117,15 @@ def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) ->
     summary["status"] = record.get("summary", "status")
     run.summary.update(summary)
     # The precision section as read from the live objects at on_train_begin (start() had the declared part).
-    run.config.update({"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
-                      allow_val_change=True)
-    artifact = wandb.Artifact(f"run-record-{run.id}", type="run-record",
-                              description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}")
+    run.config.update(
+        {"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
+        allow_val_change=True,
+    )
+    artifact = wandb.Artifact(
+        f"run-record-{run.id}",
+        type="run-record",
+        description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}",
+    )
     for path in files:
         if path.is_file():
             artifact.add_file(str(path), name=path.name)

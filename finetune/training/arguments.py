@@ -36,17 +36,21 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
     values = dict(cfg.training.args)
     save_total_limit = values.pop("save_total_limit", None)
     # transformers 5.23 renamed the option: either name turns it on
-    checkpointing = bool(values.pop("gradient_checkpointing", False)) | bool(values.pop("activation_checkpointing", False))
+    checkpointing = bool(values.pop("gradient_checkpointing", False)) | bool(
+        values.pop("activation_checkpointing", False)
+    )
     if launch.cpu_gloo is not None:
         values["use_cpu"] = True  # Trainer's PartialState joins the gloo group (finetune/launch/cpu_rehearsal.py)
     values.update(launch.setup.trainer_arguments if launch.setup is not None else {})  # the recipe's own strategy
     values.update(launch.policy.training_args(launch.family))
     if (values["bf16"] or values["fp16"]) and not launch.cuda:
         values["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
-    sizes = batch.section(values["per_device_train_batch_size"], values["gradient_accumulation_steps"],
-                          launch.data_parallel_size)
-    lr = batch.lr_scaling(values["learning_rate"], cfg.training.lr_scaling, sizes["effective"],
-                          cfg.training.lr_reference_batch_size)
+    sizes = batch.section(
+        values["per_device_train_batch_size"], values["gradient_accumulation_steps"], launch.data_parallel_size
+    )
+    lr = batch.lr_scaling(
+        values["learning_rate"], cfg.training.lr_scaling, sizes["effective"], cfg.training.lr_reference_batch_size
+    )
     values["learning_rate"] = lr["applied"]  # the optimizer is built from this value
     args = build(output_dir=str(output_dir), run_name=run_name, report_to=cfg.logging.report_to or "none", **values)
     return RunArguments(args, sizes, lr, save_total_limit, checkpointing)

@@ -33,8 +33,10 @@ def faults() -> tuple[tuple[str, int, int], ...]:
     for part in filter(None, (p.strip() for p in raw.split(";"))):
         m = _SPEC.match(part)
         if not m or m["kind"] not in KINDS:
-            raise UserError(f"{ENV}={raw!r}: cannot read {part!r}; expected KIND@rankR,stepS with KIND one of "
-                            f"{', '.join(KINDS)}, e.g. nan_loss@rank1,step3")
+            raise UserError(
+                f"{ENV}={raw!r}: cannot read {part!r}; expected KIND@rankR,stepS with KIND one of "
+                f"{', '.join(KINDS)}, e.g. nan_loss@rank1,step3"
+            )
         out.append((m["kind"], int(m["rank"]), int(m["step"])))
     return tuple(out)
 

@@ -104,19 +104,25 @@ class FinetuneTrainer(Trainer):
         self.record_tail()
         return self.meter.final(self.accelerator)
 
+
 class CompactProgress(ProgressCallback):
     """Trainer's progress bar, with one compact line per log step instead of the raw dict."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not (state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs):
             return super().on_log(args, state, control, logs=logs, **kwargs)
-        parts = [f"step {state.global_step}/{state.max_steps}", f"loss {logs['loss']:.4f}",
-                 f"lr {logs.get('learning_rate', 0):.3g}"]
+        parts = [
+            f"step {state.global_step}/{state.max_steps}",
+            f"loss {logs['loss']:.4f}",
+            f"lr {logs.get('learning_rate', 0):.3g}",
+        ]
         if logs.get("grad_norm") is not None:
             parts.append(f"gnorm {logs['grad_norm']:.3g}")
         if "perf/trained_tokens_per_s" in logs:
-            parts.append(f"{logs['perf/trained_tokens_per_s']:,.0f} tok/s ({logs['perf/trained_tokens_per_s_per_device']:,.0f}"
-                         f"/dev)")
+            parts.append(
+                f"{logs['perf/trained_tokens_per_s']:,.0f} tok/s ({logs['perf/trained_tokens_per_s_per_device']:,.0f}"
+                f"/dev)"
+            )
         parts.append(f"{logs['perf/step_s']:.2f} s/step")
         if "perf/mfu" in logs:
             parts.append(f"MFU {100 * logs['perf/mfu']:.1f}%")
@@ -139,9 +145,11 @@ class NonFiniteError(RuntimeError):
 
 def check_policy(policy: str, distributed_type: str) -> None:
     if policy == "skip" and distributed_type == "DEEPSPEED":
-        raise UserError("training.on_nonfinite: 'skip' is not implemented under DeepSpeed (its engine runs the "
-                        "optimizer step inside backward, so the update cannot be dropped from outside); "
-                        "use 'stop' (the default) and resume from the last checkpoint")
+        raise UserError(
+            "training.on_nonfinite: 'skip' is not implemented under DeepSpeed (its engine runs the "
+            "optimizer step inside backward, so the update cannot be dropped from outside); "
+            "use 'stop' (the default) and resume from the last checkpoint"
+        )
 
 
 class ResilienceCallback(TrainerCallback):
@@ -168,8 +176,11 @@ class ResilienceCallback(TrainerCallback):
         signums = flags_per_rank(self.trainer.accelerator, received[0] if received else 0)
         if any(signums) and self.preempted is None:
             ranks = [r for r, n in enumerate(signums) if n]
-            self.preempted = {"step": state.global_step, "ranks": ranks,
-                              "signal": signal.Signals(signums[ranks[0]]).name}
+            self.preempted = {
+                "step": state.global_step,
+                "ranks": ranks,
+                "signal": signal.Signals(signums[ranks[0]]).name,
+            }
             control.should_save = True
             control.should_training_stop = True
 
@@ -180,8 +191,12 @@ class ResilienceCallback(TrainerCallback):
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         acc.wait_for_everyone()  # every rank's shards are on disk before the marker says so
         if acc.is_main_process:
-            checkpoints.write_marker(ckpt, step=state.global_step, world_size=acc.num_processes,
-                                     run=self.run_facts() if self.run_facts else None)
+            checkpoints.write_marker(
+                ckpt,
+                step=state.global_step,
+                world_size=acc.num_processes,
+                run=self.run_facts() if self.run_facts else None,
+            )
             checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
             log.info("checkpoint %s complete", ckpt)
         self.last_complete = ckpt
@@ -191,8 +206,14 @@ class ResilienceCallback(TrainerCallback):
 class ResilientTrainer(FinetuneTrainer):
     """FinetuneTrainer with the non-finite guard and the resilience callback installed."""
 
-    def __init__(self, *args, save_total_limit: int | None = None, on_nonfinite: str = "stop",
-                 max_nonfinite_skips: int = 0, **kwargs):
+    def __init__(
+        self,
+        *args,
+        save_total_limit: int | None = None,
+        on_nonfinite: str = "stop",
+        max_nonfinite_skips: int = 0,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
         self.add_callback(self.resilience)
@@ -205,8 +226,12 @@ class ResilientTrainer(FinetuneTrainer):
 
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
-        return {"collective_timeout_s": self.args.ddp_timeout, "on_nonfinite": self.on_nonfinite,
-                "max_nonfinite_skips": self.max_nonfinite_skips, "save_total_limit": self.resilience.save_total_limit}
+        return {
+            "collective_timeout_s": self.args.ddp_timeout,
+            "on_nonfinite": self.on_nonfinite,
+            "max_nonfinite_skips": self.max_nonfinite_skips,
+            "save_total_limit": self.resilience.save_total_limit,
+        }
 
     def _nonfinite(self, what: str, value: torch.Tensor) -> bool:
         """Agree across ranks on a non-finite `value`; stop or mark this step skipped. True = skip."""
@@ -218,21 +243,33 @@ class ResilientTrainer(FinetuneTrainer):
         if self.on_nonfinite == "skip" and len(self.skipped_steps) < self.max_nonfinite_skips:
             if not self._skip_update:
                 self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
-                log.warning("non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update "
-                            "(%d of at most %d)", what, step, ranks, len(self.skipped_steps), self.max_nonfinite_skips)
+                log.warning(
+                    "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
+                    what,
+                    step,
+                    ranks,
+                    len(self.skipped_steps),
+                    self.max_nonfinite_skips,
+                )
             self._skip_update = True
             return True
-        limit = (f"; {len(self.skipped_steps)} step(s) already skipped, training.max_nonfinite_skips="
-                 f"{self.max_nonfinite_skips}" if self.on_nonfinite == "skip" else "")
+        limit = (
+            f"; {len(self.skipped_steps)} step(s) already skipped, training.max_nonfinite_skips="
+            f"{self.max_nonfinite_skips}"
+            if self.on_nonfinite == "skip"
+            else ""
+        )
         last = self.resilience.last_complete
-        raise NonFiniteError(f"non-finite {what} at step {step} on rank(s) {ranks} (value on this rank: "
-                             f"{value.detach().float().flatten()[0].item()}); stopped before that step's optimizer "
-                             f"update{limit}. Last complete checkpoint: "
-                             f"{last if last else 'none written in this run'}", list(self.skipped_steps))
+        raise NonFiniteError(
+            f"non-finite {what} at step {step} on rank(s) {ranks} (value on this rank: "
+            f"{value.detach().float().flatten()[0].item()}); stopped before that step's optimizer "
+            f"update{limit}. Last complete checkpoint: "
+            f"{last if last else 'none written in this run'}",
+            list(self.skipped_steps),
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                   num_items_in_batch=num_items_in_batch)
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         if not model.training:  # evaluation also comes through here
             return out
         loss = out[0] if return_outputs else out
@@ -275,5 +312,3 @@ class _Skipped(Exception):
 
     def __init__(self, loss):
         self.loss = loss
-
-
