@@ -14,7 +14,7 @@ from tests.conftest import REPO
 MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # Who may import whom: a module may import from its own subpackage and from any lower layer.
 # The CLI wires everything; nothing imports it (or the launch script finetune/train.py), except
-# its argument grammar, cli/options.py, which the launch script's run and preflight read too.
+# its options, cli/options.py, which the launch script's run and preflight read too.
 LAYERS = [
     {"finetune.errors"},
     {"finetune.units", "finetune.strategies", "finetune.resources", "finetune.batch", "finetune.cli.options"},

@@ -1,4 +1,4 @@
-"""The command-line grammar every entry point shares: `--recipe`, the run options of `train`, and the
+"""The command-line options every entry point shares: `--recipe`, the run options of `train`, and the
 launch script's own parser. Read by the `finetune` command, the launch script and preflight."""
 
 from __future__ import annotations
