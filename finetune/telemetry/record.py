@@ -51,12 +51,12 @@ class RunRecord:
     def view(self) -> RecordView:
         return RecordView(self.data)
 
-    def set(self, section: str, value) -> None:
+    def set(self, section: str, value: Any) -> None:
         """Replace a section (a new one is appended, as it first appears in run.json)."""
         _validate(value, _section(section).shape, section)
         self.data[section] = value
 
-    def update(self, section: str, **fields) -> None:
+    def update(self, section: str, **fields: Any) -> None:
         """Set some fields of an object section (summary, batch, ...), keeping the others."""
         shape = _unwrap(_section(section).shape)
         hints = _fields(shape)

@@ -118,7 +118,7 @@ def train_and_record(run: Run) -> int:
     attention_record = speed_options(run, arguments)
     data = load_data(run, arguments)
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
-    model = load_model(run, arguments, data)
+    model = load_model(run, arguments)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record)
@@ -276,7 +276,7 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
     return Data(tokenizer, bundle, fingerprint, heldout)
 
 
-def load_model(run: Run, arguments: RunArguments, data: Data):
+def load_model(run: Run, arguments: RunArguments):
     """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
     from transformers import set_seed
 
