@@ -77,7 +77,7 @@ class Trained:
 def main(argv: list[str] | None = None) -> int:
     from finetune.config.recipe import load_recipe
     from finetune.training.signals import install_signal_handlers
-    from finetune.training.trainer import NonFiniteError
+    from finetune.training.step_guard import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
