@@ -3,7 +3,7 @@ phases read top to bottom:
 
     start the processes and resolve the launch -> prepare the run (resume plan, preflight, run
     directory, record) -> TrainingArguments -> speed options -> tokenizer and data -> model ->
-    trainer -> train -> finish and record
+    DDP options -> trainer -> train -> finish and record
 
 `Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
 plan, the run's name and directory) before the phases that train, and only read after.
@@ -119,9 +119,10 @@ def train_and_record(run: Run) -> int:
     data = load_data(run, arguments)
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
+    ddp_record = ddp_options(run, arguments, model, data)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
     if run.record:
-        record_setup(run, trainer, arguments, model, data, attention_record)
+        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
         run.sinks.start(run.record.view)
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
@@ -309,6 +310,20 @@ def load_model(run: Run, arguments: RunArguments):
     return model
 
 
+def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
+    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), set in
+    TrainingArguments before Trainer reads it; returns run.json `speed.ddp`. Every rank probes the
+    same first example, so every rank decides the same."""
+    from finetune.training import speed
+
+    decided = speed.ddp_unused_parameters(
+        run.cfg, run.launch, model, data.bundle.train[0]["input_ids"][:64], arguments.args.device
+    )
+    if decided["decided_by"] in ("probe", "model config"):
+        arguments.args.ddp_find_unused_parameters = decided["find_unused_parameters"]
+    return decided
+
+
 def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
     """The Trainer, with the strategy that engaged checked against the recipe and the precision policy
     applied; both are read back from the live objects before step 1."""
@@ -360,7 +375,13 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
 
 
 def record_setup(
-    run: Run, trainer: ResilientTrainer, arguments: RunArguments, model, data: Data, attention_record: dict
+    run: Run,
+    trainer: ResilientTrainer,
+    arguments: RunArguments,
+    model,
+    data: Data,
+    attention_record: dict,
+    ddp_record: dict,
 ) -> None:
     """What the run set up, into its record (rank 0), each section as its owner builds it."""
     from finetune.checkpointing import provenance, resume
@@ -381,7 +402,14 @@ def record_setup(
     record.set("parameters", parameters_section(model))
     record.set(
         "speed",
-        speed.section(cfg, model, trainer, attention_record=attention_record, loss_record=loss.installed(model)),
+        speed.section(
+            cfg,
+            model,
+            trainer,
+            attention_record=attention_record,
+            loss_record=loss.installed(model),
+            ddp_record=ddp_record,
+        ),
     )
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
     prediction.record_prediction(

@@ -103,7 +103,11 @@ def test_our_code_reads_the_host_once_per_optimizer_step_whatever_the_accumulati
 # --- launched: 2 ranks, `finetune train`'s run -----------------------------------------------------
 
 
-def _launch(tmp_path, tiny_model_dir, recipe: str, *, control: bool = False) -> list[dict]:
+UNUSED_WARNING = "find_unused_parameters=True was specified in DDP constructor"
+
+
+def _launch(tmp_path, tiny_model_dir, recipe: str, *, control: bool = False, extra=()) -> tuple[list, dict, str]:
+    """(per rank: the spans and callers, run.json, the launch's output)."""
     out = tmp_path / f"counts-{recipe}-{int(control)}"
     out.mkdir()
     cmd = [
@@ -125,6 +129,7 @@ def _launch(tmp_path, tiny_model_dir, recipe: str, *, control: bool = False) -> 
         "--training.lr_scaling=none",
         "--run.save_model=false",
         f"--run.output_dir={tmp_path / f'run-{recipe}-{int(control)}'}",
+        *extra,
     ]
     env = {
         **os.environ,
@@ -141,7 +146,7 @@ def _launch(tmp_path, tiny_model_dir, recipe: str, *, control: bool = False) -> 
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert len(r["spans"]) == STEPS, r
-    return ranks
+    return ranks, record, stdout
 
 
 def _ours(rank: dict, kind: str) -> list[int]:
@@ -153,15 +158,30 @@ def _ours(rank: dict, kind: str) -> list[int]:
 def test_ranks_agree_once_per_optimizer_step(tmp_path, tiny_model_dir, recipe):
     """2 micro-batches per step on each of 2 ranks: our code runs one collective and one host read
     per optimizer step on each rank (under ZeRO-2 before the boundary micro-batch's backward), the
-    signal flags included; DDP's and DeepSpeed's own collectives are theirs (not counted here)."""
-    for rank in _launch(tmp_path, tiny_model_dir, recipe):
+    signal flags included; DDP's and DeepSpeed's own collectives are theirs (not counted here). DDP
+    runs without searching for unused parameters (the probe found every LoRA adapter used), so torch
+    does not warn that the search found nothing."""
+    ranks, record, out = _launch(tmp_path, tiny_model_dir, recipe)
+    for rank in ranks:
         assert _ours(rank, "collective") == [1] * STEPS, rank
         assert _ours(rank, "host sync") == [1] * STEPS, rank
+    ddp = record["speed"]["ddp"]
+    if recipe == "ddp":
+        assert (ddp["find_unused_parameters"], ddp["decided_by"], ddp["unused_trainable"]) == (False, "probe", []), ddp
+        assert UNUSED_WARNING not in out
+    else:
+        assert ddp["find_unused_parameters"] is None and ddp["reason"] == "not DDP", ddp
 
 
 @pytest.mark.integration
-def test_the_old_guard_fails_the_same_count(tmp_path, tiny_model_dir):
+def test_the_old_guard_fails_the_same_count_and_ddp_searching_for_unused_parameters_warns(tmp_path, tiny_model_dir):
     """The control: the guard of commit 0d64d44 all-gathers every micro-batch's flag (2 per step here)
-    on top of the step's agreement, so the count that passes above sees 1 + 2 per step."""
-    for rank in _launch(tmp_path, tiny_model_dir, "ddp", control=True):
+    on top of the step's agreement, so the count that passes above sees 1 + 2 per step. The same
+    launch gives DDP find_unused_parameters=True by the recipe (Trainer's default before issue 29):
+    torch's warning, absent above, is there."""
+    ranks, record, out = _launch(
+        tmp_path, tiny_model_dir, "ddp", control=True, extra=["--training.ddp_find_unused_parameters=true"]
+    )
+    for rank in ranks:
         assert _ours(rank, "collective") == [1 + 2] * STEPS, rank
+    assert record["speed"]["ddp"]["decided_by"] == "recipe" and UNUSED_WARNING in out
