@@ -1,7 +1,7 @@
-"""`finetune bench`: the same workload through this project and through TRL's SFTTrainer (a plain
-script and a tuned one), alternating, in one invocation; reports trained tokens/s, MFU, peak memory
-and the ratios ours / TRL plain and ours / TRL tuned (docs/benchmarks.md: the workload, the shapes,
-the sides and the figures).
+"""`finetune bench`: the same workload through the trainer `finetune train` runs and through three
+baselines (plain transformers.Trainer, TRL's SFTTrainer as a plain script and tuned), alternating, in
+one invocation, every side under one precision policy; reports trained tokens/s, MFU, peak memory and
+the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides, the figures).
 
     finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import resources
+from finetune import precision, resources
 from finetune.bench import report as bench_report
 from finetune.errors import UserError
 from finetune.modeling.loss import LOSS_IMPLS
@@ -63,11 +63,17 @@ SHAPES = {
 }
 METHODS = ("qlora", "lora", "full")
 LAYOUTS = ("padding_free", "packing", "padded")
-TRL_CHOICES = {"plain": ("trl_plain",), "tuned": ("trl_tuned",), "both": ("trl_plain", "trl_tuned")}
+# --baseline value -> side (finetune/bench/report.py SIDES)
+BASELINES = {"plain-trainer": "plain_trainer", "trl-plain": "trl_plain", "trl-tuned": "trl_tuned"}
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="finetune bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="finetune bench",
+        description="The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) "
+        "against three baselines on the same workload, every side under one precision policy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--shape",
         choices=SHAPES,
@@ -86,11 +92,21 @@ def parse_args(argv):
     p.add_argument("--gradient-checkpointing", action="store_true", help="both sides")
     p.add_argument("--torch-compile", action="store_true", help="our side only (a speed option of ours)")
     p.add_argument(
-        "--trl",
-        choices=TRL_CHOICES,
-        default="both",
-        help="TRL sides: plain (TRL's defaults: padded batches), tuned (TRL's padding-free, or BFD "
-        "packing when --layout packing; its own loss; our SDPA backend policy), or both",
+        "--baseline",
+        nargs="+",
+        choices=BASELINES,
+        default=list(BASELINES),
+        help="the sides beside ours: plain-trainer (transformers.Trainer, padded batches, the model's own "
+        "loss, peft LoRA), trl-plain (TRL's SFTTrainer with its defaults: padded batches), trl-tuned "
+        "(TRL's padding-free, or BFD packing with --layout packing; its own loss; our SDPA backend policy)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=precision.CHOICES,
+        default="auto",
+        help="every side's precision policy (training.precision, docs/precision.md); auto = what finetune "
+        "train uses on this machine: bf16-mixed (fp32 master weights, bf16 compute) on a bf16 GPU, "
+        "16-mixed on other GPUs, 32-true on CPU",
     )
     p.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="our side's training.loss_impl")
     p.add_argument(
@@ -182,30 +198,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
+    from finetune.bench import worker
     from finetune.config.sections import ModelConfig
-    from finetune.config.validate import build_config
     from finetune.modeling.load import load_tokenizer
     from finetune.training import speed
 
-    # Our side's options pass the same checks as a recipe (boundary safety, attention, Liger on this machine).
-    speed.check(
-        build_config(
-            {
-                "data": {
-                    "packing": args.layout == "packing",
-                    "padding_free": args.layout == "padding_free",
-                    "pad_to_multiple_of": args.pad_to_multiple_of,
-                },
-                "model": {"attn_implementation": args.attn_implementation, "sdpa_backends": args.sdpa_backends},
-                "training": {
-                    "per_device_train_batch_size": args.batch,
-                    "use_liger_kernel": args.liger,
-                    "loss_impl": args.loss_impl,
-                },
-            },
-            source="finetune bench options",
-        )
-    )
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -218,38 +215,48 @@ def main(argv=None) -> int:
     rows = bench_examples(args, len(tokenizer), set(tokenizer.all_special_ids))
     data_file = out / "data.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    policy = precision.resolve(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+    if policy.needs_cuda and not cuda:
+        raise UserError(f"--precision {policy.name}: needs a CUDA device; this machine has none (use 32-true or auto)")
+    common = {
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "precision": policy.name,
+        "attn_implementation": args.attn_implementation,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "layout": args.layout,
+        "torch_compile": args.torch_compile,
+        "liger": args.liger,
+        "loss_impl": args.loss_impl,
+        "sdpa_backends": args.sdpa_backends,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
+    }
+    # Our side's options pass the checks a recipe passes (boundary safety, attention, Liger on this machine).
+    speed.check(worker.config_of({**common, "method": args.methods[0], "output_dir": str(out / "runs")}))
     lengths = sorted(len(r["input_ids"]) for r in rows)
     print(
         f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
-        f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}",
+        f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}; "
+        f"precision {policy.name} ({policy.summary}) on every side; ours: {OURS}",
         flush=True,
     )
 
-    sides = ("finetune", *TRL_CHOICES[args.trl])
+    sides = ("finetune", *dict.fromkeys(BASELINES[b] for b in args.baseline))
     results, failures = [], []
     for method in args.methods:
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 spec = {
+                    **common,
                     "side": side,
                     "method": method,
                     "round": r,
-                    "model_dir": str(model_dir),
-                    "data_file": str(data_file),
-                    "seq_len": args.seq_len,
-                    "batch": args.batch,
-                    "steps": args.steps,
-                    "warmup_steps": args.warmup_steps,
-                    "seed": args.seed,
-                    "learning_rate": args.learning_rate,
-                    "attn_implementation": args.attn_implementation,
-                    "gradient_checkpointing": args.gradient_checkpointing,
-                    "layout": args.layout,
-                    "torch_compile": args.torch_compile,
-                    "liger": args.liger,
-                    "loss_impl": args.loss_impl,
-                    "sdpa_backends": args.sdpa_backends,
-                    "pad_to_multiple_of": args.pad_to_multiple_of,
                     "output_dir": str(out / "runs" / f"{method}-{side}-{r}"),
                 }
                 result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
@@ -261,13 +268,15 @@ def main(argv=None) -> int:
         "in_process": args.in_process,
         "environment": environment(),
         "settings": vars(args) | {"data": "synthetic log-normal lengths", "examples": len(rows)},
+        "ours": OURS,
+        "precision": {"requested": args.precision, "policy": policy.name, "summary": policy.summary},
         "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "mean": sum(lengths) / len(lengths)},
         "summary": bench_report.summarize(results, args.methods),
         "runs": results,
         "failures": failures,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = bench_report.markdown_table(report["summary"])
+    table = bench_report.markdown_table(report["summary"], precision=policy.name)
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
@@ -277,6 +286,9 @@ def main(argv=None) -> int:
             + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures)
         )
     return 0
+
+
+OURS = "ResilientTrainer as finetune train builds it (finetune/training/build.py)"
 
 
 def bench_examples(args, vocab: int, special: set[int]) -> list[dict]:

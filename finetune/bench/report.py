@@ -1,21 +1,23 @@
-"""`finetune bench`'s report: each side's median over rounds per method, and ours / each TRL side.
+"""`finetune bench`'s report: each side's median over rounds per method, and ours / each baseline.
 
-Sides: `finetune` (this project), `trl_plain` (a plain TRL SFTTrainer script: TRL's defaults for
-batching, so padded batches) and `trl_tuned` (TRL's own padding-free or BFD packing, its own
-chunked loss, the same SDPA backend policy as ours); finetune/bench/trl_side.py.
+Sides: `finetune` (ResilientTrainer as `finetune train` builds it), `plain_trainer` (transformers.Trainer,
+padded batches, the model's own loss; finetune/bench/plain_side.py), `trl_plain` (a plain TRL
+SFTTrainer script: TRL's defaults for batching, so padded batches) and `trl_tuned` (TRL's own
+padding-free or BFD packing, its own chunked loss, the same SDPA backend policy as ours);
+finetune/bench/trl_side.py.
 """
 
 from __future__ import annotations
 
 import statistics
 
-SIDES = ("finetune", "trl_plain", "trl_tuned")
-LABELS = {"finetune": "finetune", "trl_plain": "TRL plain", "trl_tuned": "TRL tuned"}
-TRL_SIDES = SIDES[1:]
+SIDES = ("finetune", "plain_trainer", "trl_plain", "trl_tuned")
+LABELS = {"finetune": "finetune", "plain_trainer": "plain Trainer", "trl_plain": "TRL plain", "trl_tuned": "TRL tuned"}
+BASELINE_SIDES = SIDES[1:]
 
 
 def summarize(results: list[dict], methods: list[str]) -> list[dict]:
-    """Per method: each side's median over rounds (peaks: the max), and ours / each TRL side."""
+    """Per method: each side's median over rounds (peaks: the max), and ours / each baseline."""
     rows = []
     for method in methods:
         sides = {}
@@ -34,6 +36,8 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
 
             sides[side] = {
                 "runs": len(runs),
+                "trainer": runs[0].get("trainer"),
+                "precision": runs[0].get("precision"),
                 "trained_tokens_per_s": med("trained_tokens_per_s"),
                 "input_tokens_per_s": med("input_tokens_per_s"),
                 "mfu": med("mfu"),
@@ -47,9 +51,9 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 ),
             }
         row = {"method": method, **{side: sides.get(side) for side in SIDES}, "ratios": {}}
-        for trl in TRL_SIDES:
-            row["ratios"][trl] = {
-                key: _ratio(sides.get("finetune"), sides.get(trl), key)
+        for base in BASELINE_SIDES:
+            row["ratios"][base] = {
+                key: _ratio(sides.get("finetune"), sides.get(base), key)
                 for key in ("trained_tokens_per_s", "mfu", "device_peak_allocated_gib", "host_peak_rss_gib")
             }
         rows.append(row)
@@ -62,48 +66,62 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     return a[key] / b[key]
 
 
-def markdown_table(summary: list[dict]) -> str:
+def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
+    """One row per method and side: its figures, its live precision (parameter/compute dtype) and,
+    on our row, ours / each baseline's trained tokens/s (and ours / TRL tuned MFU, device memory)."""
+
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
+    head = f"Every side under the precision policy {precision}.\n\n" if precision else ""
     lines = [
         (
-            "| method | side | trained tok/s | MFU | device peak GiB | host peak GiB | median step s | padding | "
-            "ours/TRL plain tok/s | ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
+            "| method | side | precision (param/compute) | trained tok/s | MFU | device peak GiB | host peak GiB | "
+            "median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | ours/TRL tuned tok/s | "
+            "ours/TRL tuned MFU | ours/TRL tuned device mem |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
-        plain, tuned = row["ratios"]["trl_plain"], row["ratios"]["trl_tuned"]
+        ratios = row["ratios"]
         for side in SIDES:
             s = row[side]
             if s is None:
                 continue
             ours = side == "finetune"
+            p = s.get("precision") or {}
             lines.append(
                 " | ".join(
                     [
                         f"| {row['method']}",
                         LABELS[side],
+                        f"{p.get('param_dtype')}/{p.get('compute_dtype')}" if p else "n/a",
                         f(s["trained_tokens_per_s"], ",.1f"),
                         "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%",
                         f(s["device_peak_allocated_gib"], ".2f"),
                         f(s["host_peak_rss_gib"], ".2f"),
                         f(s["median_step_s"], ".3f"),
                         "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.1f}%",
-                        f(plain["trained_tokens_per_s"], ".2f") if ours else "",
-                        f(tuned["trained_tokens_per_s"], ".2f") if ours else "",
-                        f(tuned["mfu"], ".2f") if ours else "",
-                        f(tuned["device_peak_allocated_gib"], ".2f") if ours else "",
+                        *(
+                            [
+                                f(ratios["plain_trainer"]["trained_tokens_per_s"], ".2f"),
+                                f(ratios["trl_plain"]["trained_tokens_per_s"], ".2f"),
+                                f(ratios["trl_tuned"]["trained_tokens_per_s"], ".2f"),
+                                f(ratios["trl_tuned"]["mfu"], ".2f"),
+                                f(ratios["trl_tuned"]["device_peak_allocated_gib"], ".2f"),
+                            ]
+                            if ours
+                            else [""] * 5
+                        ),
                     ]
                 )
                 + " |"
             )
-    return "\n".join(lines)
+    return head + "\n".join(lines)
 
 
 def print_run(r: dict) -> None:
-    head = f"[bench] {r['method']:5s} {LABELS.get(r['side'], r['side']):9s} round {r['round']}"
+    head = f"[bench] {r['method']:5s} {LABELS.get(r['side'], r['side']):13s} round {r['round']}"
     if "error" in r:
         print(f"{head}: FAILED {r['error']}", flush=True)
         return
@@ -113,6 +131,7 @@ def print_run(r: dict) -> None:
         f" padding {100 * (r['padding_fraction'] or 0):.1f}% of positions,"
         f" MFU {mfu}, median step {r['median_step_s']:.3f} s, host peak {r['host_peak_rss_gib']:.2f} GiB"
         + (f", device peak {r['device_peak_allocated_gib']:.2f} GiB" if r["device_peak_allocated_gib"] else "")
-        + f", first losses {[round(x, 4) for x in r['losses'][:2]]}",
+        + f", first losses {[round(x, 4) for x in r['losses'][:2]]}"
+        + f", {r['trainer']} in {r['precision']['param_dtype']}/{r['precision']['compute_dtype']}",
         flush=True,
     )

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bench",
         add_help=False,
-        help="this project vs TRL's SFTTrainer (plain and tuned), side by side (finetune bench --help)",
+        help="the trainer finetune train runs vs plain Trainer and TRL's SFTTrainer (plain, tuned), "
+        "side by side under one precision policy (finetune bench --help)",
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":

@@ -279,35 +279,9 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
 
 def load_model(run: Run, arguments: RunArguments):
     """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
-    from transformers import set_seed
+    from finetune.training import build
 
-    from finetune.data import rows
-    from finetune.modeling import loss, zero3
-    from finetune.modeling.load import load_model as load
-    from finetune.precision import torch_dtype
-
-    cfg, launch, args = run.cfg, run.launch, arguments.args
-    set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
-    model = load(
-        cfg.model,
-        cfg.method,
-        gradient_checkpointing=arguments.gradient_checkpointing,
-        policy=launch.policy,
-        deepspeed=launch.family == "deepspeed",
-    )
-    if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
-        zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
-    loss.install(
-        model,
-        cfg.training.loss_impl,
-        chunk=cfg.training.loss_chunk_tokens,
-        label_smoothing=args.label_smoothing_factor,
-        use_liger_kernel=args.use_liger_kernel,
-        device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
-    )
-    return model
+    return build.model_for(run.cfg, run.launch, arguments)
 
 
 def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
@@ -325,52 +299,24 @@ def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
 
 
 def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
-    """The Trainer, with the strategy that engaged checked against the recipe and the precision policy
-    applied; both are read back from the live objects before step 1."""
+    """The Trainer (finetune/training/build.py), set to continue a resumed run's checkpoint."""
     from finetune.checkpointing import universal
-    from finetune.data import collate
-    from finetune.telemetry import meter
-    from finetune.training import engaged_strategy, precision_live
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training import build
 
-    cfg, launch = run.cfg, run.launch
-    trainer = ResilientTrainer(
-        model=model,
-        args=arguments.args,
+    trainer = build.trainer_for(
+        run.cfg,
+        run.launch,
+        arguments,
+        model,
         train_dataset=data.bundle.train,
         eval_dataset=data.bundle.eval,
-        data_collator=collate.make_collator(cfg.data, cfg.model, data.tokenizer.pad_token_id),
-        processing_class=data.tokenizer,
+        tokenizer=data.tokenizer,
         sinks=run.sinks,
-        **meter.mfu_inputs(model, cfg.method.name),
-        save_total_limit=arguments.save_total_limit,
-        on_nonfinite=cfg.training.on_nonfinite,
-        max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+        record=run.record,
     )
     trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
         universal.enable_loading(trainer)
-    engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
-    engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
-    engaged_strategy.live_check(
-        trainer,
-        declared=engaged,
-        expected=cfg.run.strategy,
-        expected_offload=cfg.run.offload,
-        recipe=cfg.recipe,
-        record=run.record,
-    )  # the wrapped engine, before the first step
-    precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
-    precision_live.install(
-        trainer,
-        launch.policy,
-        requested=cfg.training.precision,
-        family=launch.family,
-        method=cfg.method.name,
-        load_dtype=launch.policy.load_dtype(cfg.method.name),
-        learning_rate=arguments.lr["applied"],
-        record=run.record,
-    )  # before step 1
     return trainer
 
 

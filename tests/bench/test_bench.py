@@ -1,6 +1,7 @@
 """`finetune bench` smoke tests on CPU: tiny model, 2 steps per side, every side in one call; the
-per-shape-overhead rows. Asserts that every side trained and measured and that the report has both
-ratio columns; never asserts a timing (figures on a shared CPU mean nothing)."""
+per-shape-overhead rows. Asserts that every side trained and measured, that our side is the trainer
+`finetune train` runs under the precision policy asked for (read from the live objects), and that the
+report has every ratio column; never asserts a timing (figures on a shared CPU mean nothing)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from finetune.cli import dispatch
 
 
-def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_model_dir, capsys):
+def test_bench_runs_ours_and_the_three_baselines_and_reports_every_ratio(tmp_path, bundled_model_dir, capsys):
     out = tmp_path / "bench"
     code = dispatch.main(
         [
@@ -31,8 +32,10 @@ def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_mo
             "--in-process",
             "--out",
             str(out),
-            "--trl",
-            "both",
+            "--baseline",
+            "plain-trainer",
+            "trl-plain",
+            "trl-tuned",
             "--prompt-median",
             "8",
             "--response-median",
@@ -45,29 +48,59 @@ def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_mo
     report = json.loads((out / "report.json").read_text())
     assert report["failures"] == []
     runs = {r["side"]: r for r in report["runs"]}
-    assert set(runs) == {"finetune", "trl_plain", "trl_tuned"}
+    assert set(runs) == {"finetune", "plain_trainer", "trl_plain", "trl_tuned"}
     for run in runs.values():
         assert run["steps"] == 2 and run["trained_tokens_per_s"] > 0 and run["host_peak_rss_gib"] > 0
         assert sum(run["trained_tokens"]) > 0
         assert run["device_peak_allocated_gib"] is None  # a CPU run
-    ours, plain, tuned = runs["finetune"], runs["trl_plain"], runs["trl_tuned"]
+    ours, trainer, plain, tuned = runs["finetune"], runs["plain_trainer"], runs["trl_plain"], runs["trl_tuned"]
+    # ours is what `finetune train` runs; every side under the CPU default policy, read back live
+    assert (
+        ours["trainer"] == "ResilientTrainer" and trainer["trainer"] == "Trainer" and plain["trainer"] == "SFTTrainer"
+    )
+    assert report["ours"].startswith("ResilientTrainer") and report["precision"]["policy"] == "32-true"
+    for run in runs.values():
+        assert run["precision"] == {
+            "policy": "32-true",
+            "param_dtype": "float32",
+            "compute_dtype": "float32",
+            "optimizer_state_dtype": "float32",
+            "master_weights": False,
+        }, run["precision"]
     # Same data, same order, same initialisation: every side trained on the same tokens.
-    assert ours["trained_tokens"] == plain["trained_tokens"] == tuned["trained_tokens"]
-    assert abs(ours["losses"][0] - plain["losses"][0]) < 1e-3 and abs(ours["losses"][0] - tuned["losses"][0]) < 1e-3
+    assert ours["trained_tokens"] == trainer["trained_tokens"] == plain["trained_tokens"] == tuned["trained_tokens"]
+    for other in (trainer, plain, tuned):
+        assert abs(ours["losses"][0] - other["losses"][0]) < 1e-3, (ours["losses"], other["losses"])
     assert ours["padding_fraction"] == 0 and tuned["padding_fraction"] == 0  # padding-free: no padding computed
-    assert plain["padding_fraction"] > 0  # TRL's defaults pad each batch to its longest example
+    assert plain["padding_fraction"] > 0 and trainer["padding_fraction"] > 0  # padded to each batch's longest
+    assert trainer["loss_impl"].startswith("the model's own")
     assert ours["loss_impl"]["resolved"] == "chunked"
     assert ours["device_peak_source"].startswith("FinetuneTrainer run peak")
     assert plain["device_peak_source"].startswith("worker tracker")
-    assert plain["attention"]["sdpa_backends_policy"] == "torch_default"
+    assert plain["attention"]["sdpa_backends_policy"] == trainer["attention"]["sdpa_backends_policy"] == "torch_default"
     assert ours["attention"]["sdpa_backends_policy"] == tuned["attention"]["sdpa_backends_policy"] == "auto"
     row = report["summary"][0]
-    for trl in ("trl_plain", "trl_tuned"):
-        assert row["ratios"][trl]["trained_tokens_per_s"] > 0 and row["ratios"][trl]["host_peak_rss_gib"] > 0
+    for base in ("plain_trainer", "trl_plain", "trl_tuned"):
+        assert row["ratios"][base]["trained_tokens_per_s"] > 0 and row["ratios"][base]["host_peak_rss_gib"] > 0
     table = (out / "report.md").read_text()
-    assert "ours/TRL plain tok/s" in table and "ours/TRL tuned tok/s" in table
-    assert "TRL plain" in table and "TRL tuned" in table
+    assert "ours/plain Trainer tok/s" in table and "ours/TRL plain tok/s" in table and "ours/TRL tuned tok/s" in table
+    assert "plain Trainer" in table and "TRL plain" in table and "TRL tuned" in table
+    assert "precision policy 32-true" in table and "float32/float32" in table
     assert "ours/TRL tuned tok/s" in capsys.readouterr().out
+
+
+def test_bench_help_names_the_baselines_and_the_precision_policy(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        dispatch.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--baseline {plain-trainer,trl-plain,trl-tuned}" in out, out
+    assert "plain-trainer (transformers.Trainer" in out and "trl-tuned (TRL's" in out
+    assert (
+        "--precision {auto,bf16-mixed,bf16-true,16-mixed,32-true}" in out and "bf16-mixed (fp32 master weights" in out
+    )
+    assert "ResilientTrainer" in out
 
 
 def test_shape_overhead_rows(tmp_path, bundled_model_dir):
