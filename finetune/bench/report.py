@@ -17,7 +17,9 @@ BASELINE_SIDES = SIDES[1:]
 
 
 def summarize(results: list[dict], methods: list[str]) -> list[dict]:
-    """Per method: each side's median over rounds (peaks: the max), and ours / each baseline."""
+    """Per method: each side's median over rounds (peaks: the max; trained tokens/s also its range
+    over rounds), and ours / each baseline: the ratio of the medians and each round's own ratio (the
+    sides of one round ran back to back, so a round's ratio shares that round's machine load)."""
     rows = []
     for method in methods:
         sides = {}
@@ -39,6 +41,10 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 "trainer": runs[0].get("trainer"),
                 "precision": runs[0].get("precision"),
                 "trained_tokens_per_s": med("trained_tokens_per_s"),
+                "trained_tokens_per_s_range": [
+                    min(r["trained_tokens_per_s"] for r in runs),
+                    max(r["trained_tokens_per_s"] for r in runs),
+                ],
                 "input_tokens_per_s": med("input_tokens_per_s"),
                 "mfu": med("mfu"),
                 "median_step_s": med("median_step_s"),
@@ -51,11 +57,17 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 ),
             }
         row = {"method": method, **{side: sides.get(side) for side in SIDES}, "ratios": {}}
+        ours = {r["round"]: r for r in results if r["method"] == method and r["side"] == "finetune"}
         for base in BASELINE_SIDES:
             row["ratios"][base] = {
                 key: _ratio(sides.get("finetune"), sides.get(base), key)
                 for key in ("trained_tokens_per_s", "mfu", "device_peak_allocated_gib", "host_peak_rss_gib")
             }
+            row["ratios"][base]["trained_tokens_per_s_per_round"] = [
+                _ratio(ours[r["round"]], r, "trained_tokens_per_s")
+                for r in results
+                if r["method"] == method and r["side"] == base and r["round"] in ours
+            ]
         rows.append(row)
     return rows
 
@@ -76,9 +88,9 @@ def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
     head = f"Every side under the precision policy {precision}.\n\n" if precision else ""
     lines = [
         (
-            "| method | side | precision (param/compute) | trained tok/s | MFU | device peak GiB | host peak GiB | "
-            "median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | ours/TRL tuned tok/s | "
-            "ours/TRL tuned MFU | ours/TRL tuned device mem |"
+            "| method | side | precision (param/compute) | trained tok/s, median (range) | MFU | device peak GiB | "
+            "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
+            "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -96,7 +108,7 @@ def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
                         f"| {row['method']}",
                         LABELS[side],
                         f"{p.get('param_dtype')}/{p.get('compute_dtype')}" if p else "n/a",
-                        f(s["trained_tokens_per_s"], ",.1f"),
+                        _with_range(s["trained_tokens_per_s"], s.get("trained_tokens_per_s_range"), s["runs"]),
                         "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%",
                         f(s["device_peak_allocated_gib"], ".2f"),
                         f(s["host_peak_rss_gib"], ".2f"),
@@ -104,9 +116,9 @@ def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
                         "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.1f}%",
                         *(
                             [
-                                f(ratios["plain_trainer"]["trained_tokens_per_s"], ".2f"),
-                                f(ratios["trl_plain"]["trained_tokens_per_s"], ".2f"),
-                                f(ratios["trl_tuned"]["trained_tokens_per_s"], ".2f"),
+                                _ratio_cell(ratios["plain_trainer"]),
+                                _ratio_cell(ratios["trl_plain"]),
+                                _ratio_cell(ratios["trl_tuned"]),
                                 f(ratios["trl_tuned"]["mfu"], ".2f"),
                                 f(ratios["trl_tuned"]["device_peak_allocated_gib"], ".2f"),
                             ]
@@ -118,6 +130,21 @@ def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
                 + " |"
             )
     return head + "\n".join(lines)
+
+
+def _with_range(median: float | None, span: list | None, runs: int) -> str:
+    if median is None:
+        return "n/a"
+    return f"{median:,.1f}" + (f" ({span[0]:,.1f}-{span[1]:,.1f})" if span and runs > 1 else "")
+
+
+def _ratio_cell(ratio: dict) -> str:
+    """The ratio of the medians, and the per-round ratios' range when there are several rounds."""
+    if ratio["trained_tokens_per_s"] is None:
+        return "n/a"
+    rounds = [x for x in ratio.get("trained_tokens_per_s_per_round", []) if x is not None]
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{ratio['trained_tokens_per_s']:.2f}{spread}"
 
 
 def print_run(r: dict) -> None:

@@ -130,3 +130,35 @@ def test_shape_overhead_rows(tmp_path, bundled_model_dir):
     assert rows["fixed shape 8 x 300 tokens"]["median_ms"] > 0 and rows["variable, bucket 256 tokens"]["steps"] == 1
     assert rows["variable, auto (cuDNN off)"]["median_ms"] is None  # no cuDNN on CPU: n/a, not a duplicate
     assert "n/a: no cuDNN on CPU" in (out / "shapes.md").read_text()
+
+
+def test_summary_gives_medians_ranges_and_each_rounds_ratio():
+    """Two rounds (order alternating, so each round's ratio shares that round's machine load): the
+    medians' ratio, each round's own ratio and the range, counted here by hand."""
+    from finetune.bench import report
+
+    def run(side, rnd, tps):
+        return {
+            "side": side,
+            "method": "lora",
+            "round": rnd,
+            "trained_tokens_per_s": tps,
+            "input_tokens_per_s": tps,
+            "mfu": None,
+            "median_step_s": 1.0,
+            "device_peak_allocated_gib": None,
+            "host_peak_rss_gib": 1.0,
+            "padding_fraction": 0.0,
+            "trained_tokens": [1, 1],
+            "warmup_steps_excluded": 1,
+        }
+
+    results = [run("finetune", 0, 10.0), run("plain_trainer", 0, 5.0), run("plain_trainer", 1, 40.0)]
+    results.append(run("finetune", 1, 20.0))
+    row = report.summarize(results, ["lora"])[0]
+    assert row["finetune"]["trained_tokens_per_s"] == 15.0 and row["finetune"]["trained_tokens_per_s_range"] == [10, 20]
+    ratio = row["ratios"]["plain_trainer"]
+    assert ratio["trained_tokens_per_s"] == 15.0 / 22.5 and ratio["trained_tokens_per_s_per_round"] == [2.0, 0.5]
+    assert row["ratios"]["trl_plain"]["trained_tokens_per_s"] is None  # a side that did not run
+    assert "| lora | finetune | n/a | 15.0 (10.0-20.0) |" in report.markdown_table([row])
+    assert "| 0.67 (0.50-2.00) |" in report.markdown_table([row])
