@@ -82,6 +82,10 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
     with counter:
         trainer.train()
     assert len(counter.spans) == STEPS
+    # the last step's agreement: one rank, nothing non-finite, no signal; another step's is refused
+    assert trainer.agreement_of(STEPS).rows == [[0.0] * 5]
+    with pytest.raises(RuntimeError, match="did not agree on optimizer step 4"):
+        trainer.agreement_of(STEPS + 1)
     return counter.spans
 
 
