@@ -13,6 +13,8 @@ Each check returns problems (strings naming what, where and the fix) instead of 
 all of them are raised together as one ConfigError (exit 2). What is checked:
 
 * launcher world size vs the processes Accelerate set up (in a launched process only);
+* the launch's machine count vs the machines it runs on (SLURM's nodes, --machine_rank;
+  finetune/launch/nodes.py, in a launched process only);
 * processes per machine vs visible CUDA devices (or no GPU at all for a GPU launch);
 * one process with several CUDA devices visible (Trainer would use nn.DataParallel);
 * DeepSpeed batch / accumulation / clipping / precision values that fight TrainingArguments;
@@ -39,7 +41,7 @@ import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
-from finetune.launch import data_parallel, precision_checks
+from finetune.launch import data_parallel, nodes, precision_checks
 from finetune.launch.facts import LaunchFacts
 from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
 
@@ -52,7 +54,8 @@ def check_before_loading(cfg, state, *, setup=None, resume: str | None = None) -
     the recipe's row, else what the launcher exported. `resume` (train.py's --resume) lets the
     run directory exist: a resumed run continues it."""
     facts = launch_facts(state, setup)
-    found = (world_size_problem(state, cfg.recipe if _in_script(setup) else None), launcher_processes_problem(setup, cfg))
+    found = (world_size_problem(state, cfg.recipe if _in_script(setup) else None), launcher_processes_problem(setup, cfg),
+             nodes.machines_problem(nodes.gather(state), setup.launcher if setup else None))
     problems = [p for p in found if p] + run_checks(cfg, facts, in_process=True, resume=resume)
     problems = _gather(problems, state)
     if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is

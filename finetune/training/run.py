@@ -123,10 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         finished.append(True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
+        from finetune.errors import UserError
+        from finetune.launch import nodes
+
+        interrupted = isinstance(e, KeyboardInterrupt)
+        lost = None if interrupted or isinstance(e, UserError) else nodes.failure_note(e)  # ranks that are gone
         if rec and committed:
-            interrupted = isinstance(e, KeyboardInterrupt)
             rec.update("summary", status="interrupted" if interrupted else "failed",
-                       error=None if interrupted else f"{type(e).__name__}: {e}")
+                       error=None if interrupted else f"{lost + '; ' if lost else ''}{type(e).__name__}: {e}")
             rec.write()
             wandb = sys.modules.get("wandb")
             if wandb is not None and wandb.run is not None:
@@ -237,6 +241,9 @@ def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None
         save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips)
     trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: training/rng.py
+    from finetune.launch import nodes
+
+    nodes.install(trainer, rec, state)  # run.json `nodes`: machines, ranks, partitions, host peaks per node
     if universal_dir:
         universal.enable_loading(trainer)
     strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name, setup=setup)
