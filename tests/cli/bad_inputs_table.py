@@ -295,6 +295,15 @@ NOT_ERRORS = [
     ("2-process GPU launch on a machine without a GPU, straight through accelerate launch", "accelerate launch",
      ("each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
      "(tests/training/test_strategies.py::test_fsdp_without_cpu_opt_in_is_refused_not_downgraded)")),
+    ("one-machine accelerate config (num_machines: 1) launched on each node of a 2-node SLURM job step",
+     "accelerate config num_machines",
+     ("each node's rank exits 2 before any weights load: 'this SLURM job step runs on 2 nodes (SLURM_STEP_NUM_NODES) "
+      "but the launch formed 1 machine(s) ... each node would train alone. Launch with --num_machines 2 --machine_rank "
+      "$SLURM_NODEID ...' (tests/multinode/test_two_nodes.py::test_a_config_for_one_machine_on_a_two_node_step_is_refused)")),
+    ("--machine_rank 1 with num_machines 1", "accelerate launch",
+     ("each rank exits 2: '--machine_rank 1 is machine 2 of a multi-machine run, but the launch formed 1 machine(s) "
+      "... Give every machine's launch --num_machines 2' (tests/launch/test_nodes.py::"
+      "test_a_machine_rank_beyond_the_machines_formed_is_refused)")),
     ("recipe zero3 launched with the DDP config, straight through accelerate launch", "accelerate launch",
      ("each rank exits 2 before the run directory exists: 'recipe 'zero3' is meant for strategy 'zero3' ... sets up "
      "'ddp'' (tests/training/test_strategies.py::test_mismatched_launch_stops_before_training)")),

@@ -10,7 +10,11 @@ each on its own loopback address with its own port; /etc/hosts names the address
 * munged (unless one already answers), slurmctld and two slurmd started in the foreground as
   child processes, so each is stopped by its own PID;
 * `stop()` cancels the jobs, stops every daemon it started and their children (slurmstepd) by
-  PID and removes its /etc/hosts lines, also after a failed start.
+  PID and removes its /etc/hosts lines, also after a failed start. The PIDs and lines are kept in
+  `cluster.json` under the directory, so another process can stop the cluster too:
+
+      python -m tests.multinode.cluster start /tmp/finetune-slurm     # prints the SLURM_CONF to export
+      python -m tests.multinode.cluster stop /tmp/finetune-slurm
 
 The ports are fixed (16817 controller, 16818 default slurmd, 17001/17002 the nodes): a port in
 use is reported, not worked around, since another cluster may be using it.
@@ -18,14 +22,18 @@ use is reported, not worked around, since another cluster may be using it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 NODES = (("node1", "127.0.0.2", 17001), ("node2", "127.0.0.3", 17002))
 CONTROLLER_PORT, SLURMD_PORT = 16817, 16818
@@ -35,7 +43,7 @@ DAEMONS = ("/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd")
 # A requeued job waits cred_expire + 1 s before it may start again (120 s by default), and a job
 # that became eligible waits for the scheduler's next pass (sched_interval, 60 s by default): both
 # short here so the preemption test's requeued job restarts within seconds.
-CRED_EXPIRE_S = 2
+CRED_EXPIRE_S = 5  # the smallest value slurmctld accepts ("cred_expire=2 invalid")
 CLIENTS = ("sbatch", "sinfo", "squeue", "scontrol", "scancel", "srun")
 
 
@@ -120,8 +128,26 @@ def _port_in_use(port: int) -> bool:
 class Cluster:
     root: Path
     conf: Path = None
-    started: list = field(default_factory=list)  # (name, Popen) in start order
+    started: list = field(default_factory=list)  # (name, psutil.Process) in start order
     hosts_added: list = field(default_factory=list)
+
+    @classmethod
+    def attach(cls, root: Path) -> "Cluster":
+        """The cluster another process started under `root` (its cluster.json), to stop it."""
+        state = json.loads((root / "cluster.json").read_text())
+        cluster = cls(root, conf=root / "slurm.conf", hosts_added=state["hosts"])
+        for name, pid, created in state["daemons"]:
+            try:
+                proc = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+            if abs(proc.create_time() - created) < 1:  # the same process, not a reused PID
+                cluster.started.append((name, proc))
+        return cluster
+
+    def _save(self) -> None:
+        state = {"daemons": [(n, p.pid, p.create_time()) for n, p in self.started], "hosts": self.hosts_added}
+        (self.root / "cluster.json").write_text(json.dumps(state))
 
     @property
     def env(self) -> dict:
@@ -166,21 +192,23 @@ class Cluster:
 
     def _daemon(self, name: str, cmd: list[str], user: str | None = None) -> None:
         log = open(self.root / f"{name.replace(' ', '-')}.out", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                user=user, env={**os.environ, "SLURM_CONF": str(self.conf or "")},
-                                start_new_session=True)
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 user=user, env={**os.environ, "SLURM_CONF": str(self.conf or "")},
+                                 start_new_session=True)
         log.close()
-        self.started.append((name, proc))
+        self.started.append((name, psutil.Process(popen.pid)))
+        self._save()
         time.sleep(0.2)
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited at once with {proc.returncode}: {self.log_tail(name)}")
+        if popen.poll() is not None:
+            raise RuntimeError(f"{name} exited at once with {popen.returncode}: {self.log_tail(name)}")
 
     def _add_hosts(self) -> None:
         text = HOSTS.read_text()
         lines = [f"{addr} {name} {HOSTS_MARK}" for name, addr, _ in NODES]
+        self.hosts_added = lines
+        self._save()  # before the write: a stop after a crash in between still removes them
         with open(HOSTS, "a") as f:  # in place: /etc/hosts may be a bind mount
             f.write(("" if text.endswith("\n") or not text else "\n") + "\n".join(lines) + "\n")
-        self.hosts_added = lines
 
     def _munge_answers(self) -> bool:
         if not shutil.which("munge"):
@@ -194,9 +222,8 @@ class Cluster:
             if ready():
                 return
             for name, proc in self.started:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}: "
-                                       f"{self.log_tail(name)}")
+                if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
+                    raise RuntimeError(f"{name} exited while waiting for {what}: {self.log_tail(name)}")
             time.sleep(0.3)
         raise RuntimeError(f"timed out after {timeout} s waiting for {what}; sinfo -N: "
                            f"{self._client(['sinfo', '-N']).stdout}")
@@ -253,10 +280,12 @@ class Cluster:
             self.cancel_all()
         except Exception:  # noqa: BLE001 - stopping must go on whatever the controller says
             pass
-        for name, proc in reversed(self.started):
+        for _, proc in reversed(self.started):
             _stop_tree(proc)
         self.started.clear()
         self._remove_hosts()
+        if self.root.is_dir():
+            self._save()
 
     def _remove_hosts(self) -> None:
         if not self.hosts_added:
@@ -269,16 +298,13 @@ class Cluster:
         self.hosts_added = []
 
 
-def _stop_tree(proc: subprocess.Popen, grace: float = 10) -> None:
-    """SIGTERM the daemon and its descendants (slurmstepd, job tasks), SIGKILL what is left after grace."""
-    import psutil
-
-    if proc.poll() is not None:
-        return
+def _stop_tree(proc: psutil.Process, grace: float = 10) -> None:
+    """SIGTERM the daemon and its descendants (slurmstepd, job tasks), SIGKILL what is left after
+    grace; a child of this process is reaped too."""
     try:
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        tree = [proc, *proc.children(recursive=True)]
     except psutil.NoSuchProcess:
-        tree = []
+        return
     for p in tree:
         try:
             p.send_signal(signal.SIGTERM)
@@ -291,4 +317,26 @@ def _stop_tree(proc: subprocess.Popen, grace: float = 10) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    proc.poll()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("start", "stop"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    root = Path(argv[1]).resolve()
+    if argv[0] == "stop":
+        Cluster.attach(root).stop()
+        print(f"stopped the cluster of {root}")
+        return 0
+    try:
+        cluster = Cluster(root).start()
+    except CannotRun as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"two-node cluster up: {cluster.node_states()}\n    export SLURM_CONF={cluster.conf}\n"
+          f"stop it with: python -m tests.multinode.cluster stop {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
