@@ -196,8 +196,11 @@ def install(trainer, record, state) -> None:
 
 def failure_note(error: BaseException) -> str | None:
     """After training failed on this rank: which ranks (and nodes) stopped answering, printed on
-    stderr and returned for run.json; None in a one-process run or when every rank is still there."""
-    if _HEARTBEAT is None or _LAYOUT is None:
+    stderr and returned for run.json; None in a one-process run, when every rank is still there, and
+    for an interruption or a user error (nothing was lost)."""
+    from finetune.errors import UserError
+
+    if _HEARTBEAT is None or _LAYOUT is None or isinstance(error, (KeyboardInterrupt, SystemExit, UserError)):
         return None
     lost, store_error = _HEARTBEAT.lost()
     by_rank = {r["rank"]: r for r in _LAYOUT["ranks"]}
@@ -206,9 +209,13 @@ def failure_note(error: BaseException) -> str | None:
         note = (f"lost node {gone[0]['node']} (node rank 0, rank(s) {[r['rank'] for r in gone]}): the launcher's "
                 f"store there no longer answers ({store_error})")
     elif lost:
-        nodes = sorted({(by_rank[r]["node_rank"], by_rank[r]["node"]) for r in lost})
-        note = "; ".join(f"lost node {name} (node rank {nr}): rank(s) {[r for r in lost if by_rank[r]['node_rank'] == nr]} "
-                         f"stopped answering" for nr, name in nodes)
+        parts = []
+        for nr, name in sorted({(by_rank[r]["node_rank"], by_rank[r]["node"]) for r in lost}):
+            gone = [r for r in lost if by_rank[r]["node_rank"] == nr]
+            whole = len(gone) == sum(1 for r in _LAYOUT["ranks"] if r["node_rank"] == nr)  # every rank of the node
+            parts.append(f"lost node {name} (node rank {nr}): rank(s) {gone} stopped answering" if whole else
+                         f"rank(s) {gone} on node {name} (node rank {nr}) stopped answering")
+        note = "; ".join(parts)
     else:
         return None
     me = by_rank.get(_HEARTBEAT.rank, {})

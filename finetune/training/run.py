@@ -123,12 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         finished.append(True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        from finetune.errors import UserError
         from finetune.launch import nodes
 
-        interrupted = isinstance(e, KeyboardInterrupt)
-        lost = None if interrupted or isinstance(e, UserError) else nodes.failure_note(e)  # ranks that are gone
+        lost = nodes.failure_note(e)  # the ranks (and nodes) that are gone, when that is why
         if rec and committed:
+            interrupted = isinstance(e, KeyboardInterrupt)
             rec.update("summary", status="interrupted" if interrupted else "failed",
                        error=None if interrupted else f"{lost + '; ' if lost else ''}{type(e).__name__}: {e}")
             rec.write()

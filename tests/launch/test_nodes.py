@@ -147,9 +147,14 @@ def test_the_failure_note_names_the_lost_node_and_rank(monkeypatch, capsys):
     note = nodes.failure_note(RuntimeError("Connection closed by peer"))
     assert note == "lost node node2 (node rank 1): rank(s) [1] stopped answering"
     assert f"finetune: rank 0 on node node1: {note}; this rank stops (RuntimeError)" in capsys.readouterr().err
+    monkeypatch.setattr(nodes, "_LAYOUT", nodes.layout_of([place(0, 0, "vm"), place(1, 0, "vm")], env={}))
+    assert nodes.failure_note(RuntimeError("x")) == "rank(s) [1] on node vm (node rank 0) stopped answering"  # not the node
+    monkeypatch.setattr(nodes, "_LAYOUT", layout)
     monkeypatch.setattr(nodes, "_HEARTBEAT", Seen([], "RuntimeError: Connection reset"))
     assert nodes.failure_note(RuntimeError("x")).startswith("lost node node1 (node rank 0, rank(s) [0]): the launcher's "
                                                             "store there no longer answers")
+    for nothing_lost in (UserError("bad recipe"), KeyboardInterrupt(), SystemExit(2)):  # not even asked
+        assert nodes.failure_note(nothing_lost) is None
     monkeypatch.setattr(nodes, "_HEARTBEAT", Seen([]))  # control: every rank still there -> no note
     assert nodes.failure_note(RuntimeError("x")) is None
     monkeypatch.setattr(nodes, "_HEARTBEAT", None)  # one process
