@@ -144,6 +144,14 @@ def test_a_config_for_one_machine_on_a_two_node_step_is_refused(slurm, tiny_mode
     assert not (tmp_path / "run").exists()  # nothing was started, loaded or written
 
 
+def print_losses(title: str, want: dict, got: dict, control: dict) -> None:
+    """The per-step table (shown with pytest -s): the figures docs/multinode.md quotes."""
+    print(f"\n{title}\nstep | uninterrupted | this run | rel. diff | control | rel. diff")
+    for k in sorted(want):
+        print(f"{k} | {want[k]:.9f} | {got[k]:.9f} | {abs(got[k] - want[k]) / abs(want[k]):.2e} | "
+              f"{control[k]:.9f} | {abs(control[k] - want[k]) / abs(want[k]):.2e}")
+
+
 def _control_resume(jobs, source: Path, checkpoint: str, dst: Path, args: list[str], *, nodes: int) -> dict:
     """A copy of `source` resumed from `checkpoint` without restoring the data position
     (ignore_data_skip: the sampler starts the epoch again) at the checkpoint's own layout."""
@@ -197,6 +205,7 @@ def test_a_preempted_job_checkpoints_on_both_nodes_requeues_and_resumes_exactly(
     control = _control_resume(jobs, baseline.run, "checkpoint-3", tmp_path / "control", job_args(tiny_model_dir),
                               nodes=2)
     assert control["resumes"][-1]["world_size"] == 2
+    print_losses("preempted after step 3, requeued", want, got, losses(control))
     assert max(relative_differences(losses(control), want, [4, 5, 6]).values()) > 10 * TOLERANCE
 
 
@@ -255,4 +264,5 @@ def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_
     # Control: a one-process continuation without the data position restored differs by far more.
     control = _control_resume(jobs, run, "checkpoint-3", tmp_path / "control", args, nodes=1)
     assert control["resumes"][-1]["world_size"] == 1
+    print_losses("node 2 lost at step 3, resumed on one node from checkpoint-2", want, got, losses(control))
     assert max(relative_differences(losses(control), want, [4, 5, 6]).values()) > 10 * TOLERANCE
