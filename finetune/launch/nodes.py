@@ -220,8 +220,8 @@ def failure_note(error: BaseException) -> str | None:
         return None
     me = by_rank.get(_HEARTBEAT.rank, {})
     print(f"finetune: rank {_HEARTBEAT.rank} on node {me.get('node')}: {note}; this rank stops "
-          f"({type(error).__name__}). Nothing after the last complete checkpoint is kept: resume with --resume, "
-          f"on the nodes left too (docs/faults.md)", file=sys.stderr, flush=True)
+          f"({type(error).__name__}). Continue from the last complete checkpoint with --resume, on the nodes left "
+          f"too (docs/faults.md)", file=sys.stderr, flush=True)
     return note
 
 
