@@ -9,8 +9,9 @@ each on its own loopback address with its own port; /etc/hosts names the address
 * `127.0.0.2 node1` and `127.0.0.3 node2` appended to /etc/hosts (marked, removed afterwards);
 * munged (unless one already answers), slurmctld and two slurmd started in the foreground as
   child processes, so each is stopped by its own PID;
-* `stop()` cancels the jobs, stops every daemon it started and their children (slurmstepd) by
-  PID and removes its /etc/hosts lines, also after a failed start. The PIDs and lines are kept in
+* `stop()` cancels the jobs, stops every daemon it started and their children by PID, then any
+  process that still carries this cluster's SLURM_CONF (slurmstepd re-parents itself to init, and
+  the job tasks run under it), and removes its /etc/hosts lines, also after a failed start. The PIDs and lines are kept in
   `cluster.json` under the directory, so another process can stop the cluster too:
 
       python -m tests.multinode.cluster start /tmp/finetune-slurm     # prints the SLURM_CONF to export
@@ -255,9 +256,12 @@ class Cluster:
             return {}
         return dict(kv.split("=", 1) for kv in p.stdout.split() if "=" in kv)
 
-    def cancel_all(self, timeout: float = 60) -> None:
+    def cancel_all(self, timeout: float = 30) -> None:
         if self.conf is None or not any(n.startswith("slurmctld") for n, _ in self.started):
             return
+        # SIGKILL first: a plain cancel sends SIGTERM, on which the ranks checkpoint and the job script
+        # requeues the job, which would keep the queue busy for a minute
+        self._client(["scancel", "--user", "root", "--full", "--signal=KILL"])
         self._client(["scancel", "--user", "root"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self._client(["squeue", "-h"]).stdout.strip():
@@ -283,9 +287,33 @@ class Cluster:
         for _, proc in reversed(self.started):
             _stop_tree(proc)
         self.started.clear()
+        for proc in self._leftovers():  # slurmstepd re-parents itself to init: not below slurmd
+            _stop_tree(proc)
         self._remove_hosts()
         if self.root.is_dir():
             self._save()
+
+    def _leftovers(self) -> list:
+        """Processes this cluster spawned that outlived its daemons (slurmstepd re-parents itself to
+        init): a slurmstepd holding a log file of this cluster open, and the job tasks, which carry
+        this cluster's SLURM_CONF in their environment (slurmstepd clears its own)."""
+        if self.conf is None:
+            return []
+        mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+        found = []
+        for proc in psutil.process_iter(["name"]):
+            try:
+                if proc.pid in mine:
+                    continue
+                if proc.info["name"] == "slurmstepd":
+                    ours = any(f.path.startswith(f"{self.root}/") for f in proc.open_files())
+                else:
+                    ours = proc.environ().get("SLURM_CONF") == str(self.conf)
+                if ours:
+                    found.append(proc)
+            except (psutil.Error, OSError):
+                continue
+        return found
 
     def _remove_hosts(self) -> None:
         if not self.hosts_added:

@@ -57,7 +57,7 @@ class Jobs:
         assert p.returncode == 0, f"sbatch failed: {p.stderr}"
         return p.stdout.strip().split(";")[0]
 
-    def wait(self, job_id: str, timeout: float = 240) -> dict:
+    def wait(self, job_id: str, timeout: float = 480) -> dict:
         """The job's final `scontrol show job` fields (polled every 0.5 s); fails on timeout after
         cancelling the job, with its log."""
         deadline = time.monotonic() + timeout
@@ -97,7 +97,7 @@ def record(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
-def wait_for_step(run_dir: Path, step: int, jobs: Jobs, job_id: str, timeout: float = 120) -> None:
+def wait_for_step(run_dir: Path, step: int, jobs: Jobs, job_id: str, timeout: float = 300) -> None:
     """Until run.json has logged `step` (the run is inside the next step's pause)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
