@@ -110,7 +110,7 @@ def declared_machines(launcher) -> tuple[int, int, str] | None:
     if launcher.config_file:
         from pathlib import Path
 
-        from finetune.launch.facts import read_yaml
+        from finetune.launch.configs import read_yaml
 
         try:
             values = read_yaml(Path(launcher.config_file))

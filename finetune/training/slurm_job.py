@@ -16,7 +16,7 @@ runs again, unchanged, after every requeue (docs/multinode.md):
   starts as the command says (a run directory left with steps but no checkpoint is refused by the
   run, naming --overwrite).
 * `status` is how the script decides to requeue: `interrupted` is written only after every rank
-  stopped at the same step and the checkpoint is complete (finetune/training/guards.py).
+  stopped at the same step and the checkpoint is complete (finetune/training/trainer.py).
 
 Reads the recipe's `run` section and the overrides without validating them (the run validates
 everything a moment later); nothing heavy is imported, so it costs the batch shell well under 1 s.
@@ -63,7 +63,7 @@ def run_dir_and_args(recipe: str, args: list[str], env=os.environ) -> tuple[Path
 
 def _newest_complete(run_dir: Path) -> Path | None:
     from finetune.errors import UserError
-    from finetune.training import checkpoints
+    from finetune.checkpointing import checkpoints
 
     try:
         return checkpoints.newest_valid(run_dir) if run_dir.is_dir() else None

@@ -16,7 +16,8 @@ import pytest
 from finetune.errors import UserError
 from finetune.launch import nodes, peers
 from finetune.launch.launcher import Launcher, from_parent_argv
-from finetune.training import checkpoints, slurm_job
+from finetune.checkpointing import checkpoints
+from finetune.training import slurm_job
 from tests.conftest import free_port
 
 PY = sys.executable

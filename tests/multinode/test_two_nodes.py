@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.training import checkpoints
+from finetune.checkpointing import checkpoints
 from tests.conftest import REPO, TRAIN_SCRIPT, free_port, run_process_group
 from tests.multinode.conftest import (RssSampler, copy_run, job_args, losses, record, relative_differences,
                                       submit_dir, wait_for_step)
