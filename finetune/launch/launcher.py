@@ -93,8 +93,15 @@ def from_parent_argv(
         config, source = default_config, "default config"
     else:
         config, source = None, None
-    return Launcher("accelerate launch", config, source, parsed.num_processes, bool(parsed.cpu),
-                    num_machines=parsed.num_machines, machine_rank=parsed.machine_rank)
+    return Launcher(
+        "accelerate launch",
+        config,
+        source,
+        parsed.num_processes,
+        bool(parsed.cpu),
+        num_machines=parsed.num_machines,
+        machine_rank=parsed.machine_rank,
+    )
 
 
 def detect(env=os.environ) -> Launcher:

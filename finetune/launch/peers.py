@@ -7,7 +7,8 @@ says even less). To name the lost rank and node, every rank of a multi-process r
 on node rank 0 hosts it) every BEAT_S seconds from a daemon thread. A rank whose training fails
 says so (`failing/<rank>`), watches the counters for WATCH_S seconds, and names as lost every rank
 whose counter stood still and that did not say it is failing too. If the store itself no longer
-answers, its host, node rank 0, is what was lost.
+answers, its host, node rank 0, is what was lost. `failure_note` names them with their nodes
+(LaunchPlan.machines) for stderr and run.json.
 
 Its own client connection with a short timeout: the process group's store waits up to
 training.ddp_timeout. The thread is stopped and joined at exit (a daemon thread still inside a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -71,8 +73,9 @@ class Heartbeat:
             failing = {r for r in range(self.world_size) if self.store.check([f"{PREFIX}failing/{r}"])}
         except Exception as e:  # noqa: BLE001 - any store failure means its host cannot be reached
             return [], f"{type(e).__name__}: {e}"
-        return [r for r in range(self.world_size)
-                if r != self.rank and after[r] == before[r] and r not in failing], None
+        return [
+            r for r in range(self.world_size) if r != self.rank and after[r] == before[r] and r not in failing
+        ], None
 
 
 def start(rank: int, world_size: int, env=os.environ) -> Heartbeat | None:
@@ -83,8 +86,46 @@ def start(rank: int, world_size: int, env=os.environ) -> Heartbeat | None:
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+        )
     except Exception:  # noqa: BLE001 - no heartbeat: a later failure is reported without the rank named
         return None
     return Heartbeat(store, rank, world_size).start()
+
+
+def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) -> str | None:
+    """After training failed on this rank: which ranks (and nodes) of `machines` (LaunchPlan.machines)
+    stopped answering, printed on stderr and returned for run.json; None in a one-process run, when
+    every rank is still there, and for an interruption or a user error (nothing was lost)."""
+    from finetune.errors import UserError
+
+    if heartbeat is None or not machines.ranks or isinstance(error, (KeyboardInterrupt, SystemExit, UserError)):
+        return None
+    lost, store_error = heartbeat.lost()
+    if store_error:  # the store lives in the launcher of node rank 0
+        gone = machines.ranks_on(0)
+        note = (
+            f"lost node {machines.place(gone[0]).node} (node rank 0, rank(s) {gone}): the launcher's "
+            f"store there no longer answers ({store_error})"
+        )
+    elif lost:
+        parts = []
+        for node_rank, name in sorted({(machines.place(r).node_rank, machines.place(r).node) for r in lost}):
+            gone = [r for r in lost if machines.place(r).node_rank == node_rank]
+            if len(gone) == len(machines.ranks_on(node_rank)):  # every rank of the node
+                parts.append(f"lost node {name} (node rank {node_rank}): rank(s) {gone} stopped answering")
+            else:
+                parts.append(f"rank(s) {gone} on node {name} (node rank {node_rank}) stopped answering")
+        note = "; ".join(parts)
+    else:
+        return None
+    me = machines.place(heartbeat.rank)
+    print(
+        f"finetune: rank {heartbeat.rank} on node {me.node if me else None}: {note}; this rank stops "
+        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume, on the nodes left "
+        f"too (docs/faults.md)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return note

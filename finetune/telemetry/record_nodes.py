@@ -36,6 +36,7 @@ class SlurmJob(TypedDict):
 
 class Nodes(TypedDict):
     """The machines the run spans, from the live process group (finetune/launch/nodes.py)."""
+
     world_size: int
     num_machines: int
     node_rank_from: str  # GROUP_RANK | SLURM_NODEID | one machine

@@ -47,23 +47,31 @@ def run_dir_and_args(recipe: str, args: list[str], env=os.environ) -> tuple[Path
     run_dir = resolve_run_dir(str(name), str(output_dir) if output_dir else None)
     requeued = int(env.get("SLURM_RESTART_COUNT") or 0) > 0
     if requeued and "--overwrite" in own:
-        raise UserError(f"requeued job (restart {env['SLURM_RESTART_COUNT']}) with --overwrite: it would delete the "
-                        f"run directory {run_dir} it is meant to continue; submit requeueable jobs without --overwrite")
+        raise UserError(
+            f"requeued job (restart {env['SLURM_RESTART_COUNT']}) with --overwrite: it would delete the "
+            f"run directory {run_dir} it is meant to continue; submit requeueable jobs without --overwrite"
+        )
     if requeued and not any(a != "--overwrite" for a in own):
         checkpoint = _newest_complete(run_dir)
         if checkpoint is not None:
             extra.append("--resume")
-            print(f"slurm_job: requeued job (restart {env['SLURM_RESTART_COUNT']}): continuing {run_dir} from "
-                  f"{checkpoint.name}", file=sys.stderr)
+            print(
+                f"slurm_job: requeued job (restart {env['SLURM_RESTART_COUNT']}): continuing {run_dir} from "
+                f"{checkpoint.name}",
+                file=sys.stderr,
+            )
         else:
-            print(f"slurm_job: requeued job (restart {env['SLURM_RESTART_COUNT']}): no complete checkpoint in "
-                  f"{run_dir}; starting the run as the command says", file=sys.stderr)
+            print(
+                f"slurm_job: requeued job (restart {env['SLURM_RESTART_COUNT']}): no complete checkpoint in "
+                f"{run_dir}; starting the run as the command says",
+                file=sys.stderr,
+            )
     return run_dir, extra
 
 
 def _newest_complete(run_dir: Path) -> Path | None:
-    from finetune.errors import UserError
     from finetune.checkpointing import checkpoints
+    from finetune.errors import UserError
 
     try:
         return checkpoints.newest_valid(run_dir) if run_dir.is_dir() else None

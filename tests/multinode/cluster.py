@@ -72,8 +72,11 @@ def ensure_installed(log: Path) -> None:
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     with open(log, "a") as out:
-        for cmd in (["apt-get", "install", "-y", "-q", "slurm-wlm"],  # a stale package list: update, retry
-                    ["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm"]):
+        for cmd in (
+            ["apt-get", "install", "-y", "-q", "slurm-wlm"],  # a stale package list: update, retry
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "slurm-wlm"],
+        ):
             code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600)
             if code == 0 and cmd[1] == "install":
                 return
@@ -82,8 +85,10 @@ def ensure_installed(log: Path) -> None:
 
 def slurm_conf(root: Path, hostname: str) -> str:
     """The cluster's slurm.conf: keys that work with several slurmd on one host, no cgroups, no systemd."""
-    nodes = "\n".join(f"NodeName={name} NodeAddr={addr} NodeHostname={hostname} Port={port} CPUs=1 "
-                      f"RealMemory=1000 State=UNKNOWN" for name, addr, port in NODES)
+    nodes = "\n".join(
+        f"NodeName={name} NodeAddr={addr} NodeHostname={hostname} Port={port} CPUs=1 RealMemory=1000 State=UNKNOWN"
+        for name, addr, port in NODES
+    )
     return f"""\
 ClusterName=finetune-tests
 SlurmctldHost=localhost
@@ -133,7 +138,7 @@ class Cluster:
     hosts_added: list = field(default_factory=list)
 
     @classmethod
-    def attach(cls, root: Path) -> "Cluster":
+    def attach(cls, root: Path) -> Cluster:
         """The cluster another process started under `root` (its cluster.json), to stop it."""
         state = json.loads((root / "cluster.json").read_text())
         cluster = cls(root, conf=root / "slurm.conf", hosts_added=state["hosts"])
@@ -157,7 +162,7 @@ class Cluster:
 
     # --- start ------------------------------------------------------------------------------
 
-    def start(self, timeout: float = 60) -> "Cluster":
+    def start(self, timeout: float = 60) -> Cluster:
         """Install if needed, configure and start munged, slurmctld and both slurmd; wait until
         `sinfo -N` shows both nodes idle. On any failure everything started is stopped again."""
         try:
@@ -172,8 +177,10 @@ class Cluster:
         ensure_installed(self.root / "apt.log")
         busy = [p for p in (CONTROLLER_PORT, SLURMD_PORT, *(p for _, _, p in NODES)) if _port_in_use(p)]
         if busy:
-            raise RuntimeError(f"ports {busy} are in use on this machine (another SLURM cluster?); the test "
-                               f"cluster needs {CONTROLLER_PORT}, {SLURMD_PORT} and {[p for *_, p in NODES]}")
+            raise RuntimeError(
+                f"ports {busy} are in use on this machine (another SLURM cluster?); the test "
+                f"cluster needs {CONTROLLER_PORT}, {SLURMD_PORT} and {[p for *_, p in NODES]}"
+            )
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(exist_ok=True)
         self.conf = self.root / "slurm.conf"
@@ -193,9 +200,15 @@ class Cluster:
 
     def _daemon(self, name: str, cmd: list[str], user: str | None = None) -> None:
         log = open(self.root / f"{name.replace(' ', '-')}.out", "ab")
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 user=user, env={**os.environ, "SLURM_CONF": str(self.conf or "")},
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            user=user,
+            env={**os.environ, "SLURM_CONF": str(self.conf or "")},
+            start_new_session=True,
+        )
         log.close()
         self.started.append((name, psutil.Process(popen.pid)))
         self._save()
@@ -226,14 +239,21 @@ class Cluster:
                 if not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE:
                     raise RuntimeError(f"{name} exited while waiting for {what}: {self.log_tail(name)}")
             time.sleep(0.3)
-        raise RuntimeError(f"timed out after {timeout} s waiting for {what}; sinfo -N: "
-                           f"{self._client(['sinfo', '-N']).stdout}")
+        raise RuntimeError(
+            f"timed out after {timeout} s waiting for {what}; sinfo -N: {self._client(['sinfo', '-N']).stdout}"
+        )
 
     # --- use ---------------------------------------------------------------------------------
 
     def _client(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, capture_output=True, text=True, env={**self.env, **kw.pop("env", {})},
-                              timeout=kw.pop("timeout", 30), **kw)
+        return subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            env={**self.env, **kw.pop("env", {})},
+            timeout=kw.pop("timeout", 30),
+            **kw,
+        )
 
     def node_states(self) -> dict[str, str]:
         out = self._client(["sinfo", "-N", "-h", "-o", "%N %t"]).stdout
@@ -269,8 +289,11 @@ class Cluster:
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         out = []
-        for path in (self.root / f"{name.replace(' ', '-')}.out", self.root / f"{name.split()[0]}.log",
-                     self.root / f"slurmd-{name.split()[-1]}.log"):
+        for path in (
+            self.root / f"{name.replace(' ', '-')}.out",
+            self.root / f"{name.split()[0]}.log",
+            self.root / f"slurmd-{name.split()[-1]}.log",
+        ):
             if path.is_file():
                 out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
         return "\n".join(out)
@@ -361,8 +384,10 @@ def main(argv: list[str]) -> int:
     except CannotRun as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"two-node cluster up: {cluster.node_states()}\n    export SLURM_CONF={cluster.conf}\n"
-          f"stop it with: python -m tests.multinode.cluster stop {root}")
+    print(
+        f"two-node cluster up: {cluster.node_states()}\n    export SLURM_CONF={cluster.conf}\n"
+        f"stop it with: python -m tests.multinode.cluster stop {root}"
+    )
     return 0
 
 

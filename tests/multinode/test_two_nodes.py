@@ -24,8 +24,16 @@ import pytest
 
 from finetune.checkpointing import checkpoints
 from tests.conftest import REPO, TRAIN_SCRIPT, free_port, run_process_group
-from tests.multinode.conftest import (RssSampler, copy_run, job_args, losses, record, relative_differences,
-                                      submit_dir, wait_for_step)
+from tests.multinode.conftest import (
+    RssSampler,
+    copy_run,
+    job_args,
+    losses,
+    record,
+    relative_differences,
+    submit_dir,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -38,20 +46,33 @@ def baseline(jobs, tiny_model_dir, tmp_path_factory):
     """The CPU rehearsal of the shipped script, uninterrupted: 2 nodes, 6 steps, checkpoint-3 kept
     for the preemption control; the ranks' resident sets sampled from outside while it runs."""
     run = tmp_path_factory.mktemp("baseline") / "run"
-    job = jobs.submit("zero3", *job_args(tiny_model_dir), f"--run.output_dir={run}",
-                      "--training.save_strategy=steps", "--training.save_steps=3")
+    job = jobs.submit(
+        "zero3",
+        *job_args(tiny_model_dir),
+        f"--run.output_dir={run}",
+        "--training.save_strategy=steps",
+        "--training.save_steps=3",
+    )
     with RssSampler(job) as sampled:
         info = jobs.wait(job)
-    return SimpleNamespace(job=job, info=info, run=run, log=jobs.log(job), sampled=sampled.peak,
-                           record=record(run) if (run / "run.json").is_file() else None)
+    return SimpleNamespace(
+        job=job,
+        info=info,
+        run=run,
+        log=jobs.log(job),
+        sampled=sampled.peak,
+        record=record(run) if (run / "run.json").is_file() else None,
+    )
 
 
 def assert_two_node_zero3(rec: dict, *, node_names: list[str]) -> None:
     """The engaged-strategy evidence of a run on two machines, one rank each, read from run.json."""
     nodes = rec["nodes"]
     assert (nodes["world_size"], nodes["num_machines"], nodes["node_rank_from"]) == (2, 2, "GROUP_RANK"), nodes
-    assert [(r["rank"], r["node"], r["node_rank"]) for r in nodes["ranks"]] == \
-        [(0, node_names[0], 0), (1, node_names[1], 1)], nodes["ranks"]
+    assert [(r["rank"], r["node"], r["node_rank"]) for r in nodes["ranks"]] == [
+        (0, node_names[0], 0),
+        (1, node_names[1], 1),
+    ], nodes["ranks"]
     assert len({r["pid"] for r in nodes["ranks"]}) == 2
     strategy = rec["strategy"]
     assert (strategy["name"], strategy["world_size"], strategy["evidence"]["zero_stage"]) == ("zero3", 2, 3), strategy
@@ -97,18 +118,48 @@ def test_two_machines_without_slurm_give_the_same_run_and_record(baseline, tiny_
     """Two `accelerate launch` commands, one per "machine" (--machine_rank 0 and 1), meeting at
     127.0.0.2 (loopback: any 127/8 address reaches this machine)."""
     run, port = tmp_path / "run", free_port()
-    env = {**os.environ, "FINETUNE_CPU_DISTRIBUTED": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "FINETUNE_CPU_DISTRIBUTED": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
     env = {k: v for k, v in env.items() if not k.startswith("SLURM")}
 
     def machine(rank: int) -> list[str]:
-        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(REPO / "accelerate_configs/cpu/zero3.yaml"), "--num_machines", "2", "--num_processes", "2",
-                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.2", "--main_process_port", str(port),
-                str(TRAIN_SCRIPT), "--recipe", "zero3", *job_args(tiny_model_dir), f"--run.output_dir={run}"]
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs/cpu/zero3.yaml"),
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.2",
+            "--main_process_port",
+            str(port),
+            str(TRAIN_SCRIPT),
+            "--recipe",
+            "zero3",
+            *job_args(tiny_model_dir),
+            f"--run.output_dir={run}",
+        ]
 
-    second = subprocess.Popen(machine(1), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
+    second = subprocess.Popen(
+        machine(1),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         code, out, _ = run_process_group(machine(0), cwd=REPO, env=env, timeout=300, merge_stderr=True)
         out_second, _ = second.communicate(timeout=60)
@@ -130,16 +181,34 @@ def test_a_config_for_one_machine_on_a_two_node_step_is_refused(slurm, tiny_mode
     would train alone. Refused on both nodes before any weights load, naming the fix; exit 2."""
     config = tmp_path / "cpu" / "one_machine.yaml"
     config.parent.mkdir()
-    config.write_text((REPO / "accelerate_configs/cpu/zero3.yaml").read_text().replace("num_processes: 2", "num_processes: 1")
-                      + "main_process_port: 0\n")  # each node's own free port: they share this machine
-    cmd = ["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=0",
-           sys.executable, "-m", "finetune.cli", "train", "--recipe", "zero3", "--config_file", str(config),
-           *job_args(tiny_model_dir), f"--run.output_dir={tmp_path / 'run'}"]
-    code, out, _ = run_process_group(cmd, cwd=REPO, env={**slurm.env, "PYTHONUNBUFFERED": "1"}, timeout=240,
-                                     merge_stderr=True)
+    config.write_text(
+        (REPO / "accelerate_configs/cpu/zero3.yaml").read_text().replace("num_processes: 2", "num_processes: 1")
+        + "main_process_port: 0\n"
+    )  # each node's own free port: they share this machine
+    cmd = [
+        "srun",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--kill-on-bad-exit=0",
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "train",
+        "--recipe",
+        "zero3",
+        "--config_file",
+        str(config),
+        *job_args(tiny_model_dir),
+        f"--run.output_dir={tmp_path / 'run'}",
+    ]
+    code, out, _ = run_process_group(
+        cmd, cwd=REPO, env={**slurm.env, "PYTHONUNBUFFERED": "1"}, timeout=240, merge_stderr=True
+    )
     assert code == 2, out[-4000:]
-    assert out.count("this SLURM job step runs on 2 nodes (SLURM_STEP_NUM_NODES) but the launch formed 1 machine(s)") \
-        == 2, out[-4000:]
+    assert (
+        out.count("this SLURM job step runs on 2 nodes (SLURM_STEP_NUM_NODES) but the launch formed 1 machine(s)") == 2
+    ), out[-4000:]
     assert "Launch with --num_machines 2 --machine_rank $SLURM_NODEID" in out and f"num_machines in {config}" in out
     assert not (tmp_path / "run").exists()  # nothing was started, loaded or written
 
@@ -148,23 +217,32 @@ def print_losses(title: str, want: dict, got: dict, control: dict) -> None:
     """The per-step table (shown with pytest -s): the figures docs/multinode.md quotes."""
     print(f"\n{title}\nstep | uninterrupted | this run | rel. diff | control | rel. diff")
     for k in sorted(want):
-        print(f"{k} | {want[k]:.9f} | {got[k]:.9f} | {abs(got[k] - want[k]) / abs(want[k]):.2e} | "
-              f"{control[k]:.9f} | {abs(control[k] - want[k]) / abs(want[k]):.2e}")
+        print(
+            f"{k} | {want[k]:.9f} | {got[k]:.9f} | {abs(got[k] - want[k]) / abs(want[k]):.2e} | "
+            f"{control[k]:.9f} | {abs(control[k] - want[k]) / abs(want[k]):.2e}"
+        )
 
 
 def _control_resume(jobs, source: Path, checkpoint: str, dst: Path, args: list[str], *, nodes: int) -> dict:
     """A copy of `source` resumed from `checkpoint` without restoring the data position
     (ignore_data_skip: the sampler starts the epoch again) at the checkpoint's own layout."""
     run = copy_run(source, dst)
-    job = jobs.submit("zero3", *args, f"--run.output_dir={run}", f"--resume={run / checkpoint}",
-                      "--training.ignore_data_skip=true", sbatch=[f"--nodes={nodes}"])
+    job = jobs.submit(
+        "zero3",
+        *args,
+        f"--run.output_dir={run}",
+        f"--resume={run / checkpoint}",
+        "--training.ignore_data_skip=true",
+        sbatch=[f"--nodes={nodes}"],
+    )
     info = jobs.wait(job)
     assert info["JobState"] == "COMPLETED", jobs.log(job)[-4000:]
     return record(run)
 
 
-def test_a_preempted_job_checkpoints_on_both_nodes_requeues_and_resumes_exactly(baseline, jobs, tiny_model_dir,
-                                                                               tmp_path):
+def test_a_preempted_job_checkpoints_on_both_nodes_requeues_and_resumes_exactly(
+    baseline, jobs, tiny_model_dir, tmp_path
+):
     """SIGTERM to the job's steps while step 3 is open: both ranks stop after step 3 with one complete
     checkpoint, the script requeues the job, the requeued job (SLURM_RESTART_COUNT=1) continues the
     same run directory (named after the job id) from checkpoint-3 by itself; its losses are the
@@ -183,8 +261,10 @@ def test_a_preempted_job_checkpoints_on_both_nodes_requeues_and_resumes_exactly(
     assert f"run runs/zero3-slurm{job}: completed (restart 1)" in log
 
     first = json.loads((run / "run.before-resume1.json").read_text())  # the first segment's record
-    assert first["summary"]["status"] == "interrupted" and "preempted by SIGTERM on rank(s) [0, 1] at step 3" in \
-        first["summary"]["error"], first["summary"]
+    assert (
+        first["summary"]["status"] == "interrupted"
+        and "preempted by SIGTERM on rank(s) [0, 1] at step 3" in first["summary"]["error"]
+    ), first["summary"]
     # one checkpoint, complete, with both nodes' ZeRO-3 partitions in it
     assert [c.name for c in checkpoints.checkpoints(run)] == ["checkpoint-3"]
     assert checkpoints.problem(run / "checkpoint-3") is None
@@ -194,23 +274,29 @@ def test_a_preempted_job_checkpoints_on_both_nodes_requeues_and_resumes_exactly(
     rec = record(run)
     assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 6
     resumed = rec["resumes"][-1]
-    assert (resumed["step"], resumed["previous_status"], resumed["world_size"], resumed["effective"]) == \
-        (3, "interrupted", 2, 8), resumed
+    assert (resumed["step"], resumed["previous_status"], resumed["world_size"], resumed["effective"]) == (
+        3,
+        "interrupted",
+        2,
+        8,
+    ), resumed
     assert rec["nodes"]["slurm"]["restart_count"] == 1 and rec["nodes"]["slurm"]["job_id"] == job
     assert_two_node_zero3(rec, node_names=["node1", "node2"])
     got, want = losses(rec), losses(baseline.record)
     assert max(relative_differences(got, want, [4, 5, 6]).values()) <= TOLERANCE, (got, want)
 
     # Control: the same continuation with the data position not restored differs by far more.
-    control = _control_resume(jobs, baseline.run, "checkpoint-3", tmp_path / "control", job_args(tiny_model_dir),
-                              nodes=2)
+    control = _control_resume(
+        jobs, baseline.run, "checkpoint-3", tmp_path / "control", job_args(tiny_model_dir), nodes=2
+    )
     assert control["resumes"][-1]["world_size"] == 2
     print_losses("preempted after step 3, requeued", want, got, losses(control))
     assert max(relative_differences(losses(control), want, [4, 5, 6]).values()) > 10 * TOLERANCE
 
 
-def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_node(baseline, jobs, tiny_model_dir,
-                                                                                     tmp_path):
+def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_node(
+    baseline, jobs, tiny_model_dir, tmp_path
+):
     """Node 2's task (its launcher and its rank) is SIGKILLed while step 3 is open: the rank on node 1
     exits by itself, naming node2 and rank 1, long before the collective timeout; the checkpoints
     written so far are complete; `--resume` on one node with one process keeps the effective batch
@@ -253,10 +339,19 @@ def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_
     assert info["JobState"] == "COMPLETED", jobs.log(again)[-4000:]
     rec = record(run)
     resumed = rec["resumes"][-1]
-    assert (resumed["step"], resumed["from_world_size"], resumed["world_size"], resumed["grad_accum"],
-            resumed["effective"], resumed["reshard"]) == (2, 2, 1, 2, 8, "universal"), resumed
-    assert (rec["nodes"]["world_size"], rec["nodes"]["num_machines"], rec["nodes"]["ranks"][0]["node"]) == \
-        (1, 1, "node1"), rec["nodes"]
+    assert (
+        resumed["step"],
+        resumed["from_world_size"],
+        resumed["world_size"],
+        resumed["grad_accum"],
+        resumed["effective"],
+        resumed["reshard"],
+    ) == (2, 2, 1, 2, 8, "universal"), resumed
+    assert (rec["nodes"]["world_size"], rec["nodes"]["num_machines"], rec["nodes"]["ranks"][0]["node"]) == (
+        1,
+        1,
+        "node1",
+    ), rec["nodes"]
     assert rec["nodes"]["per_node"][0]["param_fraction"] == 1.0  # one rank holds every partition
     got, want = losses(rec), losses(baseline.record)
     assert max(relative_differences(got, want, [3, 4, 5, 6]).values()) <= TOLERANCE, (got, want)
