@@ -23,6 +23,7 @@ LAYERS = [
     {"finetune.launch", "finetune.telemetry", "finetune.planning"},
     {"finetune.training"},
     {"finetune.compare", "finetune.bench"},
+    {"finetune.doctor"},  # runs the others through the CLI; borrows the compare report's style
     {"finetune.cli"},
 ]
 

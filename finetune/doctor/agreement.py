@@ -165,7 +165,7 @@ def agreement_line(name: str, cmp: dict, policy: str, run_dirs: tuple[str, str],
         why.append(f"other tokens trained at step(s) {cmp['token_mismatch']} (not the same rows)")
     if why:
         settings = f"; the records differ in {', '.join(cmp['differs'])}" if cmp["differs"] else ""
-        asked = f" (misconfigured on purpose: --override {', '.join(overrides)})" if overrides else ""
+        asked = f" (misconfigured on purpose by --override: {', '.join(overrides)})" if overrides else ""
         return lines.problem(S, f"{name} losses", "; ".join(why) + settings + asked,
                              f"{name} trained differently from one process on the same data: finetune compare "
                              f"{run_dirs[0]} {run_dirs[1]}{' and make those settings equal' if settings else ''}; if "

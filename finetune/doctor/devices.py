@@ -9,14 +9,13 @@ bus bandwidth is compared with), never a guess:
 
 * NVLink: links between the two GPUs (through NVSwitch: the fewer of the two GPUs' switch links) x
   NCCL's per-link figure for the GPU's compute capability (NCCL src/graph/topo.h SM*_NVLINK_BW);
-* PCIe: lanes x NCCL's per-lane rate for the link generation (src/graph/topo.c kvDictPciGen, in
+* PCIe: lanes x NCCL's per-lane rate for the link generation (src/graph/topo.cc kvDictPciGen, in
   100 Mbit/s per lane, / 80 -> GB/s), the slower of the two GPUs, from NVML's maximum link generation
   and width; unknown for a pair whose path crosses the CPU interconnect (NVML topology SYSTEM).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,9 +117,7 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
             error = f"{type(e).__name__}: {e}"
     nccl_version, nccl_available = None, False
     if available:
-        import torch.distributed as dist
-
-        nccl_available = dist.is_nccl_available()
+        nccl_available = torch.distributed.is_nccl_available()
         try:
             nccl_version = ".".join(str(v) for v in cuda.nccl.version())
         except Exception as e:
@@ -256,6 +253,3 @@ def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
         return Pair(a.index, b.index, peer, 0, label, None, "PCIe generation/width not read from NVML")
     return Pair(a.index, b.index, peer, 0, label, min(figures), "lanes x NCCL's per-lane PCIe rate, the slower GPU")
 
-
-def visible_devices() -> str:
-    return os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")

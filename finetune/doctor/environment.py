@@ -144,7 +144,7 @@ def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> lines.Line
     base = host.HOST_CUDA_PROCESS_BASE_GIB if on_gpu else host.HOST_CPU_PROCESS_BASE_GIB
     need = (processes + 1) * base
     detail = f"{vm.total / GIB:.1f} GiB total, {vm.available / GIB:.1f} GiB available"
-    data = {"total_gib": round(vm.total / GIB, 2), "available_gib": round(vm.available / GIB, 2), "need_gib": need}
+    data = {"total_gib": round(vm.total / GIB, 2), "available_gib": round(vm.available / GIB, 2), "need_gib": round(need, 2)}
     if vm.available / GIB < need:
         return lines.problem(S, "host RAM", f"{detail}: the doctor's {processes} rank(s) + launcher need about "
                              f"{need:.1f} GiB ({base} GiB each, finetune/planning/host.py)",

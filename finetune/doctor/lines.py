@@ -26,15 +26,15 @@ class Line:
         return asdict(self)
 
 
-def ok(section: str, name: str, detail: str, **data) -> Line:
+def ok(section: str, name: str, detail: str, /, **data) -> Line:
     return Line(section, name, OK, detail, data=data)
 
 
-def problem(section: str, name: str, detail: str, fix: str, **data) -> Line:
+def problem(section: str, name: str, detail: str, fix: str, /, **data) -> Line:
     return Line(section, name, PROBLEM, detail, fix, data=data)
 
 
-def skipped(section: str, name: str, why: str, **data) -> Line:
+def skipped(section: str, name: str, why: str, /, **data) -> Line:
     return Line(section, name, SKIPPED, why, data=data)
 
 

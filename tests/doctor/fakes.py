@@ -1,0 +1,109 @@
+"""Made-up GPUs for the doctor's GPU paths: stand-ins for torch (its `cuda` and `version`) and for
+pynvml with the calls finetune/doctor/devices.py makes, so the same code runs without a GPU.
+A machine is a list of GPU dicts; NVML may list them in another order than CUDA (matched by UUID)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+GIB = 2**30
+
+
+def gpu(name="NVIDIA H100 80GB HBM3", memory_gib=80, capability=(9, 0), uuid="aaaa-0", bus="00000000:18:00.0",
+        pcie=(5, 16), mig=0, nvlinks=()) -> dict:
+    """nvlinks: one (remote kind, remote bus id) per active link; kind 0 = GPU, 2 = NVSwitch."""
+    return {"name": name, "memory": memory_gib * GIB, "capability": capability, "uuid": uuid, "bus": bus,
+            "pcie": pcie, "mig": mig, "nvlinks": list(nvlinks)}
+
+
+class FakeCuda:
+    def __init__(self, gpus, peer=lambda a, b: True, arch_list=("sm_80", "sm_86", "sm_90"), available=True,
+                 init_error=None, nccl=(2, 27, 3)):
+        self.gpus, self.peer, self.arch_list = gpus, peer, list(arch_list)
+        self.available, self.init_error = available, init_error
+        self.nccl = SimpleNamespace(version=lambda: nccl)
+
+    def is_available(self):
+        return self.available
+
+    def init(self):
+        if self.init_error:
+            raise RuntimeError(self.init_error)
+
+    def device_count(self):
+        return len(self.gpus)
+
+    def get_device_properties(self, i):
+        g = self.gpus[i]
+        return SimpleNamespace(name=g["name"], total_memory=g["memory"], major=g["capability"][0],
+                               minor=g["capability"][1], uuid=g["uuid"])
+
+    def can_device_access_peer(self, a, b):
+        return self.peer(a, b)
+
+    def get_arch_list(self):
+        return self.arch_list
+
+
+def fake_torch(cuda: FakeCuda | None = None, cuda_build: str | None = "12.8", nccl_available=True):
+    return SimpleNamespace(__version__="2.13.0+cu128" if cuda_build else "2.13.0+cpu",
+                           version=SimpleNamespace(cuda=cuda_build), cuda=cuda or FakeCuda([], available=False),
+                           distributed=SimpleNamespace(is_nccl_available=lambda: nccl_available))
+
+
+class NVMLError(Exception):
+    pass
+
+
+class FakeNvml:
+    """pynvml's calls over the same GPU dicts, listed in `order` (NVML index -> CUDA index);
+    topology: {(cuda a, cuda b): nvmlGpuTopologyLevel_t}."""
+    NVML_NVLINK_MAX_LINKS = 18
+
+    def __init__(self, gpus, topology=None, order=None):
+        self.gpus = [gpus[i] for i in (order or range(len(gpus)))]
+        self.topology = topology or {}
+        self.cuda_of = {id(g): i for i, g in enumerate(gpus)}
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        for g in self.gpus:
+            if "GPU-" + g["uuid"] == uuid:
+                return g
+        raise NVMLError("NotFound")
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return SimpleNamespace(busId=h["bus"].encode())
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
+        return h["pcie"][0]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
+        return h["pcie"][1]
+
+    def nvmlDeviceGetMigMode(self, h):
+        return (h["mig"], h["mig"])
+
+    def _link(self, h, link):
+        if link >= len(h["nvlinks"]):
+            raise NVMLError("NotSupported" if not h["nvlinks"] else "InvalidArgument")
+        return h["nvlinks"][link]
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        self._link(h, link)
+        return 1
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return self._link(h, link)[0]
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return SimpleNamespace(busId=self._link(h, link)[1])
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):
+        a, b = sorted((self.cuda_of[id(h1)], self.cuda_of[id(h2)]))
+        return self.topology[(a, b)]
+
+
+def nvswitch_h100s(n=2, links=18) -> list[dict]:
+    """An HGX H100 board: every GPU's NVLinks go to the NVSwitches."""
+    return [gpu(uuid=f"h100-{i}", bus=f"00000000:{0x18 + i:02X}:00.0",
+                nvlinks=[(2, f"00000000:{0xA0 + k:02X}:00.0") for k in range(links)]) for i in range(n)]
