@@ -41,7 +41,7 @@ class Gpu:
     mig: bool | None  # None: unknown (no NVML and the name does not say)
     bus_id: tuple | None = None  # (domain, bus, device, function) from NVML
     pcie: tuple[int, int] | None = None  # NVML's maximum (generation, width)
-    nvlinks: dict = field(default_factory=dict)  # active links: peer GPU index or "switch" -> count
+    nvlinks: dict = field(default_factory=dict)  # active links: peer GPU index, "switch" or "unresolved" -> count
     nvml_note: str | None = None  # why NVML facts are missing for this GPU
 
     @property
@@ -119,7 +119,8 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
     if available:
         nccl_available = torch.distributed.is_nccl_available()
         try:
-            nccl_version = ".".join(str(v) for v in cuda.nccl.version())
+            version = cuda.nccl.version()  # (2, 21, 5); an int in older torch
+            nccl_version = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
         except Exception as e:
             nccl_version = f"unknown ({type(e).__name__})"
     gpus, pairs, nvml_note = [], [], None
@@ -129,18 +130,16 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
             props = cuda.get_device_properties(i)
             gpus.append(Gpu(i, props.name, round(props.total_memory / GIB, 2), (props.major, props.minor),
                             mig=True if " MIG " in f" {props.name} " else None))
+        nvml = load_nvml() if nvml is None else nvml
         handles, nvml_note = _nvml_handles(cuda, nvml, n)
+        nvml = nvml if not isinstance(nvml, str) else None
         for gpu in gpus:
-            _read_nvml(nvml_module(nvml), handles.get(gpu.index), gpu, handles)
-        pairs = [_pair(cuda, nvml_module(nvml), handles, gpus[a], gpus[b]) for a in range(n) for b in range(a + 1, n)]
+            _read_nvml(nvml, handles.get(gpu.index), gpu, handles)
+        pairs = [_pair(cuda, nvml, handles, gpus[a], gpus[b]) for a in range(n) for b in range(a + 1, n)]
     arch_list = list(cuda.get_arch_list()) if available else []
     driver_gpus = len(list(proc.iterdir())) if proc.is_dir() else 0
     return Devices(torch.__version__, build, available, error, arch_list, nccl_version, nccl_available, gpus, pairs,
                    nvml_note, driver_gpus)
-
-
-def nvml_module(nvml):
-    return nvml if nvml is not None and not isinstance(nvml, str) else None
 
 
 def load_nvml():
@@ -158,8 +157,6 @@ def load_nvml():
 
 def _nvml_handles(cuda, nvml, n: int) -> tuple[dict, str | None]:
     """CUDA index -> NVML handle, matched by UUID (NVML's own index order can differ from CUDA's)."""
-    if nvml is None:
-        nvml = load_nvml()
     if isinstance(nvml, str):
         return {}, nvml
     handles = {}
@@ -217,16 +214,19 @@ def _read_nvml(nvml, handle, gpu: Gpu, handles: dict) -> None:
             kind = nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
             remote = bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
         except Exception:
-            continue
+            kind, remote = None, None
         key = "switch" if kind == NVLINK_REMOTE_SWITCH else bus_to_index.get(remote) if kind == NVLINK_REMOTE_GPU else None
-        if key is not None:
-            gpu.nvlinks[key] = gpu.nvlinks.get(key, 0) + 1
+        key = "unresolved" if key is None else key  # an active link whose other end NVML did not name
+        gpu.nvlinks[key] = gpu.nvlinks.get(key, 0) + 1
 
 
 def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
     peer = bool(cuda.can_device_access_peer(a.index, b.index) and cuda.can_device_access_peer(b.index, a.index))
     if nvml is None or a.index not in handles or b.index not in handles:
         why = "NVML not available" if nvml is None else "no NVML handle for one of the GPUs"
+        return Pair(a.index, b.index, peer, None, f"unknown ({why})", None, why)
+    if a.nvlinks.get("unresolved") or b.nvlinks.get("unresolved"):
+        why = "an active NVLink whose other end NVML did not name"
         return Pair(a.index, b.index, peer, None, f"unknown ({why})", None, why)
     direct = a.nvlinks.get(b.index, 0)
     switched = min(a.nvlinks.get("switch", 0), b.nvlinks.get("switch", 0))

@@ -71,14 +71,19 @@ def cuda(dev: Devices) -> list[lines.Line]:
         return [lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
                 lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"),
                 lines.skipped(S, "GPUs", "no CUDA device")]
+    visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
+    if not dev.cuda_available and not dev.driver_gpus:
+        why = f"no NVIDIA GPU: the NVIDIA driver lists none ({visible}; torch {dev.torch_version}: {dev.cuda_error})"
+        return [lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
+                lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"), lines.skipped(S, "GPUs", "no CUDA device")]
     if not dev.cuda_available:
-        return [lines.problem(S, "CUDA", f"torch {dev.torch_version} is built for CUDA {dev.cuda_build} but CUDA is "
-                              f"unusable: {dev.cuda_error}",
+        return [lines.problem(S, "CUDA", f"the NVIDIA driver lists {dev.driver_gpus} GPU(s) and torch "
+                              f"{dev.torch_version} is built for CUDA {dev.cuda_build}, but CUDA is unusable "
+                              f"({visible}): {dev.cuda_error}",
                               "run nvidia-smi: update a driver older than CUDA " + dev.cuda_build + ", or install the "
                               "torch build for your driver's CUDA; error 802 on NVSwitch machines: systemctl start "
                               "nvidia-fabricmanager")]
-    out = [lines.ok(S, "CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible "
-                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})", build=dev.cuda_build)]
+    out = [lines.ok(S, "CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible ({visible})", build=dev.cuda_build)]
     if dev.nccl_available:
         out.append(lines.ok(S, "NCCL", dev.nccl_version or "unknown version", version=dev.nccl_version))
     else:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from finetune import precision
 from finetune.doctor import agreement, devices, environment, lines, links, report, runs
 from finetune.errors import UserError
 
@@ -28,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help="also check that the accelerate default config does not refuse this recipe")
     p.add_argument("--strategies", help=f"comma-separated subset of {','.join(runs.names(True))} (single, the "
                    f"reference, always runs)")
-    p.add_argument("--precision", default="auto", help="training.precision of the runs (default auto: bf16-mixed on "
+    p.add_argument("--precision", default="auto", choices=precision.CHOICES, help="training.precision of the runs (default auto: bf16-mixed on "
                    "GPUs with bf16, 32-true on CPU)")
     p.add_argument("--override", action="append", default=[], metavar="STRATEGY:section.key=value",
                    help="for testing the doctor: one recipe override for one strategy's run only (e.g. "
@@ -63,8 +64,6 @@ def environment_lines(args, dev: devices.Devices, out: Path) -> list[lines.Line]
 
 
 def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[lines.Line], dict]:
-    from finetune import precision
-
     world = runs.world_size(dev)
     on_gpu = dev.cuda_available and bool(dev.gpus)
     policy = precision.resolve(args.precision, on_gpu, on_gpu and all(g.bf16 for g in dev.gpus)).name

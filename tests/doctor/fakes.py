@@ -1,10 +1,14 @@
 """Made-up GPUs for the doctor's GPU paths: stand-ins for torch (its `cuda` and `version`) and for
 pynvml with the calls finetune/doctor/devices.py makes, so the same code runs without a GPU.
-A machine is a list of GPU dicts; NVML may list them in another order than CUDA (matched by UUID)."""
+A machine is a list of GPU dicts; NVML may list them in another order than CUDA (matched by UUID).
+And hand-made run records (`record`) with the fields of docs/run_record.md the doctor reads."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+from finetune import strategies
+from finetune.doctor import agreement
 
 GIB = 2**30
 
@@ -107,3 +111,29 @@ def nvswitch_h100s(n=2, links=18) -> list[dict]:
     """An HGX H100 board: every GPU's NVLinks go to the NVSwitches."""
     return [gpu(uuid=f"h100-{i}", bus=f"00000000:{0x18 + i:02X}:00.0",
                 nvlinks=[(2, f"00000000:{0xA0 + k:02X}:00.0") for k in range(links)]) for i in range(n)]
+
+
+LOSSES = [10.770113, 10.747, 10.76, 10.65, 10.68, 10.58, 10.62, 10.60, 10.61, 10.558376]
+
+
+def record(row_key: str, world: int, losses=LOSSES, policy="32-true", **evidence) -> dict:
+    """A completed run.json of a strategy row whose live evidence matches the row, unless overridden."""
+    row = strategies.by_key(row_key)
+    ev = {"engine_class": "PeftModelForCausalLM", "zero_stage": None, "fsdp_modules": 0, "dtensor_params": 0,
+          "params": 48, "local_param_fraction": None, "world_size": world}
+    ev |= {k: v for k, v in agreement.expected_evidence(row, world).items() if not k.endswith(">=")}
+    if row.fsdp is not None:
+        ev |= {"engine_class": "FSDPPeftModelForCausalLM", "fsdp_modules": 5, "dtensor_params": 48,
+               "placements": "(Shard(dim=0),)"}
+    if row.shards_params:
+        ev["local_param_fraction"] = 1 / world
+    ev |= evidence
+    compute = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}[policy]
+    return {"strategy": {"name": row.name, "offload": row.offload, "world_size": world, "evidence": ev},
+            "precision": {"policy": policy, "observed_compute_dtype": compute},
+            "batch": {"effective": 8}, "lr": {"applied": 1e-3}, "config": {"training": {"max_grad_norm": 1.0}},
+            "steps": [{"step": i + 1, "loss": x, "grad_norm": 1.2, "trained_tokens": 56 + i, "input_tokens": 400 + i}
+                      for i, x in enumerate(losses)],
+            "summary": {"status": "completed"},
+            "predicted_memory": {"error": {"device_allocated": None,
+                                           "host": {"predicted_gib": 1.49, "measured_gib": 0.70, "relative_error": 1.13}}}}

