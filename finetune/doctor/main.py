@@ -93,10 +93,14 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[lines.
 
 
 def selection(args) -> tuple[list[str] | None, dict[str, list[str]]]:
-    """(--strategies, --override) parsed and checked."""
+    """(--strategies, --override) parsed and checked, and --recipe loaded."""
     only = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
     overrides = runs.parse_overrides(args.override)
     runs.selected(only, overrides, offload=args.offload)
+    if args.recipe:
+        from finetune.config.recipe import load_recipe
+
+        load_recipe(args.recipe, [])  # an unknown recipe fails here, naming the ones there are
     return only, overrides
 
 

@@ -49,6 +49,8 @@ def test_an_out_directory_the_doctor_did_not_make_is_left_alone(tmp_path):
     (["--strategies", "zero4"], "error: --strategies: unknown zero4"),
     (["--quick", "--override", "zero2:training.learning_rate=1"], "error: --strategies, --override and --offload apply"),
     (["--override", "zero2"], "error: --override 'zero2': expected STRATEGY:section.key=value"),
+    (["--quick", "--recipe", "zero5"], "--recipe 'zero5': no such file, and no recipe of that name"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
 ])
 def test_bad_options_stop_before_anything_is_written(tmp_path, args, message):
     code, stdout, _ = doctor(*args, "--out", str(tmp_path / "doc"), tmp_path=tmp_path)
