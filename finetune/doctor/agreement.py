@@ -21,6 +21,8 @@ same rows). The predicted peak is shown, not judged (docs/planning.md has the pl
 
 from __future__ import annotations
 
+import math
+
 from finetune import precision, strategies
 from finetune.doctor import lines
 
@@ -28,13 +30,13 @@ S = "strategies"
 TOLERANCES = {"32-true": {"loss": 1e-5, "grad_norm": 1e-4, "source": "tests/training/test_strategies.py"},
               "bf16-mixed": {"loss": 1e-4, "grad_norm": 5e-3, "source": "tests/training/test_precision_equivalence.py"}}
 SHARD_SLACK = 0.2  # a rank's share of sharded elements may differ from 1/W by this fraction (padding, uneven dims)
-# What the record must show besides, for a run compared with the reference (key: docs/run_record.md path).
+# Settings a run and the reference must hold equal (docs/run_record.md paths), named when losses disagree.
 SAME = (("batch", "effective"), ("lr", "applied"), ("precision", "policy"), ("config", "training", "max_grad_norm"))
 
 
-def expected_evidence(row: strategies.Strategy, world: int) -> dict:
-    """strategy.evidence values the live engine must show for a strategy row at a world size, from the
-    strategy table itself (finetune/strategies.py)."""
+def expected_evidence(row: strategies.Strategy) -> dict:
+    """strategy.evidence values the live engine must show for a strategy row, from the strategy table
+    itself (finetune/strategies.py); the clipping is what the doctor's runs pin (runs.common_args)."""
     if row.zero_stage is not None:
         want = {"engine_class": "DeepSpeedEngine", "zero_stage": row.zero_stage,
                 "offload_optimizer_device": "cpu" if row.offload_optimizer else "none",
@@ -55,14 +57,15 @@ def expected_evidence(row: strategies.Strategy, world: int) -> dict:
 
 def engaged(record: dict, row: strategies.Strategy, world: int, policy: str) -> tuple[list[str], str]:
     """(mismatches, one-line description) of what engaged, against the row, world size and policy."""
-    s, ev, p = record.get("strategy") or {}, (record.get("strategy") or {}).get("evidence") or {}, record.get("precision") or {}
+    s, p = record.get("strategy") or {}, record.get("precision") or {}
+    ev = s.get("evidence") or {}
     wrong = []
     for key, want in {"name": row.name, "offload": row.offload, "world_size": world}.items():
         if s.get(key) != want:
             wrong.append(f"strategy.{key} is {s.get(key)!r}, expected {want!r}")
     if ev.get("world_size") != world:
         wrong.append(f"strategy.evidence.world_size is {ev.get('world_size')!r} (torch.distributed), expected {world}")
-    for key, want in expected_evidence(row, world).items():
+    for key, want in expected_evidence(row).items():
         if key.endswith(">="):
             if not (ev.get(key[:-2]) or 0) >= want:
                 wrong.append(f"strategy.evidence.{key[:-2]} is {ev.get(key[:-2])!r}, expected >= {want}")
@@ -114,7 +117,7 @@ def losses(record: dict) -> list[dict]:
     return [s for s in record.get("steps") or [] if s.get("loss") is not None]
 
 
-def compare(ref: dict, rec: dict, policy: str, steps: int) -> dict:
+def compare(ref: dict, rec: dict, steps: int) -> dict:
     """The largest relative differences of `rec` against the reference, step by step, and what the
     two records hold differently among the settings that must be the same (SAME)."""
     a, b = losses(ref), losses(rec)
@@ -123,13 +126,19 @@ def compare(ref: dict, rec: dict, policy: str, steps: int) -> dict:
     if [s["step"] for s in a] != list(range(1, steps + 1)) or [s["step"] for s in b] != list(range(1, steps + 1)):
         out["missing_steps"] = True
         return out
-    rel = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]
-    grads = [abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"]) for x, y in zip(a, b)
+    rel = [_finite(abs(x["loss"] - y["loss"]) / abs(x["loss"])) for x, y in zip(a, b)]
+    grads = [_finite(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"])) for x, y in zip(a, b)
              if x.get("grad_norm") and y.get("grad_norm") is not None]
-    out.update(loss_rel=rel, max_loss_rel=max(rel), worst_step=rel.index(max(rel)) + 1, max_grad_norm_rel=max(grads) if grads else None,
+    out.update(loss_rel=rel, max_loss_rel=max(rel), worst_step=rel.index(max(rel)) + 1,
+               max_grad_norm_rel=max(grads) if grads else None,
                token_mismatch=[x["step"] for x, y in zip(a, b) if (x["trained_tokens"], x["input_tokens"]) !=
                                (y["trained_tokens"], y["input_tokens"])])
     return out
+
+
+def _finite(value: float) -> float:
+    """NaN (a non-finite loss on one side) as infinitely different: it never passes a tolerance."""
+    return value if math.isfinite(value) else math.inf
 
 
 def _differences(ref: dict, rec: dict) -> list[str]:

@@ -137,10 +137,10 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
     if reference is None:
         out.append(lines.skipped(S, f"{p.name} losses", "the single-process reference did not complete"))
         return entry, out
-    cmp = agreement.compare(reference.record, rec, policy, runs.STEPS)
+    cmp = agreement.compare(reference.record, rec, runs.STEPS)
     line = agreement.agreement_line(p.name, cmp, policy, (str(reference.planned.run_dir), str(p.run_dir)),
                                     overrides=p.overrides)
-    entry["comparison"] = line.data | {"max_loss_rel": cmp["max_loss_rel"]}
+    entry["comparison"] = line.data
     return entry, out + [line]
 
 

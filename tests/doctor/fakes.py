@@ -8,7 +8,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from finetune import strategies
-from finetune.doctor import agreement
 
 GIB = 2**30
 
@@ -116,16 +115,33 @@ def nvswitch_h100s(n=2, links=18) -> list[dict]:
 LOSSES = [10.770113, 10.747, 10.76, 10.65, 10.68, 10.58, 10.62, 10.60, 10.61, 10.558376]
 
 
+# strategy.evidence as the CPU doctor's runs recorded it (world size 2), per strategy row; DeepSpeed's
+# offload devices and optimizer per row as DeepSpeed reports them.
+_DS = {"engine_class": "DeepSpeedEngine", "gradient_clipping": 1.0, "offload_optimizer_device": "none",
+       "offload_param_device": "none", "optimizer_offloaded": False, "basic_optimizer_class": "AdamW"}
+_FSDP = {"engine_class": "FSDPPeftModelForCausalLM", "fsdp_modules": 5, "dtensor_params": 48,
+         "placements": "(Shard(dim=0),)", "fsdp_offload_policy": "OffloadPolicy", "local_param_fraction": 0.5}
+EVIDENCE = {
+    "single": {},
+    "ddp": {"engine_class": "DistributedDataParallel"},
+    "zero2": {**_DS, "zero_stage": 2},
+    "zero2_offload": {**_DS, "zero_stage": 2, "offload_optimizer_device": "cpu", "optimizer_offloaded": True,
+                      "basic_optimizer_class": "DeepSpeedCPUAdam"},
+    "zero3": {**_DS, "zero_stage": 3, "params_offloaded": False, "local_param_fraction": 0.5},
+    "zero3_offload": {**_DS, "zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "cpu",
+                      "optimizer_offloaded": True, "params_offloaded": True, "basic_optimizer_class": "DeepSpeedCPUAdam",
+                      "local_param_fraction": 0.5},
+    "fsdp": _FSDP,
+    "fsdp_offload": {**_FSDP, "fsdp_offload_policy": "CPUOffloadPolicy"},
+}
+
+
 def record(row_key: str, world: int, losses=LOSSES, policy="32-true", **evidence) -> dict:
-    """A completed run.json of a strategy row whose live evidence matches the row, unless overridden."""
+    """A completed run.json of a strategy row with the evidence its runs show (EVIDENCE), changed by `evidence`."""
     row = strategies.by_key(row_key)
     ev = {"engine_class": "PeftModelForCausalLM", "zero_stage": None, "fsdp_modules": 0, "dtensor_params": 0,
-          "params": 48, "local_param_fraction": None, "world_size": world}
-    ev |= {k: v for k, v in agreement.expected_evidence(row, world).items() if not k.endswith(">=")}
-    if row.fsdp is not None:
-        ev |= {"engine_class": "FSDPPeftModelForCausalLM", "fsdp_modules": 5, "dtensor_params": 48,
-               "placements": "(Shard(dim=0),)"}
-    if row.shards_params:
+          "params": 48, "local_param_fraction": None, "world_size": world, **EVIDENCE[row_key]}
+    if ev["local_param_fraction"] is not None:
         ev["local_param_fraction"] = 1 / world
     ev |= evidence
     compute = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}[policy]

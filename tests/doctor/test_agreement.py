@@ -48,7 +48,7 @@ def test_record_level_mismatches_name_and_precision():
 def test_equal_losses_agree_and_the_figures_are_recounted():
     ref = record("single", 1)
     nudged = [x * (1 + 3e-6) if i == 4 else x for i, x in enumerate(LOSSES)]
-    cmp = agreement.compare(ref, record("zero2", 2, losses=nudged), "32-true", 10)
+    cmp = agreement.compare(ref, record("zero2", 2, losses=nudged), 10)
     assert cmp["worst_step"] == 5 and cmp["max_loss_rel"] == pytest.approx(3e-6, rel=1e-6)
     line = agreement.agreement_line("zero2", cmp, "32-true", ("a", "b"))
     assert line.status == "ok" and line.detail.startswith("within 1e-05 of single at every step (largest 3.0e-06 at step 5)")
@@ -57,7 +57,7 @@ def test_equal_losses_agree_and_the_figures_are_recounted():
 def test_a_loss_beyond_the_tolerance_is_a_disagreement_naming_the_differing_settings():
     ref, rec = record("single", 1), record("ddp", 2, losses=[x * (1 + 2e-5) for x in LOSSES])
     rec["lr"]["applied"] = 2e-3
-    line = agreement.agreement_line("ddp", agreement.compare(ref, rec, "32-true", 10), "32-true", ("runs/s", "runs/d"),
+    line = agreement.agreement_line("ddp", agreement.compare(ref, rec, 10), "32-true", ("runs/s", "runs/d"),
                                     overrides=["--training.learning_rate=2e-3"])
     assert line.status == "problem"
     assert "loss differs from single by 2.0e-05 relative (tolerance 1e-05, 32-true)" in line.detail
@@ -69,29 +69,35 @@ def test_a_loss_beyond_the_tolerance_is_a_disagreement_naming_the_differing_sett
 def test_bf16_mixed_uses_its_own_tolerance_and_other_policies_are_not_judged():
     ref, rec = record("single", 1, policy="bf16-mixed"), record("zero3", 2, policy="bf16-mixed",
                                                                  losses=[x * (1 + 5e-5) for x in LOSSES])
-    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, "bf16-mixed", 10), "bf16-mixed",
+    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "bf16-mixed",
                                     ("a", "b")).status == "ok"
-    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, "32-true", 10), "32-true",
+    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "32-true",
                                     ("a", "b")).status == "problem"
-    line = agreement.agreement_line("zero3", agreement.compare(ref, rec, "16-mixed", 10), "16-mixed", ("a", "b"))
+    line = agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "16-mixed", ("a", "b"))
     assert line.status == "skipped" and line.detail.startswith("no tolerance derived for 16-mixed")
 
 
 def test_other_tokens_or_missing_steps_are_problems():
     ref, rec = record("single", 1), record("fsdp", 2)
     rec["steps"][3]["trained_tokens"] += 1
-    line = agreement.agreement_line("fsdp", agreement.compare(ref, rec, "32-true", 10), "32-true", ("a", "b"))
+    line = agreement.agreement_line("fsdp", agreement.compare(ref, rec, 10), "32-true", ("a", "b"))
     assert line.status == "problem" and "other tokens trained at step(s) [4] (not the same rows)" in line.detail
     short = copy.deepcopy(ref)
     short["steps"] = short["steps"][:9]
-    line = agreement.agreement_line("fsdp", agreement.compare(ref, short, "32-true", 10), "32-true", ("a", "b"))
+    line = agreement.agreement_line("fsdp", agreement.compare(ref, short, 10), "32-true", ("a", "b"))
     assert line.status == "problem" and "do not both log steps 1..N" in line.detail
+
+
+def test_a_non_finite_loss_never_agrees():
+    ref, rec = record("single", 1), record("zero2", 2, losses=[*LOSSES[:2], float("nan"), *LOSSES[3:]])
+    line = agreement.agreement_line("zero2", agreement.compare(ref, rec, 10), "32-true", ("a", "b"))
+    assert line.status == "problem" and line.detail.startswith("step 3 loss differs from single by inf relative")
 
 
 def test_grad_norms_are_compared_too():
     ref, rec = record("single", 1), record("zero2", 2)
     rec["steps"][2]["grad_norm"] = 1.2 * (1 + 2e-4)
-    line = agreement.agreement_line("zero2", agreement.compare(ref, rec, "32-true", 10), "32-true", ("a", "b"))
+    line = agreement.agreement_line("zero2", agreement.compare(ref, rec, 10), "32-true", ("a", "b"))
     assert line.status == "problem" and line.detail == "grad norm by 2.0e-04 (tolerance 0.0001)"
 
 
