@@ -66,16 +66,13 @@ def cuda(dev: Devices) -> list[lines.Line]:
             return [lines.problem(S, "CUDA", f"torch {dev.torch_version} is the CPU build, but the NVIDIA driver lists "
                                   f"{dev.driver_gpus} GPU(s)",
                                   f"pip install --force-reinstall torch=={torch_version} --index-url "
-                                  f"https://download.pytorch.org/whl/cu128 (the cuXYZ your driver supports: nvidia-smi)")]
-        why = f"no CUDA: torch {dev.torch_version} is the CPU build and no NVIDIA GPU is present"
-        return [lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
-                lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"),
-                lines.skipped(S, "GPUs", "no CUDA device")]
+                                  f"https://download.pytorch.org/whl/cuXYZ (XYZ: a CUDA version your driver supports, "
+                                  f"nvidia-smi shows it)")]
+        return _no_gpu(f"no CUDA: torch {dev.torch_version} is the CPU build and no NVIDIA GPU is present")
     visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}"
     if not dev.cuda_available and not dev.driver_gpus:
-        why = f"no NVIDIA GPU: the NVIDIA driver lists none ({visible}; torch {dev.torch_version}: {dev.cuda_error})"
-        return [lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
-                lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"), lines.skipped(S, "GPUs", "no CUDA device")]
+        return _no_gpu(f"no NVIDIA GPU: the NVIDIA driver lists none ({visible}; torch {dev.torch_version}: "
+                       f"{dev.cuda_error})")
     if not dev.cuda_available:
         return [lines.problem(S, "CUDA", f"the NVIDIA driver lists {dev.driver_gpus} GPU(s) and torch "
                               f"{dev.torch_version} is built for CUDA {dev.cuda_build}, but CUDA is unusable "
@@ -102,8 +99,13 @@ def cuda(dev: Devices) -> list[lines.Line]:
             out.append(lines.problem(S, f"GPU {gpu.index}", f"{detail}: torch {dev.torch_version} has no kernels for "
                                      f"{gpu.sm} (it has {', '.join(dev.arch_list) or 'none'})",
                                      "install a torch build for this GPU (a newer CUDA wheel: pip install --upgrade "
-                                     "torch --index-url https://download.pytorch.org/whl/cu128)", **data))
+                                     "torch --index-url https://download.pytorch.org/whl/cuXYZ)", **data))
     return out
+
+
+def _no_gpu(why: str) -> list[lines.Line]:
+    return [lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
+            lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"), lines.skipped(S, "GPUs", "no CUDA device")]
 
 
 def has_kernels(arch_list: list[str], capability: tuple[int, int]) -> bool:
