@@ -1,22 +1,7 @@
-"""The precision policy table: one row per `training.precision` value, what it keeps in which dtype.
-
-Names are PyTorch Lightning's (lightning/fabric/plugins/precision): `bf16-mixed` (the default on
-GPUs with bf16), `bf16-true` (opt-in memory saver), `16-mixed` (GPUs without bf16), `32-true`
-(CPU), and `auto` that picks one of them for the device (`resolve`). One policy means the same
-master, optimizer-state and matmul precision under every strategy (docs/precision.md). The
-strategies implement a mixed policy in one of three ways, the "families" below:
-
-* `torch` (single process, DDP): autocast over fp32 parameters (Accelerate's native AMP,
-  accelerate/accelerator.py Accelerator.prepare_model wraps forward in torch.autocast);
-* `fsdp2`: fp32 sharded parameters, 16-bit unsharded working copies (torch
-  MixedPrecisionPolicy; Accelerate's FSDP2 path does not autocast, _prepare_fsdp2);
-* `deepspeed` (ZeRO-1/2/3): the module in 16-bit, fp32 master partitions inside the ZeRO
-  optimizer (deepspeed/runtime/zero/stage_1_and_2.py single_partition_of_fp32_groups,
-  stage3.py fp32_partitioned_groups_flat).
-
-This module is pure (no torch at import): the config, preflight, model loading, the live check
-(finetune/training/precision.py) and the memory planner all read the same rows. Dtypes are
-torch's names without the `torch.` prefix ("bfloat16"); `torch_dtype` turns one into the object.
+"""The precision policy table: one row per `training.precision` value (Lightning's names), what it
+keeps in which dtype, and how each strategy family (torch autocast, FSDP2 MixedPrecisionPolicy,
+DeepSpeed's 16-bit module with fp32 master partitions) implements it (docs/precision.md). Pure, no
+torch at import: config, preflight, loading, the live check and the planner read the same rows.
 """
 
 from __future__ import annotations
@@ -29,7 +14,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POLICY_NAMES = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 CHOICES = ("auto", *POLICY_NAMES)  # what training.precision accepts
 FAMILIES = ("torch", "fsdp2", "deepspeed")
-# bf16-true warning (finetune/training/precision.py vanishing_share): warn when at least this
+# bf16-true warning (finetune/training/precision_live.py vanishing_share): warn when at least this
 # share of the trainable weights has a bf16 half-spacing above the learning rate (research
 # note §4.5: 84.5% predicted and measured at LR 1e-5 on the test model, 12% at 1e-4).
 VANISHING_WARN_SHARE = 0.10
@@ -82,11 +67,15 @@ class Policy:
     def fsdp_mixed_precision(self) -> dict | None:
         """Keyword arguments of torch MixedPrecisionPolicy for FSDP2, or None for MixedPrecisionPolicy()
         (no casts). output_dtype None: Accelerate's default (the param dtype) rounds the returned
-        loss to bf16 (research note §0.8); cast_forward_inputs as torch's default."""
+        loss to bf16; cast_forward_inputs as torch's default."""
         if self.fsdp_param_dtype is None:
             return None
-        return {"param_dtype": self.fsdp_param_dtype, "reduce_dtype": self.fsdp_reduce_dtype,
-                "output_dtype": None, "cast_forward_inputs": True}
+        return {
+            "param_dtype": self.fsdp_param_dtype,
+            "reduce_dtype": self.fsdp_reduce_dtype,
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+        }
 
     def deepspeed_keys(self) -> dict:
         """The DeepSpeed config values this policy needs (deepspeed/runtime/precision_config.py)."""
@@ -98,8 +87,12 @@ class Policy:
     def expected_live(self, family: str) -> dict:
         """What the live objects must show before step 1 (run.json precision.*), any strategy."""
         _check_family(family)
-        return {"param_dtype": self.master_dtype, "compute_dtype": self.compute_dtype,
-                "optimizer_state_dtype": self.optimizer_state_dtype, "master_weights": self.master_weights}
+        return {
+            "param_dtype": self.master_dtype,
+            "compute_dtype": self.compute_dtype,
+            "optimizer_state_dtype": self.optimizer_state_dtype,
+            "master_weights": self.master_weights,
+        }
 
     def allowed_reduce_dtypes(self, family: str) -> tuple[str, ...]:
         """Gradient reduction dtypes that honour the policy: torch-native strategies reduce in the
@@ -111,35 +104,94 @@ class Policy:
         return (self.master_dtype,)
 
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("bf16-mixed", "fp32 master weights and optimizer states, bf16 compute",
-           full_load_dtype="bfloat16", frozen_dtype="bfloat16", master_dtype="float32", compute_dtype="bfloat16",
-           optimizer_state_dtype="float32", master_weights=True, adapters_fp32=True, loss_scaling=False,
-           torch_autocast="bfloat16", fsdp_param_dtype="bfloat16", fsdp_reduce_dtype="float32",
-           deepspeed_bf16=True, deepspeed_fp16=False, deepspeed_low_precision_master=False,
-           deepspeed_offload_ok=True, needs_cuda=False),
-    Policy("bf16-true", "everything in bf16: parameters, gradients, optimizer states, compute (no master copy)",
-           full_load_dtype="bfloat16", frozen_dtype="bfloat16", master_dtype="bfloat16", compute_dtype="bfloat16",
-           optimizer_state_dtype="bfloat16", master_weights=False, adapters_fp32=False, loss_scaling=False,
-           torch_autocast=None, fsdp_param_dtype=None, fsdp_reduce_dtype=None,
-           deepspeed_bf16=True, deepspeed_fp16=False, deepspeed_low_precision_master=True,
-           # Accelerate's map_pytorch_optim_to_deepspeed builds DeepSpeedCPUAdam without
-           # fp32_optimizer_states=False, which ZeRO-Offload then asserts on (research note §0.7).
-           deepspeed_offload_ok=False, needs_cuda=False),
-    Policy("16-mixed", "fp32 master weights and optimizer states, fp16 compute with dynamic loss scaling",
-           # fp32 for full fine-tuning: a bf16 checkpoint loaded in fp16 can leave fp16's range.
-           full_load_dtype="float32", frozen_dtype="float16", master_dtype="float32", compute_dtype="float16",
-           optimizer_state_dtype="float32", master_weights=True, adapters_fp32=True, loss_scaling=True,
-           torch_autocast="float16", fsdp_param_dtype="float16", fsdp_reduce_dtype="float32",
-           deepspeed_bf16=False, deepspeed_fp16=True, deepspeed_low_precision_master=False,
-           deepspeed_offload_ok=True, needs_cuda=True),
-    Policy("32-true", "everything in fp32",
-           full_load_dtype="float32", frozen_dtype="float32", master_dtype="float32", compute_dtype="float32",
-           optimizer_state_dtype="float32", master_weights=False, adapters_fp32=True, loss_scaling=False,
-           torch_autocast=None, fsdp_param_dtype=None, fsdp_reduce_dtype=None,
-           deepspeed_bf16=False, deepspeed_fp16=False, deepspeed_low_precision_master=False,
-           deepspeed_offload_ok=True, needs_cuda=False),
-)}
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in (
+        Policy(
+            "bf16-mixed",
+            "fp32 master weights and optimizer states, bf16 compute",
+            full_load_dtype="bfloat16",
+            frozen_dtype="bfloat16",
+            master_dtype="float32",
+            compute_dtype="bfloat16",
+            optimizer_state_dtype="float32",
+            master_weights=True,
+            adapters_fp32=True,
+            loss_scaling=False,
+            torch_autocast="bfloat16",
+            fsdp_param_dtype="bfloat16",
+            fsdp_reduce_dtype="float32",
+            deepspeed_bf16=True,
+            deepspeed_fp16=False,
+            deepspeed_low_precision_master=False,
+            deepspeed_offload_ok=True,
+            needs_cuda=False,
+        ),
+        Policy(
+            "bf16-true",
+            "everything in bf16: parameters, gradients, optimizer states, compute (no master copy)",
+            full_load_dtype="bfloat16",
+            frozen_dtype="bfloat16",
+            master_dtype="bfloat16",
+            compute_dtype="bfloat16",
+            optimizer_state_dtype="bfloat16",
+            master_weights=False,
+            adapters_fp32=False,
+            loss_scaling=False,
+            torch_autocast=None,
+            fsdp_param_dtype=None,
+            fsdp_reduce_dtype=None,
+            deepspeed_bf16=True,
+            deepspeed_fp16=False,
+            deepspeed_low_precision_master=True,
+            # Accelerate's map_pytorch_optim_to_deepspeed builds DeepSpeedCPUAdam without
+            # fp32_optimizer_states=False, which ZeRO-Offload then asserts on.
+            deepspeed_offload_ok=False,
+            needs_cuda=False,
+        ),
+        Policy(
+            "16-mixed",
+            "fp32 master weights and optimizer states, fp16 compute with dynamic loss scaling",
+            # fp32 for full fine-tuning: a bf16 checkpoint loaded in fp16 can leave fp16's range.
+            full_load_dtype="float32",
+            frozen_dtype="float16",
+            master_dtype="float32",
+            compute_dtype="float16",
+            optimizer_state_dtype="float32",
+            master_weights=True,
+            adapters_fp32=True,
+            loss_scaling=True,
+            torch_autocast="float16",
+            fsdp_param_dtype="float16",
+            fsdp_reduce_dtype="float32",
+            deepspeed_bf16=False,
+            deepspeed_fp16=True,
+            deepspeed_low_precision_master=False,
+            deepspeed_offload_ok=True,
+            needs_cuda=True,
+        ),
+        Policy(
+            "32-true",
+            "everything in fp32",
+            full_load_dtype="float32",
+            frozen_dtype="float32",
+            master_dtype="float32",
+            compute_dtype="float32",
+            optimizer_state_dtype="float32",
+            master_weights=False,
+            adapters_fp32=True,
+            loss_scaling=False,
+            torch_autocast=None,
+            fsdp_param_dtype=None,
+            fsdp_reduce_dtype=None,
+            deepspeed_bf16=False,
+            deepspeed_fp16=False,
+            deepspeed_low_precision_master=False,
+            deepspeed_offload_ok=True,
+            needs_cuda=False,
+        ),
+    )
+}
 
 
 def get(name: str) -> Policy:
@@ -168,7 +220,7 @@ def resolve_here(name: str) -> Policy:
 
 
 def torch_dtype(name: str | None):
-    """"bfloat16" -> torch.bfloat16 (None stays None)."""
+    """ "bfloat16" -> torch.bfloat16 (None stays None)."""
     import torch
 
     return None if name is None else getattr(torch, name)
@@ -227,7 +279,7 @@ class ParamBytes:
 def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
     """Bytes per trainable parameter of `policy` under the strategy row `strategy_key`."""
     p = get(policy) if isinstance(policy, str) else policy
-    row = by_key(strategy_key)
+    by_key(strategy_key)  # a planner key (KeyError otherwise), not a run.strategy name
     fam = family_of(strategy_key)
     b = DTYPE_BYTES
     master, compute, states = b[p.master_dtype], b[p.compute_dtype], 2 * b[p.optimizer_state_dtype]
@@ -238,16 +290,37 @@ def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
         # master dtype, but compares the partition's torch.device with self.device, a *string*
         # (get_accelerator().current_device_name()): never equal, so ZeRO-3 clones it too (DeepSpeed
         # 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy: issue 13).
-        return ParamBytes(params=compute, grads=compute, master=master, optimizer_states=states,
-                          working_params=0, working_grads=0, reduce=compute)
+        return ParamBytes(
+            params=compute,
+            grads=compute,
+            master=master,
+            optimizer_states=states,
+            working_params=0,
+            working_grads=0,
+            reduce=compute,
+        )
     if fam == "fsdp2":
         unsharded = b[p.fsdp_param_dtype] if p.fsdp_param_dtype else master
         reduce = b[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else unsharded
-        return ParamBytes(params=master, grads=master, master=0, optimizer_states=states,
-                          working_params=unsharded, working_grads=unsharded, reduce=reduce)
+        return ParamBytes(
+            params=master,
+            grads=master,
+            master=0,
+            optimizer_states=states,
+            working_params=unsharded,
+            working_grads=unsharded,
+            reduce=reduce,
+        )
     cached = compute if p.torch_autocast else 0
-    return ParamBytes(params=master, grads=master, master=0, optimizer_states=states,
-                      working_params=cached, working_grads=0, reduce=master)
+    return ParamBytes(
+        params=master,
+        grads=master,
+        master=0,
+        optimizer_states=states,
+        working_params=cached,
+        working_grads=0,
+        reduce=master,
+    )
 
 
 def frozen_bytes(policy: Policy | str) -> int:
@@ -260,20 +333,25 @@ def frozen_bytes(policy: Policy | str) -> int:
 # --- configuration that must agree with the policy ---------------------------------------------
 
 
-def config_problems(policy: Policy, *, model_dtype: str, method: str, compute_dtype: str = "auto",
-                    requested: str | None = None) -> list[str]:
+def config_problems(
+    policy: Policy, *, model_dtype: str, method: str, compute_dtype: str = "auto", requested: str | None = None
+) -> list[str]:
     """model.dtype and QLoRA's method.compute_dtype against the policy: "auto" or the policy's own
     dtype. `requested` ("auto") says in the message that the policy came from auto."""
     how = f"training.precision {policy_label(policy, requested)}"
     problems = []
     want = policy.load_dtype(method)
     if model_dtype not in ("auto", want):
-        problems.append(f"model.dtype: {model_dtype!r} contradicts {how}, which loads {method} fine-tuning in "
-                        f"{want}; set model.dtype: auto (or {want}), or choose the policy that loads "
-                        f"{model_dtype} (docs/precision.md)")
+        problems.append(
+            f"model.dtype: {model_dtype!r} contradicts {how}, which loads {method} fine-tuning in "
+            f"{want}; set model.dtype: auto (or {want}), or choose the policy that loads "
+            f"{model_dtype} (docs/precision.md)"
+        )
     if method == "qlora" and compute_dtype not in ("auto", policy.compute_dtype):
-        problems.append(f"method.compute_dtype: {compute_dtype!r} contradicts {how}, which computes in "
-                        f"{policy.compute_dtype}; set method.compute_dtype: auto (or {policy.compute_dtype})")
+        problems.append(
+            f"method.compute_dtype: {compute_dtype!r} contradicts {how}, which computes in "
+            f"{policy.compute_dtype}; set method.compute_dtype: auto (or {policy.compute_dtype})"
+        )
     return problems
 
 
@@ -286,11 +364,15 @@ def mismatches(policy: Policy, family: str, live: dict) -> list[str]:
     """What the live objects (run.json `precision` fields) show against the policy; [] when they
     agree. An optimizer_state_dtype of None (an optimizer whose state dtype is not known before
     step 1) and a reduce_dtype of None (one process: nothing is reduced) are not compared."""
-    problems = [f"{key}: the policy needs {want}, the live run has {live.get(key)}"
-                for key, want in policy.expected_live(family).items()
-                if live.get(key) != want and not (key == "optimizer_state_dtype" and live.get(key) is None)]
+    problems = [
+        f"{key}: the policy needs {want}, the live run has {live.get(key)}"
+        for key, want in policy.expected_live(family).items()
+        if live.get(key) != want and not (key == "optimizer_state_dtype" and live.get(key) is None)
+    ]
     reduce = live.get("reduce_dtype")
     if reduce is not None and reduce not in policy.allowed_reduce_dtypes(family):
-        problems.append(f"reduce_dtype: the policy reduces gradients in {' or '.join(policy.allowed_reduce_dtypes(family))}"
-                        f" under {family}, the live run in {reduce}")
+        problems.append(
+            f"reduce_dtype: the policy reduces gradients in {' or '.join(policy.allowed_reduce_dtypes(family))}"
+            f" under {family}, the live run in {reduce}"
+        )
     return problems

@@ -1,15 +1,7 @@
-"""Where the shipped recipes/, accelerate_configs/ and ds_configs/ are.
-
-In the repository they are top-level folders beside the package (users launch from there:
-`accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py ...`). A built
-wheel, or `pip install .`, carries copies of them inside the package as finetune/shipped/
-(setup.py's build step), because nothing outside the package is installed. ROOT is whichever
-of the two exists: the installed copy first (an installed package's parent folder is
-site-packages, which holds no recipes of ours), else the repository's top level (a source
-checkout or an editable install).
-
-Paths inside the shipped files stay relative to ROOT: the accelerate configs name their
-DeepSpeed JSON as `ds_configs/zero2.json`, which `resolve()` turns into ROOT/ds_configs/zero2.json.
+"""Where the shipped recipes/, accelerate_configs/ and ds_configs/ are: the repository's top level, or
+the copies a built wheel carries inside the package (finetune/shipped/, setup.py). ROOT is the
+installed copy when there is one, else the repository; paths inside the shipped files stay
+relative to ROOT (`resolve("ds_configs/zero2.json")`).
 """
 
 from __future__ import annotations

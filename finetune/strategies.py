@@ -1,32 +1,9 @@
-"""The strategy table: every distributed strategy variant this project knows, one row each.
-
-A row ties together everything that names or describes one variant, so that adding one (ZeRO-1
-with its own config, HSDP, ...) is a new row here plus its shipped files:
-
-* `key`: the planner's name (`finetune plan` rows, run.json `predicted_memory.strategy`);
-* `name` and `offload`: what recipes say (`run.strategy`, `run.offload`) and what a run records
-  as engaged (run.json `strategy.name`, `strategy.offload`);
-* the shipped files: accelerate config, its CPU-rehearsal variant (accelerate_configs/cpu/,
-  finetune/launch/cpu_rehearsal.py), DeepSpeed JSON and strategy recipe, as paths relative to the
-  resources root (finetune/resources.py); None where nothing ships (planner-only rows);
-* the planner's flags: ZeRO stage and what is sharded / offloaded (ZeRO paper, Rajbhandari et
-  al. 2020, §5; finetune/planning/memory.py);
-* `speed_rank`: the recommendation's order, fastest first: fewer bytes moved per step and
-  nothing on the PCIe link (ZeRO paper §7; offload adds host<->device copies and a CPU optimizer
-  step, ZeRO-Offload paper §4);
-* `description` (plan rows) and `why` (the recommendation's reason).
-
-* `fsdp`: the FSDP2 settings of FSDP rows (`FsdpSettings`).
-
-One source of truth for both ways of launching a row: `accelerate_config(row, cpu=...)` is what the
-shipped accelerate config (or its CPU variant) holds, and `trainer_arguments(row, root)` is what the
-script passes to TrainingArguments when it sets the row up itself (no launcher config:
-finetune/launch/setup.py): the same DeepSpeed JSON, the same FSDP settings.
-
-Also here: Accelerate's DistributedType -> strategy name, DeepSpeed offload devices -> offload
-name, and the launch line a refusal prints. tests/test_strategies_table.py checks every row
-against the shipped files (every shipped YAML equals `accelerate_config`) and the in-script FSDP
-plugin against the launcher's.
+"""The strategy table: every distributed strategy variant this project knows, one row each, so that
+adding one is a new row here plus its shipped files. A row ties its names (planner key,
+run.strategy/run.offload), its shipped files, the planner's flags and its recommendation order
+together, and is the one source of both ways of launching it: the shipped accelerate config
+(`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
+tests/test_strategies_table.py holds the shipped files to the rows.
 """
 
 from __future__ import annotations
@@ -49,6 +26,7 @@ class FsdpSettings:
     """A row's FSDP2 settings: the one source of the shipped accelerate configs' `fsdp_config` and of
     what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
     checks both, and that the two build the same FullyShardedDataParallelPlugin)."""
+
     offload_params: bool = False  # CPUOffloadPolicy: parameters, gradients and the optimizer step on the host
     version: int = 2
     auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"  # one unit per model._no_split_modules class (decoder layer)
@@ -63,21 +41,29 @@ class FsdpSettings:
 
     def accelerate_config(self) -> dict:
         """The `fsdp_config` section of an accelerate config YAML (accelerate's names)."""
-        return {"fsdp_version": self.version, "fsdp_auto_wrap_policy": self.auto_wrap_policy,
-                "fsdp_state_dict_type": self.state_dict_type, "fsdp_offload_params": self.offload_params,
-                "fsdp_reshard_after_forward": self.reshard_after_forward,
-                "fsdp_cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-                "fsdp_activation_checkpointing": self.activation_checkpointing}
+        return {
+            "fsdp_version": self.version,
+            "fsdp_auto_wrap_policy": self.auto_wrap_policy,
+            "fsdp_state_dict_type": self.state_dict_type,
+            "fsdp_offload_params": self.offload_params,
+            "fsdp_reshard_after_forward": self.reshard_after_forward,
+            "fsdp_cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
+            "fsdp_activation_checkpointing": self.activation_checkpointing,
+        }
 
     def trainer_config(self) -> dict:
         """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
         the `fsdp_` prefix, except offload, which is `cpu_offload` there (`offload_params` would be
         ignored without a word, as any unknown key is)."""
-        return {"version": self.version, "auto_wrap_policy": self.auto_wrap_policy,
-                "state_dict_type": self.state_dict_type, "cpu_offload": self.offload_params,
-                "reshard_after_forward": self.reshard_after_forward,
-                "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-                "activation_checkpointing": self.activation_checkpointing}
+        return {
+            "version": self.version,
+            "auto_wrap_policy": self.auto_wrap_policy,
+            "state_dict_type": self.state_dict_type,
+            "cpu_offload": self.offload_params,
+            "reshard_after_forward": self.reshard_after_forward,
+            "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
 
 
 @dataclass(frozen=True)
@@ -110,44 +96,198 @@ class Strategy:
 _SHARDS_PARAMS = "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)"
 
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("single", "single", "none", "NO", None, False, False, False, False, False,
-             "accelerate_configs/single_gpu.yaml", None, None, "qlora_baseline", 0,
-             "one device, no data parallelism", "one device, no communication at all"),
-    Strategy("ddp", "ddp", "none", "MULTI_GPU", None, False, False, False, False, False,
-             "accelerate_configs/ddp.yaml", "accelerate_configs/cpu/ddp.yaml", None, "ddp", 1,
-             "DDP: every rank holds everything",
-             "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded"),
-    Strategy("zero1", "zero1", "none", "DEEPSPEED", 1, False, False, True, False, False,
-             None, None, None, None, 2,
-             "ZeRO-1: optimizer states sharded", "shards only the optimizer states; same traffic as DDP"),
-    Strategy("zero2", "zero2", "none", "DEEPSPEED", 2, False, True, True, False, False,
-             "accelerate_configs/zero2.yaml", "accelerate_configs/cpu/zero2.yaml", "ds_configs/zero2.json", "zero2", 3,
-             "ZeRO-2: + gradients sharded", "shards optimizer states and gradients; same traffic as DDP"),
-    Strategy("zero2_offload", "zero2", "optimizer", "DEEPSPEED", 2, False, True, True, True, False,
-             "accelerate_configs/zero2_offload.yaml", "accelerate_configs/cpu/zero2_offload.yaml",
-             "ds_configs/zero2_offload.json", "zero2_offload", 6,
-             "ZeRO-2, optimizer states + step on the host",
-             "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step"),
-    Strategy("zero3", "zero3", "none", "DEEPSPEED", 3, True, True, True, False, False,
-             "accelerate_configs/zero3.yaml", "accelerate_configs/cpu/zero3.yaml", "ds_configs/zero3.json", "zero3", 5,
-             "ZeRO-3: + parameters sharded", _SHARDS_PARAMS),
-    Strategy("zero3_offload_opt", "zero3", "optimizer", "DEEPSPEED", 3, True, True, True, True, False,
-             None, None, None, None, 7,
-             "ZeRO-3, optimizer offloaded to the host", "ZeRO-3 with the optimizer on the host"),
-    Strategy("zero3_offload", "zero3", "optimizer+params", "DEEPSPEED", 3, True, True, True, True, True,
-             "accelerate_configs/zero3_offload.yaml", "accelerate_configs/cpu/zero3_offload.yaml",
-             "ds_configs/zero3_offload.json", "zero3_offload", 9,
-             "ZeRO-3, optimizer and parameters offloaded to the host",
-             "parameters and optimizer on the host: the least device memory, the slowest"),
-    Strategy("fsdp", "fsdp", "none", "FSDP", None, True, True, True, False, False,
-             "accelerate_configs/fsdp.yaml", "accelerate_configs/cpu/fsdp.yaml", None, "fsdp", 4,
-             "FSDP2: parameters, grads, optimizer sharded", _SHARDS_PARAMS, fsdp=FsdpSettings()),
-    Strategy("fsdp_offload", "fsdp", "optimizer+params", "FSDP", None, True, True, True, True, True,
-             "accelerate_configs/fsdp_offload.yaml", "accelerate_configs/cpu/fsdp_offload.yaml", None,
-             "fsdp_offload", 8,
-             "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
-             "parameters, gradients and optimizer on the host: the least device memory, the slowest",
-             fsdp=FsdpSettings(offload_params=True)),
+    Strategy(
+        "single",
+        "single",
+        "none",
+        "NO",
+        None,
+        False,
+        False,
+        False,
+        False,
+        False,
+        "accelerate_configs/single_gpu.yaml",
+        None,
+        None,
+        "qlora_baseline",
+        0,
+        "one device, no data parallelism",
+        "one device, no communication at all",
+    ),
+    Strategy(
+        "ddp",
+        "ddp",
+        "none",
+        "MULTI_GPU",
+        None,
+        False,
+        False,
+        False,
+        False,
+        False,
+        "accelerate_configs/ddp.yaml",
+        "accelerate_configs/cpu/ddp.yaml",
+        None,
+        "ddp",
+        1,
+        "DDP: every rank holds everything",
+        "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded",
+    ),
+    Strategy(
+        "zero1",
+        "zero1",
+        "none",
+        "DEEPSPEED",
+        1,
+        False,
+        False,
+        True,
+        False,
+        False,
+        None,
+        None,
+        None,
+        None,
+        2,
+        "ZeRO-1: optimizer states sharded",
+        "shards only the optimizer states; same traffic as DDP",
+    ),
+    Strategy(
+        "zero2",
+        "zero2",
+        "none",
+        "DEEPSPEED",
+        2,
+        False,
+        True,
+        True,
+        False,
+        False,
+        "accelerate_configs/zero2.yaml",
+        "accelerate_configs/cpu/zero2.yaml",
+        "ds_configs/zero2.json",
+        "zero2",
+        3,
+        "ZeRO-2: + gradients sharded",
+        "shards optimizer states and gradients; same traffic as DDP",
+    ),
+    Strategy(
+        "zero2_offload",
+        "zero2",
+        "optimizer",
+        "DEEPSPEED",
+        2,
+        False,
+        True,
+        True,
+        True,
+        False,
+        "accelerate_configs/zero2_offload.yaml",
+        "accelerate_configs/cpu/zero2_offload.yaml",
+        "ds_configs/zero2_offload.json",
+        "zero2_offload",
+        6,
+        "ZeRO-2, optimizer states + step on the host",
+        "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step",
+    ),
+    Strategy(
+        "zero3",
+        "zero3",
+        "none",
+        "DEEPSPEED",
+        3,
+        True,
+        True,
+        True,
+        False,
+        False,
+        "accelerate_configs/zero3.yaml",
+        "accelerate_configs/cpu/zero3.yaml",
+        "ds_configs/zero3.json",
+        "zero3",
+        5,
+        "ZeRO-3: + parameters sharded",
+        _SHARDS_PARAMS,
+    ),
+    Strategy(
+        "zero3_offload_opt",
+        "zero3",
+        "optimizer",
+        "DEEPSPEED",
+        3,
+        True,
+        True,
+        True,
+        True,
+        False,
+        None,
+        None,
+        None,
+        None,
+        7,
+        "ZeRO-3, optimizer offloaded to the host",
+        "ZeRO-3 with the optimizer on the host",
+    ),
+    Strategy(
+        "zero3_offload",
+        "zero3",
+        "optimizer+params",
+        "DEEPSPEED",
+        3,
+        True,
+        True,
+        True,
+        True,
+        True,
+        "accelerate_configs/zero3_offload.yaml",
+        "accelerate_configs/cpu/zero3_offload.yaml",
+        "ds_configs/zero3_offload.json",
+        "zero3_offload",
+        9,
+        "ZeRO-3, optimizer and parameters offloaded to the host",
+        "parameters and optimizer on the host: the least device memory, the slowest",
+    ),
+    Strategy(
+        "fsdp",
+        "fsdp",
+        "none",
+        "FSDP",
+        None,
+        True,
+        True,
+        True,
+        False,
+        False,
+        "accelerate_configs/fsdp.yaml",
+        "accelerate_configs/cpu/fsdp.yaml",
+        None,
+        "fsdp",
+        4,
+        "FSDP2: parameters, grads, optimizer sharded",
+        _SHARDS_PARAMS,
+        fsdp=FsdpSettings(),
+    ),
+    Strategy(
+        "fsdp_offload",
+        "fsdp",
+        "optimizer+params",
+        "FSDP",
+        None,
+        True,
+        True,
+        True,
+        True,
+        True,
+        "accelerate_configs/fsdp_offload.yaml",
+        "accelerate_configs/cpu/fsdp_offload.yaml",
+        None,
+        "fsdp_offload",
+        8,
+        "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
+        "parameters, gradients and optimizer on the host: the least device memory, the slowest",
+        fsdp=FsdpSettings(offload_params=True),
+    ),
 )
 
 KEYS = tuple(s.key for s in STRATEGIES)
@@ -178,7 +318,7 @@ def by_recipe(name: str, offload: str) -> Strategy | None:
 
 def trainer_arguments(row: Strategy, root: Path) -> dict:
     """What the script passes to TrainingArguments to engage `row` itself, when no launcher config
-    set a strategy up (finetune/launch/setup.py): the same DeepSpeed JSON the row's accelerate
+    set a strategy up (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate
     config names (absolute: `root` is the resources root), or the row's FSDP settings. DDP and a
     single device need nothing beyond the processes."""
     if row.zero_stage is not None:
@@ -194,21 +334,37 @@ def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
     if row.name == "single":
         if cpu:
             raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
-        return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_machines": 1,
-                "num_processes": 1, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False,
-                "gpu_ids": "0"}  # one GPU visible: never nn.DataParallel (finetune/launch/data_parallel.py)
+        return {
+            "compute_environment": "LOCAL_MACHINE",
+            "distributed_type": "NO",
+            "num_machines": 1,
+            "num_processes": 1,
+            "machine_rank": 0,
+            "mixed_precision": "no",
+            "use_cpu": False,
+            "gpu_ids": "0",
+        }  # one GPU visible: never nn.DataParallel (finetune/preflight/devices.py)
     out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
     if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
-        out["deepspeed_config"] = {"deepspeed_config_file": row.deepspeed_config,
-                                   "deepspeed_multinode_launcher": "standard",
-                                   # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
-                                   "zero3_init_flag": row.zero_stage == 3}
+        out["deepspeed_config"] = {
+            "deepspeed_config_file": row.deepspeed_config,
+            "deepspeed_multinode_launcher": "standard",
+            # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
+            "zero3_init_flag": row.zero_stage == 3,
+        }
     else:
         out["mixed_precision"] = "no"
     if row.fsdp is not None:
         out["fsdp_config"] = row.fsdp.accelerate_config()
-    out.update(num_machines=1, num_processes=SHIPPED_PROCESSES, machine_rank=0, main_training_function="main",
-               rdzv_backend="static", same_network=True, use_cpu=cpu)
+    out.update(
+        num_machines=1,
+        num_processes=SHIPPED_PROCESSES,
+        machine_rank=0,
+        main_training_function="main",
+        rdzv_backend="static",
+        same_network=True,
+        use_cpu=cpu,
+    )
     if not cpu:
         out["gpu_ids"] = "all"
     return out
@@ -278,12 +434,15 @@ def launch_line(name: str, offload: str, recipe: str) -> str:
     (the plain one when no row offloads that way) and, for multi-process strategies, the CPU
     rehearsal. Paths are relative to the repository root, where users launch from."""
     shipped = [s for s in STRATEGIES if s.launchable and s.name == name]
-    row = next((s for s in shipped if s.offload == offload), None) or \
-        next((s for s in shipped if s.offload == "none"), None)
+    row = next((s for s in shipped if s.offload == offload), None) or next(
+        (s for s in shipped if s.offload == "none"), None
+    )
     config = row.accelerate_config if row else f"accelerate_configs/{name}.yaml"
     cpu = row.cpu_config if row else config.replace("accelerate_configs/", "accelerate_configs/cpu/")
     if cpu is None:  # one process runs on a CPU as it is
         return f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}"
-    return (f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}\n"
-            f"or, on a machine without a GPU (2 processes over gloo):\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {cpu} finetune/train.py --recipe {recipe}")
+    return (
+        f"    accelerate launch --config_file {config} finetune/train.py --recipe {recipe}\n"
+        f"or, on a machine without a GPU (2 processes over gloo):\n"
+        f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {cpu} finetune/train.py --recipe {recipe}"
+    )

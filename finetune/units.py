@@ -1,6 +1,6 @@
 """Units of memory and bandwidth, defined once.
 
-GiB (2^30 bytes) for memory, as DESIGN.md and torch.cuda.memory_stats report it; GB (1e9
+GiB (2^30 bytes) for memory, as torch.cuda.memory_stats reports it; GB (1e9
 bytes) where the convention is decimal: nccl-tests report bandwidth in GB/s of 1e9 bytes/s,
 and the ZeRO paper's model-state figures are 1e9-byte GB.
 """

@@ -44,19 +44,28 @@ def tokenizer(bundled_model_dir):
     return AutoTokenizer.from_pretrained(bundled_model_dir)
 
 
-def make_tiny_model_dir(path: Path, tokenizer, *, layers: int = 2, hidden: int = 64, seed: int = 0,
-                        tie: bool = True) -> Path:
+def make_tiny_model_dir(
+    path: Path, tokenizer, *, layers: int = 2, hidden: int = 64, seed: int = 0, tie: bool = True
+) -> Path:
     """A random Llama-shaped model (2 layers, hidden 64) with the real tokenizer, saved as a
     plain local model directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=tie,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -82,37 +91,65 @@ class Launch:
         return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
-def run_process_group(cmd: list[str], *, cwd: Path, env: dict, timeout: float,
-                      merge_stderr: bool = False) -> tuple[int, str, str]:
+def run_process_group(
+    cmd: list[str], *, cwd: Path, env: dict, timeout: float, merge_stderr: bool = False
+) -> tuple[int, str, str]:
     """Run cmd in a new process group. On timeout the whole group (launcher and ranks) is killed
     and the test fails, so a hung job never hangs the suite; a launcher killed by a signal fails
     it too. Returns (exit code, stdout, stderr; stderr is "" when merged into stdout)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}")
+        pytest.fail(
+            f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}"
+        )
     if proc.returncode < 0:
-        pytest.fail(f"launcher killed by signal {-proc.returncode}: {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}")
+        pytest.fail(
+            f"launcher killed by signal {-proc.returncode}: {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}"
+        )
     return proc.returncode, out, err or ""
 
 
-def launch_train(args: list[str], *, run_dir: Path, cwd: Path, num_processes: int = 1,
-                 config_file: str | None = None, launch_args: list[str] = (), timeout: float = 600,
-                 env: dict | None = None, unset_env_prefix: str | None = None) -> Launch:
+def launch_train(
+    args: list[str],
+    *,
+    run_dir: Path,
+    cwd: Path,
+    num_processes: int = 1,
+    config_file: str | None = None,
+    launch_args: list[str] = (),
+    timeout: float = 600,
+    env: dict | None = None,
+    unset_env_prefix: str | None = None,
+) -> Launch:
     """`accelerate launch [...] finetune/train.py ARGS --run.output_dir=RUN_DIR` in a new process
     group; on timeout the whole group is killed and the test fails (never hangs)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file:
         cmd += ["--config_file", str(REPO / config_file) if not Path(config_file).is_absolute() else config_file]
     else:
-        cmd += ["--num_processes", str(num_processes), "--num_machines", "1", "--mixed_precision", "no",
-                "--dynamo_backend", "no"]
-        # `--cpu --num_processes 2` starts ONE process (see DESIGN.md): multi-process CPU
+        cmd += [
+            "--num_processes",
+            str(num_processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+        ]
+        # `--cpu --num_processes 2` starts ONE process (docs/preflight.md): multi-process CPU
         # launches must come from a config file with distributed_type MULTI_CPU / use_cpu.
         assert num_processes == 1, "pass config_file for multi-process launches"
     cmd += list(launch_args) + [str(TRAIN_SCRIPT), *args, f"--run.output_dir={run_dir}"]

@@ -1,6 +1,6 @@
 """The package's shape, read from its source (every import statement, the ones inside functions
 too): no import cycle, dependencies pointing one way between the subpackages, no private name used
-across modules, no module over 400 lines. Each check is shown to fail on a crafted case."""
+across modules, no module over 600 lines. Each check is shown to fail on a crafted case."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ import pytest
 
 from tests.conftest import REPO
 
-MAX_LINES = 400
+MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # Who may import whom: a module may import from its own subpackage and from any lower layer.
-# The CLI wires everything; nothing imports it (or the launch script finetune/train.py).
+# The CLI wires everything; nothing imports it (or the launch script finetune/train.py), except
+# its options, cli/options.py, which the launch script's run and preflight read too.
 LAYERS = [
     {"finetune.errors"},
-    {"finetune.units", "finetune.strategies", "finetune.resources"},
+    {"finetune.units", "finetune.strategies", "finetune.resources", "finetune.batch", "finetune.cli.options"},
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},
     {"finetune.data", "finetune.modeling"},
     {"finetune.launch", "finetune.telemetry", "finetune.planning"},
+    {"finetune.preflight", "finetune.checkpointing"},
     {"finetune.training"},
     {"finetune.compare", "finetune.bench"},
     {"finetune.doctor"},  # runs the others through the CLI; borrows the compare report's style
@@ -48,7 +50,9 @@ def imports(path: Path, name: str, known: set[str]) -> dict[str, list[str]]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base != "finetune" and not base.startswith("finetune."):
                 continue
             for alias in node.names:
@@ -132,31 +136,35 @@ def layering_problems(g: dict[str, dict[str, list[str]]]) -> list[str]:
 
 
 def private_uses(g: dict[str, dict[str, list[str]]]) -> list[str]:
-    return [f"{src} uses {dst}.{n}" for src, targets in g.items() for dst, names in targets.items()
-            for n in names if n.startswith("_") and not n.startswith("__")]
+    return [
+        f"{src} uses {dst}.{n}"
+        for src, targets in g.items()
+        for dst, names in targets.items()
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
 
 
 def test_no_import_cycle():
     edges = {src: set(targets) - {"finetune"} for src, targets in graph().items()}
     assert cycles(edges) == []
     # control: the cycle this project had (preflight <-> strategy, through check_world_size)
-    edges["finetune.launch.preflight"].add("finetune.training.engaged")
-    edges["finetune.training.engaged"].add("finetune.launch.preflight")
-    assert ["finetune.launch.preflight", "finetune.training.engaged"] in cycles(edges)
+    edges["finetune.preflight.checks"].add("finetune.training.engaged_strategy")
+    edges["finetune.training.engaged_strategy"].add("finetune.preflight.checks")
+    assert ["finetune.preflight.checks", "finetune.training.engaged_strategy"] in cycles(edges)
 
 
 def test_dependencies_point_one_way():
     g = graph()
     assert layering_problems(g) == []
-    g["finetune.launch.preflight"]["finetune.cli.dispatch"] = []  # control: an edge back toward the CLI
-    assert layering_problems(g) == ["finetune.launch.preflight imports finetune.cli.dispatch, which is not below it"]
+    g["finetune.preflight.checks"]["finetune.cli.dispatch"] = []  # control: an edge back toward the CLI
+    assert layering_problems(g) == ["finetune.preflight.checks imports finetune.cli.dispatch, which is not below it"]
 
 
 def test_no_private_name_used_across_modules():
     g = graph()
     assert private_uses(g) == []
-    tests = {name: imports(path, name, set(module_files()))
-             for name, path in module_files(REPO / "tests").items()}
+    tests = {name: imports(path, name, set(module_files())) for name, path in module_files(REPO / "tests").items()}
     assert private_uses(tests) == []
     g["finetune.bench.worker"]["finetune.data.pack"] = ["_empty_packed_row"]  # control
     assert private_uses(g) == ["finetune.bench.worker uses finetune.data.pack._empty_packed_row"]

@@ -10,8 +10,9 @@ import pytest
 from finetune import precision
 
 
-@pytest.mark.parametrize("cuda, bf16, want", [(False, False, "32-true"), (True, True, "bf16-mixed"),
-                                              (True, False, "16-mixed")])
+@pytest.mark.parametrize(
+    "cuda, bf16, want", [(False, False, "32-true"), (True, True, "bf16-mixed"), (True, False, "16-mixed")]
+)
 def test_auto_resolves_by_device(cuda, bf16, want):
     assert precision.resolve("auto", cuda, bf16).name == want
 
@@ -37,7 +38,11 @@ def test_training_args_per_family():
 
 def test_fsdp2_policy_reduces_in_fp32_and_returns_the_loss_unrounded():
     assert precision.get("bf16-mixed").fsdp_mixed_precision() == {
-        "param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None, "cast_forward_inputs": True}
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": None,
+        "cast_forward_inputs": True,
+    }
     assert precision.get("bf16-true").fsdp_mixed_precision() is None
     assert precision.get("32-true").fsdp_mixed_precision() is None
 
@@ -45,7 +50,10 @@ def test_fsdp2_policy_reduces_in_fp32_and_returns_the_loss_unrounded():
 def test_deepspeed_keys():
     assert precision.get("bf16-mixed").deepspeed_keys() == {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
     assert precision.get("bf16-true").deepspeed_keys()["bf16"] == {
-        "enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
     assert not precision.get("bf16-true").deepspeed_offload_ok and precision.get("bf16-mixed").deepspeed_offload_ok
 
 
@@ -57,8 +65,14 @@ def test_load_dtype_per_method():
 
 
 def test_family_of_every_strategy():
-    assert [precision.family_of(k) for k in ("single", "ddp", "fsdp", "fsdp_offload", "zero2", "zero3_offload")] == \
-        ["torch", "torch", "fsdp2", "fsdp2", "deepspeed", "deepspeed"]
+    assert [precision.family_of(k) for k in ("single", "ddp", "fsdp", "fsdp_offload", "zero2", "zero3_offload")] == [
+        "torch",
+        "torch",
+        "fsdp2",
+        "fsdp2",
+        "deepspeed",
+        "deepspeed",
+    ]
     with pytest.raises(ValueError, match="no strategy 'hsdp'"):
         precision.family_of("hsdp")
 
@@ -101,15 +115,23 @@ def test_frozen_bytes():
 
 def test_expected_live_and_reduce_dtypes():
     assert precision.get("bf16-mixed").expected_live("fsdp2") == {
-        "param_dtype": "float32", "compute_dtype": "bfloat16", "optimizer_state_dtype": "float32",
-        "master_weights": True}
+        "param_dtype": "float32",
+        "compute_dtype": "bfloat16",
+        "optimizer_state_dtype": "float32",
+        "master_weights": True,
+    }
     assert precision.get("bf16-mixed").allowed_reduce_dtypes("deepspeed") == ("bfloat16", "float32")
     assert precision.get("bf16-mixed").allowed_reduce_dtypes("torch") == ("float32",)
     assert precision.get("32-true").allowed_reduce_dtypes("deepspeed") == ("float32",)
 
 
-LIVE_MIXED = {"param_dtype": "float32", "compute_dtype": "bfloat16", "optimizer_state_dtype": "float32",
-              "master_weights": True, "reduce_dtype": "float32"}
+LIVE_MIXED = {
+    "param_dtype": "float32",
+    "compute_dtype": "bfloat16",
+    "optimizer_state_dtype": "float32",
+    "master_weights": True,
+    "reduce_dtype": "float32",
+}
 
 
 def test_mismatches_name_each_field_that_differs():
@@ -121,16 +143,20 @@ def test_mismatches_name_each_field_that_differs():
     assert precision.mismatches(mixed, "torch", pure_bf16) == [
         "param_dtype: the policy needs float32, the live run has bfloat16",
         "optimizer_state_dtype: the policy needs float32, the live run has bfloat16",
-        "master_weights: the policy needs True, the live run has False"]
+        "master_weights: the policy needs True, the live run has False",
+    ]
     # Accelerate's default FSDP2 policy reduces in bf16
     assert precision.mismatches(mixed, "fsdp2", {**LIVE_MIXED, "reduce_dtype": "bfloat16"}) == [
-        "reduce_dtype: the policy reduces gradients in float32 under fsdp2, the live run in bfloat16"]
+        "reduce_dtype: the policy reduces gradients in float32 under fsdp2, the live run in bfloat16"
+    ]
     # an optimizer whose state dtype is unknown before step 1, and one process (nothing reduced): not compared
-    assert precision.mismatches(mixed, "torch", {**LIVE_MIXED, "optimizer_state_dtype": None,
-                                                 "reduce_dtype": None}) == []
+    assert (
+        precision.mismatches(mixed, "torch", {**LIVE_MIXED, "optimizer_state_dtype": None, "reduce_dtype": None}) == []
+    )
     assert precision.mismatches(precision.get("32-true"), "torch", LIVE_MIXED) == [
         "compute_dtype: the policy needs float32, the live run has bfloat16",
-        "master_weights: the policy needs False, the live run has True"]
+        "master_weights: the policy needs False, the live run has True",
+    ]
 
 
 def test_config_problems_name_both_keys_and_the_fix():
@@ -140,8 +166,9 @@ def test_config_problems_name_both_keys_and_the_fix():
     (msg,) = precision.config_problems(mixed, model_dtype="float32", method="full")
     assert msg.startswith("model.dtype: 'float32' contradicts training.precision bf16-mixed, which loads full")
     assert "model.dtype: auto (or bfloat16)" in msg
-    (msg,) = precision.config_problems(precision.get("32-true"), model_dtype="auto", method="qlora",
-                                       compute_dtype="bfloat16", requested="auto")
+    (msg,) = precision.config_problems(
+        precision.get("32-true"), model_dtype="auto", method="qlora", compute_dtype="bfloat16", requested="auto"
+    )
     assert msg.startswith("method.compute_dtype: 'bfloat16' contradicts training.precision auto (32-true on this")
     assert precision.config_problems(mixed, model_dtype="auto", method="lora", compute_dtype="bfloat16") == []
 
@@ -150,12 +177,18 @@ def test_precision_flags_of_training_arguments_are_refused_with_the_policy_to_us
     from finetune.config.validate import build_config
     from finetune.errors import ConfigError
 
-    for key, value, suggested in (("bf16", True, "bf16-mixed"), ("fp16", True, "16-mixed"),
-                                  ("bf16", False, "32-true"), ("bf16_full_eval", True, "bf16-mixed")):
+    for key, value, suggested in (
+        ("bf16", True, "bf16-mixed"),
+        ("fp16", True, "16-mixed"),
+        ("bf16", False, "32-true"),
+        ("bf16_full_eval", True, "bf16-mixed"),
+    ):
         with pytest.raises(ConfigError) as e:
             build_config({"training": {key: value}})
         (msg,) = e.value.problems
-        assert msg.startswith(f"training.{key}: set by training.precision") and f"--training.precision={suggested}" in msg
+        assert (
+            msg.startswith(f"training.{key}: set by training.precision") and f"--training.precision={suggested}" in msg
+        )
     assert build_config({"training": {"precision": "bf16-true"}}).training.precision == "bf16-true"
     assert build_config({}).training.precision == "auto"
     with pytest.raises(ConfigError, match=r"training.precision: got 'bf16'; allowed: auto, bf16-mixed"):
@@ -168,10 +201,20 @@ def test_the_bytes_table_in_docs_precision_md_is_the_code():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text(encoding="utf-8")
-    rows = [line.strip("|").split("|") for line in doc.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip() in precision.POLICY_NAMES]
+    rows = [
+        line.strip("|").split("|")
+        for line in doc.splitlines()
+        if line.startswith("| ") and line.split("|")[1].strip() in precision.POLICY_NAMES
+    ]
     assert len(rows) == 4 * 8, len(rows)
     for policy, strategy, *numbers in ([c.strip() for c in r] for r in rows):
         b = precision.trainable_bytes(policy, strategy)
-        assert [int(n) for n in numbers] == [b.params, b.grads, b.master, b.optimizer_states, b.working_params,
-                                             b.working_grads, b.reduce], (policy, strategy)
+        assert [int(n) for n in numbers] == [
+            b.params,
+            b.grads,
+            b.master,
+            b.optimizer_states,
+            b.working_params,
+            b.working_grads,
+            b.reduce,
+        ], (policy, strategy)

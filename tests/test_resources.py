@@ -31,8 +31,10 @@ def test_a_source_checkout_finds_the_top_level_folders(tmp_path, monkeypatch):
     assert resources.ROOT == REPO and resources.RECIPES == REPO / "recipes"
     assert resources.locate("accelerate_configs/zero2.yaml") == REPO / "accelerate_configs" / "zero2.yaml"
     assert resources.locate("accelerate_configs/nope.yaml") is None
-    assert resources.cpu_variant(REPO / "accelerate_configs" / "zero2.yaml") == \
-        REPO / "accelerate_configs" / "cpu" / "zero2.yaml"
+    assert (
+        resources.cpu_variant(REPO / "accelerate_configs" / "zero2.yaml")
+        == REPO / "accelerate_configs" / "cpu" / "zero2.yaml"
+    )
 
 
 def _run(cmd, *, cwd, timeout=600):
@@ -57,13 +59,21 @@ def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
     src.mkdir()
     for name in BUILD_INPUTS:
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree
-                                         else {}))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
-          src], cwd=tmp_path)
+        copy(
+            REPO / name,
+            src / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
+        )
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", src],
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("finetune-*.whl")
-    carried = {n.removeprefix("finetune/shipped/") for n in zipfile.ZipFile(wheel).namelist()
-               if n.startswith("finetune/shipped/")}
+    carried = {
+        n.removeprefix("finetune/shipped/")
+        for n in zipfile.ZipFile(wheel).namelist()
+        if n.startswith("finetune/shipped/")
+    }
     assert carried == shipped_files()
 
     venv = tmp_path / "venv"
@@ -72,7 +82,9 @@ def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     listed = _run([venv / "bin" / "finetune", "recipes"], cwd=elsewhere)
-    assert [line.split()[0] for line in listed.splitlines()] == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert [line.split()[0] for line in listed.splitlines()] == sorted(
+        p.stem for p in (REPO / "recipes").glob("*.yaml")
+    )
 
     got = json.loads(_run([venv / "bin" / "python", "-c", RESOLVE], cwd=elsewhere).strip().splitlines()[-1])
     installed = Path(got["package"]).parent

@@ -16,8 +16,7 @@ CONFIGS = sorted((REPO / "accelerate_configs").rglob("*.yaml"))
 
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 
-STRATEGY_RECIPES = ["ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_offload",
-                    "qlora_baseline"]
+STRATEGY_RECIPES = ["ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp", "fsdp_offload", "qlora_baseline"]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
@@ -50,9 +49,8 @@ def test_deepspeed_config_offloads_only_when_named_so(path):
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
         assert cfg[key] == "auto", key  # Trainer fills them; a literal would silently disagree with it
     assert cfg["bf16"]["enabled"] == "auto" and cfg["fp16"]["enabled"] == "auto"
-    # Trainer builds torch's AdamW and the schedule from TrainingArguments. An optimizer section with
-    # lr "auto" would differ between the routes: in-script, TrainingArguments(deepspeed=...) fills it
-    # before finetune/training/run.py applies the LR scaling (finetune/launch/setup.py).
+    # Trainer builds torch's AdamW and the schedule from TrainingArguments (finetune/training/arguments.py,
+    # the scaled learning rate included); an optimizer or scheduler section would replace them.
     assert "optimizer" not in cfg and "scheduler" not in cfg, path.name
     if zero["stage"] == 3:
         assert zero["stage3_gather_16bit_weights_on_model_save"] is True
@@ -109,14 +107,19 @@ def test_zero3_buckets_hold_a_whole_weight_matrix_once_trainer_fills_them(name, 
     "auto" values, filled the same way, do not."""
     shipped = json.loads((REPO / "ds_configs" / name).read_text())
     z = _filled_by_trainer(shipped, tmp_path)
-    assert (z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"], z["stage3_param_persistence_threshold"],
-            z["sub_group_size"]) == (2e8, 5e7, 1e5, 1e8)
+    assert (
+        z["reduce_bucket_size"],
+        z["stage3_prefetch_bucket_size"],
+        z["stage3_param_persistence_threshold"],
+        z["sub_group_size"],
+    ) == (2e8, 5e7, 1e5, 1e8)
     assert min(z["reduce_bucket_size"], z["stage3_prefetch_bucket_size"]) >= LLAMA_1B_LARGEST_MATRIX
     old = json.loads(json.dumps(shipped))
-    old["zero_optimization"].update(reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
-                                    stage3_param_persistence_threshold="auto")
+    old["zero_optimization"].update(
+        reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto"
+    )
     z_old = _filled_by_trainer(old, tmp_path)
-    assert z_old["reduce_bucket_size"] == LLAMA_1B_HIDDEN ** 2 < LLAMA_1B_LARGEST_MATRIX
+    assert z_old["reduce_bucket_size"] == LLAMA_1B_HIDDEN**2 < LLAMA_1B_LARGEST_MATRIX
 
 
 def test_every_zero3_setting_has_its_reason_in_docs_speed():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from finetune import resources, strategies
-from finetune.launch.facts import from_config_file
+from finetune.launch.configs import from_config_file
 
 ROWS = list(strategies.STRATEGIES)
 SHIPPED = [s for s in ROWS if s.launchable]
@@ -40,8 +40,9 @@ def test_planner_flags_follow_the_zero_stage(row):
     else:
         expected = {"single": (False,) * 3, "ddp": (False,) * 3, "fsdp": (True,) * 3}[row.name]
     assert (row.shards_params, row.shards_grads, row.shards_optimizer) == expected
-    assert row.offload == strategies.offload_name("cpu" if row.offload_optimizer else "none",
-                                                  "cpu" if row.offload_params else "none")
+    assert row.offload == strategies.offload_name(
+        "cpu" if row.offload_optimizer else "none", "cpu" if row.offload_params else "none"
+    )
     assert (row.distributed_type == "DEEPSPEED") == (row.zero_stage is not None)
 
 
@@ -55,8 +56,13 @@ def test_shipped_accelerate_config_and_deepspeed_json_agree_with_the_row(row):
         ds = json.loads(resources.resolve(ds_file).read_text())
         zero = ds["zero_optimization"]
         assert zero["stage"] == row.zero_stage
-        assert strategies.offload_name(strategies.offload_device(zero.get("offload_optimizer")),
-                                       strategies.offload_device(zero.get("offload_param"))) == row.offload
+        assert (
+            strategies.offload_name(
+                strategies.offload_device(zero.get("offload_optimizer")),
+                strategies.offload_device(zero.get("offload_param")),
+            )
+            == row.offload
+        )
     if row.distributed_type == "FSDP":
         assert cfg.fsdp_config["fsdp_offload_params"] == (row.offload == "optimizer+params")
     # The reader preflight and `finetune train` use gives the row's (name, offload) back.
@@ -68,8 +74,9 @@ def test_shipped_accelerate_config_and_deepspeed_json_agree_with_the_row(row):
 def test_cpu_variant_is_the_same_strategy_over_gloo(row):
     if row.cpu_config is None:  # one process: `--cpu` passes accelerate's own --cpu
         assert _accelerate(row.accelerate_config).num_processes == 1
-        assert resources.cpu_variant(resources.resolve(row.accelerate_config)) == \
-            resources.resolve(row.accelerate_config)
+        assert resources.cpu_variant(resources.resolve(row.accelerate_config)) == resources.resolve(
+            row.accelerate_config
+        )
         return
     assert resources.cpu_variant(resources.resolve(row.accelerate_config)) == resources.resolve(row.cpu_config)
     gpu, cpu = _accelerate(row.accelerate_config), _accelerate(row.cpu_config)
@@ -83,8 +90,7 @@ def test_cpu_variant_is_the_same_strategy_over_gloo(row):
 @pytest.mark.parametrize("row", [s for s in ROWS if s.recipe], ids=[s.key for s in ROWS if s.recipe])
 def test_strategy_recipe_names_the_row(row):
     run = yaml.safe_load((resources.RECIPES / f"{row.recipe}.yaml").read_text())["run"]
-    assert (run["strategy"], run["offload"], run["accelerate_config"]) == (row.name, row.offload,
-                                                                          row.accelerate_config)
+    assert (run["strategy"], run["offload"], run["accelerate_config"]) == (row.name, row.offload, row.accelerate_config)
 
 
 def test_every_shipped_file_belongs_to_a_row():
@@ -92,8 +98,9 @@ def test_every_shipped_file_belongs_to_a_row():
     shipped = {str(p.relative_to(resources.ROOT)) for p in resources.ACCELERATE_CONFIGS.rglob("*.yaml")}
     # the two-node example launches the zero3 row's recipe on more machines (README, SLURM)
     assert shipped - named == {"accelerate_configs/two_node_zero3.yaml"}, shipped - named
-    assert {str(p.relative_to(resources.ROOT)) for p in resources.DS_CONFIGS.glob("*.json")} == \
-        {s.deepspeed_config for s in SHIPPED if s.deepspeed_config}
+    assert {str(p.relative_to(resources.ROOT)) for p in resources.DS_CONFIGS.glob("*.json")} == {
+        s.deepspeed_config for s in SHIPPED if s.deepspeed_config
+    }
     # every shipped recipe that names a strategy (other than the demo, which is `single` with
     # the recipe's own method) is a row's recipe; the sweep offers exactly these
     from finetune.compare.sweep import strategy_names
@@ -101,20 +108,34 @@ def test_every_shipped_file_belongs_to_a_row():
     assert strategy_names() == ["single", *sorted(s.recipe for s in ROWS if s.recipe)]
 
 
-@pytest.mark.parametrize("dtype, kwargs, name", [
-    ("DEEPSPEED", {"zero_stage": 3}, "zero3"), ("FSDP", {}, "fsdp"), ("MULTI_CPU", {}, "ddp"),
-    ("NO", {}, "single"), ("MULTI_GPU", {"num_processes": 1}, "single"), ("MULTI_GPU", {"num_processes": 2}, "ddp"),
-    ("NO", {"num_processes": 2}, "no"), ("XLA", {}, "xla"),
-])
+@pytest.mark.parametrize(
+    "dtype, kwargs, name",
+    [
+        ("DEEPSPEED", {"zero_stage": 3}, "zero3"),
+        ("FSDP", {}, "fsdp"),
+        ("MULTI_CPU", {}, "ddp"),
+        ("NO", {}, "single"),
+        ("MULTI_GPU", {"num_processes": 1}, "single"),
+        ("MULTI_GPU", {"num_processes": 2}, "ddp"),
+        ("NO", {"num_processes": 2}, "no"),
+        ("XLA", {}, "xla"),
+    ],
+)
 def test_distributed_type_to_name(dtype, kwargs, name):
     assert strategies.name_of(dtype, **kwargs) == name
 
 
-@pytest.mark.parametrize("name, offload, key", [
-    ("zero2", "optimizer", "zero2_offload"), ("zero3", "optimizer", "zero3_offload_opt"),
-    ("zero3", "params", "zero3_offload"), ("fsdp", "optimizer", "fsdp_offload"), ("zero1", "optimizer", "zero1"),
-    ("single", "none", "single"),
-])
+@pytest.mark.parametrize(
+    "name, offload, key",
+    [
+        ("zero2", "optimizer", "zero2_offload"),
+        ("zero3", "optimizer", "zero3_offload_opt"),
+        ("zero3", "params", "zero3_offload"),
+        ("fsdp", "optimizer", "fsdp_offload"),
+        ("zero1", "optimizer", "zero1"),
+        ("single", "none", "single"),
+    ],
+)
 def test_engaged_strategy_to_planner_row(name, offload, key):
     assert strategies.planner_key(name, offload) == key
 
@@ -135,8 +156,11 @@ def test_launch_line_names_the_shipped_configs():
 # --- one source of truth: the shipped configs and the in-script route come from the table ---------
 
 
-@pytest.mark.parametrize("row, cpu", [(s, cpu) for s in SHIPPED for cpu in (False, True) if not cpu or s.cpu_config],
-                         ids=lambda v: v.key if hasattr(v, "key") else ("cpu" if v else "gpu"))
+@pytest.mark.parametrize(
+    "row, cpu",
+    [(s, cpu) for s in SHIPPED for cpu in (False, True) if not cpu or s.cpu_config],
+    ids=lambda v: v.key if hasattr(v, "key") else ("cpu" if v else "gpu"),
+)
 def test_shipped_accelerate_config_is_what_the_table_generates(row, cpu):
     """Every value of every shipped accelerate config (comments aside) = strategies.accelerate_config:
     a setting changed in one place only fails here, so the launcher route and the in-script route
@@ -144,8 +168,9 @@ def test_shipped_accelerate_config_is_what_the_table_generates(row, cpu):
     path = row.cpu_config if cpu else row.accelerate_config
     shipped = yaml.safe_load(resources.resolve(path).read_text())
     generated = strategies.accelerate_config(row, cpu=cpu)
-    assert shipped == generated, {k: (shipped.get(k), generated.get(k)) for k in {*shipped, *generated}
-                                  if shipped.get(k) != generated.get(k)}
+    assert shipped == generated, {
+        k: (shipped.get(k), generated.get(k)) for k in {*shipped, *generated} if shipped.get(k) != generated.get(k)
+    }
 
 
 def test_generated_config_differs_when_a_setting_differs():
@@ -154,8 +179,9 @@ def test_generated_config_differs_when_a_setting_differs():
 
     row = strategies.by_key("fsdp")
     other = replace(row, fsdp=replace(row.fsdp, reshard_after_forward=False))
-    assert yaml.safe_load(resources.resolve(row.accelerate_config).read_text()) != \
-        strategies.accelerate_config(other, cpu=False)
+    assert yaml.safe_load(resources.resolve(row.accelerate_config).read_text()) != strategies.accelerate_config(
+        other, cpu=False
+    )
 
 
 @pytest.mark.parametrize("row", SHIPPED, ids=[s.key for s in SHIPPED])
@@ -194,11 +220,25 @@ def _forget_fsdp_env(monkeypatch, config: Path) -> None:
         monkeypatch.delenv(key)
 
 
-PLUGIN_FIELDS = ("fsdp_version", "reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap",
-                 "min_num_params", "state_dict_type", "cpu_offload", "cpu_ram_efficient_loading",
-                 "activation_checkpointing", "sync_module_states", "use_orig_params", "forward_prefetch",
-                 "backward_prefetch", "mixed_precision_policy", "ignored_modules", "state_dict_config",
-                 "optim_state_dict_config")
+PLUGIN_FIELDS = (
+    "fsdp_version",
+    "reshard_after_forward",
+    "auto_wrap_policy",
+    "transformer_cls_names_to_wrap",
+    "min_num_params",
+    "state_dict_type",
+    "cpu_offload",
+    "cpu_ram_efficient_loading",
+    "activation_checkpointing",
+    "sync_module_states",
+    "use_orig_params",
+    "forward_prefetch",
+    "backward_prefetch",
+    "mixed_precision_policy",
+    "ignored_modules",
+    "state_dict_config",
+    "optim_state_dict_config",
+)
 
 
 def _plugin_view(plugin) -> dict:
@@ -216,8 +256,9 @@ def _plugin_view(plugin) -> dict:
     return out
 
 
-@pytest.mark.parametrize("config", [s.accelerate_config for s in SHIPPED if s.fsdp] +
-                         [s.cpu_config for s in SHIPPED if s.fsdp])
+@pytest.mark.parametrize(
+    "config", [s.accelerate_config for s in SHIPPED if s.fsdp] + [s.cpu_config for s in SHIPPED if s.fsdp]
+)
 def test_fsdp_plugin_in_script_equals_the_launchers(config, monkeypatch):
     """The plugin Accelerate builds in a launched rank from the launcher's FSDP_* variables equals,
     field by field, the one Trainer builds from TrainingArguments(fsdp=True, fsdp_config=<the row's
@@ -227,8 +268,7 @@ def test_fsdp_plugin_in_script_equals_the_launchers(config, monkeypatch):
 
     row = next(s for s in SHIPPED if config in (s.accelerate_config, s.cpu_config))
     _forget_fsdp_env(monkeypatch, resources.resolve(config))
-    args = TrainingArguments(output_dir="unused", report_to="none",
-                             **strategies.trainer_arguments(row, resources.ROOT))
+    args = TrainingArguments(output_dir="unused", report_to="none", **strategies.trainer_arguments(row, resources.ROOT))
     in_script = _plugin_view(FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
     for key, value in _launcher_fsdp_env(resources.resolve(config)).items():
         monkeypatch.setenv(key, value)

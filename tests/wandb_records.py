@@ -28,8 +28,8 @@ def read_records(path: Path) -> list:
         if left < HEADER:  # block trailer: too short for a header, zero-filled
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == 0:
             continue

@@ -1,23 +1,12 @@
 """`finetune bench`: the same workload through this project and through TRL's SFTTrainer (a plain
 script and a tuned one), alternating, in one invocation; reports trained tokens/s, MFU, peak memory
-and the ratios ours / TRL plain and ours / TRL tuned.
+and the ratios ours / TRL plain and ours / TRL tuned (docs/benchmarks.md: the workload, the shapes,
+the sides and the figures).
 
-    finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 \
-        --steps 30 --rounds 3 --trl both --out bench-out
-    finetune bench --shape qwen2.5-0.5b --shape-overhead --steps 25 --warmup-steps 3 --out bench-shapes
+    finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
 
-Workload: synthetic pre-tokenized instruction data (prompt + response, loss on the response
-only) with lengths drawn from log-normal distributions (defaults: prompt median 60 tokens,
-sigma 0.8; response median 180 tokens, sigma 0.9; both clipped so a row fits --seq-len).
-These are chosen to resemble instruction-tuning sets (a long tail of long answers); they are
-not measured from a particular dataset. Models: real architectures' shapes (Qwen2.5-0.5B and
--1.5B configs) with random weights (speed does not depend on the values), or small Qwen2-
-architecture shapes for CPU. Each run is a separate process (finetune/bench/worker.py); the
-order of the sides alternates from round to round. Ours: finetune.model loading, the chosen
-batch layout (default padding-free), loss and SDPA backend policy, FinetuneTrainer. TRL:
-finetune/bench/trl_side.py. The report: finetune/bench/report.py. No timing is asserted
-anywhere; figures belong to the machine they ran on.
+Each run is its own process (worker.py); no timing is asserted anywhere.
 """
 
 from __future__ import annotations
@@ -39,14 +28,38 @@ from finetune.modeling.loss import LOSS_IMPLS
 
 # Real architectures' configurations (Qwen2.5 config.json on the Hub), random weights here.
 SHAPES = {
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128, "vocab_size": None},
-    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-              "intermediate_size": 1024, "vocab_size": None},
-    "qwen2.5-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936},
-    "qwen2.5-1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936},
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": None,
+    },
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+        "vocab_size": None,
+    },
+    "qwen2.5-0.5b": {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+    },
+    "qwen2.5-1.5b": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151936,
+    },
 }
 METHODS = ("qlora", "lora", "full")
 LAYOUTS = ("padding_free", "packing", "padded")
@@ -55,9 +68,13 @@ TRL_CHOICES = {"plain": ("trl_plain",), "tuned": ("trl_tuned",), "both": ("trl_p
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="finetune bench", description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=SHAPES, default="tiny",
-                   help="model shape: tiny/small (Qwen2 architecture, CPU-sized; vocab = the tokenizer's) or a "
-                        "real Qwen2.5 configuration")
+    p.add_argument(
+        "--shape",
+        choices=SHAPES,
+        default="tiny",
+        help="model shape: tiny/small (Qwen2 architecture, CPU-sized; vocab = the tokenizer's) or a "
+        "real Qwen2.5 configuration",
+    )
     p.add_argument("--methods", nargs="+", choices=METHODS, default=["lora"])
     p.add_argument("--seq-len", type=int, default=256, help="max tokens per example (both sides' max_length)")
     p.add_argument("--batch", type=int, default=4, help="examples per step per device (both sides)")
@@ -68,17 +85,27 @@ def parse_args(argv):
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     p.add_argument("--gradient-checkpointing", action="store_true", help="both sides")
     p.add_argument("--torch-compile", action="store_true", help="our side only (a speed option of ours)")
-    p.add_argument("--trl", choices=TRL_CHOICES, default="both",
-                   help="TRL sides: plain (TRL's defaults: padded batches), tuned (TRL's padding-free, or BFD "
-                        "packing when --layout packing; its own loss; our SDPA backend policy), or both")
+    p.add_argument(
+        "--trl",
+        choices=TRL_CHOICES,
+        default="both",
+        help="TRL sides: plain (TRL's defaults: padded batches), tuned (TRL's padding-free, or BFD "
+        "packing when --layout packing; its own loss; our SDPA backend policy), or both",
+    )
     p.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="our side's training.loss_impl")
-    p.add_argument("--sdpa-backends", default="auto",
-                   help="our side's (and tuned TRL's) model.sdpa_backends: auto, torch_default, or a comma-"
-                        "separated list of flash, efficient, math, cudnn")
+    p.add_argument(
+        "--sdpa-backends",
+        default="auto",
+        help="our side's (and tuned TRL's) model.sdpa_backends: auto, torch_default, or a comma-"
+        "separated list of flash, efficient, math, cudnn",
+    )
     p.add_argument("--pad-to-multiple-of", type=int, default=None, help="our side's data.pad_to_multiple_of")
-    p.add_argument("--shape-overhead", action="store_true",
-                   help="instead of the comparison: time forward+backward+AdamW steps of the shape on fixed vs "
-                        "variable-length rows under SDPA backend choices and bucketing (finetune/bench/shapes.py)")
+    p.add_argument(
+        "--shape-overhead",
+        action="store_true",
+        help="instead of the comparison: time forward+backward+AdamW steps of the shape on fixed vs "
+        "variable-length rows under SDPA backend choices and bucketing (finetune/bench/shapes.py)",
+    )
     p.add_argument("--liger", action="store_true", help="our side only: Liger kernels (CUDA, liger-kernel installed)")
     p.add_argument("--prompt-median", type=float, default=60.0, help="tokens")
     p.add_argument("--response-median", type=float, default=180.0, help="tokens")
@@ -87,8 +114,11 @@ def parse_args(argv):
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the bundled model's)")
     p.add_argument("--out", default="bench-out", help="directory for report.json, report.md, runs and logs")
     p.add_argument("--run-timeout", type=float, default=3600, help="seconds per run before it is killed")
-    p.add_argument("--in-process", action="store_true",
-                   help="run both sides in this process (smoke tests: saves start-up; host peaks are then shared)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run both sides in this process (smoke tests: saves start-up; host peaks are then shared)",
+    )
     args = p.parse_args(argv)
     if args.sdpa_backends not in ("auto", "torch_default"):
         args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
@@ -100,8 +130,9 @@ def parse_args(argv):
     return args
 
 
-def make_examples(n: int, seq_len: int, vocab: int, *, seed: int, prompt_median: float,
-                  response_median: float, special: set[int]) -> list[dict]:
+def make_examples(
+    n: int, seq_len: int, vocab: int, *, seed: int, prompt_median: float, response_median: float, special: set[int]
+) -> list[dict]:
     """Pre-tokenized rows {input_ids, labels}: random token ids, loss on the response only."""
     import math
     import random
@@ -128,9 +159,16 @@ def build_model_dir(shape: str, tokenizer, directory: Path, *, cuda: bool) -> Pa
         return path
     dims = dict(SHAPES[shape])
     dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
-    config = Qwen2Config(**dims, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
-                         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        **dims,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(dtype)
     tmp = path.with_name(path.name + ".tmp")
@@ -150,13 +188,24 @@ def main(argv=None) -> int:
     from finetune.training import speed
 
     # Our side's options pass the same checks as a recipe (boundary safety, attention, Liger on this machine).
-    speed.check(build_config({"data": {"packing": args.layout == "packing", "padding_free": args.layout == "padding_free",
-                                       "pad_to_multiple_of": args.pad_to_multiple_of},
-                              "model": {"attn_implementation": args.attn_implementation,
-                                        "sdpa_backends": args.sdpa_backends},
-                              "training": {"per_device_train_batch_size": args.batch, "use_liger_kernel": args.liger,
-                                           "loss_impl": args.loss_impl}},
-                             source="finetune bench options"))
+    speed.check(
+        build_config(
+            {
+                "data": {
+                    "packing": args.layout == "packing",
+                    "padding_free": args.layout == "padding_free",
+                    "pad_to_multiple_of": args.pad_to_multiple_of,
+                },
+                "model": {"attn_implementation": args.attn_implementation, "sdpa_backends": args.sdpa_backends},
+                "training": {
+                    "per_device_train_batch_size": args.batch,
+                    "use_liger_kernel": args.liger,
+                    "loss_impl": args.loss_impl,
+                },
+            },
+            source="finetune bench options",
+        )
+    )
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -170,49 +219,81 @@ def main(argv=None) -> int:
     data_file = out / "data.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lengths = sorted(len(r["input_ids"]) for r in rows)
-    print(f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
-          f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}", flush=True)
+    print(
+        f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
+        f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}",
+        flush=True,
+    )
 
     sides = ("finetune", *TRL_CHOICES[args.trl])
     results, failures = [], []
     for method in args.methods:
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                spec = {"side": side, "method": method, "round": r, "model_dir": str(model_dir),
-                        "data_file": str(data_file), "seq_len": args.seq_len, "batch": args.batch,
-                        "steps": args.steps, "warmup_steps": args.warmup_steps, "seed": args.seed,
-                        "learning_rate": args.learning_rate, "attn_implementation": args.attn_implementation,
-                        "gradient_checkpointing": args.gradient_checkpointing, "layout": args.layout,
-                        "torch_compile": args.torch_compile, "liger": args.liger, "loss_impl": args.loss_impl,
-                        "sdpa_backends": args.sdpa_backends, "pad_to_multiple_of": args.pad_to_multiple_of,
-                        "output_dir": str(out / "runs" / f"{method}-{side}-{r}")}
+                spec = {
+                    "side": side,
+                    "method": method,
+                    "round": r,
+                    "model_dir": str(model_dir),
+                    "data_file": str(data_file),
+                    "seq_len": args.seq_len,
+                    "batch": args.batch,
+                    "steps": args.steps,
+                    "warmup_steps": args.warmup_steps,
+                    "seed": args.seed,
+                    "learning_rate": args.learning_rate,
+                    "attn_implementation": args.attn_implementation,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "layout": args.layout,
+                    "torch_compile": args.torch_compile,
+                    "liger": args.liger,
+                    "loss_impl": args.loss_impl,
+                    "sdpa_backends": args.sdpa_backends,
+                    "pad_to_multiple_of": args.pad_to_multiple_of,
+                    "output_dir": str(out / "runs" / f"{method}-{side}-{r}"),
+                }
                 result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
                 (results if "error" not in result else failures).append(result)
                 bench_report.print_run(result)
-    report = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv,
-              "in_process": args.in_process,
-              "environment": environment(), "settings": vars(args) | {"data": "synthetic log-normal lengths",
-                                                                   "examples": len(rows)},
-              "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1],
-                               "mean": sum(lengths) / len(lengths)},
-              "summary": bench_report.summarize(results, args.methods), "runs": results, "failures": failures}
+    report = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": sys.argv,
+        "in_process": args.in_process,
+        "environment": environment(),
+        "settings": vars(args) | {"data": "synthetic log-normal lengths", "examples": len(rows)},
+        "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "mean": sum(lengths) / len(lengths)},
+        "summary": bench_report.summarize(results, args.methods),
+        "runs": results,
+        "failures": failures,
+    }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     table = bench_report.markdown_table(report["summary"])
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
     if failures:
-        raise UserError(f"{len(failures)} benchmark run(s) failed: "
-                        + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures))
+        raise UserError(
+            f"{len(failures)} benchmark run(s) failed: "
+            + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures)
+        )
     return 0
 
 
 def bench_examples(args, vocab: int, special: set[int]) -> list[dict]:
     """steps x batch examples; with --layout packing enough for steps x batch full rows (+5%), so no
     epoch wraps around and no partial last row is timed."""
+
     def make(n):
-        return make_examples(n, args.seq_len, vocab, seed=args.seed, prompt_median=args.prompt_median,
-                             response_median=args.response_median, special=special)
+        return make_examples(
+            n,
+            args.seq_len,
+            vocab,
+            seed=args.seed,
+            prompt_median=args.prompt_median,
+            response_median=args.response_median,
+            special=special,
+        )
+
     rows = make(args.steps * args.batch)
     if args.layout == "packing":
         mean = sum(len(r["input_ids"]) for r in rows) / len(rows)
@@ -227,8 +308,11 @@ def _run_side(spec: dict, out: Path, timeout: float) -> dict:
     spec_file.write_text(json.dumps(spec, indent=1))
     result_file.unlink(missing_ok=True)
     repo = str(resources.PACKAGE_DIR.parent)  # the folder holding this finetune: the worker imports the same copy
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = [sys.executable, "-m", "finetune.bench.worker", str(spec_file), str(result_file)]
     with open(log_file, "w") as log:
         try:
@@ -259,6 +343,9 @@ def environment() -> dict:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = None
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    device = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
     return {"device": device, "python": platform.python_version(), "versions": versions, "host": platform.node()}
-

@@ -26,12 +26,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from finetune.config.sections import MethodConfig, ModelConfig
     from finetune.data import build, collate, demo
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson, Sinks
+    from finetune.training import arguments
     from finetune.training.trainer import FinetuneTrainer
 
     class Clock(TrainerCallback):  # the same external clock for both trainers
@@ -48,23 +50,45 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(mcfg)
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     train_file, _ = demo.write_demo(work, args.batch * args.steps, 1)
-    dcfg = SimpleNamespace(path=str(train_file), format="auto", split="train", max_length=128, eval_fraction=0.0,
-                           train_on_prompt=False, system_prompt=None, chat_template=True, packing=False,
-                           on_bad_rows="error", max_samples=None)
+    dcfg = SimpleNamespace(
+        path=str(train_file),
+        format="auto",
+        split="train",
+        max_length=128,
+        eval_fraction=0.0,
+        train_on_prompt=False,
+        system_prompt=None,
+        chat_template=True,
+        packing=False,
+        on_bad_rows="error",
+        max_samples=None,
+    )
     dataset = build.build_datasets(dcfg, tokenizer, seed=0).train
     results = {"plain Trainer": [], "FinetuneTrainer": []}
     for r in range(args.rounds):
         for label in results:
             torch.manual_seed(0)
             model = load_model(mcfg, MethodConfig(name="lora", lora_dropout=0.0))
-            targs = TrainingArguments(output_dir=str(work / f"{label}-{r}"), per_device_train_batch_size=args.batch,
-                                      max_steps=args.steps, logging_steps=5, report_to="none", save_strategy="no",
-                                      disable_tqdm=True, seed=0, learning_rate=1e-4)
-            kwargs = dict(model=model, args=targs, train_dataset=dataset,
-                          data_collator=lambda f: collate.collate(f, tokenizer.pad_token_id))
+            targs = arguments.build(
+                output_dir=str(work / f"{label}-{r}"),
+                per_device_train_batch_size=args.batch,
+                max_steps=args.steps,
+                logging_steps=5,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                seed=0,
+                learning_rate=1e-4,
+            )
+            kwargs = dict(
+                model=model,
+                args=targs,
+                train_dataset=dataset,
+                data_collator=lambda f: collate.collate(f, tokenizer.pad_token_id),
+            )
             if label == "FinetuneTrainer":
                 rec = RunRecord(work / f"{label}-{r}" / "run.json", run_name="bench", recipe="bench", config={})
-                trainer = FinetuneTrainer(**kwargs, record=rec)
+                trainer = FinetuneTrainer(**kwargs, sinks=Sinks(RunJson(rec)))
             else:
                 trainer = Trainer(**kwargs)
             clock = Clock()
@@ -72,15 +96,22 @@ def main(argv=None) -> int:
             trainer.train()
             results[label].extend(clock.times[1:])  # first step: warm-up
             print(f"round {r} {label:16s} median step {statistics.median(clock.times[1:]):.4f} s", flush=True)
-    own = _direct_cost(FinetuneTrainer, Trainer, dict(model_cfg=mcfg, dataset=dataset, tokenizer=tokenizer,
-                                                      work=work, batch=args.batch, steps=args.steps))
+    own = _direct_cost(
+        FinetuneTrainer,
+        Trainer,
+        dict(model_cfg=mcfg, dataset=dataset, tokenizer=tokenizer, work=work, batch=args.batch, steps=args.steps),
+    )
     plain = statistics.median(results["plain Trainer"])
     ours = statistics.median(results["FinetuneTrainer"])
-    print(f"median step: plain {plain:.4f} s, FinetuneTrainer {ours:.4f} s, "
-          f"overhead {100 * (ours - plain) / plain:+.2f}% over {len(results['plain Trainer'])} steps each")
-    print(f"direct cost of the machinery (time inside our overrides, excluding Trainer's own work): "
-          f"{1000 * own['per_step_s']:.3f} ms per optimizer step = {100 * own['per_step_s'] / ours:.4f}% of the median "
-          f"step ({own['steps']} steps, logging every 5)")
+    print(
+        f"median step: plain {plain:.4f} s, FinetuneTrainer {ours:.4f} s, "
+        f"overhead {100 * (ours - plain) / plain:+.2f}% over {len(results['plain Trainer'])} steps each"
+    )
+    print(
+        f"direct cost of the machinery (time inside our overrides, excluding Trainer's own work): "
+        f"{1000 * own['per_step_s']:.3f} ms per optimizer step = {100 * own['per_step_s'] / ours:.4f}% of the median "
+        f"step ({own['steps']} steps, logging every 5)"
+    )
     return 0
 
 
@@ -90,12 +121,13 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
     start of training (not its CUDA synchronize: that waits for the step's own work). Far more precise
     than a difference of step times, which on a shared CPU varies by several percent."""
     import torch
-    from transformers import TrainingArguments
 
     from finetune.config.sections import MethodConfig
     from finetune.data import collate
     from finetune.modeling.load import load_model
     from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson, Sinks
+    from finetune.training import arguments
 
     spent = {"outer": 0.0, "inner": 0.0}
 
@@ -106,6 +138,7 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
                 return fn(*a, **k)
             finally:
                 spent[key] += time.perf_counter() - t
+
         return wrapper
 
     class Timed(ours_cls):
@@ -119,12 +152,24 @@ def _direct_cost(ours_cls, plain_cls, ctx) -> dict:
         torch.manual_seed(0)
         model = load_model(ctx["model_cfg"], MethodConfig(name="lora", lora_dropout=0.0))
         out = ctx["work"] / "direct"
-        targs = TrainingArguments(output_dir=str(out), per_device_train_batch_size=ctx["batch"], max_steps=ctx["steps"],
-                                  logging_steps=5, report_to="none", save_strategy="no", disable_tqdm=True, seed=0)
+        targs = arguments.build(
+            output_dir=str(out),
+            per_device_train_batch_size=ctx["batch"],
+            max_steps=ctx["steps"],
+            logging_steps=5,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         tok = ctx["tokenizer"]
-        trainer = Timed(model=model, args=targs, train_dataset=ctx["dataset"],
-                        data_collator=lambda f: collate.collate(f, tok.pad_token_id),
-                        record=RunRecord(out / "run.json", run_name="bench", recipe="bench", config={}))
+        trainer = Timed(
+            model=model,
+            args=targs,
+            train_dataset=ctx["dataset"],
+            data_collator=lambda f: collate.collate(f, tok.pad_token_id),
+            sinks=Sinks(RunJson(RunRecord(out / "run.json", run_name="bench", recipe="bench", config={}))),
+        )
         trainer.meter.record_step = timed(trainer.meter.record_step, "outer")
         trainer.meter.start_training = timed(trainer.meter.start_training, "outer")
         trainer.train()

@@ -1,17 +1,6 @@
 """`finetune bench --shape-overhead`: what a new input shape costs per step, under SDPA backend
-choices and shape bucketing (the measurements behind model.sdpa_backends `auto`; docs/speed.md).
-
-One process, the bench's random-weight model of --shape (bf16 on CUDA, fp32 on CPU), sdpa
-attention, padding-free rows (1, N) of 8 examples with position_ids restarting per example (the
-layout our recipes default to in the bench), lengths drawn like the bench's data, clipped to
---seq-len. Each step: forward with labels, backward, AdamW step. Per row: --steps timed steps
-after --warmup-steps untimed ones (3 in the documented GPU command), CUDA-synchronised, median
-reported.
-
-Rows: a fixed shape (8 x 300 tokens every step), then variable lengths with torch's default
-backends, with `auto` (cuDNN off), rounded up to a multiple of 256 and of 1024 tokens (the filler
-extends the last example, as data.pad_to_multiple_of does), and `auto` with 256. On CPU there is
-no cuDNN: the `auto` rows are n/a rather than a duplicate of the default rows.
+choices and shape bucketing: the measurements behind model.sdpa_backends `auto` (docs/speed.md,
+docs/benchmarks.md: the rows and the method). On CPU there is no cuDNN: the `auto` rows are n/a.
 """
 
 from __future__ import annotations
@@ -52,8 +41,9 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                 attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
+    ).to(device)
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     vocab = model.config.vocab_size
@@ -63,8 +53,9 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
         n = sum(lens)
         filler = (-n % bucket) if bucket else 0
         ids = torch.randint(0, vocab, (1, n + filler), device=device)
-        pos = torch.cat([torch.arange(x, device=device) for x in lens[:-1]]
-                        + [torch.arange(lens[-1] + filler, device=device)]).unsqueeze(0)
+        pos = torch.cat(
+            [torch.arange(x, device=device) for x in lens[:-1]] + [torch.arange(lens[-1] + filler, device=device)]
+        ).unsqueeze(0)
         labels = ids.clone()
         labels[0, n:] = -100
         if cuda:
@@ -85,19 +76,43 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
         rng = random.Random(args.seed)
         with attention.flags_restored():
             enabled = attention.apply(policy, device)["sdpa_backends_enabled"]
-            times = [step(lengths(rng, args) if variable else fixed, bucket) for _ in range(args.warmup_steps + args.steps)]
-        timed = times[args.warmup_steps:]
-        results.append({"row": name, "sdpa_policy": policy, "sdpa_backends_enabled": enabled, "bucket": bucket,
-                        "median_ms": round(1e3 * statistics.median(timed), 2), "first_ms": round(1e3 * times[0], 2),
-                        "min_ms": round(1e3 * min(timed), 2), "steps": len(timed)})
+            times = [
+                step(lengths(rng, args) if variable else fixed, bucket) for _ in range(args.warmup_steps + args.steps)
+            ]
+        timed = times[args.warmup_steps :]
+        results.append(
+            {
+                "row": name,
+                "sdpa_policy": policy,
+                "sdpa_backends_enabled": enabled,
+                "bucket": bucket,
+                "median_ms": round(1e3 * statistics.median(timed), 2),
+                "first_ms": round(1e3 * times[0], 2),
+                "min_ms": round(1e3 * min(timed), 2),
+                "steps": len(timed),
+            }
+        )
         print(f"[shape-overhead] {name:36s} median {results[-1]['median_ms']:9.2f} ms", flush=True)
-    report = {"shape": args.shape, "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
-              "environment": environment, "rows": results}
+    report = {
+        "shape": args.shape,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "environment": environment,
+        "rows": results,
+    }
     (out / "shapes.json").write_text(json.dumps(report, indent=1))
     lines = ["| row | median ms/step | first ms | min ms |", "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['row']} | " + (" | ".join(str(r[k]) for k in ("median_ms", "first_ms", "min_ms"))
-                                         if r["median_ms"] is not None else f"{r['note']} | | ") + " |")
+        lines.append(
+            f"| {r['row']} | "
+            + (
+                " | ".join(str(r[k]) for k in ("median_ms", "first_ms", "min_ms"))
+                if r["median_ms"] is not None
+                else f"{r['note']} | | "
+            )
+            + " |"
+        )
     (out / "shapes.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines) + f"\n\n[shape-overhead] {out / 'shapes.json'}, {out / 'shapes.md'}", flush=True)
     return 0

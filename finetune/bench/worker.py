@@ -2,25 +2,9 @@
 
     python -m finetune.bench.worker SPEC.json RESULT.json
 
-SPEC names the side (`finetune`, `trl_plain` or `trl_tuned`), the method, the model directory,
-the data file and the settings the sides share. The sides are measured by the same meter
-(finetune/telemetry/meter.py) through two hooks, which change nothing about the training: a
-callback driving its step clock (CUDA synchronised) and memory tracker, and a wrapper around
-the side's own data collator that counts, per batch, trained tokens (labels != -100), real input
-tokens (the meter's rule: attention-mask ones, the count a packed batch states, every position
-of a padding-free batch) and rows. Step i trains on batch i (no gradient accumulation; the data
-loader fetches batches in order; it fetches ahead of the step clock, so counts are paired with
-steps by index). The figures come from finetune/telemetry/formulas.py.
-
-Device peak memory: FinetuneTrainer's meter resets torch's peak counters at every log (it keeps
-per-window peaks), so on our side the worker reads the trainer's own run peak (the max over its
-windows, `final_measurements()`), never the global counters afterwards; TRL's side resets nothing,
-so the worker's tracker (reset once when training begins) reads them. `device_peak_source` says
-which.
-
-SDPA backends: our side and tuned TRL run under the benchmark's policy (--sdpa-backends, as our
-recipes' model.sdpa_backends), plain TRL under torch's defaults; the flags are restored after the
-run (finetune/modeling/attention.py), so --in-process sides do not inherit each other's.
+Every side is measured by the same meter (finetune/telemetry/meter.py) through two hooks that
+change nothing about the training: a callback driving its step clock and memory tracker, and a
+wrapper around the side's collator counting tokens and rows per batch (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -57,8 +41,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     from transformers import TrainerCallback
 
     from finetune.modeling import loss
-    from finetune.telemetry import formulas
-    from finetune.telemetry import model_flops
+    from finetune.telemetry import formulas, model_flops
     from finetune.telemetry.meter import Meter, batch_counts
 
     ours = spec["side"] == "finetune"
@@ -121,16 +104,29 @@ def _run(spec: dict, attention_record: dict) -> dict:
     input_tps = r["input_tokens_per_s"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {
-        "side": spec["side"], "method": spec["method"], "round": spec["round"],
-        "steps": n, "warmup_steps_excluded": warm, "step_s": steps, "trained_tokens": trained,
-        "input_tokens": inputs, "rows": samples, "positions": positions, "losses": losses,
+        "side": spec["side"],
+        "method": spec["method"],
+        "round": spec["round"],
+        "steps": n,
+        "warmup_steps_excluded": warm,
+        "step_s": steps,
+        "trained_tokens": trained,
+        "input_tokens": inputs,
+        "rows": samples,
+        "positions": positions,
+        "losses": losses,
         "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
-        "trained_tokens_per_s": r["trained_tokens_per_s"], "input_tokens_per_s": input_tps,
+        "trained_tokens_per_s": r["trained_tokens_per_s"],
+        "input_tokens_per_s": input_tps,
         "median_step_s": r["median_step_s"],
         "mfu": formulas.mfu(total_flops, r["seconds"], peak[1] if peak else None),
-        "flops_per_token": flops, "flops_convention": convention, "peak_device": peak[0] if peak else None,
-        "device_peak_allocated_gib": device_peak, "device_peak_source": peak_source,
-        "host_peak_rss_gib": mem["host_peak_rss_gib"], "attention": attention_record,
+        "flops_per_token": flops,
+        "flops_convention": convention,
+        "peak_device": peak[0] if peak else None,
+        "device_peak_allocated_gib": device_peak,
+        "device_peak_source": peak_source,
+        "host_peak_rss_gib": mem["host_peak_rss_gib"],
+        "attention": attention_record,
         "loss_impl": loss.installed(trainer.model) if ours else "TRL's own (SFTConfig loss_type nll)",
     }
 
@@ -138,20 +134,27 @@ def _run(spec: dict, attention_record: dict) -> dict:
 def _our_trainer(spec: dict, dataset, callbacks: list):
     """This project's path: finetune.modeling loading, finetune.data.collate batching, FinetuneTrainer."""
     import torch
-    from transformers import TrainingArguments
 
     from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
     from finetune.data import collate
     from finetune.modeling import loss
     from finetune.modeling.load import load_model, load_tokenizer
-    from finetune.training import speed
+    from finetune.training import arguments, speed
     from finetune.training.trainer import FinetuneTrainer
 
     cuda = torch.cuda.is_available()
-    mcfg = ModelConfig(name_or_path=spec["model_dir"], dtype="bfloat16" if cuda else "float32",
-                       attn_implementation=spec["attn_implementation"])
-    dcfg = DataConfig(path=spec["data_file"], max_length=spec["seq_len"], pad_to_multiple_of=spec["pad_to_multiple_of"],
-                      padding_free=spec["layout"] == "padding_free", packing=spec["layout"] == "packing")
+    mcfg = ModelConfig(
+        name_or_path=spec["model_dir"],
+        dtype="bfloat16" if cuda else "float32",
+        attn_implementation=spec["attn_implementation"],
+    )
+    dcfg = DataConfig(
+        path=spec["data_file"],
+        max_length=spec["seq_len"],
+        pad_to_multiple_of=spec["pad_to_multiple_of"],
+        padding_free=spec["layout"] == "padding_free",
+        packing=spec["layout"] == "packing",
+    )
     tokenizer = load_tokenizer(mcfg)
     if spec["layout"] == "packing":
         import datasets
@@ -161,18 +164,38 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
-    loss.install(model, spec["loss_impl"], use_liger_kernel=spec["liger"], device_type="cuda" if cuda else "cpu",
-                 tokens=spec["batch"] * spec["seq_len"])  # `auto` weighed as finetune train weighs it
-    args = TrainingArguments(**speed.trainer_overrides(dict(
-        output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
-        learning_rate=spec["learning_rate"], bf16=cuda, logging_steps=1, save_strategy="no", report_to="none",
-        seed=spec["seed"], disable_tqdm=True, use_cpu=not cuda, torch_compile=spec["torch_compile"],
-        use_liger_kernel=spec["liger"])))
+    loss.install(
+        model,
+        spec["loss_impl"],
+        use_liger_kernel=spec["liger"],
+        device_type="cuda" if cuda else "cpu",
+        tokens=spec["batch"] * spec["seq_len"],
+    )  # `auto` weighed as finetune train weighs it
+    args = arguments.build(
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch"],
+        learning_rate=spec["learning_rate"],
+        bf16=cuda,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec["seed"],
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        torch_compile=spec["torch_compile"],
+        use_liger_kernel=spec["liger"],
+    )
     if spec["liger"]:
         speed.check_liger()
-    return FinetuneTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks,
-                           data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
-                           processing_class=tokenizer)
+    return FinetuneTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        callbacks=callbacks,
+        data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
+        processing_class=tokenizer,
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from finetune.cli import options
 from finetune.errors import UserError
 
 COMPARE_HELP = "compare run records side by side against the single-device QLoRA baseline"
@@ -19,24 +20,39 @@ def add_compare_parser(sub) -> None:
 
 
 def add_sweep_parser(sub) -> None:
-    p = sub.add_parser("sweep", help=SWEEP_HELP, allow_abbrev=False,
-                       description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides "
-                                                "apply to every run.")
-    p.add_argument("--recipe", required=True, help="the recipe every strategy runs (model, data, hyperparameters)")
-    p.add_argument("--strategies", required=True,
-                   help="comma-separated: single or strategy recipe names, e.g. qlora_baseline,ddp,zero2,fsdp")
-    p.add_argument("--cpu", action="store_true",
-                   help="use the accelerate_configs/cpu/ variants (automatic when CUDA is not available)")
+    p = sub.add_parser(
+        "sweep",
+        help=SWEEP_HELP,
+        allow_abbrev=False,
+        description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides apply to every run.",
+    )
+    options.add_recipe(p, "the recipe every strategy runs (model, data, hyperparameters)")
+    p.add_argument(
+        "--strategies",
+        required=True,
+        help="comma-separated: single or strategy recipe names, e.g. qlora_baseline,ddp,zero2,fsdp",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="use the accelerate_configs/cpu/ variants (automatic when CUDA is not available)",
+    )
     _common(p)
 
 
 def _common(p) -> None:
-    p.add_argument("--baseline", metavar="RUN_DIR",
-                   help="the run to compare against (default: the single-device QLoRA run); "
-                        "in a sweep, a strategy name")
+    p.add_argument(
+        "--baseline",
+        metavar="RUN_DIR",
+        help="the run to compare against (default: the single-device QLoRA run); in a sweep, a strategy name",
+    )
     p.add_argument("--out", metavar="DIR", help="where the report goes (must not exist or be empty)")
-    p.add_argument("--gpu-hour-price", type=float, metavar="USD",
-                   help="price of one device for one hour, for the cost per 1M trained tokens")
+    p.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        metavar="USD",
+        help="price of one device for one hour, for the cost per 1M trained tokens",
+    )
 
 
 def _fresh_dir(out: str | None, default: Path) -> Path:
@@ -59,8 +75,11 @@ def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
     print(report_lib.console_table(table), flush=True)
     for line in wandb_report.log_comparison(table, pngs, out_dir):
         print(line, flush=True)
-    print(f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)\n"
-          f"plots:  {', '.join(str(p) for p in pngs.values())}", flush=True)
+    print(
+        f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)\n"
+        f"plots:  {', '.join(str(p) for p in pngs.values())}",
+        flush=True,
+    )
     return 0, table
 
 
@@ -85,7 +104,9 @@ def sweep_main(args, overrides: list[str]) -> int:
         if cpu:
             print("no CUDA device: using the CPU variants of the accelerate configs (accelerate_configs/cpu/)")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    out = _fresh_dir(args.out, Path("runs") / f"sweep-{Path(args.recipe).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    out = _fresh_dir(
+        args.out, Path("runs") / f"sweep-{Path(args.recipe).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
     planned = sweep.plan(args.recipe, names, overrides, cpu=cpu, out=out)
     baseline = args.baseline
     if baseline is not None:  # in a sweep the baseline is one of its strategies
@@ -94,8 +115,9 @@ def sweep_main(args, overrides: list[str]) -> int:
         baseline = out / baseline
     print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
     for p in planned:
-        print(f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | "
-              f"{' '.join(p.command()[2:])}")
+        print(
+            f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | {' '.join(p.command()[2:])}"
+        )
     return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)
 
 

@@ -1,14 +1,14 @@
 """The `finetune` command.
 
-    finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
-    finetune prepare-model
-    finetune recipes
-    finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD]
-    finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
-    finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
-    finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
-    finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench/main.py)
-    finetune doctor [--quick] [--offload] [--out DIR] [...]  (see finetune/doctor/main.py)
+finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
+finetune prepare-model
+finetune recipes
+finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD]
+finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
+finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
+finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
+finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench/main.py)
+finetune doctor [--quick] [--offload] [--out DIR] [...]  (see finetune/doctor/main.py)
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from finetune.cli import options
 from finetune.errors import exit_on_user_error
 from finetune.launch import accelerate as launcher
-from finetune.launch.script_args import TRAIN_EPILOG
 
 
 @launcher.restores_environment
@@ -26,17 +26,22 @@ from finetune.launch.script_args import TRAIN_EPILOG
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs under any strategy.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="launch finetune/train.py through accelerate launch",
-                           epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           allow_abbrev=False)
-    train.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    train = sub.add_parser(
+        "train",
+        help="launch finetune/train.py through accelerate launch",
+        epilog=options.TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    options.add_recipe(train)
     train.add_argument("--config_file", help="accelerate config (default: the recipe's run.accelerate_config)")
     train.add_argument("--num_processes", type=int, help="override the accelerate config's process count")
-    train.add_argument("--cpu", action="store_true",
-                       help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo")
-    train.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-    train.add_argument("--resume", nargs="?", const="auto", metavar="PATH",
-                       help="continue the run from its newest complete checkpoint, or from PATH (docs/faults.md)")
+    train.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo",
+    )
+    options.add_run_options(train)
     sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
     sub.add_parser("recipes", help="list the shipped recipes")
     # compare and sweep (issue 6): their parsers and wiring live in finetune/cli/compare.py
@@ -45,9 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_compare_parser(sub)
     compare.add_sweep_parser(sub)
     # Memory/communication planner and collective benchmark (finetune/planning/).
-    plan = sub.add_parser("plan", help="predict memory and communication per strategy and recommend one",
-                          allow_abbrev=False, epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full")
-    plan.add_argument("--recipe", required=True, help="recipe name in recipes/ or a YAML path")
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory and communication per strategy and recommend one",
+        allow_abbrev=False,
+        epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full",
+    )
+    options.add_recipe(plan)
     plan.add_argument("--model", help="local dir, config.json, or hub id with a cached config (default: the recipe's)")
     plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -55,14 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
     plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    bench = sub.add_parser("bench-comm", help="measure all-reduce/reduce-scatter/all-gather bandwidth",
-                           allow_abbrev=False, epilog="other options: see `python -m finetune.planning.bench_comm --help`")
+    bench = sub.add_parser(
+        "bench-comm",
+        help="measure all-reduce/reduce-scatter/all-gather bandwidth",
+        allow_abbrev=False,
+        epilog="other options: see `python -m finetune.planning.bench_comm --help`",
+    )
     bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
     bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
-    sub.add_parser("bench", add_help=False, help="this project vs TRL's SFTTrainer (plain and tuned), side by side "
-                   "(finetune bench --help)")
-    sub.add_parser("doctor", add_help=False, help="check this machine: environment, GPU links, every strategy "
-                   "engaged and agreeing (finetune doctor --help)")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="this project vs TRL's SFTTrainer (plain and tuned), side by side (finetune bench --help)",
+    )
+    sub.add_parser(
+        "doctor",
+        add_help=False,
+        help="check this machine: environment, GPU links, every strategy engaged and agreeing (finetune doctor --help)",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":
         return compare.sweep_main(args, rest)
@@ -93,10 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from finetune.launch import cpu_rehearsal
 
-        launch_args = launcher.launch_command(args.recipe, rest, args.config_file, args.num_processes,
-                                              cpu=args.cpu, overwrite=args.overwrite, resume=args.resume)
-        from finetune.launch import preflight
-        from finetune.training import resume_plan
+        launch_args = launcher.launch_command(
+            args.recipe,
+            rest,
+            args.config_file,
+            args.num_processes,
+            cpu=args.cpu,
+            overwrite=args.overwrite,
+            resume=args.resume,
+        )
+        from finetune import preflight
+        from finetune.checkpointing import resume_plan
 
         os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
         # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
@@ -119,4 +145,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:20s} {first}")
         return 0
     return 2
-

@@ -1,5 +1,5 @@
 """When two runs' losses may be compared: the same model, data and sequence length, precision
-policy, effective batch and applied learning rate (shared/DESIGN.md definitions). A bf16-true run
+policy, effective batch and applied learning rate (docs/compare.md). A bf16-true run
 against an fp32-master one measures the precision regime, not the strategy (issue 12: on an H200
 pure-bf16 full fine-tuning at LR 1e-5 barely trained while ZeRO, with its fp32 master, did).
 
@@ -36,8 +36,11 @@ def comparison_keys(run) -> dict[str, object]:
 def differences(run, reference) -> list[str]:
     """The comparison keys on which `run` differs from `reference` ("lr.applied 0.001 != 0.0001")."""
     mine, theirs = comparison_keys(run), comparison_keys(reference)
-    return [f"{k} {mine.get(k)!r} != {theirs.get(k)!r}" for k in dict.fromkeys([*theirs, *mine])
-            if json.dumps(mine.get(k), default=str) != json.dumps(theirs.get(k), default=str)]
+    return [
+        f"{k} {mine.get(k)!r} != {theirs.get(k)!r}"
+        for k in dict.fromkeys([*theirs, *mine])
+        if json.dumps(mine.get(k), default=str) != json.dumps(theirs.get(k), default=str)
+    ]
 
 
 def warnings(runs: list) -> list[str]:

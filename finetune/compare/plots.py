@@ -1,8 +1,8 @@
 """The comparison's plots as PNG files (matplotlib, Agg backend: no display needed).
 
-    loss_vs_tokens.png   loss against cumulative trained tokens, every run overlaid
-    throughput.png       trained tokens/s per run (all devices, and per device)
-    memory.png           peak memory per run: measured beside the predicted components (when recorded)
+loss_vs_tokens.png   loss against cumulative trained tokens, every run overlaid
+throughput.png       trained tokens/s per run (all devices, and per device)
+memory.png           peak memory per run: measured beside the predicted components (when recorded)
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from pathlib import Path
 from finetune.compare.table import Table, loss_curve
 
 DPI = 110
-LOSS_RTOL = 1e-5  # fp32 reduction-order differences between backends stay below this (tests/training/test_strategies.py)
+LOSS_RTOL = (
+    1e-5  # fp32 reduction-order differences between backends stay below this (tests/training/test_strategies.py)
+)
 
 
 def _pyplot():
@@ -28,9 +30,11 @@ def _pyplot():
 def write_plots(table: Table, out_dir: Path) -> dict[str, Path]:
     """name -> PNG path, for every plot."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {"loss": loss_plot(table, out_dir / "loss_vs_tokens.png"),
-            "throughput": throughput_plot(table, out_dir / "throughput.png"),
-            "memory": memory_plot(table, out_dir / "memory.png")}
+    return {
+        "loss": loss_plot(table, out_dir / "loss_vs_tokens.png"),
+        "throughput": throughput_plot(table, out_dir / "throughput.png"),
+        "memory": memory_plot(table, out_dir / "memory.png"),
+    }
 
 
 def _labels(table: Table) -> list[str]:
@@ -57,14 +61,18 @@ def loss_figure(table: Table):
         # Numerically equivalent strategies (same data, seed and batch) give the same curve; overlaid,
         # only the last would show. One line per distinct curve, its label naming every run on it.
         # Same = equal to LOSS_RTOL, the cross-strategy equivalence tolerance of tests/training/test_strategies.py.
-        same = next((g for g in groups if g[0] == xs and all(math.isclose(a, b, rel_tol=LOSS_RTOL)
-                                                             for a, b in zip(g[1], ys))), None)
+        same = next(
+            (g for g in groups if g[0] == xs and all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(g[1], ys))),
+            None,
+        )
         if same and len(same[1]) == len(ys):
             same[2].append(label)
         else:
             groups.append([xs, ys, [label]])
     for xs, ys, labels in groups:
-        ax.plot(xs, ys, marker="o", markersize=3, label=" = ".join(labels) + (" (same losses)" if len(labels) > 1 else ""))
+        ax.plot(
+            xs, ys, marker="o", markersize=3, label=" = ".join(labels) + (" (same losses)" if len(labels) > 1 else "")
+        )
     ax.set_xlabel("trained tokens (cumulative, all ranks; label positions != -100)")
     ax.set_ylabel("training loss (mean over each logging window)")
     ax.set_title("Loss against trained tokens")
@@ -72,8 +80,15 @@ def loss_figure(table: Table):
     if ax.lines:
         ax.legend(fontsize=8)
     if missing:
-        ax.text(0.01, 0.01, "no logged steps: " + ", ".join(missing), transform=ax.transAxes, fontsize=8,
-                va="bottom", color="firebrick")
+        ax.text(
+            0.01,
+            0.01,
+            "no logged steps: " + ", ".join(missing),
+            transform=ax.transAxes,
+            fontsize=8,
+            va="bottom",
+            color="firebrick",
+        )
     fig.tight_layout()
     return fig
 
@@ -89,8 +104,11 @@ def throughput_plot(table: Table, path: Path) -> Path:
     bars = ax.bar([i - width / 2 for i in x], total, width, label="all devices")
     ax.bar([i + width / 2 for i in x], per_device, width, label="per device")
     for bar, row in zip(bars, table.rows):
-        text = "n/a" if row["tokens_per_s"] is None else (
-            f"{row['speedup']:.2f}x" if row["speedup"] is not None else f"{row['tokens_per_s']:,.0f}")
+        text = (
+            "n/a"
+            if row["tokens_per_s"] is None
+            else (f"{row['speedup']:.2f}x" if row["speedup"] is not None else f"{row['tokens_per_s']:,.0f}")
+        )
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("trained tokens / s")
@@ -116,8 +134,11 @@ def memory_figure(table: Table):
     measured peak and, when the record has a prediction, a stacked bar of its components."""
     plt = _pyplot()
     labels = _labels(table)
-    kinds = [k for k, key in (("device", "device_peak_allocated_gib"), ("host", "host_peak_rss_gib"))
-             if any(r.get("memory", "max", key) is not None for r in table.runs if r.record is not None)]
+    kinds = [
+        k
+        for k, key in (("device", "device_peak_allocated_gib"), ("host", "host_peak_rss_gib"))
+        if any(r.get("memory", "max", key) is not None for r in table.runs if r.record is not None)
+    ]
     kinds = kinds or ["host"]
     fig, axes = plt.subplots(1, len(kinds), figsize=(max(6, 1.6 * len(labels)) * len(kinds), 4.8), squeeze=False)
     width = 0.38
@@ -125,8 +146,13 @@ def memory_figure(table: Table):
         key = "device_peak_allocated_gib" if kind == "device" else "host_peak_rss_gib"
         measured = [(r.get("memory", "max", key) if r.record is not None else None) for r in table.runs]
         x = list(range(len(labels)))
-        ax.bar([i - width / 2 for i in x], [m or 0 for m in measured], width, color="dimgray",  # not a tab20c component colour
-               label="measured peak" + (" allocated" if kind == "device" else " RSS"))
+        ax.bar(
+            [i - width / 2 for i in x],
+            [m or 0 for m in measured],
+            width,
+            color="dimgray",  # not a tab20c component colour
+            label="measured peak" + (" allocated" if kind == "device" else " RSS"),
+        )
         colors = iter(plt.get_cmap("tab20c").colors)
         component_colors: dict[str, tuple] = {}
         any_prediction = False
@@ -139,13 +165,20 @@ def memory_figure(table: Table):
                 first = name not in component_colors  # one legend entry per component
                 if first:
                     component_colors[name] = next(colors)
-                ax.bar(i + width / 2, gib, width, bottom=bottom, color=component_colors[name],
-                       label=f"predicted: {name}" if first else None)
+                ax.bar(
+                    i + width / 2,
+                    gib,
+                    width,
+                    bottom=bottom,
+                    color=component_colors[name],
+                    label=f"predicted: {name}" if first else None,
+                )
                 bottom += gib
                 any_prediction = True
             if not side:
-                ax.annotate("no prediction", (i + width / 2, 0), ha="center", va="bottom", fontsize=7,
-                            rotation=90, color="gray")
+                ax.annotate(
+                    "no prediction", (i + width / 2, 0), ha="center", va="bottom", fontsize=7, rotation=90, color="gray"
+                )
         for i, m in enumerate(measured):
             if m is None:
                 ax.annotate("n/a", (i - width / 2, 0), ha="center", va="bottom", fontsize=8)

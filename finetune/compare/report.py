@@ -18,8 +18,11 @@ th { background: #f0f0f0; } td:first-child, td:nth-child(2), td:nth-child(3) { t
 tr.baseline { background: #eef6ee; } tr.failed, tr.interrupted { background: #fbeaea; }
 tr.running { background: #fff8e0; } .warning { color: #a00; } img { max-width: 100%; }
 """
-PLOT_TITLES = {"loss": "Loss against trained tokens", "throughput": "Trained tokens per second",
-               "memory": "Peak memory: measured beside predicted"}
+PLOT_TITLES = {
+    "loss": "Loss against trained tokens",
+    "throughput": "Trained tokens per second",
+    "memory": "Peak memory: measured beside predicted",
+}
 
 
 def console_table(table: Table) -> str:
@@ -34,17 +37,27 @@ def console_table(table: Table) -> str:
 
 def _footnotes(table: Table) -> list[str]:
     lines = [f"baseline: {table.baseline.label + ' — ' if table.baseline else ''}{table.baseline_note}"]
-    lines.append("cost per 1M trained tokens: " + (
-        f"{table.gpu_hour_price} USD per device-hour x devices x training time (summary.train_s)"
-        if table.gpu_hour_price is not None else "n/a, no --gpu-hour-price given"))
+    lines.append(
+        "cost per 1M trained tokens: "
+        + (
+            f"{table.gpu_hour_price} USD per device-hour x devices x training time (summary.train_s)"
+            if table.gpu_hour_price is not None
+            else "n/a, no --gpu-hour-price given"
+        )
+    )
     bases = {row["memory_basis"] for row in table.rows if row["memory_basis"]}
     if bases:
-        lines.append("memory ratio: " + " and ".join(
-            {"device": "peak device memory allocated (device)", "host": "host peak RSS (host)"}[b] for b in sorted(bases)))
-    for i, row in enumerate(table.rows):
+        lines.append(
+            "memory ratio: "
+            + " and ".join(
+                {"device": "peak device memory allocated (device)", "host": "host peak RSS (host)"}[b]
+                for b in sorted(bases)
+            )
+        )
+    for row in table.rows:
         if row.get("scaling_reference") and (row["devices"] or 0) > 1:
             lines.append(f"scaling efficiency of {row['run']}: against {row['scaling_reference']}")
-    for i, row in enumerate(table.rows):
+    for row in table.rows:
         if row["error"]:
             lines.append(f"{row['run']} {row['status']}: {row['error']}")
     lines += [f"warning: {w}" for w in table.warnings]
@@ -54,7 +67,12 @@ def _footnotes(table: Table) -> list[str]:
 def markdown(table: Table, plots: dict[str, Path], out_dir: Path) -> str:
     cols = table.columns
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    lines = ["# Run comparison", "", f"Generated {generated} by `finetune compare` from {len(table.runs)} run record(s).", ""]
+    lines = [
+        "# Run comparison",
+        "",
+        f"Generated {generated} by `finetune compare` from {len(table.runs)} run record(s).",
+        "",
+    ]
     lines += [f"> **warning:** {w}" for w in table.warnings] + ([""] if table.warnings else [])
     lines += ["| " + " | ".join(c.title for c in cols) + " |", "|" + "---|" * len(cols)]
     for i in range(len(table.rows)):
@@ -106,14 +124,15 @@ def html_page(table: Table, plots: dict[str, Path]) -> str:
     figures = []
     for name, path in plots.items():
         data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
-        figures.append(f'<h2>{esc(PLOT_TITLES[name])}</h2><img alt="{esc(PLOT_TITLES[name])}" '
-                       f'src="data:image/png;base64,{data}">')
+        figures.append(
+            f'<h2>{esc(PLOT_TITLES[name])}</h2><img alt="{esc(PLOT_TITLES[name])}" src="data:image/png;base64,{data}">'
+        )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>finetune: run comparison</title>
 <style>
 {PAGE_STYLE}</style></head><body>
 <h1>Run comparison</h1>
-<p>{len(table.runs)} run record(s); generated {esc(datetime.now(timezone.utc).isoformat(timespec='seconds'))}
+<p>{len(table.runs)} run record(s); generated {esc(datetime.now(timezone.utc).isoformat(timespec="seconds"))}
 by <code>finetune compare</code>. Hover an n/a cell for the reason.</p>
 {warnings}
 <table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>

@@ -13,14 +13,16 @@ def speed_cells(sp: dict | None) -> dict:
         return dict.fromkeys(SPEED_KEYS)
     layout, loss, attn, liger = sp["layout"], sp["loss_impl"], sp["attention"], sp["liger"]
     policy = attn["sdpa_backends_policy"]
-    kernels = [k for k, on in (("layers", liger["layer_kernels"]), ("fused loss", liger["fused_linear_cross_entropy"]))
-               if on]
+    kernels = [
+        k for k, on in (("layers", liger["layer_kernels"]), ("fused loss", liger["fused_linear_cross_entropy"])) if on
+    ]
     return {
-        "layout": LAYOUTS[layout["name"]] + (" (BFD)" if layout["packing_algorithm"] == "best_fit_decreasing" else "")
+        "layout": LAYOUTS[layout["name"]]
+        + (" (BFD)" if layout["packing_algorithm"] == "best_fit_decreasing" else "")
         + (f", x{layout['pad_to_multiple_of']} tokens" if layout["pad_to_multiple_of"] else ""),
         "loss_impl": loss["resolved"] + (" (auto)" if loss["requested"] == "auto" else ""),
-        "attention": attn["implementation"] + (
-            f"/{policy if isinstance(policy, str) else '+'.join(policy)}" if attn["implementation"] == "sdpa" else ""),
+        "attention": attn["implementation"]
+        + (f"/{policy if isinstance(policy, str) else '+'.join(policy)}" if attn["implementation"] == "sdpa" else ""),
         "compile": f"on ({sp['compile']['mode'] or 'default'})" if sp["compile"]["enabled"] else "off",
         "liger": " + ".join(kernels) or "off",
     }

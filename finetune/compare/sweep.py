@@ -2,28 +2,10 @@
 
     finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
 
-How a sweep run is put together (so that the runs differ only in the strategy):
-
-- Model, data, hyperparameters, seed and evaluation come from `--recipe` (plus the command-line
-  overrides), the same for every run: each run is `finetune train --recipe R ...`.
-- A strategy is the name of a shipped strategy recipe in recipes/ (ddp, zero2, zero2_offload,
-  zero3, zero3_offload, fsdp, fsdp_offload, qlora_baseline), or `single` (one process, the
-  recipe's own method). From it the sweep takes only what defines the strategy: `run.strategy`,
-  `run.offload` and `run.accelerate_config` (so train.py still checks on the live engine that the
-  strategy engaged). The baseline (a strategy recipe with run.strategy single and method qlora:
-  qlora_baseline) is defined by its method too, so it also carries its quantization keys
-  (method.name, quant_type, double_quant, compute_dtype, quant_storage); the LoRA rank, alpha,
-  dropout and targets stay the recipe's.
-- Same effective batch: the recipe's effective batch (per-device x accumulation x the process
-  count of its own accelerate config) is kept for every strategy by setting the per-device batch
-  to effective / (processes x accumulation). If that is not a whole number the sweep refuses
-  before running anything. The LR rule and reference are the recipe's, so the applied LR is the
-  same too. After each run, its record is checked for that effective batch.
-- On a machine without CUDA (or with --cpu) each strategy's accelerate_configs/cpu/ variant is
-  used (2 processes over gloo), exactly as `finetune train --cpu` picks it.
-- Runs go to OUT/<strategy>/ (run name <recipe>-<strategy>), their console output to
-  OUT/logs/<strategy>.log, the comparison to OUT/report/. A failed run is reported as failed
-  with its error and the sweep goes on; the exit code is then 1.
+The runs differ only in the strategy: model, data, hyperparameters, seed and evaluation are the
+recipe's; each strategy contributes its run.strategy, run.offload and accelerate config (and the
+baseline its quantization keys); the effective batch is kept by setting the per-device batch
+(docs/compare.md `finetune sweep`).
 """
 
 from __future__ import annotations
@@ -38,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from finetune import resources, strategies
+from finetune.batch import effective_batch
 from finetune.errors import UserError
 
 SINGLE = "single"  # not a recipe: one process, the recipe's own method
@@ -60,8 +43,16 @@ class PlannedRun:
     log: Path = field(default=Path())
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "finetune.cli", "train", "--recipe", self.recipe,
-                *(["--cpu"] if self.cpu else []), *self.args]
+        return [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "train",
+            "--recipe",
+            self.recipe,
+            *(["--cpu"] if self.cpu else []),
+            *self.args,
+        ]
 
 
 def strategy_names() -> list[str]:
@@ -92,8 +83,11 @@ def _strategy_values(name: str) -> tuple[dict, dict]:
         raise UserError(f"--strategies: unknown strategy {name!r}; allowed: {', '.join(allowed)}")
     values = read_recipe_file(path)
     run = values["run"]
-    run_values = {"strategy": run["strategy"], "offload": run.get("offload", "any"),
-                  "accelerate_config": run["accelerate_config"]}
+    run_values = {
+        "strategy": run["strategy"],
+        "offload": run.get("offload", "any"),
+        "accelerate_config": run["accelerate_config"],
+    }
     method = values.get("method") or {}
     method_values = {}
     if run["strategy"] == "single" and method.get("name") == "qlora":
@@ -129,28 +123,47 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
     base_world = processes(launch_config(cfg.run.accelerate_config, cpu)) if cfg.run.accelerate_config else 1
     args = cfg.training.args
     per_device, accum = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
-    effective = per_device * accum * base_world
+    effective = effective_batch(per_device, accum, base_world)
     planned, problems = [], []
     for name in strategies:
         run_values, method_values = _strategy_values(name)
         config = launch_config(run_values["accelerate_config"], cpu)
         world = processes(config)
         if effective % (world * accum):
-            problems.append(f"{name}: the recipe's effective batch {effective} ({per_device} per device x {accum} "
-                            f"accumulation x {base_world} processes) cannot be kept with {world} processes "
-                            f"x {accum} accumulation; set --training.per_device_train_batch_size / "
-                            f"--training.gradient_accumulation_steps so that it divides")
+            problems.append(
+                f"{name}: the recipe's effective batch {effective} ({per_device} per device x {accum} "
+                f"accumulation x {base_world} processes) cannot be kept with {world} processes "
+                f"x {accum} accumulation; set --training.per_device_train_batch_size / "
+                f"--training.gradient_accumulation_steps so that it divides"
+            )
             continue
         run_dir = out / name
         extra = [f"--run.{k}={v}" for k, v in run_values.items()]
         extra += [f"--method.{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in method_values.items()]
-        extra += [f"--training.per_device_train_batch_size={effective // (world * accum)}",
-                  f"--run.output_dir={run_dir}", f"--run.name={cfg.recipe}-{name}"]
+        extra += [
+            f"--training.per_device_train_batch_size={effective // (world * accum)}",
+            f"--run.output_dir={run_dir}",
+            f"--run.name={cfg.recipe}-{name}",
+        ]
         load_recipe(recipe, [*overrides, *extra])  # the exact values this run will train with must load
-        planned.append(PlannedRun(name, run_values["accelerate_config"], world, effective // (world * accum),
-                                  run_dir, [*overrides, *extra], cpu, recipe, effective, out / "logs" / f"{name}.log"))
+        planned.append(
+            PlannedRun(
+                name,
+                run_values["accelerate_config"],
+                world,
+                effective // (world * accum),
+                run_dir,
+                [*overrides, *extra],
+                cpu,
+                recipe,
+                effective,
+                out / "logs" / f"{name}.log",
+            )
+        )
     if problems:
-        raise UserError("cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise UserError(
+            "cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return planned
 
 
@@ -172,8 +185,9 @@ def execute(run: PlannedRun) -> Outcome:
     env.setdefault("PYTHONUNBUFFERED", "1")
     tail: list[str] = []
     with open(run.log, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                bufsize=1)
+        proc = subprocess.Popen(
+            run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+        )
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
@@ -200,6 +214,8 @@ def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
         return f"status {status}: {error}"
     effective, world = record.get("batch", "effective"), record.get("strategy", "world_size")
     if effective != run.effective or world != run.world_size:
-        return (f"ran with effective batch {effective} on {world} "
-                f"processes, planned {run.effective} on {run.world_size}: not comparable")
+        return (
+            f"ran with effective batch {effective} on {world} "
+            f"processes, planned {run.effective} on {run.world_size}: not comparable"
+        )
     return None

@@ -1,26 +1,9 @@
-"""Runs side by side: read and check run records, pick the baseline, derive the comparison columns.
+"""Runs side by side: read and check run records, pick the baseline, derive the comparison columns
+(speedup, memory ratio, scaling efficiency, cost per 1M trained tokens; docs/compare.md has the
+definitions). Each derived value is None with a reason when it cannot be had.
 
     runs = load_runs(["runs/a", "runs/b"])          # CompareInputError (exit 2) on unusable input
     table = build_table(runs, baseline=None, gpu_hour_price=2.5)
-
-Definitions are shared/DESIGN.md's. Derived columns, each None with a reason when it cannot be had:
-
-- speedup        = trained tokens/s of the run / trained tokens/s of the baseline
-- memory ratio   = peak memory of the run / peak memory of the baseline, on device peak allocated
-                   when both runs have one (GPU runs), else on host peak RSS; the basis is shown
-- scaling eff.   = trained tokens/s / (N x trained tokens/s of a single-device run of the same
-                   method), N = the run's world size (data-parallel ranks)
-- cost / 1M tok  = price per device-hour x devices x training hours / (trained tokens / 1e6).
-                   Training time is summary.train_s (Trainer.train(): every optimizer step, the
-                   warm-up step included; not model loading, the exact-match evaluation or saving),
-                   so the figure extrapolates to longer runs of the same setup; wall_s is shown too.
-
-The baseline is the single-device QLoRA run (strategy single, method qlora) unless one is named.
-
-Each row says whether its losses are comparable with the reference run (the baseline, else the
-first run with a record): finetune/compare/comparable.py.
-
-This module knows nothing of the CLI, plots or report formats.
 """
 
 from __future__ import annotations
@@ -35,6 +18,7 @@ from finetune.compare.comparable import NOT_COMPARABLE
 from finetune.compare.speed import SPEED_KEYS, speed_cells
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, check
+
 
 class CompareInputError(UserError):
     """Run records that cannot be compared: every problem, one per line."""
@@ -76,8 +60,10 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
             problems.append(f"{given}: no such file or directory")
             continue
         if not file.is_file():
-            problems.append(f"{given}: no run.json in this directory (is it a run directory? "
-                            f"`finetune train` writes <output_dir>/run.json)")
+            problems.append(
+                f"{given}: no run.json in this directory (is it a run directory? "
+                f"`finetune train` writes <output_dir>/run.json)"
+            )
             continue
         try:
             record = json.loads(file.read_text(encoding="utf-8"))
@@ -146,8 +132,11 @@ def comparability_warnings(runs: list[Run]) -> list[str]:
     warnings = comparable.warnings([r for r in runs if r.record is not None])
     for run in runs:
         if run.status != "completed":
-            warnings.append(f"{run.label}: status {run.status}" + (f" ({e})" if (e := _error_of(run)) else "")
-                            + "; its figures are partial or missing")
+            warnings.append(
+                f"{run.label}: status {run.status}"
+                + (f" ({e})" if (e := _error_of(run)) else "")
+                + "; its figures are partial or missing"
+            )
     return warnings
 
 
@@ -236,8 +225,11 @@ def build_table(runs: list[Run], baseline: str | Path | None = None, gpu_hour_pr
         row, why = _row(run, runs, base, gpu_hour_price)
         if run.record is not None and reference is not None:
             diff = comparable.differences(run, reference)
-            row["comparable"] = "reference" if run is reference else ("yes" if not diff else
-                                                                      "no: " + ", ".join(d.split(" ")[0] for d in diff))
+            row["comparable"] = (
+                "reference"
+                if run is reference
+                else ("yes" if not diff else "no: " + ", ".join(d.split(" ")[0] for d in diff))
+            )
             row["differences"] = diff
         rows.append(row)
         notes.append(why)
@@ -257,8 +249,14 @@ def memory_pair(run: Run, base: Run) -> tuple[float | None, float | None, str]:
 def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | None:
     """The single-device run of the same method to measure scaling against (the baseline if it fits)."""
     method = run.get("strategy", "method")
-    fits = [r for r in runs if r.record is not None and r.get("strategy", "world_size") == 1
-            and r.get("strategy", "method") == method and r.get("throughput", "trained_tokens_per_s") is not None]
+    fits = [
+        r
+        for r in runs
+        if r.record is not None
+        and r.get("strategy", "world_size") == 1
+        and r.get("strategy", "method") == method
+        and r.get("throughput", "trained_tokens_per_s") is not None
+    ]
     if base in fits:
         return base
     return fits[0] if fits else None
@@ -274,7 +272,8 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "")) if strategy else None,
         "method": run.get("strategy", "method") or run.get("config", "method", "name"),
         "precision": run.get("precision", "policy"),
-        "comparable": None, "differences": [],
+        "comparable": None,
+        "differences": [],
         **speed_cells(run.get("speed")),
         "devices": run.get("strategy", "world_size"),
         "effective_batch": run.get("batch", "effective"),
@@ -284,13 +283,17 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "mfu": run.get("throughput", "mfu"),
         "device_peak_gib": run.get("memory", "max", "device_peak_allocated_gib"),
         "host_peak_gib": run.get("memory", "max", "host_peak_rss_gib"),
-        "predicted_gib": None, "predicted_error": None,
+        "predicted_gib": None,
+        "predicted_error": None,
         "train_loss": run.get("summary", "train_loss"),
         "eval_loss": run.get("summary", "eval_loss"),
         "task_metric": _task_metric(run),
         "wall_s": run.get("summary", "wall_s"),
         "train_s": run.get("summary", "train_s"),
-        "cost_per_mtok": None, "speedup": None, "memory_ratio": None, "memory_basis": None,
+        "cost_per_mtok": None,
+        "speedup": None,
+        "memory_ratio": None,
+        "memory_basis": None,
         "scaling_efficiency": None,
         "error": _error_of(run),
     }
@@ -303,8 +306,9 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     if row["mfu"] is None:
         why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
     if row["device_peak_gib"] is None:
-        why["device_peak_gib"] = "no accelerator memory on a CPU run" \
-            if run.get("hardware", "device_type") == "cpu" else "not recorded"
+        why["device_peak_gib"] = (
+            "no accelerator memory on a CPU run" if run.get("hardware", "device_type") == "cpu" else "not recorded"
+        )
 
     predicted = run.get("predicted_memory")
     if predicted:
@@ -313,7 +317,9 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         if side == "device":  # allocated against the measured allocated peak (records before issue 13: total)
             dev = predicted["device"]
             row["predicted_gib"] = dev.get("allocated_gib", dev.get("total_gib"))
-            row["predicted_error"] = (errors.get("device_allocated") or errors.get("device") or {}).get("relative_error")
+            row["predicted_error"] = (errors.get("device_allocated") or errors.get("device") or {}).get(
+                "relative_error"
+            )
         else:
             row["predicted_gib"] = (predicted.get("host") or {}).get("total_gib")
             row["predicted_error"] = (errors.get("host") or {}).get("relative_error")

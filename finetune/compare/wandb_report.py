@@ -52,17 +52,31 @@ def _log(wandb, table: Table, plots: dict[str, Path], out_dir: Path, groups: dic
     lines = []
     for (project, group), labels in groups.items():
         rows = [[_plain(table.rows[i][c.key]) for c in table.columns] for i in range(len(table.rows))]
-        run = wandb.init(project=project, group=group, job_type="comparison", name=f"compare-{group}",
-                         dir=os.environ.get("WANDB_DIR", str(out_dir)), reinit="create_new",
-                         config={"compared_runs": [r.label for r in table.runs],
-                                 "baseline": table.baseline.label if table.baseline else None,
-                                 "gpu_hour_price": table.gpu_hour_price})
-        run.log({"comparison/table": wandb.Table(columns=columns, data=rows),
-                 **{f"comparison/{name}": wandb.Image(str(path)) for name, path in plots.items()}})
+        run = wandb.init(
+            project=project,
+            group=group,
+            job_type="comparison",
+            name=f"compare-{group}",
+            dir=os.environ.get("WANDB_DIR", str(out_dir)),
+            reinit="create_new",
+            config={
+                "compared_runs": [r.label for r in table.runs],
+                "baseline": table.baseline.label if table.baseline else None,
+                "gpu_hour_price": table.gpu_hour_price,
+            },
+        )
+        run.log(
+            {
+                "comparison/table": wandb.Table(columns=columns, data=rows),
+                **{f"comparison/{name}": wandb.Image(str(path)) for name, path in plots.items()},
+            }
+        )
         run.summary["comparison/warnings"] = table.warnings
         run.finish()
-        lines.append(f"W&B ({mode}): comparison logged to project {project!r}, group {group!r} "
-                     f"(runs logged there: {', '.join(labels)})")
+        lines.append(
+            f"W&B ({mode}): comparison logged to project {project!r}, group {group!r} "
+            f"(runs logged there: {', '.join(labels)})"
+        )
     return lines
 
 

@@ -1,6 +1,6 @@
 """Recipes: find a recipe YAML by name or path, apply `--section.key=value` overrides, validate.
 
-    load_recipe("demo", ["--training.max_steps=10"])  ->  Config
+load_recipe("demo", ["--training.max_steps=10"])  ->  Config
 """
 
 from __future__ import annotations
@@ -24,18 +24,23 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"
-               r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)?\.[0-9_]+(?:[eE][-+]?[0-9]+)?$"
+        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$"
+    ),
+    list("-+0123456789."),
+)
 
 
 # Booleans as YAML 1.2 has them: true/false only. YAML 1.1 (PyYAML) also reads yes/no/on/off as
 # booleans, so `--training.save_strategy=no` (a TrainingArguments value) became False and was refused.
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def parse_yaml(text: str):
@@ -55,8 +60,12 @@ def find_recipe(name_or_path: str) -> Path:
         if candidate.is_file():
             return candidate
     raise ConfigError(
-        [f"--recipe {name_or_path!r}: no such file, and no recipe of that name in {RECIPES_DIR}; "
-         f"available: {', '.join(available_recipes()) or '(none)'}"], "command line")
+        [
+            f"--recipe {name_or_path!r}: no such file, and no recipe of that name in {RECIPES_DIR}; "
+            f"available: {', '.join(available_recipes()) or '(none)'}"
+        ],
+        "command line",
+    )
 
 
 def read_recipe_file(path: Path) -> dict:

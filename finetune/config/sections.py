@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from finetune.precision import CHOICES as PRECISION_CHOICES
 from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
@@ -27,8 +27,10 @@ def sdpa_list_problem(policy) -> str | None:
     a non-empty list of known backends). Torch-free: validation and finetune/modeling/attention.py."""
     if isinstance(policy, list) and policy and all(b in SDPA_BACKENDS for b in policy):
         return None
-    return f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of " \
-           f"{', '.join(SDPA_BACKENDS)}"
+    return (
+        f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a non-empty list of "
+        f"{', '.join(SDPA_BACKENDS)}"
+    )
 
 
 @dataclass
@@ -37,7 +39,7 @@ class ModelConfig:
 
     # Hub id (e.g. meta-llama/Llama-3.2-1B-Instruct), local directory, or the bundled model.
     name_or_path: str = BUNDLED_MODEL
-    revision: Optional[str] = None
+    revision: str | None = None
     # Checkpoint load dtype. "auto" = what training.precision loads (docs/precision.md); an explicit
     # value must be that same dtype (bf16-mixed/bf16-true: bfloat16, 32-true: float32, 16-mixed:
     # float32 for full fine-tuning, float16 for the LoRA/QLoRA base).
@@ -46,10 +48,10 @@ class ModelConfig:
     # Which SDPA backends torch may pick (finetune/modeling/attention.py, docs/speed.md): "auto" = on
     # CUDA every backend but cuDNN (it re-plans for every new shape); "torch_default" = torch's
     # flags untouched; or a list of flash, efficient, math, cudnn.
-    sdpa_backends: Union[Literal["auto", "torch_default"], list] = "auto"
+    sdpa_backends: Literal["auto", "torch_default"] | list = "auto"
     trust_remote_code: bool = False
     # Overrides the tokenizer's maximum length bookkeeping only; truncation is data.max_length.
-    tokenizer_name_or_path: Optional[str] = None
+    tokenizer_name_or_path: str | None = None
 
 
 @dataclass
@@ -61,7 +63,7 @@ class MethodConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.05
     # "all-linear" (peft: every linear layer except the output head) or a list of module names.
-    target_modules: Union[str, list] = "all-linear"
+    target_modules: str | list = "all-linear"
     # QLoRA quantization (bitsandbytes), used only when name == "qlora".
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
@@ -83,7 +85,7 @@ class DataConfig:
     max_length: int = 512  # tokens per example (and per packed row)
     eval_fraction: float = 0.0  # fraction of rows held out for eval loss, shuffled by seed
     train_on_prompt: bool = False  # False: loss only on completions / assistant turns
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     chat_template: bool = True  # render alpaca/prompt_completion through the chat template
     packing: bool = False
     # Concatenate each batch into one row, no padding (docs/speed.md); exclusive with packing.
@@ -91,13 +93,13 @@ class DataConfig:
     # Round every batch's token length up to a multiple of this many tokens (shape bucketing: fewer
     # distinct shapes, e.g. for torch.compile); null = no rounding, the measured fastest on CUDA
     # with model.sdpa_backends auto (docs/speed.md). Filler tokens carry no label.
-    pad_to_multiple_of: Optional[int] = None
+    pad_to_multiple_of: int | None = None
     # Reuse tokenized examples across runs, keyed by file bytes + tokenizer + data settings
     # (finetune/data/cache.py); cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
     cache_tokenized: bool = False
     cache_dir: str | None = None
     on_bad_rows: Literal["error", "skip"] = "error"
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     # Only for path == "demo": number of generated training rows and held-out rows.
     demo_train_size: int = 2000
     demo_heldout_size: int = 100
@@ -109,7 +111,7 @@ class EvalConfig:
 
     exact_match: bool = False
     # Held-out alpaca/prompt_completion/messages file; "demo" uses the demo generator's split.
-    heldout_path: Optional[str] = None
+    heldout_path: str | None = None
     samples: int = 100
     max_new_tokens: int = 24
     batch_size: int = 16
@@ -129,8 +131,8 @@ class LoggingConfig:
 class RunConfig:
     """Run identity and outputs."""
 
-    name: Optional[str] = None  # default: <recipe>-<YYYYmmdd-HHMMSS>
-    output_dir: Optional[str] = None  # default: runs/<name>
+    name: str | None = None  # default: <recipe>-<YYYYmmdd-HHMMSS>
+    output_dir: str | None = None  # default: runs/<name>
     overwrite: bool = False  # an existing run directory is never replaced without this
     # The strategy this recipe is meant for; the run refuses to start under another one.
     # Allowed: "any" and the names of the launchable rows of finetune/strategies.py.
@@ -139,7 +141,7 @@ class RunConfig:
     # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
     offload: Literal[RUN_OFFLOADS] = "any"
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
-    accelerate_config: Optional[str] = None
+    accelerate_config: str | None = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
 
 
@@ -155,10 +157,10 @@ class TrainingConfig:
 
     # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    lr_reference_batch_size: Optional[int] = None  # required by linear/sqrt; with none, unused
+    lr_reference_batch_size: int | None = None  # required by linear/sqrt; with none, unused
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
-    # A non-finite loss or gradient norm on any rank (finetune/training/guards.py, docs/faults.md):
+    # A non-finite loss or gradient norm on any rank (finetune/training/trainer.py, docs/faults.md):
     # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
@@ -168,7 +170,7 @@ class TrainingConfig:
     # with the reason recorded, where the model's head or options need the logits); "standard" =
     # the model's own; "chunked"; "liger" (CUDA, liger-kernel installed).
     loss_impl: Literal["auto", "standard", "chunked", "liger"] = "auto"
-    loss_chunk_tokens: Optional[int] = None  # tokens per chunk; null = finetune.modeling.loss.chunk_tokens(vocab)
+    loss_chunk_tokens: int | None = None  # tokens per chunk; null = finetune.modeling.loss.chunk_tokens(vocab)
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).
     args: dict = field(default_factory=dict)
 
@@ -220,6 +222,10 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     recipe: str = "custom"  # name of the recipe the values came from
 
+    def replaced(self, section: str, **fields) -> Config:
+        """A copy with some fields of one section replaced (the run resolves its config this way)."""
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **fields)})
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         training = out.pop("training")
@@ -240,5 +246,3 @@ SECTION_CLASSES = {
 
 
 # --- type checking --------------------------------------------------------------------------
-
-

@@ -10,11 +10,18 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 from finetune import precision
-from finetune.config.sections import (SECTION_CLASSES, TRAINING_DEFAULTS, TRAINING_PRECISION_FLAGS,
-                                      TRAINING_RESERVED, Config, TrainingConfig, sdpa_list_problem)
+from finetune.config.sections import (
+    SECTION_CLASSES,
+    TRAINING_DEFAULTS,
+    TRAINING_PRECISION_FLAGS,
+    TRAINING_RESERVED,
+    Config,
+    TrainingConfig,
+    sdpa_list_problem,
+)
 from finetune.errors import ConfigError
 
 
@@ -27,8 +34,9 @@ def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe"
     sections: dict[str, Any] = {}
     for name, body in values.items():
         if name not in SECTION_CLASSES:
-            problems.append(f"{name}: unknown section{_suggest(name, SECTION_CLASSES)}; "
-                            f"allowed: {', '.join(SECTION_CLASSES)}")
+            problems.append(
+                f"{name}: unknown section{_suggest(name, SECTION_CLASSES)}; allowed: {', '.join(SECTION_CLASSES)}"
+            )
             continue
         if body is None:
             body = {}
@@ -87,8 +95,10 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
             problems.append(_precision_flag_problem(dotted, key, value))
             continue
         if key not in ta_fields:
-            problems.append(f"{dotted}: unknown key{_suggest(key, set(ta_fields) | own)}; allowed: "
-                            f"{', '.join(sorted(own))} or any transformers.TrainingArguments field")
+            problems.append(
+                f"{dotted}: unknown key{_suggest(key, set(ta_fields) | own)}; allowed: "
+                f"{', '.join(sorted(own))} or any transformers.TrainingArguments field"
+            )
             continue
         problem = check_type(value, ta_hints.get(key, Any), lenient=True)
         if problem:
@@ -127,16 +137,20 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append(f"training.lr_reference_batch_size: must be >= 1, got {t.lr_reference_batch_size}")
     if t.lr_scaling != "none" and t.lr_reference_batch_size is None:
         # Without a reference the run's own effective batch would be it, and the factor always 1.
-        p.append(f"training.lr_scaling: {t.lr_scaling!r} needs training.lr_reference_batch_size, the effective "
-                 f"batch (sequences per optimizer step) at which training.learning_rate was chosen; set it "
-                 f"(e.g. lr_reference_batch_size: 8), or lr_scaling: none to use learning_rate as it is")
+        p.append(
+            f"training.lr_scaling: {t.lr_scaling!r} needs training.lr_reference_batch_size, the effective "
+            f"batch (sequences per optimizer step) at which training.learning_rate was chosen; set it "
+            f"(e.g. lr_reference_batch_size: 8), or lr_scaling: none to use learning_rate as it is"
+        )
     for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
         v = t.args.get(key)
         if isinstance(v, int) and v < 1:
             p.append(f"training.{key}: must be >= 1, got {v}")
     if t.args.get("enable_jit_checkpoint"):
-        p.append("training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
-                 "preempted run with exit 0; preemption is handled without it (docs/faults.md)")
+        p.append(
+            "training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
+            "preempted run with exit 0; preemption is handled without it (docs/faults.md)"
+        )
     if d.pad_to_multiple_of is not None and d.pad_to_multiple_of < 1:
         p.append(f"data.pad_to_multiple_of: must be >= 1 tokens or null, got {d.pad_to_multiple_of}")
     if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
@@ -148,9 +162,10 @@ def _cross_checks(cfg: Config) -> list[str]:
     lr = t.args.get("learning_rate")
     if isinstance(lr, (int, float)) and lr <= 0:
         p.append(f"training.learning_rate: must be > 0, got {lr}")
-    if t.precision != "auto":  # auto is checked where the device is known (finetune/launch/preflight.py)
-        p += precision.config_problems(precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name,
-                                       compute_dtype=m.compute_dtype)
+    if t.precision != "auto":  # auto is checked where the device is known (finetune/preflight/checks.py)
+        p += precision.config_problems(
+            precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name, compute_dtype=m.compute_dtype
+        )
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
     return p
@@ -161,12 +176,14 @@ def _precision_flag_problem(dotted: str, key: str, value: Any) -> str:
     weights, optimizer states and FSDP2/DeepSpeed settings are."""
     fp16 = key.startswith("fp16")
     like = ("16-mixed" if fp16 else "bf16-mixed") if value is True else "32-true"
-    return (f"{dotted}: set by training.precision, not in training (the policy sets TrainingArguments bf16/fp16 "
-            f"together with the master weights, optimizer states, FSDP2 and DeepSpeed settings); use "
-            f"--training.precision={like} (allowed: {', '.join(precision.CHOICES)}; docs/precision.md)")
+    return (
+        f"{dotted}: set by training.precision, not in training (the policy sets TrainingArguments bf16/fp16 "
+        f"together with the master weights, optimizer states, FSDP2 and DeepSpeed settings); use "
+        f"--training.precision={like} (allowed: {', '.join(precision.CHOICES)}; docs/precision.md)"
+    )
 
 
-def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:
+def check_type(value: Any, hint: Any, lenient: bool = False) -> str | None:
     """Return a problem description if `value` does not fit `hint`, else None.
 
     `lenient` accepts values for annotations we cannot check precisely (TrainingArguments
@@ -192,11 +209,17 @@ def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:
     if hint is bool:
         return None if isinstance(value, bool) else f"expected true/false, got {_kind(value)} {value!r}"
     if hint is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else \
-            f"expected an integer, got {_kind(value)} {value!r}"
+        return (
+            None
+            if isinstance(value, int) and not isinstance(value, bool)
+            else f"expected an integer, got {_kind(value)} {value!r}"
+        )
     if hint is float:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else \
-            f"expected a number, got {_kind(value)} {value!r}"
+        return (
+            None
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else f"expected a number, got {_kind(value)} {value!r}"
+        )
     if hint is str:
         return None if isinstance(value, str) else f"expected a string, got {_kind(value)} {value!r}"
     if hint in (list, dict) or origin in (list, dict):
@@ -213,8 +236,15 @@ def check_type(value: Any, hint: Any, lenient: bool = False) -> Optional[str]:
 
 
 def _kind(value: Any) -> str:
-    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "list", dict: "mapping"}.get(type(value), type(value).__name__)
+    return {
+        type(None): "null",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "list",
+        dict: "mapping",
+    }.get(type(value), type(value).__name__)
 
 
 def _name(hint: Any) -> str:

@@ -2,7 +2,7 @@
 
     bundle = build_datasets(cfg.data, tokenizer, seed=42)   # DataBundle(train, eval, stats)
 
-`check_head` is preflight's look at the first rows (finetune/launch/preflight.py), with the
+`check_head` is preflight's look at the first rows (finetune/preflight/checks.py), with the
 same messages `build_datasets` would give. Tokenized examples can be cached across runs
 (finetune/data/cache.py); the split and packing run after the cache (they depend on the seed
 and are cheap).
@@ -39,9 +39,12 @@ _LOG_FIRST_N = 5
 
 @dataclass
 class DataStats:
+    """What the data phase built; also the run record's `data` section (finetune/telemetry/record_schema.py
+    declares it from these fields; docs/run_record.md gives their meanings)."""
+
     format: str
     rows_read: int  # rows taken from the source and examined (bad ones included)
-    rows_skipped: list[tuple[int, str]]
+    rows_skipped: list[tuple[int, str]]  # (row number, reason)
     train_examples: int  # examples, not packed rows (len(bundle.train) gives rows)
     eval_examples: int
     truncated: int
@@ -49,6 +52,10 @@ class DataStats:
     train_input_tokens: int
     train_trained_tokens: int
     dropped_no_labels: int = 0  # examples left with no trained token (e.g. truncated away)
+
+    def section(self) -> dict:
+        """run.json `data`: these fields, the first 50 skipped rows."""
+        return vars(self) | {"rows_skipped": self.rows_skipped[:50]}
 
 
 @dataclass
@@ -118,9 +125,11 @@ def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int
                 f"(rendering the conversation up to turn {e.turn} is not a prefix of the full rendering), so "
                 "assistant tokens cannot be located exactly; set data.train_on_prompt: true, or "
                 "data.chat_template: false for alpaca/prompt_completion data",
-                path=path, row=number,
+                path=path,
+                row=number,
             ) from None
     return rendered, examined
+
 
 _HEAD_BYTES = 1 << 20  # JSON-lines preflight reads at most the first MiB
 
@@ -190,9 +199,14 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
     log.report(good=len(rendered))
 
     examples, truncated, dropped = truncate(tokenize(rendered, tokenizer), max_length)
-    return {"format": fmt, "examined": examined, "skipped": [list(x) for x in log.skipped],
-            "truncated": truncated, "dropped": dropped,
-            "examples": [[ex.input_ids, ex.labels] for ex in examples]}
+    return {
+        "format": fmt,
+        "examined": examined,
+        "skipped": [list(x) for x in log.skipped],
+        "truncated": truncated,
+        "dropped": dropped,
+        "examples": [[ex.input_ids, ex.labels] for ex in examples],
+    }
 
 
 def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
@@ -218,8 +232,11 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     skipped = [tuple(x) for x in entry["skipped"]]
     examples = [Example(ids, labels) for ids, labels in entry["examples"]]
     if not examples:
-        raise DataError(f"no example has a trained token within max_length={max_length} (every completion "
-                        "starts beyond it); raise data.max_length or shorten the prompts", path=path)
+        raise DataError(
+            f"no example has a trained token within max_length={max_length} (every completion "
+            "starts beyond it); raise data.max_length or shorten the prompts",
+            path=path,
+        )
     train, eval_ = _split(examples, getattr(cfg, "eval_fraction", 0.0), seed, path)
 
     packing = bool(getattr(cfg, "packing", False))
@@ -247,7 +264,12 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     )
     logger.info(
         "%s: %s data, %d train / %d eval examples, %d train tokens (%d trained)%s",
-        path, fmt, stats.train_examples, stats.eval_examples, stats.train_input_tokens,
-        stats.train_trained_tokens, f", packed into {len(train_rows)} rows" if packing else "",
+        path,
+        fmt,
+        stats.train_examples,
+        stats.eval_examples,
+        stats.train_input_tokens,
+        stats.train_trained_tokens,
+        f", packed into {len(train_rows)} rows" if packing else "",
     )
     return DataBundle(train=train_ds, eval=eval_ds, stats=stats)

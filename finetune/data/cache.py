@@ -1,18 +1,10 @@
-"""Tokenized examples cached across runs (``data.cache_tokenized: true``).
+"""Tokenized examples cached across runs (``data.cache_tokenized: true``; docs/speed.md).
 
-The key is a SHA-256 over everything that decides the tokenized examples: the data file's
-bytes, the tokenizer (its full serialized vocabulary/normalizer/pre-tokenizer, special
-tokens and chat template), the data settings that shape rendering and truncation
-(format, split, max_length, train_on_prompt, system_prompt, chat_template, on_bad_rows,
-max_samples) and FORMAT_VERSION, the version of what reading, validation, rendering,
-tokenization and truncation produce (finetune/data/read.py, formats.py, render.py, build.py).
-Editing those files' comments or structure leaves every user's cache valid; a change to the
-examples they produce must bump FORMAT_VERSION. Packing and the train/eval split run after
-the cache (they depend on the seed and are cheap). Hub datasets are not cached (no file bytes
-to hash).
-
-Entries are gzip'd JSON written atomically (temp file + rename), one file per key, under
-``data.cache_dir`` or $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
+The key is a SHA-256 over everything that decides the examples: the data file's bytes, the whole
+tokenizer, the data settings that shape rendering and truncation, and FORMAT_VERSION (bump it when
+reading, validation, rendering, tokenization or truncation produce other examples). Packing and
+the split run after the cache; hub datasets are not cached. Entries are gzip'd JSON, written
+atomically, under data.cache_dir, $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
 """
 
 from __future__ import annotations
@@ -31,8 +23,16 @@ logger = logging.getLogger(__name__)
 # truncation, which rows are skipped), so no run trains on stale cached examples.
 FORMAT_VERSION = 1
 # Settings of the data section that change the tokenized examples (not packing: applied after).
-KEY_FIELDS = ("format", "split", "max_length", "train_on_prompt", "system_prompt", "chat_template",
-              "on_bad_rows", "max_samples")
+KEY_FIELDS = (
+    "format",
+    "split",
+    "max_length",
+    "train_on_prompt",
+    "system_prompt",
+    "chat_template",
+    "on_bad_rows",
+    "max_samples",
+)
 
 
 def default_dir() -> Path:

@@ -88,11 +88,17 @@ def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict
             # attention keeps every real token blind to it, the example count is unchanged, and
             # the stated count keeps it out of the input tokens.
             last = features[-1]
-            padded = [*features[:-1], {"input_ids": [*last["input_ids"], *[pad_token_id] * filler],
-                                       "labels": [*last["labels"], *[IGNORE_INDEX] * filler]}]
+            padded = [
+                *features[:-1],
+                {
+                    "input_ids": [*last["input_ids"], *[pad_token_id] * filler],
+                    "labels": [*last["labels"], *[IGNORE_INDEX] * filler],
+                },
+            ]
             batch = flat(padded)
             batch[REAL_TOKENS_KEY] = torch.tensor(real, dtype=torch.long)
             return batch
+
         return padding_free
     if getattr(data_cfg, "packing", False):
         return lambda features: count_real_tokens(collate(features, pad_token_id, multiple), features)

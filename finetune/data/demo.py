@@ -1,17 +1,10 @@
-"""The demo dataset: short instructions whose answers can be checked exactly.
-
-Five task families, each with one right answer and a terse output format the untrained
-instruct model does not use on its own (it answers in sentences), so exact match before
-fine-tuning is low and rises once the model has learned the tasks and the format:
+"""The demo dataset: short instructions whose answers can be checked exactly, in five task families
+(add, upper, reverse, date, sort), each with a terse output format the untrained instruct model
+does not use on its own, so exact match is low before fine-tuning and rises once the model learns
+the tasks. Seeded and deterministic; the held-out split shares no instruction with training.
 
     add       What is 23 + 48? Reply with the number only.                 -> 71
-    upper     Write in capital letters: quiet river                        -> QUIET RIVER
     reverse   Reverse the order of this list: lamp, frog, nut              -> nut, frog, lamp
-    date      Rewrite the date 2024-03-09 as DD/MM/YYYY.                   -> 09/03/2024
-    sort      Sort these numbers from smallest to largest: 42, 7, 19       -> 7, 19, 42
-
-Generation is seeded and deterministic; the held-out split never shares an instruction with
-the training split. Rows are alpaca-format dicts (instruction, input, output) plus `task`.
 """
 
 from __future__ import annotations
@@ -54,8 +47,10 @@ def _date(rng: random.Random) -> tuple[str, str]:
 
 def _sort(rng: random.Random) -> tuple[str, str]:
     nums = rng.sample(range(1, 100), 3)
-    return (f"Sort these numbers from smallest to largest: {', '.join(map(str, nums))}",
-            ", ".join(map(str, sorted(nums))))
+    return (
+        f"Sort these numbers from smallest to largest: {', '.join(map(str, nums))}",
+        ", ".join(map(str, sorted(nums))),
+    )
 
 
 _MAKERS = {"add": _add, "upper": _upper, "reverse": _reverse, "date": _date, "sort": _sort}
@@ -95,3 +90,11 @@ def write_demo(directory: Path, train_size: int, heldout_size: int, seed: int = 
     """Write train.jsonl and heldout.jsonl into `directory`; returns their paths."""
     train, heldout = generate(train_size, heldout_size, seed)
     return write_jsonl(train, directory / "train.jsonl"), write_jsonl(heldout, directory / "heldout.jsonl")
+
+
+def paths(cfg, run_dir: Path) -> tuple[str, str | None]:
+    """(data.path, eval.heldout_path) as a run reads them: `demo` is its run directory's data/."""
+    if cfg.data.path != "demo":
+        return cfg.data.path, cfg.eval.heldout_path
+    heldout = str(run_dir / "data" / "heldout.jsonl") if cfg.eval.heldout_path == "demo" else cfg.eval.heldout_path
+    return str(run_dir / "data" / "train.jsonl"), heldout

@@ -49,8 +49,7 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
             return fmt
     needs = "; ".join(_FORMAT_HELP[f] for f in FORMATS)
     raise DataError(
-        f"cannot detect the data format: first row has keys {keys}; {needs}. "
-        "Rename the columns or set data.format",
+        f"cannot detect the data format: first row has keys {keys}; {needs}. Rename the columns or set data.format",
         path=path or None,
     )
 
@@ -106,8 +105,7 @@ def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
             return prompt_completion_pair(row)
     except BadRow as e:
         raise DataError(f"{where}: {e}") from None
-    raise DataError(f"{where}: exact-match rows need instruction/output or prompt/completion keys, "
-                    f"found {sorted(row)}")
+    raise DataError(f"{where}: exact-match rows need instruction/output or prompt/completion keys, found {sorted(row)}")
 
 
 def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], fmt: str) -> list[dict]:

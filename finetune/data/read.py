@@ -60,9 +60,7 @@ def type_name(value: Any) -> str:
 
 def is_local(path: str) -> bool:
     return (
-        os.path.exists(path)
-        or path.lower().endswith(LOCAL_EXTENSIONS)
-        or path.startswith((".", "/", "~"))
+        os.path.exists(path) or path.lower().endswith(LOCAL_EXTENSIONS) or path.startswith((".", "/", "~"))
     ) and not os.path.isdir(path)
 
 
@@ -78,8 +76,9 @@ def check_bytes(data: bytes, path: str) -> bytes:
     if not data.strip():
         raise DataError("file is empty", path=path)
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16/32 byte-order marks; otherwise "bad byte 0xff in row 1"
-        raise DataError("is UTF-16 (or UTF-32) text, byte-order mark "
-                        f"0x{data[:2].hex()}; re-save the file as UTF-8", path=path)
+        raise DataError(
+            f"is UTF-16 (or UTF-32) text, byte-order mark 0x{data[:2].hex()}; re-save the file as UTF-8", path=path
+        )
     return data
 
 
@@ -111,9 +110,15 @@ def parse_json_lines(data: bytes) -> list[tuple[int, Any]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            rows.append((number, Invalid(
-                f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; "
-                "re-save the file as UTF-8")))
+            rows.append(
+                (
+                    number,
+                    Invalid(
+                        f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; "
+                        "re-save the file as UTF-8"
+                    ),
+                )
+            )
             continue
         try:
             value = json.loads(text)

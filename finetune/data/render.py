@@ -98,9 +98,7 @@ class Renderer:
 
     def _apply(self, messages: list[dict], *, generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as e:  # jinja raises for conversations the template refuses
             raise BadRow(f"the chat template rejected this conversation: {type(e).__name__}: {e}") from None
 
@@ -154,9 +152,7 @@ def tokenize(rendered: list[Rendered], tokenizer) -> list[Example]:
     for lo in progress(range(0, len(rendered), _TOKENIZE_CHUNK), len(rendered), "tokenizing", _TOKENIZE_CHUNK):
         chunk = rendered[lo : lo + _TOKENIZE_CHUNK]
         try:
-            enc = tokenizer(
-                [r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True
-            )
+            enc = tokenizer([r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True)
         except NotImplementedError:
             raise DataError(
                 f"tokenizer {tokenizer_name(tokenizer)!r} cannot return character offsets; "
@@ -193,6 +189,7 @@ def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], i
     if dropped:
         logger.warning(
             "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
-            dropped, max_length,
+            dropped,
+            max_length,
         )
     return kept, truncated, dropped

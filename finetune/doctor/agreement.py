@@ -27,8 +27,10 @@ from finetune import precision, strategies
 from finetune.doctor import lines
 
 S = "strategies"
-TOLERANCES = {"32-true": {"loss": 1e-5, "grad_norm": 1e-4, "source": "tests/training/test_strategies.py"},
-              "bf16-mixed": {"loss": 1e-4, "grad_norm": 5e-3, "source": "tests/training/test_precision_equivalence.py"}}
+TOLERANCES = {
+    "32-true": {"loss": 1e-5, "grad_norm": 1e-4, "source": "tests/training/test_strategies.py"},
+    "bf16-mixed": {"loss": 1e-4, "grad_norm": 5e-3, "source": "tests/training/test_precision_equivalence.py"},
+}
 SHARD_SLACK = 0.2  # a rank's share of sharded elements may differ from 1/W by this fraction (padding, uneven dims)
 # Settings a run and the reference must hold equal (docs/run_record.md paths), named when losses disagree.
 SAME = (("batch", "effective"), ("lr", "applied"), ("precision", "policy"), ("config", "training", "max_grad_norm"))
@@ -38,18 +40,24 @@ def expected_evidence(row: strategies.Strategy) -> dict:
     """strategy.evidence values the live engine must show for a strategy row, from the strategy table
     itself (finetune/strategies.py); the clipping is what the doctor's runs pin (runs.common_args)."""
     if row.zero_stage is not None:
-        want = {"engine_class": "DeepSpeedEngine", "zero_stage": row.zero_stage,
-                "offload_optimizer_device": "cpu" if row.offload_optimizer else "none",
-                "offload_param_device": "cpu" if row.offload_params else "none",
-                "optimizer_offloaded": row.offload_optimizer, "gradient_clipping": 1.0}
+        want = {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": row.zero_stage,
+            "offload_optimizer_device": "cpu" if row.offload_optimizer else "none",
+            "offload_param_device": "cpu" if row.offload_params else "none",
+            "optimizer_offloaded": row.offload_optimizer,
+            "gradient_clipping": 1.0,
+        }
         if row.offload_optimizer:
             want["basic_optimizer_class"] = "DeepSpeedCPUAdam"
         if row.zero_stage == 3:
             want["params_offloaded"] = row.offload_params
         return want
     if row.fsdp is not None:
-        return {"fsdp_offload_policy": "CPUOffloadPolicy" if row.fsdp.offload_params else "OffloadPolicy",
-                "fsdp_modules>=": 3}  # the root and one unit per decoder layer (2 layers)
+        return {
+            "fsdp_offload_policy": "CPUOffloadPolicy" if row.fsdp.offload_params else "OffloadPolicy",
+            "fsdp_modules>=": 3,
+        }  # the root and one unit per decoder layer (2 layers)
     if row.name == "ddp":
         return {"engine_class": "DistributedDataParallel"}
     return {"fsdp_modules": 0, "zero_stage": None}
@@ -74,17 +82,23 @@ def engaged(record: dict, row: strategies.Strategy, world: int, policy: str) -> 
     if row.shards_params:
         fraction, want = ev.get("local_param_fraction"), 1 / world
         if fraction is None or abs(fraction - want) > SHARD_SLACK * want:
-            wrong.append(f"strategy.evidence.local_param_fraction is {fraction!r}: each of {world} rank(s) should hold "
-                         f"about {want:.2f} of the sharded parameters")
+            wrong.append(
+                f"strategy.evidence.local_param_fraction is {fraction!r}: each of {world} rank(s) should hold "
+                f"about {want:.2f} of the sharded parameters"
+            )
     if row.fsdp is not None and not (ev.get("dtensor_params") == ev.get("params") and (ev.get("params") or 0) > 0):
-        wrong.append(f"strategy.evidence: {ev.get('dtensor_params')} of {ev.get('params')} parameters are DTensors "
-                     f"(FSDP2 shards all)")
+        wrong.append(
+            f"strategy.evidence: {ev.get('dtensor_params')} of {ev.get('params')} parameters are DTensors "
+            f"(FSDP2 shards all)"
+        )
     policy_row = precision.get(policy)
     if p.get("policy") != policy:
         wrong.append(f"precision.policy is {p.get('policy')!r}, expected {policy!r}")
     elif p.get("observed_compute_dtype") != policy_row.compute_dtype:
-        wrong.append(f"precision.observed_compute_dtype is {p.get('observed_compute_dtype')!r} in step 1, expected "
-                     f"{policy_row.compute_dtype!r}")
+        wrong.append(
+            f"precision.observed_compute_dtype is {p.get('observed_compute_dtype')!r} in step 1, expected "
+            f"{policy_row.compute_dtype!r}"
+        )
     return wrong, describe(ev)
 
 
@@ -98,8 +112,10 @@ def describe(ev: dict) -> str:
         if ev.get("params_offloaded"):
             parts.append(f"params on {ev.get('offload_param_device')}")
     elif ev.get("fsdp_modules"):
-        parts = [f"FSDP2 {ev['fsdp_modules']} units, {ev.get('dtensor_params')}/{ev.get('params')} DTensor "
-                 f"{ev.get('placements', '')}".rstrip()]
+        parts = [
+            f"FSDP2 {ev['fsdp_modules']} units, {ev.get('dtensor_params')}/{ev.get('params')} DTensor "
+            f"{ev.get('placements', '')}".rstrip()
+        ]
         if ev.get("fsdp_offload_policy") == "CPUOffloadPolicy":
             parts.append("CPUOffloadPolicy")
     else:
@@ -121,18 +137,35 @@ def compare(ref: dict, rec: dict, steps: int) -> dict:
     """The largest relative differences of `rec` against the reference, step by step, and what the
     two records hold differently among the settings that must be the same (SAME)."""
     a, b = losses(ref), losses(rec)
-    out = {"steps": [s["step"] for s in b], "loss": [s["loss"] for s in b], "max_loss_rel": None, "worst_step": None,
-           "max_grad_norm_rel": None, "token_mismatch": [], "differs": _differences(ref, rec)}
+    out = {
+        "steps": [s["step"] for s in b],
+        "loss": [s["loss"] for s in b],
+        "max_loss_rel": None,
+        "worst_step": None,
+        "max_grad_norm_rel": None,
+        "token_mismatch": [],
+        "differs": _differences(ref, rec),
+    }
     if [s["step"] for s in a] != list(range(1, steps + 1)) or [s["step"] for s in b] != list(range(1, steps + 1)):
         out["missing_steps"] = True
         return out
     rel = [_finite(abs(x["loss"] - y["loss"]) / abs(x["loss"])) for x, y in zip(a, b)]
-    grads = [_finite(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"])) for x, y in zip(a, b)
-             if x.get("grad_norm") and y.get("grad_norm") is not None]
-    out.update(loss_rel=rel, max_loss_rel=max(rel), worst_step=rel.index(max(rel)) + 1,
-               max_grad_norm_rel=max(grads) if grads else None,
-               token_mismatch=[x["step"] for x, y in zip(a, b) if (x["trained_tokens"], x["input_tokens"]) !=
-                               (y["trained_tokens"], y["input_tokens"])])
+    grads = [
+        _finite(abs(x["grad_norm"] - y["grad_norm"]) / abs(x["grad_norm"]))
+        for x, y in zip(a, b)
+        if x.get("grad_norm") and y.get("grad_norm") is not None
+    ]
+    out.update(
+        loss_rel=rel,
+        max_loss_rel=max(rel),
+        worst_step=rel.index(max(rel)) + 1,
+        max_grad_norm_rel=max(grads) if grads else None,
+        token_mismatch=[
+            x["step"]
+            for x, y in zip(a, b)
+            if (x["trained_tokens"], x["input_tokens"]) != (y["trained_tokens"], y["input_tokens"])
+        ],
+    )
     return out
 
 
@@ -152,22 +185,35 @@ def _differences(ref: dict, rec: dict) -> list[str]:
     return out
 
 
-def agreement_line(name: str, cmp: dict, policy: str, run_dirs: tuple[str, str], ref_name: str = "single",
-                   overrides: list[str] = ()) -> lines.Line:
+def agreement_line(
+    name: str, cmp: dict, policy: str, run_dirs: tuple[str, str], ref_name: str = "single", overrides: list[str] = ()
+) -> lines.Line:
     """The loss comparison's verdict; `run_dirs`: (reference, this run)."""
     tol = TOLERANCES.get(policy)
     data = {k: v for k, v in cmp.items() if k != "loss"}
     if cmp.get("missing_steps"):
-        return lines.problem(S, f"{name} losses", f"the records do not both log steps 1..N (got {cmp['steps']})",
-                             "rerun the doctor; if it repeats, compare the two run.json files' steps", **data)
+        return lines.problem(
+            S,
+            f"{name} losses",
+            f"the records do not both log steps 1..N (got {cmp['steps']})",
+            "rerun the doctor; if it repeats, compare the two run.json files' steps",
+            **data,
+        )
     if tol is None:
-        return lines.skipped(S, f"{name} losses", f"no tolerance derived for {policy}; largest relative difference "
-                             f"{cmp['max_loss_rel']:.1e} shown only (compare at 32-true: --precision 32-true)", **data)
+        return lines.skipped(
+            S,
+            f"{name} losses",
+            f"no tolerance derived for {policy}; largest relative difference "
+            f"{cmp['max_loss_rel']:.1e} shown only (compare at 32-true: --precision 32-true)",
+            **data,
+        )
     data["tolerance"] = {"loss": tol["loss"], "grad_norm": tol["grad_norm"], "source": tol["source"]}
     why = []
     if cmp["max_loss_rel"] > tol["loss"]:
-        why.append(f"step {cmp['worst_step']} loss differs from {ref_name} by {cmp['max_loss_rel']:.1e} relative "
-                   f"(tolerance {tol['loss']:g}, {policy})")
+        why.append(
+            f"step {cmp['worst_step']} loss differs from {ref_name} by {cmp['max_loss_rel']:.1e} relative "
+            f"(tolerance {tol['loss']:g}, {policy})"
+        )
     if cmp["max_grad_norm_rel"] is not None and cmp["max_grad_norm_rel"] > tol["grad_norm"]:
         why.append(f"grad norm by {cmp['max_grad_norm_rel']:.1e} (tolerance {tol['grad_norm']:g})")
     if cmp["token_mismatch"]:
@@ -175,12 +221,22 @@ def agreement_line(name: str, cmp: dict, policy: str, run_dirs: tuple[str, str],
     if why:
         settings = f"; the records differ in {', '.join(cmp['differs'])}" if cmp["differs"] else ""
         asked = f" (misconfigured on purpose by --override: {', '.join(overrides)})" if overrides else ""
-        return lines.problem(S, f"{name} losses", "; ".join(why) + settings + asked,
-                             f"{name} trained differently from one process on the same data: finetune compare "
-                             f"{run_dirs[0]} {run_dirs[1]}{' and make those settings equal' if settings else ''}; if "
-                             f"nothing differs, report it with doctor.json", **data)
-    return lines.ok(S, f"{name} losses", f"within {tol['loss']:g} of {ref_name} at every step (largest "
-                    f"{cmp['max_loss_rel']:.1e} at step {cmp['worst_step']})", **data)
+        return lines.problem(
+            S,
+            f"{name} losses",
+            "; ".join(why) + settings + asked,
+            f"{name} trained differently from one process on the same data: finetune compare "
+            f"{run_dirs[0]} {run_dirs[1]}{' and make those settings equal' if settings else ''}; if "
+            f"nothing differs, report it with doctor.json",
+            **data,
+        )
+    return lines.ok(
+        S,
+        f"{name} losses",
+        f"within {tol['loss']:g} of {ref_name} at every step (largest "
+        f"{cmp['max_loss_rel']:.1e} at step {cmp['worst_step']})",
+        **data,
+    )
 
 
 def memory(record: dict) -> dict | None:

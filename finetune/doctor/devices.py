@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.strategies import SHIPPED_PROCESSES
 from finetune.units import GIB
 
 # NCCL src/graph/topo.h: usable GB/s per NVLink and direction, by compute capability.
@@ -84,6 +85,16 @@ class Devices:
     nvml_note: str | None  # why NVML is not used (None when it is)
     driver_gpus: int  # GPUs the NVIDIA kernel driver lists (/proc/driver/nvidia/gpus), torch aside
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.cuda_available and bool(self.gpus)
+
+    @property
+    def world_size(self) -> int:
+        """The doctor's ranks: every visible GPU, or without CUDA the processes of the shipped
+        accelerate_configs/cpu/ variants (the CPU rehearsal over gloo)."""
+        return len(self.gpus) if self.cuda_available else SHIPPED_PROCESSES
+
     def expected_busbw(self) -> tuple[float | None, str]:
         """(GB/s, how) for a collective over all GPUs: the slowest pair (a ring passes every GPU),
         known only when every pair's figure is known and all pairs are links of one kind."""
@@ -128,8 +139,15 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
         n = cuda.device_count()
         for i in range(n):
             props = cuda.get_device_properties(i)
-            gpus.append(Gpu(i, props.name, round(props.total_memory / GIB, 2), (props.major, props.minor),
-                            mig=True if " MIG " in f" {props.name} " else None))
+            gpus.append(
+                Gpu(
+                    i,
+                    props.name,
+                    round(props.total_memory / GIB, 2),
+                    (props.major, props.minor),
+                    mig=True if " MIG " in f" {props.name} " else None,
+                )
+            )
         nvml = load_nvml() if nvml is None else nvml
         handles, nvml_note = _nvml_handles(cuda, nvml, n)
         nvml = nvml if not isinstance(nvml, str) else None
@@ -138,8 +156,19 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
         pairs = [_pair(cuda, nvml, handles, gpus[a], gpus[b]) for a in range(n) for b in range(a + 1, n)]
     arch_list = list(cuda.get_arch_list()) if available else []
     driver_gpus = len(list(proc.iterdir())) if proc.is_dir() else 0
-    return Devices(torch.__version__, build, available, error, arch_list, nccl_version, nccl_available, gpus, pairs,
-                   nvml_note, driver_gpus)
+    return Devices(
+        torch.__version__,
+        build,
+        available,
+        error,
+        arch_list,
+        nccl_version,
+        nccl_available,
+        gpus,
+        pairs,
+        nvml_note,
+        driver_gpus,
+    )
 
 
 def load_nvml():
@@ -215,7 +244,13 @@ def _read_nvml(nvml, handle, gpu: Gpu, handles: dict) -> None:
             remote = bus_id(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
         except Exception:
             kind, remote = None, None
-        key = "switch" if kind == NVLINK_REMOTE_SWITCH else bus_to_index.get(remote) if kind == NVLINK_REMOTE_GPU else None
+        key = (
+            "switch"
+            if kind == NVLINK_REMOTE_SWITCH
+            else bus_to_index.get(remote)
+            if kind == NVLINK_REMOTE_GPU
+            else None
+        )
         key = "unresolved" if key is None else key  # an active link whose other end NVML did not name
         gpu.nvlinks[key] = gpu.nvlinks.get(key, 0) + 1
 
@@ -236,8 +271,15 @@ def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
         per_link = NCCL_NVLINK_GBS.get(a.capability)
         if per_link is None:
             return Pair(a.index, b.index, peer, links, link, None, f"no NCCL per-link figure for {a.sm}")
-        return Pair(a.index, b.index, peer, links, link, round(links * per_link, 1),
-                    f"{links} x {per_link} GB/s per link ({a.sm}, NCCL's model)")
+        return Pair(
+            a.index,
+            b.index,
+            peer,
+            links,
+            link,
+            round(links * per_link, 1),
+            f"{links} x {per_link} GB/s per link ({a.sm}, NCCL's model)",
+        )
     try:
         level = nvml.nvmlDeviceGetTopologyCommonAncestor(handles[a.index], handles[b.index])
     except Exception as e:
@@ -246,10 +288,16 @@ def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
     gens = [g.pcie for g in (a, b)]
     label = f"PCIe Gen{gens[0][0]} x{gens[0][1]} ({where})" if gens[0] else f"PCIe ({where})"
     if level >= TOPOLOGY_SYSTEM:
-        return Pair(a.index, b.index, peer, 0, label, None,
-                    "the path crosses the CPU interconnect, whose bandwidth NVML does not give")
+        return Pair(
+            a.index,
+            b.index,
+            peer,
+            0,
+            label,
+            None,
+            "the path crosses the CPU interconnect, whose bandwidth NVML does not give",
+        )
     figures = [g.pcie_gbs() for g in (a, b)]
     if None in figures:
         return Pair(a.index, b.index, peer, 0, label, None, "PCIe generation/width not read from NVML")
     return Pair(a.index, b.index, peer, 0, label, min(figures), "lanes x NCCL's per-lane PCIe rate, the slower GPU")
-

@@ -21,13 +21,12 @@ TIMEOUT_S = 300
 
 def command(dev: Devices, out: Path) -> list[str] | str:
     """The bench-comm command for this machine, or why there is none."""
-    if dev.cuda_available:
-        if len(dev.gpus) < 2:
-            return f"{len(dev.gpus)} GPU: collectives need 2 or more"
-        return commands.finetune_command("bench-comm", "--num_processes", str(len(dev.gpus)),
-                                         "--sizes", *DEFAULT_SIZES, "--out", str(out))
-    return commands.finetune_command("bench-comm", "--cpu", "--num_processes", "2", "--sizes", *DEFAULT_SIZES,
-                                     "--out", str(out))
+    if dev.world_size < 2:
+        return f"{dev.world_size} GPU: collectives need 2 or more"
+    cpu = [] if dev.cuda_available else ["--cpu"]
+    return commands.finetune_command(
+        "bench-comm", *cpu, "--num_processes", str(dev.world_size), "--sizes", *DEFAULT_SIZES, "--out", str(out)
+    )
 
 
 def check(dev: Devices, out_dir: Path) -> tuple[list[lines.Line], dict | None]:
@@ -40,9 +39,15 @@ def check(dev: Devices, out_dir: Path) -> tuple[list[lines.Line], dict | None]:
     print(f"[doctor] links: {commands.shown(cmd)}", flush=True)
     done = commands.run(cmd, out_dir / "logs" / "bench-comm.log", TIMEOUT_S)
     if done.returncode != 0 or not result_file.is_file():
-        return [lines.problem(S, "collectives", f"`{done.shown()}` failed (exit {done.returncode}): {done.error_line()}",
-                              f"run it alone and read {done.log}; on GPUs add NCCL_DEBUG=INFO to see NCCL's reason",
-                              log=str(done.log))], None
+        return [
+            lines.problem(
+                S,
+                "collectives",
+                f"`{done.shown()}` failed (exit {done.returncode}): {done.error_line()}",
+                f"run it alone and read {done.log}; on GPUs add NCCL_DEBUG=INFO to see NCCL's reason",
+                log=str(done.log),
+            )
+        ], None
     report = json.loads(result_file.read_text(encoding="utf-8"))
     return describe(report, dev), report
 
@@ -58,15 +63,27 @@ def describe(report: dict, dev: Devices) -> list[lines.Line]:
         rows = sorted((r for r in report["results"] if r["op"] == op), key=lambda r: r["bytes"])
         sizes = ", ".join(f"{_size(r['bytes'])} {r['busbw_gbs']:.2f}" for r in rows)
         largest = rows[-1]["busbw_gbs"]
-        versus = (f"expected {expected:g} GB/s ({how}): {largest / expected:.0%} at {_size(rows[-1]['bytes'])}"
-                  if expected else f"expected unknown ({how})")
+        versus = (
+            f"expected {expected:g} GB/s ({how}): {largest / expected:.0%} at {_size(rows[-1]['bytes'])}"
+            if expected
+            else f"expected unknown ({how})"
+        )
         detail = f"busbw GB/s {sizes}; {versus} ({report['backend']}, {report['world_size']} ranks)"
-        data = {"busbw_gbs": {str(r["bytes"]): r["busbw_gbs"] for r in rows}, "expected_gbs": expected,
-                "expected_from": how}
+        data = {
+            "busbw_gbs": {str(r["bytes"]): r["busbw_gbs"] for r in rows},
+            "expected_gbs": expected,
+            "expected_from": how,
+        }
         if not report["verified"].get(op):
-            out.append(lines.problem(S, op, f"{op} returned wrong values on {report['backend']}",
-                                     "reinstall torch (its collectives are broken here) and rerun `finetune doctor`",
-                                     **data))
+            out.append(
+                lines.problem(
+                    S,
+                    op,
+                    f"{op} returned wrong values on {report['backend']}",
+                    "reinstall torch (its collectives are broken here) and rerun `finetune doctor`",
+                    **data,
+                )
+            )
         else:
             out.append(lines.ok(S, op, detail, **data))
     return out

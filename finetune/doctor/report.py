@@ -15,8 +15,16 @@ SCHEMA = 1
 SECTIONS = ("environment", "links", "strategies")
 TITLES = {"environment": "Environment", "links": "Links", "strategies": "Strategies"}
 ROW_CLASS = {OK: "", PROBLEM: "failed", SKIPPED: "running"}  # compare's row colours
-STRATEGY_HEADERS = ("strategy", "ranks", "engaged (read from the live run)", "precision", "loss step 1 -> last",
-                    "largest difference to single", "peak predicted / measured", "wall s")
+STRATEGY_HEADERS = (
+    "strategy",
+    "ranks",
+    "engaged (read from the live run)",
+    "precision",
+    "loss step 1 -> last",
+    "largest difference to single",
+    "peak predicted / measured",
+    "wall s",
+)
 
 
 def strategy_rows(report: dict) -> list[list[str]]:
@@ -29,19 +37,32 @@ def strategy_rows(report: dict) -> list[list[str]]:
         elif cmp.get("max_loss_rel") is None:
             versus = "n/a"
         else:
-            versus = f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})" if cmp.get("tolerance") else \
-                f"{cmp['max_loss_rel']:.1e} (not judged)"
-        out.append([run["name"], str(run["world_size"]), run.get("engaged") or f"did not run (exit {run['returncode']})",
-                    run.get("precision") or "n/a",
-                    f"{losses[0]:.6f} -> {losses[-1]:.6f}" if losses else "n/a", versus, run.get("memory_text") or "n/a",
-                    f"{run['seconds']:.0f}"])
+            versus = (
+                f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})"
+                if cmp.get("tolerance")
+                else f"{cmp['max_loss_rel']:.1e} (not judged)"
+            )
+        out.append(
+            [
+                run["name"],
+                str(run["world_size"]),
+                run.get("engaged") or f"did not run (exit {run['returncode']})",
+                run.get("precision") or "n/a",
+                f"{losses[0]:.6f} -> {losses[-1]:.6f}" if losses else "n/a",
+                versus,
+                run.get("memory_text") or "n/a",
+                f"{run['seconds']:.0f}",
+            ]
+        )
     return out
 
 
 def _table(headers, rows, indent="  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    out = [indent + "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
-           indent + "  ".join("-" * w for w in widths)]
+    out = [
+        indent + "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+        indent + "  ".join("-" * w for w in widths),
+    ]
     return out + [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
@@ -87,14 +108,29 @@ def verdict(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build(mode: str, machine: str, all_lines: list[Line], strategies: dict | None, links: dict | None,
-          seconds: dict, command: list[str]) -> dict:
+def build(
+    mode: str,
+    machine: str,
+    all_lines: list[Line],
+    strategies: dict | None,
+    links: dict | None,
+    seconds: dict,
+    command: list[str],
+) -> dict:
     counts = {status: sum(line.status == status for line in all_lines) for status in (OK, PROBLEM, SKIPPED)}
-    return {"schema": SCHEMA, "mode": mode, "machine": machine, "command": command, "ok": counts[PROBLEM] == 0,
-            "counts": counts, "seconds": {k: round(v, 1) for k, v in seconds.items()},
-            "lines": [line.to_dict() for line in all_lines],
-            "problems": [line.to_dict() for line in all_lines if line.status == PROBLEM],
-            "links": links, "strategies": strategies}
+    return {
+        "schema": SCHEMA,
+        "mode": mode,
+        "machine": machine,
+        "command": command,
+        "ok": counts[PROBLEM] == 0,
+        "counts": counts,
+        "seconds": {k: round(v, 1) for k, v in seconds.items()},
+        "lines": [line.to_dict() for line in all_lines],
+        "problems": [line.to_dict() for line in all_lines if line.status == PROBLEM],
+        "links": links,
+        "strategies": strategies,
+    }
 
 
 def write(report: dict, all_lines: list[Line], out_dir: Path) -> dict[str, Path]:
@@ -109,9 +145,11 @@ def write(report: dict, all_lines: list[Line], out_dir: Path) -> dict[str, Path]
 
 def page(report: dict, all_lines: list[Line]) -> str:
     esc = html.escape
-    body = [f"<h1>finetune doctor</h1><p>{esc(report['machine'])}; mode {esc(report['mode'])}; "
-            f"<code>{esc(' '.join(report['command']))}</code></p>",
-            f'<p class="{"" if report["ok"] else "warning"}">{esc(verdict(report)).replace(chr(10), "<br>")}</p>']
+    body = [
+        f"<h1>finetune doctor</h1><p>{esc(report['machine'])}; mode {esc(report['mode'])}; "
+        f"<code>{esc(' '.join(report['command']))}</code></p>",
+        f'<p class="{"" if report["ok"] else "warning"}">{esc(verdict(report)).replace(chr(10), "<br>")}</p>',
+    ]
     for section in SECTIONS:
         chosen = [line for line in all_lines if line.section == section]
         if section == "strategies" and report.get("strategies"):
@@ -122,9 +160,14 @@ def page(report: dict, all_lines: list[Line]) -> str:
         elif chosen:
             body.append(f"<h2>{TITLES[section]}</h2>")
         if chosen:
-            body.append(_html_table(("status", "check", "found", "fix"),
-                                    [[x.status, x.name, x.detail, x.fix or ""] for x in chosen],
-                                    [ROW_CLASS[x.status] for x in chosen], klass="lines"))
+            body.append(
+                _html_table(
+                    ("status", "check", "found", "fix"),
+                    [[x.status, x.name, x.detail, x.fix or ""] for x in chosen],
+                    [ROW_CLASS[x.status] for x in chosen],
+                    klass="lines",
+                )
+            )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>finetune doctor</title>
 <style>
@@ -138,8 +181,10 @@ def page(report: dict, all_lines: list[Line]) -> str:
 def _html_table(headers, rows, classes=None, klass="") -> str:
     esc = html.escape
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    trs = "".join(f'<tr class="{(classes or [""] * len(rows))[i]}">' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
-                  for i, r in enumerate(rows))
+    trs = "".join(
+        f'<tr class="{(classes or [""] * len(rows))[i]}">' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+        for i, r in enumerate(rows)
+    )
     return f'<table class="{klass}"><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table>'
 
 

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import strategies
+from finetune import batch, strategies
 from finetune.doctor import commands
 from finetune.doctor.devices import Devices
 from finetune.errors import UserError
@@ -27,7 +27,6 @@ STEPS = 10
 PER_DEVICE = 4
 LEARNING_RATE = 1e-3
 SEED = 42
-CPU_WORLD = 2  # the processes of accelerate_configs/cpu/*.yaml
 RUN_TIMEOUT_S = 600
 MODEL_SPEC = {"architecture": "LlamaForCausalLM", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}
 
@@ -61,14 +60,25 @@ class Done:
     record: dict | None  # run.json, when the run wrote one
 
 
-def world_size(dev: Devices) -> int:
-    return len(dev.gpus) if dev.cuda_available else CPU_WORLD
+def sequences_per_step(world: int) -> int:
+    """What every run takes per optimizer step: PER_DEVICE on each of `world` ranks, or as many
+    accumulated micro-batches in the single-process reference."""
+    return batch.effective_batch(PER_DEVICE, 1, world)
 
 
-def plan(dev: Devices, out_dir: Path, model_dir: Path, data_file: Path, *, offload: bool, only: list[str] | None,
-         precision: str, overrides: dict[str, list[str]]) -> tuple[list[Planned], dict[str, str]]:
+def plan(
+    dev: Devices,
+    out_dir: Path,
+    model_dir: Path,
+    data_file: Path,
+    *,
+    offload: bool,
+    only: list[str] | None,
+    precision: str,
+    overrides: dict[str, list[str]],
+) -> tuple[list[Planned], dict[str, str]]:
     """(runs in order, the single-process reference first; skipped strategy -> why)."""
-    world = world_size(dev)
+    world = dev.world_size
     wanted = selected(only, overrides, offload=offload)
     runs, skipped = [], {}
     for row in rows(True):
@@ -79,23 +89,45 @@ def plan(dev: Devices, out_dir: Path, model_dir: Path, data_file: Path, *, offlo
             skipped[row.key] = f"DDP needs 2 or more ranks; {n} GPU visible"
             continue
         run_dir = out_dir / "runs" / row.key
-        args = [*common_args(model_dir, data_file, precision, accumulation=world if row.key == "single" else 1),
-                f"--run.output_dir={run_dir}", f"--run.name=doctor-{row.key}", *overrides.get(row.key, [])]
-        launch = ["--num_processes", str(n)] if dev.cuda_available and row.key != "single" else \
-            ["--cpu"] if row.key != "single" else []
+        args = [
+            *common_args(model_dir, data_file, precision, accumulation=world if row.key == "single" else 1),
+            f"--run.output_dir={run_dir}",
+            f"--run.name=doctor-{row.key}",
+            *overrides.get(row.key, []),
+        ]
+        launch = (
+            ["--num_processes", str(n)]
+            if dev.cuda_available and row.key != "single"
+            else ["--cpu"]
+            if row.key != "single"
+            else []
+        )
         cmd = commands.finetune_command("train", "--recipe", row.recipe, *launch, "--overwrite", *args)
         runs.append(Planned(row, n, run_dir, cmd, overrides.get(row.key, [])))
     return runs, skipped
 
 
 def common_args(model_dir: Path, data_file: Path, precision: str, *, accumulation: int) -> list[str]:
-    return [f"--model.name_or_path={model_dir}", f"--data.path={data_file}", "--method.name=lora",
-            "--method.lora_dropout=0.0", "--eval.exact_match=false", f"--training.max_steps={STEPS}",
-            "--training.logging_steps=1", "--training.warmup_steps=0", f"--training.learning_rate={LEARNING_RATE}",
-            "--training.lr_scaling=none", "--training.max_grad_norm=1.0", f"--training.seed={SEED}",
-            f"--training.per_device_train_batch_size={PER_DEVICE}",
-            f"--training.gradient_accumulation_steps={accumulation}", f"--training.precision={precision}",
-            "--training.save_strategy=no", "--run.save_model=false", "--logging.report_to=[]"]
+    return [
+        f"--model.name_or_path={model_dir}",
+        f"--data.path={data_file}",
+        "--method.name=lora",
+        "--method.lora_dropout=0.0",
+        "--eval.exact_match=false",
+        f"--training.max_steps={STEPS}",
+        "--training.logging_steps=1",
+        "--training.warmup_steps=0",
+        f"--training.learning_rate={LEARNING_RATE}",
+        "--training.lr_scaling=none",
+        "--training.max_grad_norm=1.0",
+        f"--training.seed={SEED}",
+        f"--training.per_device_train_batch_size={PER_DEVICE}",
+        f"--training.gradient_accumulation_steps={accumulation}",
+        f"--training.precision={precision}",
+        "--training.save_strategy=no",
+        "--run.save_model=false",
+        "--logging.report_to=[]",
+    ]
 
 
 def selected(only: list[str] | None, overrides: dict[str, list[str]], *, offload: bool) -> list[str]:
@@ -116,8 +148,9 @@ def parse_overrides(values: list[str]) -> dict[str, list[str]]:
     for value in values:
         key, sep, setting = value.partition(":")
         if not sep or "=" not in setting or not setting.split("=")[0].count("."):
-            raise UserError(f"--override {value!r}: expected STRATEGY:section.key=value, e.g. "
-                            f"zero2:training.learning_rate=2e-3")
+            raise UserError(
+                f"--override {value!r}: expected STRATEGY:section.key=value, e.g. zero2:training.learning_rate=2e-3"
+            )
         out.setdefault(key, []).append("--" + setting.removeprefix("--"))
     return out
 
@@ -126,9 +159,10 @@ def prepare(out_dir: Path, world: int) -> tuple[Path, Path]:
     """(model directory, data file), written once into out_dir and reused while their spec is unchanged."""
     from finetune.data.demo import generate, write_jsonl
 
-    data_file = out_dir / "data" / f"train-{STEPS * PER_DEVICE * world}.jsonl"
+    rows = STEPS * sequences_per_step(world)  # one epoch: every row once
+    data_file = out_dir / "data" / f"train-{rows}.jsonl"
     if not data_file.is_file():
-        train, _ = generate(STEPS * PER_DEVICE * world, 0, seed=0)
+        train, _ = generate(rows, 0, seed=0)
         write_jsonl(train, data_file)
     return tiny_model(out_dir / "model"), data_file
 
@@ -145,15 +179,25 @@ def tiny_model(path: Path) -> Path:
     from finetune.modeling.bundled import ensure_bundled_model, is_prepared
 
     if not is_prepared():
-        print("[doctor] preparing the bundled model once for its tokenizer (finetune prepare-model, ~1 min)", flush=True)
+        print(
+            "[doctor] preparing the bundled model once for its tokenizer (finetune prepare-model, ~1 min)", flush=True
+        )
     tokenizer = AutoTokenizer.from_pretrained(ensure_bundled_model())
     torch.manual_seed(MODEL_SPEC["seed"])
     h = MODEL_SPEC["hidden"]
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h,
-                         num_hidden_layers=MODEL_SPEC["layers"], num_attention_heads=MODEL_SPEC["heads"],
-                         num_key_value_heads=MODEL_SPEC["kv_heads"], max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=h,
+        intermediate_size=2 * h,
+        num_hidden_layers=MODEL_SPEC["layers"],
+        num_attention_heads=MODEL_SPEC["heads"],
+        num_key_value_heads=MODEL_SPEC["kv_heads"],
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     marker.write_text(json.dumps(MODEL_SPEC) + "\n", encoding="utf-8")

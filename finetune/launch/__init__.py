@@ -1,6 +1,4 @@
-"""Before and around `accelerate launch`: what a launch sets up (facts.py), what started this
-process and which accelerate config it read (launcher.py), who sets up the strategy, the launcher's
-config or the recipe from inside the script (setup.py), the checks before any weights load
-(preflight.py), the run directory (rundir.py), the launch line and the launch itself
-(accelerate.py), CPU rehearsal (cpu_rehearsal.py), the train script's arguments (script_args.py)
-and doing something once on rank 0 (ranks.py)."""
+"""Before and around `accelerate launch`: the launch line and the launch (accelerate.py), what
+started this process (launcher.py), who sets up the strategy (strategy_setup.py), what the launch
+sets up (configs.py), the launch worked out once (plan.py), CPU rehearsal (cpu_rehearsal.py), the
+run directory (rundir.py) and rank-0 helpers (ranks.py)."""

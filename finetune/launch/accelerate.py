@@ -15,8 +15,15 @@ from finetune.errors import EXIT_PREEMPTED, UserError
 TRAIN_SCRIPT = resources.PACKAGE_DIR / "train.py"  # the launch script (finetune/train.py)
 
 
-def launch_command(recipe: str, rest: list[str], config_file: str | None, num_processes: int | None,
-                   cpu: bool = False, overwrite: bool = False, resume: str | None = None) -> list[str]:
+def launch_command(
+    recipe: str,
+    rest: list[str],
+    config_file: str | None,
+    num_processes: int | None,
+    cpu: bool = False,
+    overwrite: bool = False,
+    resume: str | None = None,
+) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
     processes over gloo, see finetune/launch/cpu_rehearsal.py) and a single-process one gets --cpu.
@@ -55,8 +62,10 @@ def _accelerate_config_path(config_file: str | None, recipe_config: str | None, 
         return None
     path = resources.locate(config_file)
     if path is None:
-        raise UserError(f"accelerate config {config_file!r} not found (from "
-                        f"{'--config_file' if config_file != recipe_config else 'run.accelerate_config'})")
+        raise UserError(
+            f"accelerate config {config_file!r} not found (from "
+            f"{'--config_file' if config_file != recipe_config else 'run.accelerate_config'})"
+        )
     if cpu:
         path = resources.cpu_variant(path)
     return path.resolve()
@@ -66,7 +75,7 @@ def _absolute_deepspeed_config(config: Path) -> list[str]:
     """Configs name their DeepSpeed JSON relative to the resources root (the repository's top
     level); pass it absolute so `finetune train` works from any directory (accelerate's command
     line beats the file)."""
-    from finetune.launch.facts import read_yaml
+    from finetune.launch.configs import read_yaml
 
     ds = read_yaml(config).get("deepspeed_config") or {}
     ds_file = ds.get("deepspeed_config_file")
@@ -94,8 +103,11 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
         if type(e).__name__ == "SignalException":  # the launcher itself was signalled; the ranks were
             # told to checkpoint and stop
-            print(f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_PREEMPTED
         if type(e).__name__ != "ChildFailedError":
             raise
@@ -110,11 +122,17 @@ def report_failed_ranks(failures: dict) -> int:
 
     ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
     for i, (rank, f) in enumerate(ordered):
-        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}" + \
-            (" (preempted)" if f.exitcode == EXIT_PREEMPTED else "")
+        how = (
+            f"killed by {signal.Signals(-f.exitcode).name}"
+            if f.exitcode < 0
+            else f"exit code {f.exitcode}" + (" (preempted)" if f.exitcode == EXIT_PREEMPTED else "")
+        )
         first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
-        print(f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
-              file=sys.stderr, flush=True)
+        print(
+            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
+            file=sys.stderr,
+            flush=True,
+        )
     codes = {f.exitcode for f in failures.values()}
     # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
     # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
@@ -123,8 +141,7 @@ def report_failed_ranks(failures: dict) -> int:
     if len(real) == 1 and codes - real <= {-signal.SIGTERM}:
         code = real.pop()
         if code == EXIT_PREEMPTED:  # the checkpoint's completion marker says it is whole
-            print(f"finetune: preempted (exit {EXIT_PREEMPTED}); continue with --resume", file=sys.stderr,
-                  flush=True)
+            print(f"finetune: preempted (exit {EXIT_PREEMPTED}); continue with --resume", file=sys.stderr, flush=True)
         return code
     return 1
 
@@ -145,4 +162,5 @@ def restores_environment(fn):
             for key in set(os.environ) - set(saved):
                 del os.environ[key]
             os.environ.update(saved)
+
     return wrapper

@@ -1,33 +1,7 @@
-"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU (2 processes, gloo).
-
-Why this exists: on a CPU-only machine `accelerate launch` silently runs something other than
-what the config asks for (accelerate 1.15):
-
-* torchrun / DeepSpeed launches (distributed_type MULTI_GPU, DEEPSPEED, FSDP) do not pass the
-  config's `use_cpu` to the processes. `PartialState()` then finds no GPU, sets
-  DistributedType.NO and num_processes 1: two independent single-process runs.
-  (finetune.strategy.check_world_size refuses that.)
-* With `cpu=True` the processes do join over gloo (DistributedType.MULTI_CPU), DeepSpeed is
-  kept (AcceleratorState only needs `cpu=False` there, which Trainer passes), but
-  `AcceleratorState.__init__` (accelerate/state.py, the `elif self.distributed_type in
-  [MULTI_GPU, MULTI_NPU, ...]` branch) only switches to DistributedType.FSDP for accelerator
-  device types: MULTI_CPU is not in that list, so an FSDP launch trains as plain DDP.
-
-The opt-in is explicit: set FINETUNE_CPU_DISTRIBUTED=1 on the launch line together with one
-of accelerate_configs/cpu/*.yaml:
-
-    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file accelerate_configs/cpu/fsdp.yaml \
-        finetune/train.py --recipe fsdp
-
-(A recipe that sets up its strategy itself with ONE process on a machine without CUDA joins gloo
-without the variable: there are no lone processes to guard against; finetune/launch/setup.py.)
-
-It then (1) makes every process join the gloo group (`PartialState(cpu=True)` and
-TrainingArguments.use_cpu=True) and (2) applies Accelerate's own FSDP branch when it was skipped
-only because the device is a CPU (with FSDP offload, unpinned host memory: pinning needs an accelerator). torch's `fully_shard` runs on CPU over gloo, so the FSDP2
-code users run on GPUs (Accelerate's fsdp2_prepare_model, DTensor parameters, sharded and
-full state dicts) is what gets exercised. Nothing else changes; without the variable this module
-does nothing, and finetune.strategy still verifies from the live model what engaged.
+"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU: two processes over
+gloo, opted in with FINETUNE_CPU_DISTRIBUTED=1 and one of accelerate_configs/cpu/*.yaml (or
+`finetune train --cpu`). On CPU, Accelerate would otherwise run lone processes, or FSDP as DDP
+(docs/preflight.md "CPU rehearsal").
 """
 
 from __future__ import annotations
@@ -44,18 +18,10 @@ def requested() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def training_overrides(targs: dict, active: bool | None = None) -> dict:
-    """TrainingArguments values for a CPU distributed run: use_cpu makes Trainer's PartialState
-    join the gloo group instead of falling back to one process per rank. `active`: this run joins
-    gloo (finetune/launch/setup.py decides it, the opt-in included); None: the opt-in alone."""
-    if not (requested() if active is None else active):
-        return targs
-    _keep_fsdp_on_cpu()
-    return {**targs, "use_cpu": True}
-
-
 @functools.cache
-def _keep_fsdp_on_cpu() -> None:
+def keep_fsdp_on_cpu() -> None:
+    """Apply Accelerate's own FSDP branch where it skips it only because the device is a CPU; before
+    Trainer builds its AcceleratorState. Idempotent."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -64,8 +30,11 @@ def _keep_fsdp_on_cpu() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        was_initialized = AcceleratorState._shared_state != {} and self.__class__ is AcceleratorState and \
-            AcceleratorState._shared_state != PartialState._shared_state
+        was_initialized = (
+            AcceleratorState._shared_state != {}
+            and self.__class__ is AcceleratorState
+            and AcceleratorState._shared_state != PartialState._shared_state
+        )
         original(self, *args, **kwargs)
         if was_initialized:
             return

@@ -1,22 +1,7 @@
-"""What started this process, and which accelerate config file (if any) it read.
-
-Why the parent's command line: `accelerate launch` turns a DeepSpeed or FSDP config into
-environment variables (ACCELERATE_USE_DEEPSPEED / ACCELERATE_USE_FSDP + their settings;
-accelerate 1.15 utils/launch.py prepare_deepspeed_cmd_env, prepare_multi_gpu_env), but a DDP
-(MULTI_GPU) or single-process (NO) config file gives the processes byte for byte the variables a
-plain launch gives (seen: `--config_file ddp.yaml` vs a plain launch on a 2-GPU machine;
-`single_gpu.yaml` vs a plain 1-process launch). Only the launcher's own command line tells them
-apart. A rank's parent process IS the `accelerate launch` process under both of its launchers
-(the simple launcher's subprocess.Popen; torchrun's agent, which accelerate runs in-process), so
-we read the parent's argv (psutil) and apply accelerate's own rule for which config it read
-(commands/launch.py _validate_launch_command): `--config_file`, else the default config
-(`accelerate config`'s file) when it exists and `--cpu` is not given.
-
-What this cannot see (the run then treats the launcher as having set up no strategy, engages
-the recipe's, and records that): launches through accelerate's Python API from another program
-(`notebook_launcher`, home-made wrappers; `finetune train` is covered, it exports
-FINETUNE_ACCELERATE_CONFIG), a parent that exited or cannot be read, and a default config that
-changed between the launch and this process starting. docs/preflight.md says the same.
+"""What started this process, and which accelerate config file (if any) it read. A DDP or one-device
+config gives the processes the same environment as a plain launch, so only the launcher's own
+command line tells them apart: the parent process's argv, read with psutil and parsed with
+accelerate's own parser (docs/preflight.md "How a config file is seen", and what it cannot see).
 """
 
 from __future__ import annotations
@@ -42,8 +27,10 @@ class Launcher:
     def describe(self) -> str:
         """The launch, as problems and the record name it."""
         if self.config_from == "default config":
-            return (f"your accelerate default config {self.config_file} (read by every `accelerate launch` "
-                    f"without --config_file or --cpu)")
+            return (
+                f"your accelerate default config {self.config_file} (read by every `accelerate launch` "
+                f"without --config_file or --cpu)"
+            )
         if self.config_from == "finetune train":
             return f"accelerate config {self.config_file}"
         if self.config_file:
@@ -59,20 +46,21 @@ def launch_args(argv: list[str]) -> list[str] | None:
     accelerate.commands.launch ...`, `python -m accelerate.commands.accelerate_cli launch ...`)."""
     for i, arg in enumerate(argv):
         name = os.path.basename(arg)
-        if name == "accelerate" and argv[i + 1:i + 2] == ["launch"]:
-            return argv[i + 2:]
+        if name == "accelerate" and argv[i + 1 : i + 2] == ["launch"]:
+            return argv[i + 2 :]
         if name == "accelerate-launch":
-            return argv[i + 1:]
+            return argv[i + 1 :]
         if arg == "-m" and i + 1 < len(argv) and argv[i + 1] in _LAUNCH_MODULES:
             skip = _LAUNCH_MODULES[argv[i + 1]]
-            if skip and argv[i + 2:i + 3] != ["launch"]:
+            if skip and argv[i + 2 : i + 3] != ["launch"]:
                 return None
-            return argv[i + 2 + skip:]
+            return argv[i + 2 + skip :]
     return None
 
 
-def from_parent_argv(argv: list[str], cwd: str, *, script: str, main_module: str | None,
-                     default_config: str | None, env=os.environ) -> Launcher:
+def from_parent_argv(
+    argv: list[str], cwd: str, *, script: str, main_module: str | None, default_config: str | None, env=os.environ
+) -> Launcher:
     """The launcher from its command line (pure: tests give it made-up ones). `script` is this
     process's sys.argv[0], `main_module` its `python -m` module name (or None); `default_config`
     the accelerate default config file if it exists. Kind `python`: no launcher at all (`python
@@ -120,9 +108,14 @@ def detect(env=os.environ) -> Launcher:
         return Launcher("unknown", note=f"the parent process could not be read: {type(e).__name__}")
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    return from_parent_argv(argv, cwd, script=sys.argv[0], main_module=getattr(spec, "name", None),
-                            default_config=default_config_file if os.path.isfile(default_config_file) else None,
-                            env=env)
+    return from_parent_argv(
+        argv,
+        cwd,
+        script=sys.argv[0],
+        main_module=getattr(spec, "name", None),
+        default_config=default_config_file if os.path.isfile(default_config_file) else None,
+        env=env,
+    )
 
 
 def _real(path: str, cwd: str) -> str:

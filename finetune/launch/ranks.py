@@ -25,31 +25,9 @@ def run_on_main(state, fn):
 
 def close_process_group_at_exit(state) -> list:
     """Destroy the default process group when the interpreter exits (atexit: after main returns,
-    sys.exit or an uncaught error, before C++ teardown). Returns a list to append to once every
-    rank is done (a clean end).
-
-    Why: a process that exits with its gloo group alive can abort in teardown ("terminate called
-    without an active exception", SIGABRT), turning a completed run's exit 0 (or a refusal's exit 2)
-    into a failed launch. Measured here (torch 2.13 CPU, 2 ranks under torchrun, a script of 20
-    all-reduces): 16 of 30 launches aborted without destroy_process_group(), 0 of 30 with it; with
-    Accelerate's PartialState and this hook, 13 of 20 without, 0 of 20 with. Seen in the test suite
-    as 2 of about 40 launches failing after "run ... completed".
-    After an error another rank may still be inside a collective: gloo's group is torn down
-    locally (that rank then errors instead of waiting out the timeout); NCCL's is destroyed only
-    after a clean end, since destroying it with work in flight can hang.
-
-    After a clean end every rank first meets at a barrier. Destroying the group does not stop
-    gloo's worker threads while something else still holds it (DeepSpeed's ZeRO-3 parameters
-    do; destroy_process_group's shutdown() joins them only when nothing does), and a worker that
-    drops the last reference to a finished collective's tensors needs the GIL: after atexit the
-    interpreter is finalizing, the thread is forced to exit inside a noexcept destructor and the
-    process aborts (core dump read in gdb: ~AsyncAllgatherWork -> THPVariable_clear -> take_gil
-    -> PyThread_exit_thread -> std::terminate, rank 1 of a ZeRO-3 run that exited right after its
-    last all-gather, while rank 0 was still printing the summary). gloo's barrier waits for every
-    collective queued or running before it, and while a rank waits there for the others the
-    workers take the GIL and let go. Measured
-    (2 ranks, ZeRO-3 LoRA, tiny Llama, 5 steps, CPU): 3 of 24 launches aborted without it, 0 of 30
-    with it."""
+    sys.exit or an uncaught error, before C++ teardown), so gloo's teardown cannot abort a finished
+    process (docs/faults.md "Process teardown"). Returns a list to append to once every rank is done
+    (a clean end): then the ranks meet at a barrier first."""
     import atexit
 
     finished: list = []
@@ -71,13 +49,8 @@ def close_process_group(state, finished: list) -> None:
 
 
 def _may_use_nccl(dist) -> bool:
-    """Whether the default group can have NCCL work in flight. Deciding by `get_backend() == "gloo"`
-    missed a group initialised without a backend, as Accelerate does for a launch it leaves
-    undistributed (DistributedType.NO under a 2-process launcher, which preflight refuses): its
-    backend reads "undefined" while its config is "cpu:gloo" (torch 2.13 CPU). It was never
-    destroyed, its gloo workers outlived atexit, and 1 of 22 such refusals aborted at exit (core
-    dump: the same ~AsyncAllgatherWork -> take_gil -> std::terminate as above, after preflight's
-    all_gather_object). Destroyed, its 3 gloo threads are joined before the interpreter finalizes."""
+    """Whether the default group can have NCCL work in flight. By the backend config, not
+    get_backend(): a group Accelerate initialised without a backend reads "undefined" but is gloo."""
     import torch
 
     return "nccl" in str(dist.get_backend_config()) and torch.cuda.is_available()

@@ -27,6 +27,21 @@ def resolve_run_dir(name: str, output_dir: str | None) -> Path:
     return Path(output_dir) if output_dir else Path("runs") / name
 
 
+def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
+    """Rank 0: the run's name and directory, created. A resumed run's directory (`resumed`, from the
+    resume plan) is reused as it is; --resume=PATH may name a new one."""
+    if resumed is not None:
+        name, path = resumed
+        path.mkdir(parents=True, exist_ok=True)
+        return name, str(path)
+    name = cfg.run.name or default_run_name(cfg.recipe)
+    path = resolve_run_dir(name, cfg.run.output_dir)
+    prepare_run_dir(
+        path, overwrite=cfg.run.overwrite, name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name"
+    )
+    return name, str(path)
+
+
 # What a run that failed before its first step leaves behind (run.json, the resolved config, the
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
 LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}
@@ -63,24 +78,37 @@ def reusable(path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     summary = record.get("summary") if isinstance(record, dict) else None
-    if not isinstance(summary, dict) or summary.get("status") != "failed" or summary.get("steps") or record.get("steps"):
+    if (
+        not isinstance(summary, dict)
+        or summary.get("status") != "failed"
+        or summary.get("steps")
+        or record.get("steps")
+    ):
         return None
-    return (f"its run failed before its first step ({summary.get('error') or 'no error recorded'}) and left no "
-            f"checkpoint; its run.json, config.yaml and data/ are replaced")
+    return (
+        f"its run failed before its first step ({summary.get('error') or 'no error recorded'}) and left no "
+        f"checkpoint; its run.json, config.yaml and data/ are replaced"
+    )
 
 
 def exists_message(path: Path, name_given_by: str = "--run.name") -> str:
     """The refusal for an existing run directory, with the commands that retry."""
-    steps = [int(p.name.split("-", 1)[1]) for p in (path.glob("checkpoint-*") if path.is_dir() else [])
-             if p.is_dir() and p.name.split("-", 1)[1].isdigit()]
+    steps = [
+        int(p.name.split("-", 1)[1])
+        for p in (path.glob("checkpoint-*") if path.is_dir() else [])
+        if p.is_dir() and p.name.split("-", 1)[1].isdigit()
+    ]
     fresh = next(f"{path.name}-{n}" for n in range(2, 10_000) if not (path.parent / f"{path.name}-{n}").exists())
     other = f"--run.name={fresh}" if name_given_by == "--run.name" else f"--run.output_dir={path.parent / fresh}"
-    lines = [f"run directory {path} already exists; nothing was changed. Retry with the same command and one of:",
-             f"    {other}   (a new run directory)",
-             f"    --overwrite   (deletes {path} and everything in it first)"]
-    if steps:  # --resume picks the newest complete one (finetune/training/checkpoints.py)
-        lines.append(f"    --resume   (continues this run from its newest complete checkpoint, up to "
-                     f"checkpoint-{max(steps)})")
+    lines = [
+        f"run directory {path} already exists; nothing was changed. Retry with the same command and one of:",
+        f"    {other}   (a new run directory)",
+        f"    --overwrite   (deletes {path} and everything in it first)",
+    ]
+    if steps:  # --resume picks the newest complete one (finetune/checkpointing/checkpoints.py)
+        lines.append(
+            f"    --resume   (continues this run from its newest complete checkpoint, up to checkpoint-{max(steps)})"
+        )
     return "\n".join(lines)
 
 

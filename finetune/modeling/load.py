@@ -31,8 +31,9 @@ def resolve_model_path(name_or_path: str) -> str:
 
         return str(ensure_bundled_model())
     if name_or_path.startswith("bundled:"):
-        raise UserError(f"model.name_or_path: unknown bundled model {name_or_path!r}; "
-                        f"the bundled model is {BUNDLED_MODEL!r}")
+        raise UserError(
+            f"model.name_or_path: unknown bundled model {name_or_path!r}; the bundled model is {BUNDLED_MODEL!r}"
+        )
     return name_or_path
 
 
@@ -60,8 +61,14 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing: bool = False,
-               policy: Policy | None = None, deepspeed: bool = False):
+def load_model(
+    cfg: ModelConfig,
+    method: MethodConfig,
+    *,
+    gradient_checkpointing: bool = False,
+    policy: Policy | None = None,
+    deepspeed: bool = False,
+):
     """The model ready to train: full (all weights trainable), LoRA or QLoRA (peft).
 
     `policy` (finetune/precision.py) sets the dtypes; `deepspeed` says DeepSpeed will wrap the model,
@@ -71,8 +78,12 @@ def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing
 
     path = resolve_model_path(cfg.name_or_path)
     dtype = torch_dtype(policy.load_dtype(method.name)) if policy else resolve_dtype(cfg.dtype)
-    kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code,
-                  attn_implementation=cfg.attn_implementation, dtype=dtype)
+    kwargs = dict(
+        revision=cfg.revision,
+        trust_remote_code=cfg.trust_remote_code,
+        attn_implementation=cfg.attn_implementation,
+        dtype=dtype,
+    )
     if method.name == "qlora":
         compute = torch_dtype(policy.compute_dtype) if policy else dtype
         kwargs["quantization_config"] = quantization_config(method, compute)
@@ -88,7 +99,7 @@ def load_model(cfg: ModelConfig, method: MethodConfig, *, gradient_checkpointing
     if method.name == "full":
         if policy is not None and not deepspeed:
             # bf16-mixed: the checkpoint is loaded in bf16, as DeepSpeed's master starts from its bf16
-            # module, so every strategy starts from the same weights (research note §0.5: an fp32 start
+            # module, so every strategy starts from the same weights (measured: an fp32 start
             # moved ZeRO's losses 1.8e-4 from DDP's); the fp32 copies below are the master weights.
             cast_trainable(model, torch_dtype(policy.master_dtype))
         if gradient_checkpointing:
@@ -122,19 +133,29 @@ def quantization_config(method: MethodConfig, dtype: torch.dtype):
     compute = dtype if method.compute_dtype == "auto" else _DTYPES[method.compute_dtype]
     # A float storage dtype equal to the compute dtype lets FSDP and ZeRO-3 shard the packed
     # 4-bit weights together with the rest (they only flatten tensors of one float dtype).
-    storage = compute if method.quant_storage == "auto" else (
-        torch.uint8 if method.quant_storage == "uint8" else _DTYPES[method.quant_storage])
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=method.quant_type,
-                              bnb_4bit_use_double_quant=method.double_quant,
-                              bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
+    storage = (
+        compute
+        if method.quant_storage == "auto"
+        else (torch.uint8 if method.quant_storage == "uint8" else _DTYPES[method.quant_storage])
+    )
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=method.quant_type,
+        bnb_4bit_use_double_quant=method.double_quant,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=storage,
+    )
 
 
 def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapters_fp32: bool = True):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if method.name == "qlora":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     elif gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks need a grad input
@@ -145,11 +166,19 @@ def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapt
         unmatched = [t for t in method.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
         if unmatched:
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-            raise UserError(f"method.target_modules: no module of the model is named "
-                            f"{', '.join(map(repr, unmatched))}; its linear layers are {', '.join(linear)} "
-                            f"(or use 'all-linear')")
-    lora = LoraConfig(r=method.lora_r, lora_alpha=method.lora_alpha, lora_dropout=method.lora_dropout,
-                      target_modules=method.target_modules, bias="none", task_type="CAUSAL_LM")
+            raise UserError(
+                f"method.target_modules: no module of the model is named "
+                f"{', '.join(map(repr, unmatched))}; its linear layers are {', '.join(linear)} "
+                f"(or use 'all-linear')"
+            )
+    lora = LoraConfig(
+        r=method.lora_r,
+        lora_alpha=method.lora_alpha,
+        lora_dropout=method.lora_dropout,
+        target_modules=method.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, lora, autocast_adapter_dtype=adapters_fp32)
     except ValueError as e:
@@ -172,7 +201,16 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def parameters_section(model) -> dict:
+    """run.json `parameters`: count_parameters' figures."""
+    trainable, total = count_parameters(model)
+    return {"trainable": trainable, "total": total}
+
+
 def _load_problem(what: str, path: str, err: Exception) -> str:
-    hint = ("no such local directory, and hub ids need network access" if not Path(path).exists()
-            else "the directory exists but is not a transformers model directory")
+    hint = (
+        "no such local directory, and hub ids need network access"
+        if not Path(path).exists()
+        else "the directory exists but is not a transformers model directory"
+    )
     return f"model.name_or_path: cannot load the {what} from {path!r} ({hint}): {err}"

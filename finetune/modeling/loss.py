@@ -1,30 +1,8 @@
 """The training loss of a causal LM without its full (tokens x vocab) logits: `training.loss_impl`
-(docs/speed.md "Loss implementations").
+(docs/speed.md "Loss implementations": the memory it saves, and why installing it as two forward
+replacements works under peft, DDP, DeepSpeed ZeRO-3 and FSDP2).
 
     info = install(model, "auto", label_smoothing=0.0, use_liger_kernel=False, device_type="cuda")
-
-transformers 5.23's causal LMs compute `logits = lm_head(hidden)` for every position (b x s x V in
-the compute dtype), then `ForCausalLMLoss` upcasts them to fp32 and takes the cross-entropy: at a
-vocabulary of 151,936 and 8 x 2048 tokens that is 5 GB of bf16 logits plus 10 GB of fp32 copies
-and their gradient. Here the loss walks the tokens in chunks (`ChunkedLinearCrossEntropy`): one
-chunk's logits at a time, the log-sum-exp kept per token (4 bytes), the chunk's logits recomputed
-in the backward, the head's weight gradient accumulated in fp32. Only positions with a label go
-through the head at all (prompt tokens need no logits).
-
-How it is installed, and why it works under peft, DDP, DeepSpeed ZeRO-3 and FSDP2: two
-instance-level forward replacements, made after the model (and its LoRA wrap) is loaded and before
-Trainer wraps it:
-* the causal LM's `forward` (the ROOT module: FSDP2's root unshard, Accelerate's autocast wrapper,
-  DDP and the DeepSpeed engine all call it as they call the original; peft's LoraModel calls
-  `self.model.forward`, which finds it). Without labels it is the class's own forward (generation,
-  callers that want logits are unchanged);
-* the output head's `forward`: the head is still CALLED as a module, once per step, with the whole
-  chunked loss as its forward, so ZeRO-3's pre-forward gather and pre-backward re-gather hooks fire
-  exactly as for nn.Linear, whatever the number of chunks. Without targets it is nn.Linear's.
-Neither closes over the instance (they use `self`), so a deep copy of the model stays correct.
-
-`liger` runs Liger's fused linear cross-entropy kernel inside the same head call (Liger's own patch
-reads `lm_head.weight` directly, which is a shard under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -38,11 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.errors import ConfigError, UserError
+
 # the chunk size and what `auto` picks: pure arithmetic the planner reads too
 from finetune.modeling.loss_choice import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, auto_choice, chunk_tokens  # noqa: F401
 
-IGNORE_INDEX = -100  # finetune/data/render.py IGNORE_INDEX: the label that carries no loss (data sits beside modeling, not below it)
+IGNORE_INDEX = (
+    -100
+)  # finetune/data/render.py IGNORE_INDEX: the label that carries no loss (data sits beside modeling, not below it)
 LOSS_IMPLS = ("auto", "standard", "chunked", "liger")
+
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     dev = t.device.type
@@ -70,10 +52,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         b = bias.to(compute_dtype) if bias is not None else None
         with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes, same in the backward
             for s in range(0, n, chunk):
-                t = targets[s:s + chunk]
-                logits = F.linear(hidden[s:s + chunk].to(compute_dtype), w, b).float()
+                t = targets[s : s + chunk]
+                logits = F.linear(hidden[s : s + chunk].to(compute_dtype), w, b).float()
                 lse_c = torch.logsumexp(logits, dim=-1)
-                lse[s:s + chunk] = lse_c
+                lse[s : s + chunk] = lse_c
                 target_logit = logits.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
                 total += torch.where(t != IGNORE_INDEX, lse_c - target_logit, 0.0).sum()
                 del logits
@@ -94,22 +76,28 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         g = grad_total.float()
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], chunk):
-                t = targets[s:s + chunk]
-                h = hidden[s:s + chunk].to(cd)
+                t = targets[s : s + chunk]
+                h = hidden[s : s + chunk].to(cd)
                 p = F.linear(h, w, b).float()
-                p.sub_(lse[s:s + chunk].unsqueeze(1)).exp_()  # softmax
+                p.sub_(lse[s : s + chunk].unsqueeze(1)).exp_()  # softmax
                 p[torch.arange(t.shape[0], device=t.device), t.clamp(min=0)] -= 1.0  # softmax - one-hot
                 p.mul_((g * (t != IGNORE_INDEX)).unsqueeze(1))  # d total / d logits
                 pc = p.to(cd)
                 if need_h:
-                    grad_h[s:s + chunk] = (pc @ w).to(hidden.dtype)  # chunks are disjoint rows
+                    grad_h[s : s + chunk] = (pc @ w).to(hidden.dtype)  # chunks are disjoint rows
                 if need_w:
                     _addmm_fp32(grad_w, pc.t(), h)
                 if need_b:
                     grad_b += p.sum(0)
                 del p, pc
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+        )
 
 
 def _head_forward(self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | None = None):
@@ -130,8 +118,9 @@ def _head_forward(self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | 
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         bias = self.bias.to(cd) if self.bias is not None else None
-        total = liger_fused_linear_cross_entropy(h.to(cd), self.weight.to(cd), t, bias, reduction="sum",
-                                                 accum_dtype=torch.float32).float()
+        total = liger_fused_linear_cross_entropy(
+            h.to(cd), self.weight.to(cd), t, bias, reduction="sum", accum_dtype=torch.float32
+        ).float()
     else:
         total = ChunkedLinearCrossEntropy.apply(h, self.weight, self.bias, t, self.finetune_chunk_tokens, cd)
     return total, count
@@ -139,23 +128,47 @@ def _head_forward(self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | 
 
 def _make_forward(cls_forward):
     @functools.wraps(cls_forward)  # keeps the signature: generate() and Trainer inspect it
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         shift_labels = kwargs.pop("shift_labels", None)
         if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
             if shift_labels is not None:
                 kwargs["shift_labels"] = shift_labels
-            return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=position_ids, past_key_values=past_key_values,
-                                      inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                      logits_to_keep=logits_to_keep, **kwargs)
+            return type(self).forward(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         num_items = kwargs.pop("num_items_in_batch", None)
         return_dict = kwargs.pop("return_dict", None)
         out = getattr(self, self.base_model_prefix)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         if shift_labels is None:  # as transformers' ForCausalLMLoss: position t is scored against label t + 1
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         total, count = self.get_output_embeddings()(out.last_hidden_state, targets=shift_labels)
@@ -163,9 +176,15 @@ def _make_forward(cls_forward):
             loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
         else:
             loss = total / count  # mean over scored tokens (0/0 = nan, as the standard loss)
-        result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
-                                        hidden_states=out.hidden_states, attentions=out.attentions)
+        result = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
         return result.to_tuple() if return_dict is False else result
+
     return forward
 
 
@@ -174,11 +193,11 @@ def check_supported(model) -> list[str]:
     problems = []
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
-        problems.append(f"the output head is {type(head).__name__}, not torch.nn.Linear (LoRA or quantization "
-                        "on the head?)")
+        problems.append(
+            f"the output head is {type(head).__name__}, not torch.nn.Linear (LoRA or quantization on the head?)"
+        )
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
-                "lm_head_multiplier"):
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
         if getattr(cfg, key, None) not in (None, 1, 1.0):
             problems.append(f"config.{key}={getattr(cfg, key)!r} transforms the logits")
     if getattr(cfg, "output_router_logits", False):
@@ -196,8 +215,16 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_kernel: bool = False,
-            device_type: str = "cpu", tokens: int | None = None, chunk: int | None = None) -> tuple[str, str | None]:
+def resolve(
+    requested: str,
+    model,
+    *,
+    label_smoothing: float = 0.0,
+    use_liger_kernel: bool = False,
+    device_type: str = "cpu",
+    tokens: int | None = None,
+    chunk: int | None = None,
+) -> tuple[str, str | None]:
     """(the implementation to install, why `auto` fell back to standard or None). Explicit
     choices that cannot be honoured raise: ConfigError for the model/options, UserError for the
     machine. `auto` = chunked; liger when training.use_liger_kernel chose Liger; standard (with
@@ -219,8 +246,13 @@ def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_ke
         else:
             head = causal_lm(model).get_output_embeddings()
             if tokens is not None:
-                choice, why_choice = auto_choice(tokens=tokens, vocab=head.out_features, hidden=head.in_features,
-                                                 head_trains=head.weight.requires_grad, chunk=chunk)
+                choice, why_choice = auto_choice(
+                    tokens=tokens,
+                    vocab=head.out_features,
+                    hidden=head.in_features,
+                    head_trains=head.weight.requires_grad,
+                    chunk=chunk,
+                )
                 if choice == "standard":
                     return "standard", why_choice
             requested = "chunked"
@@ -228,24 +260,49 @@ def resolve(requested: str, model, *, label_smoothing: float = 0.0, use_liger_ke
         raise ConfigError([f"training.loss_impl: {requested} cannot replace this model's loss: {w}" for w in why])
     if requested == "liger":
         if importlib.util.find_spec("liger_kernel") is None:
-            raise UserError("training.loss_impl: liger needs the liger-kernel package, which is not installed; "
-                            "pip install 'finetune[liger]', or use loss_impl: chunked")
+            raise UserError(
+                "training.loss_impl: liger needs the liger-kernel package, which is not installed; "
+                "pip install 'finetune[liger]', or use loss_impl: chunked"
+            )
         if device_type != "cuda":
-            raise UserError("training.loss_impl: liger runs Triton GPU kernels and needs a CUDA device; this run "
-                            "has none (use loss_impl: chunked)")
+            raise UserError(
+                "training.loss_impl: liger runs Triton GPU kernels and needs a CUDA device; this run "
+                "has none (use loss_impl: chunked)"
+            )
     return requested, None
 
 
-def install(model, requested: str = "auto", *, chunk: int | None = None, label_smoothing: float = 0.0,
-            use_liger_kernel: bool = False, device_type: str = "cpu", tokens: int | None = None) -> dict:
+def install(
+    model,
+    requested: str = "auto",
+    *,
+    chunk: int | None = None,
+    label_smoothing: float = 0.0,
+    use_liger_kernel: bool = False,
+    device_type: str = "cpu",
+    tokens: int | None = None,
+) -> dict:
     """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it.
     Returns run.json `speed.loss_impl`."""
-    resolved, reason = resolve(requested, model, label_smoothing=label_smoothing, use_liger_kernel=use_liger_kernel,
-                               device_type=device_type, tokens=tokens, chunk=chunk)
+    resolved, reason = resolve(
+        requested,
+        model,
+        label_smoothing=label_smoothing,
+        use_liger_kernel=use_liger_kernel,
+        device_type=device_type,
+        tokens=tokens,
+        chunk=chunk,
+    )
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
-    info = {"requested": requested, "resolved": resolved, "reason": reason, "chunk_tokens": None,
-            "compact": False, "logits_materialised": resolved == "standard"}
+    info = {
+        "requested": requested,
+        "resolved": resolved,
+        "reason": reason,
+        "chunk_tokens": None,
+        "compact": False,
+        "logits_materialised": resolved == "standard",
+    }
     if resolved != "standard":
         if chunk is not None and chunk < 1:
             raise ConfigError([f"training.loss_chunk_tokens: must be >= 1 or null, got {chunk}"])

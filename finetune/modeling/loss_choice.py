@@ -1,17 +1,7 @@
 """What `training.loss_impl: auto` installs, and the chunk size: pure arithmetic, no torch, so the
-planner (finetune/planning/memory.py) and the loss module (finetune/modeling/loss.py) read the
-same rule.
-
-Why `auto` is not always chunked: the chunked loss saves the standard loss's fp32 (tokens x vocab)
-logit tensors, but when the output head trains (full fine-tuning) it accumulates the head's weight
-gradient in fp32 (vocab x hidden x 4 bytes), a fixed cost. With short micro-batches and a large
-vocabulary that cost is the larger one: Llama-3.1-8B (V 128,256, h 4,096), 4 x 128 tokens, full
-fine-tuning: 2.9 GiB of chunked-loss buffers against 0.7 GiB for the standard loss at the same
-moment (the planner's loss_buffers, checked on CPU in tests/planning/test_loss_memory.py), enough
-to push ZeRO-Offload past a 24 GiB card. Bytes per the loss at backward's start:
-  standard: 3 fp32 tokens x vocab tensors (saved log-softmax, nll's grad, log-softmax's grad);
-  chunked:  one chunk's recomputed fp32 logits and their 16-bit copy (<= 8 bytes x chunk x vocab)
-            + the fp32 weight-gradient accumulator when the head trains.
+planner and the loss module read the same rule. `auto` is not always chunked: when the output head
+trains, the chunked loss keeps an fp32 weight-gradient accumulator (vocab x hidden x 4 bytes), which
+outweighs the logits it saves for short micro-batches (docs/planning.md, docs/speed.md).
 """
 
 from __future__ import annotations
@@ -42,7 +32,9 @@ def loss_bytes(impl: str, *, tokens: int, vocab: int, hidden: int, head_trains: 
     return 2 * F32 * min(chunk, tokens) * vocab + (F32 * vocab * hidden if head_trains else 0)
 
 
-def auto_choice(*, tokens: int, vocab: int, hidden: int, head_trains: bool, chunk: int | None = None) -> tuple[str, str]:
+def auto_choice(
+    *, tokens: int, vocab: int, hidden: int, head_trains: bool, chunk: int | None = None
+) -> tuple[str, str]:
     """("chunked" | "standard", why) for `auto`, given the tokens of one micro-batch (padded length x
     rows: an upper bound), the vocabulary, the hidden size and whether the head trains."""
     chunk = chunk or chunk_tokens(vocab)
@@ -51,5 +43,7 @@ def auto_choice(*, tokens: int, vocab: int, hidden: int, head_trains: bool, chun
     mib = 2**20
     if chunked < standard:
         return "chunked", f"chunked {chunked / mib:,.0f} MiB < standard {standard / mib:,.0f} MiB at {tokens} tokens"
-    return "standard", (f"standard {standard / mib:,.0f} MiB <= chunked {chunked / mib:,.0f} MiB at {tokens} tokens "
-                        f"(the trainable head's fp32 weight-gradient accumulator outweighs the logits)")
+    return "standard", (
+        f"standard {standard / mib:,.0f} MiB <= chunked {chunked / mib:,.0f} MiB at {tokens} tokens "
+        f"(the trainable head's fp32 weight-gradient accumulator outweighs the logits)"
+    )

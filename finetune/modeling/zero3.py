@@ -41,8 +41,11 @@ def check_init_dtype(model, requested) -> None:
     size 1) 7x slower than ZeRO-2 with 1.7x its memory (docs/speed.md "DeepSpeed ZeRO-3 settings")."""
     import torch
 
-    got = {p.ds_tensor.dtype for p in model.parameters()
-           if hasattr(p, "ds_tensor") and p.ds_tensor.dtype.is_floating_point and type(p).__name__ != "Params4bit"}
+    got = {
+        p.ds_tensor.dtype
+        for p in model.parameters()
+        if hasattr(p, "ds_tensor") and p.ds_tensor.dtype.is_floating_point and type(p).__name__ != "Params4bit"
+    }
     from finetune.precision import dtype_name
 
     wrong = sorted(dtype_name(d) for d in got if d != requested)
@@ -54,5 +57,6 @@ def check_init_dtype(model, requested) -> None:
             f"ZeRO-3 created the model's parameters in {', '.join(wrong)}, not the {want} it was loaded in "
             f"(model.dtype): zero.Init (accelerate's zero3_init_flag) takes the dtype from the DeepSpeed config, "
             f"whose bf16.enabled/fp16.enabled the precision policy fills (training.precision, docs/precision.md). "
-            f"Training would run in {wrong[0]}. Check that the DeepSpeed config leaves bf16/fp16 \"enabled\" "
-            f"to \"auto\" (or matches the policy), or load the model in {wrong[0]} on purpose (model.dtype: {wrong[0]})")
+            f'Training would run in {wrong[0]}. Check that the DeepSpeed config leaves bf16/fp16 "enabled" '
+            f'to "auto" (or matches the policy), or load the model in {wrong[0]} on purpose (model.dtype: {wrong[0]})'
+        )

@@ -232,14 +232,27 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         # layer 0's q/k/v read a norm output that needs no grad: lora_A keeps no weight copy for it
         cast_first -= B16 * w.lora_r * h * len(targets & {"q_proj", "k_proj", "v_proj"})
     weight_casts = (sh.layers - 1) * cast_layer + cast_first + cast_head
-    return {"per_layer": layer, "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
-            "parts": per, "blocks": blocks, "final": final, "rotary": rotary,
-            "indices": indices, "weight_casts": weight_casts, "weight_casts_layer": cast_layer, "weight_casts_first": cast_first,
-            "weight_casts_head": cast_head,
-            "kept_inputs": kept if w.gradient_checkpointing else 0,
-            "forward_temporaries": forward_temporaries(sh, w, p, per, cpu=cpu),
-            "attn_kind": kind, "attn_bytes": attn_b, "stream": f.stream, "lin_out": g, "head_input": head_in,
-            "total": blocks + final + rotary + indices + weight_casts}
+    return {
+        "per_layer": layer,
+        "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
+        "parts": per,
+        "blocks": blocks,
+        "final": final,
+        "rotary": rotary,
+        "indices": indices,
+        "weight_casts": weight_casts,
+        "weight_casts_layer": cast_layer,
+        "weight_casts_first": cast_first,
+        "weight_casts_head": cast_head,
+        "kept_inputs": kept if w.gradient_checkpointing else 0,
+        "forward_temporaries": forward_temporaries(sh, w, p, per, cpu=cpu),
+        "attn_kind": kind,
+        "attn_bytes": attn_b,
+        "stream": f.stream,
+        "lin_out": g,
+        "head_input": head_in,
+        "total": blocks + final + rotary + indices + weight_casts,
+    }
 
 
 def logits_bytes(w: Workload, p: Regime) -> int:

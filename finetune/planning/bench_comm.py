@@ -22,14 +22,21 @@ import time
 from pathlib import Path
 
 DEFAULT_SIZES = ("64KiB", "1MiB", "16MiB", "64MiB")
-BUS_FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_gather": lambda n: (n - 1) / n}
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="finetune bench-comm", description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES),
-                   help="buffer sizes (full buffer: the reduced or gathered tensor), e.g. 1MiB 64MiB")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="buffer sizes (full buffer: the reduced or gathered tensor), e.g. 1MiB 64MiB",
+    )
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per op and size (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     p.add_argument("--out", help="write the results as JSON here (for `finetune plan --bandwidth FILE`)")
@@ -56,9 +63,11 @@ def _collectives(dist):
     the error propagates: an op is never skipped silently."""
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return {"all_reduce": lambda full, shard: dist.all_reduce(full),
-            "reduce_scatter": lambda full, shard: rs(shard, full),
-            "all_gather": lambda full, shard: ag(full, shard)}
+    return {
+        "all_reduce": lambda full, shard: dist.all_reduce(full),
+        "reduce_scatter": lambda full, shard: rs(shard, full),
+        "all_gather": lambda full, shard: ag(full, shard),
+    }
 
 
 def verify(device) -> dict:
@@ -110,15 +119,31 @@ def measure(sizes: list[int], iters: int, warmup: int) -> dict:
             seconds = t.item()
             algbw = size / seconds / 1e9
             factor = BUS_FACTORS[op](world)
-            results.append({"op": op, "bytes": size, "time_s": seconds, "algbw_gbs": algbw,
-                            "busbw_gbs": algbw * factor, "bus_factor": factor,
-                            "bytes_per_rank": round(size * factor)})
+            results.append(
+                {
+                    "op": op,
+                    "bytes": size,
+                    "time_s": seconds,
+                    "algbw_gbs": algbw,
+                    "busbw_gbs": algbw * factor,
+                    "bus_factor": factor,
+                    "bytes_per_rank": round(size * factor),
+                }
+            )
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return {"world_size": world, "rank": rank, "backend": dist.get_backend(), "results": results,
-            "verified": verified, "implementation": {"all_reduce": "torch.distributed.all_reduce",
-                                                     "reduce_scatter": f"torch.distributed.{rs.__name__}",
-                                                     "all_gather": f"torch.distributed.{ag.__name__}"}}
+    return {
+        "world_size": world,
+        "rank": rank,
+        "backend": dist.get_backend(),
+        "results": results,
+        "verified": verified,
+        "implementation": {
+            "all_reduce": "torch.distributed.all_reduce",
+            "reduce_scatter": f"torch.distributed.{rs.__name__}",
+            "all_gather": f"torch.distributed.{ag.__name__}",
+        },
+    }
 
 
 def host_device_copy(size: int = 256 * 2**20, iters: int = 5) -> dict:
@@ -143,15 +168,25 @@ def host_device_copy(size: int = 256 * 2**20, iters: int = 5) -> dict:
 
 def render(report: dict) -> str:
     impl = ", ".join(f"{k}: {v} (native, verified)" for k, v in report["implementation"].items())
-    lines = [f"ops: {impl}", (f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
-              f"algbw = bytes/time, busbw = algbw x factor)"),
-             f"{'op':15}{'bytes':>14}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}{'factor':>8}"]
+    lines = [
+        f"ops: {impl}",
+        (
+            f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
+            f"algbw = bytes/time, busbw = algbw x factor)"
+        ),
+        f"{'op':15}{'bytes':>14}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}{'factor':>8}",
+    ]
     for r in report["results"]:
-        lines.append(f"{r['op']:15}{r['bytes']:14,}{1e3 * r['time_s']:10.3f}{r['algbw_gbs']:12.3f}"
-                     f"{r['busbw_gbs']:12.3f}{r['bus_factor']:8.3f}")
+        lines.append(
+            f"{r['op']:15}{r['bytes']:14,}{1e3 * r['time_s']:10.3f}{r['algbw_gbs']:12.3f}"
+            f"{r['busbw_gbs']:12.3f}{r['bus_factor']:8.3f}"
+        )
     hd = report["host_device"]
-    lines.append(f"host->device {hd['h2d_gbs']:.2f} GB/s, device->host {hd['d2h_gbs']:.2f} GB/s ({hd['note']})"
-                 if hd.get("h2d_gbs") else hd["note"])
+    lines.append(
+        f"host->device {hd['h2d_gbs']:.2f} GB/s, device->host {hd['d2h_gbs']:.2f} GB/s ({hd['note']})"
+        if hd.get("h2d_gbs")
+        else hd["note"]
+    )
     return "\n".join(lines)
 
 
@@ -163,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        raise UserError("bench-comm measures the processes of a launch: run `finetune bench-comm --cpu "
-                        "--num_processes 2` or `accelerate launch ... -m finetune.planning.bench_comm`")
+        raise UserError(
+            "bench-comm measures the processes of a launch: run `finetune bench-comm --cpu "
+            "--num_processes 2` or `accelerate launch ... -m finetune.planning.bench_comm`"
+        )
     world = int(os.environ["WORLD_SIZE"])
     if world < 2:
         raise UserError(f"bench-comm needs at least 2 processes to measure collectives, the launch has {world}")
@@ -177,10 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if use_nccl else "gloo")
     try:
         report = measure(sizes, args.iters, args.warmup)
-        report["host_device"] = host_device_copy() if use_nccl else {
-            "h2d_gbs": None, "d2h_gbs": None,
-            "note": "no GPU: host<->device copy not measured" if not torch.cuda.is_available()
-            else "CPU launch: host<->device copy not measured"}
+        report["host_device"] = (
+            host_device_copy()
+            if use_nccl
+            else {
+                "h2d_gbs": None,
+                "d2h_gbs": None,
+                "note": "no GPU: host<->device copy not measured"
+                if not torch.cuda.is_available()
+                else "CPU launch: host<->device copy not measured",
+            }
+        )
         report["sizes_requested"] = args.sizes
         if report["rank"] == 0:
             print(render(report), flush=True)

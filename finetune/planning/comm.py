@@ -1,21 +1,5 @@
-"""Communication per optimizer step and per rank, and the time it implies at a bandwidth.
-
-Bytes are what one rank sends (= receives) in ring collectives of a buffer of S bytes over N
-ranks (nccl-tests doc/PERFORMANCE.md, "Bus bandwidth"): all-reduce 2(N-1)/N * S, reduce-scatter
-and all-gather (N-1)/N * S. nccl-tests' bus bandwidth is defined so that time = those bytes /
-busbw, hence time here = bytes per rank / busbw, with busbw from `finetune bench-comm` or
---bandwidth (GB/s, 1e9 bytes/s).
-
-Per strategy (S_g: gradient bytes of the trainable parameters, S_w: their 16-bit/fp32 weight
-bytes, S_all: every parameter's bytes, frozen included, A: gradient accumulation steps):
-    DDP        all-reduce S_g once per optimizer step (no_sync during accumulation)
-    ZeRO-1/2   reduce-scatter S_g per micro-batch (DeepSpeed reduces every backward)
-               + all-gather of the updated S_w once per step (ZeRO paper §7: same volume as DDP)
-    ZeRO-3     all-gather S_all in forward and again in backward per micro-batch
-    FSDP2      + reduce-scatter S_g per micro-batch (ZeRO paper §7.2: 1.5x DDP)
-Offload adds host<->device copies: ZeRO-Offload moves the gradient partition down and the
-updated 16-bit partition up each step; parameter offload copies the rank's parameter shard up
-for forward and again for backward each micro-batch (FSDP2 also moves its gradient shard down).
+"""Communication per optimizer step and per rank, and the time it implies at a bus bandwidth (ring
+collectives as nccl-tests counts them; per-strategy volumes and offload copies: docs/planning.md).
 """
 
 from __future__ import annotations
@@ -85,8 +69,10 @@ def step_time(traffic: dict, busbw_gbs: float | None, h2d_gbs: float | None) -> 
     """Seconds per optimizer step spent moving those bytes (no overlap with compute assumed)."""
     coll = sum(traffic["collectives"].values())
     host = sum(traffic["host_device"].values())
-    return {"collectives_s": coll / (busbw_gbs * GB) if busbw_gbs else None,
-            "host_device_s": host / (h2d_gbs * GB) if h2d_gbs and host else (0.0 if not host else None)}
+    return {
+        "collectives_s": coll / (busbw_gbs * GB) if busbw_gbs else None,
+        "host_device_s": host / (h2d_gbs * GB) if h2d_gbs and host else (0.0 if not host else None),
+    }
 
 
 def read_bandwidth(value: str | None) -> dict:
@@ -105,18 +91,25 @@ def read_bandwidth(value: str | None) -> dict:
         return {"busbw_gbs": number, "h2d_gbs": None, "source": f"--bandwidth {value} GB/s"}
     path = Path(value)
     if not path.is_file():
-        raise UserError(f"--bandwidth: {value!r} is neither a number of GB/s nor a file written by "
-                        f"`finetune bench-comm --out FILE.json`")
+        raise UserError(
+            f"--bandwidth: {value!r} is neither a number of GB/s nor a file written by "
+            f"`finetune bench-comm --out FILE.json`"
+        )
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         rows = [r for r in data["results"] if r["op"] == "all_reduce"]
         best = max(rows, key=lambda r: r["bytes"])
         busbw = float(best["busbw_gbs"])
     except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--bandwidth: {path} is not a bench-comm result (needs results[] with op "
-                        f"'all_reduce', bytes, busbw_gbs): {type(e).__name__}: {e}") from None
+        raise UserError(
+            f"--bandwidth: {path} is not a bench-comm result (needs results[] with op "
+            f"'all_reduce', bytes, busbw_gbs): {type(e).__name__}: {e}"
+        ) from None
     copy = data.get("host_device") or {}
     h2d = copy.get("h2d_gbs") if isinstance(copy, dict) else None
-    return {"busbw_gbs": busbw, "h2d_gbs": h2d,
-            "source": f"{path}: all_reduce busbw at {best['bytes']:,} bytes over {data.get('world_size')} ranks "
-                      f"({data.get('backend')})"}
+    return {
+        "busbw_gbs": busbw,
+        "h2d_gbs": h2d,
+        "source": f"{path}: all_reduce busbw at {best['bytes']:,} bytes over {data.get('world_size')} ranks "
+        f"({data.get('backend')})",
+    }

@@ -31,8 +31,17 @@ HOST_CPU_PROCESS_BASE_GIB = 0.55
 # fp32 partitions and grad_partitions_flat_buffer, and its offloaded parameter partition. CPU-Adam's
 # two states are plain zeros_like (pageable). FSDP2 CPUOffloadPolicy(pin_memory=True) pins each
 # parameter shard and gradient separately.
-PINNED_KEYS = {"master_weights", "fp32_grad_partition", "grad_partition_buffer", "weights", "lora_adapters",
-               "frozen_weights", "nf4_weights", "unquantized_weights", "gradients"}
+PINNED_KEYS = {
+    "master_weights",
+    "fp32_grad_partition",
+    "grad_partition_buffer",
+    "weights",
+    "lora_adapters",
+    "frozen_weights",
+    "nf4_weights",
+    "unquantized_weights",
+    "gradients",
+}
 
 
 def pinned_size(nbytes: float) -> float:
@@ -42,8 +51,9 @@ def pinned_size(nbytes: float) -> float:
     return float(2 ** math.ceil(math.log2(nbytes)))
 
 
-def host_components(host_states: dict, strategy: str, *, on_gpu: bool, param_numels: list[int], n: int,
-                    state_bytes: dict | None = None) -> dict:
+def host_components(
+    host_states: dict, strategy: str, *, on_gpu: bool, param_numels: list[int], n: int, state_bytes: dict | None = None
+) -> dict:
     """Bytes per component of one process's host memory, the process base included.
     `param_numels`: the model's parameter tensors (FSDP2 pins each shard separately); `state_bytes`:
     bytes per element of each host component (to round FSDP2's shards)."""

@@ -1,21 +1,6 @@
-"""Device memory of one training step, per device, for every strategy and method, from the config.
-
-The peak is the largest live set over the moments of a step that can hold it ("phases"), not a
-sum of everything ever allocated: model states that persist (weights, master copy, optimizer
-states, gradient buffers, cuBLAS workspaces) plus, per phase, what exists at that moment:
-
-    forward_end       activations + the loss's forward buffers
-    backward_start    activations + the loss's backward buffers (standard loss: 3 fp32 T x V)
-    final_norm_backward  every block's activations, the final norm's, RMSNorm's backward temporaries
-    last_block_backward / first_block_backward
-                      a block's backward: the saved tensors of the blocks below (with
-                      checkpointing their inputs + the recomputed block), the gradients of the
-                      blocks above, the head's gradient, the block's backward temporaries
-    backward_end      all gradients (torch-native full fine-tuning) and the tied embedding's parts
-    optimizer_step    DeepSpeed's fp32 gradient partitions / sub-group; foreach AdamW's temporaries
-
-Units: bytes. Derivations and the GPU comparison: docs/planning.md; activations and loss:
-finetune/planning/activations.py; precision regimes: finetune/planning/regimes.py.
+"""Device memory of one training step, per device, for every strategy and method, from the config:
+the largest live set over the moments of a step that can hold it ("phases"), not a sum of
+everything ever allocated. Units: bytes. Derivations and the GPU comparison: docs/planning.md.
 """
 
 from __future__ import annotations
@@ -61,8 +46,9 @@ def resolve_loss(sh: Shape, w: Workload) -> Workload:
     """The workload with `auto` replaced by what the run installs (finetune/modeling/loss_choice.py)."""
     if w.loss_impl != "auto":
         return w
-    impl, _ = loss_choice.auto_choice(tokens=w.tokens, vocab=sh.vocab, hidden=sh.hidden, head_trains=w.method == "full",
-                                      chunk=w.loss_chunk_tokens)
+    impl, _ = loss_choice.auto_choice(
+        tokens=w.tokens, vocab=sh.vocab, hidden=sh.hidden, head_trains=w.method == "full", chunk=w.loss_chunk_tokens
+    )
     return replace(w, loss_impl=impl)
 
 
@@ -117,7 +103,9 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
             dev["grad_partition_buffer"] = P * p.grad / n  # stage3 grad_partitions_flat_buffer (zeros at init)
             dev["ipg_bucket"] = z.reduce_bucket_size * p.grad  # stage3 ipg bucket, allocated at init
         if st.offload_optimizer:
-            for key in ("master_weights", "optimizer_states") + (("grad_partition_buffer",) if st.zero_stage == 3 else ()):
+            for key in ("master_weights", "optimizer_states") + (
+                ("grad_partition_buffer",) if st.zero_stage == 3 else ()
+            ):
                 host[key] = dev.pop(key)
             if st.zero_stage != 3:
                 host["fp32_grad_partition"] = P * F32 / n  # single_partition_of_fp32_groups[i].grad, pinned
@@ -138,9 +126,9 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     return dev, host
 
 
-
-def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, *,
-           cpu: bool = False) -> dict:
+def phases(
+    sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, *, cpu: bool = False
+) -> dict:
     """{phase: {component: bytes}} of what exists beyond the persistent states at each moment."""
     st = by_key(strategy)
     fam = family(strategy)
@@ -158,12 +146,16 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     base = {"activations": act}
     if casts:
         base["autocast_weight_copies"] = casts
-    out = {"forward_end": {**base, "loss_buffers": L["forward"]},
-           "backward_start": {**base, "loss_buffers": L["backward"]}}
+    out = {
+        "forward_end": {**base, "loss_buffers": L["forward"]},
+        "backward_start": {**base, "loss_buffers": L["backward"]},
+    }
     if not w.gradient_checkpointing:
         # inside the last block's forward: everything before the final norm + the adapters' temporaries
-        fwd = {"activations": A["blocks"] + A["rotary"] + A["indices"],
-               "forward_temporaries": A["forward_temporaries"]["forward"]}
+        fwd = {
+            "activations": A["blocks"] + A["rotary"] + A["indices"],
+            "forward_temporaries": A["forward_temporaries"]["forward"],
+        }
         if A["weight_casts"]:
             fwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
         out["last_block_forward"] = fwd
@@ -186,8 +178,11 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         transient += p.param_compute * T * i
     if w.gradient_checkpointing:  # the block is re-run forward inside the backward: its forward temporaries
         transient = max(transient, A["forward_temporaries"]["recompute"] + A["stream"] * T * h)
-    common = {"head_grad": head_grad, "block_backward_temporaries": transient,
-              "rotary_and_targets": A["rotary"] + A["indices"]}
+    common = {
+        "head_grad": head_grad,
+        "block_backward_temporaries": transient,
+        "rotary_and_targets": A["rotary"] + A["indices"],
+    }
     if w.gradient_checkpointing:
         common["recomputed_block"] = A["per_layer"]
     if fam == "deepspeed" and st.zero_stage in (1, 2):
@@ -196,14 +191,19 @@ def phases(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         # the block's unsharded parameters (and the prefetched next), and its unsharded gradients
         # before the reduce-scatter (derived from FSDP2's FSDPParamGroup; not measured)
         layer_b = sh.params.per_layer * (p.param_compute if w.method == "full" else p.frozen_compute)
-        common["fsdp_unsharded_blocks"] = 2 * layer_b + (sh.params.per_layer * p.param_compute
-                                                          if w.method == "full" else 0)
+        common["fsdp_unsharded_blocks"] = 2 * layer_b + (
+            sh.params.per_layer * p.param_compute if w.method == "full" else 0
+        )
     # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
     # the final norm's fp32 input (its weight's xn and its output's grad are freed by then), the head's
     # gradient, and RMSNorm's backward temporaries: 5 fp32 T x h (measured on one RMSNorm alone: 20 bytes
     # x T x h new at the peak, 16-bit or fp32, trained weight or not)
-    norm_bwd = {"activations": A["blocks"] + F32 * T * h, "head_grad": head_grad,
-                "norm_backward_temporaries": 5 * F32 * T * h, "rotary_and_targets": A["rotary"] + A["indices"]}
+    norm_bwd = {
+        "activations": A["blocks"] + F32 * T * h,
+        "head_grad": head_grad,
+        "norm_backward_temporaries": 5 * F32 * T * h,
+        "rotary_and_targets": A["rotary"] + A["indices"],
+    }
     if A["weight_casts"]:
         norm_bwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
     out["final_norm_backward"] = norm_bwd
@@ -255,8 +255,9 @@ def late_unfit(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: Zero
     return need if need > freed else 0.0
 
 
-def peak(sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: int | None = 9,
-         ds_config: dict | None = None) -> dict:
+def peak(
+    sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: int | None = 9, ds_config: dict | None = None
+) -> dict:
     """The predicted peak of one device: the phase that holds it, allocated and reserved bytes, the
     persistent and per-phase components, and what lives on the host. `sm`: the GPU's compute
     capability major (cuBLAS workspace size), None for a CPU run. `ds_config`: a DeepSpeed config
@@ -293,10 +294,19 @@ def peak(sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: in
     late = late_unfit(sh, w, p, strategy, n, z) if sm is not None else 0.0
     reserved = allocated * (1 + ALLOCATOR_FRAGMENTATION) + late if sm is not None else allocated
     A = activations(sh, w, p, cpu=sm is None)
-    return {"phase": name, "allocated": allocated, "reserved": reserved, "late_unfit": late,
-            "persistent": {k: v for k, v in persistent.items() if v}, "at_peak": ph[name],
-            "phases": totals, "host_states": host, "attn_kind": A["attn_kind"], "per_layer": A["per_layer"],
-            "zero": z}
+    return {
+        "phase": name,
+        "allocated": allocated,
+        "reserved": reserved,
+        "late_unfit": late,
+        "persistent": {k: v for k, v in persistent.items() if v},
+        "at_peak": ph[name],
+        "phases": totals,
+        "host_states": host,
+        "attn_kind": A["attn_kind"],
+        "per_layer": A["per_layer"],
+        "zero": z,
+    }
 
 
 def fits_total(reserved: float, on_gpu: bool = True) -> float:

@@ -1,20 +1,6 @@
-"""Memory planning, model states (the first part of the planner issue; no CLI yet).
-
-Parameter counts come from config arithmetic (no weights, no meta device needed), and the
-per-device bytes of model states follow the ZeRO paper exactly (Rajbhandari et al. 2020, §3,
-Figure 1), with mixed-precision Adam: 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients
-and KΨ of optimizer states, K = 12 (fp32 master weights, momentum, variance):
-
-    DDP (stage 0)   (2 + 2 + K)Ψ
-    ZeRO-1          4Ψ + KΨ/N
-    ZeRO-2          2Ψ + (2 + K)Ψ/N
-    ZeRO-3          (2 + 2 + K)Ψ/N
-
-DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
-`estimate_zero3_model_states_mem_needs`, called directly where needed, not rewritten) model
-the same states with deliberate differences: a 4-byte fp32 copy of each gradient partition
-(`fp32_grads=True` here reproduces it), under ZeRO-3 the largest layer gathered whole in fp32,
-and a 1.5 buffer factor on host memory. The paper's accounting is the planner's default.
+"""Parameter counts from config arithmetic, and the per-device bytes of model states as the ZeRO
+paper counts them (Rajbhandari et al. 2020, §3; K = 12 bytes of optimizer state per parameter);
+DeepSpeed's own estimators differ deliberately and are called where needed (docs/planning.md).
 """
 
 from __future__ import annotations

@@ -5,16 +5,53 @@ process), the recommendation and the assumptions with every constant's source.""
 from __future__ import annotations
 
 # Columns of the table: components by what they are (finetune/planning/memory.py names them).
-COLUMNS = (("params", ("weights", "frozen_weights", "nf4_weights", "unquantized_weights", "lora_adapters",
-                       "fsdp_unsharded_root", "zero3_gathered_params", "fsdp_unsharded_blocks")),
-           ("master", ("master_weights",)),
-           ("optim", ("optimizer_states",)),
-           ("grads", ("ddp_grad_buckets", "grad_partition_buffer", "ipg_bucket", "accumulated_grads",
-                      "accumulated_grad_partition", "gradients", "tied_embedding_grad_parts", "head_grad",
-                      "upper_block_gradients", "fp32_grad_partition", "grads_in_partition", "fp32_subgroup_grad")),
-           ("activ", ("activations", "autocast_weight_copies", "recomputed_block", "rotary_and_targets",
-                      "forward_temporaries", "block_backward_temporaries", "norm_backward_temporaries")),
-           ("loss", ("loss_buffers",)))
+COLUMNS = (
+    (
+        "params",
+        (
+            "weights",
+            "frozen_weights",
+            "nf4_weights",
+            "unquantized_weights",
+            "lora_adapters",
+            "fsdp_unsharded_root",
+            "zero3_gathered_params",
+            "fsdp_unsharded_blocks",
+        ),
+    ),
+    ("master", ("master_weights",)),
+    ("optim", ("optimizer_states",)),
+    (
+        "grads",
+        (
+            "ddp_grad_buckets",
+            "grad_partition_buffer",
+            "ipg_bucket",
+            "accumulated_grads",
+            "accumulated_grad_partition",
+            "gradients",
+            "tied_embedding_grad_parts",
+            "head_grad",
+            "upper_block_gradients",
+            "fp32_grad_partition",
+            "grads_in_partition",
+            "fp32_subgroup_grad",
+        ),
+    ),
+    (
+        "activ",
+        (
+            "activations",
+            "autocast_weight_copies",
+            "recomputed_block",
+            "rotary_and_targets",
+            "forward_temporaries",
+            "block_backward_temporaries",
+            "norm_backward_temporaries",
+        ),
+    ),
+    ("loss", ("loss_buffers",)),
+)
 NAMED = {name for _, names in COLUMNS for name in names}
 
 
@@ -27,38 +64,58 @@ def _cells(comp: dict) -> list[float]:
 def breakdown_lines(row: dict) -> list[str]:
     d = row["device"]
     allowance = d["reserved_gib"] - d["allocated_gib"]
-    lines = [f"breakdown of {row['method']} under {row['strategy']} ({row['precision']}; attention kernel "
-             f"{row['attention_kernel']}):",
-             f"  peak at {row['phase']}: {d['allocated_gib']:.2f} GiB allocated, {d['reserved_gib']:.2f} GiB reserved "
-             f"(+{allowance:.2f} allocator), {d['total_gib']:.2f} GiB with the CUDA context "
-             f"({d['cuda_context_gib']:.1f} GiB)"]
+    lines = [
+        f"breakdown of {row['method']} under {row['strategy']} ({row['precision']}; attention kernel "
+        f"{row['attention_kernel']}):",
+        f"  peak at {row['phase']}: {d['allocated_gib']:.2f} GiB allocated, {d['reserved_gib']:.2f} GiB reserved "
+        f"(+{allowance:.2f} allocator), {d['total_gib']:.2f} GiB with the CUDA context "
+        f"({d['cuda_context_gib']:.1f} GiB)",
+    ]
     items = sorted(d["components_gib"].items(), key=lambda kv: -kv[1])
     for i in range(0, len(items), 3):
-        lines.append("    " + "   ".join(f"{k} {v:.2f}" for k, v in items[i:i + 3]))
+        lines.append("    " + "   ".join(f"{k} {v:.2f}" for k, v in items[i : i + 3]))
     others = ", ".join(f"{k} {v:.2f}" for k, v in d["phases_gib"].items() if k != row["phase"])
     lines.append(f"  other moments (allocated GiB): {others}")
     host = row["host_per_process"]
-    lines.append(f"  host per process {host['total_gib']:.2f} GiB: "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in host["components_gib"].items()))
+    lines.append(
+        f"  host per process {host['total_gib']:.2f} GiB: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in host["components_gib"].items())
+    )
     return lines
 
 
 def render(plan: dict, all_methods: bool = True) -> str:
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
-    lines = [(f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
-              f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
-              f"LoRA adds {m['lora_parameters']:,}"),
-             (f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
-              f"host {hw['host_memory_gib']:.0f} GiB per node; fits = reserved + CUDA context <= "
-              f"{int(hw['margin'] * 100)}% of each"),
-             (f"recipe {plan['recipe']}: method {plan['method']}, precision {a['precision']}, micro-batch "
-              f"{a['micro_batch']} x accumulation {a['grad_accum']}, sequence {a['seq_len']} ({a['layout']}), loss "
-              f"{a['loss_impl']}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}"),
-             "GiB per device (2^30 bytes) at each row's predicted peak; comm = GB (1e9) sent per rank per optimizer step"
-             + (f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
-                if hw["bandwidth"]["busbw_gbs"] else "; pass --bandwidth for times"), ""]
-    head = (f"{'method':6} {'strategy':18}" + "".join(f"{c:>7}" for c, _ in COLUMNS) + f"{'other':>7}"
-            + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}  fits")
+    lines = [
+        (
+            f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
+            f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
+            f"LoRA adds {m['lora_parameters']:,}"
+        ),
+        (
+            f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
+            f"host {hw['host_memory_gib']:.0f} GiB per node; fits = reserved + CUDA context <= "
+            f"{int(hw['margin'] * 100)}% of each"
+        ),
+        (
+            f"recipe {plan['recipe']}: method {plan['method']}, precision {a['precision']}, micro-batch "
+            f"{a['micro_batch']} x accumulation {a['grad_accum']}, sequence {a['seq_len']} ({a['layout']}), loss "
+            f"{a['loss_impl']}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}"
+        ),
+        "GiB per device (2^30 bytes) at each row's predicted peak; comm = GB (1e9) sent per rank per optimizer step"
+        + (
+            f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
+            if hw["bandwidth"]["busbw_gbs"]
+            else "; pass --bandwidth for times"
+        ),
+        "",
+    ]
+    head = (
+        f"{'method':6} {'strategy':18}"
+        + "".join(f"{c:>7}" for c, _ in COLUMNS)
+        + f"{'other':>7}"
+        + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}  fits"
+    )
     lines += [head, "-" * len(head)]
     for r in plan["rows"]:
         if not all_methods and r["method"] != plan["method"]:
@@ -68,9 +125,12 @@ def render(plan: dict, all_methods: bool = True) -> str:
         h2d = sum(c["host_device_bytes"].values()) / 1e9
         t = f"{c['collectives_s']:8.3f}" if c["collectives_s"] is not None else f"{'-':>8}"
         fit = "yes" if r["fits"] else ("barely" if r["fits_without_margin"] else "NO")
-        lines.append(f"{r['method']:6} {r['strategy']:18}" + "".join(f"{v:7.2f}" for v in _cells(d["components_gib"]))
-                     + f"{d['allocated_gib']:8.2f}{d['reserved_gib']:8.2f}{d['total_gib']:8.2f}"
-                     f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}  {fit}")
+        lines.append(
+            f"{r['method']:6} {r['strategy']:18}"
+            + "".join(f"{v:7.2f}" for v in _cells(d["components_gib"]))
+            + f"{d['allocated_gib']:8.2f}{d['reserved_gib']:8.2f}{d['total_gib']:8.2f}"
+            f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}  {fit}"
+        )
     rec = plan["recommendation"]
     if hw["world_size"] > 1:
         lines.append("(single: one GPU of the same kind, for reference; not recommended when more are there)")

@@ -37,30 +37,57 @@ def regime_for(w: Workload, strategy: str, device_type: str = "cuda") -> Regime:
 def constants() -> dict:
     """Every fitted or assumed number, its value and where it comes from."""
     return {
-        "cublas_workspace_bytes": {"value": memory.CUBLAS_WORKSPACE_SM90, "kind": "derived",
-                                   "source": "CublasHandlePool.cpp default CUBLAS_WORKSPACE_CONFIG :4096:8 on sm90 "
-                                             "(8 MiB + 128 KiB elsewhere), x 2 handles (forward thread, autograd thread)"},
-        "allocator_fragmentation": {"value": memory.ALLOCATOR_FRAGMENTATION, "kind": "fitted",
-                                    "source": "mean reserved/allocated - 1 of five H200 records (2026-11-22)"},
-        "cuda_context_gib": {"value": memory.CUDA_CONTEXT_GIB, "kind": "assumed",
-                             "source": "typical H100 context, outside torch's counters; not measured"},
-        "host_cuda_process_base_gib": {"value": host_mem.HOST_CUDA_PROCESS_BASE_GIB, "kind": "fitted",
-                                       "source": "median training RSS of the six H200 records (2026-11-22)"},
-        "host_cpu_process_base_gib": {"value": host_mem.HOST_CPU_PROCESS_BASE_GIB, "kind": "measured",
-                                      "source": "psutil RSS after the imports, CPU build"},
-        "loss_chunk_bytes": {"value": loss_choice.CHUNK_LOGITS_BYTES, "kind": "derived",
-                             "source": "the chunk rule, fp32 logits of one chunk (finetune/modeling/loss_choice.py)"},
+        "cublas_workspace_bytes": {
+            "value": memory.CUBLAS_WORKSPACE_SM90,
+            "kind": "derived",
+            "source": "CublasHandlePool.cpp default CUBLAS_WORKSPACE_CONFIG :4096:8 on sm90 "
+            "(8 MiB + 128 KiB elsewhere), x 2 handles (forward thread, autograd thread)",
+        },
+        "allocator_fragmentation": {
+            "value": memory.ALLOCATOR_FRAGMENTATION,
+            "kind": "fitted",
+            "source": "mean reserved/allocated - 1 of five H200 records (2026-11-22)",
+        },
+        "cuda_context_gib": {
+            "value": memory.CUDA_CONTEXT_GIB,
+            "kind": "assumed",
+            "source": "typical H100 context, outside torch's counters; not measured",
+        },
+        "host_cuda_process_base_gib": {
+            "value": host_mem.HOST_CUDA_PROCESS_BASE_GIB,
+            "kind": "fitted",
+            "source": "median training RSS of the six H200 records (2026-11-22)",
+        },
+        "host_cpu_process_base_gib": {
+            "value": host_mem.HOST_CPU_PROCESS_BASE_GIB,
+            "kind": "measured",
+            "source": "psutil RSS after the imports, CPU build",
+        },
+        "loss_chunk_bytes": {
+            "value": loss_choice.CHUNK_LOGITS_BYTES,
+            "kind": "derived",
+            "source": "the chunk rule, fp32 logits of one chunk (finetune/modeling/loss_choice.py)",
+        },
     }
 
 
-def breakdown(shape: Shape, w: Workload, strategy: str, n: int, *, sm: int | None,
-              ds_config: dict | None = None, regime: Regime | None = None) -> dict:
+def breakdown(
+    shape: Shape,
+    w: Workload,
+    strategy: str,
+    n: int,
+    *,
+    sm: int | None,
+    ds_config: dict | None = None,
+    regime: Regime | None = None,
+) -> dict:
     """The predicted peak of one device and one host process in bytes, with the regime and kernel."""
     p = regime or regime_for(w, strategy, "cuda" if sm is not None else "cpu")
     r = memory.peak(shape, w, p, strategy, n, sm=sm, ds_config=ds_config)
     components = {**r["persistent"], **{k: v for k, v in r["at_peak"].items() if v}}
-    host = host_mem.host_components(r["host_states"], strategy, on_gpu=sm is not None,
-                                    param_numels=shape.parameter_numels(), n=n)
+    host = host_mem.host_components(
+        r["host_states"], strategy, on_gpu=sm is not None, param_numels=shape.parameter_numels(), n=n
+    )
     if sm is None:  # a CPU run: the device is the host
         host = {**host, **components}
     return {"regime": p, "peak": r, "components": components, "host": host}
@@ -68,8 +95,11 @@ def breakdown(shape: Shape, w: Workload, strategy: str, n: int, *, sm: int | Non
 
 def assumptions(shape: Shape, w: Workload, p: Regime, r: dict, *, seq_len_source: str) -> dict:
     return {
-        "micro_batch": w.micro_batch, "seq_len": w.seq_len, "seq_len_source": seq_len_source,
-        "grad_accum": w.grad_accum, "gradient_checkpointing": w.gradient_checkpointing,
+        "micro_batch": w.micro_batch,
+        "seq_len": w.seq_len,
+        "seq_len_source": seq_len_source,
+        "grad_accum": w.grad_accum,
+        "gradient_checkpointing": w.gradient_checkpointing,
         "layout": w.layout + (" with padding (attention mask)" if w.masked and w.layout == "padded" else ""),
         "attention_kernel": r["attn_kind"],
         "loss_impl": memory.loss_text(w, shape),
@@ -79,13 +109,22 @@ def assumptions(shape: Shape, w: Workload, p: Regime, r: dict, *, seq_len_source
         "constants": constants(),
         "not_modelled": list(NOT_MODELLED),
         "device_scope": "one device; allocated is compared with memory.max.device_peak_allocated_gib, reserved with "
-                        "device_peak_reserved_gib; total adds the CUDA context (what must fit)",
+        "device_peak_reserved_gib; total adds the CUDA context (what must fit)",
         "host_scope": "one process (rank); compared with memory.max.host_peak_rss_gib (training peak)",
     }
 
 
-def predicted_memory(shape: Shape, w: Workload, strategy: str, n: int, *, sm: int | None,
-                     seq_len_source: str, ds_config: dict | None = None, regime: Regime | None = None) -> dict:
+def predicted_memory(
+    shape: Shape,
+    w: Workload,
+    strategy: str,
+    n: int,
+    *,
+    sm: int | None,
+    seq_len_source: str,
+    ds_config: dict | None = None,
+    regime: Regime | None = None,
+) -> dict:
     """run.json `predicted_memory` (docs/run_record.md)."""
     b = breakdown(shape, w, strategy, n, sm=sm, ds_config=ds_config, regime=regime)
     p, r = b["regime"], b["peak"]
@@ -93,26 +132,50 @@ def predicted_memory(shape: Shape, w: Workload, strategy: str, n: int, *, sm: in
     device = None
     if on_gpu:
         allowance = r["reserved"] - r["allocated"] - r["late_unfit"]
-        device = {"components_gib": {k: gib(v) for k, v in b["components"].items()},
-                  "allocated_gib": gib(r["allocated"]), "allocator_allowance_gib": gib(allowance),
-                  "late_unfit_gib": gib(r["late_unfit"]), "reserved_gib": gib(r["reserved"]),
-                  "cuda_context_gib": memory.CUDA_CONTEXT_GIB, "total_gib": gib(memory.fits_total(r["reserved"]))}
-    return {"strategy": strategy, "method": w.method, "world_size": n,
-            "precision": {"policy": p.policy, "note": p.note, "param_bytes": p.param, "frozen_bytes": p.frozen,
-                          "grad_bytes": p.grad, "state_bytes": p.state, "master_bytes": p.master,
-                          "autocast": p.autocast, "compute_bytes": p.compute},
-            "phase": r["phase"], "phases_gib": {k: gib(v) for k, v in r["phases"].items()},
-            "device": device,
-            "host": {"components_gib": {k: gib(v) for k, v in b["host"].items()},
-                     "total_gib": gib(sum(b["host"].values()))},
-            "assumptions": assumptions(shape, w, p, r, seq_len_source=seq_len_source), "error": None}
+        device = {
+            "components_gib": {k: gib(v) for k, v in b["components"].items()},
+            "allocated_gib": gib(r["allocated"]),
+            "allocator_allowance_gib": gib(allowance),
+            "late_unfit_gib": gib(r["late_unfit"]),
+            "reserved_gib": gib(r["reserved"]),
+            "cuda_context_gib": memory.CUDA_CONTEXT_GIB,
+            "total_gib": gib(memory.fits_total(r["reserved"])),
+        }
+    return {
+        "strategy": strategy,
+        "method": w.method,
+        "world_size": n,
+        "precision": {
+            "policy": p.policy,
+            "note": p.note,
+            "param_bytes": p.param,
+            "frozen_bytes": p.frozen,
+            "grad_bytes": p.grad,
+            "state_bytes": p.state,
+            "master_bytes": p.master,
+            "autocast": p.autocast,
+            "compute_bytes": p.compute,
+        },
+        "phase": r["phase"],
+        "phases_gib": {k: gib(v) for k, v in r["phases"].items()},
+        "device": device,
+        "host": {
+            "components_gib": {k: gib(v) for k, v in b["host"].items()},
+            "total_gib": gib(sum(b["host"].values())),
+        },
+        "assumptions": assumptions(shape, w, p, r, seq_len_source=seq_len_source),
+        "error": None,
+    }
 
 
 def _err(pred, measured):
     if pred is None or not measured:
         return None
-    return {"predicted_gib": round(pred, 4), "measured_gib": measured,
-            "relative_error": round((pred - measured) / measured, 4)}
+    return {
+        "predicted_gib": round(pred, 4),
+        "measured_gib": measured,
+        "relative_error": round((pred - measured) / measured, 4),
+    }
 
 
 def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib: float | None = None) -> dict:
@@ -125,7 +188,8 @@ def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib
         "device_allocated": _err(dev and dev["allocated_gib"], peaks.get("device_peak_allocated_gib")),
         "device_reserved": _err(dev and dev["reserved_gib"], peaks.get("device_peak_reserved_gib")),
         "host": _err(predicted["host"]["total_gib"], peaks.get("host_peak_rss_gib")),
-        "host_lifetime_peak_rank0": _err(predicted["host"]["total_gib"], lifetime_peak_gib)}
+        "host_lifetime_peak_rank0": _err(predicted["host"]["total_gib"], lifetime_peak_gib),
+    }
     return predicted
 
 
@@ -134,9 +198,16 @@ def micro_batch_of(cfg) -> int:
     return int(cfg.training.args.get("per_device_train_batch_size", TRAINING_DEFAULTS["per_device_train_batch_size"]))
 
 
-def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | None = None,
-                         seq_len: int | None = None, masked: bool = False, loss_impl: str | None = None,
-                         loss_chunk_tokens: int | None = None) -> Workload:
+def workload_from_config(
+    cfg,
+    *,
+    precision: str,
+    gradient_checkpointing: bool | None = None,
+    seq_len: int | None = None,
+    masked: bool = False,
+    loss_impl: str | None = None,
+    loss_chunk_tokens: int | None = None,
+) -> Workload:
     """The workload of a recipe. `loss_impl`: the resolved loss (a run's speed record); else the
     recipe's training.loss_impl; "auto" is resolved per method and shape as the run resolves it
     (finetune/modeling/loss_choice.py; a head that needs the logits is recorded by the run)."""
@@ -151,18 +222,30 @@ def workload_from_config(cfg, *, precision: str, gradient_checkpointing: bool | 
         loss_impl = getattr(t, "loss_impl", "standard")  # "auto": resolved per method (memory.resolve_loss)
     layout = "padding_free" if getattr(d, "padding_free", False) else ("packed" if d.packing else "padded")
     optim = str(targs.get("optim", "adamw_torch_fused"))
-    return Workload(method=m.name, micro_batch=micro_batch,
-                    seq_len=seq_len, grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
-                    gradient_checkpointing=gradient_checkpointing, precision=precision, lora_r=m.lora_r,
-                    lora_targets=m.target_modules, lora_dropout=m.lora_dropout, double_quant=m.double_quant,
-                    attn_implementation=cfg.model.attn_implementation, layout=layout, masked=masked,
-                    loss_impl=loss_impl, loss_chunk_tokens=loss_chunk_tokens or getattr(t, "loss_chunk_tokens", None),
-                    optimizer="foreach" if optim in ("adamw_torch", "adamw_hf") else "fused",
-                    legacy_model_dtype=cfg.model.dtype)
+    return Workload(
+        method=m.name,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
+        gradient_checkpointing=gradient_checkpointing,
+        precision=precision,
+        lora_r=m.lora_r,
+        lora_targets=m.target_modules,
+        lora_dropout=m.lora_dropout,
+        double_quant=m.double_quant,
+        attn_implementation=cfg.model.attn_implementation,
+        layout=layout,
+        masked=masked,
+        loss_impl=loss_impl,
+        loss_chunk_tokens=loss_chunk_tokens or getattr(t, "loss_chunk_tokens", None),
+        optimizer="foreach" if optim in ("adamw_torch", "adamw_hf") else "fused",
+        legacy_model_dtype=cfg.model.dtype,
+    )
 
 
-def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, precision: str,
-                      train_dataset=None) -> None:
+def record_prediction(
+    rec, model_config, cfg, *, gradient_checkpointing: bool, precision: str, train_dataset=None
+) -> None:
     """run.json `predicted_memory` for the strategy in the record's `strategy`, under the resolved
     precision policy; null with a logged reason when the architecture has no arithmetic here (training
     goes on: a plan is not a precondition). The sequence length is the longest training example when
@@ -184,12 +267,20 @@ def record_prediction(rec, model_config, cfg, *, gradient_checkpointing: bool, p
         sm = torch.cuda.get_device_capability()[0]
     try:
         shape = shape_of(model_config)
-        w = workload_from_config(cfg, precision=precision, gradient_checkpointing=gradient_checkpointing,
-                                 seq_len=seq_len, masked=masked, loss_impl=speed.get("resolved"),
-                                 loss_chunk_tokens=speed.get("chunk_tokens"))
+        w = workload_from_config(
+            cfg,
+            precision=precision,
+            gradient_checkpointing=gradient_checkpointing,
+            seq_len=seq_len,
+            masked=masked,
+            loss_impl=speed.get("resolved"),
+            loss_chunk_tokens=speed.get("chunk_tokens"),
+        )
         strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
-        rec.set("predicted_memory", predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm,
-                                                     seq_len_source=source))
+        rec.set(
+            "predicted_memory",
+            predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm, seq_len_source=source),
+        )
     except ValueError as e:
         log.warning("no memory prediction in run.json: %s", e)
         rec.set("predicted_memory", None)
@@ -206,8 +297,12 @@ def record_error(rec, host_lifetime_gib: float | None = None) -> None:
     import sys
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    lifetime = round(host_lifetime_gib if host_lifetime_gib is not None else
-                     resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB, 4)
+    lifetime = round(
+        host_lifetime_gib
+        if host_lifetime_gib is not None
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB,
+        4,
+    )
     rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), lifetime_peak_gib=lifetime))
 
 
@@ -223,10 +318,20 @@ def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, stra
                 continue  # on one device only the offload variants differ from `single`
             b = breakdown(shape, wm, strategy, n, sm=9)
             r = b["peak"]
-            rows.append({"method": method, "strategy": strategy, "regime": b["regime"], "phase": r["phase"],
-                         "device": b["components"], "allocated": r["allocated"], "reserved": r["reserved"],
-                         "device_total": memory.fits_total(r["reserved"]), "host": b["host"],
-                         "host_total": sum(b["host"].values()), "attn_kind": r["attn_kind"],
-                         "phases": r["phases"]})
+            rows.append(
+                {
+                    "method": method,
+                    "strategy": strategy,
+                    "regime": b["regime"],
+                    "phase": r["phase"],
+                    "device": b["components"],
+                    "allocated": r["allocated"],
+                    "reserved": r["reserved"],
+                    "device_total": memory.fits_total(r["reserved"]),
+                    "host": b["host"],
+                    "host_total": sum(b["host"].values()),
+                    "attn_kind": r["attn_kind"],
+                    "phases": r["phases"],
+                }
+            )
     return rows
-

@@ -72,11 +72,22 @@ def policy_regime(policy: str, method: str, strategy: str) -> Regime:
         frozen = F32
     compute = tb.working_params if (fam == "fsdp" and pol.fsdp_param_dtype) else None
     autocast = fam == "torch" and pol.torch_autocast is not None
-    how = {"torch": "torch.autocast" if autocast else "no autocast",
-           "fsdp": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
-           "deepspeed": f"DeepSpeed module in {pol.compute_dtype}, separate master"}[fam]
-    return Regime(pol.name, tb.params, frozen, tb.grads, tb.optimizer_states // 2, master=tb.master,
-                  autocast=autocast, compute=compute, note=f"{pol.summary}; {how}")
+    how = {
+        "torch": "torch.autocast" if autocast else "no autocast",
+        "fsdp": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
+        "deepspeed": f"DeepSpeed module in {pol.compute_dtype}, separate master",
+    }[fam]
+    return Regime(
+        pol.name,
+        tb.params,
+        frozen,
+        tb.grads,
+        tb.optimizer_states // 2,
+        master=tb.master,
+        autocast=autocast,
+        compute=compute,
+        note=f"{pol.summary}; {how}",
+    )
 
 
 def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_dtype: str = "auto") -> Regime:
@@ -98,16 +109,34 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
     if method == "full":
         if fam == "deepspeed":
             if strategy.startswith("zero3"):
-                return Regime(label + "; ZeRO-3 zero.Init in fp32", F32, F32, F32, F32, master=F32,
-                              note="DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master")
-            return Regime(label + "; DeepSpeed fp32 mode", loaded, loaded, F32, F32, master=F32,
-                          note="DeepSpeed fp32 mode: 16-bit flat module, fp32 master, fp32 gradient partition")
-        return Regime(label, loaded, loaded, loaded, loaded, note="weights, gradients and AdamW states in the load dtype")
+                return Regime(
+                    label + "; ZeRO-3 zero.Init in fp32",
+                    F32,
+                    F32,
+                    F32,
+                    F32,
+                    master=F32,
+                    note="DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master",
+                )
+            return Regime(
+                label + "; DeepSpeed fp32 mode",
+                loaded,
+                loaded,
+                F32,
+                F32,
+                master=F32,
+                note="DeepSpeed fp32 mode: 16-bit flat module, fp32 master, fp32 gradient partition",
+            )
+        return Regime(
+            label, loaded, loaded, loaded, loaded, note="weights, gradients and AdamW states in the load dtype"
+        )
     frozen = F32 if method == "qlora" else loaded
     if fam == "deepspeed" and strategy.startswith("zero3") and method != "qlora":
         frozen = F32  # zero.Init re-creates the frozen base in fp32 as well
     master = F32 if fam == "deepspeed" else 0
-    return Regime(label, F32, frozen, F32, F32, master=master, note="fp32 adapters (peft), frozen base in the load dtype")
+    return Regime(
+        label, F32, frozen, F32, F32, master=master, note="fp32 adapters (peft), frozen base in the load dtype"
+    )
 
 
 def regime_of_record(record: dict, method: str, strategy: str) -> Regime:

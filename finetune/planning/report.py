@@ -30,8 +30,10 @@ def load_model_config(name_or_path: str):
         from finetune.modeling import bundled
 
         if not bundled.is_prepared():
-            raise UserError("the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
-                            "--model DIR_OR_CONFIG_JSON")
+            raise UserError(
+                "the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
+                "--model DIR_OR_CONFIG_JSON"
+            )
         name_or_path = str(bundled.model_dir())
     path = Path(name_or_path)
     if path.is_file():
@@ -40,8 +42,10 @@ def load_model_config(name_or_path: str):
             kind = values.pop("model_type")
             return AutoConfig.for_model(kind, **values)
         except (ValueError, KeyError) as e:
-            raise UserError(f"--model: {path} is not a transformers config.json (needs model_type and the "
-                            f"model's shapes): {type(e).__name__}: {e}") from None
+            raise UserError(
+                f"--model: {path} is not a transformers config.json (needs model_type and the "
+                f"model's shapes): {type(e).__name__}: {e}"
+            ) from None
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"--model: directory {path} has no config.json")
@@ -49,13 +53,16 @@ def load_model_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError):
-        raise UserError(f"--model: {name_or_path!r} is not a local directory or file, and its config is not in "
-                        f"the Hugging Face cache (no hub access here). Write the model's config.json (from its "
-                        f"model card) and pass --model path/to/config.json or a directory holding it") from None
+        raise UserError(
+            f"--model: {name_or_path!r} is not a local directory or file, and its config is not in "
+            f"the Hugging Face cache (no hub access here). Write the model's config.json (from its "
+            f"model card) and pass --model path/to/config.json or a directory holding it"
+        ) from None
 
 
-def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float,
-               bandwidth: dict, model_name: str) -> dict:
+def build_plan(
+    cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float, bandwidth: dict, model_name: str
+) -> dict:
     shape = shape_of(model_config)
     # A plan is for GPUs: `auto` is taken as bf16-mixed (a GPU with bf16), as issue 12 resolves it there.
     policy = precision.resolve(cfg.training.precision, True, True)
@@ -68,39 +75,80 @@ def build_plan(cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, h
         times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
         host_node = row["host_total"] * gpus  # one process per GPU on each node
         fit_dev, fit_host = row["device_total"] / gpu_memory, host_node / host_memory
-        rows.append({"method": row["method"], "strategy": row["strategy"],
-                     "description": by_key(row["strategy"]).description,
-                     "precision": row["regime"].note, "phase": row["phase"], "attention_kernel": row["attn_kind"],
-                     "device": {"components_gib": {k: gib(v) for k, v in row["device"].items()},
-                                "allocated_gib": gib(row["allocated"]), "reserved_gib": gib(row["reserved"]),
-                                "cuda_context_gib": CUDA_CONTEXT_GIB, "total_gib": gib(row["device_total"]),
-                                "phases_gib": {k: gib(v) for k, v in row["phases"].items()}},
-                     "host_per_process": {"components_gib": {k: gib(v) for k, v in row["host"].items()},
-                                          "total_gib": gib(row["host_total"])},
-                     "host_per_node_gib": gib(host_node),
-                     "device_fraction": round(fit_dev, 4), "host_fraction": round(fit_host, 4),
-                     "fits": fit_dev <= MARGIN and fit_host <= MARGIN,
-                     "fits_without_margin": fit_dev <= 1 and fit_host <= 1,
-                     "communication": {"collectives_bytes": {k: round(v) for k, v in traffic["collectives"].items()},
-                                       "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
-                                       **times}})
+        rows.append(
+            {
+                "method": row["method"],
+                "strategy": row["strategy"],
+                "description": by_key(row["strategy"]).description,
+                "precision": row["regime"].note,
+                "phase": row["phase"],
+                "attention_kernel": row["attn_kind"],
+                "device": {
+                    "components_gib": {k: gib(v) for k, v in row["device"].items()},
+                    "allocated_gib": gib(row["allocated"]),
+                    "reserved_gib": gib(row["reserved"]),
+                    "cuda_context_gib": CUDA_CONTEXT_GIB,
+                    "total_gib": gib(row["device_total"]),
+                    "phases_gib": {k: gib(v) for k, v in row["phases"].items()},
+                },
+                "host_per_process": {
+                    "components_gib": {k: gib(v) for k, v in row["host"].items()},
+                    "total_gib": gib(row["host_total"]),
+                },
+                "host_per_node_gib": gib(host_node),
+                "device_fraction": round(fit_dev, 4),
+                "host_fraction": round(fit_host, 4),
+                "fits": fit_dev <= MARGIN and fit_host <= MARGIN,
+                "fits_without_margin": fit_dev <= 1 and fit_host <= 1,
+                "communication": {
+                    "collectives_bytes": {k: round(v) for k, v in traffic["collectives"].items()},
+                    "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
+                    **times,
+                },
+            }
+        )
     p = shape.params
     how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
-    notes = {"precision": f"{policy.name}{how}: {policy.summary}",
-             "micro_batch": w.micro_batch, "seq_len": w.seq_len, "gradient_checkpointing": w.gradient_checkpointing,
-             "grad_accum": w.grad_accum,
-             "layout": w.layout, "loss_impl": loss_text(w, shape),
-             "optimizer": f"AdamW ({w.optimizer})", "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
-             "constants": constants(), "not_modelled": list(NOT_MODELLED)}
-    return {"model": {"name": model_name, "model_type": shape.model_type, "parameters": p.total,
-                      "layers": shape.layers, "hidden": shape.hidden, "vocab": shape.vocab,
-                      "tied_embeddings": p.lm_head == 0,
-                      "lora_parameters": shape.lora_params(w.lora_r, w.lora_targets)},
-            "hardware": {"gpus_per_node": gpus, "nodes": nodes, "world_size": n, "gpu_memory_gib": gib(gpu_memory),
-                         "host_memory_gib": gib(host_memory), "margin": MARGIN, "bandwidth": bandwidth},
-            "recipe": cfg.recipe, "method": w.method, "assumptions": notes,
-            "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
-            "rows": rows, "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n)}
+    notes = {
+        "precision": f"{policy.name}{how}: {policy.summary}",
+        "micro_batch": w.micro_batch,
+        "seq_len": w.seq_len,
+        "gradient_checkpointing": w.gradient_checkpointing,
+        "grad_accum": w.grad_accum,
+        "layout": w.layout,
+        "loss_impl": loss_text(w, shape),
+        "optimizer": f"AdamW ({w.optimizer})",
+        "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
+        "constants": constants(),
+        "not_modelled": list(NOT_MODELLED),
+    }
+    return {
+        "model": {
+            "name": model_name,
+            "model_type": shape.model_type,
+            "parameters": p.total,
+            "layers": shape.layers,
+            "hidden": shape.hidden,
+            "vocab": shape.vocab,
+            "tied_embeddings": p.lm_head == 0,
+            "lora_parameters": shape.lora_params(w.lora_r, w.lora_targets),
+        },
+        "hardware": {
+            "gpus_per_node": gpus,
+            "nodes": nodes,
+            "world_size": n,
+            "gpu_memory_gib": gib(gpu_memory),
+            "host_memory_gib": gib(host_memory),
+            "margin": MARGIN,
+            "bandwidth": bandwidth,
+        },
+        "recipe": cfg.recipe,
+        "method": w.method,
+        "assumptions": notes,
+        "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
+        "rows": rows,
+        "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n),
+    }
 
 
 DEEPSPEED_DIFFERENCES = (
@@ -110,14 +158,17 @@ DEEPSPEED_DIFFERENCES = (
     "(as estimate_zero2_model_states_mem_needs counts it); ZeRO-3's gathered parameters by its reuse-distance "
     "rule instead of the estimator's largest layer in fp32; no 1.5x factor on host memory (pinned buffers "
     "are rounded up to a power of two instead, as torch's host allocator does); activations, the loss "
-    "and the allocator are added, which the estimators leave out.")
+    "and the allocator are added, which the estimators leave out."
+)
 
 
 def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: float, world: int = 1) -> dict:
     """The fastest strategy for the recipe's method that fits with the margin, why, and what does not fit.
     With several GPUs the single-device row is a reference only: it would leave the others idle."""
-    mine = sorted((r for r in rows if r["method"] == method and (world == 1 or r["strategy"] != "single")),
-                  key=lambda r: SPEED_ORDER.index(r["strategy"]))
+    mine = sorted(
+        (r for r in rows if r["method"] == method and (world == 1 or r["strategy"] != "single")),
+        key=lambda r: SPEED_ORDER.index(r["strategy"]),
+    )
     choice = next((r for r in mine if r["fits"]), None)
     short = []
     for r in mine:
@@ -127,21 +178,29 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
         over_host = r["host_fraction"] * host_memory - MARGIN * host_memory
         parts = []
         if over_dev > 0:
-            parts.append(f"device needs {r['device']['total_gib']:.1f} GiB, {over_dev / GIB:.1f} GiB over "
-                         f"{int(MARGIN * 100)}% of {gpu_memory / GIB:.0f} GiB"
-                         + ("" if r["device_fraction"] > 1 else " (fits only without the margin)"))
+            parts.append(
+                f"device needs {r['device']['total_gib']:.1f} GiB, {over_dev / GIB:.1f} GiB over "
+                f"{int(MARGIN * 100)}% of {gpu_memory / GIB:.0f} GiB"
+                + ("" if r["device_fraction"] > 1 else " (fits only without the margin)")
+            )
         if over_host > 0:
-            parts.append(f"host needs {r['host_per_node_gib']:.1f} GiB per node, {over_host / GIB:.1f} GiB over "
-                         f"{int(MARGIN * 100)}% of {host_memory / GIB:.0f} GiB")
+            parts.append(
+                f"host needs {r['host_per_node_gib']:.1f} GiB per node, {over_host / GIB:.1f} GiB over "
+                f"{int(MARGIN * 100)}% of {host_memory / GIB:.0f} GiB"
+            )
         short.append({"strategy": r["strategy"], "problem": "; ".join(parts)})
     if choice is None:
-        reason = (f"no strategy fits {method} with a {int((1 - MARGIN) * 100)}% margin: use a smaller micro-batch, "
-                  f"gradient checkpointing, a shorter sequence, a lighter method (lora/qlora) or more/larger GPUs")
+        reason = (
+            f"no strategy fits {method} with a {int((1 - MARGIN) * 100)}% margin: use a smaller micro-batch, "
+            f"gradient checkpointing, a shorter sequence, a lighter method (lora/qlora) or more/larger GPUs"
+        )
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
     faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
-    reason = (f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
-              f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
-              f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node")
+    reason = (
+        f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
+        f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
+        f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node"
+    )
     if faster:
         reason += f"; faster ones do not fit: {', '.join(faster)}"
     return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
@@ -156,13 +215,17 @@ def run(args, overrides: list[str]) -> int:
     name = args.model or cfg.model.name_or_path
     model_config = load_model_config(name)
     try:
-        plan = build_plan(cfg, model_config, gpus=args.gpus, nodes=args.nodes,
-                          gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
-                          host_memory=parse_size(args.host_memory, "--host-memory"),
-                          bandwidth=read_bandwidth(args.bandwidth), model_name=name)
+        plan = build_plan(
+            cfg,
+            model_config,
+            gpus=args.gpus,
+            nodes=args.nodes,
+            gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
+            host_memory=parse_size(args.host_memory, "--host-memory"),
+            bandwidth=read_bandwidth(args.bandwidth),
+            model_name=name,
+        )
     except ValueError as e:  # an architecture the arithmetic does not cover
         raise UserError(f"--model {name}: {e}") from None
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0
-
-

@@ -79,8 +79,10 @@ class Shape:
 
     def check_block_mechanism(self) -> None:
         if self.model_type not in BLOCK_MECHANISM:
-            raise ValueError(f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
-                             f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op)")
+            raise ValueError(
+                f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
+                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op)"
+            )
 
 
 def shape_of(config) -> Shape:
@@ -88,16 +90,34 @@ def shape_of(config) -> Shape:
     if config.model_type == "gpt2":
         h, inner = config.n_embd, config.n_inner or 4 * config.n_embd
         linears = [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, inner), ("mlp.c_proj", inner, h)]
-        return Shape("gpt2", count, h, config.n_layer, config.n_head, config.n_head, h // config.n_head, inner,
-                     config.vocab_size, linears)
+        return Shape(
+            "gpt2",
+            count,
+            h,
+            config.n_layer,
+            config.n_head,
+            config.n_head,
+            h // config.n_head,
+            inner,
+            config.vocab_size,
+            linears,
+        )
     h, heads = config.hidden_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or h // heads
     inter = config.intermediate_size
-    linears = [("q_proj", h, heads * hd), ("k_proj", h, kv * hd), ("v_proj", h, kv * hd), ("o_proj", heads * hd, h),
-               ("gate_proj", h, inter), ("up_proj", h, inter), ("down_proj", inter, h)]
-    return Shape(config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size,
-                 linears)
+    linears = [
+        ("q_proj", h, heads * hd),
+        ("k_proj", h, kv * hd),
+        ("v_proj", h, kv * hd),
+        ("o_proj", heads * hd, h),
+        ("gate_proj", h, inter),
+        ("up_proj", h, inter),
+        ("down_proj", inter, h),
+    ]
+    return Shape(
+        config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size, linears
+    )
 
 
 LAYOUTS = ("padded", "packed", "padding_free")

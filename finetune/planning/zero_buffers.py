@@ -15,10 +15,16 @@ from finetune.strategies import by_key
 # DeepSpeedZeroConfig: reduce_bucket_size 5e8, sub_group_size 1e9, stage3_max_live_parameters
 # 1e9, stage3_max_reuse_distance 1e9, stage3_param_persistence_threshold 1e5,
 # stage3_prefetch_bucket_size 5e7).
-DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "sub_group_size": 1e9,
-                      "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-                      "stage3_param_persistence_threshold": 1e5, "stage3_prefetch_bucket_size": 5e7,
-                      "overlap_comm": False}
+DEEPSPEED_DEFAULTS = {
+    "reduce_bucket_size": 5e8,
+    "allgather_bucket_size": 5e8,
+    "sub_group_size": 1e9,
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_param_persistence_threshold": 1e5,
+    "stage3_prefetch_bucket_size": 5e7,
+    "overlap_comm": False,
+}
 
 
 @dataclass
@@ -38,8 +44,11 @@ class ZeroValues:
 def fill_auto(zero: dict, hidden: int) -> dict:
     """Trainer's "auto" values (integrations/deepspeed.py trainer_config_finalize): reduce_bucket_size
     = h^2, stage3_prefetch_bucket_size = int(0.9 h^2), stage3_param_persistence_threshold = 10 h."""
-    auto = {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-            "stage3_param_persistence_threshold": 10 * hidden}
+    auto = {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
     out = dict(DEEPSPEED_DEFAULTS)
     for key, value in zero.items():
         out[key] = auto.get(key, value) if value == "auto" else value
@@ -64,14 +73,21 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
             ds_config = json.loads(path.read_text(encoding="utf-8"))
             source = row.deepspeed_config
     z = fill_auto(ds_config.get("zero_optimization") or {}, shape.hidden)
-    return ZeroValues(float(z["reduce_bucket_size"]), float(z["sub_group_size"]),
-                      float(z["stage3_max_live_parameters"]), float(z["stage3_max_reuse_distance"]),
-                      float(z["stage3_param_persistence_threshold"]), float(z["stage3_prefetch_bucket_size"]),
-                      bool(z["overlap_comm"]), source + " (auto filled as HF Trainer does)")
+    return ZeroValues(
+        float(z["reduce_bucket_size"]),
+        float(z["sub_group_size"]),
+        float(z["stage3_max_live_parameters"]),
+        float(z["stage3_max_reuse_distance"]),
+        float(z["stage3_param_persistence_threshold"]),
+        float(z["stage3_prefetch_bucket_size"]),
+        bool(z["overlap_comm"]),
+        source + " (auto filled as HF Trainer does)",
+    )
 
 
-def zero3_gathered(shape: Shape, z: ZeroValues, n: int, param_bytes: int, frozen_bytes: int, method: str,
-                   offload_params: bool = False) -> float:
+def zero3_gathered(
+    shape: Shape, z: ZeroValues, n: int, param_bytes: int, frozen_bytes: int, method: str, offload_params: bool = False
+) -> float:
     """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts.
     After a module's forward, PartitionedParameterCoordinator.release_sub_module keeps its
     parameters when their next use (the same module in backward) comes within

@@ -1,7 +1,7 @@
 """The formulas of what runs measure, each once: the peak-FLOPs table, MFU, throughput over
 steps, the maximum over ranks (model FLOPs: finetune/telemetry/model_flops.py).
 
-Definitions are shared/DESIGN.md's: throughput over training steps only, the first `warmup`
+Definitions (docs/run_record.md): throughput over training steps only, the first `warmup`
 optimizer steps excluded and said so; MFU only for devices whose peak is in PEAK_DENSE_FLOPS,
 never a guess. The counters that feed them: finetune/telemetry/meter.py.
 """
@@ -18,17 +18,37 @@ from dataclasses import dataclass
 # wins, so the PCIe/NVL variants come before their SXM row. A figure that could not be checked
 # against a datasheet is not in the table: no MFU is better than a guess.
 PEAK_DENSE_FLOPS: list[tuple[str, str, float, str]] = [
-    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 756e12,
-     "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 PCIe: BF16 1,513 TFLOPS with sparsity"),
-    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835e12,
-     "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 NVL: BF16 1,671 TFLOPS with sparsity"),
-    (r"\bH100\b", "H100 SXM", 989.4e12,
-     "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 SXM5: BF16 989.4 TFLOPS dense"),
-    (r"\bH200\b(?!.*\bNVL\b)", "H200 SXM", 989.4e12,
-     "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: BF16 1,979 TFLOPS with sparsity; "
-     "the H100 SXM5 silicon and clocks"),
-    (r"\bA100\b", "A100", 312e12,
-     "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 312 TFLOPS dense, SXM and PCIe alike"),
+    (
+        r"\bH100\b.*\bPCIe\b",
+        "H100 PCIe",
+        756e12,
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 PCIe: BF16 1,513 TFLOPS with sparsity",
+    ),
+    (
+        r"\bH100\b.*\bNVL\b",
+        "H100 NVL",
+        835e12,
+        "NVIDIA H100 datasheet (nvidia.com/en-us/data-center/h100), H100 NVL: BF16 1,671 TFLOPS with sparsity",
+    ),
+    (
+        r"\bH100\b",
+        "H100 SXM",
+        989.4e12,
+        "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), H100 SXM5: BF16 989.4 TFLOPS dense",
+    ),
+    (
+        r"\bH200\b(?!.*\bNVL\b)",
+        "H200 SXM",
+        989.4e12,
+        "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM: BF16 1,979 TFLOPS with sparsity; "
+        "the H100 SXM5 silicon and clocks",
+    ),
+    (
+        r"\bA100\b",
+        "A100",
+        312e12,
+        "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 312 TFLOPS dense, SXM and PCIe alike",
+    ),
     (r"\bL40S\b", "L40S", 362.05e12, "NVIDIA L40S datasheet: BF16 362.05 TFLOPS (733 with sparsity)"),
     (r"\bL4\b", "L4", 121e12, "NVIDIA L4 datasheet: BF16 242 TFLOPS with sparsity"),
     (r"\bA10\b", "A10", 125e12, "NVIDIA A10 datasheet: BF16 125 TFLOPS (250 with sparsity)"),
@@ -36,8 +56,11 @@ PEAK_DENSE_FLOPS: list[tuple[str, str, float, str]] = [
 ]
 # Devices that would match a row above but are a different part, or have no figure we could check.
 NO_FIGURE: list[tuple[str, str]] = [
-    (r"\bH200\b.*\bNVL\b", "the H200 NVL (600 W, lower clocks than the H200 SXM) has no dense BF16 figure checked "
-     "against its datasheet here"),
+    (
+        r"\bH200\b.*\bNVL\b",
+        "the H200 NVL (600 W, lower clocks than the H200 SXM) has no dense BF16 figure checked "
+        "against its datasheet here",
+    ),
     (r"\bA10G\b", "the A10G (AWS) has no public datasheet figure"),
     (r"\bGH200\b", "the GH200 superchip is not in the peak table"),
 ]
@@ -61,8 +84,10 @@ def no_peak_reason(device_name: str | None, visible_devices: str | None = None) 
     if not device_name:
         return "no device name"
     if " MIG " in f" {device_name} " or "MIG-" in (visible_devices or ""):
-        return (f"{device_name!r} is a MIG slice (CUDA_VISIBLE_DEVICES={visible_devices or '(unset)'}): its share of "
-                f"the GPU's compute is not known here")
+        return (
+            f"{device_name!r} is a MIG slice (CUDA_VISIBLE_DEVICES={visible_devices or '(unset)'}): its share of "
+            f"the GPU's compute is not known here"
+        )
     for pattern, why in NO_FIGURE:
         if re.search(pattern, device_name):
             return f"{device_name!r}: {why}"
@@ -111,9 +136,15 @@ def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: l
     times = step_s[excluded:]
     total = sum(times)
     per_s = (lambda counts: sum(counts[excluded:]) / total) if total > 0 else (lambda counts: None)
-    return {"excluded": excluded, "steps": len(times), "seconds": total, "trained_tokens_per_s": per_s(trained),
-            "input_tokens_per_s": per_s(inputs), "samples_per_s": per_s(samples),
-            "median_step_s": statistics.median(times) if times else None}
+    return {
+        "excluded": excluded,
+        "steps": len(times),
+        "seconds": total,
+        "trained_tokens_per_s": per_s(trained),
+        "input_tokens_per_s": per_s(inputs),
+        "samples_per_s": per_s(samples),
+        "median_step_s": statistics.median(times) if times else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -137,18 +168,29 @@ def throughput(stretches: list[Stretch], *, excluded: int) -> dict:
     of an earlier segment contributes its mean step time once per step); MFU = model FLOPs /
     (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
     seconds = sum(s.seconds for s in stretches)
-    empty = {"trained_tokens_per_s": None, "trained_tokens_per_s_per_device": None, "input_tokens_per_s": None,
-             "samples_per_s": None, "median_step_s": None, "mfu": None,
-             "warmup_steps_excluded": excluded, "steps_measured": 0}
+    empty = {
+        "trained_tokens_per_s": None,
+        "trained_tokens_per_s_per_device": None,
+        "input_tokens_per_s": None,
+        "samples_per_s": None,
+        "median_step_s": None,
+        "mfu": None,
+        "warmup_steps_excluded": excluded,
+        "steps_measured": 0,
+    }
     if not stretches or seconds <= 0:
         return empty
     device_seconds = sum(s.seconds * s.devices for s in stretches)
     times = [s.seconds / s.steps for s in stretches for _ in range(s.steps)]
     busy = [s.peak_seconds for s in stretches]
     value = sum(busy) / device_seconds if all(b is not None for b in busy) else None
-    return {"trained_tokens_per_s": round(sum(s.trained for s in stretches) / seconds, 3),
-            "trained_tokens_per_s_per_device": round(sum(s.trained for s in stretches) / device_seconds, 3),
-            "input_tokens_per_s": round(sum(s.inputs for s in stretches) / seconds, 3),
-            "samples_per_s": round(sum(s.examples for s in stretches) / seconds, 4),
-            "median_step_s": round(statistics.median(times), 4), "mfu": round(value, 4) if value is not None else None,
-            "warmup_steps_excluded": excluded, "steps_measured": len(times)}
+    return {
+        "trained_tokens_per_s": round(sum(s.trained for s in stretches) / seconds, 3),
+        "trained_tokens_per_s_per_device": round(sum(s.trained for s in stretches) / device_seconds, 3),
+        "input_tokens_per_s": round(sum(s.inputs for s in stretches) / seconds, 3),
+        "samples_per_s": round(sum(s.examples for s in stretches) / seconds, 4),
+        "median_step_s": round(statistics.median(times), 4),
+        "mfu": round(value, 4) if value is not None else None,
+        "warmup_steps_excluded": excluded,
+        "steps_measured": len(times),
+    }

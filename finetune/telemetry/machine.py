@@ -30,12 +30,23 @@ def hardware() -> dict:
     host = psutil.virtual_memory().total / GIB
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return {"device_type": "cuda", "device_name": props.name, "devices": torch.cuda.device_count(),
-                "device_memory_gib": round(props.total_memory / GIB, 2), "host_memory_gib": round(host, 2),
-                "interconnect": interconnect()}
-    return {"device_type": "cpu", "device_name": platform.processor() or platform.machine(),
-            "devices": 1, "device_memory_gib": None, "host_memory_gib": round(host, 2),
-            "interconnect": None, "cpu_count": os.cpu_count()}
+        return {
+            "device_type": "cuda",
+            "device_name": props.name,
+            "devices": torch.cuda.device_count(),
+            "device_memory_gib": round(props.total_memory / GIB, 2),
+            "host_memory_gib": round(host, 2),
+            "interconnect": interconnect(),
+        }
+    return {
+        "device_type": "cpu",
+        "device_name": platform.processor() or platform.machine(),
+        "devices": 1,
+        "device_memory_gib": None,
+        "host_memory_gib": round(host, 2),
+        "interconnect": None,
+        "cpu_count": os.cpu_count(),
+    }
 
 
 def interconnect() -> dict | None:
@@ -46,8 +57,12 @@ def interconnect() -> dict | None:
     n = torch.cuda.device_count()
     if n < 2:
         return None
-    out = {"peer_access": {f"{i}-{j}": torch.cuda.can_device_access_peer(i, j)
-                           for i in range(n) for j in range(n) if i < j}, "nvlink_active_links": None}
+    out = {
+        "peer_access": {
+            f"{i}-{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i < j
+        },
+        "nvlink_active_links": None,
+    }
     try:
         import pynvml
 

@@ -1,18 +1,7 @@
-"""Memory peaks of one process since the last reset: accelerator (torch.cuda.memory_stats) and host.
-
-Host peak, two methods, the record says which (`memory.host_peak_method`):
-
-* `vmhwm` (Linux): the kernel keeps the process's resident-set high-water mark (VmHWM in
-  /proc/self/status) and resets it to the current RSS when "5" is written to
-  /proc/self/clear_refs (Documentation/filesystems/proc.rst, "clear_refs"). Read at each log and
-  reset after it, every byte the process held in between counts: the optimizer step, checkpoint
-  saves, evaluation, the logits of a micro-step.
-* `sampled` (elsewhere, or where clear_refs is not writable): RSS read at each micro-step and at
-  each log (psutil), so what lives only inside a step is missed.
-
-The reset also resets what getrusage(RUSAGE_SELF).ru_maxrss reports (the kernel takes it from the
-same high-water mark while the process lives), so the process's lifetime peak is kept here
-(`lifetime_host_peak`): ru_maxrss before the first reset, then the maximum of every window.
+"""Memory peaks of one process since the last reset: accelerator (torch.cuda.memory_stats) and host,
+by the kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled
+RSS (`sampled`; docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's
+ru_maxrss, so the lifetime peak is kept here.
 """
 
 from __future__ import annotations
@@ -96,13 +85,21 @@ class MemoryTracker:
         self.host_peak = host_rss()
 
     def snapshot(self) -> dict:
-        out = {"device_peak_allocated_gib": None, "device_peak_reserved_gib": None,
-               "device_peak_active_gib": None, "host_peak_rss_gib": round(self.host_peak_now() / GIB, 4),
-               "alloc_retries": None, "ooms": None}
+        out = {
+            "device_peak_allocated_gib": None,
+            "device_peak_reserved_gib": None,
+            "device_peak_active_gib": None,
+            "host_peak_rss_gib": round(self.host_peak_now() / GIB, 4),
+            "alloc_retries": None,
+            "ooms": None,
+        }
         if self.cuda:
             s = torch.cuda.memory_stats()
-            out.update(device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
-                       device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
-                       alloc_retries=s.get("num_alloc_retries", 0), ooms=s.get("num_ooms", 0))
+            out.update(
+                device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
+                device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
+                device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
+                alloc_retries=s.get("num_alloc_retries", 0),
+                ooms=s.get("num_ooms", 0),
+            )
         return out

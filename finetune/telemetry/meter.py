@@ -1,21 +1,8 @@
-"""The meter: what one training process counts and clocks, in one object (the model is
-torchtitan's MetricsProcessor: it owns its counters and resets them after each log).
-
-* Token counters: input tokens (attention positions that are not padding; every position of a
-  padding-free batch, which has no mask; the count a packed batch states under REAL_TOKENS_KEY),
-  trained tokens (labels != -100) and rows, per micro-batch on this rank, per optimizer step.
-* Step clock: wall time of each optimizer step, CUDA-synchronised at its end (kernels are
-  asynchronous: time the work, not its launch).
-* Memory: accelerator peaks (torch.cuda.memory_stats) and host RSS per rank; reset when
-  training begins so model loading and training can be told apart, and again after each log.
-* The per-log window -> the metrics dict (namespaced keys with units: `perf/trained_tokens_per_s`,
-  `memory/max_host_peak_rss_gib`) and a `steps` entry of run.json; the end of training -> the
-  figures of run.json's `memory`, `throughput` and `batch` (finetune/telemetry/record.py).
-
-Used by FinetuneTrainer (finetune/training/trainer.py) and by both sides of `finetune bench`
-(finetune/bench/worker.py). Formulas (throughput, MFU, FLOPs): finetune/telemetry/formulas.py.
-Collectives take an Accelerator (num_processes, process_index, device, reduce); every rank
-must call the methods that gather (log_window, final, start_training).
+"""The meter: what one training process counts and clocks, in one object that owns its counters and
+resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
+micro-batch, the optimizer-step clock (CUDA-synchronised), memory peaks per rank; each log window
+becomes the metrics dict and a steps[] entry, the end of training the `memory`, `throughput` and
+`batch` figures. Every rank must call the methods that gather (log_window, final, start_training).
 """
 
 from __future__ import annotations
@@ -40,8 +27,13 @@ def token_counts(input_ids: torch.Tensor, attention_mask, labels, real) -> tuple
     is a real token. Trained tokens are what the shifted causal-LM loss scores: labels[..., 1:]
     that are not -100 (position t is scored against label t + 1, so label 0 of a row never is;
     transformers' ForCausalLMLoss and Trainer's num_items_in_batch count the same)."""
-    n_input = attention_mask.sum() if attention_mask is not None else real.to(input_ids.device).sum() \
-        if real is not None else torch.tensor(input_ids.numel(), device=input_ids.device)
+    n_input = (
+        attention_mask.sum()
+        if attention_mask is not None
+        else real.to(input_ids.device).sum()
+        if real is not None
+        else torch.tensor(input_ids.numel(), device=input_ids.device)
+    )
     n_trained = (labels[..., 1:] != -100).sum() if labels is not None else n_input
     return n_input, n_trained
 
@@ -63,8 +55,11 @@ def batch_counts(inputs: dict) -> torch.Tensor:
         positions = positions.reshape(-1, positions.shape[-1])
         rows, width = positions.shape
         col = torch.arange(width, device=positions.device)
-        real_mask = col < real.to(positions.device).reshape(-1, 1) if real is not None and real.dim() > 0 \
+        real_mask = (
+            col < real.to(positions.device).reshape(-1, 1)
+            if real is not None and real.dim() > 0
             else torch.ones_like(positions, dtype=torch.bool)
+        )
         starts = torch.ones_like(positions, dtype=torch.bool)
         starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
         starts &= real_mask
@@ -170,7 +165,7 @@ class Meter:
     def log_window(self, logs: dict, accelerator, global_step: int) -> dict:
         """Add the window's metrics (since the previous log) to Trainer's `logs` and return the
         run.json `steps` entry; resets the window's counters and memory peaks."""
-        window = self.steps[self._logged_steps:]
+        window = self.steps[self._logged_steps :]
         self._logged_steps = len(self.steps)
         counts = _sum_over_ranks(torch.tensor([s[1:] for s in window] or [[0, 0, 0, 0]]).sum(0), accelerator)
         n_input, n_trained, n_examples, sum_sq = (int(c) for c in counts)
@@ -200,13 +195,23 @@ class Meter:
         for key, value in peaks.items():
             if value is not None:
                 logs[f"memory/max_{key}"] = value
-        return {"step": global_step, "loss": logs.get("loss"), "lr": logs.get("learning_rate"),
-                "grad_norm": logs.get("grad_norm"), "trained_tokens": n_trained, "input_tokens": n_input,
-                "examples": n_examples, "window_steps": len(window), "world_size": n,
-                "step_s": logs["perf/step_s"], "data_loading_s": logs["perf/data_loading_s"],
-                "data_loading_share": share, "mfu": round(mfu, 6) if mfu is not None else None,
-                "host_peak_rss_gib": peaks.get("host_peak_rss_gib"),
-                "device_peak_allocated_gib": peaks.get("device_peak_allocated_gib")}
+        return {
+            "step": global_step,
+            "loss": logs.get("loss"),
+            "lr": logs.get("learning_rate"),
+            "grad_norm": logs.get("grad_norm"),
+            "trained_tokens": n_trained,
+            "input_tokens": n_input,
+            "examples": n_examples,
+            "window_steps": len(window),
+            "world_size": n,
+            "step_s": logs["perf/step_s"],
+            "data_loading_s": logs["perf/data_loading_s"],
+            "data_loading_share": share,
+            "mfu": round(mfu, 6) if mfu is not None else None,
+            "host_peak_rss_gib": peaks.get("host_peak_rss_gib"),
+            "device_peak_allocated_gib": peaks.get("device_peak_allocated_gib"),
+        }
 
     def tail_window(self, accelerator, global_step: int) -> dict | None:
         """The steps after the last log as one more `steps` entry (loss null: Trainer logs no loss
@@ -221,20 +226,34 @@ class Meter:
         train_peaks = _gather({k: v for k, v in self._train_peak.items() if k != "rank"}, accelerator)
         series = torch.tensor([s[1:] for s in self.steps] or [[0, 0, 0, 0]], dtype=torch.long)
         series = _sum_over_ranks(series, accelerator)
-        columns = {name: series[:, i].tolist() if self.steps else []
-                   for i, name in enumerate(("input_tokens", "trained_tokens", "samples", "sum_sq_lengths"))}
+        columns = {
+            name: series[:, i].tolist() if self.steps else []
+            for i, name in enumerate(("input_tokens", "trained_tokens", "samples", "sum_sq_lengths"))
+        }
         return {
-            "step_s": [s[0] for s in self.steps], **columns,
+            "step_s": [s[0] for s in self.steps],
+            **columns,
             "host_lifetime_peak_gib": round(self.memory.lifetime_host_peak / GIB, 4),  # this rank's
-            "memory": {"per_rank": train_peaks, "max": formulas.max_over_ranks(train_peaks),
-                       "host_peak_method": self.memory.method,
-                       "loading": {"per_rank": self.loading_memory,
-                                   "max": formulas.max_over_ranks(self.loading_memory)}},
+            "memory": {
+                "per_rank": train_peaks,
+                "max": formulas.max_over_ranks(train_peaks),
+                "host_peak_method": self.memory.method,
+                "loading": {"per_rank": self.loading_memory, "max": formulas.max_over_ranks(self.loading_memory)},
+            },
         }
 
 
-def run_figures(measured: dict, *, hardware: dict, model_flops, flops_reason: str | None, world_size: int,
-                warmup: int, earlier: list | None = None, earlier_excluded: int = 0) -> dict:
+def run_figures(
+    measured: dict,
+    *,
+    hardware: dict,
+    model_flops,
+    flops_reason: str | None,
+    world_size: int,
+    warmup: int,
+    earlier: list | None = None,
+    earlier_excluded: int = 0,
+) -> dict:
     """run.json's `memory` and `throughput` sections and the `batch` tokens per step, from
     Meter.final() of this launch and, for a resumed run, `earlier`: the stretches of the earlier
     segments, `earlier_excluded` of their steps left out as warm-up (finetune/telemetry/totals.py).
@@ -246,12 +265,25 @@ def run_figures(measured: dict, *, hardware: dict, model_flops, flops_reason: st
     excluded = warmup if steps > warmup else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # MIG slices show there as MIG-<uuid>
     peak = formulas.peak_flops(hardware["device_name"], visible) if hardware["device_type"] == "cuda" else None
-    flops = [model_flops.flops(i, q) for i, q in zip(measured["input_tokens"], measured["sum_sq_lengths"])] \
-        if model_flops is not None else None
-    mine = [formulas.Stretch(steps=1, seconds=t, trained=tr, inputs=i, examples=e, devices=world_size,
-                             peak_seconds=flops[k] / peak[1] if flops is not None and peak else None)
-            for k, (t, tr, i, e) in enumerate(zip(measured["step_s"], measured["trained_tokens"],
-                                                  measured["input_tokens"], measured["samples"]))][excluded:]
+    flops = (
+        [model_flops.flops(i, q) for i, q in zip(measured["input_tokens"], measured["sum_sq_lengths"])]
+        if model_flops is not None
+        else None
+    )
+    mine = [
+        formulas.Stretch(
+            steps=1,
+            seconds=t,
+            trained=tr,
+            inputs=i,
+            examples=e,
+            devices=world_size,
+            peak_seconds=flops[k] / peak[1] if flops is not None and peak else None,
+        )
+        for k, (t, tr, i, e) in enumerate(
+            zip(measured["step_s"], measured["trained_tokens"], measured["input_tokens"], measured["samples"])
+        )
+    ][excluded:]
     earlier = earlier or []
     tp = formulas.throughput(earlier + mine, excluded=excluded + earlier_excluded)
     measured_inputs = sum(measured["input_tokens"][excluded:])
@@ -261,20 +293,30 @@ def run_figures(measured: dict, *, hardware: dict, model_flops, flops_reason: st
         note = f"no MFU: {flops_reason}"
     elif tp["mfu"] is None and note is None and earlier:
         note = "no MFU: an earlier segment of this resumed run has no MFU figure"
-    tp.update(flops_convention=model_flops.convention if model_flops else None,
-              flops_per_token=round(sum(flops[excluded:]) / measured_inputs, 1) if flops and measured_inputs else None,
-              peak_device=peak[0] if peak else None, mfu_note=note, scope=SCOPE + (
-                  f"; whole run: {len(earlier)} log window(s) of earlier segments and this launch's steps"
-                  if earlier else ""))
-    return {"memory": measured["memory"], "throughput": tp,
-            "batch": {"input_tokens_per_step": round(sum(measured["input_tokens"]) / max(steps, 1), 1),
-                      "trained_tokens_per_step": round(sum(measured["trained_tokens"]) / max(steps, 1), 1)}}
+    tp.update(
+        flops_convention=model_flops.convention if model_flops else None,
+        flops_per_token=round(sum(flops[excluded:]) / measured_inputs, 1) if flops and measured_inputs else None,
+        peak_device=peak[0] if peak else None,
+        mfu_note=note,
+        scope=SCOPE
+        + (f"; whole run: {len(earlier)} log window(s) of earlier segments and this launch's steps" if earlier else ""),
+    )
+    return {
+        "memory": measured["memory"],
+        "throughput": tp,
+        "batch": {
+            "input_tokens_per_step": round(sum(measured["input_tokens"]) / max(steps, 1), 1),
+            "trained_tokens_per_step": round(sum(measured["trained_tokens"]) / max(steps, 1), 1),
+        },
+    }
 
 
 # What throughput figures cover (docs/run_record.md `throughput`, README "What the figures mean").
-SCOPE = ("step clock: start to end of each optimizer step, CUDA-synchronised, rank 0; excludes data loading, "
-         "logging, evaluation and checkpoint saves; rates = summed counts / summed step time over the steps "
-         "after each segment's warm-up")
+SCOPE = (
+    "step clock: start to end of each optimizer step, CUDA-synchronised, rank 0; excludes data loading, "
+    "logging, evaluation and checkpoint saves; rates = summed counts / summed step time over the steps "
+    "after each segment's warm-up"
+)
 
 
 def _sum_over_ranks(t: torch.Tensor, accelerator) -> torch.Tensor:

@@ -1,28 +1,6 @@
 """Model FLOPs of a training step, from the live model (what its forward multiplies), not from
-config arithmetic that only fits Llama-shaped models.
-
-Convention (PaLM, Chowdhery et al. 2022, appendix B): per token, 6N for the weight matmuls of a
-full fine-tuning step (2N forward, 4N backward) plus 12·L·H·Q·T for attention, where T is the
-length of the sequence the token attends within. LoRA/QLoRA: the frozen base gets no weight
-gradients, so the backward costs 2N instead of 4N: 4N (adapter FLOPs, <1% of N, ignored).
-
-* N = the matmul weights the forward uses, counted from the model's own modules: every
-  nn.Linear (in x out features: a 4-bit Linear4bit at its logical size, a ZeRO-3-partitioned one
-  at its full size), GPT-2's Conv1D (nx x nf), and every other parameter of 2+ dimensions held
-  directly by a module (a MoE router, fused expert banks). Not counted: embedding lookups (the
-  input embedding table, learned position tables), 1-D parameters (norms, biases), LoRA adapters
-  (lora_A/lora_B), the frozen copy peft keeps next to a trained module (original_module). The LM
-  head is counted even when tied to the input embedding: the forward multiplies by it.
-* MoE: only the experts a token is routed to run: expert weights (3-D banks, or modules under an
-  `experts` list) count x experts per token / experts, from the config (num_experts_per_tok). A
-  MoE model whose config does not say how many experts a token uses gets no FLOPs figure (and so
-  no MFU), with the reason.
-* Attention: L, H, Q from the model's config (num_hidden_layers, num_attention_heads, head_dim
-  or hidden_size / heads; transformers maps GPT-2's n_layer, n_head, n_embd onto these names).
-  A padding-free or packed row holds several examples and each token attends only within its
-  own example (finetune/training/speed.py), so a batch's attention FLOPs are
-  sum_i T_i x 12·L·H·Q·T_i = 12·L·H·Q · sum_i T_i^2 over its examples, never the row length.
-  Full causal attention over T is counted (the PaLM term; no sliding-window discount).
+config arithmetic that only fits Llama-shaped models: PaLM's convention, 6N (4N for LoRA/QLoRA)
+plus attention within each example (docs/run_record.md "throughput" has the counting rules).
 """
 
 from __future__ import annotations
@@ -31,8 +9,7 @@ from dataclasses import dataclass
 
 # Module name parts whose parameters are not weights of the base forward (peft's adapters and
 # the frozen copy ModulesToSaveWrapper keeps beside the trained one).
-SKIPPED_PARTS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
-                 "original_module"}
+SKIPPED_PARTS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "original_module"}
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 
 
@@ -70,24 +47,42 @@ def _from_model(model, method: str) -> tuple[ModelFlops | None, str | None]:
     dense, experts, banks = count_matmul_params(base)
     if experts:
         top_k = next((getattr(text, k) for k in TOP_K_KEYS if isinstance(getattr(text, k, None), int)), None)
-        n_experts = banks or next((getattr(text, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                                   if isinstance(getattr(text, k, None), int)), None)
+        n_experts = banks or next(
+            (
+                getattr(text, k)
+                for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                if isinstance(getattr(text, k, None), int)
+            ),
+            None,
+        )
         if not top_k or not n_experts:
-            return None, (f"{type(base).__name__} is a mixture of experts but its config does not say how many "
-                          f"experts a token uses ({' / '.join(TOP_K_KEYS)}) or how many there are")
+            return None, (
+                f"{type(base).__name__} is a mixture of experts but its config does not say how many "
+                f"experts a token uses ({' / '.join(TOP_K_KEYS)}) or how many there are"
+            )
         dense += experts * top_k // n_experts
     layers = getattr(text, "num_hidden_layers", None)
     heads = getattr(text, "num_attention_heads", None)
     head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) // heads if heads else None)
     if not (isinstance(layers, int) and isinstance(heads, int) and head_dim):
-        return None, (f"{type(text).__name__} does not give the attention shape (num_hidden_layers "
-                      f"{layers!r}, num_attention_heads {heads!r}, head_dim {head_dim!r})")
+        return None, (
+            f"{type(text).__name__} does not give the attention shape (num_hidden_layers "
+            f"{layers!r}, num_attention_heads {heads!r}, head_dim {head_dim!r})"
+        )
     full = method == "full"
     return ModelFlops(
-        matmul_params=int(dense), weight_factor=6 if full else 4, attention_coeff=12 * layers * heads * head_dim,
-        convention=("6N + 12LHQT (PaLM appendix B)" if full else "4N + 12LHQT: frozen base (no weight gradients), "
-                    "LoRA FLOPs ignored") + "; N = matmul weights of the live model incl. LM head"
-        + (", active experts only" if experts else "") + "; T = each example's own length"), None
+        matmul_params=int(dense),
+        weight_factor=6 if full else 4,
+        attention_coeff=12 * layers * heads * head_dim,
+        convention=(
+            "6N + 12LHQT (PaLM appendix B)"
+            if full
+            else "4N + 12LHQT: frozen base (no weight gradients), LoRA FLOPs ignored"
+        )
+        + "; N = matmul weights of the live model incl. LM head"
+        + (", active experts only" if experts else "")
+        + "; T = each example's own length",
+    ), None
 
 
 def count_matmul_params(model) -> tuple[int, int, int]:

@@ -33,21 +33,30 @@ class RunRecord:
 
     def __init__(self, path: Path, *, run_name: str, recipe: str, config: dict):
         self.path = Path(path)
-        given = {"run_name": run_name, "recipe": recipe, "config": config, "versions": versions(),
-                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "hardware": hardware()}
-        self.data: dict = {s.name: given[s.name] if s.name in given else s.initial()
-                           for s in SECTIONS if s.name in given or s.initial is not ABSENT}
+        given = {
+            "run_name": run_name,
+            "recipe": recipe,
+            "config": config,
+            "versions": versions(),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "hardware": hardware(),
+        }
+        self.data: dict = {
+            s.name: given[s.name] if s.name in given else s.initial()
+            for s in SECTIONS
+            if s.name in given or s.initial is not ABSENT
+        }
 
     @property
     def view(self) -> RecordView:
         return RecordView(self.data)
 
-    def set(self, section: str, value) -> None:
+    def set(self, section: str, value: Any) -> None:
         """Replace a section (a new one is appended, as it first appears in run.json)."""
         _validate(value, _section(section).shape, section)
         self.data[section] = value
 
-    def update(self, section: str, **fields) -> None:
+    def update(self, section: str, **fields: Any) -> None:
         """Set some fields of an object section (summary, batch, ...), keeping the others."""
         shape = _unwrap(_section(section).shape)
         hints = _fields(shape)
@@ -115,8 +124,10 @@ def check(record) -> str | None:
         return f"not a run record (top level is {type(record).__name__}, expected an object)"
     schema = record.get("schema")
     if schema != SCHEMA:
-        return (f"run record schema {schema!r} is not supported (this finetune reads schema {SCHEMA}); "
-                f"re-run it with this version, or compare it with the finetune version that wrote it")
+        return (
+            f"run record schema {schema!r} is not supported (this finetune reads schema {SCHEMA}); "
+            f"re-run it with this version, or compare it with the finetune version that wrote it"
+        )
     missing = [s.name for s in SECTIONS if s.required and s.name not in record]
     if missing:
         return f"schema-1 record without {', '.join(missing)} (incomplete or from an older development version)"
@@ -167,8 +178,9 @@ def paths_of(record: dict) -> set[str]:
 
 def _section(name: str):
     if name not in BY_NAME:
-        raise KeyError(f"run.json has no section {name!r} (declared: {', '.join(BY_NAME)}; "
-                       f"finetune/telemetry/record_schema.py)")
+        raise KeyError(
+            f"run.json has no section {name!r} (declared: {', '.join(BY_NAME)}; finetune/telemetry/record_schema.py)"
+        )
     return BY_NAME[name]
 
 
@@ -188,8 +200,10 @@ def _fields(hint) -> dict | None:
 
 
 def _undeclared(where: str, keys) -> ValueError:
-    return ValueError(f"run.json {where}: field(s) {', '.join(map(repr, sorted(keys)))} not declared in "
-                      f"finetune/telemetry/record_schema.py; declare them there and in docs/run_record.md")
+    return ValueError(
+        f"run.json {where}: field(s) {', '.join(map(repr, sorted(keys)))} not declared in "
+        f"finetune/telemetry/record_schema.py; declare them there and in docs/run_record.md"
+    )
 
 
 def _validate(value, hint, where: str) -> None:

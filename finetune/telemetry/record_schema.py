@@ -13,9 +13,12 @@ a field says per rank; null where a value does not apply (device memory on a CPU
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypedDict
+from typing import Any, TypedDict
 
+from finetune.data.build import DataStats
 from finetune.telemetry.record_predicted import PredictedMemory
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
@@ -70,7 +73,8 @@ class Evidence(TypedDict, total=False):
 
 
 class Setup(TypedDict):
-    """Who set the strategy up and how (finetune/launch/setup.py)."""
+    """Who set the strategy up and how (finetune/launch/strategy_setup.py)."""
+
     launcher: str  # accelerate launch | torchrun | python | finetune train | unknown
     config_file: str | None  # the accelerate config the launcher read
     config_from: str | None  # --config_file | default config | finetune train
@@ -197,17 +201,8 @@ class Throughput(TypedDict, total=False):
     scope: str  # what the figures cover (finetune/telemetry/meter.py SCOPE)
 
 
-class DataSummary(TypedDict):
-    format: str
-    rows_read: int
-    rows_skipped: list[list]  # [row number, reason], the first 50
-    train_examples: int
-    eval_examples: int
-    truncated: int
-    packed: bool
-    train_input_tokens: int
-    train_trained_tokens: int
-    dropped_no_labels: int
+# The data phase's DataStats, field for field (finetune/data/build.py)
+DataSummary = TypedDict("DataSummary", typing.get_type_hints(DataStats))
 
 
 class Step(TypedDict, total=False):
@@ -234,8 +229,9 @@ class NonFiniteSkip(TypedDict):
     ranks: list[int]
 
 
-ResumeEntry = TypedDict("ResumeEntry", {"from": str, "step": int, "at": str, "previous_status": str | None,
-                                        "steps_discarded": int})
+ResumeEntry = TypedDict(
+    "ResumeEntry", {"from": str, "step": int, "at": str, "previous_status": str | None, "steps_discarded": int}
+)
 
 
 class Position(TypedDict):
@@ -245,13 +241,32 @@ class Position(TypedDict):
 
 
 # One segment of a run: the first start (step 0) or a resume. The first seven keys are always
-# there; the resume-only keys from `previous_status` on (finetune/training/resume.py).
-Segment = TypedDict("Segment", {
-    "step": int, "from": str | None, "at": str | None, "world_size": int | None, "strategy": str | None,
-    "offload": str | None, "per_device": int | None, "grad_accum": int | None, "effective": int | None,
-    "previous_status": str | None, "steps_discarded": int, "superseded": list[str], "from_world_size": int,
-    "reshard": str, "rng": str, "rng_ranks": list[int], "position": Position | None, "universal_cache": str,
-    "conversion_s": float | None}, total=False)
+# there; the resume-only keys from `previous_status` on (finetune/checkpointing/resume.py).
+Segment = TypedDict(
+    "Segment",
+    {
+        "step": int,
+        "from": str | None,
+        "at": str | None,
+        "world_size": int | None,
+        "strategy": str | None,
+        "offload": str | None,
+        "per_device": int | None,
+        "grad_accum": int | None,
+        "effective": int | None,
+        "previous_status": str | None,
+        "steps_discarded": int,
+        "superseded": list[str],
+        "from_world_size": int,
+        "reshard": str,
+        "rng": str,
+        "rng_ranks": list[int],
+        "position": Position | None,
+        "universal_cache": str,
+        "conversion_s": float | None,
+    },
+    total=False,
+)
 
 
 class Summary(TypedDict, total=False):
@@ -379,9 +394,21 @@ SECTIONS: tuple[Section, ...] = (
     Section("throughput", Throughput | None, lambda: None, True, "object|null"),
     Section("data", DataSummary | None, lambda: None, False),
     Section("steps", list[Step], list, True, "list"),
-    Section("summary", Summary, lambda: {"train_loss": None, "eval_loss": None, "total_trained_tokens": None,
-                                         "wall_s": None, "steps": 0, "status": "running", "error": None},
-            True, "object"),
+    Section(
+        "summary",
+        Summary,
+        lambda: {
+            "train_loss": None,
+            "eval_loss": None,
+            "total_trained_tokens": None,
+            "wall_s": None,
+            "steps": 0,
+            "status": "running",
+            "error": None,
+        },
+        True,
+        "object",
+    ),
     Section("eval", Eval, dict, False),
     Section("faults", Faults, ABSENT, False),
     Section("resumes", list[Segment], ABSENT, False),

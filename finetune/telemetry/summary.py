@@ -1,14 +1,51 @@
-"""The end-of-run console table: what was trained, how fast, how much memory, what it changed."""
+"""The console: the run's layout in one line before step 1, and the end-of-run table (what was trained,
+how fast, how much memory, what it changed). Rank 0."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from finetune import precision
 from finetune.telemetry.record import RecordView
+
+log = logging.getLogger("finetune")
+
+
+class Console:
+    """The console as a sink of the run's record (finetune/telemetry/sinks.py). Each log window's line
+    is the progress bar's (finetune/training/trainer.py CompactProgress)."""
+
+    def __init__(self, run_dir: Path, model_dir: Path | None, method: str):
+        self.run_dir, self.model_dir, self.method = run_dir, model_dir, method
+
+    def start(self, record: RecordView) -> None:
+        log.info("%s", start_line(record))
+
+    def log(self, entry: dict) -> None:
+        pass
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        if exit_code == 0:
+            print_summary(record, self.run_dir, self.model_dir, self.method)
+
+
+def start_line(record: RecordView) -> str:
+    """World size, batch, learning rate, parameters, length and precision, as the run set them up."""
+    b, lr, p = record.get("batch"), record.get("lr"), record.get("parameters")
+    policy = precision.get(record.get("precision", "policy"))
+    world = b["data_parallel_size"]
+    return (
+        f"world size {world} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x {world} = "
+        f"effective batch {b['effective']} | lr {lr['applied']:.3g} ({lr['rule']} scaling, factor "
+        f"{lr['factor']:.3g}) | trainable {p['trainable']:,} of {p['total']:,} parameters | max length "
+        f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})"
+    )
 
 
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
     """The table, from the run record of a completed run (rank 0)."""
+
     def s(key):
         return record.get("summary", key)
 
@@ -21,57 +58,112 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     def lr(key):
         return record.get("lr", key)
 
-    rows = [("steps", f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
-                      f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)"),
-            ("strategy", f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"
-                         + _set_up_by(record.get("strategy", "set_up_by", default=None))),
-            ("precision", precision_line(record)),
-            ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
-            ("train loss", (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
-             + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else "")),
-            ("trained tokens", (f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
-                                if s("total_trained_tokens") is not None else "n/a (see run.json throughput.mfu_note)")
-                               + (f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
-                                  if record.get("summary", "resumed_from") else ""))]
+    rows = [
+        (
+            "steps",
+            f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
+            f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)",
+        ),
+        (
+            "strategy",
+            f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"
+            + _set_up_by(record.get("strategy", "set_up_by", default=None)),
+        ),
+        ("precision", precision_line(record)),
+        ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
+        (
+            "train loss",
+            (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
+            + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else ""),
+        ),
+        (
+            "trained tokens",
+            (
+                f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
+                if s("total_trained_tokens") is not None
+                else "n/a (see run.json throughput.mfu_note)"
+            )
+            + (
+                f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
+                if record.get("summary", "resumed_from")
+                else ""
+            ),
+        ),
+    ]
     if tp("trained_tokens_per_s") is not None:
-        rows.append(("throughput", f"{tp('trained_tokens_per_s'):,.1f} trained tokens/s, {tp('input_tokens_per_s'):,.1f} "
-                                   f"input tokens/s, median step {tp('median_step_s'):.2f} s over "
-                                   f"{tp('steps_measured')} step(s) ({tp('warmup_steps_excluded')} warm-up excluded; "
-                                   f"step clock only: no data loading, logging, evaluation or saves)"))
-        rows.append(("MFU", f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}" if tp("mfu") is not None
-                     else "n/a (" + (tp("mfu_note") or "no peak figure") + ")"))
+        rows.append(
+            (
+                "throughput",
+                f"{tp('trained_tokens_per_s'):,.1f} trained tokens/s, {tp('input_tokens_per_s'):,.1f} "
+                f"input tokens/s, median step {tp('median_step_s'):.2f} s over "
+                f"{tp('steps_measured')} step(s) ({tp('warmup_steps_excluded')} warm-up excluded; "
+                f"step clock only: no data loading, logging, evaluation or saves)",
+            )
+        )
+        rows.append(
+            (
+                "MFU",
+                f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}"
+                if tp("mfu") is not None
+                else "n/a (" + (tp("mfu_note") or "no peak figure") + ")",
+            )
+        )
     device = record.get("memory", "max", "device_peak_allocated_gib")
-    rows.append(("peak memory", (f"device {device:.2f} GiB allocated, " if device is not None else "")
-                 + f"host RSS {record.get('memory', 'max', 'host_peak_rss_gib') or 0:.2f} GiB (max over ranks)"))
+    rows.append(
+        (
+            "peak memory",
+            (f"device {device:.2f} GiB allocated, " if device is not None else "")
+            + f"host RSS {record.get('memory', 'max', 'host_peak_rss_gib') or 0:.2f} GiB (max over ranks)",
+        )
+    )
     after = record.get("eval", "exact_match_after")
     if after is not None:
         before = record.get("eval", "exact_match_before")
-        rows.append(("exact match", (f"{100 * before:.1f}% -> " if before is not None else "")
-                     + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts"))
+        rows.append(
+            (
+                "exact match",
+                (f"{100 * before:.1f}% -> " if before is not None else "")
+                + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts",
+            )
+        )
         per_task = record.get("eval", "details", "after", "per_task", default={})
         if len(per_task) > 1:
             pre = record.get("eval", "details", "before", "per_task", default={})
-            rows.append(("  per task", ", ".join(f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre
-                                                else f"{t} {100 * v:.0f}%" for t, v in per_task.items())))
+            rows.append(
+                (
+                    "  per task",
+                    ", ".join(
+                        f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
+                        for t, v in per_task.items()
+                    ),
+                )
+            )
     rows.append(("wall time", f"{s('wall_s'):.0f} s (training {s('train_s'):.0f} s)"))
     rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
         rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
     width = max(len(k) for k, _ in rows)
-    lines = (["", "=" * 78, f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
-             + ["=" * 78])
+    lines = (
+        ["", "=" * 78, f"run {record.get('run_name')} completed"]
+        + [f"  {k:<{width}}  {v}" for k, v in rows]
+        + ["=" * 78]
+    )
     print("\n".join(lines), flush=True)
 
 
 def _set_up_by(value: str | None) -> str:
-    """How the strategy was set up (finetune/launch/setup.py), in words."""
-    words = {"recipe": "set up by the recipe", "launcher-config": "set up by the accelerate config",
-             "launcher-processes": "as the launcher's processes gave it"}
+    """How the strategy was set up (finetune/launch/strategy_setup.py), in words."""
+    words = {
+        "recipe": "set up by the recipe",
+        "launcher-config": "set up by the accelerate config",
+        "launcher-processes": "as the launcher's processes gave it",
+    }
     return f", {words.get(value, value)}" if value else ""
 
 
 def precision_line(record: RecordView) -> str:
     """'bf16-mixed (fp32 master + states, bf16 compute, reduce fp32)', from what the live run showed."""
+
     def p(key):
         return record.get("precision", key)
 
@@ -80,9 +172,11 @@ def precision_line(record: RecordView) -> str:
     if p("param_dtype") is None:
         return f"{p('policy')} (not read from the live run: training never began)"
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    parts = [f"{short.get(p('param_dtype'), p('param_dtype'))} " + ("master" if p("master_weights") else "params"),
-             f"{short.get(p('optimizer_state_dtype'), p('optimizer_state_dtype'))} states",
-             f"{short.get(p('compute_dtype'), p('compute_dtype'))} compute"]
+    parts = [
+        f"{short.get(p('param_dtype'), p('param_dtype'))} " + ("master" if p("master_weights") else "params"),
+        f"{short.get(p('optimizer_state_dtype'), p('optimizer_state_dtype'))} states",
+        f"{short.get(p('compute_dtype'), p('compute_dtype'))} compute",
+    ]
     if p("reduce_dtype"):
         parts.append(f"reduce {short.get(p('reduce_dtype'), p('reduce_dtype'))}")
     requested = " from auto" if p("requested") == "auto" else ""

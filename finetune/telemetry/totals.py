@@ -1,22 +1,7 @@
-"""Whole-run totals of a run that continued from a checkpoint (`--resume`): the record's summary
-and throughput cover every segment, not only the last launch.
-
-What each launch knows: its own per-step measurements (finetune/telemetry/meter.py), and the
-`steps` entries the earlier segments logged, kept up to the checkpoint's step on resume
-(finetune/training/resume.py). Every launch ends its steps[] with the steps after its last log
-(a tail entry), so a segment that ended at a checkpoint (preemption, completion) is covered to
-its last step. A segment that crashed and is resumed from an older checkpoint can leave steps
-between its last kept log and the checkpoint uncounted: `summary.steps_counted` says how many
-optimizer steps the totals cover (equal to `summary.steps` when nothing is missing).
-
-* trained / input tokens: summed over the earlier entries and this launch's steps.
-* train loss: mean per optimizer step over the steps with a known loss: each earlier log window
-  weighs its logged mean loss by its steps, this launch's Trainer mean by its steps (Trainer's own
-  convention for one launch: the mean of the per-step losses).
-* throughput: each earlier window is one measured stretch (its mean step time x its steps), except
-  windows that hold any of their segment's first `warmup` steps, which are left out whole (a
-  window's warm-up steps cannot be separated from the rest); this launch's steps count one by one
-  after its own warm-up (finetune/telemetry/formulas.py throughput).
+"""Whole-run totals of a run continued from a checkpoint: the summary and throughput cover every
+segment, from the earlier segments' steps[] entries (kept up to the checkpoint) and this launch's
+measurements; `summary.steps_counted` says how many optimizer steps they cover (docs/run_record.md,
+docs/faults.md).
 """
 
 from __future__ import annotations
@@ -45,8 +30,16 @@ def windows(entries: list[dict], segment_starts: list[int]) -> list[tuple[dict, 
     return out
 
 
-def whole_run(entries: list[dict], segment_starts: list[int], *, warmup: int, steps: int, trained: int,
-              inputs: int, train_loss: float | None) -> tuple[dict, list[Stretch], int]:
+def whole_run(
+    entries: list[dict],
+    segment_starts: list[int],
+    *,
+    warmup: int,
+    steps: int,
+    trained: int,
+    inputs: int,
+    train_loss: float | None,
+) -> tuple[dict, list[Stretch], int]:
     """(summary fields, throughput stretches of the earlier segments, their steps left out as
     warm-up), from the earlier segments' entries and this launch's `steps`, token sums and
     Trainer mean loss."""
@@ -63,9 +56,21 @@ def whole_run(entries: list[dict], segment_starts: list[int], *, warmup: int, st
         elif e.get("step_s") is not None and e.get("examples") is not None and e.get("world_size"):
             devices = e["world_size"]
             seconds = e["step_s"] * n
-            stretches.append(Stretch(steps=n, seconds=seconds, trained=e["trained_tokens"], inputs=e["input_tokens"],
-                                     examples=e["examples"], devices=devices,
-                                     peak_seconds=e["mfu"] * seconds * devices if e.get("mfu") is not None else None))
-    summary = {"total_trained_tokens": trained, "total_input_tokens": inputs, "steps_counted": counted,
-               "train_loss": loss_sum / loss_steps if loss_steps else train_loss}
+            stretches.append(
+                Stretch(
+                    steps=n,
+                    seconds=seconds,
+                    trained=e["trained_tokens"],
+                    inputs=e["input_tokens"],
+                    examples=e["examples"],
+                    devices=devices,
+                    peak_seconds=e["mfu"] * seconds * devices if e.get("mfu") is not None else None,
+                )
+            )
+    summary = {
+        "total_trained_tokens": trained,
+        "total_input_tokens": inputs,
+        "steps_counted": counted,
+        "train_loss": loss_sum / loss_steps if loss_steps else train_loss,
+    }
     return summary, stretches, excluded

@@ -1,15 +1,7 @@
-"""Weights & Biases, when `logging.report_to` includes wandb. Rank 0 only.
-
-Works with no account and no network: without an API key (WANDB_API_KEY or a wandb entry in
-~/.netrc) the run is written offline into the run directory (`wandb sync` uploads it later);
-an explicit WANDB_MODE is always respected. Runs are grouped by recipe and tagged with the
-strategy and method, so one recipe's strategies sit together in the W&B UI. The config holds
-the effective batch and LR scaling; the summary holds the memory peaks and throughput; the run
-record, the resolved recipe and the launch configs are attached as one artifact.
-
-We start the W&B run ourselves before training; transformers' WandbCallback then finds it and
-logs every step into it (including our namespaced perf/ and memory/ keys, added in
-FinetuneTrainer.log before the callbacks run).
+"""Weights & Biases, when `logging.report_to` includes wandb (rank 0). Offline into the run directory
+without an API key; runs grouped by recipe and tagged with strategy and method; the record's
+sections as config, the peaks and throughput as summary, the run record and configs as one
+artifact. Each log window reaches W&B through transformers' WandbCallback, which finds our run.
 """
 
 from __future__ import annotations
@@ -26,6 +18,29 @@ log = logging.getLogger(__name__)
 
 def enabled(report_to: list[str]) -> bool:
     return "wandb" in report_to
+
+
+class WandB:
+    """W&B as a sink of the run's record (finetune/telemetry/sinks.py): the run is started with the
+    record's declared sections and closed with its summary and the run-record artifact. Each log
+    window goes in through transformers' WandbCallback (report_to: wandb), which finds this run."""
+
+    def __init__(self, project: str, run_dir: Path):
+        self.project, self.run_dir, self.run = project, run_dir, None
+
+    def start(self, record: RecordView) -> None:
+        self.run = start(record, project=self.project, run_dir=self.run_dir)
+
+    def log(self, entry: dict) -> None:
+        pass
+
+    def close(self, record: RecordView, exit_code: int) -> None:
+        if self.run is None:
+            return
+        if exit_code == 0:
+            finish(self.run, record, [self.run_dir / "run.json", self.run_dir / "config.yaml", *launch_config_files()])
+        else:
+            self.run.finish(exit_code=exit_code)
 
 
 def has_api_key() -> bool:
@@ -53,18 +68,36 @@ def start(record: RecordView, *, project: str, run_dir: Path):
     import wandb
 
     strategy = record.get("strategy", default={})
-    tags = [t for t in (strategy.get("name"), strategy.get("method"),
-                        f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None) if t]
+    tags = [
+        t
+        for t in (
+            strategy.get("name"),
+            strategy.get("method"),
+            f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None,
+        )
+        if t
+    ]
     return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", project), name=record.get("run_name"), group=record.get("recipe"),
-        tags=tags, dir=str(run_dir),
-        config={"finetune": {"recipe": record.get("recipe"), "batch": record.get("batch"), "lr": record.get("lr"),
-                             "strategy": strategy, "parameters": record.get("parameters"),
-                             "precision": record.get("precision")},
-                "precision": record.get("precision", "policy"),  # live values: finish() updates finetune.precision
-                "effective_batch_size": record.get("batch", "effective"),
-                "lr_applied": record.get("lr", "applied"),
-                "lr_scaling": record.get("lr", "rule")})
+        project=os.environ.get("WANDB_PROJECT", project),
+        name=record.get("run_name"),
+        group=record.get("recipe"),
+        tags=tags,
+        dir=str(run_dir),
+        config={
+            "finetune": {
+                "recipe": record.get("recipe"),
+                "batch": record.get("batch"),
+                "lr": record.get("lr"),
+                "strategy": strategy,
+                "parameters": record.get("parameters"),
+                "precision": record.get("precision"),
+            },
+            "precision": record.get("precision", "policy"),  # live values: finish() updates finetune.precision
+            "effective_batch_size": record.get("batch", "effective"),
+            "lr_applied": record.get("lr", "applied"),
+            "lr_scaling": record.get("lr", "rule"),
+        },
+    )
 
 
 def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) -> None:
@@ -84,10 +117,15 @@ def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) ->
     summary["status"] = record.get("summary", "status")
     run.summary.update(summary)
     # The precision section as read from the live objects at on_train_begin (start() had the declared part).
-    run.config.update({"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
-                      allow_val_change=True)
-    artifact = wandb.Artifact(f"run-record-{run.id}", type="run-record",
-                              description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}")
+    run.config.update(
+        {"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
+        allow_val_change=True,
+    )
+    artifact = wandb.Artifact(
+        f"run-record-{run.id}",
+        type="run-record",
+        description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}",
+    )
     for path in files:
         if path.is_file():
             artifact.add_file(str(path), name=path.name)

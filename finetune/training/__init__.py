@@ -1,2 +1,2 @@
-"""One training run: the run itself (run.py), the trainer, the engaged strategy, guards against faults,
-checkpoints and resume, evaluation."""
+"""One training run: the run itself in phases (run.py), its Trainer (trainer.py), the strategy that
+engaged, the precision read back, speed options, evaluation."""

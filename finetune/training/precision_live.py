@@ -1,19 +1,10 @@
 """The precision policy applied to the Trainer, and proven from the live objects before step 1.
 
-    apply(trainer, policy)                      # after Trainer is built, before trainer.train()
+    apply(trainer, policy)                      # FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 keys
     install(trainer, policy, record=..., ...)   # a callback: run.json `precision`, the mismatch stop
 
-`apply` gives FSDP2 the policy's MixedPrecisionPolicy (the accelerate config has no key for it,
-and Accelerate's own choice, param = reduce = output = bf16, rounds the returned loss to bf16) and
-DeepSpeed the policy's bf16/fp16 keys (bf16-true: bf16 master weights and optimizer states).
-
-`install` reads, at on_train_begin (the model is wrapped and the optimizer exists; no optimizer
-state yet), what the optimizer will update and in which dtype its states will be, what computes
-in which dtype and how gradients are reduced (`read_live`), writes it to run.json `precision`, and
-stops the run on a mismatch with the policy (finetune/precision.py `mismatches`). It must stop
-there: DeepSpeed steps inside backward (Accelerate's backward calls engine.step()), before any
-on_pre_optimizer_step. A forward hook on the first Linear with a trainable weight then confirms
-the compute dtype during step 1's first forward, before its backward.
+The check runs at on_train_begin, because DeepSpeed steps inside backward; a forward hook then
+confirms the compute dtype during step 1's first forward (docs/precision.md).
 """
 
 from __future__ import annotations
@@ -23,8 +14,8 @@ import logging
 import torch
 
 from finetune import precision
-from finetune.precision import dtype_name
 from finetune.errors import UserError
+from finetune.precision import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +29,8 @@ def apply(trainer, policy: precision.Policy) -> None:
 
         kwargs = policy.fsdp_mixed_precision() or {}
         state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            **{k: precision.torch_dtype(v) if k.endswith("_dtype") else v for k, v in kwargs.items()})
+            **{k: precision.torch_dtype(v) if k.endswith("_dtype") else v for k, v in kwargs.items()}
+        )
     ds = getattr(state, "deepspeed_plugin", None)
     if ds is not None:
         for section, values in policy.deepspeed_keys().items():
@@ -84,16 +76,23 @@ def _deepspeed(eng) -> dict:
             master = groups[0].dtype
             break
     autocast = bool(eng.torch_autocast_enabled())
-    return {"param_dtype": master, "compute_dtype": eng.torch_autocast_dtype() if autocast else module,
-            "optimizer_state_dtype": optimizer_state_dtype(basic, master),
-            "reduce_dtype": eng.communication_data_type,  # config, else fp16/bf16 when enabled, else fp32
-            "evidence": {"engine": type(eng).__name__, "optimizer": type(basic).__name__,
-                         "zero_optimizer": type(zopt).__name__, "module_param_dtype": dtype_name(module),
-                         "grad_accum_dtype": dtype_name(eng.get_data_types()[1]),
-                         "bf16_enabled": bool(eng.bfloat16_enabled()), "fp16_enabled": bool(eng.fp16_enabled()),
-                         "deepspeed_torch_autocast": autocast,
-                         "loss_scaler": type(getattr(zopt, "loss_scaler", None)).__name__
-                         if eng.fp16_enabled() else None}}
+    return {
+        "param_dtype": master,
+        "compute_dtype": eng.torch_autocast_dtype() if autocast else module,
+        "optimizer_state_dtype": optimizer_state_dtype(basic, master),
+        "reduce_dtype": eng.communication_data_type,  # config, else fp16/bf16 when enabled, else fp32
+        "evidence": {
+            "engine": type(eng).__name__,
+            "optimizer": type(basic).__name__,
+            "zero_optimizer": type(zopt).__name__,
+            "module_param_dtype": dtype_name(module),
+            "grad_accum_dtype": dtype_name(eng.get_data_types()[1]),
+            "bf16_enabled": bool(eng.bfloat16_enabled()),
+            "fp16_enabled": bool(eng.fp16_enabled()),
+            "deepspeed_torch_autocast": autocast,
+            "loss_scaler": type(getattr(zopt, "loss_scaler", None)).__name__ if eng.fp16_enabled() else None,
+        },
+    }
 
 
 def _fsdp2_policy(wrapped):
@@ -124,30 +123,46 @@ def _torch(trainer) -> dict:
         compute = mp.param_dtype or param.dtype
         reduce = mp.reduce_dtype or mp.param_dtype or param.dtype  # MixedPrecisionPolicy: None = param_dtype
     else:
-        linear = next((m for m in unwrapped.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad),
-                      None)
+        linear = next(
+            (m for m in unwrapped.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad), None
+        )
         compute = autocast_dtype or (linear.weight.dtype if linear is not None else param.dtype)
         # DDP all-reduces param.grad, which autograd produces in the parameter's dtype; one process reduces nothing
         reduce = param.dtype if type(wrapped).__name__ == "DistributedDataParallel" else None
     scaler = getattr(acc, "scaler", None)
-    return {"param_dtype": param.dtype, "compute_dtype": compute,
-            "optimizer_state_dtype": optimizer_state_dtype(inner, param.dtype), "reduce_dtype": reduce,
-            "evidence": {"engine": type(wrapped).__name__, "optimizer": type(inner).__name__, "autocast": autocast,
-                         "autocast_dtype": dtype_name(autocast_dtype), "fsdp_modules": fsdp_modules,
-                         "param_is_dtensor": type(param).__name__ == "DTensor",
-                         "loss_scaler": type(scaler).__name__ if scaler is not None else None,
-                         "mp_policy": None if mp is None else {
-                             "param_dtype": dtype_name(mp.param_dtype), "reduce_dtype": dtype_name(mp.reduce_dtype),
-                             "output_dtype": dtype_name(mp.output_dtype),
-                             "cast_forward_inputs": bool(mp.cast_forward_inputs)}}}
+    return {
+        "param_dtype": param.dtype,
+        "compute_dtype": compute,
+        "optimizer_state_dtype": optimizer_state_dtype(inner, param.dtype),
+        "reduce_dtype": reduce,
+        "evidence": {
+            "engine": type(wrapped).__name__,
+            "optimizer": type(inner).__name__,
+            "autocast": autocast,
+            "autocast_dtype": dtype_name(autocast_dtype),
+            "fsdp_modules": fsdp_modules,
+            "param_is_dtensor": type(param).__name__ == "DTensor",
+            "loss_scaler": type(scaler).__name__ if scaler is not None else None,
+            "mp_policy": None
+            if mp is None
+            else {
+                "param_dtype": dtype_name(mp.param_dtype),
+                "reduce_dtype": dtype_name(mp.reduce_dtype),
+                "output_dtype": dtype_name(mp.output_dtype),
+                "cast_forward_inputs": bool(mp.cast_forward_inputs),
+            },
+        },
+    }
 
 
 def read_live(trainer) -> dict:
     """The live `precision` fields (dtype names) of a Trainer whose model is wrapped and whose
     optimizer exists (on_train_begin)."""
     out = _deepspeed(trainer.model_wrapped) if _is_deepspeed(trainer.model_wrapped) else _torch(trainer)
-    out["master_weights"] = out["param_dtype"] == torch.float32 and out["compute_dtype"] in (torch.bfloat16,
-                                                                                            torch.float16)
+    out["master_weights"] = out["param_dtype"] == torch.float32 and out["compute_dtype"] in (
+        torch.bfloat16,
+        torch.float16,
+    )
     out["evidence"]["accelerate_mixed_precision"] = str(trainer.accelerator.mixed_precision)
     return {k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in out.items()}
 
@@ -197,36 +212,75 @@ def vanishing_share(model, lr: float) -> tuple[float, float, int]:
 
 
 def _collective_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def bf16_true_warning(share: float, needed: float, lr: float, *, policy: str, method: str) -> str | None:
-    """The warning text when bf16-true full fine-tuning loses most updates (research note §5.5)."""
+    """The warning text when bf16-true full fine-tuning loses most updates (docs/precision.md)."""
     if policy != "bf16-true" or method != "full" or share < precision.VANISHING_WARN_SHARE:
         return None
-    return (f"bf16-true: {share:.0%} of the trainable weights have a bf16 half-spacing larger than the learning "
-            f"rate {lr:g}, so Adam's first updates to them (about the learning rate each) are rounded away and "
-            f"those weights do not train. Use training.precision: bf16-mixed (fp32 master weights), or a "
-            f"learning rate of at least {needed:g} (below {precision.VANISHING_WARN_SHARE:.0%} lost)")
+    return (
+        f"bf16-true: {share:.0%} of the trainable weights have a bf16 half-spacing larger than the learning "
+        f"rate {lr:g}, so Adam's first updates to them (about the learning rate each) are rounded away and "
+        f"those weights do not train. Use training.precision: bf16-mixed (fp32 master weights), or a "
+        f"learning rate of at least {needed:g} (below {precision.VANISHING_WARN_SHARE:.0%} lost)"
+    )
 
 
-# --- the callback --------------------------------------------------------------------------------
+# --- the record and the callback -------------------------------------------------------------------
 
 
-def install(trainer, policy: precision.Policy, *, requested: str, family: str, method: str, load_dtype: str,
-            learning_rate: float, record=None) -> None:
+def declared(policy: precision.Policy, *, requested: str, family: str, load_dtype: str) -> dict:
+    """run.json `precision` as the policy declares it; `install` fills the live fields at on_train_begin."""
+    return {
+        "policy": policy.name,
+        "requested": requested,
+        "family": family,
+        "load_dtype": load_dtype,
+        "param_dtype": None,
+        "compute_dtype": None,
+        "optimizer_state_dtype": None,
+        "master_weights": None,
+        "reduce_dtype": None,
+        "observed_compute_dtype": None,
+        "warning": None,
+        "evidence": None,
+    }
+
+
+def install(
+    trainer,
+    policy: precision.Policy,
+    *,
+    requested: str,
+    family: str,
+    method: str,
+    load_dtype: str,
+    learning_rate: float,
+    record=None,
+) -> None:
     """Record the live precision at on_train_begin, refuse a mismatch before step 1, confirm the
     compute dtype in step 1's first forward, and warn under bf16-true (see the module docstring)."""
     from transformers import TrainerCallback
 
+    if record is not None:
+        record.set("precision", declared(policy, requested=requested, family=family, load_dtype=load_dtype))
+
     class _PrecisionCheck(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             live = read_live(trainer)
-            section = {"policy": policy.name, "requested": requested, "family": family, "load_dtype": load_dtype,
-                       **{k: live[k] for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype",
-                                               "master_weights", "reduce_dtype")},
-                       "observed_compute_dtype": None, "warning": None, "evidence": live["evidence"]}
+            section = {
+                **declared(policy, requested=requested, family=family, load_dtype=load_dtype),
+                **{
+                    k: live[k]
+                    for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights", "reduce_dtype")
+                },
+                "evidence": live["evidence"],
+            }
             if policy.name == "bf16-true":
                 share, needed, _ = vanishing_share(trainer.model_wrapped, learning_rate)
                 section["evidence"].update(bf16_update_loss_share=round(share, 4), bf16_lr_keeping_updates=needed)
@@ -238,9 +292,11 @@ def install(trainer, policy: precision.Policy, *, requested: str, family: str, m
                 record.write()
             problems = precision.mismatches(policy, family, section)
             if problems:
-                raise UserError(f"training.precision {precision.policy_label(policy, requested)} did not engage "
-                                f"(read from the live objects before the first optimizer step; nothing was "
-                                f"trained): " + "; ".join(problems))
+                raise UserError(
+                    f"training.precision {precision.policy_label(policy, requested)} did not engage "
+                    f"(read from the live objects before the first optimizer step; nothing was "
+                    f"trained): " + "; ".join(problems)
+                )
             _confirm_compute_dtype(trainer, section["compute_dtype"], record)
 
     trainer.add_callback(_PrecisionCheck())
@@ -251,6 +307,7 @@ def _confirm_compute_dtype(trainer, expected: str, record) -> None:
     a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D
     counts as one; an output head whose forward is the chunked loss does not (it returns the loss
     sum and count, finetune/modeling/loss.py)."""
+
     def observable(m) -> bool:
         linear = isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"  # transformers.pytorch_utils
         return linear and m.weight.requires_grad and not hasattr(m, "finetune_loss_kernel")
@@ -266,7 +323,9 @@ def _confirm_compute_dtype(trainer, expected: str, record) -> None:
             record.update("precision", observed_compute_dtype=seen)
             record.write()
         if seen != expected:
-            raise UserError(f"the first forward computed in {seen}, but the live objects said {expected} "
-                            f"(run.json precision.evidence has the details); nothing was trained")
+            raise UserError(
+                f"the first forward computed in {seen}, but the live objects said {expected} "
+                f"(run.json precision.evidence has the details); nothing was trained"
+            )
 
     handle = linear.register_forward_hook(hook)

@@ -1,361 +1,579 @@
-"""One training run, what finetune/train.py (the launch script) runs in every process:
+"""One training run, as every process started by `accelerate launch finetune/train.py` runs it, in
+phases read top to bottom:
 
-    accelerate launch finetune/train.py --recipe zero2          # the recipe sets up ZeRO-2 itself
-    accelerate launch --config_file accelerate_configs/zero2.yaml finetune/train.py --recipe zero2
+    start the processes and resolve the launch -> prepare the run (resume plan, preflight, run
+    directory, record) -> TrainingArguments -> speed options -> tokenizer and data -> model ->
+    trainer -> train -> finish and record
 
-Wiring only: config -> run directory -> tokenizer, data -> model -> Trainer -> run record.
+`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
+plan, the run's name and directory) before the phases that train, and only read after.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from finetune.cli import options
 from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
-from finetune.launch.script_args import parse_train_args
+
+if TYPE_CHECKING:
+    from accelerate import PartialState
+
+    from finetune.checkpointing.resume_plan import ResumePlan
+    from finetune.config.sections import Config
+    from finetune.data.build import DataBundle
+    from finetune.launch.plan import LaunchPlan
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import Sinks
+    from finetune.training.arguments import RunArguments
+    from finetune.training.trainer import ResilientTrainer
 
 log = logging.getLogger("finetune")
 
 
+@dataclass
+class Run:
+    """What the phases share. `record` and `sinks` exist on rank 0 only."""
+
+    cfg: Config  # resolved: only read from here on
+    launch: LaunchPlan
+    state: PartialState
+    name: str
+    dir: Path
+    data_path: str  # data.path, or the demo data generated into the run directory
+    heldout_path: str | None  # eval.heldout_path, resolved the same way
+    record: RunRecord | None
+    sinks: Sinks | None
+    resume: ResumePlan | None  # the checkpoint this run continues from, and how
+    ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
+    committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
+
+
+@dataclass(frozen=True)
+class Data:
+    tokenizer: Any
+    bundle: DataBundle
+    fingerprint: str  # the train rows in order (finetune/checkpointing/provenance.py)
+    heldout: list[dict] | None  # exact-match rows, when eval.exact_match
+
+
+@dataclass(frozen=True)
+class Trained:
+    train_loss: float
+    train_s: float  # Trainer.train() of this launch
+    measured: dict  # the meter's per-step series and peaks (FinetuneTrainer.final_measurements)
+    eval_loss: float | None
+    exact_match: dict  # "before" / "after" -> evaluation.exact_match's result
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_train_args(argv)
     from finetune.config.recipe import load_recipe
+    from finetune.training.signals import install_signal_handlers
+    from finetune.training.trainer import NonFiniteError
 
+    args, overrides = options.parse_train_args(argv)
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
-    cfg.run.overwrite = cfg.run.overwrite or args.overwrite
+    if args.overwrite:
+        cfg = cfg.replaced("run", overwrite=True)
+    state, launch, ended = start_processes(cfg)
+    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
+    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
+    try:
+        code = train_and_record(run)
+        run.ended.append(True)  # every rank returns here together (completed or preempted)
+        return code
+    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
+        if run.record and run.committed:
+            run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
+            run.sinks.close(run.record.view, e.exit_code)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        run.ended.append(True)
+        return e.exit_code
+    except BaseException as e:  # the record must say how the run ended, then the error goes on
+        if run.record and run.committed:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            run.record.update(
+                "summary",
+                status="interrupted" if interrupted else "failed",
+                error=None if interrupted else f"{type(e).__name__}: {e}",
+            )
+            run.sinks.close(run.record.view, 1)
+        raise
 
+
+def train_and_record(run: Run) -> int:
+    """The phases that train, in order; each returns what the next ones read."""
+    from finetune.checkpointing import universal
+
+    started = time.perf_counter()
+    arguments = training_arguments(run)
+    attention_record = speed_options(run, arguments)
+    data = load_data(run, arguments)
+    universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
+    model = load_model(run, arguments)
+    trainer = build_trainer(run, arguments, model, data, universal_dir)
+    if run.record:
+        record_setup(run, trainer, arguments, model, data, attention_record)
+        run.sinks.start(run.record.view)
+    trained = train(run, trainer, model, data, universal_dir)
+    if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
+        return preempted(run, trainer, arguments)
+    return finish(run, trainer, model, data, trained, started)
+
+
+# --- before the run: the processes, the launch, the run directory ------------------------------------
+
+
+def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
+    """The process group, set up by the launcher's config or the recipe (finetune/launch/strategy_setup.py),
+    and the launch worked out once it exists."""
     from datetime import timedelta
 
     from accelerate import PartialState
 
-    from finetune.data import demo
-    from finetune.launch import preflight, rundir
-    from finetune.launch import setup as launch_setup
-    from finetune.launch.ranks import close_process_group_at_exit, run_on_main
-    from finetune.telemetry import record
-    from finetune.training import resume
+    from finetune.launch import cpu_rehearsal, strategy_setup
+    from finetune.launch.plan import LaunchPlan
+    from finetune.launch.ranks import close_process_group_at_exit
 
-    # Who sets up the strategy: the launcher's accelerate config, or the recipe from inside this
-    # script (finetune/launch/setup.py); the latter prepares the environment before PartialState.
-    setup = launch_setup.detect(cfg)
-    launch_setup.prepare(setup)
+    setup = strategy_setup.detect(cfg)
+    strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=setup.cpu_gloo is not None,  # CPU/gloo runs: finetune/launch/cpu_rehearsal.py
-                         timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
-    launch_setup.adopt_deepspeed_comm(setup)
-    finished = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
-    plan = None
-    if args.resume:  # before preflight: the plan sets the accumulation and strategy the checks see
-        from finetune.training import resume_plan
+    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    strategy_setup.adopt_deepspeed_comm(setup)
+    ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
+    if setup.cpu_gloo is not None:
+        cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
+    return state, LaunchPlan.resolve(cfg, state, setup), ended
 
-        facts = preflight.launch_facts(state, setup)  # what this launch sets up (launcher config or recipe)
-        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, facts, args.resume, overrides))
+
+def prepare(
+    cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None, overrides: list[str]
+) -> Run:
+    """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
+    its backends, and the demo data; a fresh run's record and config are written here."""
+    from finetune import preflight
+    from finetune.checkpointing import resume as resuming
+    from finetune.checkpointing import resume_plan
+    from finetune.data import demo
+    from finetune.launch import rundir
+    from finetune.launch.ranks import run_on_main
+    from finetune.telemetry import sinks
+    from finetune.telemetry.record import RunRecord
+
+    plan = resumed = None
+    if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume, overrides))
         resume_plan.apply(plan, cfg)
+        resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
-    preflight.check_before_loading(cfg, state, setup=setup, resume=args.resume)
+    preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
-        log.info("%s", setup.describe())
-
-    # Every rank must agree on the run directory; rank 0 names and creates it.
-    def make_run_dir():
-        if plan:  # the run directory is reused as it is (finetune/training/resume.py)
-            planned_dir.mkdir(parents=True, exist_ok=True)  # --resume=PATH into a new run directory
-            return name, str(planned_dir), plan.checkpoint
-        name_ = cfg.run.name or rundir.default_run_name(cfg.recipe)
-        path = rundir.resolve_run_dir(name_, cfg.run.output_dir)
-        rundir.prepare_run_dir(path, overwrite=cfg.run.overwrite,
-                               name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name")
-        return name_, str(path), None
-
-    cfg.run.name, run_path, resume_ckpt = run_on_main(state, make_run_dir)
-    run_dir = Path(run_path)
-    cfg.run.output_dir = str(run_dir)
-    rec = record.RunRecord(run_dir / "run.json", run_name=cfg.run.name, recipe=cfg.recipe,
-                           config=cfg.to_dict()) if state.is_main_process else None
-    if rec and resume_ckpt:
-        resume.continue_record(rec, run_dir, Path(resume_ckpt), plan)
+        log.info("%s", launch.setup.describe())
+    name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
+    cfg = cfg.replaced("run", name=name, output_dir=path)
+    run_dir = Path(path)
+    record = (
+        RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
+        if state.is_main_process
+        else None
+    )
+    if record and plan:
+        resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
-    # A resumed run replaces run.json and writes config.resume<n>.yaml only once its data is checked
-    # (_train): a resume refused there leaves the run directory as it was.
-    committed: list[bool] = []
-
-    def commit() -> None:
-        committed.append(True)
-        if rec:
-            if resume_ckpt:
-                resume.keep_previous_record(run_dir)
-            saved = (resume.save_config if resume_ckpt else rundir.save_resolved_config)(run_dir, cfg.to_dict())
-            log.info("resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-                     saved, saved.read_text(encoding="utf-8").rstrip())
-            rec.write()
-
-    if not resume_ckpt:
-        commit()
-
+    data_path, heldout_path = demo.paths(cfg, run_dir)
+    run = Run(
+        cfg=cfg,
+        launch=launch,
+        state=state,
+        name=name,
+        dir=run_dir,
+        data_path=data_path,
+        heldout_path=heldout_path,
+        record=record,
+        sinks=sinks.for_run(cfg, record, run_dir) if record else None,
+        resume=plan,
+        ended=ended,
+    )
+    if not plan:  # a resumed run commits once its data is checked (load_data)
+        commit(run)
     if cfg.data.path == "demo":
-        train_file = run_dir / "data" / "train.jsonl"
-        if state.is_main_process and not (resume_ckpt and train_file.is_file()):  # resume: keep the run's data
-            demo.write_demo(train_file.parent, cfg.data.demo_train_size, cfg.data.demo_heldout_size)
-        state.wait_for_everyone()
-        cfg.data.path = str(train_file)
-        if cfg.eval.heldout_path == "demo":
-            cfg.eval.heldout_path = str(train_file.parent / "heldout.jsonl")
-
-    from finetune.training.guards import NonFiniteError
-    from finetune.training.signals import install_signal_handlers
-
-    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/guards.py)
-    try:
-        code = _train(cfg, state, run_dir, rec, setup, resume_ckpt, plan, commit)
-        finished.append(True)  # every rank returns here together (completed or preempted)
-        return code
-    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
-        if rec and committed:
-            rec.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
-            rec.write()
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        finished.append(True)
-        return e.exit_code
-    except BaseException as e:  # the record must say how the run ended, then the error goes on
-        if rec and committed:
-            interrupted = isinstance(e, KeyboardInterrupt)
-            rec.update("summary", status="interrupted" if interrupted else "failed",
-                       error=None if interrupted else f"{type(e).__name__}: {e}")
-            rec.write()
-            wandb = sys.modules.get("wandb")
-            if wandb is not None and wandb.run is not None:
-                wandb.run.finish(exit_code=1)
-        raise
+        _write_demo_data(run)
+    return run
 
 
-def _train(cfg, state, run_dir: Path, rec, setup, resume_ckpt: str | None = None, plan=None, commit=None) -> int:
-    from transformers import TrainingArguments
+def commit(run: Run) -> None:
+    """Write run.json and the resolved configuration (rank 0). A resumed run commits only once its
+    data is checked, so a resume refused before leaves the run directory as it was."""
+    from finetune.checkpointing import resume
+    from finetune.launch import rundir
 
-    from finetune.data import build, read
-    from finetune.launch import cpu_rehearsal
-    from finetune.modeling import export, zero3
-    from finetune.modeling import load as model_lib
-    from finetune.telemetry import meter, wandb_logging
-    from finetune.training import batch, checkpoint_facts, engaged, evaluation, resume, universal
+    run.committed = True
+    if run.record is None:
+        return
+    if run.resume:
+        resume.keep_previous_record(run.dir)
+    saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
+    log.info(
+        "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+        saved,
+        saved.read_text(encoding="utf-8").rstrip(),
+    )
+    run.record.write()
 
-    t0 = time.perf_counter()
-    targs = cpu_rehearsal.training_overrides(dict(cfg.training.args), active=setup.cpu_gloo is not None)
-    # The recipe's strategy engaged here (deepspeed= / fsdp=, fsdp_config=): before from_pretrained,
-    # so ZeRO-3 loads straight into shards (transformers' zero.Init weak-ref is set by TrainingArguments).
-    targs.update(setup.trainer_arguments)
-    # The precision policy (finetune/precision.py, docs/precision.md), `auto` resolved as preflight did,
-    # for the strategy this process sets up (the launcher's config or the recipe's row).
-    from finetune.launch import precision_checks, preflight
-    from finetune.training import precision_live
 
-    facts = preflight.launch_facts(state, setup)
-    policy, family = precision_checks.resolve_policy(cfg, facts), precision_checks.family(facts)
-    targs.update(policy.training_args(family))
-    if (targs["bf16"] or targs["fp16"]) and not precision_checks.runs_on_cuda(cfg, facts):
-        targs["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
-    save_total_limit = targs.pop("save_total_limit", None)  # rotated after a checkpoint is complete: finetune/training/checkpoints.py
-    # Applied by finetune/modeling/load.py before the LoRA wrap (transformers 5.23 renamed the option).
-    gradient_checkpointing = bool(targs.pop("gradient_checkpointing", False)) | bool(
-        targs.pop("activation_checkpointing", False))
-    report_to = cfg.logging.report_to or "none"
-    use_wandb = wandb_logging.enabled(cfg.logging.report_to)
-    if use_wandb:  # before Trainer builds its callbacks: they read W&B's environment
-        wandb_logging.configure_environment(cfg.logging.wandb_project, run_dir)
+# --- the phases that train -----------------------------------------------------------------------------
+
+
+def training_arguments(run: Run) -> RunArguments:
+    """TrainingArguments, once, before the model loads (finetune/training/arguments.py)."""
+    from finetune.telemetry import wandb_logging
+    from finetune.training import arguments
+
+    if wandb_logging.enabled(run.cfg.logging.report_to):  # before Trainer builds its callbacks: they read it
+        wandb_logging.configure_environment(run.cfg.logging.wandb_project, run.dir)
+    return arguments.for_run(run.cfg, run.launch, output_dir=run.dir, run_name=run.name)
+
+
+def speed_options(run: Run, arguments: RunArguments) -> dict:
+    """Refuse unsafe speed options; set torch's SDPA backends on every rank before the first forward
+    (process-global: training, evaluation, generate). Returns what was set, for run.json `speed`."""
+    from finetune.modeling import attention
     from finetune.training import speed
 
-    targs = speed.trainer_overrides(targs)  # Liger's fused loss is training.loss_impl's, not Trainer's patch
-    try:
-        args = TrainingArguments(output_dir=str(run_dir), run_name=cfg.run.name, report_to=report_to, **targs)
-    except (ValueError, TypeError) as e:
-        from finetune.errors import ConfigError
+    speed.check(run.cfg)  # packing/padding-free vs attention implementation, Liger on this machine
+    model = run.cfg.model
+    return attention.apply(model.sdpa_backends, arguments.args.device.type, model.attn_implementation)
 
-        raise ConfigError([f"training: {e}"], "TrainingArguments") from None
 
-    world = args.world_size
-    effective = batch.effective_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps, world)
-    lr = batch.lr_scaling(args.learning_rate, cfg.training.lr_scaling, effective,
-                          cfg.training.lr_reference_batch_size)
-    args.learning_rate = lr["applied"]  # the optimizer is built from this value
+def load_data(run: Run, arguments: RunArguments) -> Data:
+    """Tokenizer, datasets, and the held-out rows; a resumed run checks the rows are the checkpoint's
+    before the model loads, then commits."""
+    from finetune.checkpointing import provenance, resume_plan
+    from finetune.data import build, read
+    from finetune.modeling.load import load_tokenizer
 
-    from finetune.data import collate, rows as data_rows
-    from finetune.modeling import attention
-    from finetune.modeling import loss as loss_lib
+    cfg = run.cfg
+    tokenizer = load_tokenizer(cfg.model)
+    bundle = build.build_datasets(
+        dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
+    )
+    fingerprint = provenance.data_fingerprint(bundle.train)
+    if run.resume:
+        resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
+        commit(run)  # the continued record replaces run.json from here on
+    heldout = read.read_rows(run.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
+    return Data(tokenizer, bundle, fingerprint, heldout)
 
-    speed.check(cfg)  # packing/padding-free vs attention implementation, Liger on this machine
-    # Process-global SDPA flags, on every rank before the first forward (training, evaluation, generate).
-    attention_record = attention.apply(cfg.model.sdpa_backends, args.device.type, cfg.model.attn_implementation)
-    tokenizer = model_lib.load_tokenizer(cfg.model)
-    bundle = build.build_datasets(cfg.data, tokenizer, seed=args.seed)
-    fingerprint = checkpoint_facts.data_fingerprint(bundle.train)  # the rows, in order (checkpoint markers)
-    if plan:  # the same rows as the checkpoint's, before the model loads
-        from finetune.training.resume_plan import check_data
 
-        check_data(plan, rows=len(bundle.train), fingerprint=fingerprint)
-        commit()  # the continued record replaces run.json from here on
-    universal_dir = universal.for_resume(state, plan, rec)  # DeepSpeed under another world size
-    heldout_rows = read.read_rows(cfg.eval.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
-
+def load_model(run: Run, arguments: RunArguments):
+    """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
     from transformers import set_seed
 
+    from finetune.data import rows
+    from finetune.modeling import loss, zero3
+    from finetune.modeling.load import load_model as load
+    from finetune.precision import torch_dtype
+
+    cfg, launch, args = run.cfg, run.launch, arguments.args
     set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
-    model = model_lib.load_model(cfg.model, cfg.method, gradient_checkpointing=gradient_checkpointing,
-                                 policy=policy, deepspeed=family == "deepspeed")
-    if family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype for DeepSpeed
-        from finetune.precision import torch_dtype
+    model = load(
+        cfg.model,
+        cfg.method,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        policy=launch.policy,
+        deepspeed=launch.family == "deepspeed",
+    )
+    if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
+        zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
+    loss.install(
+        model,
+        cfg.training.loss_impl,
+        chunk=cfg.training.loss_chunk_tokens,
+        label_smoothing=args.label_smoothing_factor,
+        use_liger_kernel=args.use_liger_kernel,
+        device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
+    )
+    return model
 
-        zero3.check_init_dtype(model, torch_dtype(policy.module_dtype(cfg.method.name, family)))
-    loss_lib.install(model, cfg.training.loss_impl, chunk=cfg.training.loss_chunk_tokens,
-                     label_smoothing=args.label_smoothing_factor, use_liger_kernel=args.use_liger_kernel,
-                     device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-                     tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-                     * data_rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data))
-    trainable, total = model_lib.count_parameters(model)
 
-    def evaluate(stage: str) -> dict:
-        result = evaluation.exact_match(
-            model, tokenizer, heldout_rows, system_prompt=cfg.data.system_prompt,
-            use_chat_template=cfg.data.chat_template, max_new_tokens=cfg.eval.max_new_tokens,
-            batch_size=cfg.eval.batch_size, source=cfg.eval.heldout_path,
-            accelerator=trainer.accelerator)  # reduce() across ranks: an Accelerator, not PartialState
-        if state.is_main_process:
-            log.info("exact match %s training: %.1f%% (%d/%d)", stage, 100 * result["exact_match"],
-                     result["correct"], result["total"])
-        return result
+def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
+    """The Trainer, with the strategy that engaged checked against the recipe and the precision policy
+    applied; both are read back from the live objects before step 1."""
+    from finetune.checkpointing import universal
+    from finetune.data import collate
+    from finetune.telemetry import meter
+    from finetune.training import engaged_strategy, precision_live
+    from finetune.training.trainer import ResilientTrainer
 
-    from finetune.training.guards import ResilientTrainer
-
+    cfg, launch = run.cfg, run.launch
     trainer = ResilientTrainer(
-        model=model, args=args, train_dataset=bundle.train, eval_dataset=bundle.eval,
-        data_collator=collate.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
-        processing_class=tokenizer, record=rec, **meter.mfu_inputs(model, cfg.method.name),
-        save_total_limit=save_total_limit, on_nonfinite=cfg.training.on_nonfinite,
-        max_nonfinite_skips=cfg.training.max_nonfinite_skips)
-    trainer.resumed_world_size = plan.written["world_size"] if plan else None  # RNG streams: training/rng.py
+        model=model,
+        args=arguments.args,
+        train_dataset=data.bundle.train,
+        eval_dataset=data.bundle.eval,
+        data_collator=collate.make_collator(cfg.data, cfg.model, data.tokenizer.pad_token_id),
+        processing_class=data.tokenizer,
+        sinks=run.sinks,
+        **meter.mfu_inputs(model, cfg.method.name),
+        save_total_limit=arguments.save_total_limit,
+        on_nonfinite=cfg.training.on_nonfinite,
+        max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+    )
+    trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
         universal.enable_loading(trainer)
-    strategy_section = engaged.engaged(trainer.accelerator.state, method=cfg.method.name, setup=setup)
-    engaged.check_expected(cfg.run.strategy, strategy_section, cfg.recipe, cfg.run.offload)
-    engaged.live_check(trainer, expected=cfg.run.strategy, expected_offload=cfg.run.offload,
-                       recipe=cfg.recipe, record=rec)  # the wrapped engine, before the first step
-    precision_live.apply(trainer, policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
-    load_dtype = policy.load_dtype(cfg.method.name)
-    precision_live.install(trainer, policy, requested=cfg.training.precision, family=family, method=cfg.method.name,
-                           load_dtype=load_dtype, learning_rate=lr["applied"], record=rec)  # before step 1
+    engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
+    engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
+    engaged_strategy.live_check(
+        trainer,
+        declared=engaged,
+        expected=cfg.run.strategy,
+        expected_offload=cfg.run.offload,
+        recipe=cfg.recipe,
+        record=run.record,
+    )  # the wrapped engine, before the first step
+    precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
+    precision_live.install(
+        trainer,
+        launch.policy,
+        requested=cfg.training.precision,
+        family=launch.family,
+        method=cfg.method.name,
+        load_dtype=launch.policy.load_dtype(cfg.method.name),
+        learning_rate=arguments.lr["applied"],
+        record=run.record,
+    )  # before step 1
+    return trainer
 
-    if rec:
-        rec.set("strategy", strategy_section)
-        # What the policy declares; the live fields are filled at on_train_begin (precision_live.install).
-        rec.set("precision", {"policy": policy.name, "requested": cfg.training.precision, "family": family,
-                              "load_dtype": load_dtype, "param_dtype": None, "compute_dtype": None,
-                              "optimizer_state_dtype": None, "master_weights": None, "reduce_dtype": None,
-                              "observed_compute_dtype": None, "warning": None, "evidence": None})
-        rec.set("batch", {"per_device": args.per_device_train_batch_size,
-                          "grad_accum": args.gradient_accumulation_steps, "data_parallel_size": world,
-                          "effective": effective, "input_tokens_per_step": None, "trained_tokens_per_step": None})
-        rec.set("lr", lr)
-        if not resume_ckpt:
-            resume.first_segment(rec)
-        static = checkpoint_facts.static_facts(cfg, train_rows=len(bundle.train), fingerprint=fingerprint)
-        trainer.resilience.run_facts = lambda: checkpoint_facts.run_block(
-            rec.view.get("strategy"), rec.view.get("batch"), rec.view.get("lr"), static)  # the marker's `run` block
-        rec.set("faults", {"collective_timeout_s": args.ddp_timeout, "on_nonfinite": cfg.training.on_nonfinite,
-                           "max_nonfinite_skips": cfg.training.max_nonfinite_skips,
-                           "save_total_limit": save_total_limit})  # docs/faults.md
-        rec.set("data", vars(bundle.stats) | {"rows_skipped": bundle.stats.rows_skipped[:50]})
-        rec.set("parameters", {"trainable": trainable, "total": total})
-        rec.set("speed", speed.section(cfg, model, trainer, attention_record=attention_record,
-                                       loss_record=loss_lib.installed(model)))
-        # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
-        from finetune.planning import prediction
 
-        prediction.record_prediction(rec, model.config, cfg, gradient_checkpointing=gradient_checkpointing,
-                                     precision=policy.name, train_dataset=bundle.train)
-        rec.write()
-        log.info("world size %d | per-device batch %d x accumulation %d x %d = effective batch %d | "
-                 "lr %.3g (%s scaling, factor %.3g) | trainable %s of %s parameters | max length %d | precision %s",
-                 world, args.per_device_train_batch_size, args.gradient_accumulation_steps, world, effective,
-                 lr["applied"], lr["rule"], lr["factor"], f"{trainable:,}", f"{total:,}", cfg.data.max_length,
-                 f"{policy.name} ({policy.summary})")
+def record_setup(
+    run: Run, trainer: ResilientTrainer, arguments: RunArguments, model, data: Data, attention_record: dict
+) -> None:
+    """What the run set up, into its record (rank 0), each section as its owner builds it."""
+    from finetune.checkpointing import provenance, resume
+    from finetune.modeling import loss
+    from finetune.modeling.load import parameters_section
+    from finetune.planning import prediction
+    from finetune.training import speed
 
-    wandb_run = wandb_logging.start(rec.view, project=cfg.logging.wandb_project, run_dir=run_dir) \
-        if use_wandb and rec else None  # transformers' WandbCallback logs the steps into this run
+    cfg, record = run.cfg, run.record
+    record.set("batch", arguments.batch)
+    record.set("lr", arguments.lr)
+    if not run.resume:
+        resume.first_segment(record)
+    static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    trainer.resilience.run_facts = lambda: provenance.run_block_of(record.view, static)  # the marker's `run` block
+    record.set("faults", trainer.faults_section())  # docs/faults.md
+    record.set("data", data.bundle.stats.section())
+    record.set("parameters", parameters_section(model))
+    record.set(
+        "speed",
+        speed.section(cfg, model, trainer, attention_record=attention_record, loss_record=loss.installed(model)),
+    )
+    # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
+    prediction.record_prediction(
+        record,
+        model.config,
+        cfg,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        precision=run.launch.policy.name,
+        train_dataset=data.bundle.train,
+    )
+
+
+def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
+    """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
+    loss and exact match after; None when the run was preempted."""
+    from finetune.checkpointing import resume
+
     results = {}
-    if heldout_rows is not None and cfg.eval.before:
-        with zero3.full_parameters(model):  # ZeRO-3 loads straight into shards (finetune/modeling/zero3.py)
-            results["before"] = evaluate("before")
-    if plan:  # never saved into by this run: finetune/training/checkpoints.py move_aside_newer
-        from finetune.launch.ranks import run_on_main
-        from finetune.training import checkpoints
-
-        moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, plan.step))
-        if rec:
-            resume.note_segment(rec, superseded=[new for _, new in moved])
-            rec.write()
+    if data.heldout is not None and run.cfg.eval.before:
+        results["before"] = _exact_match(run, trainer, model, data, "before")
+    if run.resume:  # never saved into by this run
+        resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
     train_start = time.perf_counter()
-    out = trainer.train(resume_from_checkpoint=universal_dir or resume_ckpt)
+    out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
-    if trainer.resilience.preempted:  # every rank agreed to stop; the checkpoint is complete
-        return _preempted(trainer, rec, run_dir, effective)
+    if trainer.resilience.preempted:
+        return None
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
-    eval_loss = trainer.evaluate()["eval_loss"] if bundle.eval is not None else None
-    if heldout_rows is not None:
-        results["after"] = evaluate("after")
+    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+    if data.heldout is not None:
+        results["after"] = _exact_match(run, trainer, model, data, "after")
+    return Trained(out.training_loss, train_s, measured, eval_loss, results)
 
-    model_dir = run_dir / "model"
+
+def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
+    """Status `interrupted`, the resume command, and an exit code that says preempted."""
+    from finetune.checkpointing import resume
+
+    p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
+    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
+    if run.record:
+        run.record.update(
+            "summary",
+            status="interrupted",
+            steps=trainer.state.global_step,
+            checkpoint=str(ckpt),
+            error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
+            nonfinite_skipped=trainer.skipped_steps,
+        )
+        run.sinks.close(run.record.view, EXIT_PREEMPTED)
+        command = resume.resume_command(
+            run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
+        )
+        print(
+            f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
+            f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
+            flush=True,
+        )
+    return EXIT_PREEMPTED
+
+
+def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
+    """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
+    from finetune.modeling import export
+    from finetune.training import evaluation
+
+    cfg, record = run.cfg, run.record
     if cfg.run.save_model:
-        export.save_final_model(trainer, model_dir)  # adapter for LoRA/QLoRA, full weights otherwise
-        if state.is_main_process:
-            tokenizer.save_pretrained(str(model_dir))
-    if rec:
-        rec.update("summary", eval_loss=eval_loss, steps=trainer.state.global_step, train_s=round(train_s, 2),
-                   wall_s=round(time.perf_counter() - t0, 2), status="completed",
-                   nonfinite_skipped=trainer.skipped_steps)
-        from finetune.training.run_figures import record_figures
-
-        record_figures(rec, measured, model, cfg, world=world, train_loss=out.training_loss)
-        if results:
-            rec.set("eval", {"metric": "exact_match", "heldout_path": cfg.eval.heldout_path,
-                             **{f"exact_match_{k}": v["exact_match"] for k, v in results.items()},
-                             "details": results})
-        rec.write()
-        if wandb_run is not None:
-            wandb_logging.finish(wandb_run, rec.view, [rec.path, run_dir / "config.yaml",
-                                                       *wandb_logging.launch_config_files()])
-        from finetune.telemetry.summary import print_summary
-
-        print_summary(rec.view, run_dir, model_dir if cfg.run.save_model else None, cfg.method.name)
+        export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
+        if run.state.is_main_process:
+            data.tokenizer.save_pretrained(str(run.dir / "model"))
+    if record:
+        record.update(
+            "summary",
+            eval_loss=trained.eval_loss,
+            steps=trainer.state.global_step,
+            train_s=round(trained.train_s, 2),
+            wall_s=round(time.perf_counter() - started, 2),
+            status="completed",
+            nonfinite_skipped=trainer.skipped_steps,
+        )
+        record_figures(record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+        if trained.exact_match:
+            record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
+        run.sinks.close(record.view, 0)
     return 0
 
 
-def _preempted(trainer, rec, run_dir: Path, effective: int) -> int:
-    """Status `interrupted`, the resume command, and an exit code that says preempted."""
-    from finetune.training import resume
+def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
+    """Summary totals, memory, throughput and the prediction's error of a run whose training
+    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
+    computed is null with the reason in the record; the run stays completed (its training did)."""
+    from finetune.planning import prediction
+    from finetune.telemetry import formulas, meter, model_flops, totals
 
-    p = trainer.resilience.preempted
-    ckpt = trainer.resilience.last_complete
-    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
-    if rec:
-        rec.update("summary", status="interrupted", steps=trainer.state.global_step, checkpoint=str(ckpt),
-                   error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
-                   nonfinite_skipped=trainer.skipped_steps)
-        rec.write()
-        command = resume.resume_command(run_dir, effective=effective, per_device=trainer.args.per_device_train_batch_size)
-        print(f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-              f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
-    return EXIT_PREEMPTED
+    view = rec.view
+    warmup = cfg.training.throughput_warmup_steps
+    try:
+        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
+        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
+        summary, stretches, excluded = totals.whole_run(
+            earlier,
+            starts,
+            warmup=warmup,
+            steps=len(measured["step_s"]),
+            trained=sum(measured["trained_tokens"]),
+            inputs=sum(measured["input_tokens"]),
+            train_loss=train_loss,
+        )
+        rec.update("summary", **summary)
+        flops, reason = model_flops.from_model(model, cfg.method.name)
+        figures = meter.run_figures(
+            measured,
+            hardware=view.get("hardware"),
+            model_flops=flops,
+            flops_reason=reason,
+            world_size=world,
+            warmup=warmup,
+            earlier=stretches,
+            earlier_excluded=excluded,
+        )
+    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
+        log.exception("run figures could not be computed; they are null in run.json, with the error")
+        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
+        rec.set("memory", None)
+        rec.set(
+            "throughput",
+            {
+                **formulas.throughput([], excluded=0),
+                "flops_convention": None,
+                "flops_per_token": None,
+                "peak_device": None,
+                "scope": meter.SCOPE,
+                "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
+            },
+        )
+        return
+    rec.set("memory", figures["memory"])
+    rec.set("throughput", figures["throughput"])
+    rec.update("batch", **figures["batch"])
+    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _write_demo_data(run: Run) -> None:
+    """The demo recipe's data, generated into the run directory (a resumed run keeps its own)."""
+    from finetune.data import demo
+
+    train_file = Path(run.data_path)
+    if run.state.is_main_process and not (run.resume and train_file.is_file()):
+        demo.write_demo(train_file.parent, run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size)
+    run.state.wait_for_everyone()
+
+
+def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
+    """Exact match on the held-out rows, sharded over the ranks; `before` gathers ZeRO-3 shards first."""
+    from finetune.modeling import zero3
+    from finetune.training import evaluation
+
+    cfg = run.cfg
+    with zero3.full_parameters(model) if stage == "before" else contextlib.nullcontext():
+        result = evaluation.exact_match(
+            model,
+            data.tokenizer,
+            data.heldout,
+            system_prompt=cfg.data.system_prompt,
+            use_chat_template=cfg.data.chat_template,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            source=run.heldout_path,
+            accelerator=trainer.accelerator,
+        )  # reduce() across ranks: an Accelerator, not PartialState
+    if run.state.is_main_process:
+        log.info(
+            "exact match %s training: %.1f%% (%d/%d)",
+            stage,
+            100 * result["exact_match"],
+            result["correct"],
+            result["total"],
+        )
+    return result
 
 
 def _setup_logging(level: str, main_process: bool) -> None:
     import transformers
 
-    logging.basicConfig(format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S",
-                        level=getattr(logging, level.upper()) if main_process else logging.WARNING)
+    logging.basicConfig(
+        format="[%(asctime)s %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+        level=getattr(logging, level.upper()) if main_process else logging.WARNING,
+    )
     transformers.logging.set_verbosity_warning()
-

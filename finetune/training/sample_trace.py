@@ -1,15 +1,7 @@
-"""Test hook: which training rows each optimizer step trained on, per rank (FINETUNE_SAMPLE_TRACE).
-
-    FINETUNE_SAMPLE_TRACE=DIR accelerate launch ... finetune/train.py ...
-
-appends, for every micro-batch, `{"step": S, "rows": [h, ...]}` to DIR/rank<r>.jsonl (S counts
-from 1 as in run.json; h = the first 16 hex digits of the SHA-1 of a row's real input_ids, its
-attention mask applied), and rank 0 writes the train dataset's row hashes in dataset order once,
-to DIR/dataset.json. A test maps the hashes back to row indices and recounts, independently of
-the code under test, that a run resumed under another world size trains the same rows per step
-as the uninterrupted run and no row twice within an epoch (tests/training/test_strategies.py).
-Without the variable it does nothing. Padding-free and packed batches are traced per row of the
-batch as given (a packed row is one row of the packed dataset).
+"""Test hook: which training rows each optimizer step trained on, per rank (FINETUNE_SAMPLE_TRACE=DIR):
+a hash of every row of every micro-batch to DIR/rank<r>.jsonl, and rank 0's dataset row hashes to
+DIR/dataset.json, so a test can recount, independently of the code under test, that a resumed run
+trains the same rows per step (tests/training/test_strategies.py). Unset, it does nothing.
 """
 
 from __future__ import annotations

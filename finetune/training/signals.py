@@ -2,7 +2,7 @@
 
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
 checkpoint being written; it is logged and ignored). At the end of each optimizer step every
-rank all-gathers its flag (finetune/training/guards.py), so all ranks stop at the same step
+rank all-gathers its flag (finetune/training/trainer.py), so all ranks stop at the same step
 boundary whichever rank was signalled.
 """
 

@@ -1,22 +1,7 @@
-"""Speed options: which option combinations are safe, what they imply for TrainingArguments, and
-run.json's `speed` section (the batch layouts are built by finetune/data/collate.py, the SDPA
-backend policy and the loss live in finetune/modeling/attention.py and loss.py; docs/speed.md).
-
-Boundary safety, as read in transformers 5.23 (the claim "no attention crosses an example
-boundary" must hold for the attention implementation that runs, else we refuse):
-
-* sdpa, eager: ``masking_utils._preprocess_mask_arguments`` calls
-  ``find_packed_sequence_indices(position_ids)`` whenever attention_mask is None and there is
-  no KV cache; every position that does not follow its predecessor by +1 starts a new
-  sequence and the causal mask becomes block-diagonal, for any batch size (also under
-  torch.compile, where the check is not skipped). A new example starts at position 0 after
-  one that ended at p >= 0, a step of -p != +1, so every boundary is found.
-* flash_attention_2/3: ``modeling_flash_attention_utils._is_packed_sequence`` only looks at
-  position_ids when the batch has ONE row; with several packed rows it runs plain causal
-  attention over each row and examples leak into each other. Padding-free batches are one
-  row (and we also hand FlashAttention the cu_seq_lens directly), so they are safe; packed
-  batches are safe only with per_device_train_batch_size 1, and are refused otherwise.
-* models with trust_remote_code may build their own masks: refused with packing/padding-free.
+"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's
+`speed` section. Packing and padding-free are allowed only with attention implementations whose
+handling of position_ids was read to keep examples apart (sdpa, eager; FlashAttention with one row
+per batch), never with remote model code (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -27,8 +12,8 @@ import torch
 
 from finetune.data import pack
 from finetune.data.collate import FLASH_ATTENTION
-from finetune.modeling import attention
 from finetune.errors import ConfigError, UserError
+from finetune.modeling import attention
 
 # Attention implementations whose handling of position_ids without an attention mask was
 # read in transformers 5.23 (see the module docstring).
@@ -41,22 +26,30 @@ def check(cfg) -> None:
     d, m, args = cfg.data, cfg.model, cfg.training.args
     concat = [k for k in ("packing", "padding_free") if getattr(d, k, False)]
     if len(concat) == 2:
-        problems.append("data.packing and data.padding_free: choose one; padding_free already concatenates each "
-                        "batch into one row with no padding, packing builds fixed rows of <= max_length tokens")
+        problems.append(
+            "data.packing and data.padding_free: choose one; padding_free already concatenates each "
+            "batch into one row with no padding, packing builds fixed rows of <= max_length tokens"
+        )
     if concat:
         what = f"data.{concat[0]}"
         if m.attn_implementation not in _POSITION_AWARE:
-            problems.append(f"{what}: model.attn_implementation {m.attn_implementation!r} was not checked to keep "
-                            f"examples apart; use one of {', '.join(_POSITION_AWARE)}")
+            problems.append(
+                f"{what}: model.attn_implementation {m.attn_implementation!r} was not checked to keep "
+                f"examples apart; use one of {', '.join(_POSITION_AWARE)}"
+            )
         if m.trust_remote_code:
-            problems.append(f"{what}: not allowed with model.trust_remote_code: remote model code may build its own "
-                            "attention mask and ignore the position_ids that keep examples apart")
+            problems.append(
+                f"{what}: not allowed with model.trust_remote_code: remote model code may build its own "
+                "attention mask and ignore the position_ids that keep examples apart"
+            )
         batch = args.get("per_device_train_batch_size", 1)
         if concat == ["packing"] and m.attn_implementation in FLASH_ATTENTION and batch != 1:
-            problems.append(f"data.packing with model.attn_implementation {m.attn_implementation}: transformers' "
-                            "FlashAttention path reads position_ids only for a batch of one row, so packed rows "
-                            f"would attend across examples at per_device_train_batch_size {batch}; use "
-                            "data.padding_free instead, or per_device_train_batch_size: 1")
+            problems.append(
+                f"data.packing with model.attn_implementation {m.attn_implementation}: transformers' "
+                "FlashAttention path reads position_ids only for a batch of one row, so packed rows "
+                f"would attend across examples at per_device_train_batch_size {batch}; use "
+                "data.padding_free instead, or per_device_train_batch_size: 1"
+            )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     problems += attention.problems(m.sdpa_backends, device)  # a CPU run must keep flash or math
     if problems:
@@ -70,11 +63,13 @@ def check(cfg) -> None:
 def check_liger(key: str = "training.use_liger_kernel", instead: str = "set use_liger_kernel: false") -> None:
     """Liger's kernels are Triton GPU kernels: say so before Trainer fails inside them."""
     if importlib.util.find_spec("liger_kernel") is None:
-        raise UserError(f"{key}: the liger-kernel package is not installed; pip install 'finetune[liger]' "
-                        f"(or {instead})")
+        raise UserError(
+            f"{key}: the liger-kernel package is not installed; pip install 'finetune[liger]' (or {instead})"
+        )
     if not torch.cuda.is_available():
-        raise UserError(f"{key}: Liger kernels are Triton GPU kernels and need a CUDA device; this machine has "
-                        f"none ({instead})")
+        raise UserError(
+            f"{key}: Liger kernels are Triton GPU kernels and need a CUDA device; this machine has none ({instead})"
+        )
 
 
 def trainer_overrides(targs: dict) -> dict:
@@ -102,14 +97,22 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -
     except md.PackageNotFoundError:
         liger_version = None
     return {
-        "layout": {"name": name, "packing_algorithm": pack.ALGORITHM if d.packing else None,
-                   "pad_to_multiple_of": d.pad_to_multiple_of},
+        "layout": {
+            "name": name,
+            "packing_algorithm": pack.ALGORITHM if d.packing else None,
+            "pad_to_multiple_of": d.pad_to_multiple_of,
+        },
         # compact skips unlabelled positions with a data-dependent shape, which torch.compile does not trace
         "loss_impl": loss_record | {"compact": loss_record["compact"] and not args.torch_compile},
         "attention": attention_record | {"implementation": model.config._attn_implementation},
-        "compile": {"enabled": bool(args.torch_compile),
-                    "mode": args.torch_compile_mode if args.torch_compile else None,
-                    "backend": args.torch_compile_backend if args.torch_compile else None},
-        "liger": {"layer_kernels": bool(args.use_liger_kernel),
-                  "fused_linear_cross_entropy": loss_record["resolved"] == "liger", "version": liger_version},
+        "compile": {
+            "enabled": bool(args.torch_compile),
+            "mode": args.torch_compile_mode if args.torch_compile else None,
+            "backend": args.torch_compile_backend if args.torch_compile else None,
+        },
+        "liger": {
+            "layer_kernels": bool(args.use_liger_kernel),
+            "fused_linear_cross_entropy": loss_record["resolved"] == "liger",
+            "version": liger_version,
+        },
     }

@@ -1,30 +1,39 @@
-"""FinetuneTrainer: transformers.Trainer that measures each step and keeps the run record current.
+"""The run's Trainer: transformers.Trainer that measures each step, keeps the record current and
+survives faults (preemption signals, complete checkpoints, non-finite losses; docs/faults.md).
 
-The measuring is the meter's (finetune/telemetry/meter.py): tokens counted on each rank from the
-batches it really trained on and summed over ranks, optimizer-step times, memory peaks per rank
-maxed over ranks at each log, then reset. The trainer only feeds it: each micro-batch in
-`training_step`, the step clock from a callback, and the log window in `log()` itself, before
-Trainer hands the dict to its callbacks, so every `report_to` integration receives the extra keys
-(a callback of ours would run after the integrations and be too late).
+FinetuneTrainer feeds the meter (finetune/telemetry/meter.py) from inside the step, before
+Trainer hands a log window to its callbacks, so every `report_to` integration receives the extra
+keys. ResilientTrainer adds the fault handling: a signal on any rank stops every rank at the same
+step boundary after a complete checkpoint; a non-finite loss or gradient norm on any rank is agreed
+before that step's optimizer update, then stops (or skips the update).
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import time
+from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
+from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.telemetry.meter import Meter
-from finetune.training import rng, sample_trace
-from finetune.training.progress import CompactProgress
+from finetune.telemetry.sinks import Sinks
+from finetune.training import fault_injection, sample_trace
+from finetune.training.signals import flags_per_rank, install_signal_handlers, received, restore_signal_handlers
+
+log = logging.getLogger("finetune")
 
 
 class _StepClock(TrainerCallback):
     """Drives the meter's clock: training begins, each optimizer step begins and ends."""
 
-    def __init__(self, trainer: "FinetuneTrainer"):
+    def __init__(self, trainer: FinetuneTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -38,9 +47,9 @@ class _StepClock(TrainerCallback):
 
 
 class FinetuneTrainer(Trainer):
-    def __init__(self, *args, record=None, model_flops=None, peak_flops=None, **kwargs):
+    def __init__(self, *args, sinks: Sinks | None = None, model_flops=None, peak_flops=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record = record  # finetune.telemetry.record.RunRecord on rank 0, None elsewhere
+        self.sinks = sinks  # where each log window goes (finetune/telemetry/sinks.py): rank 0, None elsewhere
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
@@ -71,22 +80,19 @@ class FinetuneTrainer(Trainer):
         training_log = "loss" in logs and "train_runtime" not in logs
         step_entry = self.meter.log_window(logs, self.accelerator, self.state.global_step) if training_log else None
         super().log(logs, start_time)
-        if self.record is not None and step_entry is not None:
-            self.record.add_step(step_entry)
-            self.record.update("summary", steps=self.state.global_step)
-            self.record.write()
+        if self.sinks is not None and step_entry is not None:
+            self.sinks.log(step_entry)
 
     def record_tail(self) -> None:
         """The steps after the last log as one more `steps` entry, so steps[] covers every step of
         the launch (a resumed run totals its earlier segments from it). Every rank (it gathers)."""
         tail = self.meter.tail_window(self.accelerator, self.state.global_step)
-        if self.record is not None and tail is not None:
-            self.record.add_step(tail)
-            self.record.write()
+        if self.sinks is not None and tail is not None:
+            self.sinks.log(tail)
 
     def _load_rng_state(self, checkpoint):
         """Trainer's own restore at the same world size; across a change, the explicit rule of
-        finetune/training/rng.py (Trainer would look for files of its own layout and say nothing)."""
+        finetune/checkpointing/rng.py (Trainer would look for files of its own layout and say nothing)."""
         old = self.resumed_world_size
         if checkpoint is None or old is None or old == self.args.world_size:
             return super()._load_rng_state(checkpoint)
@@ -97,3 +103,212 @@ class FinetuneTrainer(Trainer):
         max). Every rank must call this (it gathers)."""
         self.record_tail()
         return self.meter.final(self.accelerator)
+
+
+class CompactProgress(ProgressCallback):
+    """Trainer's progress bar, with one compact line per log step instead of the raw dict."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs):
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+        parts = [
+            f"step {state.global_step}/{state.max_steps}",
+            f"loss {logs['loss']:.4f}",
+            f"lr {logs.get('learning_rate', 0):.3g}",
+        ]
+        if logs.get("grad_norm") is not None:
+            parts.append(f"gnorm {logs['grad_norm']:.3g}")
+        if "perf/trained_tokens_per_s" in logs:
+            parts.append(
+                f"{logs['perf/trained_tokens_per_s']:,.0f} tok/s ({logs['perf/trained_tokens_per_s_per_device']:,.0f}"
+                f"/dev)"
+            )
+        parts.append(f"{logs['perf/step_s']:.2f} s/step")
+        if "perf/mfu" in logs:
+            parts.append(f"MFU {100 * logs['perf/mfu']:.1f}%")
+        if "memory/max_device_peak_allocated_gib" in logs:
+            parts.append(f"dev {logs['memory/max_device_peak_allocated_gib']:.2f} GiB")
+        parts.append(f"host {logs.get('memory/max_host_peak_rss_gib', 0):.2f} GiB")
+        self.training_bar.write(" | ".join(parts))
+
+
+# --- faults: signals, complete checkpoints, non-finite guard -------------------------------------
+
+
+class NonFiniteError(RuntimeError):
+    exit_code = EXIT_NONFINITE
+
+    def __init__(self, message: str, skipped: list[dict]):
+        super().__init__(message)
+        self.skipped = skipped  # steps skipped before this one (training.on_nonfinite: skip)
+
+
+def check_policy(policy: str, distributed_type: str) -> None:
+    if policy == "skip" and distributed_type == "DEEPSPEED":
+        raise UserError(
+            "training.on_nonfinite: 'skip' is not implemented under DeepSpeed (its engine runs the "
+            "optimizer step inside backward, so the update cannot be dropped from outside); "
+            "use 'stop' (the default) and resume from the last checkpoint"
+        )
+
+
+class ResilienceCallback(TrainerCallback):
+    def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
+        self.trainer = trainer
+        self.save_total_limit = save_total_limit
+        self.preempted: dict | None = None  # {step, signal, ranks} once the ranks agreed to stop
+        self.last_complete: Path | None = None
+        self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/checkpointing/provenance.py)
+
+    # --- signals ---------------------------------------------------------------------------
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # Preempted: keep recording signals until the process exits. The launcher tears the
+        # other ranks down with SIGTERM as soon as one rank has exited 75; a rank still
+        # finishing its record or tearing down its process group must not die of it.
+        if self.preempted is None:
+            restore_signal_handlers()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signums = flags_per_rank(self.trainer.accelerator, received[0] if received else 0)
+        if any(signums) and self.preempted is None:
+            ranks = [r for r, n in enumerate(signums) if n]
+            self.preempted = {
+                "step": state.global_step,
+                "ranks": ranks,
+                "signal": signal.Signals(signums[ranks[0]]).name,
+            }
+            control.should_save = True
+            control.should_training_stop = True
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def on_save(self, args, state, control, **kwargs):
+        acc = self.trainer.accelerator
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        acc.wait_for_everyone()  # every rank's shards are on disk before the marker says so
+        if acc.is_main_process:
+            checkpoints.write_marker(
+                ckpt,
+                step=state.global_step,
+                world_size=acc.num_processes,
+                run=self.run_facts() if self.run_facts else None,
+            )
+            checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
+            log.info("checkpoint %s complete", ckpt)
+        self.last_complete = ckpt
+        acc.wait_for_everyone()
+
+
+class ResilientTrainer(FinetuneTrainer):
+    """FinetuneTrainer with the non-finite guard and the resilience callback installed."""
+
+    def __init__(
+        self,
+        *args,
+        save_total_limit: int | None = None,
+        on_nonfinite: str = "stop",
+        max_nonfinite_skips: int = 0,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
+        self.add_callback(self.resilience)
+        install_signal_handlers()  # normally done by finetune/training/run.py at start; idempotent
+        self.on_nonfinite = on_nonfinite
+        self.max_nonfinite_skips = max_nonfinite_skips
+        self.skipped_steps: list[dict] = []
+        self._skip_update = False
+        check_policy(on_nonfinite, self.accelerator.distributed_type.value)
+
+    def faults_section(self) -> dict:
+        """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
+        return {
+            "collective_timeout_s": self.args.ddp_timeout,
+            "on_nonfinite": self.on_nonfinite,
+            "max_nonfinite_skips": self.max_nonfinite_skips,
+            "save_total_limit": self.resilience.save_total_limit,
+        }
+
+    def _nonfinite(self, what: str, value: torch.Tensor) -> bool:
+        """Agree across ranks on a non-finite `value`; stop or mark this step skipped. True = skip."""
+        bad = flags_per_rank(self.accelerator, not bool(torch.isfinite(value.detach()).all()))
+        if not any(bad):
+            return False
+        step = self.state.global_step + 1
+        ranks = [r for r, b in enumerate(bad) if b]
+        if self.on_nonfinite == "skip" and len(self.skipped_steps) < self.max_nonfinite_skips:
+            if not self._skip_update:
+                self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
+                log.warning(
+                    "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
+                    what,
+                    step,
+                    ranks,
+                    len(self.skipped_steps),
+                    self.max_nonfinite_skips,
+                )
+            self._skip_update = True
+            return True
+        limit = (
+            f"; {len(self.skipped_steps)} step(s) already skipped, training.max_nonfinite_skips="
+            f"{self.max_nonfinite_skips}"
+            if self.on_nonfinite == "skip"
+            else ""
+        )
+        last = self.resilience.last_complete
+        raise NonFiniteError(
+            f"non-finite {what} at step {step} on rank(s) {ranks} (value on this rank: "
+            f"{value.detach().float().flatten()[0].item()}); stopped before that step's optimizer "
+            f"update{limit}. Last complete checkpoint: "
+            f"{last if last else 'none written in this run'}",
+            list(self.skipped_steps),
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not model.training:  # evaluation also comes through here
+            return out
+        loss = out[0] if return_outputs else out
+        loss = fault_injection.corrupt_loss(loss, rank=self.accelerator.process_index, step=self.state.global_step + 1)
+        if self._nonfinite("loss", loss):
+            raise _Skipped(torch.zeros_like(loss.detach()))
+        return (loss, *out[1:]) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except _Skipped as s:  # every rank skipped this micro-batch's backward together
+            return s.loss
+
+    def _clip_grad_norm(self, model):
+        norm = super()._clip_grad_norm(model)
+        if norm is not None and not self._skip_update and self.accelerator.distributed_type.value != "DEEPSPEED":
+            value = norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)
+            self._nonfinite("gradient norm", value)
+        return norm
+
+    def create_optimizer(self, *args, **kwargs):
+        opt = super().create_optimizer(*args, **kwargs)
+        if self.on_nonfinite == "skip" and not getattr(opt, "_finetune_guarded", False):
+            step = opt.step
+
+            def guarded_step(*a, **k):
+                if self._skip_update:
+                    self._skip_update = False
+                    return None  # gradients are zeroed by Trainer right after; no update, on every rank
+                return step(*a, **k)
+
+            opt.step = guarded_step
+            opt._finetune_guarded = True
+        return opt
+
+
+class _Skipped(Exception):
+    """Raised from compute_loss in skip mode so no backward runs on this micro-batch."""
+
+    def __init__(self, loss):
+        self.loss = loss

@@ -11,10 +11,36 @@ from finetune.cli import dispatch
 
 def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_model_dir, capsys):
     out = tmp_path / "bench"
-    code = dispatch.main(["bench", "--shape", "tiny", "--methods", "lora", "--steps", "2", "--warmup-steps", "1",
-                          "--batch", "2", "--seq-len", "96", "--rounds", "1", "--in-process", "--out", str(out),
-                          "--trl", "both", "--prompt-median", "8", "--response-median", "24",  # lengths < 96 vary
-                          "--tokenizer", str(bundled_model_dir)])
+    code = dispatch.main(
+        [
+            "bench",
+            "--shape",
+            "tiny",
+            "--methods",
+            "lora",
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq-len",
+            "96",
+            "--rounds",
+            "1",
+            "--in-process",
+            "--out",
+            str(out),
+            "--trl",
+            "both",
+            "--prompt-median",
+            "8",
+            "--response-median",
+            "24",  # lengths < 96 vary
+            "--tokenizer",
+            str(bundled_model_dir),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "report.json").read_text())
     assert report["failures"] == []
@@ -46,9 +72,24 @@ def test_bench_runs_all_three_sides_and_reports_both_ratios(tmp_path, bundled_mo
 
 def test_shape_overhead_rows(tmp_path, bundled_model_dir):
     out = tmp_path / "shapes"
-    code = dispatch.main(["bench", "--shape", "tiny", "--shape-overhead", "--steps", "1", "--warmup-steps", "0",
-                          "--seq-len", "32",
-                          "--out", str(out), "--tokenizer", str(bundled_model_dir)])
+    code = dispatch.main(
+        [
+            "bench",
+            "--shape",
+            "tiny",
+            "--shape-overhead",
+            "--steps",
+            "1",
+            "--warmup-steps",
+            "0",
+            "--seq-len",
+            "32",
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(bundled_model_dir),
+        ]
+    )
     assert code == 0
     report = json.loads((out / "shapes.json").read_text())
     rows = {r["row"]: r for r in report["rows"]}

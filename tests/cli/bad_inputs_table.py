@@ -76,13 +76,21 @@ def _accelerate(text: str, *, ds: str | None = None, recipe: str = "zero2"):
         if ds is not None:
             _write(ws / "ds.json", ds)
         return ["--recipe", recipe, "--config_file", str(_write(ws / "launch.yaml", text.replace("WS", str(ws))))]
+
     return setup
 
 
-CPU_DS = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\n"
-          "deepspeed_config:\n  deepspeed_config_file: WS/ds.json\n")
-AUTO_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+CPU_DS = (
+    "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\n"
+    "deepspeed_config:\n  deepspeed_config_file: WS/ds.json\n"
+)
+AUTO_DS = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "zero_optimization": {"stage": 2},
+}
 
 
 def _no_chat_template(ws: Path) -> list[str]:
@@ -98,29 +106,56 @@ def _no_chat_template(ws: Path) -> list[str]:
     return [f"--model.name_or_path={model}"]
 
 
-def _resume(launch: list[str], *, model_sha: str | None = None, strategy: str = "zero3", world: int = 2,
-            fingerprint: str | None = None):
+def _resume(
+    launch: list[str],
+    *,
+    model_sha: str | None = None,
+    strategy: str = "zero3",
+    world: int = 2,
+    fingerprint: str | None = None,
+):
     """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
     `--resume` of it."""
+
     def setup(ws: Path) -> list[str]:
-        from finetune.training import checkpoints
-        from finetune.training.checkpoint_facts import model_identity
+        from finetune.checkpointing import checkpoints
+        from finetune.checkpointing.provenance import model_identity
 
         model = os.environ["FINETUNE_TABLE_MODEL"]
         identity = model_identity(type("M", (), {"name_or_path": model, "revision": None})())
         ckpt = ws / "runs" / "prev" / "checkpoint-3"
-        for name in ("trainer_state.json", "latest", "rng_state_0.pth", "rng_state_1.pth",
-                     "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        for name in (
+            "trainer_state.json",
+            "latest",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+            "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        ):
             _write(ckpt / name, '{"global_step": 3}')
         _write(ws / "runs" / "prev" / "run.json", '{"summary": {"status": "interrupted", "steps": 4}}')
-        run = {"world_size": world, "strategy": strategy, "offload": "none", "per_device": 8 // world, "grad_accum": 1,
-               "effective": 8, "method": {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
-               "model": {**identity, "config_sha256": model_sha or identity["config_sha256"]},
-               "data": {"train_rows": 8, "fingerprint": fingerprint, "seed": 42, "data_seed": None, "sampling": "random",
-                        "drop_last": False, "packing": False}}
+        run = {
+            "world_size": world,
+            "strategy": strategy,
+            "offload": "none",
+            "per_device": 8 // world,
+            "grad_accum": 1,
+            "effective": 8,
+            "method": {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+            "model": {**identity, "config_sha256": model_sha or identity["config_sha256"]},
+            "data": {
+                "train_rows": 8,
+                "fingerprint": fingerprint,
+                "seed": 42,
+                "data_seed": None,
+                "sampling": "random",
+                "drop_last": False,
+                "packing": False,
+            },
+        }
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
         return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
+
     return setup
 
 
@@ -128,197 +163,463 @@ ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3
 
 CASES = [
     # --- recipe YAML ---
-    Case("YAML syntax error (unclosed bracket)", "recipe file", _recipe("training:\n  max_steps: [3\n"),
-         ("my_recipe.yaml", "line 3", "invalid YAML")),
-    Case("recipe file not UTF-8 (latin-1 byte)", "recipe file", lambda ws: ["--recipe", str(_write(
-        ws / "my_recipe.yaml", "run:\n  name: caf\xe9\n".encode("latin-1")))], ("my_recipe.yaml", "not UTF-8")),
-    Case("value not allowed: method.name: qlora2", "recipe file", _recipe("method:\n  name: qlora2\n"),
-         ("method.name", "'qlora2'", "full, lora, qlora")),
-    Case("unknown key: training.max_step", "recipe file", _recipe("training:\n  max_step: 3\n"),
-         ("training.max_step", "unknown key", "max_steps")),
-    Case("unknown section: trainer:", "recipe file", _recipe("trainer:\n  max_steps: 3\n"),
-         ("trainer", "unknown section", "training")),
-    Case("wrong type: data.max_length: long", "recipe file", _recipe("data:\n  max_length: long\n"),
-         ("data.max_length", "integer", "'long'")),
-    Case("lr_scaling: linear without lr_reference_batch_size", "recipe file", _recipe("training:\n  lr_scaling: linear\n"),
-         ("training.lr_scaling", "'linear' needs training.lr_reference_batch_size", "lr_scaling: none")),
-    Case("recipe that does not exist", "--recipe", lambda ws: ["--recipe", "zero5"],
-         ("--recipe 'zero5'", "available", "zero2")),
+    Case(
+        "YAML syntax error (unclosed bracket)",
+        "recipe file",
+        _recipe("training:\n  max_steps: [3\n"),
+        ("my_recipe.yaml", "line 3", "invalid YAML"),
+    ),
+    Case(
+        "recipe file not UTF-8 (latin-1 byte)",
+        "recipe file",
+        lambda ws: ["--recipe", str(_write(ws / "my_recipe.yaml", "run:\n  name: caf\xe9\n".encode("latin-1")))],
+        ("my_recipe.yaml", "not UTF-8"),
+    ),
+    Case(
+        "value not allowed: method.name: qlora2",
+        "recipe file",
+        _recipe("method:\n  name: qlora2\n"),
+        ("method.name", "'qlora2'", "full, lora, qlora"),
+    ),
+    Case(
+        "unknown key: training.max_step",
+        "recipe file",
+        _recipe("training:\n  max_step: 3\n"),
+        ("training.max_step", "unknown key", "max_steps"),
+    ),
+    Case(
+        "unknown section: trainer:",
+        "recipe file",
+        _recipe("trainer:\n  max_steps: 3\n"),
+        ("trainer", "unknown section", "training"),
+    ),
+    Case(
+        "wrong type: data.max_length: long",
+        "recipe file",
+        _recipe("data:\n  max_length: long\n"),
+        ("data.max_length", "integer", "'long'"),
+    ),
+    Case(
+        "lr_scaling: linear without lr_reference_batch_size",
+        "recipe file",
+        _recipe("training:\n  lr_scaling: linear\n"),
+        ("training.lr_scaling", "'linear' needs training.lr_reference_batch_size", "lr_scaling: none"),
+    ),
+    Case(
+        "recipe that does not exist",
+        "--recipe",
+        lambda ws: ["--recipe", "zero5"],
+        ("--recipe 'zero5'", "available", "zero2"),
+    ),
     # --- command-line overrides ---
-    Case("override without a value: --training.max_steps", "command line",
-         lambda ws: ["--recipe", "demo", "--training.max_steps"], ("--training.max_steps", "missing value")),
-    Case("override without a section: --max_steps=3", "command line", lambda ws: ["--recipe", "demo", "--max_steps=3"],
-         ("--max_steps", "--section.key=value")),
-    Case("override without dashes: training.max_steps=3", "command line",
-         lambda ws: ["--recipe", "demo", "training.max_steps=3"], ("training.max_steps=3", "unexpected argument")),
-    Case("unknown override key: --training.max_stepz=2", "command line",
-         lambda ws: ["--recipe", "demo", "--training.max_stepz=2"], ("training.max_stepz", "unknown key", "max_steps")),
-    Case("override of the wrong type: --data.max_length=abc", "command line",
-         lambda ws: ["--recipe", "demo", "--data.max_length=abc"], ("data.max_length", "integer", "'abc'")),
-    Case("override of the wrong type: --training.learning_rate=fast", "command line",
-         lambda ws: ["--recipe", "demo", "--training.learning_rate=fast"], ("training.learning_rate", "fast")),
+    Case(
+        "override without a value: --training.max_steps",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--training.max_steps"],
+        ("--training.max_steps", "missing value"),
+    ),
+    Case(
+        "override without a section: --max_steps=3",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--max_steps=3"],
+        ("--max_steps", "--section.key=value"),
+    ),
+    Case(
+        "override without dashes: training.max_steps=3",
+        "command line",
+        lambda ws: ["--recipe", "demo", "training.max_steps=3"],
+        ("training.max_steps=3", "unexpected argument"),
+    ),
+    Case(
+        "unknown override key: --training.max_stepz=2",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--training.max_stepz=2"],
+        ("training.max_stepz", "unknown key", "max_steps"),
+    ),
+    Case(
+        "override of the wrong type: --data.max_length=abc",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--data.max_length=abc"],
+        ("data.max_length", "integer", "'abc'"),
+    ),
+    Case(
+        "override of the wrong type: --training.learning_rate=fast",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--training.learning_rate=fast"],
+        ("training.learning_rate", "fast"),
+    ),
     # --- dataset files ---
-    Case("data file missing", "data.path", lambda ws: [f"--data.path={ws / 'nope.jsonl'}"],
-         ("nope.jsonl", "file not found")),
+    Case(
+        "data file missing",
+        "data.path",
+        lambda ws: [f"--data.path={ws / 'nope.jsonl'}"],
+        ("nope.jsonl", "file not found"),
+    ),
     Case("data file empty", "data.path", _data(""), ("train.jsonl", "file is empty")),
-    Case("latin-1 bytes in row 2", "data.path",
-         _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
-         ("train.jsonl row 2", "not valid UTF-8", "0xe9", "UTF-8")),
+    Case(
+        "latin-1 bytes in row 2",
+        "data.path",
+        _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
+        ("train.jsonl row 2", "not valid UTF-8", "0xe9", "UTF-8"),
+    ),
     Case("UTF-16 file", "data.path", _data(_jsonl(GOOD_ROWS).encode("utf-16")), ("train.jsonl", "UTF-16", "UTF-8")),
-    Case("malformed JSON line (row 2)", "data.path",
-         _data(_jsonl(GOOD_ROWS[:1]) + '{"instruction": "x", "output": \n'), ("train.jsonl row 2", "malformed JSON")),
-    Case("JSON array with a syntax error", "data.path", _data('[{"instruction": "a", "output": "b"},]', "train.json"),
-         ("train.json", "malformed JSON at line 1")),
-    Case("missing field (row 2 has no output)", "data.path", _data(_jsonl([GOOD_ROWS[0], {"instruction": "x"}])),
-         ("train.jsonl row 2", "missing key 'output'", "alpaca rows need instruction, output")),
-    Case("wrong type (output is a number)", "data.path", _data(_jsonl([{"instruction": "x", "output": 5}])),
-         ("train.jsonl row 1", "'output' must be a string, got number")),
-    Case("columns of no known format", "data.path", _data(_jsonl([{"question": "x", "answer": "y"}])),
-         ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format")),
-    Case("every row longer than max_length (completion cut off)", "data.path",
-         lambda ws: [f"--data.path={_write(ws / 'long.jsonl', _jsonl([{'instruction': 'word ' * 400, 'output': 'x'}] * 2))}",
-                     "--data.max_length=32"],
-         ("long.jsonl", "no example has a trained token within max_length=32"), entry="train.py"),
-    Case("held-out file missing", "eval.heldout_path",
-         lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],
-         ("eval.heldout_path", "heldout.jsonl", "file not found")),
+    Case(
+        "malformed JSON line (row 2)",
+        "data.path",
+        _data(_jsonl(GOOD_ROWS[:1]) + '{"instruction": "x", "output": \n'),
+        ("train.jsonl row 2", "malformed JSON"),
+    ),
+    Case(
+        "JSON array with a syntax error",
+        "data.path",
+        _data('[{"instruction": "a", "output": "b"},]', "train.json"),
+        ("train.json", "malformed JSON at line 1"),
+    ),
+    Case(
+        "missing field (row 2 has no output)",
+        "data.path",
+        _data(_jsonl([GOOD_ROWS[0], {"instruction": "x"}])),
+        ("train.jsonl row 2", "missing key 'output'", "alpaca rows need instruction, output"),
+    ),
+    Case(
+        "wrong type (output is a number)",
+        "data.path",
+        _data(_jsonl([{"instruction": "x", "output": 5}])),
+        ("train.jsonl row 1", "'output' must be a string, got number"),
+    ),
+    Case(
+        "columns of no known format",
+        "data.path",
+        _data(_jsonl([{"question": "x", "answer": "y"}])),
+        ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format"),
+    ),
+    Case(
+        "every row longer than max_length (completion cut off)",
+        "data.path",
+        lambda ws: [
+            f"--data.path={_write(ws / 'long.jsonl', _jsonl([{'instruction': 'word ' * 400, 'output': 'x'}] * 2))}",
+            "--data.max_length=32",
+        ],
+        ("long.jsonl", "no example has a trained token within max_length=32"),
+        entry="train.py",
+    ),
+    Case(
+        "held-out file missing",
+        "eval.heldout_path",
+        lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],
+        ("eval.heldout_path", "heldout.jsonl", "file not found"),
+    ),
     # --- accelerate configs ---
-    Case("accelerate config missing", "--config_file", lambda ws: ["--recipe", "demo", "--config_file", str(ws / "no.yaml")],
-         ("no.yaml", "not found", "--config_file")),
-    Case("accelerate config: bad YAML", "--config_file", _accelerate("distributed_type: [DEEPSPEED\n"),
-         ("launch.yaml", "line 2", "invalid YAML")),
-    Case("accelerate config: unknown distributed_type", "--config_file",
-         _accelerate("distributed_type: MULTI_TPU\nnum_processes: 2\n"),
-         ("launch.yaml", "distributed_type 'MULTI_TPU'", "allowed", "DEEPSPEED")),
-    Case("accelerate config: DeepSpeed and FSDP at once", "--config_file",
-         _accelerate("distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
-                     "deepspeed_config:\n  deepspeed_config_file: ds_configs/zero2.json\n", recipe="fsdp"),
-         ("launch.yaml", "distributed_type FSDP", "deepspeed_config section")),
-    Case("GPU config on a machine without a GPU", "--config_file",
-         lambda ws: ["--recipe", "zero2", "--config_file", str(REPO / "accelerate_configs" / "zero2.yaml")],
-         ("zero2.yaml", "no CUDA GPU is visible", "--cpu"), gpu_free_only=True),
+    Case(
+        "accelerate config missing",
+        "--config_file",
+        lambda ws: ["--recipe", "demo", "--config_file", str(ws / "no.yaml")],
+        ("no.yaml", "not found", "--config_file"),
+    ),
+    Case(
+        "accelerate config: bad YAML",
+        "--config_file",
+        _accelerate("distributed_type: [DEEPSPEED\n"),
+        ("launch.yaml", "line 2", "invalid YAML"),
+    ),
+    Case(
+        "accelerate config: unknown distributed_type",
+        "--config_file",
+        _accelerate("distributed_type: MULTI_TPU\nnum_processes: 2\n"),
+        ("launch.yaml", "distributed_type 'MULTI_TPU'", "allowed", "DEEPSPEED"),
+    ),
+    Case(
+        "accelerate config: DeepSpeed and FSDP at once",
+        "--config_file",
+        _accelerate(
+            "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\nfsdp_config:\n  fsdp_version: 2\n"
+            "deepspeed_config:\n  deepspeed_config_file: ds_configs/zero2.json\n",
+            recipe="fsdp",
+        ),
+        ("launch.yaml", "distributed_type FSDP", "deepspeed_config section"),
+    ),
+    Case(
+        "GPU config on a machine without a GPU",
+        "--config_file",
+        lambda ws: ["--recipe", "zero2", "--config_file", str(REPO / "accelerate_configs" / "zero2.yaml")],
+        ("zero2.yaml", "no CUDA GPU is visible", "--cpu"),
+        gpu_free_only=True,
+    ),
     # --- DeepSpeed configs ---
     Case("DeepSpeed config missing", "deepspeed_config_file", _accelerate(CPU_DS), ("ds.json", "file not found")),
-    Case("DeepSpeed config: bad JSON", "deepspeed_config_file", _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2,}}'),
-         ("ds.json", "invalid JSON at line 1")),
-    Case("DeepSpeed values that fight Trainer's", "deepspeed_config_file",
-         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.5})),
-         ("ds.json", "train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", '"auto"')),
-    Case("DeepSpeed stage differs from the recipe", "deepspeed_config_file",
-         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 3}})),
-         ("meant for strategy 'zero2'", "sets up 'zero3'", "accelerate_configs/cpu/zero2.yaml")),
-    Case("DeepSpeed offload differs from the recipe", "deepspeed_config_file",
-         _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})),
-         ("offload 'none'", "sets up 'zero2' with offload 'optimizer'")),
+    Case(
+        "DeepSpeed config: bad JSON",
+        "deepspeed_config_file",
+        _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2,}}'),
+        ("ds.json", "invalid JSON at line 1"),
+    ),
+    Case(
+        "DeepSpeed values that fight Trainer's",
+        "deepspeed_config_file",
+        _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.5})),
+        ("ds.json", "train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", '"auto"'),
+    ),
+    Case(
+        "DeepSpeed stage differs from the recipe",
+        "deepspeed_config_file",
+        _accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 3}})),
+        ("meant for strategy 'zero2'", "sets up 'zero3'", "accelerate_configs/cpu/zero2.yaml"),
+    ),
+    Case(
+        "DeepSpeed offload differs from the recipe",
+        "deepspeed_config_file",
+        _accelerate(
+            CPU_DS,
+            ds=json.dumps({**AUTO_DS, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}),
+        ),
+        ("offload 'none'", "sets up 'zero2' with offload 'optimizer'"),
+    ),
     # --- method and precision against the launch ---
-    Case("QLoRA with uint8 storage under ZeRO-3", "method.quant_storage",
-         lambda ws: ["--recipe", "zero3", "--cpu", "--method.name=qlora", "--method.quant_storage=uint8"],
-         ("method.quant_storage: 'uint8' under zero3", "quant_storage: auto")),
-    Case("bf16 set directly instead of the precision policy", "training.bf16", lambda ws: ["--training.bf16=true"],
-         ("training.bf16", "set by training.precision", "--training.precision=bf16-mixed")),
-    Case("16-mixed (fp16) on CPU", "training.precision", lambda ws: ["--training.precision=16-mixed"],
-         ("training.precision 16-mixed on CPU", "bf16-mixed", "32-true"), gpu_free_only=True),
-    Case("bf16-true with ZeRO offload", "training.precision",
-         lambda ws: ["--recipe", "zero2_offload", "--cpu", "--training.precision=bf16-true"],
-         ("training.precision bf16-true with zero2 offload 'optimizer'", "bf16-mixed with offload", "without offload")),
-    Case("model.dtype contradicting the precision policy", "model.dtype",
-         lambda ws: ["--training.precision=bf16-mixed", "--model.dtype=float32"],
-         ("model.dtype: 'float32'", "training.precision bf16-mixed", "model.dtype: auto")),
+    Case(
+        "QLoRA with uint8 storage under ZeRO-3",
+        "method.quant_storage",
+        lambda ws: ["--recipe", "zero3", "--cpu", "--method.name=qlora", "--method.quant_storage=uint8"],
+        ("method.quant_storage: 'uint8' under zero3", "quant_storage: auto"),
+    ),
+    Case(
+        "bf16 set directly instead of the precision policy",
+        "training.bf16",
+        lambda ws: ["--training.bf16=true"],
+        ("training.bf16", "set by training.precision", "--training.precision=bf16-mixed"),
+    ),
+    Case(
+        "16-mixed (fp16) on CPU",
+        "training.precision",
+        lambda ws: ["--training.precision=16-mixed"],
+        ("training.precision 16-mixed on CPU", "bf16-mixed", "32-true"),
+        gpu_free_only=True,
+    ),
+    Case(
+        "bf16-true with ZeRO offload",
+        "training.precision",
+        lambda ws: ["--recipe", "zero2_offload", "--cpu", "--training.precision=bf16-true"],
+        ("training.precision bf16-true with zero2 offload 'optimizer'", "bf16-mixed with offload", "without offload"),
+    ),
+    Case(
+        "model.dtype contradicting the precision policy",
+        "model.dtype",
+        lambda ws: ["--training.precision=bf16-mixed", "--model.dtype=float32"],
+        ("model.dtype: 'float32'", "training.precision bf16-mixed", "model.dtype: auto"),
+    ),
     # --- model and tokenizer ---
-    Case("model directory that does not exist", "model.name_or_path",
-         lambda ws: [f"--model.name_or_path={ws / 'my-model'}"], ("model.name_or_path", "my-model", "no such local directory")),
-    Case("directory that is not a model", "model.name_or_path", lambda ws: [f"--model.name_or_path={ws}"],
-         ("model.name_or_path", "no config.json")),
-    Case("hub id not cached, hub unreachable", "model.name_or_path",
-         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-         ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
-         env={"ENDPOINT": "http://127.0.0.1:9"}),
-    Case("hub id not cached, HF_HUB_OFFLINE=1", "model.name_or_path",
-         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-         ("someorg/not-cached-model", "HF_HUB_OFFLINE"), env={"HF_HUB_OFFLINE": True}),
-    Case("unknown bundled model", "model.name_or_path", lambda ws: ["--model.name_or_path=bundled:Llama-9000"],
-         ("bundled:Llama-9000", "bundled:SmolLM2-135M-Instruct")),
-    Case("tokenizer without a chat template, recipe asks for it", "model (tokenizer)", _no_chat_template,
-         ("has no chat template", "data.chat_template: false"), entry="train.py"),
+    Case(
+        "model directory that does not exist",
+        "model.name_or_path",
+        lambda ws: [f"--model.name_or_path={ws / 'my-model'}"],
+        ("model.name_or_path", "my-model", "no such local directory"),
+    ),
+    Case(
+        "directory that is not a model",
+        "model.name_or_path",
+        lambda ws: [f"--model.name_or_path={ws}"],
+        ("model.name_or_path", "no config.json"),
+    ),
+    Case(
+        "hub id not cached, hub unreachable",
+        "model.name_or_path",
+        lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
+        ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
+        env={"ENDPOINT": "http://127.0.0.1:9"},
+    ),
+    Case(
+        "hub id not cached, HF_HUB_OFFLINE=1",
+        "model.name_or_path",
+        lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
+        ("someorg/not-cached-model", "HF_HUB_OFFLINE"),
+        env={"HF_HUB_OFFLINE": True},
+    ),
+    Case(
+        "unknown bundled model",
+        "model.name_or_path",
+        lambda ws: ["--model.name_or_path=bundled:Llama-9000"],
+        ("bundled:Llama-9000", "bundled:SmolLM2-135M-Instruct"),
+    ),
+    Case(
+        "tokenizer without a chat template, recipe asks for it",
+        "model (tokenizer)",
+        _no_chat_template,
+        ("has no chat template", "data.chat_template: false"),
+        entry="train.py",
+    ),
     # --- --resume of a checkpoint that cannot continue under this launch (docs/faults.md) ---
-    Case("resume under another strategy family (ZeRO-3 checkpoint, FSDP launch)", "--resume",
-         _resume(["--recipe", "fsdp", "--config_file", "accelerate_configs/cpu/fsdp.yaml"]),
-         ("checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp",
-          "launch with accelerate_configs/zero3.yaml (any --num_processes)", "nothing was loaded")),
-    Case("resume on a process count that cannot keep the effective batch", "--resume / --num_processes",
-         _resume([*ZERO3_CPU, "--num_processes", "3"]),
-         ("effective batch 8 = 2 rank(s) x 4 per device x accumulation 1", "3 process(es) x 4 per device cannot make 8",
-          "--num_processes 1 or 2")),
-    Case("resume with an accumulation that contradicts the effective batch", "--resume / training",
-         _resume([*ZERO3_CPU, "--num_processes", "1", "--training.gradient_accumulation_steps=1"]),
-         ("--training.gradient_accumulation_steps=1 contradicts", "recomputed, here 2")),
-    Case("resume with another model", "--resume / model.name_or_path", _resume(ZERO3_CPU, model_sha="0" * 64),
-         ("checkpoint-3 was trained with another model", "config_sha256")),
-    Case("resume on another process count with dataloader_drop_last", "--resume / training",
-         _resume([*ZERO3_CPU, "--num_processes", "1", "--training.dataloader_drop_last=true"]),
-         ("training.dataloader_drop_last: true", "the layout changes (2 -> 1 process(es))")),
-    Case("resume with another seed", "--resume / training.seed", _resume([*ZERO3_CPU, "--training.seed=7"]),
-         ("training.seed is 7 but checkpoint-3 was trained with 42", "--training.seed=42")),
-    Case("resume on other training data (the rows differ)", "--resume / data.path",
-         _resume([], strategy="single", world=1, fingerprint="0" * 64),
-         ("the training data differs from the data it was trained on", "fingerprint 000000000000"), entry="train.py"),
+    Case(
+        "resume under another strategy family (ZeRO-3 checkpoint, FSDP launch)",
+        "--resume",
+        _resume(["--recipe", "fsdp", "--config_file", "accelerate_configs/cpu/fsdp.yaml"]),
+        (
+            "checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp",
+            "launch with accelerate_configs/zero3.yaml (any --num_processes)",
+            "nothing was loaded",
+        ),
+    ),
+    Case(
+        "resume on a process count that cannot keep the effective batch",
+        "--resume / --num_processes",
+        _resume([*ZERO3_CPU, "--num_processes", "3"]),
+        (
+            "effective batch 8 = 2 rank(s) x 4 per device x accumulation 1",
+            "3 process(es) x 4 per device cannot make 8",
+            "--num_processes 1 or 2",
+        ),
+    ),
+    Case(
+        "resume with an accumulation that contradicts the effective batch",
+        "--resume / training",
+        _resume([*ZERO3_CPU, "--num_processes", "1", "--training.gradient_accumulation_steps=1"]),
+        ("--training.gradient_accumulation_steps=1 contradicts", "recomputed, here 2"),
+    ),
+    Case(
+        "resume with another model",
+        "--resume / model.name_or_path",
+        _resume(ZERO3_CPU, model_sha="0" * 64),
+        ("checkpoint-3 was trained with another model", "config_sha256"),
+    ),
+    Case(
+        "resume on another process count with dataloader_drop_last",
+        "--resume / training",
+        _resume([*ZERO3_CPU, "--num_processes", "1", "--training.dataloader_drop_last=true"]),
+        ("training.dataloader_drop_last: true", "the layout changes (2 -> 1 process(es))"),
+    ),
+    Case(
+        "resume with another seed",
+        "--resume / training.seed",
+        _resume([*ZERO3_CPU, "--training.seed=7"]),
+        ("training.seed is 7 but checkpoint-3 was trained with 42", "--training.seed=42"),
+    ),
+    Case(
+        "resume on other training data (the rows differ)",
+        "--resume / data.path",
+        _resume([], strategy="single", world=1, fingerprint="0" * 64),
+        ("the training data differs from the data it was trained on", "fingerprint 000000000000"),
+        entry="train.py",
+    ),
     # --- the run directory ---
-    Case("run name of an existing run, no --overwrite", "run.name", lambda ws: ["--run.name=keep"],
-         ("runs/keep already exists", "--run.name=keep-2", "--overwrite")),
-    Case("run name of an existing run, no --overwrite (train.py)", "run.name", lambda ws: ["--run.name=keep"],
-         ("runs/keep already exists", "--run.name=keep-2", "--overwrite"), entry="train.py"),
+    Case(
+        "run name of an existing run, no --overwrite",
+        "run.name",
+        lambda ws: ["--run.name=keep"],
+        ("runs/keep already exists", "--run.name=keep-2", "--overwrite"),
+    ),
+    Case(
+        "run name of an existing run, no --overwrite (train.py)",
+        "run.name",
+        lambda ws: ["--run.name=keep"],
+        ("runs/keep already exists", "--run.name=keep-2", "--overwrite"),
+        entry="train.py",
+    ),
 ]
 
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
 # here with the test that covers them, so the table is complete.
 NOT_ERRORS = [
-    ("one row longer than data.max_length among normal rows", "data.path",
-     ("not an error: the example is cut to max_length, counted in run.json data.truncated and logged as a "
-     "warning; one left with no trained token is dropped (tests/data/test_data.py::"
-     "test_truncation_is_counted_and_label_less_examples_dropped)")),
-    ("bad rows with data.on_bad_rows: skip", "data.path",
-     ("not an error: the rows are skipped, logged and listed in run.json data.rows_skipped; all rows bad is an "
-     "error (tests/data/test_data.py::test_skip_still_raises_when_every_row_is_bad)")),
-    ("recipe without a training: section", "recipe file",
-     ("not an error: the training defaults apply as with an empty section (tests/config/test_config.py::"
-      "test_a_recipe_without_a_training_section_gets_the_training_defaults)")),
-    ("run name of a run that failed before its first step (no checkpoint, nothing but run.json, config.yaml, data/)",
-     "run.name", ("not an error: the directory is reused and the console says so: 'reusing run directory ...: its run "
-                  "failed before its first step (...)' (tests/launch/test_rundir.py::"
-                  "test_a_run_that_failed_before_step_1_leaves_a_directory_the_retry_reuses)")),
-    ("one process with two GPUs visible (accelerate config with distributed_type NO and gpu_ids: all)",
-     "accelerate config / CUDA_VISIBLE_DEVICES",
-     ("preflight refuses it, exit 2: 'one process (distributed type NO) with 2 CUDA devices visible ... Trainer would "
-      "wrap the model in torch.nn.DataParallel ... Pin one device: CUDA_VISIBLE_DEVICES=0 ... or train on all of them "
-      "with DDP' (needs two GPUs; tests/launch/test_preflight.py::"
-      "test_one_process_with_two_visible_gpus_is_refused_before_dataparallel makes two visible)")),
-    ("2-process GPU launch on a machine without a GPU, straight through accelerate launch", "accelerate launch",
-     ("each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
-     "(tests/training/test_strategies.py::test_fsdp_without_cpu_opt_in_is_refused_not_downgraded)")),
-    ("recipe zero3 launched with the DDP config, straight through accelerate launch", "accelerate launch",
-     ("each rank exits 2 before the run directory exists: 'recipe 'zero3' is meant for strategy 'zero3' ... sets up "
-     "'ddp'' (tests/training/test_strategies.py::test_mismatched_launch_stops_before_training)")),
-    ("a strategy recipe launched without an accelerate config (`accelerate launch finetune/train.py --recipe zero2`, "
-     "torchrun, python)", "accelerate launch",
-     ("not an error: the recipe sets up its strategy in the script with the processes the launcher gave; run.json "
-      "strategy.set_up_by is `recipe` (tests/training/test_strategies.py::"
-      "test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one)")),
-    ("a strategy recipe under the user's accelerate default config of another strategy", "accelerate launch",
-     ("each rank exits 2: '... but your accelerate default config <path> (read by every `accelerate launch` without "
-      "--config_file or --cpu) sets up 'ddp' ...', with the --config_file line and how to move the default config "
-      "aside (tests/launch/test_preflight.py::test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_"
-      "default_config)")),
-    ("`accelerate launch --num_processes 2` without GPUs or a config file", "accelerate launch",
-     ("the rank exits 2: 'accelerate launch --num_processes 2 started 1 process(es) ...' with the torchrun line "
-      "(tests/launch/test_preflight.py::test_accelerate_launch_num_processes_that_started_one_process_is_refused)")),
+    (
+        "one row longer than data.max_length among normal rows",
+        "data.path",
+        (
+            "not an error: the example is cut to max_length, counted in run.json data.truncated and logged as a "
+            "warning; one left with no trained token is dropped (tests/data/test_data.py::"
+            "test_truncation_is_counted_and_label_less_examples_dropped)"
+        ),
+    ),
+    (
+        "bad rows with data.on_bad_rows: skip",
+        "data.path",
+        (
+            "not an error: the rows are skipped, logged and listed in run.json data.rows_skipped; all rows bad is an "
+            "error (tests/data/test_data.py::test_skip_still_raises_when_every_row_is_bad)"
+        ),
+    ),
+    (
+        "recipe without a training: section",
+        "recipe file",
+        (
+            "not an error: the training defaults apply as with an empty section (tests/config/test_config.py::"
+            "test_a_recipe_without_a_training_section_gets_the_training_defaults)"
+        ),
+    ),
+    (
+        "run name of a run that failed before its first step (no checkpoint, nothing but run.json, config.yaml, data/)",
+        "run.name",
+        (
+            "not an error: the directory is reused and the console says so: 'reusing run directory ...: its run "
+            "failed before its first step (...)' (tests/launch/test_rundir.py::"
+            "test_a_run_that_failed_before_step_1_leaves_a_directory_the_retry_reuses)"
+        ),
+    ),
+    (
+        "one process with two GPUs visible (accelerate config with distributed_type NO and gpu_ids: all)",
+        "accelerate config / CUDA_VISIBLE_DEVICES",
+        (
+            "preflight refuses it, exit 2: 'one process (distributed type NO) with 2 CUDA devices visible ... Trainer would "
+            "wrap the model in torch.nn.DataParallel ... Pin one device: CUDA_VISIBLE_DEVICES=0 ... or train on all of them "
+            "with DDP' (needs two GPUs; tests/preflight/test_preflight.py::"
+            "test_one_process_with_two_visible_gpus_is_refused_before_dataparallel makes two visible)"
+        ),
+    ),
+    (
+        "2-process GPU launch on a machine without a GPU, straight through accelerate launch",
+        "accelerate launch",
+        (
+            "each rank exits 2: 'the launcher started 2 processes but Accelerate set up 1 ... would train alone' "
+            "(tests/training/test_strategies.py::test_fsdp_without_cpu_opt_in_is_refused_not_downgraded)"
+        ),
+    ),
+    (
+        "recipe zero3 launched with the DDP config, straight through accelerate launch",
+        "accelerate launch",
+        (
+            "each rank exits 2 before the run directory exists: 'recipe 'zero3' is meant for strategy 'zero3' ... sets up "
+            "'ddp'' (tests/training/test_strategies.py::test_mismatched_launch_stops_before_training)"
+        ),
+    ),
+    (
+        "a strategy recipe launched without an accelerate config (`accelerate launch finetune/train.py --recipe zero2`, "
+        "torchrun, python)",
+        "accelerate launch",
+        (
+            "not an error: the recipe sets up its strategy in the script with the processes the launcher gave; run.json "
+            "strategy.set_up_by is `recipe` (tests/training/test_strategies.py::"
+            "test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one)"
+        ),
+    ),
+    (
+        "a strategy recipe under the user's accelerate default config of another strategy",
+        "accelerate launch",
+        (
+            "each rank exits 2: '... but your accelerate default config <path> (read by every `accelerate launch` without "
+            "--config_file or --cpu) sets up 'ddp' ...', with the --config_file line and how to move the default config "
+            "aside (tests/preflight/test_preflight.py::test_a_launcher_deepspeed_setup_that_differs_is_refused_naming_the_"
+            "default_config)"
+        ),
+    ),
+    (
+        "`accelerate launch --num_processes 2` without GPUs or a config file",
+        "accelerate launch",
+        (
+            "the rank exits 2: 'accelerate launch --num_processes 2 started 1 process(es) ...' with the torchrun line "
+            "(tests/preflight/test_preflight.py::test_accelerate_launch_num_processes_that_started_one_process_is_refused)"
+        ),
+    ),
 ]
 
 
 def base_args(ws: Path, model_dir: Path) -> list[str]:
     """A run that would be valid: the demo recipe on the tiny model and a good data file."""
     data = _write(ws / "good.jsonl", _jsonl(GOOD_ROWS * 4))
-    return ["--recipe", "demo", f"--model.name_or_path={model_dir}", f"--data.path={data}",
-            "--eval.exact_match=false", "--training.max_steps=1", "--run.name=new-run"]
+    return [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={model_dir}",
+        f"--data.path={data}",
+        "--eval.exact_match=false",
+        "--training.max_steps=1",
+        "--run.name=new-run",
+    ]
 
 
 def make_workspace(ws: Path) -> None:
@@ -329,8 +630,11 @@ def make_workspace(ws: Path) -> None:
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @contextlib.contextmanager
@@ -390,35 +694,49 @@ def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
     changed = [f for f, h in before.items() if after.get(f) != h]
     created = sorted({str(Path(f).parent) for f in after if f not in before})
     text = err.getvalue()
-    message = text[text.rfind("error: "):] if "error: " in text else text[-2000:]
+    message = text[text.rfind("error: ") :] if "error: " in text else text[-2000:]
     return Outcome(code, message.strip(), bool(launched), changed, created, tb or "Traceback" in text)
 
 
 def _clean(message: str, ws: Path, model_dir: Path) -> str:
-    return (message.replace(str(ws), "<ws>").replace(str(model_dir), "<tiny-model>")
-            .replace(str(REPO), "<repo>").removeprefix("error: "))
+    return (
+        message.replace(str(ws), "<ws>")
+        .replace(str(model_dir), "<tiny-model>")
+        .replace(str(REPO), "<repo>")
+        .removeprefix("error: ")
+    )
 
 
 def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str:
-    lines = ["# Bad inputs and what finetune says", "",
-             "Generated by `python -m tests.cli.bad_inputs_table > docs/bad_inputs.md` (the cases live in",
-             "tests/cli/bad_inputs_table.py; tests/cli/test_bad_inputs.py checks each row: exit code 2, the message",
-             "names what and where, no traceback, and no file the user had changed: SHA-256 of every file in",
-             "the workspace before and after, including an earlier run directory `runs/keep/`).",
-             "`<ws>` is the user's working directory, `<tiny-model>` a local model directory.", "",
-             "Caught by: `finetune train` = in `finetune train` before `accelerate launch` starts; `train.py` =",
-             "inside the launched process (preflight runs there too, before the run directory and any weights).",
-             "`new files` are what the failed attempt itself wrote (its own new run directory, with run.json",
-             "status `failed`); never inside an existing run directory.",
-             "", "| input | where | caught by | exit | user's files changed | new files | message |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Bad inputs and what finetune says",
+        "",
+        "Generated by `python -m tests.cli.bad_inputs_table > docs/bad_inputs.md` (the cases live in",
+        "tests/cli/bad_inputs_table.py; tests/cli/test_bad_inputs.py checks each row: exit code 2, the message",
+        "names what and where, no traceback, and no file the user had changed: SHA-256 of every file in",
+        "the workspace before and after, including an earlier run directory `runs/keep/`).",
+        "`<ws>` is the user's working directory, `<tiny-model>` a local model directory.",
+        "",
+        "Caught by: `finetune train` = in `finetune train` before `accelerate launch` starts; `train.py` =",
+        "inside the launched process (preflight runs there too, before the run directory and any weights).",
+        "`new files` are what the failed attempt itself wrote (its own new run directory, with run.json",
+        "status `failed`); never inside an existing run directory.",
+        "",
+        "| input | where | caught by | exit | user's files changed | new files | message |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for case, out in results:
         msg = _clean(out.message, ws_of(case), model_dir).replace("|", "\\|").replace("\n", "<br>")
         changed = ", ".join(out.changed) or "none"
         created = ", ".join(f"{d}/" for d in out.created) or "none"
         lines.append(f"| {case.what} | {case.where} | {case.entry} | {out.exit_code} | {changed} | {created} | {msg} |")
-    lines += ["", "## Not errors by design, and cases shown by real launches", "", "| input | where | behaviour |",
-              "|---|---|---|"]
+    lines += [
+        "",
+        "## Not errors by design, and cases shown by real launches",
+        "",
+        "| input | where | behaviour |",
+        "|---|---|---|",
+    ]
     lines += [f"| {what} | {where} | {how} |" for what, where, how in NOT_ERRORS]
     return "\n".join(lines) + "\n"
 

@@ -40,8 +40,15 @@ def _tree_hashes(root):
 
 
 def _finetune(args, cwd, timeout=300):
-    return subprocess.run([sys.executable, "-m", "finetune.cli", "train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, check=False, env={**_env(), "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**_env(), "PYTHONPATH": str(REPO)},
+    )
 
 
 def _env():
@@ -53,8 +60,17 @@ def test_finetune_train_command_reports_every_problem_exit_2_without_traceback(t
     directory, all in one message; nothing launched, the earlier run byte for byte the same."""
     make_workspace(tmp_path)
     before = _tree_hashes(tmp_path)
-    proc = _finetune(["--recipe", "demo", "--data.path=missing.jsonl", "--eval.exact_match=false",
-                      "--model.name_or_path=./no-such-model", "--run.name=keep"], tmp_path)
+    proc = _finetune(
+        [
+            "--recipe",
+            "demo",
+            "--data.path=missing.jsonl",
+            "--eval.exact_match=false",
+            "--model.name_or_path=./no-such-model",
+            "--run.name=keep",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "accelerate launch" not in proc.stdout, proc.stdout + proc.stderr
     assert "3 problems" in proc.stderr and "missing.jsonl: file not found" in proc.stderr

@@ -20,8 +20,14 @@ NOTICE = "gemm_4bit_forward"
 
 
 def _run(code: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +59,25 @@ def test_commands_print_no_bitsandbytes_notice(notice_shows_here, tmp_path):
     """compare --help, recipes, a comparison and plan, one after another in one process (in that
     order: the first three never import bitsandbytes, plan does, through TrainingArguments)."""
     dirs = []
-    for rec in (record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
-                record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0)):
+    for rec in (
+        record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
+        record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0),
+    ):
         (tmp_path / rec["run_name"]).mkdir()
         (tmp_path / rec["run_name"] / "run.json").write_text(json.dumps(rec))
         dirs.append(str(tmp_path / rec["run_name"]))
-    commands = [["compare", "--help"], ["recipes"], ["compare", *dirs, "--out", str(tmp_path / "report")],
-                ["plan", "--recipe", "demo", "--method.name=lora"]]
+    commands = [
+        ["compare", "--help"],
+        ["recipes"],
+        ["compare", *dirs, "--out", str(tmp_path / "report")],
+        ["plan", "--recipe", "demo", "--method.name=lora"],
+    ]
     proc = _run(COMMANDS.format(commands=commands), tmp_path)
     out = proc.stdout
-    for line in ("AFTER recipes EXIT 0 BNB False",
-                 "AFTER plan EXIT 0 BNB True"):  # peft imports it with TrainingArguments: no switch turns that off
+    for line in (
+        "AFTER recipes EXIT 0 BNB False",
+        "AFTER plan EXIT 0 BNB True",
+    ):  # peft imports it with TrainingArguments: no switch turns that off
         assert line in out, out[-3000:] + proc.stderr[-3000:]
     assert out.count("AFTER compare EXIT 0 BNB False") == 2, out[-3000:] + proc.stderr[-3000:]
     assert NOTICE not in proc.stderr + out, proc.stderr[-3000:]

@@ -5,7 +5,7 @@ recipe on the tiny random model over two strategies, the single-device QLoRA bas
 (2 processes over gloo), 2 steps, logged to W&B offline (two strategies: each launch costs ~30 s
 of start-up on a 2-core machine; DDP and ZeRO are run by the demo sweep in docs/compare.md). Everything else reads the
 records, the report and the W&B files it left behind. Expected values come from the run records
-and are recomputed here with the definitions in shared/DESIGN.md, never from the code under test.
+and are recomputed here with the definitions in docs/compare.md, never from the code under test.
 """
 
 from __future__ import annotations
@@ -37,15 +37,35 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def sweep(tmp_path_factory, tiny_model_dir):
     base = tmp_path_factory.mktemp("sweep")
     out = base / "out"
-    cmd = [sys.executable, "-m", "finetune.cli", "sweep", "--recipe", "demo", "--strategies", ",".join(STRATEGIES),
-           "--cpu", "--out", str(out), "--gpu-hour-price", str(PRICE),
-           f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=32", "--eval.exact_match=false",
-           "--training.max_steps=2", "--training.logging_steps=1", "--training.warmup_steps=0",
-           "--training.per_device_train_batch_size=4", "--run.save_model=false", "--logging.report_to=[wandb]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "sweep",
+        "--recipe",
+        "demo",
+        "--strategies",
+        ",".join(STRATEGIES),
+        "--cpu",
+        "--out",
+        str(out),
+        "--gpu-hour-price",
+        str(PRICE),
+        f"--model.name_or_path={tiny_model_dir}",
+        "--data.demo_train_size=32",
+        "--eval.exact_match=false",
+        "--training.max_steps=2",
+        "--training.logging_steps=1",
+        "--training.warmup_steps=0",
+        "--training.per_device_train_batch_size=4",
+        "--run.save_model=false",
+        "--logging.report_to=[wandb]",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(base), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -138,7 +158,8 @@ def test_wandb_comparison_holds_the_record_numbers_and_the_plots(sweep):
         assert row[col["final train loss (mean over training)"]] == rec["summary"]["train_loss"]
         assert row[col["wall time, s"]] == rec["summary"]["wall_s"]
         assert row[col["speedup vs baseline (tokens/s)"]] == pytest.approx(
-            rec["throughput"]["trained_tokens_per_s"] / recs["qlora_baseline"]["throughput"]["trained_tokens_per_s"])
+            rec["throughput"]["trained_tokens_per_s"] / recs["qlora_baseline"]["throughput"]["trained_tokens_per_s"]
+        )
 
 
 def test_plots_are_real_png_images_and_embedded_in_the_html(sweep):
@@ -208,12 +229,15 @@ def test_directory_without_run_json_is_refused(sweep, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("edit, expected", [
-    (lambda r: r.update(schema=0), "run record schema 0 is not supported (this finetune reads schema 1)"),
-    (lambda r: r.pop("schema"), "run record schema None is not supported"),
-    (lambda r: (r.pop("throughput"), r.pop("steps")), "schema-1 record without throughput, steps"),
-    (lambda r: r.update(summary="done"), "summary: expected an object, got str"),
-])
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda r: r.update(schema=0), "run record schema 0 is not supported (this finetune reads schema 1)"),
+        (lambda r: r.pop("schema"), "run record schema None is not supported"),
+        (lambda r: (r.pop("throughput"), r.pop("steps")), "schema-1 record without throughput, steps"),
+        (lambda r: r.update(summary="done"), "summary: expected an object, got str"),
+    ],
+)
 def test_older_or_incomplete_records_are_refused(sweep, tmp_path, capsys, edit, expected):
     old = _copy_run(sweep, "fsdp", tmp_path, edit)
     code, _, err = _compare(capsys, old, sweep["out"] / "qlora_baseline", "--out", tmp_path / "r")
@@ -230,8 +254,15 @@ def test_invalid_json_names_file_and_line(tmp_path, capsys):
 
 
 def test_different_models_or_data_are_reported_with_a_warning(sweep, tmp_path, capsys):
-    other = _copy_run(sweep, "fsdp", tmp_path, lambda r: (r["config"]["model"].update(name_or_path="other/model"),
-                                                          r["config"]["data"].update(demo_train_size=999)))
+    other = _copy_run(
+        sweep,
+        "fsdp",
+        tmp_path,
+        lambda r: (
+            r["config"]["model"].update(name_or_path="other/model"),
+            r["config"]["data"].update(demo_train_size=999),
+        ),
+    )
     code, out, _ = _compare(capsys, sweep["out"] / "qlora_baseline", other, "--out", tmp_path / "r")
     assert code == 0
     assert "warning: not comparable: model.name_or_path differs between runs" in out and "'other/model'" in out
@@ -247,6 +278,7 @@ def _renamed(name: str, status: str | None = None, error: str | None = None):
         if status == "running":  # what a record holds mid-run: no end-of-run figures yet
             rec["summary"].update(train_loss=None, wall_s=None, train_s=None)
             rec["throughput"] = rec["memory"] = None
+
     return edit
 
 
@@ -264,8 +296,9 @@ def test_no_baseline_among_the_runs_is_said_in_the_columns(sweep, tmp_path, caps
 
 def test_explicit_baseline_and_bad_baseline(sweep, tmp_path, capsys):
     out_dir = sweep["out"]
-    code, out, _ = _compare(capsys, out_dir / "qlora_baseline", out_dir / "fsdp", "--baseline", out_dir / "fsdp",
-                            "--out", tmp_path / "r")
+    code, out, _ = _compare(
+        capsys, out_dir / "qlora_baseline", out_dir / "fsdp", "--baseline", out_dir / "fsdp", "--out", tmp_path / "r"
+    )
     assert code == 0 and "demo-fsdp [baseline]" in out and "1.00x" in out
     code, _, err = _compare(capsys, out_dir / "fsdp", "--baseline", out_dir / "qlora_baseline", "--out", tmp_path / "s")
     assert code == 2 and "not among the runs compared" in err and not (tmp_path / "s").exists()
@@ -316,7 +349,9 @@ def _sweep(capsys, tmp_path, *args) -> tuple[int, str]:
 def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path, capsys):
     code, err = _sweep(capsys, tmp_path, "--strategies", "ddp,zero9")
     assert code == 2 and "unknown strategy 'zero9'; allowed: single, ddp" in err and "qlora_baseline" in err
-    code, err = _sweep(capsys, tmp_path, "--strategies", "qlora_baseline,ddp", "--training.per_device_train_batch_size=3")
+    code, err = _sweep(
+        capsys, tmp_path, "--strategies", "qlora_baseline,ddp", "--training.per_device_train_batch_size=3"
+    )
     assert code == 2 and "ddp: the recipe's effective batch 3" in err and "cannot be kept with 2 processes" in err
     code, err = _sweep(capsys, tmp_path, "--strategies", "ddp", "--run.strategy=fsdp")
     assert code == 2 and "--run.strategy: set by the sweep" in err
@@ -328,9 +363,16 @@ def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path
 def test_sweep_plan_keeps_recipe_values_and_takes_only_the_strategy(tmp_path):
     from finetune.config.recipe import load_recipe
 
-    plans = {p.strategy: p for p in sweep_lib.plan("ddp", ["qlora_baseline", "single", "zero3_offload"],
-                                                    ["--training.gradient_accumulation_steps=2"],
-                                                    cpu=True, out=tmp_path)}
+    plans = {
+        p.strategy: p
+        for p in sweep_lib.plan(
+            "ddp",
+            ["qlora_baseline", "single", "zero3_offload"],
+            ["--training.gradient_accumulation_steps=2"],
+            cpu=True,
+            out=tmp_path,
+        )
+    }
     # recipes/ddp.yaml: 4 per device x 2 accumulation x 2 processes = 16 sequences per step, kept everywhere.
     want = {"qlora_baseline": (1, 8), "single": (1, 8), "zero3_offload": (2, 4)}
     for name, plan in plans.items():
@@ -346,8 +388,17 @@ def test_sweep_plan_keeps_recipe_values_and_takes_only_the_strategy(tmp_path):
 
 
 def test_shipped_strategy_list():
-    assert set(sweep_lib.strategy_names()) == {"single", "qlora_baseline", "ddp", "zero2", "zero2_offload", "zero3",
-                                               "zero3_offload", "fsdp", "fsdp_offload"}
+    assert set(sweep_lib.strategy_names()) == {
+        "single",
+        "qlora_baseline",
+        "ddp",
+        "zero2",
+        "zero2_offload",
+        "zero3",
+        "zero3_offload",
+        "fsdp",
+        "fsdp_offload",
+    }
 
 
 @dataclasses.dataclass
@@ -362,10 +413,12 @@ class _StandIn(sweep_lib.PlannedRun):
         src = self.run_dir.parent / f"{self.strategy}.source.json"
         if self.record is not None:
             src.write_text(json.dumps(self.record))
-        script = ("import os, shutil, sys; os.makedirs(sys.argv[2], exist_ok=True); "
-                  "print('error: model.name_or_path: no such model', file=sys.stderr) if sys.argv[3] != '0' else None; "
-                  "shutil.copy(sys.argv[1], os.path.join(sys.argv[2], 'run.json')) if os.path.exists(sys.argv[1]) else None; "
-                  "sys.exit(int(sys.argv[3]))")
+        script = (
+            "import os, shutil, sys; os.makedirs(sys.argv[2], exist_ok=True); "
+            "print('error: model.name_or_path: no such model', file=sys.stderr) if sys.argv[3] != '0' else None; "
+            "shutil.copy(sys.argv[1], os.path.join(sys.argv[2], 'run.json')) if os.path.exists(sys.argv[1]) else None; "
+            "sys.exit(int(sys.argv[3]))"
+        )
         return [sys.executable, "-c", script, str(src), str(self.run_dir), str(self.exit_code)]
 
 
@@ -374,24 +427,42 @@ def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, t
     completes with another batch than planned. The sweep runs all four in order, reports three
     failures with their errors, compares, and exits 1."""
     out = tmp_path / "sw"
-    plans = sweep_lib.plan("demo", ["single", "qlora_baseline", "fsdp", "zero2"],
-                           [f"--model.name_or_path={tiny_model_dir}", "--training.per_device_train_batch_size=4"],
-                           cpu=True, out=out)
+    plans = sweep_lib.plan(
+        "demo",
+        ["single", "qlora_baseline", "fsdp", "zero2"],
+        [f"--model.name_or_path={tiny_model_dir}", "--training.per_device_train_batch_size=4"],
+        cpu=True,
+        out=out,
+    )
     out.mkdir()
     crashed = copy.deepcopy(sweep["records"]["qlora_baseline"])
     crashed["summary"].update(status="failed", error="RuntimeError: boom")
     other_batch = copy.deepcopy(sweep["records"]["fsdp"])
     other_batch["run_name"] = "demo-zero2"
     other_batch["batch"]["effective"] = 8
-    given = {"single": (None, 2), "qlora_baseline": (crashed, 1), "fsdp": (sweep["records"]["fsdp"], 0),
-             "zero2": (other_batch, 0)}
-    stand_ins = [_StandIn(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)},
-                          record=given[p.strategy][0], exit_code=given[p.strategy][1]) for p in plans]
+    given = {
+        "single": (None, 2),
+        "qlora_baseline": (crashed, 1),
+        "fsdp": (sweep["records"]["fsdp"], 0),
+        "zero2": (other_batch, 0),
+    }
+    stand_ins = [
+        _StandIn(
+            **{f.name: getattr(p, f.name) for f in dataclasses.fields(p)},
+            record=given[p.strategy][0],
+            exit_code=given[p.strategy][1],
+        )
+        for p in plans
+    ]
     code = compare.run_sweep(stand_ins, out=out, baseline=None, price=None)
     stdout = capsys.readouterr().out
     assert code == 1
     assert [line for line in stdout.splitlines() if line.startswith("=== [")] == [
-        "=== [1/4] single ===", "=== [2/4] qlora_baseline ===", "=== [3/4] fsdp ===", "=== [4/4] zero2 ==="]
+        "=== [1/4] single ===",
+        "=== [2/4] qlora_baseline ===",
+        "=== [3/4] fsdp ===",
+        "=== [4/4] zero2 ===",
+    ]
     assert "sweep: 3 of 4 runs failed: single, qlora_baseline, zero2" in stdout
     assert "demo-single failed: exit 2: error: model.name_or_path: no such model" in stdout
     assert "demo-qlora_baseline [baseline] failed: exit 1: RuntimeError: boom" in stdout
@@ -400,5 +471,9 @@ def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, t
     assert (out / "logs" / "single.log").read_text().startswith("error: model.name_or_path")
     header, *rows = _table_rows((out / "report" / "report.md").read_text())
     status = {r[0].removesuffix(" [baseline]"): r[header.index("status")] for r in rows}
-    assert status == {"demo-single": "failed", "demo-qlora_baseline": "failed", "demo-fsdp": "completed",
-                      "demo-zero2": "failed"}
+    assert status == {
+        "demo-single": "failed",
+        "demo-qlora_baseline": "failed",
+        "demo-fsdp": "completed",
+        "demo-zero2": "failed",
+    }

@@ -13,44 +13,83 @@ from finetune.compare import plots
 from finetune.compare import table as comparison
 
 
-def record(name: str, *, strategy: str, method: str, world: int, tps: float, device_gib: float | None,
-           host_gib: float, train_s: float = 100.0, tokens: int = 50_000, predicted: dict | None = None) -> dict:
+def record(
+    name: str,
+    *,
+    strategy: str,
+    method: str,
+    world: int,
+    tps: float,
+    device_gib: float | None,
+    host_gib: float,
+    train_s: float = 100.0,
+    tokens: int = 50_000,
+    predicted: dict | None = None,
+) -> dict:
     return {
-        "schema": 1, "run_name": name, "recipe": "demo",
+        "schema": 1,
+        "run_name": name,
+        "recipe": "demo",
         "config": {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "logging": {"report_to": []}},
         "hardware": {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3"},
         "strategy": {"name": strategy, "method": method, "world_size": world, "offload": "none"},
-        "batch": {"effective": 16}, "lr": {"applied": 2e-4},
+        "batch": {"effective": 16},
+        "lr": {"applied": 2e-4},
         "memory": {"max": {"device_peak_allocated_gib": device_gib, "host_peak_rss_gib": host_gib}},
         "predicted_memory": predicted,
         "throughput": {"trained_tokens_per_s": tps, "trained_tokens_per_s_per_device": tps / world, "mfu": 0.3},
         "steps": [{"step": 1, "loss": 2.0, "trained_tokens": 1000}, {"step": 2, "loss": 1.5, "trained_tokens": 1200}],
-        "summary": {"status": "completed", "train_loss": 1.7, "eval_loss": None, "total_trained_tokens": tokens,
-                    "wall_s": train_s + 30, "train_s": train_s},
+        "summary": {
+            "status": "completed",
+            "train_loss": 1.7,
+            "eval_loss": None,
+            "total_trained_tokens": tokens,
+            "wall_s": train_s + 30,
+            "train_s": train_s,
+        },
         "eval": {},
     }
 
 
-PREDICTED = {"strategy": "ddp", "method": "lora", "world_size": 2,
-             "device": {"components_gib": {"weights": 2.0, "gradients": 0.5, "optimizer": 1.0, "activations": 3.0},
-                        "allocated_gib": 6.5, "reserved_gib": 6.9, "total_gib": 7.4},
-             "host": {"components_gib": {"process": 1.0}, "total_gib": 1.0}, "assumptions": {},
-             "error": {"device_allocated": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
-                       "device_reserved": {"predicted_gib": 6.9, "measured_gib": 7.0, "relative_error": -0.0143},
-                       "host": {"predicted_gib": 1.0, "measured_gib": 2.0, "relative_error": -0.5}}}
+PREDICTED = {
+    "strategy": "ddp",
+    "method": "lora",
+    "world_size": 2,
+    "device": {
+        "components_gib": {"weights": 2.0, "gradients": 0.5, "optimizer": 1.0, "activations": 3.0},
+        "allocated_gib": 6.5,
+        "reserved_gib": 6.9,
+        "total_gib": 7.4,
+    },
+    "host": {"components_gib": {"process": 1.0}, "total_gib": 1.0},
+    "assumptions": {},
+    "error": {
+        "device_allocated": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+        "device_reserved": {"predicted_gib": 6.9, "measured_gib": 7.0, "relative_error": -0.0143},
+        "host": {"predicted_gib": 1.0, "measured_gib": 2.0, "relative_error": -0.5},
+    },
+}
 # the shape records had before issue 13 (device total compared with allocated): still read
-PREDICTED_BEFORE_13 = {**PREDICTED, "device": {"components_gib": PREDICTED["device"]["components_gib"], "total_gib": 6.5},
-                       "error": {"device": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
-                                 "host": PREDICTED["error"]["host"]}}
+PREDICTED_BEFORE_13 = {
+    **PREDICTED,
+    "device": {"components_gib": PREDICTED["device"]["components_gib"], "total_gib": 6.5},
+    "error": {
+        "device": {"predicted_gib": 6.5, "measured_gib": 6.0, "relative_error": 0.0833},
+        "host": PREDICTED["error"]["host"],
+    },
+}
 
 
 @pytest.fixture
 def runs(tmp_path) -> list[comparison.Run]:
-    recs = [record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
-            record("lora1", strategy="single", method="lora", world=1, tps=1500.0, device_gib=8.0, host_gib=3.0),
-            record("ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
-                   predicted=PREDICTED),
-            record("zero3", strategy="zero3", method="full", world=2, tps=900.0, device_gib=None, host_gib=6.0)]
+    recs = [
+        record("base", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
+        record("lora1", strategy="single", method="lora", world=1, tps=1500.0, device_gib=8.0, host_gib=3.0),
+        record(
+            "ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0, predicted=PREDICTED
+        ),
+        record("zero3", strategy="zero3", method="full", world=2, tps=900.0, device_gib=None, host_gib=6.0),
+    ]
     return _write(tmp_path, recs)
 
 
@@ -82,8 +121,16 @@ def test_no_price_means_no_cost(runs):
 
 
 def test_a_prediction_written_before_issue_13_is_still_read(tmp_path):
-    rec = record("old", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0,
-                 predicted=PREDICTED_BEFORE_13)
+    rec = record(
+        "old",
+        strategy="ddp",
+        method="lora",
+        world=2,
+        tps=2400.0,
+        device_gib=6.0,
+        host_gib=2.0,
+        predicted=PREDICTED_BEFORE_13,
+    )
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "run.json").write_text(json.dumps(rec))
     row = comparison.build_table(comparison.load_runs([tmp_path / "old"])).rows[0]
@@ -97,8 +144,13 @@ def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
     fig = plots.memory_figure(table)  # the figure memory_plot saves
     device_ax, host_ax = fig.axes[:2]
     labels = device_ax.get_legend_handles_labels()[1]
-    assert labels == ["measured peak allocated", "predicted: weights", "predicted: gradients",
-                      "predicted: optimizer", "predicted: activations"]
+    assert labels == [
+        "measured peak allocated",
+        "predicted: weights",
+        "predicted: gradients",
+        "predicted: optimizer",
+        "predicted: activations",
+    ]
     # measured: 4, 8, 6 GiB and the CPU-less zero3 run's missing figure drawn as 0; predicted: ddp's components
     heights = sorted(round(p.get_height(), 3) for p in device_ax.patches)
     assert heights == sorted([4.0, 8.0, 6.0, 0.0, 2.0, 0.5, 1.0, 3.0])
@@ -133,27 +185,42 @@ def _write(tmp_path: Path, recs: list[dict]) -> list[comparison.Run]:
     return comparison.load_runs(paths)
 
 
-def _with(rec: dict, policy: str | None = "bf16-mixed", effective: int = 16, lr: float = 2e-4,
-          max_length: int = 512) -> dict:
+def _with(
+    rec: dict, policy: str | None = "bf16-mixed", effective: int = 16, lr: float = 2e-4, max_length: int = 512
+) -> dict:
     rec["batch"]["effective"], rec["lr"]["applied"] = effective, lr
     rec["config"]["data"]["max_length"] = max_length
     if policy is not None:
-        rec["precision"] = {"policy": policy, "requested": policy, "family": "torch", "load_dtype": "bfloat16",
-                            "param_dtype": None, "compute_dtype": None, "optimizer_state_dtype": None,
-                            "master_weights": None, "reduce_dtype": None, "observed_compute_dtype": None,
-                            "warning": None, "evidence": None}
+        rec["precision"] = {
+            "policy": policy,
+            "requested": policy,
+            "family": "torch",
+            "load_dtype": "bfloat16",
+            "param_dtype": None,
+            "compute_dtype": None,
+            "optimizer_state_dtype": None,
+            "master_weights": None,
+            "reduce_dtype": None,
+            "observed_compute_dtype": None,
+            "warning": None,
+            "evidence": None,
+        }
     return rec
 
 
 def test_runs_that_differ_in_precision_batch_lr_or_sequence_length_are_marked_not_comparable(tmp_path):
     base = dict(method="lora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0)
-    runs = _write(tmp_path, [
-        _with(record("ref", strategy="single", **base)),
-        _with(record("same", strategy="ddp", **{**base, "world": 2})),
-        _with(record("true", strategy="zero2", **base), policy="bf16-true"),
-        _with(record("batch_lr", strategy="fsdp", **base), effective=32, lr=4e-4),
-        _with(record("seq", strategy="single", **base), max_length=256),
-        _with(record("old", strategy="single", **base), policy=None)])  # a record from before `precision`
+    runs = _write(
+        tmp_path,
+        [
+            _with(record("ref", strategy="single", **base)),
+            _with(record("same", strategy="ddp", **{**base, "world": 2})),
+            _with(record("true", strategy="zero2", **base), policy="bf16-true"),
+            _with(record("batch_lr", strategy="fsdp", **base), effective=32, lr=4e-4),
+            _with(record("seq", strategy="single", **base), max_length=256),
+            _with(record("old", strategy="single", **base), policy=None),
+        ],
+    )  # a record from before `precision`
     table = comparison.build_table(runs)
     assert table.baseline is None  # no QLoRA run: the reference is the first run
     rows = {row["run"]: row for row in table.rows}
@@ -173,43 +240,71 @@ def test_runs_that_differ_in_precision_batch_lr_or_sequence_length_are_marked_no
         "not comparable: precision.policy differs between runs ('bf16-mixed': ref, same, batch_lr, seq; "
         "'bf16-true': true; None: old)",
         "not comparable: batch.effective differs between runs (16: ref, same, true, seq, old; 32: batch_lr)",
-        "not comparable: lr.applied differs between runs (0.0002: ref, same, true, seq, old; 0.0004: batch_lr)"]
+        "not comparable: lr.applied differs between runs (0.0002: ref, same, true, seq, old; 0.0004: batch_lr)",
+    ]
 
 
 def test_runs_of_one_recipe_and_policy_are_comparable_and_warn_nothing(tmp_path):
     base = dict(method="lora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0)
-    runs = _write(tmp_path, [_with(record("a", strategy="single", **base)),
-                             _with(record("b", strategy="zero3", **{**base, "world": 2}))])
+    runs = _write(
+        tmp_path,
+        [_with(record("a", strategy="single", **base)), _with(record("b", strategy="zero3", **{**base, "world": 2}))],
+    )
     table = comparison.build_table(runs)
     assert [row["comparable"] for row in table.rows] == ["reference", "yes"]
     assert not [w for w in table.warnings if w.startswith("not comparable")]
 
 
-SPEED = {"layout": {"name": "packing", "packing_algorithm": "best_fit_decreasing", "pad_to_multiple_of": 256},
-         "loss_impl": {"requested": "auto", "resolved": "chunked", "reason": None, "chunk_tokens": 256,
-                       "compact": True, "logits_materialised": False},
-         "attention": {"implementation": "sdpa", "sdpa_backends_policy": "auto",
-                       "sdpa_backends_enabled": ["flash", "efficient", "math"],
-                       "sdpa_priority": ["flash", "efficient", "math", "cudnn"]},
-         "compile": {"enabled": True, "mode": "max-autotune", "backend": "inductor"},
-         "liger": {"layer_kernels": True, "fused_linear_cross_entropy": False, "version": "0.8.5"}}
+SPEED = {
+    "layout": {"name": "packing", "packing_algorithm": "best_fit_decreasing", "pad_to_multiple_of": 256},
+    "loss_impl": {
+        "requested": "auto",
+        "resolved": "chunked",
+        "reason": None,
+        "chunk_tokens": 256,
+        "compact": True,
+        "logits_materialised": False,
+    },
+    "attention": {
+        "implementation": "sdpa",
+        "sdpa_backends_policy": "auto",
+        "sdpa_backends_enabled": ["flash", "efficient", "math"],
+        "sdpa_priority": ["flash", "efficient", "math", "cudnn"],
+    },
+    "compile": {"enabled": True, "mode": "max-autotune", "backend": "inductor"},
+    "liger": {"layer_kernels": True, "fused_linear_cross_entropy": False, "version": "0.8.5"},
+}
 
 
 def test_speed_columns_show_the_record_and_say_when_it_is_missing(runs):
     runs[1].record["speed"] = SPEED
-    runs[2].record["speed"] = {**SPEED, "layout": {"name": "padding_free", "packing_algorithm": None,
-                                                   "pad_to_multiple_of": None},
-                               "loss_impl": {**SPEED["loss_impl"], "requested": "standard", "resolved": "standard"},
-                               "attention": {**SPEED["attention"], "sdpa_backends_policy": ["flash", "math"]},
-                               "compile": {"enabled": False, "mode": None, "backend": None},
-                               "liger": {"layer_kernels": False, "fused_linear_cross_entropy": False, "version": None}}
+    runs[2].record["speed"] = {
+        **SPEED,
+        "layout": {"name": "padding_free", "packing_algorithm": None, "pad_to_multiple_of": None},
+        "loss_impl": {**SPEED["loss_impl"], "requested": "standard", "resolved": "standard"},
+        "attention": {**SPEED["attention"], "sdpa_backends_policy": ["flash", "math"]},
+        "compile": {"enabled": False, "mode": None, "backend": None},
+        "liger": {"layer_kernels": False, "fused_linear_cross_entropy": False, "version": None},
+    }
     table = comparison.build_table(runs)
-    cells = [{k: table.cell(i, k) for k in ("layout", "loss_impl", "attention", "compile", "liger")}
-             for i in range(len(runs))]
-    assert cells[1] == {"layout": "packing (BFD), x256 tokens", "loss_impl": "chunked (auto)",
-                        "attention": "sdpa/auto", "compile": "on (max-autotune)", "liger": "layers"}
-    assert cells[2] == {"layout": "padding-free", "loss_impl": "standard", "attention": "sdpa/flash+math",
-                        "compile": "off", "liger": "off"}
+    cells = [
+        {k: table.cell(i, k) for k in ("layout", "loss_impl", "attention", "compile", "liger")}
+        for i in range(len(runs))
+    ]
+    assert cells[1] == {
+        "layout": "packing (BFD), x256 tokens",
+        "loss_impl": "chunked (auto)",
+        "attention": "sdpa/auto",
+        "compile": "on (max-autotune)",
+        "liger": "layers",
+    }
+    assert cells[2] == {
+        "layout": "padding-free",
+        "loss_impl": "standard",
+        "attention": "sdpa/flash+math",
+        "compile": "off",
+        "liger": "off",
+    }
     assert cells[0]["loss_impl"] == "n/a" and "no speed section" in table.notes[0]["loss_impl"]
     from finetune.compare.report import console_table
 

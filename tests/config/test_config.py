@@ -25,8 +25,9 @@ def write_recipe(tmp_path: Path, values: dict | str, name: str = "r.yaml") -> Pa
 
 
 def test_precedence_defaults_then_recipe_then_command_line(tmp_path):
-    path = write_recipe(tmp_path, {"method": {"lora_r": 4, "lora_alpha": 8},
-                                   "training": {"learning_rate": 1e-3, "max_steps": 7}})
+    path = write_recipe(
+        tmp_path, {"method": {"lora_r": 4, "lora_alpha": 8}, "training": {"learning_rate": 1e-3, "max_steps": 7}}
+    )
     cfg, _ = load_recipe(str(path), ["--method.lora_r=32", "--training.max_steps", "9"])
     assert cfg.method.lora_r == 32  # command line beats recipe
     assert cfg.method.lora_alpha == 8  # recipe beats default (32)
@@ -38,23 +39,28 @@ def test_precedence_defaults_then_recipe_then_command_line(tmp_path):
 
 
 def test_every_problem_is_reported_in_one_error(tmp_path):
-    path = write_recipe(tmp_path, {
-        "model": {"name_or_pth": "x"},  # unknown key (typo)
-        "method": {"name": "qlora4", "lora_r": "sixteen"},  # bad value, wrong type
-        "training": {"learning_rat": 1e-4, "max_steps": 2.5},  # unknown TrainingArguments field, wrong type
-        "optimizer": {"lr": 1},  # unknown section
-    })
+    path = write_recipe(
+        tmp_path,
+        {
+            "model": {"name_or_pth": "x"},  # unknown key (typo)
+            "method": {"name": "qlora4", "lora_r": "sixteen"},  # bad value, wrong type
+            "training": {"learning_rat": 1e-4, "max_steps": 2.5},  # unknown TrainingArguments field, wrong type
+            "optimizer": {"lr": 1},  # unknown section
+        },
+    )
     with pytest.raises(ConfigError) as info:
         load_recipe(str(path), ["--data.max_length=many"])
     problems = info.value.problems
     text = str(info.value)
-    for fragment in ("model.name_or_pth: unknown key (did you mean 'name_or_path'?)",
-                     "method.name: got 'qlora4'; allowed: full, lora, qlora",
-                     "method.lora_r: expected an integer, got string 'sixteen'",
-                     "training.learning_rat: unknown key (did you mean 'learning_rate'?)",
-                     "training.max_steps: expected an integer, got number 2.5",
-                     "optimizer: unknown section",
-                     "data.max_length: expected an integer, got string 'many'"):
+    for fragment in (
+        "model.name_or_pth: unknown key (did you mean 'name_or_path'?)",
+        "method.name: got 'qlora4'; allowed: full, lora, qlora",
+        "method.lora_r: expected an integer, got string 'sixteen'",
+        "training.learning_rat: unknown key (did you mean 'learning_rate'?)",
+        "training.max_steps: expected an integer, got number 2.5",
+        "optimizer: unknown section",
+        "data.max_length: expected an integer, got string 'many'",
+    ):
         assert fragment in text, f"missing {fragment!r} in:\n{text}"
     assert len(problems) == 7
     assert str(path) in text and "command-line overrides" in text
@@ -70,9 +76,13 @@ def test_reserved_training_keys_point_to_their_section(tmp_path):
 
 def test_range_and_cross_field_checks():
     with pytest.raises(ConfigError) as info:
-        build_config({"data": {"eval_fraction": 1.5, "max_length": 4},
-                      "eval": {"exact_match": True},
-                      "training": {"per_device_train_batch_size": 0, "learning_rate": -1.0}})
+        build_config(
+            {
+                "data": {"eval_fraction": 1.5, "max_length": 4},
+                "eval": {"exact_match": True},
+                "training": {"per_device_train_batch_size": 0, "learning_rate": -1.0},
+            }
+        )
     text = str(info.value)
     assert "data.eval_fraction: must be in [0, 1), got 1.5" in text
     assert "data.max_length: must be >= 8 tokens, got 4" in text
@@ -100,14 +110,17 @@ def test_unknown_recipe_lists_available():
     assert "no-such-recipe" in str(info.value) and "demo" in str(info.value)
 
 
-@pytest.mark.parametrize("arg, expected", [
-    (["--training.max_steps=3"], {"training": {"max_steps": 3}}),
-    (["--training.learning_rate=1e-4"], {"training": {"learning_rate": 1e-4}}),
-    (["--data.packing=true"], {"data": {"packing": True}}),
-    (["--model.revision=null"], {"model": {"revision": None}}),
-    (["--method.target_modules=[q_proj, v_proj]"], {"method": {"target_modules": ["q_proj", "v_proj"]}}),
-    (["--run.name", "abc"], {"run": {"name": "abc"}}),
-])
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        (["--training.max_steps=3"], {"training": {"max_steps": 3}}),
+        (["--training.learning_rate=1e-4"], {"training": {"learning_rate": 1e-4}}),
+        (["--data.packing=true"], {"data": {"packing": True}}),
+        (["--model.revision=null"], {"model": {"revision": None}}),
+        (["--method.target_modules=[q_proj, v_proj]"], {"method": {"target_modules": ["q_proj", "v_proj"]}}),
+        (["--run.name", "abc"], {"run": {"name": "abc"}}),
+    ],
+)
 def test_override_values_are_typed(arg, expected):
     values, problems = parse_overrides(arg)
     assert problems == [] and values == expected
@@ -145,8 +158,13 @@ def test_every_shipped_launch_config_parses():
 
 
 def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "finetune" / "train.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "finetune" / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bad_recipe_exits_2_with_one_message_and_no_traceback(tmp_path):
@@ -196,7 +214,7 @@ def test_lr_scaling_without_a_reference_batch_is_an_error_naming_both_keys(rule)
     cfg = build_config({"training": {"lr_scaling": rule, "lr_reference_batch_size": 4}})  # with one: fine
     assert cfg.training.lr_reference_batch_size == 4
     assert build_config({"training": {"lr_scaling": "none"}}).training.lr_reference_batch_size is None
-    from finetune.training import batch
+    from finetune import batch
 
     with pytest.raises(ValueError, match="needs a reference batch"):
         batch.lr_scaling(1e-3, rule, 8, None)

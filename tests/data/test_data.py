@@ -34,9 +34,17 @@ def eot(tokenizer):
 
 def make_cfg(path, **overrides):
     cfg = dict(
-        path=str(path), format="auto", split="train", max_length=512, eval_fraction=0.0,
-        train_on_prompt=False, system_prompt=None, chat_template=True, packing=False,
-        on_bad_rows="error", max_samples=None,
+        path=str(path),
+        format="auto",
+        split="train",
+        max_length=512,
+        eval_fraction=0.0,
+        train_on_prompt=False,
+        system_prompt=None,
+        chat_template=True,
+        packing=False,
+        on_bad_rows="error",
+        max_samples=None,
     )
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
@@ -157,7 +165,7 @@ def test_messages_multi_turn_with_system_from_parquet(tokenizer, eot, tmp_path):
     assert "You answer tersely." in full
     runs = trained_runs(tokenizer, example["input_ids"], example["labels"])
     assert runs == ["First answer." + eot, "Second answer." + eot]
-    untrained = tokenizer.decode([t for t, l in zip(example["input_ids"], example["labels"]) if l == IGNORE])
+    untrained = tokenizer.decode([t for t, label in zip(example["input_ids"], example["labels"]) if label == IGNORE])
     for text in ("You answer tersely.", "First question?", "Second question?"):
         assert text in untrained
 
@@ -200,7 +208,7 @@ def test_text_format_trains_every_token_and_appends_eos(tokenizer, tmp_path):
 
 
 def test_text_format_from_csv(tokenizer, tmp_path):
-    bundle = build(tokenizer, write_csv(tmp_path / "t.csv", [{"text": "a, b and \"c\""}]))
+    bundle = build(tokenizer, write_csv(tmp_path / "t.csv", [{"text": 'a, b and "c"'}]))
     assert tokenizer.decode(bundle.train[0]["labels"]) == 'a, b and "c"' + tokenizer.eos_token
 
 
@@ -341,13 +349,22 @@ def test_missing_key_names_row_key_and_needed_keys(tokenizer, tmp_path):
         ({"instruction": "i", "input": ["x"], "output": "o"}, "alpaca", "'input' must be a string, got list"),
         ({"prompt": "p", "completion": None}, "prompt_completion", "missing key 'completion'"),
         ({"messages": "hello"}, "messages", "'messages' must be a list"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]},
-         "messages", "messages[1].content must be a string, got number"),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]},
-         "messages", "messages[1].role must be one of"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]},
+            "messages",
+            "messages[1].content must be a string, got number",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]},
+            "messages",
+            "messages[1].role must be one of",
+        ),
         ({"messages": [{"role": "user", "content": "q"}]}, "messages", "no assistant turn"),
-        ({"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]},
-         "sharegpt", "conversations[1].from must be one of"),
+        (
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]},
+            "sharegpt",
+            "conversations[1].from must be one of",
+        ),
         ({"text": 12}, "text", "'text' must be a string, got number"),
     ],
 )
@@ -489,7 +506,10 @@ def test_eval_split_is_deterministic_disjoint_and_sized(tokenizer, tmp_path):
 
     def split(seed):
         bundle = build(tokenizer, path, seed=seed, eval_fraction=0.25)
-        texts = lambda ds: {tokenizer.decode(ex["input_ids"]) for ex in ds}
+
+        def texts(ds):
+            return {tokenizer.decode(ex["input_ids"]) for ex in ds}
+
         return texts(bundle.train), texts(bundle.eval), bundle.stats
 
     train, eval_, stats = split(seed=3)
@@ -538,14 +558,18 @@ def test_packing_fits_rows_restarts_positions_and_masks_boundaries(tokenizer, tm
             assert labels == expected
 
     # Text rows train every token, so each example after the first in a row loses one label.
-    unpacked_trained = sum(sum(l != IGNORE for l in ex["labels"]) for ex in unpacked.train)
+    unpacked_trained = sum(sum(label != IGNORE for label in ex["labels"]) for ex in unpacked.train)
     boundaries = len(unpacked.train) - len(packed.train)
-    packed_trained = sum(sum(l != IGNORE for l in row["labels"]) for row in packed.train)
+    packed_trained = sum(sum(label != IGNORE for label in row["labels"]) for row in packed.train)
     assert packed_trained == unpacked_trained - boundaries
     # trained tokens are what the shifted loss scores: label 0 of a row never is, so each row gives
     # up its first label too, and packed and unpacked layouts count the same (issue 15 item 8)
     assert packed.stats.train_trained_tokens == packed_trained - len(packed.train)
-    assert packed.stats.train_trained_tokens == unpacked.stats.train_trained_tokens == unpacked_trained - len(unpacked.train)
+    assert (
+        packed.stats.train_trained_tokens
+        == unpacked.stats.train_trained_tokens
+        == unpacked_trained - len(unpacked.train)
+    )
     assert packed.stats.train_input_tokens == unpacked.stats.train_input_tokens
 
 
@@ -567,8 +591,12 @@ def test_packed_sequences_do_not_attend_to_each_other(tokenizer, tmp_path):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 

@@ -71,7 +71,7 @@ def test_rows_keep_examples_whole_and_mask_boundaries():
     examples = []
     for n in lengths(300, 256, seed=2):
         ids = [rng.randrange(1, 1000) for _ in range(n)]
-        examples.append(Example(ids, [IGNORE_INDEX] * (n // 4) + ids[n // 4:]))
+        examples.append(Example(ids, [IGNORE_INDEX] * (n // 4) + ids[n // 4 :]))
     rows = pack.pack(examples, 256, seed=0)
     assert rows == pack.pack(examples, 256, seed=0)  # deterministic
     assert [r["input_ids"] for r in rows] != [r["input_ids"] for r in pack.pack(examples, 256, seed=1)]  # seeded order

@@ -21,8 +21,9 @@ MODEL = SimpleNamespace(attn_implementation="sdpa")
 
 
 def _data(layout: str, multiple: int | None):
-    return SimpleNamespace(padding_free=layout == "padding_free", packing=layout == "packed",
-                           pad_to_multiple_of=multiple)
+    return SimpleNamespace(
+        padding_free=layout == "padding_free", packing=layout == "packed", pad_to_multiple_of=multiple
+    )
 
 
 def _worst_batch(layout: str, rows: int, length: int) -> list[dict]:
@@ -52,8 +53,9 @@ def test_the_bound_is_what_the_collator_builds(layout, multiple, rows, length):
 
 
 def _cfg(**data):
-    return build_config({"data": {"path": "x.jsonl", "max_length": 1000, **data},
-                         "training": {"per_device_train_batch_size": 4}})
+    return build_config(
+        {"data": {"path": "x.jsonl", "max_length": 1000, **data}, "training": {"per_device_train_batch_size": 4}}
+    )
 
 
 def test_the_planner_plans_the_bucketed_length():
@@ -66,7 +68,7 @@ def test_the_planner_plans_the_bucketed_length():
         return predicted_memory(shape, w, "single", 1, sm=9, seq_len_source="test")["device"]["allocated_gib"]
 
     assert allocated(bucketed) > allocated(plain)  # the logits and activations of 24 more positions per row
-    flat = workload_from_config(_cfg(pad_to_multiple_of=1024, padding_free=True), precision="bf16-mixed",
-                                loss_impl="standard")
+    flat = workload_from_config(
+        _cfg(pad_to_multiple_of=1024, padding_free=True), precision="bf16-mixed", loss_impl="standard"
+    )
     assert flat.micro_batch * flat.seq_len >= 4096 > 4 * 1000  # one row of 4,000 tokens rounded to 4,096
-

@@ -11,6 +11,7 @@ from finetune import strategies
 from finetune.doctor import agreement
 from tests.doctor.fakes import LOSSES, record
 
+
 @pytest.mark.parametrize("key", [s.key for s in strategies.STRATEGIES if s.launchable])
 def test_a_record_that_shows_its_row_passes(key):
     world = 1 if key == "single" else 2
@@ -18,17 +19,27 @@ def test_a_record_that_shows_its_row_passes(key):
     assert wrong == [] and text
 
 
-@pytest.mark.parametrize("key, evidence, expected", [
-    ("zero2", {"zero_stage": 3}, "strategy.evidence.zero_stage is 3, expected 2"),
-    ("zero2_offload", {"basic_optimizer_class": "AdamW"},
-     "strategy.evidence.basic_optimizer_class is 'AdamW', expected 'DeepSpeedCPUAdam'"),
-    ("zero3", {"local_param_fraction": 1.0}, "strategy.evidence.local_param_fraction is 1.0: each of 2 rank(s) should"),
-    ("fsdp", {"dtensor_params": 0}, "strategy.evidence: 0 of 48 parameters are DTensors"),
-    ("fsdp", {"fsdp_modules": 1}, "strategy.evidence.fsdp_modules is 1, expected >= 3"),
-    ("fsdp_offload", {"fsdp_offload_policy": "OffloadPolicy"}, "expected 'CPUOffloadPolicy'"),
-    ("ddp", {"engine_class": "PeftModelForCausalLM"}, "strategy.evidence.engine_class is 'PeftModelForCausalLM'"),
-    ("ddp", {"world_size": 1}, "strategy.evidence.world_size is 1 (torch.distributed), expected 2"),
-])
+@pytest.mark.parametrize(
+    "key, evidence, expected",
+    [
+        ("zero2", {"zero_stage": 3}, "strategy.evidence.zero_stage is 3, expected 2"),
+        (
+            "zero2_offload",
+            {"basic_optimizer_class": "AdamW"},
+            "strategy.evidence.basic_optimizer_class is 'AdamW', expected 'DeepSpeedCPUAdam'",
+        ),
+        (
+            "zero3",
+            {"local_param_fraction": 1.0},
+            "strategy.evidence.local_param_fraction is 1.0: each of 2 rank(s) should",
+        ),
+        ("fsdp", {"dtensor_params": 0}, "strategy.evidence: 0 of 48 parameters are DTensors"),
+        ("fsdp", {"fsdp_modules": 1}, "strategy.evidence.fsdp_modules is 1, expected >= 3"),
+        ("fsdp_offload", {"fsdp_offload_policy": "OffloadPolicy"}, "expected 'CPUOffloadPolicy'"),
+        ("ddp", {"engine_class": "PeftModelForCausalLM"}, "strategy.evidence.engine_class is 'PeftModelForCausalLM'"),
+        ("ddp", {"world_size": 1}, "strategy.evidence.world_size is 1 (torch.distributed), expected 2"),
+    ],
+)
 def test_each_evidence_mismatch_is_named(key, evidence, expected):
     wrong, _ = agreement.engaged(record(key, 2, **evidence), strategies.by_key(key), 2, "32-true")
     assert any(expected in w for w in wrong), wrong
@@ -51,28 +62,37 @@ def test_equal_losses_agree_and_the_figures_are_recounted():
     cmp = agreement.compare(ref, record("zero2", 2, losses=nudged), 10)
     assert cmp["worst_step"] == 5 and cmp["max_loss_rel"] == pytest.approx(3e-6, rel=1e-6)
     line = agreement.agreement_line("zero2", cmp, "32-true", ("a", "b"))
-    assert line.status == "ok" and line.detail.startswith("within 1e-05 of single at every step (largest 3.0e-06 at step 5)")
+    assert line.status == "ok" and line.detail.startswith(
+        "within 1e-05 of single at every step (largest 3.0e-06 at step 5)"
+    )
 
 
 def test_a_loss_beyond_the_tolerance_is_a_disagreement_naming_the_differing_settings():
     ref, rec = record("single", 1), record("ddp", 2, losses=[x * (1 + 2e-5) for x in LOSSES])
     rec["lr"]["applied"] = 2e-3
-    line = agreement.agreement_line("ddp", agreement.compare(ref, rec, 10), "32-true", ("runs/s", "runs/d"),
-                                    overrides=["--training.learning_rate=2e-3"])
+    line = agreement.agreement_line(
+        "ddp",
+        agreement.compare(ref, rec, 10),
+        "32-true",
+        ("runs/s", "runs/d"),
+        overrides=["--training.learning_rate=2e-3"],
+    )
     assert line.status == "problem"
     assert "loss differs from single by 2.0e-05 relative (tolerance 1e-05, 32-true)" in line.detail
     assert "the records differ in lr.applied 0.002 vs 0.001" in line.detail
     assert "(misconfigured on purpose by --override: --training.learning_rate=2e-3)" in line.detail
-    assert line.fix.startswith("ddp trained differently from one process on the same data: finetune compare runs/s runs/d")
+    assert line.fix.startswith(
+        "ddp trained differently from one process on the same data: finetune compare runs/s runs/d"
+    )
 
 
 def test_bf16_mixed_uses_its_own_tolerance_and_other_policies_are_not_judged():
-    ref, rec = record("single", 1, policy="bf16-mixed"), record("zero3", 2, policy="bf16-mixed",
-                                                                 losses=[x * (1 + 5e-5) for x in LOSSES])
-    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "bf16-mixed",
-                                    ("a", "b")).status == "ok"
-    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "32-true",
-                                    ("a", "b")).status == "problem"
+    ref, rec = (
+        record("single", 1, policy="bf16-mixed"),
+        record("zero3", 2, policy="bf16-mixed", losses=[x * (1 + 5e-5) for x in LOSSES]),
+    )
+    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "bf16-mixed", ("a", "b")).status == "ok"
+    assert agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "32-true", ("a", "b")).status == "problem"
     line = agreement.agreement_line("zero3", agreement.compare(ref, rec, 10), "16-mixed", ("a", "b"))
     assert line.status == "skipped" and line.detail.startswith("no tolerance derived for 16-mixed")
 
@@ -105,7 +125,10 @@ def test_the_predicted_peak_beside_the_measured_one():
     m = agreement.memory(record("single", 1))
     assert agreement.memory_text(m) == "host RSS 1.49 / 0.70 GiB (+113%)"
     gpu = record("single", 1)
-    gpu["predicted_memory"]["error"]["device_allocated"] = {"predicted_gib": 9.5, "measured_gib": 10.0,
-                                                            "relative_error": -0.05}
+    gpu["predicted_memory"]["error"]["device_allocated"] = {
+        "predicted_gib": 9.5,
+        "measured_gib": 10.0,
+        "relative_error": -0.05,
+    }
     assert agreement.memory_text(agreement.memory(gpu)) == "device allocated 9.50 / 10.00 GiB (-5%)"
     assert agreement.memory_text(agreement.memory({})) == "n/a (no prediction in run.json)"

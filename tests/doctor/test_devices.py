@@ -11,10 +11,17 @@ from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, gpu, nvswitch_h10
 
 
 def probe(gpus, nvml="absent", tmp_path=None, **cuda_kwargs):
-    nvml_obj = FakeNvml(gpus, **(nvml if isinstance(nvml, dict) else {})) if nvml != "absent" else \
-        "NVML not available: pip install nvidia-ml-py for link types and figures"
-    return devices.probe(cuda=FakeCuda(gpus, **cuda_kwargs), nvml=nvml_obj, torch_module=fake_torch(FakeCuda(gpus)),
-                         proc=tmp_path or devices.NVIDIA_PROC)
+    nvml_obj = (
+        FakeNvml(gpus, **(nvml if isinstance(nvml, dict) else {}))
+        if nvml != "absent"
+        else "NVML not available: pip install nvidia-ml-py for link types and figures"
+    )
+    return devices.probe(
+        cuda=FakeCuda(gpus, **cuda_kwargs),
+        nvml=nvml_obj,
+        torch_module=fake_torch(FakeCuda(gpus)),
+        proc=tmp_path or devices.NVIDIA_PROC,
+    )
 
 
 def test_nvswitch_h100_pair_expects_18_links_at_nccls_sm90_figure():
@@ -30,18 +37,30 @@ def test_nvswitch_h100_pair_expects_18_links_at_nccls_sm90_figure():
 
 
 def test_direct_nvlinks_are_counted_per_peer_even_when_nvml_orders_gpus_differently():
-    a = gpu(name="NVIDIA A100-SXM4-40GB", capability=(8, 0), uuid="a100-0", bus="00000000:07:00.0",
-            nvlinks=[(0, "00000000:0F:00.0")] * 4)
-    b = gpu(name="NVIDIA A100-SXM4-40GB", capability=(8, 0), uuid="a100-1", bus="00000000:0F:00.0",
-            nvlinks=[(0, "00000000:07:00.0")] * 4)
+    a = gpu(
+        name="NVIDIA A100-SXM4-40GB",
+        capability=(8, 0),
+        uuid="a100-0",
+        bus="00000000:07:00.0",
+        nvlinks=[(0, "00000000:0F:00.0")] * 4,
+    )
+    b = gpu(
+        name="NVIDIA A100-SXM4-40GB",
+        capability=(8, 0),
+        uuid="a100-1",
+        bus="00000000:0F:00.0",
+        nvlinks=[(0, "00000000:07:00.0")] * 4,
+    )
     dev = probe([a, b], nvml={"order": [1, 0]})
     assert dev.gpus[0].nvlinks == {1: 4} and dev.gpus[1].nvlinks == {0: 4}
     assert dev.pairs[0].link == "NVLink x4" and dev.pairs[0].expected_gbs == 80.0  # 4 x 20.0 (SM80)
 
 
 def test_pcie_pair_expects_lanes_times_ncclss_per_lane_rate():
-    gpus = [gpu(name="NVIDIA L4", capability=(8, 9), uuid=f"l4-{i}", bus=f"00000000:{0x30 + i:02X}:00.0",
-                pcie=(4, 16)) for i in range(2)]
+    gpus = [
+        gpu(name="NVIDIA L4", capability=(8, 9), uuid=f"l4-{i}", bus=f"00000000:{0x30 + i:02X}:00.0", pcie=(4, 16))
+        for i in range(2)
+    ]
     dev = probe(gpus, nvml={"topology": {(0, 1): 20}})
     (pair,) = dev.pairs
     assert pair.link == "PCIe Gen4 x16 (PXB)" and pair.nvlinks == 0
@@ -52,8 +71,10 @@ def test_a_pair_across_cpu_sockets_has_no_figure_and_says_why():
     gpus = [gpu(uuid=f"g{i}", bus=f"00000000:{0x30 + i:02X}:00.0", pcie=(5, 16)) for i in range(2)]
     dev = probe(gpus, nvml={"topology": {(0, 1): 50}})
     assert dev.pairs[0].expected_gbs is None and "CPU interconnect" in dev.pairs[0].source
-    assert dev.expected_busbw() == (None, "GPU 0-1: the path crosses the CPU interconnect, whose bandwidth NVML "
-                                          "does not give")
+    assert dev.expected_busbw() == (
+        None,
+        "GPU 0-1: the path crosses the CPU interconnect, whose bandwidth NVML does not give",
+    )
 
 
 def test_without_nvml_links_and_figures_are_unknown_and_mig_comes_from_the_name():
@@ -65,10 +86,19 @@ def test_without_nvml_links_and_figures_are_unknown_and_mig_comes_from_the_name(
 
 
 def test_an_sm_without_an_nccl_nvlink_figure_is_unknown_not_guessed():
-    gpus = [gpu(capability=(12, 0), uuid=f"b{i}", bus=f"00000000:{0x40 + i:02X}:00.0",
-                nvlinks=[(0, f"00000000:{0x41 - i:02X}:00.0")] * 2) for i in range(2)]
+    gpus = [
+        gpu(
+            capability=(12, 0),
+            uuid=f"b{i}",
+            bus=f"00000000:{0x40 + i:02X}:00.0",
+            nvlinks=[(0, f"00000000:{0x41 - i:02X}:00.0")] * 2,
+        )
+        for i in range(2)
+    ]
     pair = probe(gpus, nvml={}).pairs[0]
-    assert pair.link == "NVLink x2" and pair.expected_gbs is None and pair.source == "no NCCL per-link figure for sm_120"
+    assert (
+        pair.link == "NVLink x2" and pair.expected_gbs is None and pair.source == "no NCCL per-link figure for sm_120"
+    )
 
 
 def test_mixed_links_give_no_collective_figure():

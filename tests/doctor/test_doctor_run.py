@@ -24,8 +24,13 @@ def doctor(args, tmp_path, name):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "PYTHONUNBUFFERED": "1"}
     env.pop("FINETUNE_CPU_DISTRIBUTED", None)
     start = time.monotonic()
-    code, out, _ = run_process_group([sys.executable, "-m", "finetune.cli", "doctor", "--out", str(tmp_path / name),
-                                      *args], cwd=REPO, env=env, timeout=900, merge_stderr=True)
+    code, out, _ = run_process_group(
+        [sys.executable, "-m", "finetune.cli", "doctor", "--out", str(tmp_path / name), *args],
+        cwd=REPO,
+        env=env,
+        timeout=900,
+        merge_stderr=True,
+    )
     print(f"finetune doctor {' '.join(args)}: exit {code} after {time.monotonic() - start:.0f} s")
     return code, out, json.loads((tmp_path / name / "doctor.json").read_text())
 
@@ -45,7 +50,9 @@ def test_the_full_doctor_passes_with_every_strategy_engaged_and_agreeing(tmp_pat
     assert "all well:" in out and (tmp_path / "full" / "doctor.html").is_file()
     s = result["strategies"]
     assert set(s["skipped"]) <= {"ddp"}  # on one GPU (DDP needs 2 ranks); on CPU and on 2+ GPUs nothing
-    assert [r["name"] for r in s["runs"]] == [n for n in ["single", "ddp", "zero2", "zero3", "fsdp"] if n not in s["skipped"]]
+    assert [r["name"] for r in s["runs"]] == [
+        n for n in ["single", "ddp", "zero2", "zero3", "fsdp"] if n not in s["skipped"]
+    ]
     world = s["world_size"]
     for entry in s["runs"]:
         run_dir = tmp_path / "full" / "runs" / entry["name"]
@@ -69,8 +76,9 @@ def test_the_full_doctor_passes_with_every_strategy_engaged_and_agreeing(tmp_pat
 
 
 def test_the_control_a_misconfigured_strategy_is_reported_and_fails_the_doctor(tmp_path):
-    code, out, result = doctor(["--strategies", "single,ddp", "--override", "ddp:training.learning_rate=2e-3"],
-                               tmp_path, "control")
+    code, out, result = doctor(
+        ["--strategies", "single,ddp", "--override", "ddp:training.learning_rate=2e-3"], tmp_path, "control"
+    )
     assert code == 1 and not result["ok"], out[-6000:]
     (problem,) = result["problems"]
     assert problem["name"] == "ddp losses" and problem["section"] == "strategies"

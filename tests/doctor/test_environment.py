@@ -23,11 +23,16 @@ def by_name(lines, name):
 
 
 def gpu_machine(gpus, tmp_path, nvml=True, **cuda_kwargs):
-    return devices.probe(cuda=FakeCuda(gpus, **cuda_kwargs), nvml=FakeNvml(gpus) if nvml else "no NVML",
-                         torch_module=fake_torch(), proc=tmp_path / "absent")
+    return devices.probe(
+        cuda=FakeCuda(gpus, **cuda_kwargs),
+        nvml=FakeNvml(gpus) if nvml else "no NVML",
+        torch_module=fake_torch(),
+        proc=tmp_path / "absent",
+    )
 
 
 # --- versions ----------------------------------------------------------------------------------
+
 
 def test_a_package_missing_at_import_is_a_problem_with_the_projects_requirement(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ModuleNotFoundError
@@ -50,6 +55,7 @@ def test_a_package_that_breaks_at_import_is_a_problem_too():
 
 # --- CUDA, NCCL, GPUs ----------------------------------------------------------------------------
 
+
 def test_no_cuda_skips_the_gpu_lines_and_says_why(tmp_path):
     lines = environment.cuda(devices.probe(torch_module=fake_torch(cuda_build=None), proc=tmp_path / "absent"))
     assert [(x.name, x.status) for x in lines] == [("CUDA", "skipped"), ("NCCL", "skipped"), ("GPUs", "skipped")]
@@ -60,7 +66,9 @@ def test_a_cpu_torch_on_a_machine_with_an_nvidia_gpu_is_a_problem(tmp_path):
     (tmp_path / "0000:3b:00.0").mkdir()
     (line,) = environment.cuda(devices.probe(torch_module=fake_torch(cuda_build=None), proc=tmp_path))
     assert line.status == "problem" and "the NVIDIA driver lists 1 GPU(s)" in line.detail
-    assert line.fix.startswith("pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu")
+    assert line.fix.startswith(
+        "pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cu"
+    )
 
 
 def test_a_cuda_torch_that_cannot_start_cuda_is_a_problem_naming_the_driver_error(tmp_path):
@@ -82,8 +90,12 @@ def test_a_cuda_torch_on_a_machine_without_an_nvidia_gpu_is_the_cpu_rehearsal_no
 
 def test_a_torch_without_nccl_is_a_problem(tmp_path):
     gpus = nvswitch_h100s(2)
-    dev = devices.probe(cuda=FakeCuda(gpus), nvml=FakeNvml(gpus), torch_module=fake_torch(nccl_available=False),
-                        proc=tmp_path / "absent")
+    dev = devices.probe(
+        cuda=FakeCuda(gpus),
+        nvml=FakeNvml(gpus),
+        torch_module=fake_torch(nccl_available=False),
+        proc=tmp_path / "absent",
+    )
     line = by_name(environment.cuda(dev), "NCCL")
     assert line.status == "problem" and line.fix.startswith("install torch's CUDA build for Linux")
 
@@ -97,23 +109,28 @@ def test_each_gpu_is_a_line_and_one_torch_has_no_kernels_for_is_a_problem(tmp_pa
     assert bad.fix.startswith("install a torch build for this GPU")
 
 
-@pytest.mark.parametrize("arch, capability, usable", [
-    (["sm_86"], (8, 9), True),  # same major, lower minor: binary compatible
-    (["sm_90"], (8, 0), False),  # a newer binary does not run on an older GPU
-    (["compute_90"], (10, 0), True),  # PTX is compiled by the driver for newer GPUs
-    (["sm_80", "sm_90"], (12, 0), False),
-])
+@pytest.mark.parametrize(
+    "arch, capability, usable",
+    [
+        (["sm_86"], (8, 9), True),  # same major, lower minor: binary compatible
+        (["sm_90"], (8, 0), False),  # a newer binary does not run on an older GPU
+        (["compute_90"], (10, 0), True),  # PTX is compiled by the driver for newer GPUs
+        (["sm_80", "sm_90"], (12, 0), False),
+    ],
+)
 def test_which_gpus_a_torch_build_has_kernels_for(arch, capability, usable):
     assert environment.has_kernels(arch, capability) is usable
 
 
 def test_a_gpu_without_bf16_says_auto_picks_16_mixed(tmp_path):
-    lines = environment.cuda(gpu_machine([gpu(name="Tesla T4", capability=(7, 5), memory_gib=15)], tmp_path,
-                                         arch_list=("sm_75",)))
+    lines = environment.cuda(
+        gpu_machine([gpu(name="Tesla T4", capability=(7, 5), memory_gib=15)], tmp_path, arch_list=("sm_75",))
+    )
     assert "bf16 no (auto precision: 16-mixed)" in by_name(lines, "GPU 0").detail
 
 
 # --- peer access ---------------------------------------------------------------------------------
+
 
 def test_nvlink_up_but_no_peer_access_is_a_problem(tmp_path):
     dev = gpu_machine(nvswitch_h100s(2), tmp_path, peer=lambda a, b: False)
@@ -135,6 +152,7 @@ def test_one_gpu_has_no_pair(tmp_path):
 
 
 # --- host RAM and disk ----------------------------------------------------------------------------
+
 
 def test_too_little_available_ram_is_a_problem():
     low = SimpleNamespace(total=16 * GIB, available=1 * GIB)
@@ -161,6 +179,7 @@ def test_a_full_disk_is_a_problem_at_the_nearest_existing_directory(tmp_path):
 
 # --- accelerate default config ----------------------------------------------------------------------
 
+
 def test_a_default_config_of_another_strategy_refuses_the_recipe(tmp_path):
     path = tmp_path / "default_config.yaml"
     shutil.copy(REPO / "accelerate_configs" / "ddp.yaml", path)
@@ -168,7 +187,9 @@ def test_a_default_config_of_another_strategy_refuses_the_recipe(tmp_path):
     assert line.status == "problem"
     assert f"{path} sets up ddp (offload none, MULTI_GPU, 2 process(es))" in line.detail
     assert "recipe 'zero2' is meant for zero2 (offload none)" in line.detail
-    assert line.fix == f"mv {path} {path}.off (the recipe then sets up its strategy), or use finetune train --recipe zero2"
+    assert (
+        line.fix == f"mv {path} {path}.off (the recipe then sets up its strategy), or use finetune train --recipe zero2"
+    )
     assert "move your default config aside" in line.data["refusal"]  # the product's own preflight message
     assert environment.default_accelerate_config("ddp", path).status == "ok"
     unjudged = environment.default_accelerate_config(None, path)
@@ -185,6 +206,7 @@ def test_a_broken_default_config_is_a_problem_and_none_is_fine(tmp_path):
 
 
 # --- W&B ------------------------------------------------------------------------------------------
+
 
 def test_wandb_modes_and_login():
     bad = environment.wandb_state(env={"WANDB_MODE": "offlne"}, has_key=lambda: False)
@@ -214,6 +236,7 @@ def test_wandb_modes_are_the_installed_wandbs():
 
 # --- DeepSpeed CPU Adam ---------------------------------------------------------------------------
 
+
 class Builder:
     def __init__(self, compatible=True):
         self.compatible, self.error_log = compatible, "cpu_adam requires the 'lscpu' command"
@@ -228,7 +251,9 @@ def tools(*present):
 
 def test_cpu_adam_problems_each_with_its_fix():
     line = environment.cpu_adam(False, Builder(False), tools("ninja", "c++"))
-    assert line.status == "problem" and "lscpu" in line.detail and line.fix.startswith("DS_BUILD_CPU_ADAM=1 pip install")
+    assert (
+        line.status == "problem" and "lscpu" in line.detail and line.fix.startswith("DS_BUILD_CPU_ADAM=1 pip install")
+    )
     line = environment.cpu_adam(False, Builder(), tools("c++"))
     assert line.status == "problem" and line.fix == "pip install ninja"
     line = environment.cpu_adam(False, Builder(), tools("ninja"))
@@ -261,9 +286,9 @@ def test_cpu_adam_builder_that_does_not_load_is_a_problem():
 
 # --- bitsandbytes ----------------------------------------------------------------------------------
 
+
 def test_bitsandbytes_without_kernels_or_with_wrong_values_is_a_problem():
     import torch
-
     from bitsandbytes import functional as real
 
     class NoKernels:

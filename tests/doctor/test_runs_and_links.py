@@ -29,7 +29,7 @@ def plan(n_gpus, tmp_path, **kwargs):
 def flags(p: runs.Planned) -> list[str]:
     """The launch options of a planned `finetune train` (between the recipe and --overwrite)."""
     cmd = p.command
-    return cmd[cmd.index("--recipe") + 2:cmd.index("--overwrite")]
+    return cmd[cmd.index("--recipe") + 2 : cmd.index("--overwrite")]
 
 
 def arg(p: runs.Planned, key: str) -> str:
@@ -51,8 +51,16 @@ def test_on_cpu_every_strategy_runs_on_two_gloo_processes_against_one_process_ac
 
 def test_on_two_gpus_the_strategies_launch_one_process_per_gpu(tmp_path):
     planned, _ = plan(2, tmp_path, offload=True)
-    assert [p.name for p in planned] == ["single", "ddp", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp",
-                                         "fsdp_offload"]
+    assert [p.name for p in planned] == [
+        "single",
+        "ddp",
+        "zero2",
+        "zero2_offload",
+        "zero3",
+        "zero3_offload",
+        "fsdp",
+        "fsdp_offload",
+    ]
     assert flags(planned[0]) == [] and arg(planned[0], "training.gradient_accumulation_steps") == "2"
     assert all(flags(p) == ["--num_processes", "2"] and p.world == 2 for p in planned[1:])
 
@@ -69,15 +77,20 @@ def test_a_subset_still_runs_the_reference_and_an_override_reaches_one_run_only(
     overrides = runs.parse_overrides(["zero2:training.learning_rate=2e-3"])
     planned, _ = plan(0, tmp_path, only=["zero2"], overrides=overrides)
     assert [p.name for p in planned] == ["single", "zero2"]
-    assert planned[1].command[-1] == "--training.learning_rate=2e-3" and planned[1].overrides == [planned[1].command[-1]]
+    assert planned[1].command[-1] == "--training.learning_rate=2e-3" and planned[1].overrides == [
+        planned[1].command[-1]
+    ]
     assert "--training.learning_rate=2e-3" not in planned[0].command
 
 
-@pytest.mark.parametrize("only, overrides, message", [
-    (["zero4"], [], "--strategies: unknown zero4; allowed: single, ddp, zero2, zero2_offload"),
-    (["zero2"], ["fsdp:training.learning_rate=1"], "--override fsdp:...: fsdp is not among the strategies run"),
-    (None, ["zero2=training.learning_rate"], "expected STRATEGY:section.key=value"),
-])
+@pytest.mark.parametrize(
+    "only, overrides, message",
+    [
+        (["zero4"], [], "--strategies: unknown zero4; allowed: single, ddp, zero2, zero2_offload"),
+        (["zero2"], ["fsdp:training.learning_rate=1"], "--override fsdp:...: fsdp is not among the strategies run"),
+        (None, ["zero2=training.learning_rate"], "expected STRATEGY:section.key=value"),
+    ],
+)
 def test_bad_strategy_options_are_user_errors(only, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         runs.selected(only, runs.parse_overrides(overrides), offload=False)
@@ -94,15 +107,24 @@ def test_bench_comm_command_per_machine(tmp_path):
 
 
 def bench_report(backend="nccl", verified=True) -> dict:
-    results = [{"op": op, "bytes": size, "busbw_gbs": gbs} for op in ("all_reduce", "all_gather", "reduce_scatter")
-               for size, gbs in ((2**20, 40.0), (64 * 2**20, 185.4))]
-    return {"backend": backend, "world_size": 2, "results": results,
-            "verified": {"all_reduce": verified, "all_gather": True, "reduce_scatter": True}}
+    results = [
+        {"op": op, "bytes": size, "busbw_gbs": gbs}
+        for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for size, gbs in ((2**20, 40.0), (64 * 2**20, 185.4))
+    ]
+    return {
+        "backend": backend,
+        "world_size": 2,
+        "results": results,
+        "verified": {"all_reduce": verified, "all_gather": True, "reduce_scatter": True},
+    }
 
 
 def test_links_show_busbw_beside_the_link_figure(tmp_path):
     out = links.describe(bench_report(), machine(2, tmp_path))
-    assert [x.name for x in out] == ["all_reduce", "all_gather", "reduce_scatter"] and all(x.status == "ok" for x in out)
+    assert [x.name for x in out] == ["all_reduce", "all_gather", "reduce_scatter"] and all(
+        x.status == "ok" for x in out
+    )
     assert out[0].detail.startswith("busbw GB/s 1MiB 40.00, 64MiB 185.40; expected 370.8 GB/s (NVLink x18 (NVSwitch)")
     assert "50% at 64MiB" in out[0].detail  # 185.4 / 370.8
     cpu = links.describe(bench_report("gloo"), machine(0, tmp_path))
@@ -112,28 +134,43 @@ def test_links_show_busbw_beside_the_link_figure(tmp_path):
 def test_wrong_collective_values_or_a_failed_benchmark_are_problems(tmp_path, monkeypatch):
     (bad, *_) = links.describe(bench_report(verified=False), machine(2, tmp_path))
     assert bad.status == "problem" and bad.fix.startswith("reinstall torch")
-    failed = commands.Finished(["python", "-m", "finetune.cli", "bench-comm"], 1, 3.0, tmp_path / "b.log",
-                               ["RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"])
+    failed = commands.Finished(
+        ["python", "-m", "finetune.cli", "bench-comm"],
+        1,
+        3.0,
+        tmp_path / "b.log",
+        ["RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"],
+    )
     monkeypatch.setattr(commands, "run", lambda *a, **k: failed)
     (line,), report = links.check(machine(2, tmp_path), tmp_path)
     assert line.status == "problem" and report is None
-    assert line.detail == ("`finetune bench-comm` failed (exit 1): RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, "
-                           "unhandled system error")
+    assert line.detail == (
+        "`finetune bench-comm` failed (exit 1): RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, "
+        "unhandled system error"
+    )
     assert "NCCL_DEBUG=INFO" in line.fix
 
 
 def test_a_failed_run_is_a_problem_with_its_error_and_the_line_to_rerun(tmp_path):
     planned, _ = plan(0, tmp_path, only=["zero3"])
-    finished = commands.Finished(planned[1].command, 2, 9.0, tmp_path / "zero3.log",
-                                 ["error: preflight (nothing was started, loaded or written): 1 problem:", "  - x"])
+    finished = commands.Finished(
+        planned[1].command,
+        2,
+        9.0,
+        tmp_path / "zero3.log",
+        ["error: preflight (nothing was started, loaded or written): 1 problem:", "  - x"],
+    )
     entry, (line,) = main.judge(runs.Done(planned[1], finished, None), None, "32-true")
     assert line.status == "problem" and line.name == "zero3 run"
     assert line.detail == "exit 2: error: preflight (nothing was started, loaded or written): 1 problem:"
     assert line.fix.startswith("rerun it alone to see all of it: finetune train --recipe zero3 --cpu")
     assert entry["returncode"] == 2 and "engaged" not in entry
     record = {"summary": {"status": "failed", "error": "RuntimeError: boom"}}
-    _, (line,) = main.judge(runs.Done(planned[1], commands.Finished(planned[1].command, 1, 9.0, tmp_path / "l", []),
-                                      record), None, "32-true")
+    _, (line,) = main.judge(
+        runs.Done(planned[1], commands.Finished(planned[1].command, 1, 9.0, tmp_path / "l", []), record),
+        None,
+        "32-true",
+    )
     assert line.detail == "exit 1: RuntimeError: boom"
 
 
@@ -143,8 +180,11 @@ def test_a_run_that_engaged_something_else_is_a_problem_and_its_losses_are_still
     reference = runs.Done(planned[0], ok, record("single", 1))
     wrong = record("zero3", 2, zero_stage=2, local_param_fraction=1.0)
     entry, out = main.judge(runs.Done(planned[1], ok, wrong), reference, "32-true")
-    assert [(x.name, x.status) for x in out] == [("zero3 run", "ok"), ("zero3 engaged", "problem"),
-                                                 ("zero3 losses", "ok")]
+    assert [(x.name, x.status) for x in out] == [
+        ("zero3 run", "ok"),
+        ("zero3 engaged", "problem"),
+        ("zero3 losses", "ok"),
+    ]
     assert "strategy.evidence.zero_stage is 2, expected 3" in out[1].detail
     assert out[1].fix.startswith("the launch set up something else than zero3: read strategy.setup in")
     assert entry["comparison"]["max_loss_rel"] == 0.0 and entry["mismatches"] == out[1].data["mismatches"]

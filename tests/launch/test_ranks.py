@@ -32,8 +32,10 @@ def group_without_backend():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the group's all_gather_object runs on NCCL, "
-                    "which is destroyed only after a clean end")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="with CUDA the group's all_gather_object runs on NCCL, which is destroyed only after a clean end",
+)
 def test_a_group_initialised_without_a_backend_is_destroyed_after_an_error(group_without_backend):
     everyone = [None]
     dist.all_gather_object(everyone, ["a problem"])  # what preflight does before a refusal

@@ -30,13 +30,19 @@ def test_a_run_that_failed_before_step_1_leaves_a_directory_the_retry_reuses(tmp
     assert path.is_dir() and list(path.iterdir()) == []
 
 
-@pytest.mark.parametrize("what, change", [
-    ("it trained", lambda p: (p / "run.json").write_text(json.dumps({"summary": {"status": "failed", "steps": 3}}))),
-    ("it completed", lambda p: (p / "run.json").write_text(json.dumps({"summary": {"status": "completed"}}))),
-    ("a checkpoint", lambda p: (p / "checkpoint-1").mkdir()),
-    ("a file of the user's", lambda p: (p / "notes.txt").write_text("mine")),
-    ("no readable record", lambda p: (p / "run.json").write_text("{not json")),
-])
+@pytest.mark.parametrize(
+    "what, change",
+    [
+        (
+            "it trained",
+            lambda p: (p / "run.json").write_text(json.dumps({"summary": {"status": "failed", "steps": 3}})),
+        ),
+        ("it completed", lambda p: (p / "run.json").write_text(json.dumps({"summary": {"status": "completed"}}))),
+        ("a checkpoint", lambda p: (p / "checkpoint-1").mkdir()),
+        ("a file of the user's", lambda p: (p / "notes.txt").write_text("mine")),
+        ("no readable record", lambda p: (p / "run.json").write_text("{not json")),
+    ],
+)
 def test_anything_else_is_refused_with_the_retry_commands(tmp_path, what, change):
     path = _failed_run(tmp_path / "runs" / "exp")
     change(path)

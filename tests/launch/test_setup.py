@@ -1,7 +1,7 @@
-"""Who sets up the strategy (finetune/launch/setup.py) and what started the process
+"""Who sets up the strategy (finetune/launch/strategy_setup.py) and what started the process
 (finetune/launch/launcher.py), on made-up command lines and environments: no process is launched.
 
-The command lines are the ones seen from real ranks (research note 18 §1.4, and the launches in
+The command lines are the ones seen from real ranks (the launches in
 tests/training/test_strategies.py, which exercise the real parent-process reading): the
 `accelerate` console script, `python -m accelerate.commands.launch` (the tests' form), torchrun's
 agent, and a shell.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from finetune import resources
-from finetune.launch import launcher, setup
+from finetune.launch import launcher
+from finetune.launch import strategy_setup as setup
 from finetune.launch.launcher import Launcher
 
 SCRIPT = "finetune/train.py"
@@ -20,10 +21,12 @@ CWD = "/home/u/finetune"  # the launcher's working directory (a relative --confi
 PY = "/usr/bin/python3"
 
 
-def parent(argv: list[str], *, default_config: str | None = None, env: dict | None = None,
-           script: str = f"{CWD}/{SCRIPT}") -> Launcher:
-    return launcher.from_parent_argv(argv, CWD, script=script, main_module=None, default_config=default_config,
-                                     env=env or {})
+def parent(
+    argv: list[str], *, default_config: str | None = None, env: dict | None = None, script: str = f"{CWD}/{SCRIPT}"
+) -> Launcher:
+    return launcher.from_parent_argv(
+        argv, CWD, script=script, main_module=None, default_config=default_config, env=env or {}
+    )
 
 
 def test_launch_args_of_every_spelling_of_accelerate_launch():
@@ -45,14 +48,38 @@ def test_plain_accelerate_launch_read_no_config():
     assert got.describe() == "accelerate launch without an accelerate config"
 
 
-@pytest.mark.parametrize("argv", [
-    [PY, "/usr/bin/accelerate", "launch", "--config_file", "accelerate_configs/ddp.yaml", SCRIPT, "--recipe", "zero3"],
-    [PY, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml", SCRIPT, "--recipe", "zero3"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [
+            PY,
+            "/usr/bin/accelerate",
+            "launch",
+            "--config_file",
+            "accelerate_configs/ddp.yaml",
+            SCRIPT,
+            "--recipe",
+            "zero3",
+        ],
+        [
+            PY,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "accelerate_configs/ddp.yaml",
+            SCRIPT,
+            "--recipe",
+            "zero3",
+        ],
+    ],
+)
 def test_config_file_is_read_from_the_parent_and_made_absolute(argv):
     got = parent(argv)
-    assert (got.kind, got.config_file, got.config_from) == ("accelerate launch", f"{CWD}/accelerate_configs/ddp.yaml",
-                                                           "--config_file")
+    assert (got.kind, got.config_file, got.config_from) == (
+        "accelerate launch",
+        f"{CWD}/accelerate_configs/ddp.yaml",
+        "--config_file",
+    )
     assert "(accelerate launch --config_file)" in got.describe()
 
 
@@ -77,7 +104,9 @@ def test_num_processes_on_the_parent_command_line_is_kept():
 
 def test_torchrun_python_and_unknown_parents():
     assert parent([PY, "/usr/bin/torchrun", "--nproc_per_node", "2", SCRIPT]).kind == "torchrun"
-    assert parent([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT]).kind == "torchrun"
+    assert (
+        parent([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT]).kind == "torchrun"
+    )
     shell = parent(["/bin/bash"])
     assert shell.kind == "python" and shell.note == "no launcher, started by bash"
     # rank variables set by a launcher we cannot read (the deepspeed launcher, a wrapper): said, not guessed
@@ -101,12 +130,15 @@ PLAIN = Launcher("accelerate launch")
 ROOT = resources.ROOT
 
 
-@pytest.mark.parametrize("env, who", [
-    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "launcher-config"),
-    ({"ACCELERATE_USE_FSDP": "true"}, "launcher-config"),
-    ({"ACCELERATE_USE_DEEPSPEED": "false", "ACCELERATE_USE_FSDP": "false"}, "recipe"),
-    ({}, "recipe"),
-])
+@pytest.mark.parametrize(
+    "env, who",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "launcher-config"),
+        ({"ACCELERATE_USE_FSDP": "true"}, "launcher-config"),
+        ({"ACCELERATE_USE_DEEPSPEED": "false", "ACCELERATE_USE_FSDP": "false"}, "recipe"),
+        ({}, "recipe"),
+    ],
+)
 def test_deepspeed_or_fsdp_in_the_environment_means_the_launcher_set_it_up(env, who):
     got = setup.decide(env, PLAIN, "zero2", "none", root=ROOT)
     assert got.set_up_by == who
@@ -114,11 +146,14 @@ def test_deepspeed_or_fsdp_in_the_environment_means_the_launcher_set_it_up(env, 
         assert "=true" in got.because and got.trainer_arguments == {} and got.row is None
 
 
-@pytest.mark.parametrize("launched", [
-    Launcher("accelerate launch", "/r/ddp.yaml", "--config_file"),
-    Launcher("accelerate launch", "/h/default_config.yaml", "default config"),
-    Launcher("finetune train", "/r/ddp.yaml", "finetune train"),
-])
+@pytest.mark.parametrize(
+    "launched",
+    [
+        Launcher("accelerate launch", "/r/ddp.yaml", "--config_file"),
+        Launcher("accelerate launch", "/h/default_config.yaml", "default config"),
+        Launcher("finetune train", "/r/ddp.yaml", "finetune train"),
+    ],
+)
 def test_a_config_file_read_by_the_launcher_sets_the_strategy_even_without_deepspeed_or_fsdp(launched):
     """A DDP or one-device config exports nothing of its own: only the parent's command line shows it."""
     got = setup.decide({}, launched, "zero3", "none", root=ROOT)
@@ -126,13 +161,16 @@ def test_a_config_file_read_by_the_launcher_sets_the_strategy_even_without_deeps
     assert "/ddp.yaml" in got.because or "default_config.yaml" in got.because
 
 
-@pytest.mark.parametrize("strategy, offload, key, arguments", [
-    ("zero2", "none", "zero2", {"deepspeed": str(ROOT / "ds_configs/zero2.json")}),
-    ("zero2", "any", "zero2", {"deepspeed": str(ROOT / "ds_configs/zero2.json")}),
-    ("zero3", "optimizer+params", "zero3_offload", {"deepspeed": str(ROOT / "ds_configs/zero3_offload.json")}),
-    ("ddp", "none", "ddp", {}),
-    ("single", "none", "single", {}),
-])
+@pytest.mark.parametrize(
+    "strategy, offload, key, arguments",
+    [
+        ("zero2", "none", "zero2", {"deepspeed": str(ROOT / "ds_configs/zero2.json")}),
+        ("zero2", "any", "zero2", {"deepspeed": str(ROOT / "ds_configs/zero2.json")}),
+        ("zero3", "optimizer+params", "zero3_offload", {"deepspeed": str(ROOT / "ds_configs/zero3_offload.json")}),
+        ("ddp", "none", "ddp", {}),
+        ("single", "none", "single", {}),
+    ],
+)
 def test_without_a_launcher_config_the_recipe_row_is_engaged(strategy, offload, key, arguments):
     got = setup.decide({}, PLAIN, strategy, offload, root=ROOT)
     assert got.set_up_by == "recipe" and got.row.key == key and got.trainer_arguments == arguments
@@ -143,7 +181,9 @@ def test_fsdp_rows_give_transformers_names_with_the_offload_key_it_reads():
     got = setup.decide({}, PLAIN, "fsdp", "optimizer+params", root=ROOT)
     args = got.trainer_arguments
     assert args["fsdp"] is True and args["fsdp_config"]["cpu_offload"] is True
-    assert args["fsdp_config"]["state_dict_type"] == "SHARDED_STATE_DICT" and "offload_params" not in args["fsdp_config"]
+    assert (
+        args["fsdp_config"]["state_dict_type"] == "SHARDED_STATE_DICT" and "offload_params" not in args["fsdp_config"]
+    )
     assert setup.decide({}, PLAIN, "fsdp", "none", root=ROOT).trainer_arguments["fsdp_config"]["cpu_offload"] is False
 
 
@@ -169,6 +209,7 @@ def detect(monkeypatch):
         if "FINETUNE_CPU_DISTRIBUTED" in env:
             monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", env["FINETUNE_CPU_DISTRIBUTED"])
         return setup.detect(load_recipe(recipe, [])[0], env)
+
     return run
 
 
@@ -177,8 +218,13 @@ def test_one_process_without_a_launcher_group_gets_a_world_of_one_and_gloo_on_cp
     assert got.world_of_one and got.cpu_gloo == "one process on a machine without CUDA"
     env = {"ACCELERATE_MIXED_PRECISION": "no"}
     setup.prepare(got, env)
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == \
-        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     assert 0 < int(env["MASTER_PORT"]) < 65536
     # a GPU: the same world of one, over NCCL (no gloo)
     on_gpu = detect("zero2", {}, cuda=True)
@@ -215,12 +261,15 @@ def test_one_device_and_launcher_configs_change_nothing(detect):
 def test_console_line_and_record_say_who_set_it_up():
     got = setup.decide({}, PLAIN, "zero3", "none", root=ROOT)
     got.cpu_gloo = "one process on a machine without CUDA"
-    assert got.describe() == (f"strategy zero3 (offload none) set up by the recipe: TrainingArguments(deepspeed="
-                              f"{ROOT / 'ds_configs/zero3.json'}), gloo on CPU (one process on a machine without "
-                              f"CUDA); accelerate launch without an accelerate config set up no strategy")
+    assert got.describe() == (
+        f"strategy zero3 (offload none) set up by the recipe: TrainingArguments(deepspeed="
+        f"{ROOT / 'ds_configs/zero3.json'}), gloo on CPU (one process on a machine without "
+        f"CUDA); accelerate launch without an accelerate config set up no strategy"
+    )
     rec = got.record()
     assert rec["row"] == "zero3" and rec["launcher"] == "accelerate launch" and rec["config_file"] is None
     cfg = setup.decide({}, Launcher("accelerate launch", "/r/zero2.yaml", "--config_file"), "zero2", "none", root=ROOT)
-    assert cfg.describe() == ("strategy set up by the launcher: the accelerate config /r/zero2.yaml "
-                              "(accelerate launch --config_file)")
+    assert cfg.describe() == (
+        "strategy set up by the launcher: the accelerate config /r/zero2.yaml (accelerate launch --config_file)"
+    )
     assert cfg.record()["trainer_arguments"] is None and cfg.record()["config_from"] == "--config_file"

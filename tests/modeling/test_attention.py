@@ -19,8 +19,10 @@ from finetune.config.sections import SDPA_BACKENDS
 from finetune.modeling import attention
 from tests.modeling.test_loss import assert_same, examples, flat, padded, run, tiny
 
-KERNELS = {"flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
-           "math": "aten::_scaled_dot_product_attention_math"}
+KERNELS = {
+    "flash": "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "math": "aten::_scaled_dot_product_attention_math",
+}
 
 
 @pytest.fixture(autouse=True)

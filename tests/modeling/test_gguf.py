@@ -38,9 +38,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
     """convert_hf_to_gguf.py LlamaModel.permute: HF's rotate-half Q/K rows -> ggml's interleaved pairs."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def read_tokenizer_metadata(gguf_path: Path) -> dict:
@@ -65,7 +67,7 @@ def truncate_vocab(meta: dict, size: int) -> dict:
     out = dict(meta)
     out["tokenizer.ggml.tokens"] = tokens[:size]
     out["tokenizer.ggml.token_type"] = list(meta["tokenizer.ggml.token_type"][:size])
-    out["tokenizer.ggml.merges"] = merges[:size - offset]
+    out["tokenizer.ggml.merges"] = merges[: size - offset]
     return out
 
 
@@ -128,10 +130,21 @@ def tiny_llama(tie: bool, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # norms start at 1.0; make them differ so a swapped norm would show
         for name, p in model.named_parameters():
@@ -179,9 +192,16 @@ def test_convert_gguf_round_trip_preserves_logits(tmp_path, tok_meta, tied_gguf,
 
     converted = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     c, o = converted.config, original.config
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-            c.intermediate_size, c.vocab_size, c.max_position_embeddings, c.head_dim) == \
-           (2, 64, 4, 2, 128, VOCAB, 512, 16)
+    assert (
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.vocab_size,
+        c.max_position_embeddings,
+        c.head_dim,
+    ) == (2, 64, 4, 2, 128, VOCAB, 512, 16)
     assert c.tie_word_embeddings is tie
     assert c.rope_parameters["rope_theta"] == 10000.0
     # Quirk: GGUF stores the epsilon as float32, so 1e-5 comes back as 9.99999974738e-06.
@@ -200,8 +220,11 @@ def test_convert_gguf_round_trip_preserves_logits(tmp_path, tok_meta, tied_gguf,
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     assert tokenizer.chat_template == tok_meta["tokenizer.chat_template"]
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == \
-           ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
     text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n") and "What is 2+2?" in text
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -318,8 +341,14 @@ def test_bundled_model_is_the_real_smollm2(bundled_model_dir):
     tok = AutoTokenizer.from_pretrained(bundled_model_dir)
     model = AutoModelForCausalLM.from_pretrained(bundled_model_dir, dtype=torch.float32).eval()
     c = model.config
-    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-            c.vocab_size) == ("llama", 30, 576, 9, 3, 49152)
+    assert (
+        c.model_type,
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+    ) == ("llama", 30, 576, 9, 3, 49152)
     assert c.tie_word_embeddings is True
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     with safe_open(bundled_model_dir / "model.safetensors", "pt") as f:
@@ -339,9 +368,13 @@ def test_bundled_model_is_the_real_smollm2(bundled_model_dir):
     shuffled = nll("Paris France capital the is of Tower Eiffel known It for.")
     assert natural < 3.5 and shuffled - natural > 3, (natural, shuffled)
 
-    inputs = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.strip(), "empty generation"
     assert "Paris" in answer, answer

@@ -28,8 +28,16 @@ CHUNK = 16
 
 def tiny(tie: bool = True) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=tie, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
 
 
@@ -79,8 +87,9 @@ def assert_same(a, b) -> None:
         torch.testing.assert_close(ga[k], gb[k], atol=ATOL, rtol=0, msg=k)
 
 
-@pytest.mark.parametrize(("layout", "tie"), [("padded", True), ("padding_free", False)],
-                         ids=["padded-tied_head", "padding_free-untied_head"])
+@pytest.mark.parametrize(
+    ("layout", "tie"), [("padded", True), ("padding_free", False)], ids=["padded-tied_head", "padding_free-untied_head"]
+)
 def test_chunked_equals_standard_loss_and_every_gradient(layout, tie):
     ref, new = pair(tie)
     batch = (padded if layout == "padded" else flat)(examples())
@@ -126,8 +135,9 @@ def test_lora_model_installed_after_the_wrap():
 
     ref = tiny()
     new = copy.deepcopy(ref)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM",
-                     init_lora_weights=False)  # non-zero B: every LoRA gradient is non-trivial
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM", init_lora_weights=False
+    )  # non-zero B: every LoRA gradient is non-trivial
     torch.manual_seed(3)
     ref = get_peft_model(ref, cfg)
     torch.manual_seed(3)

@@ -23,8 +23,15 @@ def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each decoder linear, from the config alone."""
     h, i = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def expected_base_count(config) -> int:
@@ -43,7 +50,7 @@ def lora_targets(model) -> set[str]:
     from peft.tuners.lora import LoraLayer
 
     prefix = "base_model.model."
-    return {name[len(prefix):] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    return {name[len(prefix) :] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 def expected_targets(config, targets=LINEARS) -> set[str]:
@@ -109,8 +116,11 @@ def test_lora_custom_target_modules(tiny_model_dir):
     assert count_parameters(model) == (lora, expected_base_count(config) + lora)
 
 
-@pytest.mark.parametrize("targets", [["qkv_proj_typo"], ["q_proj", "v_projj"], "no_such_(proj|layer)"],
-                         ids=["none-match", "one-typo", "regex"])
+@pytest.mark.parametrize(
+    "targets",
+    [["qkv_proj_typo"], ["q_proj", "v_projj"], "no_such_(proj|layer)"],
+    ids=["none-match", "one-typo", "regex"],
+)
 def test_lora_unknown_target_module_is_a_user_error(tiny_model_dir, targets):
     # peft itself only fails when nothing matches; a typo next to a valid name must fail too.
     method = MethodConfig(name="lora", target_modules=targets)
@@ -247,8 +257,12 @@ def test_load_tokenizer_pads_with_eos_when_there_is_no_pad_token(tiny_model_dir,
 def _policy_model(tiny_model_dir, policy, method, deepspeed=False):
     from finetune import precision
 
-    return load_model(ModelConfig(name_or_path=str(tiny_model_dir)), MethodConfig(name=method),
-                      policy=precision.get(policy), deepspeed=deepspeed)
+    return load_model(
+        ModelConfig(name_or_path=str(tiny_model_dir)),
+        MethodConfig(name=method),
+        policy=precision.get(policy),
+        deepspeed=deepspeed,
+    )
 
 
 def test_bf16_mixed_full_keeps_fp32_masters_that_start_from_the_bf16_checkpoint(tiny_model_dir):
@@ -262,8 +276,9 @@ def test_bf16_mixed_full_keeps_fp32_masters_that_start_from_the_bf16_checkpoint(
         assert torch.equal(p.detach(), fp32[name].detach().bfloat16().float()), name
     assert any(not torch.equal(p.detach(), fp32[n].detach()) for n, p in model.named_parameters())  # control
     # under DeepSpeed nothing is upcast: the engine keeps the module in bf16 and builds its own fp32 master
-    assert {p.dtype for p in _policy_model(tiny_model_dir, "bf16-mixed", "full", deepspeed=True).parameters()} == \
-        {torch.bfloat16}
+    assert {p.dtype for p in _policy_model(tiny_model_dir, "bf16-mixed", "full", deepspeed=True).parameters()} == {
+        torch.bfloat16
+    }
     assert {p.dtype for p in _policy_model(tiny_model_dir, "bf16-true", "full").parameters()} == {torch.bfloat16}
 
 
@@ -274,8 +289,10 @@ def test_lora_adapters_are_fp32_on_a_bf16_base_except_under_deepspeed_and_bf16_t
         return frozen, adapters
 
     assert dtypes(_policy_model(tiny_model_dir, "bf16-mixed", "lora")) == ({torch.bfloat16}, {torch.float32})
-    assert dtypes(_policy_model(tiny_model_dir, "bf16-mixed", "lora", deepspeed=True)) == \
-        ({torch.bfloat16}, {torch.bfloat16})  # DeepSpeed's fp32 partitions are the master
+    assert dtypes(_policy_model(tiny_model_dir, "bf16-mixed", "lora", deepspeed=True)) == (
+        {torch.bfloat16},
+        {torch.bfloat16},
+    )  # DeepSpeed's fp32 partitions are the master
     assert dtypes(_policy_model(tiny_model_dir, "bf16-true", "lora")) == ({torch.bfloat16}, {torch.bfloat16})
     assert dtypes(_policy_model(tiny_model_dir, "32-true", "lora")) == ({torch.float32}, {torch.float32})
 

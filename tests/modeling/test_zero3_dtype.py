@@ -44,8 +44,14 @@ print(json.dumps(out))
 
 
 def test_zero_init_fp32_parameters_are_refused(tiny_model_dir):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(free_port())], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     off, on = got["False"], got["True"]

@@ -18,8 +18,16 @@ import torch
 
 from finetune.planning import regimes, shapes
 
-SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=1, head_dim=64, tie_word_embeddings=True)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 
 # name: (method, load dtype, torch.autocast, the planner's regime)
 REGIMES = {
@@ -56,12 +64,19 @@ def build(regime: str, cfg, *, ckpt: bool = False, lora_dropout: float = 0.0, se
 
         tmp = tempfile.mkdtemp(prefix="planner_q_")
         AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp)
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16, quantization_config=q,
-                                                     attn_implementation=cfg._attn_implementation)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=ckpt,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        q = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.bfloat16, quantization_config=q, attn_implementation=cfg._attn_implementation
+        )
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     else:
         model = AutoModelForCausalLM.from_config(cfg).to(dtype)
         if ckpt:
@@ -72,8 +87,9 @@ def build(regime: str, cfg, *, ckpt: bool = False, lora_dropout: float = 0.0, se
     if method != "full":
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules="all-linear",
-                          task_type="CAUSAL_LM")
+        lora = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=lora_dropout, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
         model = get_peft_model(model, lora, autocast_adapter_dtype=reg.param == regimes.F32)
     return model.train()
 
@@ -168,8 +184,11 @@ def step_peak(model, inputs: dict, regime: str, kind: str) -> dict:
         opt.zero_grad(set_to_none=True)
 
     step()
-    states = storage_bytes(list(model.parameters()) + list(model.buffers())
-                           + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])
+    states = storage_bytes(
+        list(model.parameters())
+        + list(model.buffers())
+        + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     results = prof.profiler.kineto_results

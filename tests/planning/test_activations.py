@@ -39,13 +39,21 @@ CASES = {  # id: (regime, options)
 
 
 def measure_and_predict(regime: str, opt: dict):
-    cfg = mech.config(opt.get("model_type", "llama"), attn=opt.get("attn", "sdpa"),
-                      num_key_value_heads=opt.get("kv", 1))
+    cfg = mech.config(
+        opt.get("model_type", "llama"), attn=opt.get("attn", "sdpa"), num_key_value_heads=opt.get("kv", 1)
+    )
     model = mech.build(regime, cfg, lora_dropout=opt.get("dropout", 0.0))
     inputs = mech.batch(cfg.vocab_size, B, S, pad=opt.get("pad", 0), packed=opt.get("packed", False))
     layout = "packed" if opt.get("packed") else "padded"
-    w = mech.workload(regime, B, S, attn_implementation=opt.get("attn", "sdpa"), layout=layout,
-                      masked=bool(opt.get("pad")), lora_dropout=opt.get("dropout", 0.0))
+    w = mech.workload(
+        regime,
+        B,
+        S,
+        attn_implementation=opt.get("attn", "sdpa"),
+        layout=layout,
+        masked=bool(opt.get("pad")),
+        lora_dropout=opt.get("dropout", 0.0),
+    )
     p = mech.REGIMES[regime][3]
     A = act.activations(shape_of(cfg), w, p)
     measured = mech.saved_per_layer(model, inputs, regime, A["attn_kind"])
@@ -68,8 +76,9 @@ def test_saved_tensors_per_layer_are_the_formula_to_the_byte(case):
     # embedding saves the batch's input_ids (the batch itself, counted as such by the planner)
     full = mech.REGIMES[regime][0] == "full"
     head_cast = A["weight_casts"] - casts - A["weight_casts_first"]
-    assert measured["outside"] == (A["final"] + A["indices"] + F32 * T * cfg.vocab_size + F32 + head_cast
-                                   + (8 * T if full else 0))
+    assert measured["outside"] == (
+        A["final"] + A["indices"] + F32 * T * cfg.vocab_size + F32 + head_cast + (8 * T if full else 0)
+    )
 
 
 def cpu_only(regime: str, opt: dict, w, cfg) -> int:
@@ -92,12 +101,19 @@ def test_the_kernel_rule():
     """What the byte counts above assume CUDA runs (torch sdp_utils: flash/cuDNN need 16-bit and no mask,
     mem-efficient takes masks but not enable_gqa; transformers passes enable_gqa only without a mask).
     A rule, not a measurement: CPU has no mem-efficient kernel; the GPU check in docs/planning.md."""
+
     def kind(dtype_bytes, **kw):
         return act.attention_kind(mech.workload("bf16_true_full", B, S, **kw), dtype_bytes)
 
-    assert (kind(2), kind(4), kind(2, masked=True), kind(4, layout="packed")) == ("flash", "math", "efficient",
-                                                                                   "efficient")
-    assert kind(4, attn_implementation="eager") == "eager" and kind(4, attn_implementation="flash_attention_2") == "flash"
+    assert (kind(2), kind(4), kind(2, masked=True), kind(4, layout="packed")) == (
+        "flash",
+        "math",
+        "efficient",
+        "efficient",
+    )
+    assert (
+        kind(4, attn_implementation="eager") == "eager" and kind(4, attn_implementation="flash_attention_2") == "flash"
+    )
 
 
 def test_control_the_previous_formula_misses_16_bit_layers():

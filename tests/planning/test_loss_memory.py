@@ -32,8 +32,9 @@ def peak_of(fn) -> int:
 
 def plan(dtype, loss_impl: str, chunk: int = 0, head_trains: bool = True) -> dict:
     policy = "bf16-true" if dtype == torch.bfloat16 else "32-true"
-    w = Workload(method="full" if head_trains else "lora", micro_batch=1, seq_len=T, precision=policy,
-                 loss_impl=loss_impl)
+    w = Workload(
+        method="full" if head_trains else "lora", micro_batch=1, seq_len=T, precision=policy, loss_impl=loss_impl
+    )
     cfg = mech.config(vocab_size=V, hidden_size=H)
     return act.loss_buffers(shape_of(cfg), w, regimes.policy_regime(policy, w.method, "single"), chunk)
 
@@ -74,11 +75,15 @@ def test_chunked_loss_of_issue_14(dtype):
     inputs to fp32 (finetune/modeling/loss.py _addmm_fp32: `acc.addmm_(a.float(), b.float())`; CUDA adds in
     an fp32 output directly): that is added to the planner's CUDA figure here, by name."""
     from finetune.modeling import loss
+
     hidden, weight, labels = inputs(dtype)
     chunk = 128
     state = {}
-    fwd = peak_of(lambda: state.__setitem__(
-        "loss", loss.ChunkedLinearCrossEntropy.apply(hidden, weight, None, labels, chunk, dtype)))
+    fwd = peak_of(
+        lambda: state.__setitem__(
+            "loss", loss.ChunkedLinearCrossEntropy.apply(hidden, weight, None, labels, chunk, dtype)
+        )
+    )
     bwd = peak_of(lambda: state["loss"].backward())
     expected = plan(dtype, "chunked", chunk)
     a = 2 if dtype == torch.bfloat16 else 4
@@ -107,11 +112,17 @@ def test_auto_picks_the_loss_that_measures_smaller(tokens, want):
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             def forward():
-                state["loss"] = ForCausalLMLoss((hidden @ weight.t())[None], labels[None], V,
-                                                num_items_in_batch=torch.tensor(tokens))
+                state["loss"] = ForCausalLMLoss(
+                    (hidden @ weight.t())[None],
+                    labels[None],
+                    V,
+                    num_items_in_batch=torch.tensor(tokens),
+                )
         else:
+
             def forward():
                 state["loss"] = loss.ChunkedLinearCrossEntropy.apply(hidden, weight, None, labels, 128, torch.float32)
+
         peak_of(forward)
         measured[impl] = peak_of(lambda: state["loss"].backward())
     got, why = loss_choice.auto_choice(tokens=tokens, vocab=V, hidden=H, head_trains=True, chunk=128)

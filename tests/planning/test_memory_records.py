@@ -1,8 +1,8 @@
 """The planner against six H200 measurements (issue 13): Llama-3.2-1B shape, micro-batch 16 x 512
 tokens, full fine-tuning under single, FSDP2, ZeRO-2 and ZeRO-3 (world size 1), LoRA and QLoRA.
 
-The records (tests/planning/data/gpu_records_2026-11-22/, copied unchanged from
-shared/gpu-measurements/2026-11-22/calib) are the expected values: peak allocated and reserved
+The records (tests/planning/data/gpu_records_2026-11-22/, the GPU runs' own run.json files,
+unchanged) are the expected values: peak allocated and reserved
 device memory, and the host's training-peak RSS, measured by the run; nothing here comes from the
 planner. Each record is predicted under the regime it ran (regimes.json, with evidence: they
 predate training.precision), which the planner's legacy rules must reproduce from the record alone.
@@ -45,12 +45,20 @@ def workload(rec: dict, precision: str = "legacy") -> Workload:
     max_length, so no batch carried padding)."""
     c = rec["config"]
     m, d = c["method"], rec["data"]
-    return Workload(method=m["name"], micro_batch=c["training"]["per_device_train_batch_size"],
-                    seq_len=c["data"]["max_length"], grad_accum=c["training"]["gradient_accumulation_steps"],
-                    precision=precision, lora_r=m["lora_r"], lora_targets=m["target_modules"],
-                    double_quant=m["double_quant"], attn_implementation=c["model"]["attn_implementation"],
-                    masked=d["truncated"] < d["train_examples"], loss_impl="standard",
-                    legacy_model_dtype=c["model"]["dtype"])
+    return Workload(
+        method=m["name"],
+        micro_batch=c["training"]["per_device_train_batch_size"],
+        seq_len=c["data"]["max_length"],
+        grad_accum=c["training"]["gradient_accumulation_steps"],
+        precision=precision,
+        lora_r=m["lora_r"],
+        lora_targets=m["target_modules"],
+        double_quant=m["double_quant"],
+        attn_implementation=c["model"]["attn_implementation"],
+        masked=d["truncated"] < d["train_examples"],
+        loss_impl="standard",
+        legacy_model_dtype=c["model"]["dtype"],
+    )
 
 
 def load(name: str) -> dict:
@@ -61,9 +69,16 @@ def predict(name: str, regime: regimes.Regime):
     rec, stated = load(name), STATED[name]
     strategy = planner_key(rec["strategy"]["name"], rec["strategy"]["offload"])
     ds = json.loads((DATA / stated["ds_config"]).read_text()) if stated["ds_config"] else None
-    out = prediction.predicted_memory(shape(), workload(rec), strategy, rec["strategy"]["world_size"],
-                                      sm=stated["sm"], seq_len_source="the record's data.max_length",
-                                      ds_config=ds, regime=regime)
+    out = prediction.predicted_memory(
+        shape(),
+        workload(rec),
+        strategy,
+        rec["strategy"]["world_size"],
+        sm=stated["sm"],
+        seq_len_source="the record's data.max_length",
+        ds_config=ds,
+        regime=regime,
+    )
     return rec, prediction.add_error(out, rec["memory"])
 
 

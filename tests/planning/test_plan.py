@@ -24,8 +24,14 @@ CONFIGS = REPO / "docs" / "model_configs"
 def tiny_llama_config(**kw):
     from transformers import LlamaConfig
 
-    values = {"vocab_size": 1000, "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 3,
-                  "num_attention_heads": 4, "num_key_value_heads": 2}
+    values = {
+        "vocab_size": 1000,
+        "hidden_size": 128,
+        "intermediate_size": 320,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     return LlamaConfig(**{**values, **kw})
 
 
@@ -97,8 +103,11 @@ def test_nf4_bytes_per_parameter_match_bitsandbytes():
 
     weight = torch.randn(256, 512)
     packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
-    stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size() \
+    stored = (
+        packed.numel() * packed.element_size()
+        + state.absmax.numel() * state.absmax.element_size()
         + state.state2.absmax.numel() * state.state2.absmax.element_size()
+    )
     assert memory.NF4_BITS[True] == pytest.approx(8 * stored / weight.numel())
     packed, state = bnbf.quantize_4bit(weight, blocksize=64, compress_statistics=False, quant_type="nf4")
     stored = packed.numel() * packed.element_size() + state.absmax.numel() * state.absmax.element_size()
@@ -121,30 +130,42 @@ def test_communication_volumes_follow_the_zero_paper():
     shape = shapes.shape_of(tiny_llama_config())
     n, w = 4, workload(precision="bf16-true")  # 16-bit everywhere: one byte count for every strategy
     psi_bytes = 2 * shape.params.total
-    total = {s: sum(comm.step_traffic(shape, w, s, n, prediction.regime_for(w, s))["collectives"].values())
-             for s in ("ddp", "zero2", "zero3", "fsdp")}
+    total = {
+        s: sum(comm.step_traffic(shape, w, s, n, prediction.regime_for(w, s))["collectives"].values())
+        for s in ("ddp", "zero2", "zero3", "fsdp")
+    }
     assert total["ddp"] == pytest.approx(2 * (n - 1) / n * psi_bytes)
     assert total["zero2"] == pytest.approx(total["ddp"])
     assert total["zero3"] == pytest.approx(1.5 * total["ddp"]) and total["fsdp"] == pytest.approx(total["zero3"])
-    times = comm.step_time(comm.step_traffic(shape, w, "ddp", n, prediction.regime_for(w, "ddp")), busbw_gbs=10.0,
-                           h2d_gbs=None)
+    times = comm.step_time(
+        comm.step_traffic(shape, w, "ddp", n, prediction.regime_for(w, "ddp")), busbw_gbs=10.0, h2d_gbs=None
+    )
     assert times["collectives_s"] == pytest.approx(total["ddp"] / 10e9)
 
 
 def _row(strategy, device_gib, host_gib=1.0, method="full"):
-    return {"method": method, "strategy": strategy, "device": {"total_gib": device_gib},
-            "host_per_node_gib": host_gib, "device_fraction": device_gib / 24, "host_fraction": host_gib / 64,
-            "fits": device_gib <= 0.9 * 24 and host_gib <= 0.9 * 64,
-            "fits_without_margin": device_gib <= 24 and host_gib <= 64}
+    return {
+        "method": method,
+        "strategy": strategy,
+        "device": {"total_gib": device_gib},
+        "host_per_node_gib": host_gib,
+        "device_fraction": device_gib / 24,
+        "host_fraction": host_gib / 64,
+        "fits": device_gib <= 0.9 * 24 and host_gib <= 0.9 * 64,
+        "fits_without_margin": device_gib <= 24 and host_gib <= 64,
+    }
 
 
-@pytest.mark.parametrize("sizes, expected", [
-    ({"ddp": 10, "zero2": 8, "zero3": 5, "fsdp": 5, "zero2_offload": 3}, "ddp"),  # fits -> DDP
-    ({"ddp": 23, "zero2": 20, "zero3": 12, "fsdp": 12, "zero2_offload": 9}, "zero2"),  # barely -> ZeRO-2
-    ({"ddp": 40, "zero2": 30, "zero3": 18, "fsdp": 18, "zero2_offload": 25}, "fsdp"),  # no -> FSDP/ZeRO-3
-    ({"ddp": 80, "zero2": 60, "zero3": 30, "fsdp": 30, "zero2_offload": 20}, "zero2_offload"),  # GPU short
-    ({"ddp": 80, "zero2": 60, "zero3": 30, "fsdp": 30, "zero2_offload": 40}, None),  # nothing fits
-])
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [
+        ({"ddp": 10, "zero2": 8, "zero3": 5, "fsdp": 5, "zero2_offload": 3}, "ddp"),  # fits -> DDP
+        ({"ddp": 23, "zero2": 20, "zero3": 12, "fsdp": 12, "zero2_offload": 9}, "zero2"),  # barely -> ZeRO-2
+        ({"ddp": 40, "zero2": 30, "zero3": 18, "fsdp": 18, "zero2_offload": 25}, "fsdp"),  # no -> FSDP/ZeRO-3
+        ({"ddp": 80, "zero2": 60, "zero3": 30, "fsdp": 30, "zero2_offload": 20}, "zero2_offload"),  # GPU short
+        ({"ddp": 80, "zero2": 60, "zero3": 30, "fsdp": 30, "zero2_offload": 40}, None),  # nothing fits
+    ],
+)
 def test_recommendation_is_the_fastest_that_fits_with_a_margin(sizes, expected):
     rows = [_row(s, g) for s, g in sizes.items()] + [_row("ddp", 1, method="lora")]
     rec = report.recommend(rows, "full", 24 * GIB, 64 * GIB, world=2)
@@ -178,15 +199,39 @@ def test_plan_cli_on_published_shapes_recommends_what_the_arithmetic_says(capsys
     even ZeRO-3's sharded states (bf16 partition, its gradient, fp32 master and states: 16Ψ/2 = 64 GB) exceed
     the GPU, so only an offload can fit; ZeRO-Offload leaves the bf16 module (2Ψ = 16 GB) on the device, and
     it is the fastest offload, given host memory for the states (ZeRO-Offload paper)."""
-    small = run_plan(capsys, "--recipe", "ddp", "--model", str(CONFIGS / "Llama-3.2-1B.json"), "--gpus", "2",
-                     "--gpu-memory", "80GiB", "--method.name=full", "--json")
+    small = run_plan(
+        capsys,
+        "--recipe",
+        "ddp",
+        "--model",
+        str(CONFIGS / "Llama-3.2-1B.json"),
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "80GiB",
+        "--method.name=full",
+        "--json",
+    )
     assert small.returncode == 0, small.stderr
     plan = json.loads(small.stdout)
     assert 20 * plan["model"]["parameters"] < 0.9 * 80 * GIB
     assert plan["recommendation"]["strategy"] == "ddp" and plan["method"] == "full"
     assert plan["assumptions"]["precision"].startswith("bf16-mixed (auto on a GPU with bf16)")
-    big = run_plan(capsys, "--recipe", "ddp", "--model", str(CONFIGS / "Llama-3.1-8B.json"), "--gpus", "2",
-                   "--gpu-memory", "24GiB", "--host-memory", "256GiB", "--method.name=full", "--json")
+    big = run_plan(
+        capsys,
+        "--recipe",
+        "ddp",
+        "--model",
+        str(CONFIGS / "Llama-3.1-8B.json"),
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "256GiB",
+        "--method.name=full",
+        "--json",
+    )
     assert big.returncode == 0, big.stderr
     plan = json.loads(big.stdout)
     psi = plan["model"]["parameters"]
@@ -219,8 +264,11 @@ def test_plan_cli_text_on_a_model_dir_and_clear_errors(tiny_model_dir, tmp_path,
     assert missing.returncode == 2 and "config.json" in missing.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    for args, needle in [(["--gpu-memory", "lots"], "--gpu-memory"), (["--bandwidth", str(bad)], "bench-comm"),
-                         (["--gpus", "0"], "--gpus")]:
+    for args, needle in [
+        (["--gpu-memory", "lots"], "--gpu-memory"),
+        (["--bandwidth", str(bad)], "bench-comm"),
+        (["--gpus", "0"], "--gpus"),
+    ]:
         proc = run_plan(capsys, "--recipe", "demo", "--model", str(tiny_model_dir), *args)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
 
@@ -228,9 +276,31 @@ def test_plan_cli_text_on_a_model_dir_and_clear_errors(tiny_model_dir, tmp_path,
 @pytest.mark.integration
 def test_bench_comm_two_cpu_processes(tmp_path):
     out = tmp_path / "comm.json"
-    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "bench-comm", "--cpu", "--num_processes", "2",
-                           "--sizes", "64KiB", "1MiB", "--iters", "2", "--warmup", "1", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "bench-comm",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--sizes",
+            "64KiB",
+            "1MiB",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo"
@@ -244,8 +314,10 @@ def test_bench_comm_two_cpu_processes(tmp_path):
         assert r["bytes_per_rank"] == round(r["bytes"] * factors[r["op"]])
     assert report["host_device"]["h2d_gbs"] is None and "no GPU" in report["host_device"]["note"]
     bw = comm.read_bandwidth(str(out))
-    assert bw["busbw_gbs"] == max((r for r in report["results"] if r["op"] == "all_reduce"),
-                                  key=lambda r: r["bytes"])["busbw_gbs"]
+    assert (
+        bw["busbw_gbs"]
+        == max((r for r in report["results"] if r["op"] == "all_reduce"), key=lambda r: r["bytes"])["busbw_gbs"]
+    )
 
 
 def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
@@ -260,11 +332,22 @@ def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
 
 @pytest.mark.integration
 def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_model_dir):
-    run = launch_train(["--recipe", "demo", f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=16",
-                        "--eval.exact_match=false", "--training.max_steps=2", "--training.logging_steps=1",
-                        "--run.save_model=false"],
-                       run_dir=tmp_path / "run", cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
-                       timeout=300)
+    run = launch_train(
+        [
+            "--recipe",
+            "demo",
+            f"--model.name_or_path={tiny_model_dir}",
+            "--data.demo_train_size=16",
+            "--eval.exact_match=false",
+            "--training.max_steps=2",
+            "--training.logging_steps=1",
+            "--run.save_model=false",
+        ],
+        run_dir=tmp_path / "run",
+        cwd=REPO,
+        config_file="accelerate_configs/single_gpu.yaml",
+        timeout=300,
+    )
     assert run.returncode == 0, run.explain()
     rec = run.record
     pred = rec["predicted_memory"]

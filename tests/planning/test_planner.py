@@ -41,20 +41,42 @@ def test_deepspeed_estimators_reproduced(psi, gpus_per_node, nodes):
 
 def _llama(tie):
     from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def _qwen2(tie):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie))
+
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=tie,
+        )
+    )
 
 
 def _gpt2(tie):
     from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4, n_positions=128,
-                                      tie_word_embeddings=tie))
+
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=1000, n_embd=64, n_layer=3, n_head=4, n_positions=128, tie_word_embeddings=tie)
+    )
 
 
 @pytest.mark.parametrize("build", [_llama, _qwen2, _gpt2], ids=["llama", "qwen2", "gpt2"])

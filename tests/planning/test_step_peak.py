@@ -20,8 +20,12 @@ from finetune.planning import memory
 from finetune.planning.shapes import shape_of
 from tests.planning import mechanism as mech
 
-SHAPES = {"logits": dict(vocab=16384, b=4, s=128), "grads": dict(vocab=4096, b=1, s=16),
-          "block": dict(vocab=512, b=4, s=256), "ckpt": dict(vocab=512, b=4, s=256, ckpt=True)}
+SHAPES = {
+    "logits": dict(vocab=16384, b=4, s=128),
+    "grads": dict(vocab=4096, b=1, s=16),
+    "block": dict(vocab=512, b=4, s=256),
+    "ckpt": dict(vocab=512, b=4, s=256, ckpt=True),
+}
 EXACT, BLOCK = 0.005, 0.03
 
 CASES = [  # (regime, shape, predicted phase, op at the measured peak (None: not asserted), tolerance)
@@ -34,13 +38,14 @@ CASES = [  # (regime, shape, predicted phase, op at the measured peak (None: not
 ]
 
 
-@functools.lru_cache(maxsize=None)  # the control reuses a measurement of the cases
+@functools.cache  # the control reuses a measurement of the cases
 def measure(regime: str, shape: str) -> dict:
     sp = SHAPES[shape]
     cfg = mech.config(vocab_size=sp["vocab"])
     model = mech.build(regime, cfg, ckpt=sp.get("ckpt", False))
-    kind = memory.peak(shape_of(cfg), mech.workload(regime, sp["b"], sp["s"]), mech.REGIMES[regime][3], "single",
-                       1, sm=None)["attn_kind"]
+    kind = memory.peak(
+        shape_of(cfg), mech.workload(regime, sp["b"], sp["s"]), mech.REGIMES[regime][3], "single", 1, sm=None
+    )["attn_kind"]
     return mech.step_peak(model, mech.batch(sp["vocab"], sp["b"], sp["s"]), regime, kind)
 
 
@@ -59,8 +64,7 @@ def run(regime: str, shape: str, loss_backward_bytes_per_element: int | None = N
     return measured, persistent, above_states, pred
 
 
-@pytest.mark.parametrize("regime, shape, phase, op, tolerance", CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize("regime, shape, phase, op, tolerance", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_the_step_peak_and_its_moment(regime, shape, phase, op, tolerance):
     measured, persistent, predicted, pred = run(regime, shape)
     assert pred["phase"] == phase, pred["phases"]
@@ -89,6 +93,7 @@ def test_the_step_peak_with_issue_14s_chunked_loss(shape, phase):
     and inputs to fp32 (its _addmm_fp32: `a.float(), b.float()`; CUDA adds into fp32 directly): added to the
     planner's CUDA figure here, by name, where the loss holds the peak."""
     from finetune.modeling import loss
+
     regime, sp, chunk = "bf16_mixed_full", SHAPES[shape], 128
     cfg = mech.config(vocab_size=sp["vocab"])
     model = mech.build(regime, cfg)

@@ -20,8 +20,15 @@ from finetune.resources import DS_CONFIGS
 def tiny():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
 
 
 def trainer_filled(stage: str, bf16: bool, model) -> dict:
@@ -43,8 +50,9 @@ def test_the_auto_fill_is_trainers(stage):
     shipped = json.loads((DS_CONFIGS / f"{stage}.json").read_text())
     filled = trainer_filled(stage, True, LlamaForCausalLM(cfg))["zero_optimization"]
     ours = zero_buffers.fill_auto(shipped["zero_optimization"], cfg.hidden_size)
-    assert {k: float(ours[k]) for k in filled if isinstance(filled[k], (int, float)) and not isinstance(filled[k], bool)} \
-        == {k: float(v) for k, v in filled.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert {
+        k: float(ours[k]) for k in filled if isinstance(filled[k], (int, float)) and not isinstance(filled[k], bool)
+    } == {k: float(v) for k, v in filled.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 @pytest.fixture(scope="module")
@@ -75,34 +83,53 @@ def engine_buffers(stage: str, bf16: bool, dtype=torch.bfloat16) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny()).to(dtype)  # bf16: what a bf16 policy loads
     config = trainer_filled(stage, bf16, model)
-    _, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
-                                        config=config)
+    _, opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5), config=config
+    )
 
     def nbytes(ts):
         return sum(t.numel() * t.element_size() for t in ts)
 
     if stage == "zero3":
         lp, master = list(opt.fp16_partitioned_groups_flat), list(opt.fp32_partitioned_groups_flat)
-        return {"weights": nbytes(lp), "master_weights": nbytes(master),
-                "separate_master": all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-                                       for a, b in zip(lp, master)),
-                "grad_partition_buffer": nbytes([opt.grad_partitions_flat_buffer]),
-                "ipg_bucket": nbytes([b.buffer for b in opt.ipg_buckets.values()])}
-    return {"weights": nbytes(opt.bit16_groups_flat), "master_weights": nbytes(opt.single_partition_of_fp32_groups),
-            "separate_master": True, "grad_bytes": torch.tensor([], dtype=opt.gradient_accumulation_dtype).element_size(),
-            "reduce_bucket_size": opt.reduce_bucket_size}
+        return {
+            "weights": nbytes(lp),
+            "master_weights": nbytes(master),
+            "separate_master": all(
+                a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for a, b in zip(lp, master)
+            ),
+            "grad_partition_buffer": nbytes([opt.grad_partitions_flat_buffer]),
+            "ipg_bucket": nbytes([b.buffer for b in opt.ipg_buckets.values()]),
+        }
+    return {
+        "weights": nbytes(opt.bit16_groups_flat),
+        "master_weights": nbytes(opt.single_partition_of_fp32_groups),
+        "separate_master": True,
+        "grad_bytes": torch.tensor([], dtype=opt.gradient_accumulation_dtype).element_size(),
+        "reduce_bucket_size": opt.reduce_bucket_size,
+    }
 
 
-@pytest.mark.parametrize("stage, bf16, policy", [("zero2", True, "bf16-mixed"), ("zero3", True, "bf16-mixed"),
-                                                  ("zero2", False, "legacy"), ("zero3", False, "32-true")],
-                         ids=["zero2-bf16-mixed", "zero3-bf16-mixed", "zero2-fp32-mode", "zero3-32-true"])
+@pytest.mark.parametrize(
+    "stage, bf16, policy",
+    [
+        ("zero2", True, "bf16-mixed"),
+        ("zero3", True, "bf16-mixed"),
+        ("zero2", False, "legacy"),
+        ("zero3", False, "32-true"),
+    ],
+    ids=["zero2-bf16-mixed", "zero3-bf16-mixed", "zero2-fp32-mode", "zero3-32-true"],
+)
 def test_the_planners_deepspeed_states_are_the_engines(process_group, stage, bf16, policy):
     """zero3-32-true is the case finetune/precision.py first had wrong: an fp32 module partition that
     DeepSpeed means to share as the master, but copies (stage3.py compares a torch.device with a string)."""
     shape = shape_of(tiny())
     w = Workload(method="full", micro_batch=2, seq_len=64)
-    p = (regimes.legacy_regime("full", stage, "cuda") if policy == "legacy"  # bf16 module, DeepSpeed in fp32 mode
-         else regimes.policy_regime(policy, "full", stage))
+    p = (
+        regimes.legacy_regime("full", stage, "cuda")
+        if policy == "legacy"  # bf16 module, DeepSpeed in fp32 mode
+        else regimes.policy_regime(policy, "full", stage)
+    )
     z = zero_buffers.zero_values(stage, shape)
     dev, _ = memory.states(shape, w, p, stage, 1, z)
     live = engine_buffers(stage, bf16, torch.float32 if policy == "32-true" else torch.bfloat16)

@@ -10,18 +10,21 @@ import pytest
 from finetune.telemetry import formulas, memory_peaks, meter
 
 
-@pytest.mark.parametrize("name, label, flops", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4e12),
-    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", "H100 NVL", 835e12),
-    ("NVIDIA H200", "H200 SXM", 989.4e12),
-    ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
-    ("NVIDIA A100 80GB PCIe", "A100", 312e12),
-    ("NVIDIA L4", "L4", 121e12),
-    ("NVIDIA L40S", "L40S", 362.05e12),
-    ("NVIDIA A10", "A10", 125e12),
-    ("Tesla T4", "T4 (fp16)", 65e12),
-])
+@pytest.mark.parametrize(
+    "name, label, flops",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+        ("NVIDIA H200", "H200 SXM", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+        ("NVIDIA A100 80GB PCIe", "A100", 312e12),
+        ("NVIDIA L4", "L4", 121e12),
+        ("NVIDIA L40S", "L40S", 362.05e12),
+        ("NVIDIA A10", "A10", 125e12),
+        ("Tesla T4", "T4 (fp16)", 65e12),
+    ],
+)
 def test_known_devices_have_their_datasheet_peak(name, label, flops):
     """The numbers, not only the labels: each is the datasheet's dense figure (sparse / 2)."""
     assert formulas.peak_flops(name) == (label, flops)
@@ -29,19 +32,22 @@ def test_known_devices_have_their_datasheet_peak(name, label, flops):
 
 
 def test_every_peak_row_names_its_source():
-    for pattern, label, flops, source in formulas.PEAK_DENSE_FLOPS:
+    for _pattern, label, _flops, source in formulas.PEAK_DENSE_FLOPS:
         assert "NVIDIA" in source and ("datasheet" in source or "whitepaper" in source), (label, source)
 
 
-@pytest.mark.parametrize("name, visible, why", [
-    ("NVIDIA H200 NVL", None, "H200 NVL"),  # not the H200 SXM row (lower power, lower clocks)
-    ("NVIDIA A10G", None, "A10G"),
-    ("NVIDIA GH200 480GB", None, "GH200"),
-    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None, "MIG slice"),  # a slice is not the full GPU's peak
-    ("NVIDIA H100 80GB HBM3", "MIG-4f1e0a3c-5b6d-5e7f-8a9b-0c1d2e3f4a5b", "MIG slice"),
-    ("NVIDIA GeForce GTX 1080", None, "not in the peak-FLOPS table"),
-    ("x86_64", None, "not in the peak-FLOPS table"),
-])
+@pytest.mark.parametrize(
+    "name, visible, why",
+    [
+        ("NVIDIA H200 NVL", None, "H200 NVL"),  # not the H200 SXM row (lower power, lower clocks)
+        ("NVIDIA A10G", None, "A10G"),
+        ("NVIDIA GH200 480GB", None, "GH200"),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None, "MIG slice"),  # a slice is not the full GPU's peak
+        ("NVIDIA H100 80GB HBM3", "MIG-4f1e0a3c-5b6d-5e7f-8a9b-0c1d2e3f4a5b", "MIG slice"),
+        ("NVIDIA GeForce GTX 1080", None, "not in the peak-FLOPS table"),
+        ("x86_64", None, "not in the peak-FLOPS table"),
+    ],
+)
 def test_devices_without_a_checked_figure_get_no_peak_and_a_reason(name, visible, why):
     assert formulas.peak_flops(name, visible) is None
     assert why in formulas.no_peak_reason(name, visible)
@@ -51,9 +57,11 @@ def test_throughput_sums_counts_over_time_of_the_measured_stretches():
     """Stretches after warm-up: rates are summed counts / summed time; per device over time x
     devices; MFU = FLOPs / peak summed over time x devices."""
     S = formulas.Stretch
-    stretches = [S(steps=1, seconds=1.0, trained=10, inputs=50, examples=8, devices=2, peak_seconds=0.5),
-                 S(steps=1, seconds=2.0, trained=20, inputs=100, examples=8, devices=2, peak_seconds=1.0),
-                 S(steps=2, seconds=6.0, trained=30, inputs=150, examples=16, devices=1, peak_seconds=0.6)]
+    stretches = [
+        S(steps=1, seconds=1.0, trained=10, inputs=50, examples=8, devices=2, peak_seconds=0.5),
+        S(steps=1, seconds=2.0, trained=20, inputs=100, examples=8, devices=2, peak_seconds=1.0),
+        S(steps=2, seconds=6.0, trained=30, inputs=150, examples=16, devices=1, peak_seconds=0.6),
+    ]
     tp = formulas.throughput(stretches, excluded=1)
     assert tp["warmup_steps_excluded"] == 1 and tp["steps_measured"] == 4
     assert tp["trained_tokens_per_s"] == pytest.approx(60 / 9.0, abs=1e-3)
@@ -68,8 +76,10 @@ def test_throughput_sums_counts_over_time_of_the_measured_stretches():
 
 
 def test_max_over_ranks_ignores_missing_values():
-    per_rank = [{"rank": 0, "host_peak_rss_gib": 1.5, "device_peak_allocated_gib": None},
-                {"rank": 1, "host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None}]
+    per_rank = [
+        {"rank": 0, "host_peak_rss_gib": 1.5, "device_peak_allocated_gib": None},
+        {"rank": 1, "host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None},
+    ]
     assert formulas.max_over_ranks(per_rank) == {"host_peak_rss_gib": 2.5, "device_peak_allocated_gib": None}
 
 

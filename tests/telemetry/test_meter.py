@@ -18,8 +18,12 @@ from finetune.telemetry.model_flops import ModelFlops
 ONE_RANK = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
 # Examples whose first label is trained (train_on_prompt, plain text): the shifted loss never
 # scores it, so the layouts must not count it either.
-EXAMPLES = [Example(list(range(10, 15)), [10, 11, -100, 13, 14]), Example(list(range(20, 29)), list(range(20, 29))),
-            Example([30, 31, 32], [30, -100, 32]), Example(list(range(40, 47)), [-100] * 3 + [43, 44, 45, 46])]
+EXAMPLES = [
+    Example(list(range(10, 15)), [10, 11, -100, 13, 14]),
+    Example(list(range(20, 29)), list(range(20, 29))),
+    Example([30, 31, 32], [30, -100, 32]),
+    Example(list(range(40, 47)), [-100] * 3 + [43, 44, 45, 46]),
+]
 
 
 def _config(**data):
@@ -35,18 +39,23 @@ def _layouts() -> dict[str, list[dict]]:
     packed = collate.make_collator(_config(packing=True), model, 0)
     rows = pack.pack(EXAMPLES, max_length=10, seed=0)  # best-fit decreasing: [9], [7 + 3], [5]
     assert len(rows) == 3 and len({len(r["input_ids"]) for r in rows}) > 1  # several examples in a row, and padding
-    return {"padded": [padded(features[:2]), padded(features[2:])],
-            "padding_free": [flat(features[:2]), flat(features[2:])],
-            "packed": [packed(rows[:2]), packed(rows[2:])]}
+    return {
+        "padded": [padded(features[:2]), padded(features[2:])],
+        "padding_free": [flat(features[:2]), flat(features[2:])],
+        "packed": [packed(rows[:2]), packed(rows[2:])],
+    }
 
 
 def test_layouts_agree_on_tokens_examples_and_squared_lengths():
     """Issue 15 items 1 and 8: a padding-free or packed row counts the examples it holds (from its
     position_ids restarts), not one; trained tokens are labels[..., 1:] != -100 in every layout.
     Expected values from the examples themselves."""
-    want = [sum(len(e.input_ids) for e in EXAMPLES),
-            sum(sum(1 for x in e.labels[1:] if x != -100) for e in EXAMPLES),
-            len(EXAMPLES), sum(len(e.input_ids) ** 2 for e in EXAMPLES)]
+    want = [
+        sum(len(e.input_ids) for e in EXAMPLES),
+        sum(sum(1 for x in e.labels[1:] if x != -100) for e in EXAMPLES),
+        len(EXAMPLES),
+        sum(len(e.input_ids) ** 2 for e in EXAMPLES),
+    ]
     for layout, batches in _layouts().items():
         got = sum(batch_counts(b) for b in batches).tolist()
         assert got == want, (layout, got, want)
@@ -54,10 +63,16 @@ def test_layouts_agree_on_tokens_examples_and_squared_lengths():
 
 def test_packed_padding_is_no_example():
     """A packed row's padding restarts position_ids at 0 (its own pseudo-sequence); it is not counted."""
-    batch = collate.count_real_tokens(collate.collate(
-        [{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5], "position_ids": [0, 1, 2, 0, 1]},
-         {"input_ids": [6, 7], "labels": [6, 7], "position_ids": [0, 1]}], pad_token_id=0),
-        [{"input_ids": [1] * 5}, {"input_ids": [6] * 2}])
+    batch = collate.count_real_tokens(
+        collate.collate(
+            [
+                {"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5], "position_ids": [0, 1, 2, 0, 1]},
+                {"input_ids": [6, 7], "labels": [6, 7], "position_ids": [0, 1]},
+            ],
+            pad_token_id=0,
+        ),
+        [{"input_ids": [1] * 5}, {"input_ids": [6] * 2}],
+    )
     assert batch["position_ids"][1].tolist() == [0, 1, 0, 1, 2]  # the padding's own restart
     assert batch_counts(batch).tolist() == [7, 5, 3, 3 * 3 + 2 * 2 + 2 * 2]
 
@@ -78,12 +93,21 @@ def test_window_counts_rates_mfu_data_loading_and_reset():
     flops = ModelFlops(matmul_params=100, weight_factor=6, attention_coeff=10, convention="test")
     m = Meter(model_flops=flops, peak_flops=1e6)
     m.start_training(ONE_RANK)
-    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.tensor([[-100, 1, 1, 1]] * 2),
-             "position_ids": torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]]), REAL_TOKENS_KEY: torch.tensor([4, 2])}
+    batch = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "labels": torch.tensor([[-100, 1, 1, 1]] * 2),
+        "position_ids": torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]]),
+        REAL_TOKENS_KEY: torch.tensor([4, 2]),
+    }
     m.count_batch(batch)
     assert REAL_TOKENS_KEY not in batch  # taken out before the forward pass
-    m.count_batch({"input_ids": torch.ones(1, 3, dtype=torch.long), "labels": torch.tensor([[1, 1, -100]]),
-                   "attention_mask": torch.tensor([[1, 1, 1]])})
+    m.count_batch(
+        {
+            "input_ids": torch.ones(1, 3, dtype=torch.long),
+            "labels": torch.tensor([[1, 1, -100]]),
+            "attention_mask": torch.tensor([[1, 1, 1]]),
+        }
+    )
     m.data_loading(0.5)
     m._window_t0 -= 10.0  # the window began 10 s ago (wall clock), so the share is ~0.5 / 10
     m.record_step(2.0)  # one optimizer step of two micro-batches
@@ -99,8 +123,18 @@ def test_window_counts_rates_mfu_data_loading_and_reset():
     assert logs["perf/mfu"] == pytest.approx(round((6 * 100 * 9 + 10 * 23) / 3.0 / 1e6, 4))
     assert logs["perf/data_loading_s"] == 0.5 and 0.04 < logs["perf/data_loading_share"] <= 0.05
     assert logs["memory/max_host_peak_rss_gib"] > 0
-    assert entry == {**entry, "step": 2, "loss": 1.5, "lr": 1e-3, "trained_tokens": 7, "input_tokens": 9,
-                     "examples": 4, "window_steps": 2, "world_size": 1, "data_loading_s": 0.5}
+    assert entry == {
+        **entry,
+        "step": 2,
+        "loss": 1.5,
+        "lr": 1e-3,
+        "trained_tokens": 7,
+        "input_tokens": 9,
+        "examples": 4,
+        "window_steps": 2,
+        "world_size": 1,
+        "data_loading_s": 0.5,
+    }
     # the counters start again after a log
     m.record_step(4.0)
     logs = {"loss": 1.0}
@@ -114,8 +148,14 @@ def test_window_counts_rates_mfu_data_loading_and_reset():
 
 def test_run_figures_mfu_over_measured_steps_and_the_reasons_there_is_none():
     flops = ModelFlops(matmul_params=1000, weight_factor=6, attention_coeff=12, convention="test")
-    measured = {"step_s": [5.0, 1.0, 2.0], "input_tokens": [10, 20, 30], "trained_tokens": [5, 10, 15],
-                "samples": [2, 2, 2], "sum_sq_lengths": [50, 200, 450], "memory": {}}
+    measured = {
+        "step_s": [5.0, 1.0, 2.0],
+        "input_tokens": [10, 20, 30],
+        "trained_tokens": [5, 10, 15],
+        "samples": [2, 2, 2],
+        "sum_sq_lengths": [50, 200, 450],
+        "memory": {},
+    }
     gpu = {"device_type": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}
     fig = meter.run_figures(measured, hardware=gpu, model_flops=flops, flops_reason=None, world_size=1, warmup=1)
     tp = fig["throughput"]
@@ -124,11 +164,13 @@ def test_run_figures_mfu_over_measured_steps_and_the_reasons_there_is_none():
     assert tp["flops_per_token"] == round((6 * 1000 * 50 + 12 * 650) / 50, 1)
     assert "excludes data loading" in tp["scope"] and tp["steps_measured"] == 2
     mig = dict(gpu, device_name="NVIDIA A100-SXM4-40GB MIG 1g.5gb")
-    tp = meter.run_figures(measured, hardware=mig, model_flops=flops, flops_reason=None, world_size=1,
-                           warmup=1)["throughput"]
+    tp = meter.run_figures(measured, hardware=mig, model_flops=flops, flops_reason=None, world_size=1, warmup=1)[
+        "throughput"
+    ]
     assert tp["mfu"] is None and "MIG" in tp["mfu_note"]
-    tp = meter.run_figures(measured, hardware=gpu, model_flops=None, flops_reason="no attention shape",
-                           world_size=1, warmup=1)["throughput"]
+    tp = meter.run_figures(
+        measured, hardware=gpu, model_flops=None, flops_reason="no attention shape", world_size=1, warmup=1
+    )["throughput"]
     assert tp["mfu"] is None and tp["mfu_note"] == "no MFU: no attention shape"
     assert tp["trained_tokens_per_s"] == pytest.approx(25 / 3, abs=1e-3)
 
@@ -156,8 +198,13 @@ def test_run_peak_survives_the_per_log_resets(monkeypatch):
             self.peak = 0
 
         def stats(self):
-            return {"allocated_bytes.all.peak": self.peak, "reserved_bytes.all.peak": self.peak,
-                    "active_bytes.all.peak": self.peak, "num_alloc_retries": 0, "num_ooms": 0}
+            return {
+                "allocated_bytes.all.peak": self.peak,
+                "reserved_bytes.all.peak": self.peak,
+                "active_bytes.all.peak": self.peak,
+                "num_alloc_retries": 0,
+                "num_ooms": 0,
+            }
 
         def reset(self):
             self.peak = 0

@@ -15,8 +15,11 @@ from finetune.telemetry import model_flops
 def _independent_n(model, embedding_names=("embed_tokens", "wte", "wpe")) -> int:
     """Every 2-D weight except the input embedding lookups, plus the LM head when tied (the
     forward multiplies by it; named_parameters lists a tied weight once)."""
-    n = sum(p.numel() for name, p in model.named_parameters()
-            if p.dim() == 2 and not any(e in name for e in embedding_names))
+    n = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.dim() == 2 and not any(e in name for e in embedding_names)
+    )
     if model.config.tie_word_embeddings:
         n += model.get_output_embeddings().weight.numel()
     return n
@@ -59,9 +62,17 @@ def test_gpt2_is_counted_from_its_conv1d_modules_and_config_names():
 def test_mixture_of_experts_counts_the_experts_a_token_uses():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        tie_word_embeddings=False)
+    cfg = MixtralConfig(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     model = MixtralForCausalLM(cfg)
     experts = sum(p.numel() for p in model.parameters() if p.dim() == 3)
     dense = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in name)

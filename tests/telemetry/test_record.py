@@ -31,14 +31,40 @@ def rec(tmp_path):
 
 def test_a_new_record_has_the_schema_1_shape(rec):
     """The keys and their order as records were written before the record had an owner (+ precision, issue 12)."""
-    assert list(rec.data) == ["schema", "run_name", "recipe", "created", "config", "versions", "hardware", "strategy",
-                              "precision", "batch", "lr", "memory", "predicted_memory", "throughput", "data", "steps", "summary",
-                              "eval"]
-    assert rec.data["summary"] == {"train_loss": None, "eval_loss": None, "total_trained_tokens": None, "wall_s": None,
-                                   "steps": 0, "status": "running", "error": None}
+    assert list(rec.data) == [
+        "schema",
+        "run_name",
+        "recipe",
+        "created",
+        "config",
+        "versions",
+        "hardware",
+        "strategy",
+        "precision",
+        "batch",
+        "lr",
+        "memory",
+        "predicted_memory",
+        "throughput",
+        "data",
+        "steps",
+        "summary",
+        "eval",
+    ]
+    assert rec.data["summary"] == {
+        "train_loss": None,
+        "eval_loss": None,
+        "total_trained_tokens": None,
+        "wall_s": None,
+        "steps": 0,
+        "status": "running",
+        "error": None,
+    }
     assert record.check(rec.data) is None
-    rec.set("faults", {"collective_timeout_s": 60, "on_nonfinite": "stop", "max_nonfinite_skips": 1,
-                       "save_total_limit": None})
+    rec.set(
+        "faults",
+        {"collective_timeout_s": 60, "on_nonfinite": "stop", "max_nonfinite_skips": 1, "save_total_limit": None},
+    )
     rec.set("parameters", {"trainable": 1, "total": 2})
     assert list(rec.data)[-2:] == ["faults", "parameters"]  # appended when first written, as before
     rec.write()
@@ -47,8 +73,7 @@ def test_a_new_record_has_the_schema_1_shape(rec):
 
 def test_writers_cannot_add_undeclared_fields(rec):
     with pytest.raises(ValueError, match="lr: field.*'warmup'.*not declared"):
-        rec.set("lr", {"base": 1e-3, "rule": "none", "reference_batch": 8, "factor": 1.0, "applied": 1e-3,
-                       "warmup": 5})
+        rec.set("lr", {"base": 1e-3, "rule": "none", "reference_batch": 8, "factor": 1.0, "applied": 1e-3, "warmup": 5})
     with pytest.raises(ValueError, match=r"strategy.evidence: field.*'engine'"):
         rec.set("strategy", {"name": "ddp", "evidence": {"engine": "DDP"}})
     with pytest.raises(ValueError, match="summary: field.*'status_code'"):

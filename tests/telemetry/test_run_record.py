@@ -32,9 +32,19 @@ def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, i
     from finetune.data.build import build_datasets
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = SimpleNamespace(path=str(run_dir / "data" / "train.jsonl"), format="auto", split="train", max_length=128,
-                          eval_fraction=0.0, train_on_prompt=False, system_prompt=None, chat_template=True,
-                          packing=False, on_bad_rows="error", max_samples=None)
+    cfg = SimpleNamespace(
+        path=str(run_dir / "data" / "train.jsonl"),
+        format="auto",
+        split="train",
+        max_length=128,
+        eval_fraction=0.0,
+        train_on_prompt=False,
+        system_prompt=None,
+        chat_template=True,
+        packing=False,
+        on_bad_rows="error",
+        max_samples=None,
+    )
     train = build_datasets(cfg, tokenizer, seed=42).train
     inputs = sum(len(ids) for ids in train["input_ids"])
     trained = sum(sum(1 for x in labels[1:] if x != -100) for labels in train["labels"])  # what the shifted loss scores
@@ -45,19 +55,41 @@ def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, i
 def test_batch_lr_tokens_and_memory_per_rank(name, tmp_path, tiny_model_dir, launch):
     recipe, config, per_device, accum, rule, reference, factor = COMBOS[name]
     run_dir = tmp_path / name
-    res = launch(["--recipe", recipe, f"--model.name_or_path={tiny_model_dir}", f"--data.demo_train_size={TRAIN_ROWS}",
-                  "--eval.exact_match=false", "--training.max_steps=-1", "--training.num_train_epochs=1",
-                  f"--training.per_device_train_batch_size={per_device}",
-                  f"--training.gradient_accumulation_steps={accum}", f"--training.learning_rate={BASE_LR}",
-                  f"--training.lr_scaling={rule}", f"--training.lr_reference_batch_size={reference}",
-                  "--training.lr_scheduler_type=constant", "--training.warmup_steps=0", "--training.logging_steps=1"],
-                 run_dir=run_dir, cwd=REPO, config_file=config, env=CPU_ENV, timeout=480)
+    res = launch(
+        [
+            "--recipe",
+            recipe,
+            f"--model.name_or_path={tiny_model_dir}",
+            f"--data.demo_train_size={TRAIN_ROWS}",
+            "--eval.exact_match=false",
+            "--training.max_steps=-1",
+            "--training.num_train_epochs=1",
+            f"--training.per_device_train_batch_size={per_device}",
+            f"--training.gradient_accumulation_steps={accum}",
+            f"--training.learning_rate={BASE_LR}",
+            f"--training.lr_scaling={rule}",
+            f"--training.lr_reference_batch_size={reference}",
+            "--training.lr_scheduler_type=constant",
+            "--training.warmup_steps=0",
+            "--training.logging_steps=1",
+        ],
+        run_dir=run_dir,
+        cwd=REPO,
+        config_file=config,
+        env=CPU_ENV,
+        timeout=480,
+    )
     assert res.returncode == 0, res.explain()
     rec = res.record
     effective = per_device * accum * 2
     assert rec["strategy"]["world_size"] == 2 and rec["strategy"]["name"] == recipe
-    assert rec["batch"] == {**rec["batch"], "per_device": per_device, "grad_accum": accum, "data_parallel_size": 2,
-                            "effective": effective}
+    assert rec["batch"] == {
+        **rec["batch"],
+        "per_device": per_device,
+        "grad_accum": accum,
+        "data_parallel_size": 2,
+        "effective": effective,
+    }
     want_factor = {"linear": effective / reference, "sqrt": math.sqrt(effective / reference), "none": 1.0}[rule]
     assert want_factor == pytest.approx(factor)
     assert rec["lr"]["factor"] == pytest.approx(factor) and rec["lr"]["applied"] == pytest.approx(BASE_LR * factor)
@@ -89,9 +121,21 @@ def test_host_memory_peak_grows_with_the_model(tmp_path, tokenizer, launch):
     peaks = {}
     for label, layers, hidden in (("small", 2, 64), ("large", 4, 512)):
         model_dir = make_tiny_model_dir(tmp_path / f"model-{label}", tokenizer, layers=layers, hidden=hidden)
-        res = launch(["--recipe", "demo", f"--model.name_or_path={model_dir}", "--method.name=full",
-                      "--data.demo_train_size=16", "--eval.exact_match=false", "--training.max_steps=2",
-                      "--run.save_model=false"], run_dir=tmp_path / label, cwd=tmp_path, timeout=300)
+        res = launch(
+            [
+                "--recipe",
+                "demo",
+                f"--model.name_or_path={model_dir}",
+                "--method.name=full",
+                "--data.demo_train_size=16",
+                "--eval.exact_match=false",
+                "--training.max_steps=2",
+                "--run.save_model=false",
+            ],
+            run_dir=tmp_path / label,
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert res.returncode == 0, res.explain()
         peaks[label] = res.record["memory"]
         n_params = res.record["parameters"]["total"]

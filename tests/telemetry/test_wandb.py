@@ -14,9 +14,18 @@ from tests.wandb_records import read_records, summarize
 def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_model_dir, launch):
     env = {"HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no ~/.netrc, no API key: must go offline by itself
     run_dir = tmp_path / "runs" / "wb"
-    args = ["--recipe", "demo", f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=32",
-            "--eval.exact_match=false", "--training.max_steps=3", "--training.logging_steps=1",
-            "--training.per_device_train_batch_size=4", "--logging.report_to=[wandb]", "--run.name=wb"]
+    args = [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={tiny_model_dir}",
+        "--data.demo_train_size=32",
+        "--eval.exact_match=false",
+        "--training.max_steps=3",
+        "--training.logging_steps=1",
+        "--training.per_device_train_batch_size=4",
+        "--logging.report_to=[wandb]",
+        "--run.name=wb",
+    ]
     res = launch(args, run_dir=run_dir, cwd=tmp_path, env=env, unset_env_prefix="WANDB_")
     assert res.returncode == 0, res.explain()
     rec = res.record
@@ -35,8 +44,13 @@ def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_mode
     steps = [h for h in wb["history"] if "train/loss" in h]
     assert len(steps) == 3
     for h in steps:
-        for key in ("train/perf/trained_tokens_per_s", "train/perf/step_s", "train/memory/max_host_peak_rss_gib",
-                    "train/tokens/trained", "train/learning_rate"):
+        for key in (
+            "train/perf/trained_tokens_per_s",
+            "train/perf/step_s",
+            "train/memory/max_host_peak_rss_gib",
+            "train/tokens/trained",
+            "train/learning_rate",
+        ):
             assert key in h, f"{key} missing from logged step {sorted(h)}"
     assert sum(h["train/tokens/trained"] for h in steps) == rec["summary"]["total_trained_tokens"]
     assert [h["train/loss"] for h in steps] == pytest.approx([s["loss"] for s in rec["steps"]], rel=1e-6)

@@ -3,7 +3,7 @@
 Resume equality under every strategy and SIGTERM preemption are in tests/training/test_strategies.py
 (they compare against that module's uninterrupted runs). The launches here go through
 `finetune train` (finetune/cli/dispatch.py), the command users run, so the exit codes are the ones a
-scheduler sees. Fault injection: finetune/training/faults.py.
+scheduler sees. Fault injection: finetune/training/fault_injection.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune.checkpointing import checkpoints, resume
 from finetune.errors import EXIT_NONFINITE, UserError
-from finetune.training import checkpoints, faults, resume
+from finetune.training import fault_injection as faults
 from tests.conftest import REPO, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
@@ -33,10 +34,19 @@ def cli_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420
 
 
 def tiny_args(tiny_model_dir, steps: int) -> list[str]:
-    return [f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=64", "--eval.exact_match=false",
-            f"--training.max_steps={steps}", "--training.logging_steps=1", "--training.warmup_steps=0",
-            "--training.learning_rate=1e-3", "--training.lr_scaling=none", "--training.seed=42",
-            "--training.per_device_train_batch_size=4", "--method.lora_dropout=0.0"]
+    return [
+        f"--model.name_or_path={tiny_model_dir}",
+        "--data.demo_train_size=64",
+        "--eval.exact_match=false",
+        f"--training.max_steps={steps}",
+        "--training.logging_steps=1",
+        "--training.warmup_steps=0",
+        "--training.learning_rate=1e-3",
+        "--training.lr_scaling=none",
+        "--training.seed=42",
+        "--training.per_device_train_batch_size=4",
+        "--method.lora_dropout=0.0",
+    ]
 
 
 # --- checkpoint validity and rotation (no training) ---------------------------------------------
@@ -104,8 +114,8 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
         assert got.get("summary", "resume_history")[0]["steps_discarded"] == 2
         assert got.get("created") == old.view.get("created")
         rec.write()
+    from finetune.checkpointing import resume_plan
     from finetune.config.recipe import load_recipe
-    from finetune.training import resume_plan
 
     cfg = load_recipe("ddp", [f"--run.output_dir={tmp_path}"])[0]
     cfg.run.overwrite = True
@@ -147,10 +157,19 @@ def test_a_pause_holds_only_its_rank_and_step_open_then_returns(monkeypatch):
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     """Rank 1 SIGKILLs itself at step 2: the job ends (well inside the harness timeout) non-zero,
     the failed rank named by the launcher; the surviving rank's record says failed."""
-    code, out, run_dir = cli_train(["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml",
-                                    *tiny_args(tiny_model_dir, 5), "--training.ddp_timeout=60"],
-                                   run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "kill@rank1,step2"},
-                                   timeout=300)
+    code, out, run_dir = cli_train(
+        [
+            "--recipe",
+            "ddp",
+            "--config_file",
+            "accelerate_configs/cpu/ddp.yaml",
+            *tiny_args(tiny_model_dir, 5),
+            "--training.ddp_timeout=60",
+        ],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, faults.ENV: "kill@rank1,step2"},
+        timeout=300,
+    )
     assert code == 1, out[-4000:]
     assert "[fault injection] rank 1 kills itself (SIGKILL) at step 2" in out
     assert "finetune: rank 1 (local rank 1" in out and "failed: killed by SIGKILL" in out, out[-4000:]
@@ -172,10 +191,20 @@ def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, t
     NaN at step 4 is over the limit: both ranks stop before step 4's update, exit 3, record
     failed naming step 4 and rank 0, checkpoint-3 kept complete."""
     code, out, run_dir = cli_train(
-        ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml", *tiny_args(tiny_model_dir, 5),
-         "--training.save_strategy=steps", "--training.save_steps=1", "--training.on_nonfinite=skip",
-         "--training.max_nonfinite_skips=1"],
-        run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"})
+        [
+            "--recipe",
+            "ddp",
+            "--config_file",
+            "accelerate_configs/cpu/ddp.yaml",
+            *tiny_args(tiny_model_dir, 5),
+            "--training.save_strategy=steps",
+            "--training.save_steps=1",
+            "--training.on_nonfinite=skip",
+            "--training.max_nonfinite_skips=1",
+        ],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step2;nan_loss@rank0,step4"},
+    )
     assert code == EXIT_NONFINITE, out[-4000:]
     assert "non-finite loss at step 4 on rank(s) [0]" in out, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
@@ -196,9 +225,19 @@ def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, 
     """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
     it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""
     code, out, run_dir = cli_train(
-        ["--recipe", "zero2", "--config_file", "accelerate_configs/cpu/zero2.yaml", *tiny_args(tiny_model_dir, 4),
-         "--training.save_strategy=steps", "--training.save_steps=2", "--training.max_grad_norm=1.0"],
-        run_dir=tmp_path / "run", env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step3"})
+        [
+            "--recipe",
+            "zero2",
+            "--config_file",
+            "accelerate_configs/cpu/zero2.yaml",
+            *tiny_args(tiny_model_dir, 4),
+            "--training.save_strategy=steps",
+            "--training.save_steps=2",
+            "--training.max_grad_norm=1.0",
+        ],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step3"},
+    )
     assert code == EXIT_NONFINITE, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
@@ -239,8 +278,8 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
 
 def test_finetune_train_passes_resume_through_to_train_py():
+    from finetune.cli.options import parse_train_args
     from finetune.launch.accelerate import launch_command
-    from finetune.launch.script_args import parse_train_args
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")
     path = launch_command("ddp", [], None, None, resume="runs/x/checkpoint-2")
@@ -256,8 +295,14 @@ def test_fault_settings_are_validated_with_allowed_values():
     from finetune.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        load_recipe("ddp", ["--training.on_nonfinite=ignore", "--training.max_nonfinite_skips=-1",
-                            "--training.enable_jit_checkpoint=true"])
+        load_recipe(
+            "ddp",
+            [
+                "--training.on_nonfinite=ignore",
+                "--training.max_nonfinite_skips=-1",
+                "--training.enable_jit_checkpoint=true",
+            ],
+        )
     msg = str(err.value)
     assert "training.on_nonfinite: got 'ignore'; allowed: stop, skip" in msg, msg
     assert "training.max_nonfinite_skips: must be >= 0, got -1" in msg, msg
@@ -266,20 +311,25 @@ def test_fault_settings_are_validated_with_allowed_values():
     assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
 
 
-@pytest.mark.parametrize("codes, expected", [
-    ({0: 3, 1: -15}, 3),     # rank 0 stopped on a NaN first; torchrun SIGTERMed rank 1
-    ({0: -15, 1: 75}, 75),   # preempted: one rank exited 75, the other was shut down
-    ({0: 3, 1: 3}, 3),
-    ({0: 1, 1: 3}, 1),       # two different real failures: no single meaning
-    ({0: -9, 1: -15}, 1),    # a rank killed outright
-])
+@pytest.mark.parametrize(
+    "codes, expected",
+    [
+        ({0: 3, 1: -15}, 3),  # rank 0 stopped on a NaN first; torchrun SIGTERMed rank 1
+        ({0: -15, 1: 75}, 75),  # preempted: one rank exited 75, the other was shut down
+        ({0: 3, 1: 3}, 3),
+        ({0: 1, 1: 3}, 1),  # two different real failures: no single meaning
+        ({0: -9, 1: -15}, 1),  # a rank killed outright
+    ],
+)
 def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, expected, capsys):
     from types import SimpleNamespace
 
     from finetune.launch.accelerate import report_failed_ranks
 
-    failures = {rank: SimpleNamespace(exitcode=code, timestamp=rank, local_rank=rank, pid=100 + rank)
-                for rank, code in codes.items()}
+    failures = {
+        rank: SimpleNamespace(exitcode=code, timestamp=rank, local_rank=rank, pid=100 + rank)
+        for rank, code in codes.items()
+    }
     assert report_failed_ranks(failures) == expected
     err = capsys.readouterr().err
     assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)

@@ -16,7 +16,7 @@ differ in where the other tensors round: autocast keeps the embedding output, re
 RMSNorm outputs in fp32, the working-copy family holds them in bf16. Under LoRA the frozen base is
 bf16 in both, so step 1 is bit-identical; under full fine-tuning it is not.
 
-The tolerance, derived (research note §4.3). At random init the per-token loss is
+The tolerance, derived. At random init the per-token loss is
 logsumexp(z) - z_y with a near-uniform softmax, so a logit perturbation moves the mean loss by about
 -(1/T) sum_t dz_{t,y_t}. The two families round differently at m = 4L + 3 points along the residual
 path (2 adds and 2 norm outputs per layer, the embedding, the final norm, the logits); a
@@ -71,8 +71,11 @@ SAME_PLACEMENT = {"lora": ("ddp", "fsdp"), "full": ("ddp",)}
 
 def recipe_args(tiny_model_dir, *extra) -> list[str]:
     """test_strategies' recipe values without its checkpoints (no resume here), in bf16-mixed."""
-    return [*(a for a in common_args(tiny_model_dir) if not a.startswith("--training.save_")),
-            "--training.precision=bf16-mixed", *extra]
+    return [
+        *(a for a in common_args(tiny_model_dir) if not a.startswith("--training.save_")),
+        "--training.precision=bf16-mixed",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +92,36 @@ def bf16_runs(tmp_path_factory, tiny_model_dir):
         # the exports compared in test_full_export_*; the other runs skip saving
         extra += [] if name in ("full_zero3", "full_fsdp") else ["--run.save_model=false"]
         if name == "control":
-            args = [*recipe_args(tiny_model_dir, "--method.name=full", FULL_LR, "--run.save_model=false"),
-                    "--training.precision=bf16-true", "--training.gradient_accumulation_steps=2"]
-            run = launch_train(["--recipe", "demo", *args], run_dir=base / name, cwd=REPO,
-                               config_file="accelerate_configs/single_gpu.yaml", timeout=300)
+            args = [
+                *recipe_args(tiny_model_dir, "--method.name=full", FULL_LR, "--run.save_model=false"),
+                "--training.precision=bf16-true",
+                "--training.gradient_accumulation_steps=2",
+            ]
+            run = launch_train(
+                ["--recipe", "demo", *args],
+                run_dir=base / name,
+                cwd=REPO,
+                config_file="accelerate_configs/single_gpu.yaml",
+                timeout=300,
+            )
         elif strategy == "single":
-            run = launch_train(["--recipe", "demo", *recipe_args(tiny_model_dir, *extra),
-                                "--training.gradient_accumulation_steps=2"], run_dir=base / name, cwd=REPO,
-                               config_file="accelerate_configs/single_gpu.yaml", timeout=300)
+            run = launch_train(
+                ["--recipe", "demo", *recipe_args(tiny_model_dir, *extra), "--training.gradient_accumulation_steps=2"],
+                run_dir=base / name,
+                cwd=REPO,
+                config_file="accelerate_configs/single_gpu.yaml",
+                timeout=300,
+            )
         else:
             recipe, config, _ = STRATEGIES[strategy]
-            run = launch_train(["--recipe", recipe, *recipe_args(tiny_model_dir, *extra)], run_dir=base / name,
-                               cwd=REPO, config_file=config, env=CPU_ENV, timeout=420)
+            run = launch_train(
+                ["--recipe", recipe, *recipe_args(tiny_model_dir, *extra)],
+                run_dir=base / name,
+                cwd=REPO,
+                config_file=config,
+                env=CPU_ENV,
+                timeout=420,
+            )
         assert run.returncode == 0, run.explain()
         done[name] = run
         return run
@@ -123,8 +144,12 @@ def assert_bf16_mixed(rec: dict, strategy: str) -> None:
     step 1's forward, and how this strategy family does it."""
     p, ev = rec["precision"], rec["precision"]["evidence"]
     assert (p["policy"], p["requested"], p["load_dtype"]) == ("bf16-mixed", "bf16-mixed", "bfloat16"), p
-    assert (p["param_dtype"], p["compute_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == \
-        ("float32", "bfloat16", "float32", True), p
+    assert (p["param_dtype"], p["compute_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == (
+        "float32",
+        "bfloat16",
+        "float32",
+        True,
+    ), p
     assert p["observed_compute_dtype"] == "bfloat16" and p["warning"] is None, p
     if strategy in ("single", "ddp"):  # autocast over fp32 parameters
         assert p["family"] == "torch" and ev["autocast"] is True and ev["autocast_dtype"] == "bfloat16", p
@@ -132,14 +157,20 @@ def assert_bf16_mixed(rec: dict, strategy: str) -> None:
         assert (ev["engine"] == "DistributedDataParallel") == (strategy == "ddp"), ev
     elif strategy == "fsdp":  # fp32 DTensor shards, bf16 working copies, fp32 reduce-scatter, loss not rounded
         assert p["family"] == "fsdp2" and ev["autocast"] is False and ev["param_is_dtensor"] is True, p
-        assert ev["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
-                                   "cast_forward_inputs": True}, ev
+        assert ev["mp_policy"] == {
+            "param_dtype": "bfloat16",
+            "reduce_dtype": "float32",
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+        }, ev
         assert p["reduce_dtype"] == "float32"
     else:  # DeepSpeed: bf16 module (LoRA adapters too), fp32 master partitions in the ZeRO optimizer
         assert p["family"] == "deepspeed" and ev["bf16_enabled"] is True and ev["fp16_enabled"] is False, p
         assert ev["module_param_dtype"] == "bfloat16" and p["reduce_dtype"] == "bfloat16", ev
-        assert ev["zero_optimizer"] == {"zero2": "DeepSpeedZeroOptimizer",
-                                        "zero3": "DeepSpeedZeroOptimizer_Stage3"}[strategy], ev
+        assert (
+            ev["zero_optimizer"]
+            == {"zero2": "DeepSpeedZeroOptimizer", "zero3": "DeepSpeedZeroOptimizer_Stage3"}[strategy]
+        ), ev
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -161,8 +192,10 @@ def test_bf16_mixed_losses_match_single_process(bf16_runs, method, strategy):
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=grad_tol), (a, b)
         assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
     assert ref[-1]["loss"] < ref[0]["loss"] - 1e-3, ref  # it trained: equal losses of a frozen model prove little
-    print(f"{method} {strategy}: losses {[round(s['loss'], 6) for s in got]}, largest relative difference "
-          f"{_worst(ref, got):.2e} (tolerance {loss_tol:g})")
+    print(
+        f"{method} {strategy}: losses {[round(s['loss'], 6) for s in got]}, largest relative difference "
+        f"{_worst(ref, got):.2e} (tolerance {loss_tol:g})"
+    )
 
 
 def test_bf16_true_control_differs_by_more_than_the_tolerance(bf16_runs):
@@ -171,16 +204,22 @@ def test_bf16_true_control_differs_by_more_than_the_tolerance(bf16_runs):
     its master either."""
     mixed, true = bf16_runs("full_single").record, bf16_runs("control").record
     p = true["precision"]
-    assert (p["policy"], p["param_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == \
-        ("bf16-true", "bfloat16", "bfloat16", False), p
+    assert (p["policy"], p["param_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == (
+        "bf16-true",
+        "bfloat16",
+        "bfloat16",
+        False,
+    ), p
     assert p["observed_compute_dtype"] == "bfloat16" and p["evidence"]["autocast"] is False
     share = p["evidence"]["bf16_update_loss_share"]
     assert 0.10 <= share < 0.2, p["evidence"]  # ~12% of the weights lose their updates at LR 1e-4
     assert p["warning"].startswith(f"bf16-true: {share:.0%} of the trainable weights"), p["warning"]
     worst = _worst(_steps(mixed), _steps(true))
     assert worst > LOSS_RTOL, f"bf16-true differs from bf16-mixed by only {worst:.2e}"
-    print(f"control: bf16-true vs bf16-mixed, largest relative loss difference {worst:.2e} "
-          f"({worst / LOSS_RTOL:.1f}x the tolerance {LOSS_RTOL:g})")
+    print(
+        f"control: bf16-true vs bf16-mixed, largest relative loss difference {worst:.2e} "
+        f"({worst / LOSS_RTOL:.1f}x the tolerance {LOSS_RTOL:g})"
+    )
 
 
 RELOAD_FULL = r"""
@@ -223,8 +262,13 @@ def test_full_export_is_one_consolidated_model_under_zero3_and_fsdp(bf16_runs, t
     lrs = [s["lr"] for s in bf16_runs("full_zero3").record["steps"]]
     assert lrs == [s["lr"] for s in bf16_runs("full_fsdp").record["steps"]] and len(lrs) == STEPS
     bound = 2 * (1 - 0.9) / math.sqrt(1 - 0.999) * sum(lrs)  # Trainer's AdamW betas (0.9, 0.999)
-    proc = subprocess.run([sys.executable, "-c", RELOAD_FULL, str(tiny_model_dir), str(z3), str(fsdp), str(bound)],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD_FULL, str(tiny_model_dir), str(z3), str(fsdp), str(bound)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["files"] == ["model.safetensors"] and result["same_shapes"], result
@@ -233,5 +277,7 @@ def test_full_export_is_one_consolidated_model_under_zero3_and_fsdp(bf16_runs, t
     assert result["differ_share"] < 0.01 and result["max_excess"] <= 0, result  # the whole model, both times
     # the head is trainable here: the chunked loss's weight gradient under ZeRO-3's gather hooks and FSDP2
     assert {bf16_runs(n).record["speed"]["loss_impl"]["resolved"] for n in ("full_zero3", "full_fsdp")} == {"chunked"}
-    print(f"exports: {result['differ_share']:.2%} of the weights differ in bf16, by at most "
-          f"{result['max_abs_diff']:.2e} (bound {bound:.2e} + one spacing); {result['changed_share']:.1%} changed")
+    print(
+        f"exports: {result['differ_share']:.2%} of the weights differ in bf16, by at most "
+        f"{result['max_abs_diff']:.2e} (bound {bound:.2e} + one spacing); {result['changed_share']:.1%} changed"
+    )

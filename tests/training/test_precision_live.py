@@ -68,7 +68,7 @@ def test_the_rule_on_hand_made_values():
     # half-spacings: 1.0 -> 2^-8 (bf16 keeps 8 significant bits); 0.02 -> 2^-14; 0 -> can always move
     assert precision_live.vanishing_share(m, 1e-4)[0] == pytest.approx(1 / 3)  # 2^-14 = 6.1e-5 < 1e-4
     assert precision_live.vanishing_share(m, 1e-5)[0] == pytest.approx(2 / 3)
-    assert precision_live.vanishing_share(m, 2 ** -7)[0] == 0.0
+    assert precision_live.vanishing_share(m, 2**-7)[0] == 0.0
     m.weight.requires_grad_(False)
     assert precision_live.vanishing_share(m, 1e-5) == (0.0, 0.0, 0)  # frozen weights are not trained
 
@@ -87,10 +87,20 @@ def _fake_trainer(model, *, mixed_precision="no"):
     """What the reader touches of a Trainer: the wrapped model, the (accelerated) optimizer, the
     Accelerator's AMP state; a single process without autocast (Accelerate installs none for "no")."""
     callbacks = []
-    acc = SimpleNamespace(native_amp=False, mixed_precision=mixed_precision, unwrap_model=lambda m: m, scaler=None,
-                          is_fsdp2=False, state=SimpleNamespace())
-    trainer = SimpleNamespace(model_wrapped=model, optimizer=torch.optim.AdamW(model.parameters()), accelerator=acc,
-                              add_callback=callbacks.append)
+    acc = SimpleNamespace(
+        native_amp=False,
+        mixed_precision=mixed_precision,
+        unwrap_model=lambda m: m,
+        scaler=None,
+        is_fsdp2=False,
+        state=SimpleNamespace(),
+    )
+    trainer = SimpleNamespace(
+        model_wrapped=model,
+        optimizer=torch.optim.AdamW(model.parameters()),
+        accelerator=acc,
+        add_callback=callbacks.append,
+    )
     return trainer, callbacks
 
 
@@ -105,8 +115,16 @@ def _begin(callbacks):
 
 
 def _install(trainer, policy, rec):
-    precision_live.install(trainer, precision.get(policy), requested="auto", family="torch", method="full",
-                           load_dtype="float32", learning_rate=1e-4, record=rec)
+    precision_live.install(
+        trainer,
+        precision.get(policy),
+        requested="auto",
+        family="torch",
+        method="full",
+        load_dtype="float32",
+        learning_rate=1e-4,
+        record=rec,
+    )
 
 
 def test_a_matching_run_is_recorded_and_its_first_forward_confirms_the_compute_dtype(tmp_path):
@@ -116,10 +134,26 @@ def test_a_matching_run_is_recorded_and_its_first_forward_confirms_the_compute_d
     _install(trainer, "32-true", rec)
     _begin(callbacks)
     got = json.loads(rec.path.read_text())["precision"]
-    assert {k: got[k] for k in ("policy", "requested", "param_dtype", "compute_dtype", "optimizer_state_dtype",
-                                "master_weights", "reduce_dtype")} == {
-        "policy": "32-true", "requested": "auto", "param_dtype": "float32", "compute_dtype": "float32",
-        "optimizer_state_dtype": "float32", "master_weights": False, "reduce_dtype": None}
+    assert {
+        k: got[k]
+        for k in (
+            "policy",
+            "requested",
+            "param_dtype",
+            "compute_dtype",
+            "optimizer_state_dtype",
+            "master_weights",
+            "reduce_dtype",
+        )
+    } == {
+        "policy": "32-true",
+        "requested": "auto",
+        "param_dtype": "float32",
+        "compute_dtype": "float32",
+        "optimizer_state_dtype": "float32",
+        "master_weights": False,
+        "reduce_dtype": None,
+    }
     assert got["evidence"]["engine"] == "Sequential" and got["evidence"]["autocast"] is False
     assert got["observed_compute_dtype"] is None
     model(torch.ones(1, 4))  # step 1's first forward

@@ -21,8 +21,10 @@ from finetune.training import speed
 ATOL = 1e-5
 ROWS = [
     {"instruction": "Name a colour.", "output": "Blue."},
-    {"instruction": "Write a very long sentence about rivers, mountains and the sea, please.",
-     "output": "Rivers run from the mountains down to the sea, carrying stones, sand and stories."},
+    {
+        "instruction": "Write a very long sentence about rivers, mountains and the sea, please.",
+        "output": "Rivers run from the mountains down to the sea, carrying stones, sand and stories.",
+    },
     {"instruction": "Add 2 and 3.", "output": "5"},
     {"instruction": "Say hello in French and then in German.", "output": "Bonjour. Hallo."},
 ]
@@ -47,8 +49,14 @@ def _model(tokenizer, attn):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=torch.float32).eval()
 
 
@@ -82,8 +90,9 @@ def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
     reference = _per_token_losses(model, padded)
     got = _per_token_losses(model, flat)
     assert [t for t, _ in got] == [t for t, _ in reference]  # same targets, same order
-    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in reference]),
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in reference]), atol=ATOL, rtol=0
+    )
     # The model's own (Trainer's) loss: mean over the same targets.
     with torch.no_grad():
         loss_padded = model(**padded, use_cache=False).loss
@@ -95,8 +104,9 @@ def test_padding_free_and_packing_give_padded_losses(tokenizer, examples, attn):
     packed = collate.make_collator(_data_cfg("x", packing=True), mcfg, tokenizer.pad_token_id)(packed_rows)
     got_packed = _per_token_losses(model, packed)
     assert sorted(t for t, _ in got_packed) == sorted(t for t, _ in reference)
-    torch.testing.assert_close(torch.tensor(sorted(v for _, v in got_packed)),
-                               torch.tensor(sorted(v for _, v in reference)), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(sorted(v for _, v in got_packed)), torch.tensor(sorted(v for _, v in reference)), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -116,7 +126,7 @@ def test_no_attention_crosses_example_boundaries(tokenizer, examples, attn):
         n = len(e["input_ids"])
         with torch.no_grad():
             alone = model(input_ids=torch.tensor([e["input_ids"]]), use_cache=False).logits[0]
-        torch.testing.assert_close(row[start:start + n], alone, atol=ATOL, rtol=0)
+        torch.testing.assert_close(row[start : start + n], alone, atol=ATOL, rtol=0)
         start += n
 
     # Perturb every token of the first example: the others' logits must not move at all.
@@ -137,22 +147,41 @@ def _cfg(**sections):
     return build_config(sections)
 
 
-@pytest.mark.parametrize(("sections", "needle"), [
-    ({"data": {"packing": True, "padding_free": True}}, "choose one"),
-    ({"data": {"packing": True}, "model": {"attn_implementation": "flash_attention_2"},
-      "training": {"per_device_train_batch_size": 2}}, "per_device_train_batch_size 2"),
-    ({"data": {"padding_free": True}, "model": {"trust_remote_code": True}}, "trust_remote_code"),
-])
+@pytest.mark.parametrize(
+    ("sections", "needle"),
+    [
+        ({"data": {"packing": True, "padding_free": True}}, "choose one"),
+        (
+            {
+                "data": {"packing": True},
+                "model": {"attn_implementation": "flash_attention_2"},
+                "training": {"per_device_train_batch_size": 2},
+            },
+            "per_device_train_batch_size 2",
+        ),
+        ({"data": {"padding_free": True}, "model": {"trust_remote_code": True}}, "trust_remote_code"),
+    ],
+)
 def test_unsafe_combinations_are_refused(sections, needle):
     with pytest.raises(ConfigError, match=needle):
         speed.check(_cfg(**sections))
 
 
 def test_safe_combinations_pass():
-    speed.check(_cfg(data={"padding_free": True}, model={"attn_implementation": "flash_attention_2"},
-                     training={"per_device_train_batch_size": 8}))
-    speed.check(_cfg(data={"packing": True}, model={"attn_implementation": "flash_attention_2"},
-                     training={"per_device_train_batch_size": 1}))
+    speed.check(
+        _cfg(
+            data={"padding_free": True},
+            model={"attn_implementation": "flash_attention_2"},
+            training={"per_device_train_batch_size": 8},
+        )
+    )
+    speed.check(
+        _cfg(
+            data={"packing": True},
+            model={"attn_implementation": "flash_attention_2"},
+            training={"per_device_train_batch_size": 1},
+        )
+    )
     speed.check(_cfg(data={"packing": True}, model={"attn_implementation": "eager"}))
 
 
@@ -180,10 +209,21 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     dcfg = _data_cfg("x", packing=layout == "packing", padding_free=layout == "padding_free")
     mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
     model = load_model(mcfg, MethodConfig(name="full"))
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=1,
-                             report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
-    trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                              data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=len(rows),
+        max_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = FinetuneTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
+    )
     trainer.train()
     step = trainer.meter.steps[0]  # seconds, input tokens, trained tokens, examples, sum of squared lengths
     n_input, n_trained, n_examples = step[1:4]
@@ -203,8 +243,9 @@ def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplo
     def build(**kw):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="finetune.data.cache"):
-            bundle = build_datasets(_data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw),
-                                         tokenizer, seed=0)
+            bundle = build_datasets(
+                _data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw), tokenizer, seed=0
+            )
         return bundle, caplog.text
 
     first, log1 = build()
@@ -235,17 +276,24 @@ def test_bucketed_batches_keep_loss_gradients_and_real_token_count(layout):
     mcfg = build_config({}).model
     plain = collate.make_collator(_data_cfg("x", **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
     bucketed = collate.make_collator(
-        _data_cfg("x", pad_to_multiple_of=64, **{layout: True} if layout != "padded" else {}), mcfg, 0)(exs)
+        _data_cfg("x", pad_to_multiple_of=64, **{layout: True} if layout != "padded" else {}), mcfg, 0
+    )(exs)
     n, m = plain["input_ids"].shape[-1], bucketed["input_ids"].shape[-1]
     assert m % 64 == 0 and m > n  # really rounded up
+
     def count(b):
-        return [int(x) for x in token_counts(b["input_ids"], b.get("attention_mask"), b["labels"],
-                                             b.get(collate.REAL_TOKENS_KEY))]
+        return [
+            int(x)
+            for x in token_counts(b["input_ids"], b.get("attention_mask"), b["labels"], b.get(collate.REAL_TOKENS_KEY))
+        ]
+
     assert count(bucketed) == count(plain)  # filler is neither an input token nor trained
     assert count(plain)[0] == sum(len(e["input_ids"]) for e in exs)
     model = tiny()
+
     def strip(b):  # FinetuneTrainer takes the stated count out before the forward
         return {k: v for k, v in b.items() if k != collate.REAL_TOKENS_KEY}
+
     assert_same(run(model, strip(plain)), run(model, strip(bucketed)))
 
 
@@ -267,12 +315,25 @@ def test_trainer_passes_the_steps_item_count_to_the_chunked_loss(tmp_path):
     for impl in ("standard", "chunked"):
         model = tiny()
         assert loss.install(model, impl, chunk=16)["resolved"] == impl
-        args = TrainingArguments(output_dir=str(tmp_path / impl), per_device_train_batch_size=2,
-                                 gradient_accumulation_steps=2, max_steps=1, logging_steps=1, learning_rate=1e-3,
-                                 report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
-        trainer = FinetuneTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                                  eval_dataset=datasets.Dataset.from_list(rows[:2]),
-                                  data_collator=collate.make_collator(_data_cfg("x"), build_config({}).model, 0))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / impl),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            logging_steps=1,
+            learning_rate=1e-3,
+            report_to="none",
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = FinetuneTrainer(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            eval_dataset=datasets.Dataset.from_list(rows[:2]),
+            data_collator=collate.make_collator(_data_cfg("x"), build_config({}).model, 0),
+        )
         assert trainer.model_accepts_loss_kwargs  # so Trainer passes num_items_in_batch
         trainer.train()
         step = next(h for h in trainer.state.log_history if "loss" in h)

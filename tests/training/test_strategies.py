@@ -29,10 +29,9 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from tests.conftest import REPO, TRAIN_SCRIPT, Launch, launch_train, run_process_group
 
@@ -48,32 +47,80 @@ GRAD_NORM_RTOL = 1e-4
 # strategy -> (recipe, CPU accelerate config, expected evidence)
 STRATEGIES = {
     "ddp": ("ddp", "accelerate_configs/cpu/ddp.yaml", {"engine_class": "DistributedDataParallel"}),
-    "zero2": ("zero2", "accelerate_configs/cpu/zero2.yaml",
-              {"engine_class": "DeepSpeedEngine", "zero_stage": 2, "offload_optimizer_device": "none",
-               "offload_param_device": "none", "optimizer_offloaded": False}),
-    "zero2_offload": ("zero2_offload", "accelerate_configs/cpu/zero2_offload.yaml",
-                      {"engine_class": "DeepSpeedEngine", "zero_stage": 2, "offload_optimizer_device": "cpu",
-                       "offload_param_device": "none", "optimizer_offloaded": True,
-                       "basic_optimizer_class": "DeepSpeedCPUAdam"}),
-    "zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml",
-              {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "offload_optimizer_device": "none",
-               "offload_param_device": "none", "optimizer_offloaded": False, "params_offloaded": False}),
-    "zero3_offload": ("zero3_offload", "accelerate_configs/cpu/zero3_offload.yaml",
-                      {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "offload_optimizer_device": "cpu",
-                       "offload_param_device": "cpu", "optimizer_offloaded": True, "params_offloaded": True,
-                       "basic_optimizer_class": "DeepSpeedCPUAdam"}),
+    "zero2": (
+        "zero2",
+        "accelerate_configs/cpu/zero2.yaml",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 2,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "optimizer_offloaded": False,
+        },
+    ),
+    "zero2_offload": (
+        "zero2_offload",
+        "accelerate_configs/cpu/zero2_offload.yaml",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 2,
+            "offload_optimizer_device": "cpu",
+            "offload_param_device": "none",
+            "optimizer_offloaded": True,
+            "basic_optimizer_class": "DeepSpeedCPUAdam",
+        },
+    ),
+    "zero3": (
+        "zero3",
+        "accelerate_configs/cpu/zero3.yaml",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 3,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "optimizer_offloaded": False,
+            "params_offloaded": False,
+        },
+    ),
+    "zero3_offload": (
+        "zero3_offload",
+        "accelerate_configs/cpu/zero3_offload.yaml",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 3,
+            "offload_optimizer_device": "cpu",
+            "offload_param_device": "cpu",
+            "optimizer_offloaded": True,
+            "params_offloaded": True,
+            "basic_optimizer_class": "DeepSpeedCPUAdam",
+        },
+    ),
     "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", {"fsdp_offload_policy": "OffloadPolicy"}),
-    "fsdp_offload": ("fsdp_offload", "accelerate_configs/cpu/fsdp_offload.yaml",
-                     {"fsdp_offload_policy": "CPUOffloadPolicy"}),
+    "fsdp_offload": (
+        "fsdp_offload",
+        "accelerate_configs/cpu/fsdp_offload.yaml",
+        {"fsdp_offload_policy": "CPUOffloadPolicy"},
+    ),
 }
 
 
 def common_args(tiny_model_dir) -> list[str]:
-    return [f"--model.name_or_path={tiny_model_dir}", f"--data.demo_train_size={ROWS}", "--eval.exact_match=false",
-            f"--training.max_steps={STEPS}", "--training.logging_steps=1", "--training.warmup_steps=0",
-            "--training.learning_rate=1e-3", "--training.lr_scaling=none", "--training.max_grad_norm=1.0",
-            "--training.seed=42", "--training.per_device_train_batch_size=4", "--method.lora_dropout=0.0",
-            "--training.save_strategy=steps", f"--training.save_steps={RESUME_FROM}"]  # and at the last step
+    return [
+        f"--model.name_or_path={tiny_model_dir}",
+        f"--data.demo_train_size={ROWS}",
+        "--eval.exact_match=false",
+        f"--training.max_steps={STEPS}",
+        "--training.logging_steps=1",
+        "--training.warmup_steps=0",
+        "--training.learning_rate=1e-3",
+        "--training.lr_scaling=none",
+        "--training.max_grad_norm=1.0",
+        "--training.seed=42",
+        "--training.per_device_train_batch_size=4",
+        "--method.lora_dropout=0.0",
+        "--training.save_strategy=steps",
+        f"--training.save_steps={RESUME_FROM}",
+    ]  # and at the last step
 
 
 # Launched without an accelerate config (issue 18): the recipe sets up its strategy in the script.
@@ -82,27 +129,65 @@ def common_args(tiny_model_dir) -> list[str]:
 # The plain_* runs are `accelerate launch finetune/train.py --recipe X` as users type it: one process
 # on CPU, 2 steps at the module's effective batch (accumulation 2), no checkpoint or export.
 TORCHRUN = {"zero2"}
-PLAIN = {"plain_zero2": ("zero2", {"engine_class": "DeepSpeedEngine", "zero_stage": 2,
-                                   "zero_optimizer_class": "DeepSpeedZeroOptimizer", "optimizer_offloaded": False}),
-         "plain_zero3": ("zero3", {"engine_class": "DeepSpeedEngine", "zero_stage": 3, "local_param_fraction": 1.0,
-                                   "zero_optimizer_class": "DeepSpeedZeroOptimizer_Stage3", "params_offloaded": False}),
-         "plain_fsdp": ("fsdp", {"fsdp_offload_policy": "OffloadPolicy", "local_param_fraction": 1.0,
-                                 "placements": "(Shard(dim=0),)"})}
+PLAIN = {
+    "plain_zero2": (
+        "zero2",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 2,
+            "zero_optimizer_class": "DeepSpeedZeroOptimizer",
+            "optimizer_offloaded": False,
+        },
+    ),
+    "plain_zero3": (
+        "zero3",
+        {
+            "engine_class": "DeepSpeedEngine",
+            "zero_stage": 3,
+            "local_param_fraction": 1.0,
+            "zero_optimizer_class": "DeepSpeedZeroOptimizer_Stage3",
+            "params_offloaded": False,
+        },
+    ),
+    "plain_fsdp": (
+        "fsdp",
+        {"fsdp_offload_policy": "OffloadPolicy", "local_param_fraction": 1.0, "placements": "(Shard(dim=0),)"},
+    ),
+}
 PLAIN_STEPS = 2
 
 
 def _launcher_free_env(**extra) -> dict:
     """This process's environment without launcher variables (accelerate's, torchrun's, ours)."""
-    drop = ("ACCELERATE_", "FSDP_", "FINETUNE_ACCELERATE_CONFIG", "FINETUNE_CPU_DISTRIBUTED", "RANK", "LOCAL_RANK",
-            "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    drop = (
+        "ACCELERATE_",
+        "FSDP_",
+        "FINETUNE_ACCELERATE_CONFIG",
+        "FINETUNE_CPU_DISTRIBUTED",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     return {**env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
 def torchrun_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420) -> Launch:
     """`torchrun --standalone --nproc_per_node 2 finetune/train.py ARGS` (standalone: a free rendezvous port)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN_SCRIPT),
-           *args, f"--run.output_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TRAIN_SCRIPT),
+        *args,
+        f"--run.output_dir={run_dir}",
+    ]
     code, out, err = run_process_group(cmd, cwd=REPO, env=_launcher_free_env(**env), timeout=timeout)
     return Launch(code, out, err, run_dir)
 
@@ -122,8 +207,10 @@ def plain_accelerate_launch(args: list[str], *, run_dir: Path, home: Path, timeo
 
 
 # QLoRA (4-bit NF4 base, float storage so it shards) under the sharded strategies, against one process.
-QLORA = {"qlora_zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml"),
-         "qlora_fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml")}
+QLORA = {
+    "qlora_zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml"),
+    "qlora_fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -138,28 +225,56 @@ def runs(tmp_path_factory, tiny_model_dir):
             env = {**CPU_ENV, **trace_env(run_dir)}
             if name in ("single", "single_qlora"):
                 qlora = ["--method.name=qlora"] if name == "single_qlora" else []
-                done[name] = launch_train(["--recipe", "demo", *common_args(tiny_model_dir), *qlora,
-                                           "--training.gradient_accumulation_steps=2"],
-                                          run_dir=run_dir, cwd=REPO, config_file="accelerate_configs/single_gpu.yaml",
-                                          env=trace_env(run_dir), timeout=300)
+                done[name] = launch_train(
+                    [
+                        "--recipe",
+                        "demo",
+                        *common_args(tiny_model_dir),
+                        *qlora,
+                        "--training.gradient_accumulation_steps=2",
+                    ],
+                    run_dir=run_dir,
+                    cwd=REPO,
+                    config_file="accelerate_configs/single_gpu.yaml",
+                    env=trace_env(run_dir),
+                    timeout=300,
+                )
             elif name in PLAIN:
-                args = [*common_args(tiny_model_dir), f"--training.max_steps={PLAIN_STEPS}",
-                        "--training.gradient_accumulation_steps=2", "--training.save_strategy=no",
-                        "--run.save_model=false"]
-                done[name] = plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir,
-                                                     home=tmp_path_factory.mktemp("hf_home"))
+                args = [
+                    *common_args(tiny_model_dir),
+                    f"--training.max_steps={PLAIN_STEPS}",
+                    "--training.gradient_accumulation_steps=2",
+                    "--training.save_strategy=no",
+                    "--run.save_model=false",
+                ]
+                done[name] = plain_accelerate_launch(
+                    ["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=tmp_path_factory.mktemp("hf_home")
+                )
             elif name in TORCHRUN:
                 recipe, _, _ = STRATEGIES[name]
-                done[name] = torchrun_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir,
-                                            env=env)
+                done[name] = torchrun_train(
+                    ["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env
+                )
             elif name in QLORA:
                 recipe, config = QLORA[name]
-                done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
-                                          run_dir=run_dir, cwd=REPO, config_file=config, env=env, timeout=420)
+                done[name] = launch_train(
+                    ["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
+                    run_dir=run_dir,
+                    cwd=REPO,
+                    config_file=config,
+                    env=env,
+                    timeout=420,
+                )
             else:
                 recipe, config, _ = STRATEGIES[name]
-                done[name] = launch_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir,
-                                          cwd=REPO, config_file=config, env=env, timeout=420)
+                done[name] = launch_train(
+                    ["--recipe", recipe, *common_args(tiny_model_dir)],
+                    run_dir=run_dir,
+                    cwd=REPO,
+                    config_file=config,
+                    env=env,
+                    timeout=420,
+                )
             assert done[name].returncode == 0, done[name].explain()
         return done[name]
 
@@ -172,14 +287,22 @@ def assert_32_true(rec: dict) -> None:
     tests/training/test_precision_equivalence.py)."""
     p = rec["precision"]
     assert (p["policy"], p["requested"], p["load_dtype"]) == ("32-true", "auto", "float32"), p
-    assert (p["param_dtype"], p["compute_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == \
-        ("float32", "float32", "float32", False), p
+    assert (p["param_dtype"], p["compute_dtype"], p["optimizer_state_dtype"], p["master_weights"]) == (
+        "float32",
+        "float32",
+        "float32",
+        False,
+    ), p
     assert p["observed_compute_dtype"] == "float32" and p["reduce_dtype"] in (None, "float32"), p
     family = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(rec["strategy"]["distributed_type"], "torch")
     assert p["family"] == family and p["evidence"]["accelerate_mixed_precision"] == "no", p
     if family == "fsdp2":  # no casts: MixedPrecisionPolicy()
-        assert p["evidence"]["mp_policy"] == {"param_dtype": None, "reduce_dtype": None, "output_dtype": None,
-                                              "cast_forward_inputs": True}, p
+        assert p["evidence"]["mp_policy"] == {
+            "param_dtype": None,
+            "reduce_dtype": None,
+            "output_dtype": None,
+            "cast_forward_inputs": True,
+        }, p
 
 
 def trace_env(run_dir) -> dict:
@@ -233,8 +356,11 @@ def test_strategy_engaged_from_the_live_engine(runs, name, tiny_model_dir):
             assert 0.4 <= ev["local_param_fraction"] <= 0.6, ev
     else:
         assert s["distributed_type"] == "MULTI_CPU", s
-    assert s["offload"] == {"zero2_offload": "optimizer", "zero3_offload": "optimizer+params",
-                            "fsdp_offload": "optimizer+params"}.get(name, "none")
+    assert s["offload"] == {
+        "zero2_offload": "optimizer",
+        "zero3_offload": "optimizer+params",
+        "fsdp_offload": "optimizer+params",
+    }.get(name, "none")
     assert rec["batch"]["effective"] == 8 and rec["batch"]["data_parallel_size"] == 2, rec["batch"]
     assert_32_true(rec)
     # who set it up: the recipe in the script (torchrun, no config) or the --config_file
@@ -288,10 +414,12 @@ def test_plain_accelerate_launch_engages_the_recipes_strategy_at_world_size_one(
     assert setup["cpu_gloo"] == "one process on a machine without CUDA" and s["cpu_distributed"] is True, setup
     assert_32_true(rec)  # the policy follows the strategy the recipe set up in the script
     argument = f"deepspeed={REPO / 'ds_configs' / (recipe + '.json')}" if recipe != "fsdp" else "fsdp=True"
-    assert f"strategy {recipe} (offload none) set up by the recipe: TrainingArguments({argument})" in combined, \
+    assert f"strategy {recipe} (offload none) set up by the recipe: TrainingArguments({argument})" in combined, (
         run.explain()
-    assert re.search(rf"\n  strategy +{recipe} \({s['distributed_type']}\), lora, set up by the recipe\n", run.stdout), \
-        run.explain()  # the summary table
+    )
+    assert re.search(
+        rf"\n  strategy +{recipe} \({s['distributed_type']}\), lora, set up by the recipe\n", run.stdout
+    ), run.explain()  # the summary table
     ref, got = _steps(runs("single").record), [x for x in rec["steps"] if x.get("loss") is not None]
     assert [x["step"] for x in got] == list(range(1, PLAIN_STEPS + 1)), rec["steps"]
     for a, b in zip(ref, got):
@@ -383,8 +511,13 @@ print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1], "keys_
 def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_model_dir):
     export = runs(name).run_dir / "model"
     reference = runs("single").run_dir / "model"
-    proc = subprocess.run([sys.executable, "-c", RELOAD, str(tiny_model_dir), str(export), str(reference)],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", RELOAD, str(tiny_model_dir), str(export), str(reference)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["new_tokens"] == 4 and result["world"] is False, result
@@ -403,14 +536,21 @@ def _rank_exit_codes(stderr: str) -> set[int]:
 
 
 def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
-    """Recipe zero3 under the DDP config: preflight (finetune/launch/preflight.py) exits 2 with the right launch
+    """Recipe zero3 under the DDP config: preflight (finetune/preflight/checks.py) exits 2 with the right launch
     line before the model loads or the run directory exists. (torchrun reports each rank's exit code;
     `accelerate launch` itself always exits 1 on a failed child.) The engaged-strategy check after the
     model loads stays as the proof of what engaged: test_offload_mismatch_is_refused_with_the_launch_line."""
-    run = launch_train(["--recipe", "zero3", *common_args(tiny_model_dir)], run_dir=tmp_path / "run", cwd=REPO,
-                       config_file="accelerate_configs/cpu/ddp.yaml", env=CPU_ENV, timeout=300)
-    assert run.returncode != 0 and _rank_exit_codes(run.stderr) <= {2, -15} and 2 in _rank_exit_codes(run.stderr), \
+    run = launch_train(
+        ["--recipe", "zero3", *common_args(tiny_model_dir)],
+        run_dir=tmp_path / "run",
+        cwd=REPO,
+        config_file="accelerate_configs/cpu/ddp.yaml",
+        env=CPU_ENV,
+        timeout=300,
+    )
+    assert run.returncode != 0 and _rank_exit_codes(run.stderr) <= {2, -15} and 2 in _rank_exit_codes(run.stderr), (
         run.explain()
+    )
     assert "meant for strategy 'zero3'" in run.stderr and "sets up 'ddp'" in run.stderr, run.explain()
     assert "accelerate_configs/cpu/zero3.yaml" in run.stderr and "accelerate_configs/zero3.yaml" in run.stderr
     assert not run.run_dir.exists()  # nothing was written: preflight runs before the run directory
@@ -418,14 +558,19 @@ def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
 
 def test_fsdp_without_cpu_opt_in_is_refused_not_downgraded(tmp_path, tiny_model_dir):
     """Without FINETUNE_CPU_DISTRIBUTED each process would train alone: refused, exit 2."""
-    run = launch_train(["--recipe", "fsdp", *common_args(tiny_model_dir)], run_dir=tmp_path / "run", cwd=REPO,
-                       config_file="accelerate_configs/cpu/fsdp.yaml", env={"FINETUNE_CPU_DISTRIBUTED": "0"},
-                       timeout=300)
+    run = launch_train(
+        ["--recipe", "fsdp", *common_args(tiny_model_dir)],
+        run_dir=tmp_path / "run",
+        cwd=REPO,
+        config_file="accelerate_configs/cpu/fsdp.yaml",
+        env={"FINETUNE_CPU_DISTRIBUTED": "0"},
+        timeout=300,
+    )
     assert run.returncode != 0 and 2 in _rank_exit_codes(run.stderr), run.explain()
     assert "FINETUNE_CPU_DISTRIBUTED=1" in run.stderr and "would train alone" in run.stderr, run.explain()
 
 
-# The shipped files: tests/test_shipped_files.py; the decision from evidence: tests/training/test_engaged.py.
+# The shipped files: tests/test_shipped_files.py; the decision from evidence: tests/training/test_engaged_strategy.py.
 
 
 # --- resume (docs/faults.md) ----------------------------------------------------------------
@@ -455,17 +600,21 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
         assert (a["trained_tokens"], a["input_tokens"]) == (b["trained_tokens"], b["input_tokens"]), (a, b)
     # the totals are whole-run, as the uninterrupted run's (issue 15 item 7), not the last segment's
     summary, want_summary = rec["summary"], ref["summary"]
-    assert (summary["total_trained_tokens"], summary["total_input_tokens"]) == \
-        (want_summary["total_trained_tokens"], want_summary["total_input_tokens"]), (summary, want_summary)
+    assert (summary["total_trained_tokens"], summary["total_input_tokens"]) == (
+        want_summary["total_trained_tokens"],
+        want_summary["total_input_tokens"],
+    ), (summary, want_summary)
     assert summary["steps_counted"] == STEPS, summary
     assert math.isclose(summary["train_loss"], want_summary["train_loss"], rel_tol=1e-5), (summary, want_summary)
     tp = rec["throughput"]
     assert tp["steps_measured"] + tp["warmup_steps_excluded"] == STEPS and "earlier segments" in tp["scope"], tp
-    print(f"{name}: resumed from step {from_step}, largest relative loss difference in steps 1-{STEPS} "
-          f"(1-{from_step} before the interruption): {worst:.2e}")
+    print(
+        f"{name}: resumed from step {from_step}, largest relative loss difference in steps 1-{STEPS} "
+        f"(1-{from_step} before the interruption): {worst:.2e}"
+    )
 
 
-# --- resume under another number of processes (docs/faults.md, finetune/training/resume_plan.py) ------
+# --- resume under another number of processes (docs/faults.md, finetune/checkpointing/resume_plan.py) ------
 # Each strategy's uninterrupted 2-rank run (above) is copied, its newest checkpoint (5) torn, and
 # resumed in two segments: (A) `--resume` on ONE process skips the torn checkpoint-5, continues
 # checkpoint-3 (effective batch 8 kept: accumulation recomputed 1 -> 2) and is preempted by a
@@ -477,9 +626,9 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
 # 2 ranks vs accumulation in one process, DeepSpeed's flat buffers, universal-checkpoint copies),
 # the same kind of difference test_losses_match_single_process allows for: LOSS_RTOL (1e-5, ~80
 # fp32 ulps) on losses, GRAD_NORM_RTOL on grad norms, 1e-5 absolute on the adapter; seen: 0 for
-# every strategy and direction here (research note: at most 9e-8). What a broken resume does is
+# every strategy and direction here (at most 9e-8 when it was measured). What a broken resume does is
 # far larger: not recomputing the accumulation (effective batch 4) moved step 4 by 5.2e-3 (FSDP2
-# 2 -> 1, research/17); the position lost (ignore_data_skip) by 6.5e-4; the ZeRO-2 universal
+# 2 -> 1); the position lost (ignore_data_skip) by 6.5e-4; the ZeRO-2 universal
 # checkpoint's Adam moments zeroed moved step 5 by 4.3e-4 (2 -> 1) and the exported adapter by
 # 2.8e-4 absolute (1 -> 2); a fresh optimizer (Adam state not loaded) moved step 5 by 1.9e-3.
 RESHARDED = {"ddp": "replicated", "zero2": "universal", "zero3": "universal", "fsdp": "dcp"}
@@ -495,29 +644,54 @@ def resumed(runs, tmp_path_factory, tiny_model_dir):
     base = tmp_path_factory.mktemp("resumed")
 
     def hashes(ckpt):
-        return {p.relative_to(ckpt).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
-                for p in sorted(ckpt.rglob("*")) if p.is_file()}
+        return {
+            p.relative_to(ckpt).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(ckpt.rglob("*"))
+            if p.is_file()
+        }
 
     def get(name: str) -> dict:
         if name not in done:
             run_dir = base / name
             shutil.copytree(runs(name).run_dir, run_dir)
             torn = run_dir / f"checkpoint-{STEPS}"
-            victim = max((p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size)
+            victim = max(
+                (p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size
+            )
             os.truncate(victim, victim.stat().st_size // 2)
             recipe, config, _ = STRATEGIES[name]
-            out = {"victim": victim.relative_to(torn).as_posix(), "size": victim.stat().st_size,
-                   "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}")}
+            out = {
+                "victim": victim.relative_to(torn).as_posix(),
+                "size": victim.stat().st_size,
+                "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}"),
+            }
             args = ["--recipe", recipe, *common_args(tiny_model_dir), "--resume"]
-            out["a"] = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, launch_args=["--num_processes", "1"],
-                                    env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4",
-                                         **trace_env(base / f"{name}-a")}, timeout=420)
+            out["a"] = launch_train(
+                args,
+                run_dir=run_dir,
+                cwd=REPO,
+                config_file=config,
+                launch_args=["--num_processes", "1"],
+                env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4", **trace_env(base / f"{name}-a")},
+                timeout=420,
+            )
             out["a_record"] = out["a"].record
             out["hashes_after_a"] = hashes(run_dir / f"checkpoint-{RESUME_FROM}")
-            out["checkpoint_4"] = sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*"))
-            out["b"] = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config,
-                                    env={**CPU_ENV, **trace_env(base / f"{name}-b")}, timeout=420) \
-                if (run_dir / "checkpoint-4").is_dir() else None
+            out["checkpoint_4"] = sorted(
+                p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*")
+            )
+            out["b"] = (
+                launch_train(
+                    args,
+                    run_dir=run_dir,
+                    cwd=REPO,
+                    config_file=config,
+                    env={**CPU_ENV, **trace_env(base / f"{name}-b")},
+                    timeout=420,
+                )
+                if (run_dir / "checkpoint-4").is_dir()
+                else None
+            )
             done[name] = out
         return done[name]
 
@@ -542,13 +716,15 @@ def _steps_upto(record: dict, upto: int) -> list[dict]:
 
 
 def _segments(rec: dict) -> list[tuple]:
-    return [(s["step"], s["world_size"], s["strategy"], s["grad_accum"], s["effective"], s.get("reshard"))
-            for s in rec["resumes"]]
+    return [
+        (s["step"], s["world_size"], s["strategy"], s["grad_accum"], s["effective"], s.get("reshard"))
+        for s in rec["resumes"]
+    ]
 
 
 @pytest.mark.parametrize("name", list(RESHARDED))
 def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losses(runs, resumed, name):
-    from finetune.training import checkpoints
+    from finetune.checkpointing import checkpoints
 
     ref, r = runs(name), resumed(name)
     a, rec = r["a"], r["a_record"]
@@ -562,11 +738,20 @@ def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losse
     # what ran: the strategy itself on one process, at effective batch 8 (DDP on one process: single)
     s, ev = rec["strategy"], rec["strategy"]["evidence"]
     assert s["name"] == ("single" if name == "ddp" else name) and s["world_size"] == ev["world_size"] == 1, s
-    assert {"ddp": ev["engine_class"] == "DistributedDataParallel", "fsdp": ev["dtensor_params"] == ev["params"] > 0
-            and ev["local_param_fraction"] == 1.0, "zero2": ev["zero_stage"] == 2, "zero3": ev["zero_stage"] == 3}[name], ev
-    assert rec["batch"] | {"input_tokens_per_step": 0, "trained_tokens_per_step": 0} == \
-        {"per_device": 4, "grad_accum": 2, "data_parallel_size": 1, "effective": 8, "input_tokens_per_step": 0,
-         "trained_tokens_per_step": 0}
+    assert {
+        "ddp": ev["engine_class"] == "DistributedDataParallel",
+        "fsdp": ev["dtensor_params"] == ev["params"] > 0 and ev["local_param_fraction"] == 1.0,
+        "zero2": ev["zero_stage"] == 2,
+        "zero3": ev["zero_stage"] == 3,
+    }[name], ev
+    assert rec["batch"] | {"input_tokens_per_step": 0, "trained_tokens_per_step": 0} == {
+        "per_device": 4,
+        "grad_accum": 2,
+        "data_parallel_size": 1,
+        "effective": 8,
+        "input_tokens_per_step": 0,
+        "trained_tokens_per_step": 0,
+    }
     worst = _assert_steps_match(rec, ref.record, 4)
     segments = [(0, 2, name, 1, 8, None), (3, 1, "single" if name == "ddp" else name, 2, 8, RESHARDED[name])]
     assert _segments(rec) == segments, rec["resumes"]
@@ -580,16 +765,19 @@ def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losse
     marker = json.loads((run_dir / "checkpoint-4" / checkpoints.MARKER).read_text())
     assert marker["world_size"] == 1 and (marker["run"]["world_size"], marker["run"]["grad_accum"]) == (1, 2), marker
     files = r["checkpoint_4"]
-    assert "checkpoint-4/rng_state.pth" in files and not any("rank_1" in f or "rng_state_" in f or "__1_" in f
-                                                             for f in files), files
+    assert "checkpoint-4/rng_state.pth" in files and not any(
+        "rank_1" in f or "rng_state_" in f or "__1_" in f for f in files
+    ), files
     # the checkpoint resumed from is only read; DeepSpeed's universal cache sits beside it
     assert r["hashes_after_a"] == r["hashes_before"]
     universal = run_dir / "checkpoint-3.universal"
     assert universal.is_dir() == (RESHARDED[name] == "universal")
     if universal.is_dir():
         assert last["universal_cache"] == str(universal) and last["conversion_s"] > 0, last
-        assert json.loads((universal / "finetune-universal-complete.json").read_text())["source_completed"] == \
-            json.loads((run_dir / "checkpoint-3" / checkpoints.MARKER).read_text())["completed"]
+        assert (
+            json.loads((universal / "finetune-universal-complete.json").read_text())["source_completed"]
+            == json.loads((run_dir / "checkpoint-3" / checkpoints.MARKER).read_text())["completed"]
+        )
     # step 4 trained the rows the uninterrupted run trained at step 4 (recounted from the data)
     assert rows_per_step(r["a"].run_dir.parent / f"{name}-a.trace") == {4: rows_per_step(_trace(ref))[4]}
     print(f"{name} 2 -> 1: largest relative loss difference, steps 1-4: {worst:.2e}")
@@ -610,8 +798,11 @@ def test_one_process_resumed_on_two_ranks_then_matches_the_uninterrupted_run(run
     assert rec["batch"]["grad_accum"] == 1 and rec["batch"]["effective"] == 8, rec["batch"]
     worst = _assert_steps_match(rec, ref.record, STEPS)
     one = "single" if name == "ddp" else name
-    assert _segments(rec) == [(0, 2, name, 1, 8, None), (3, 1, one, 2, 8, RESHARDED[name]),
-                              (4, 2, name, 1, 8, RESHARDED[name])], rec["resumes"]
+    assert _segments(rec) == [
+        (0, 2, name, 1, 8, None),
+        (3, 1, one, 2, 8, RESHARDED[name]),
+        (4, 2, name, 1, 8, RESHARDED[name]),
+    ], rec["resumes"]
     assert [x.get("previous_status") for x in rec["resumes"]] == [None, "completed", "interrupted"]
     # every row once in the epoch, each step the uninterrupted run's rows: steps 1-3 of the original
     # segment, 4 on one process, 5 on two ranks again (recounted from the traces)
@@ -642,17 +833,33 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
 
     import psutil
 
+    from finetune.checkpointing import checkpoints
     from finetune.errors import EXIT_PREEMPTED
-    from finetune.training import checkpoints
 
     ref = runs("ddp")
     run_dir = tmp_path / "preempted"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **CPU_ENV,
-           "FINETUNE_FAULT_INJECT": "pause@rank0,step2"}
-    cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "ddp", "--config_file",
-           "accelerate_configs/cpu/ddp.yaml", *common_args(tiny_model_dir), f"--run.output_dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **CPU_ENV,
+        "FINETUNE_FAULT_INJECT": "pause@rank0,step2",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "train",
+        "--recipe",
+        "ddp",
+        "--config_file",
+        "accelerate_configs/cpu/ddp.yaml",
+        *common_args(tiny_model_dir),
+        f"--run.output_dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300
         rank1 = None
@@ -663,8 +870,9 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
             except (OSError, ValueError, KeyError):
                 ready = False
             if ready:
-                rank1 = next(c for c in psutil.Process(proc.pid).children(recursive=True)
-                             if c.environ().get("RANK") == "1")
+                rank1 = next(
+                    c for c in psutil.Process(proc.pid).children(recursive=True) if c.environ().get("RANK") == "1"
+                )
         assert rank1 is not None, "training never started"
         rank1.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=300)
@@ -681,20 +889,27 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     assert checkpoints.newest_valid(run_dir) == run_dir / f"checkpoint-{k}"
     assert "preempted: SIGTERM on rank(s) [1]" in out and f"--run.output_dir={run_dir} --resume" in out, out[-3000:]
     assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in out, out[-3000:]
-    run = launch_train(["--recipe", "ddp", *common_args(tiny_model_dir), "--resume"], run_dir=run_dir, cwd=REPO,
-                       config_file=STRATEGIES["ddp"][1], env=CPU_ENV, timeout=420)
+    run = launch_train(
+        ["--recipe", "ddp", *common_args(tiny_model_dir), "--resume"],
+        run_dir=run_dir,
+        cwd=REPO,
+        config_file=STRATEGIES["ddp"][1],
+        env=CPU_ENV,
+        timeout=420,
+    )
     assert run.returncode == 0, run.explain()
     _assert_resumed(run.record, ref.record, "ddp", k)
     assert run.record["summary"]["resume_history"][0]["previous_status"] == "interrupted"
     # the same world size: nothing resharded, every rank's RNG stream restored
-    assert [(x["world_size"], x["grad_accum"], x.get("reshard"), x.get("rng")) for x in run.record["resumes"]] == \
-        [(2, 1, None, None), (2, 1, "none", "restored")], run.record["resumes"]
-
+    assert [(x["world_size"], x["grad_accum"], x.get("reshard"), x.get("rng")) for x in run.record["resumes"]] == [
+        (2, 1, None, None),
+        (2, 1, "none", "restored"),
+    ], run.record["resumes"]
 
 
 def test_universal_cache_is_built_once_and_reused(resumed):
     """ZeRO-2 2 -> 1 built checkpoint-3.universal; converting again reuses it (nothing rewritten)."""
-    from finetune.training import universal
+    from finetune.checkpointing import universal
 
     ckpt = resumed("zero2")["a"].run_dir / f"checkpoint-{RESUME_FROM}"
     cache = universal.current(ckpt)

@@ -20,16 +20,31 @@ pytestmark = pytest.mark.integration
 
 
 def tiny_args(model_dir: Path, *extra: str) -> list[str]:
-    return ["--recipe", "demo", f"--model.name_or_path={model_dir}", "--data.demo_train_size=48",
-            "--data.demo_heldout_size=8", "--eval.samples=8", "--eval.max_new_tokens=4", "--eval.batch_size=4",
-            "--training.max_steps=3", "--training.logging_steps=1", "--training.per_device_train_batch_size=4",
-            "--training.warmup_steps=0", "--training.lr_scheduler_type=constant", *extra]
+    return [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={model_dir}",
+        "--data.demo_train_size=48",
+        "--data.demo_heldout_size=8",
+        "--eval.samples=8",
+        "--eval.max_new_tokens=4",
+        "--eval.batch_size=4",
+        "--training.max_steps=3",
+        "--training.logging_steps=1",
+        "--training.per_device_train_batch_size=4",
+        "--training.warmup_steps=0",
+        "--training.lr_scheduler_type=constant",
+        *extra,
+    ]
 
 
 def reload_and_generate(model_dir: Path, adapter: bool) -> str:
     """Load the exported model in a fresh plain process and generate greedily."""
-    loader = ("from peft import AutoPeftModelForCausalLM as M" if adapter
-              else "from transformers import AutoModelForCausalLM as M")
+    loader = (
+        "from peft import AutoPeftModelForCausalLM as M"
+        if adapter
+        else "from transformers import AutoModelForCausalLM as M"
+    )
     code = f"""
 {loader}
 from transformers import AutoTokenizer
@@ -48,8 +63,16 @@ print("CLASS", type(model).__name__)
 
 def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, tiny_model_dir, launch):
     run_dir = tmp_path / "runs" / "lora"
-    res = launch(tiny_args(tiny_model_dir, "--training.lr_scaling=linear", "--training.lr_reference_batch_size=2",
-                           "--training.learning_rate=1e-3"), run_dir=run_dir, cwd=tmp_path)
+    res = launch(
+        tiny_args(
+            tiny_model_dir,
+            "--training.lr_scaling=linear",
+            "--training.lr_reference_batch_size=2",
+            "--training.learning_rate=1e-3",
+        ),
+        run_dir=run_dir,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.explain()
     rec = res.record
 
@@ -87,8 +110,14 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
 
     speed = rec["speed"]  # docs/speed.md: the defaults, read back from the live objects
     assert speed["layout"] == {"name": "padded", "packing_algorithm": None, "pad_to_multiple_of": None}
-    assert speed["loss_impl"] == {"requested": "auto", "resolved": "chunked", "reason": None, "chunk_tokens": 1024,
-                                  "compact": True, "logits_materialised": False}  # vocabulary 49,152
+    assert speed["loss_impl"] == {
+        "requested": "auto",
+        "resolved": "chunked",
+        "reason": None,
+        "chunk_tokens": 1024,
+        "compact": True,
+        "logits_materialised": False,
+    }  # vocabulary 49,152
     assert speed["attention"]["implementation"] == "sdpa" and speed["attention"]["sdpa_backends_policy"] == "auto"
     assert {"flash", "math"} <= set(speed["attention"]["sdpa_backends_enabled"])  # auto leaves the CPU's as they are
     assert speed["compile"]["enabled"] is False and speed["liger"]["fused_linear_cross_entropy"] is False
@@ -114,8 +143,11 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
     run_dir = tmp_path / "runs" / "full"
     run_dir.mkdir(parents=True)
     (run_dir / "stale.txt").write_text("from an earlier run")
-    res = launch(tiny_args(tiny_model_dir, "--method.name=full", "--eval.exact_match=false", "--overwrite"),
-                 run_dir=run_dir, cwd=tmp_path)
+    res = launch(
+        tiny_args(tiny_model_dir, "--method.name=full", "--eval.exact_match=false", "--overwrite"),
+        run_dir=run_dir,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.explain()
     assert not (run_dir / "stale.txt").exists()  # --overwrite replaced the directory
     rec = res.record
@@ -128,13 +160,23 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
 
 def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
     """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
-    is past the first 100, which preflight checks before launching (tests/launch/test_preflight.py), so
+    is past the first 100, which preflight checks before launching (tests/preflight/test_preflight.py), so
     it is found by the launched process while reading the data."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n' * 120 + '{"instruction": "c"}\n')
     run_dir = tmp_path / "runs" / "bad"
-    cmd = [sys.executable, "-m", "finetune.cli", "train", "--recipe", "demo", f"--model.name_or_path={tiny_model_dir}",
-           f"--data.path={data}", "--eval.exact_match=false", f"--run.output_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "train",
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={tiny_model_dir}",
+        f"--data.path={data}",
+        "--eval.exact_match=false",
+        f"--run.output_dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "train.jsonl row 121" in proc.stderr and "output" in proc.stderr
@@ -157,23 +199,56 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
 
     torch.manual_seed(0)
     model_dir = tmp_path / "tiny-gpt2"
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=512, n_embd=64, n_layer=2, n_head=4,
-                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=512,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     run_dir = tmp_path / "runs" / "gpt2"
-    res = launch(["--recipe", "demo", f"--model.name_or_path={model_dir}", "--method.name=full",
-                  "--data.padding_free=true", "--data.train_on_prompt=true", "--data.demo_train_size=12",
-                  "--eval.exact_match=false", "--training.max_steps=-1", "--training.num_train_epochs=1",
-                  "--training.per_device_train_batch_size=4", "--training.logging_steps=2", "--run.save_model=false"],
-                 run_dir=run_dir, cwd=tmp_path)
+    res = launch(
+        [
+            "--recipe",
+            "demo",
+            f"--model.name_or_path={model_dir}",
+            "--method.name=full",
+            "--data.padding_free=true",
+            "--data.train_on_prompt=true",
+            "--data.demo_train_size=12",
+            "--eval.exact_match=false",
+            "--training.max_steps=-1",
+            "--training.num_train_epochs=1",
+            "--training.per_device_train_batch_size=4",
+            "--training.logging_steps=2",
+            "--run.save_model=false",
+        ],
+        run_dir=run_dir,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.explain()
     rec = res.record
     assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 3, rec["summary"]
 
-    cfg = SimpleNamespace(path=str(run_dir / "data" / "train.jsonl"), format="auto", split="train", max_length=512,
-                          eval_fraction=0.0, train_on_prompt=True, system_prompt=None, chat_template=True,
-                          packing=False, on_bad_rows="error", max_samples=None)
+    cfg = SimpleNamespace(
+        path=str(run_dir / "data" / "train.jsonl"),
+        format="auto",
+        split="train",
+        max_length=512,
+        eval_fraction=0.0,
+        train_on_prompt=True,
+        system_prompt=None,
+        chat_template=True,
+        packing=False,
+        on_bad_rows="error",
+        max_samples=None,
+    )
     train = build_datasets(cfg, tokenizer, seed=42).train
     lengths = [len(ids) for ids in train["input_ids"]]
     assert len(lengths) == 12 and any(labels[0] != -100 for labels in train["labels"])  # label 0 is trained data
@@ -188,7 +263,9 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
 
     tp = rec["throughput"]
     assert "N = matmul weights of the live model" in tp["flops_convention"] and tp["mfu"] is None  # a CPU
-    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wte" not in name and "wpe" not in name)
+    n = sum(
+        p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "wte" not in name and "wpe" not in name
+    )
     n += model.get_output_embeddings().weight.numel()  # the tied LM head multiplies too
     attention = 12 * 2 * 64  # 12 L H Q
     assert 6 * n + attention * min(lengths) <= tp["flops_per_token"] <= 6 * n + attention * max(lengths), tp

@@ -1,29 +1,7 @@
-"""`--resume`: continue a run in its own run directory, from a complete checkpoint.
-
-    finetune train --recipe zero2 --run.name=exp1 --resume                  newest complete checkpoint of runs/exp1
-    finetune train --recipe zero2 --run.name=exp1 --resume=runs/exp1/checkpoint-200
-
-Trainer restores everything from the checkpoint (transformers 5.23 Trainer.train(
-resume_from_checkpoint=...)): weights (DeepSpeed through deepspeed_load_checkpoint, FSDP2
-through its sharded state dict), optimizer and scheduler, every rank's RNG state, and the data
-position (accelerate.skip_first_batches over the same seeded sampler). Checkpoints are only
-ever written at optimizer-step boundaries (Trainer saves from _maybe_log_save_evaluate, which
-runs after the optimizer step of the last micro-batch of an accumulation cycle), so a resumed
-run starts a fresh accumulation cycle exactly where the interrupted one would have.
-
-Under another number of processes the states are resharded and the effective batch and data
-position are kept: finetune/training/resume_plan.py decides (and refuses what cannot work)
-before anything loads; finetune/training/universal.py converts DeepSpeed checkpoints.
-
-What this module adds: reusing the existing run directory without deleting anything (newer
-checkpoints than the one resumed from are moved aside: finetune/training/checkpoints.py
-move_aside_newer), and continuing run.json: steps[] up to the checkpoint's step are kept, later
-ones (trained after the checkpoint, and about to be trained again) are dropped and counted, and
-`resumes` gets one entry per segment of the run (the first run is segment 0): step, world size,
-strategy, per-device batch, accumulation, when, and for a resume where from, how the states were
-resharded, what RNG streams continued and the data position. `summary.resumed_from` /
-`resumed_at_step` / `resumes` (count) / `resume_history` stay for schema-1 readers;
-resume_history is derived from the same entries.
+"""`--resume`: continue a run in its own run directory, from a complete checkpoint (docs/faults.md
+"Resume"). Trainer restores the states; this module keeps the run directory (nothing deleted) and
+continues run.json: steps[] up to the checkpoint's step, one `resumes` segment per launch, the
+schema-1 summary fields, and the command that resumes a preempted run.
 """
 
 from __future__ import annotations
@@ -34,9 +12,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from finetune.checkpointing import checkpoints, provenance
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, load
-from finetune.training import checkpoint_facts, checkpoints
 
 
 def first_segment(rec) -> None:
@@ -45,7 +23,18 @@ def first_segment(rec) -> None:
 
 
 def _layout(view) -> dict:
-    return checkpoint_facts.layout(view.get("strategy", default={}), view.get("batch", default={}))
+    return provenance.layout(view.get("strategy", default={}), view.get("batch", default={}))
+
+
+def set_aside_newer(state, run_dir: Path, step: int, rec=None) -> None:
+    """Checkpoints newer than the one resumed from, moved aside on rank 0 (a resumed run would save
+    into them; checkpoints.move_aside_newer), and noted in the current segment."""
+    from finetune.launch.ranks import run_on_main
+
+    moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, step))
+    if rec:
+        note_segment(rec, superseded=[new for _, new in moved])
+        rec.write()
 
 
 def note_segment(rec, **fields) -> None:
@@ -73,18 +62,33 @@ LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", 
 
 def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
-    and open this segment. `plan`: the ResumePlan (finetune/training/resume_plan.py)."""
+    and open this segment. `plan`: the ResumePlan (finetune/checkpointing/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
     old_path = run_dir / "run.json"
     old = RecordView(load(old_path)) if old_path.is_file() else None
-    entry = {"step": step, "from": str(ckpt), "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-             **dict.fromkeys(LAYOUT_KEYS), "previous_status": None, "steps_discarded": 0, "superseded": []}
+    entry = {
+        "step": step,
+        "from": str(ckpt),
+        "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **dict.fromkeys(LAYOUT_KEYS),
+        "previous_status": None,
+        "steps_discarded": 0,
+        "superseded": [],
+    }
     if plan is not None:
-        entry.update(world_size=plan.world_size, strategy=plan.strategy, offload=plan.offload,
-                     per_device=plan.per_device, grad_accum=plan.grad_accum,
-                     effective=plan.world_size * plan.per_device * plan.grad_accum,
-                     from_world_size=plan.written["world_size"], reshard=plan.reshard, rng=plan.rng,
-                     rng_ranks=plan.rng_ranks, position=plan.position)
+        entry.update(
+            world_size=plan.world_size,
+            strategy=plan.strategy,
+            offload=plan.offload,
+            per_device=plan.per_device,
+            grad_accum=plan.grad_accum,
+            effective=plan.effective_now,
+            from_world_size=plan.written["world_size"],
+            reshard=plan.reshard,
+            rng=plan.rng,
+            rng_ranks=plan.rng_ranks,
+            position=plan.position,
+        )
     segments = []
     if old is not None:
         steps = old.get("steps", default=[])
@@ -97,8 +101,14 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     segments.append(entry)
     rec.set("resumes", segments)
     history = [{k: s.get(k) for k in HISTORY_KEYS} for s in segments if s.get("from")]
-    rec.update("summary", resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history),
-               resume_history=history, steps=step)
+    rec.update(
+        "summary",
+        resumed_from=str(ckpt),
+        resumed_at_step=step,
+        resumes=len(history),
+        resume_history=history,
+        steps=step,
+    )
 
 
 def keep_previous_record(run_dir: Path) -> Path | None:
@@ -144,8 +154,14 @@ def resume_command(run_dir: Path, *, effective: int | None = None, per_device: i
     so it works from any directory. With the effective batch and per-device batch, a second line
     says which other process counts keep the effective batch. An explicit accumulation is left
     out: on resume it is recomputed from the checkpoint for whatever count the launch has."""
-    argv = [a for a in sys.argv[1:] if a != "--overwrite" and not a.startswith("--resume")
-            and not a.startswith("--run.output_dir") and not a.startswith("--training.gradient_accumulation_steps")]
+    argv = [
+        a
+        for a in sys.argv[1:]
+        if a != "--overwrite"
+        and not a.startswith("--resume")
+        and not a.startswith("--run.output_dir")
+        and not a.startswith("--training.gradient_accumulation_steps")
+    ]
     argv.append(f"--run.output_dir={run_dir.resolve()}")
     config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
     env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
@@ -153,10 +169,12 @@ def resume_command(run_dir: Path, *, effective: int | None = None, per_device: i
     script = Path(sys.argv[0]).resolve()
     command = f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
     if effective and per_device:
-        from finetune.training.resume_plan import allowed_world_sizes
+        from finetune.checkpointing.resume_plan import allowed_world_sizes
 
         counts = ", ".join(map(str, allowed_world_sizes(effective, per_device)))
-        command += (f"\n  on another number of GPUs too: add --num_processes M with M in {{{counts}}} (M x {per_device} "
-                    f"per device must divide the effective batch {effective}; gradient accumulation is recomputed), "
-                    f"or more with a smaller --training.per_device_train_batch_size")
+        command += (
+            f"\n  on another number of GPUs too: add --num_processes M with M in {{{counts}}} (M x {per_device} "
+            f"per device must divide the effective batch {effective}; gradient accumulation is recomputed), "
+            f"or more with a smaller --training.per_device_train_batch_size"
+        )
     return command

@@ -1,30 +1,10 @@
 """Resuming under another launch: what wrote the checkpoint, what this launch sets up, what is
-refused, and how the effective batch and the data position are kept (docs/faults.md).
+refused, and how the effective batch and the data position are kept (docs/faults.md "Resume on
+another number of GPUs").
 
-    written = read(ckpt)                       the marker's `run` block (finetune/training/checkpoint_facts.py)
+    written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan
     apply(p, cfg)                              accumulation, per-device batch, run.strategy for this launch
-
-Both `finetune train` (before `accelerate launch` starts anything: preflight_problems) and every
-launched process (before any weights load: finetune/training/run.py) plan the same way.
-
-Why keeping the effective batch E is enough for the data position (transformers 5.23 Trainer,
-accelerate 1.15; tests/training/test_resume_plan.py replays it with accelerate's own samplers):
-accelerate swaps Trainer's RandomSampler for SeedableRandomSampler (one permutation per epoch,
-seeded by seed + epoch, the same at any world size), BatchSamplerShard gives rank r the
-per-device batches r, r+N, ..., and Trainer skips `(global_step % steps_per_epoch) x accumulation`
-batches per rank on resume. So optimizer step s of an epoch trains rows perm[s*E:(s+1)*E] for
-every N x A x B = E, and steps_per_epoch = ceil(rows / E) whatever the factors. Hence: refuse
-what changes E, recompute the accumulation A' = E / (M x B'), and on a layout change refuse what
-makes the order depend on the layout (dataloader_drop_last, length-grouped or rebalancing samplers,
-split/dispatch/uneven batches, no seedable sampler, auto_find_batch_size, ignore_data_skip) or
-on other data (seed, data_seed, the rows themselves: check_data). The plan also replays Trainer's
-skip arithmetic for the new layout and refuses if it would not land on the same sample.
-
-Strategy families: a checkpoint resumes only within its family; offload may differ within one.
-single/ddp hold whole states (nothing to reshard); FSDP2 saves a torch distributed checkpoint,
-which loads under any world size as it is; ZeRO partitions are resharded through DeepSpeed's
-universal checkpoint (finetune/training/universal.py).
 """
 
 from __future__ import annotations
@@ -33,18 +13,35 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.batch import effective_batch
+from finetune.checkpointing import checkpoints, rng
+from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
 from finetune.errors import ConfigError, UserError
+from finetune.launch.plan import LaunchPlan
 from finetune.strategies import STRATEGIES
-from finetune.training import checkpoints, rng
-from finetune.training.checkpoint_facts import Written, data_order_settings, method_identity, model_identity, read
 
-FAMILIES = {"single": "single/ddp", "ddp": "single/ddp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-            "fsdp": "fsdp"}
-RESHARD = {"single/ddp": "replicated", "zero1": "universal", "zero2": "universal", "zero3": "universal",
-           "fsdp": "dcp"}  # how states move to another world size
+FAMILIES = {
+    "single": "single/ddp",
+    "ddp": "single/ddp",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "fsdp": "fsdp",
+}
+RESHARD = {
+    "single/ddp": "replicated",
+    "zero1": "universal",
+    "zero2": "universal",
+    "zero3": "universal",
+    "fsdp": "dcp",
+}  # how states move to another world size
 # Data-loader settings under which the rows of a step depend on the layout (see the module docstring).
-ACCELERATOR_ORDER = {"split_batches": True, "dispatch_batches": True, "even_batches": False,
-                     "use_seedable_sampler": False}  # value that breaks it
+ACCELERATOR_ORDER = {
+    "split_batches": True,
+    "dispatch_batches": True,
+    "even_batches": False,
+    "use_seedable_sampler": False,
+}  # value that breaks it
 
 
 @dataclass
@@ -83,9 +80,18 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def effective_now(self) -> int:
+        """The effective batch under this launch (the checkpoint's, unless it did not record one)."""
+        return effective_batch(self.per_device, self.grad_accum, self.world_size)
+
+    @property
     def layout_changed(self) -> bool:
         w = self.written
-        return (self.world_size, self.per_device, self.grad_accum) != (w["world_size"], w["per_device"], w["grad_accum"])
+        return (self.world_size, self.per_device, self.grad_accum) != (
+            w["world_size"],
+            w["per_device"],
+            w["grad_accum"],
+        )
 
 
 def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> Launch:
@@ -93,10 +99,19 @@ def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides:
 
     explicit = parse_overrides(list(overrides))[0].get("training", {})
     a = cfg.training.args
-    return Launch(strategy=strategy, offload=offload, world_size=world_size, per_device=a["per_device_train_batch_size"],
-                  grad_accum=a["gradient_accumulation_steps"], explicit=explicit, method=method_identity(cfg.method),
-                  model=model_identity(cfg.model), data=data_order_settings(cfg), training=dict(a),
-                  lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0))
+    return Launch(
+        strategy=strategy,
+        offload=offload,
+        world_size=world_size,
+        per_device=a["per_device_train_batch_size"],
+        grad_accum=a["gradient_accumulation_steps"],
+        explicit=explicit,
+        method=method_identity(cfg.method),
+        model=model_identity(cfg.model),
+        data=data_order_settings(cfg),
+        training=dict(a),
+        lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0),
+    )
 
 
 # --- the plan ------------------------------------------------------------------------------------------
@@ -114,10 +129,12 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     problems: list[str] = []
     old_family, new_family = FAMILIES.get(w.strategy or ""), FAMILIES.get(launch.strategy)
     if w.strategy is not None and old_family != new_family:
-        problems.append(f"{name} was written by {w.strategy} ({N} rank(s)); this launch sets up {launch.strategy} "
-                        f"({M} process(es)). A checkpoint resumes only under its own strategy family (single/ddp, "
-                        f"zero2, zero3, fsdp; offload may differ): launch with {_config_of(w.strategy)} "
-                        f"(any --num_processes)")
+        problems.append(
+            f"{name} was written by {w.strategy} ({N} rank(s)); this launch sets up {launch.strategy} "
+            f"({M} process(es)). A checkpoint resumes only under its own strategy family (single/ddp, "
+            f"zero2, zero3, fsdp; offload may differ): launch with {_config_of(w.strategy)} "
+            f"(any --num_processes)"
+        )
     problems += _identity_problems(name, "method", w.method, launch.method)
     problems += _identity_problems(name, "model", w.model, launch.model)
     per_device = launch.explicit.get("per_device_train_batch_size", w.per_device or launch.per_device)
@@ -126,22 +143,28 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     if E is None:  # an old checkpoint: only its own layout is known to work
         grad_accum = launch.explicit.get("gradient_accumulation_steps", launch.grad_accum)
         if M != N:
-            problems.append(f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
-                            f"world size that wrote it: --num_processes {N}")
+            problems.append(
+                f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
+                f"world size that wrote it: --num_processes {N}"
+            )
     elif E % (M * per_device):
         allowed = allowed_world_sizes(E, per_device)
         use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
-        problems.append(f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
-                        f"accumulation {w.grad_accum}; {M} process(es) x {per_device} per device cannot make {E} "
-                        f"({E}/{M * per_device} is not a whole accumulation). Use {use}"
-                        f"--training.per_device_train_batch_size so that processes x per-device divides {E}")
+        problems.append(
+            f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
+            f"accumulation {w.grad_accum}; {M} process(es) x {per_device} per device cannot make {E} "
+            f"({E}/{M * per_device} is not a whole accumulation). Use {use}"
+            f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
+        )
     else:
         grad_accum = E // (M * per_device)
         given = launch.explicit.get("gradient_accumulation_steps")
         if given is not None and given != grad_accum:
-            problems.append(f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
-                            f"{E}: {M} x {per_device} x {given} = {M * per_device * given}; leave it out (on resume it "
-                            f"is recomputed, here {grad_accum}) or make the product {E}")
+            problems.append(
+                f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
+                f"{E}: {M} x {per_device} x {given} = {M * per_device * given}; leave it out (on resume it "
+                f"is recomputed, here {grad_accum}) or make the product {E}"
+            )
     # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
     layout = (M, per_device, grad_accum) != (N, w.per_device or per_device, w.grad_accum or grad_accum)
     problems += _order_problems(name, w, launch, layout)
@@ -157,20 +180,40 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     state = "restored" if M == N and len(ranks) == M else "partial" if ranks else "fresh"
     notes = []
     if M != N and launch.lora_dropout > 0:
-        notes.append(f"method.lora_dropout {launch.lora_dropout} > 0: across a world-size change the per-rank random "
-                     f"streams differ, so losses continue statistically, not bitwise")
-    return ResumePlan(checkpoint=w.checkpoint, step=w.step,
-                      written={"world_size": N, "strategy": w.strategy, "offload": w.offload,
-                               "per_device": w.per_device, "grad_accum": w.grad_accum, "effective": E},
-                      world_size=M, strategy=launch.strategy, offload=launch.offload, per_device=per_device,
-                      grad_accum=grad_accum, effective=E, reshard=_reshard(family, M != N, w.offload, launch.offload),
-                      rng=state, rng_ranks=ranks, position=position, data=w.data, notes=notes)
+        notes.append(
+            f"method.lora_dropout {launch.lora_dropout} > 0: across a world-size change the per-rank random "
+            f"streams differ, so losses continue statistically, not bitwise"
+        )
+    return ResumePlan(
+        checkpoint=w.checkpoint,
+        step=w.step,
+        written={
+            "world_size": N,
+            "strategy": w.strategy,
+            "offload": w.offload,
+            "per_device": w.per_device,
+            "grad_accum": w.grad_accum,
+            "effective": E,
+        },
+        world_size=M,
+        strategy=launch.strategy,
+        offload=launch.offload,
+        per_device=per_device,
+        grad_accum=grad_accum,
+        effective=E,
+        reshard=_reshard(family, M != N, w.offload, launch.offload),
+        rng=state,
+        rng_ranks=ranks,
+        position=position,
+        data=w.data,
+        notes=notes,
+    )
 
 
 def _reshard(family: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
     """How the states reach this launch. DeepSpeed also goes through the universal checkpoint when
     only the offload changes: that is the path shown to work across offload (ZeRO-2 -> ZeRO-2 with
-    the optimizer offloaded, research/17 run F1); its own loader is not known to."""
+    the optimizer offloaded, measured on CPU); its own loader is not known to."""
     if RESHARD[family] == "universal" and old_offload not in (None, new_offload):
         return "universal"
     return RESHARD[family] if world_changes else "none"
@@ -187,6 +230,7 @@ def _identity_problems(name: str, what: str, old: dict | None, new: dict) -> lis
     keys = [k for k in old if k in new and old[k] is not None and new[k] is not None and old[k] != new[k]]
     if not keys:
         return []
+
     def short(v):  # a SHA-256 by its first 12 hex digits
         return v[:12] if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v) else v
 
@@ -199,33 +243,46 @@ def _order_problems(name: str, w: Written, launch: Launch, layout: bool) -> list
     data = w.data or {}
     for key, flag in (("seed", "training.seed"), ("data_seed", "training.data_seed")):
         if key in data and data[key] != launch.data.get(key):
-            problems.append(f"{flag} is {launch.data.get(key)!r} but {name} was trained with {data[key]!r}: the data "
-                            f"order, and so the position resumed at, depends on it; resume with --{flag}={data[key]}")
+            problems.append(
+                f"{flag} is {launch.data.get(key)!r} but {name} was trained with {data[key]!r}: the data "
+                f"order, and so the position resumed at, depends on it; resume with --{flag}={data[key]}"
+            )
     if not layout:
         return problems
     why = f"the layout changes ({w.world_size} -> {launch.world_size} process(es))"
     a = launch.training
     if a.get("dataloader_drop_last"):
-        problems.append(f"training.dataloader_drop_last: true and {why}: the number of steps per epoch depends on "
-                        f"the world size and per-device batch, so the data position cannot be kept")
+        problems.append(
+            f"training.dataloader_drop_last: true and {why}: the number of steps per epoch depends on "
+            f"the world size and per-device batch, so the data position cannot be kept"
+        )
     if a.get("train_sampling_strategy", "random") not in ("random", "sequential"):
-        problems.append(f"training.train_sampling_strategy: {a['train_sampling_strategy']} and {why}: its order depends "
-                        f"on per-device batch x accumulation (LengthGroupedSampler) or on the ranks "
-                        f"(BatchRebalanceSampler); resume with the original layout or use random")
+        problems.append(
+            f"training.train_sampling_strategy: {a['train_sampling_strategy']} and {why}: its order depends "
+            f"on per-device batch x accumulation (LengthGroupedSampler) or on the ranks "
+            f"(BatchRebalanceSampler); resume with the original layout or use random"
+        )
     for key in ("auto_find_batch_size", "ignore_data_skip"):
         if a.get(key):
             problems.append(f"training.{key}: true and {why}: the data position would not be kept")
     acc = a.get("accelerator_config") if isinstance(a.get("accelerator_config"), dict) else {}
     for key, bad in ACCELERATOR_ORDER.items():
         if key in acc and bool(acc[key]) == bad:
-            problems.append(f"training.accelerator_config.{key}: {acc[key]} and {why}: the rows of a step depend "
-                            f"on the layout; resume with the original layout")
+            problems.append(
+                f"training.accelerator_config.{key}: {acc[key]} and {why}: the rows of a step depend "
+                f"on the layout; resume with the original layout"
+            )
     shards = [f for f in w.files if "_rank" in Path(f).name and f.endswith(".bin") and "fsdp" in f]
     if w.world_size != launch.world_size and shards:
-        problems.append(f"{name} holds per-rank FSDP state files ({shards[0]}, ...) rather than a torch distributed "
-                        f"checkpoint, which cannot be resharded; resume with --num_processes {w.world_size}")
-    if w.world_size != launch.world_size and FAMILIES.get(w.strategy or "", "").startswith("zero") \
-            and "latest" not in w.files:
+        problems.append(
+            f"{name} holds per-rank FSDP state files ({shards[0]}, ...) rather than a torch distributed "
+            f"checkpoint, which cannot be resharded; resume with --num_processes {w.world_size}"
+        )
+    if (
+        w.world_size != launch.world_size
+        and FAMILIES.get(w.strategy or "", "").startswith("zero")
+        and "latest" not in w.files
+    ):
         problems.append(f"{name} has no DeepSpeed `latest` file; it cannot be converted for another world size")
     return problems
 
@@ -238,9 +295,11 @@ def _position(name: str, w: Written, M: int, B: int, A: int) -> tuple[dict | Non
     new_steps = math.ceil(math.ceil(math.ceil(D / B) / M) / A)  # Trainer: ceil(len(dataloader) / accumulation)
     skipped = (w.step % new_steps) * A * B * M  # Trainer: (global_step % steps) x accumulation batches per rank
     if new_steps != per_epoch or skipped != into:
-        return None, (f"{name}: at {M} process(es) x {B} per device x accumulation {A} an epoch of {D} rows has "
-                      f"{new_steps} steps and Trainer would skip {skipped} samples, not {per_epoch} steps and "
-                      f"{into}: the data position would not be kept; resume with the original layout")
+        return None, (
+            f"{name}: at {M} process(es) x {B} per device x accumulation {A} an epoch of {D} rows has "
+            f"{new_steps} steps and Trainer would skip {skipped} samples, not {per_epoch} steps and "
+            f"{into}: the data position would not be kept; resume with the original layout"
+        )
     return {"epoch": w.step // per_epoch, "samples_into_epoch": into, "samples_per_epoch": D}, None
 
 
@@ -257,10 +316,12 @@ def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
     """Once the data is built, before the model loads: the rows must be the checkpoint's."""
     d = p.data or {}
     if d.get("train_rows") not in (None, rows) or d.get("fingerprint") not in (None, fingerprint):
-        raise UserError(f"--resume {p.checkpoint}: the training data differs from the data it was trained on "
-                        f"({d.get('train_rows')} rows, fingerprint {str(d.get('fingerprint'))[:12]}; now {rows} rows, "
-                        f"{fingerprint[:12]}): the position resumed at would be meaningless. Resume with the same "
-                        f"data and data settings, or start a new run")
+        raise UserError(
+            f"--resume {p.checkpoint}: the training data differs from the data it was trained on "
+            f"({d.get('train_rows')} rows, fingerprint {str(d.get('fingerprint'))[:12]}; now {rows} rows, "
+            f"{fingerprint[:12]}): the position resumed at would be meaningless. Resume with the same "
+            f"data and data settings, or start a new run"
+        )
 
 
 def locate(cfg, resume: str) -> tuple[str, Path, Path]:
@@ -270,24 +331,33 @@ def locate(cfg, resume: str) -> tuple[str, Path, Path]:
     name = cfg.run.name or rundir.default_run_name(cfg.recipe)
     run_dir = rundir.resolve_run_dir(name, cfg.run.output_dir)
     if cfg.run.overwrite:
-        raise UserError("--resume and --overwrite contradict each other: --overwrite deletes the run directory "
-                        "that --resume continues; drop one of them")
+        raise UserError(
+            "--resume and --overwrite contradict each other: --overwrite deletes the run directory "
+            "that --resume continues; drop one of them"
+        )
     return name, run_dir, checkpoints.resolve(resume, run_dir)
 
 
-def for_launch(cfg, facts, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
-    """Locate the checkpoint and plan for the launch `facts` describe (finetune/launch/facts.py)."""
+def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
+    """Locate the checkpoint and plan for `launch` (finetune/launch/plan.py)."""
     name, run_dir, ckpt = locate(cfg, resume)
-    strategy, offload = facts.strategy()
-    return name, run_dir, plan(read(ckpt), launch_from(cfg, strategy=strategy, offload=offload,
-                                                       world_size=facts.num_processes, overrides=overrides))
+    return (
+        name,
+        run_dir,
+        plan(
+            read(ckpt),
+            launch_from(
+                cfg, strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size, overrides=overrides
+            ),
+        ),
+    )
 
 
-def preflight_problems(cfg, facts, resume: str, overrides: list[str]) -> list[str]:
-    """For `finetune train --resume` (finetune/launch/preflight.py check_launch): the refusals, as
+def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> list[str]:
+    """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
     problems, before any process starts; the plan is applied to `cfg` for the other checks."""
     try:
-        _, _, p = for_launch(cfg, facts, resume, overrides)
+        _, _, p = for_launch(cfg, launch, resume, overrides)
     except ConfigError as e:
         return [f"{e.source}: {problem}" for problem in e.problems]
     except UserError as e:
@@ -296,32 +366,45 @@ def preflight_problems(cfg, facts, resume: str, overrides: list[str]) -> list[st
     return []
 
 
-RESHARD_WORDS = {"none": "states load as saved (same world size)",
-                 "replicated": "model and optimizer states are whole in the checkpoint (single/DDP): loaded as they are",
-                 "dcp": "FSDP2 sharded states (torch distributed checkpoint) resharded on load",
-                 "universal": "DeepSpeed states resharded through a universal checkpoint"}
+RESHARD_WORDS = {
+    "none": "states load as saved (same world size)",
+    "replicated": "model and optimizer states are whole in the checkpoint (single/DDP): loaded as they are",
+    "dcp": "FSDP2 sharded states (torch distributed checkpoint) resharded on load",
+    "universal": "DeepSpeed states resharded through a universal checkpoint",
+}
 
 
 def describe(p: ResumePlan) -> str:
     """The console lines (rank 0, before the model loads)."""
     w = p.written
-    old = (f"{w['world_size']} rank(s) x {w['per_device']} per device x accumulation {w['grad_accum']} = effective "
-           f"batch {w['effective']}" if w["effective"] else f"{w['world_size']} rank(s) (batch layout not recorded)")
+    old = (
+        f"{w['world_size']} rank(s) x {w['per_device']} per device x accumulation {w['grad_accum']} = effective "
+        f"batch {w['effective']}"
+        if w["effective"]
+        else f"{w['world_size']} rank(s) (batch layout not recorded)"
+    )
     kept = "kept" if p.effective else "as configured"
-    lines = [f"resuming {p.checkpoint} (step {p.step}): written by {old} ({w['strategy'] or 'strategy not recorded'})",
-             f"  now {p.world_size} process(es) x {p.per_device} per device x accumulation {p.grad_accum} = effective "
-             f"batch {p.world_size * p.per_device * p.grad_accum} ({kept}), {p.strategy}",
-             f"  states: {RESHARD_WORDS[p.reshard]}"]
+    lines = [
+        f"resuming {p.checkpoint} (step {p.step}): written by {old} ({w['strategy'] or 'strategy not recorded'})",
+        f"  now {p.world_size} process(es) x {p.per_device} per device x accumulation {p.grad_accum} = effective "
+        f"batch {p.effective_now} ({kept}), {p.strategy}",
+        f"  states: {RESHARD_WORDS[p.reshard]}",
+    ]
     if p.position:
         pos = p.position
-        lines.append(f"  data position: epoch {pos['epoch']}, sample {pos['samples_into_epoch']} of "
-                     f"{pos['samples_per_epoch']} (kept in samples: the same rows per step as without the interruption)")
+        lines.append(
+            f"  data position: epoch {pos['epoch']}, sample {pos['samples_into_epoch']} of "
+            f"{pos['samples_per_epoch']} (kept in samples: the same rows per step as without the interruption)"
+        )
     if p.rng == "restored":
         lines.append("  RNG: every rank continues its own stream")
     else:
         lost = [r for r in range(w["world_size"]) if r >= p.world_size]
-        lines.append(f"  RNG ({p.rng}): rank(s) {p.rng_ranks or 'none'} continue the stream of the same old rank; "
-                     f"the others start from training.seed" + (f"; old rank(s) {lost} not continued" if lost else "")
-                     + " (per-rank streams cannot follow a world-size change)")
+        lines.append(
+            f"  RNG ({p.rng}): rank(s) {p.rng_ranks or 'none'} continue the stream of the same old rank; "
+            f"the others start from training.seed"
+            + (f"; old rank(s) {lost} not continued" if lost else "")
+            + " (per-rank streams cannot follow a world-size change)"
+        )
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """Resuming under another launch, without a launch: the plan's refusals and arithmetic
-(finetune/training/resume_plan.py), the data order it relies on (replayed with accelerate's own
+(finetune/checkpointing/resume_plan.py), the data order it relies on (replayed with accelerate's own
 samplers), checkpoints moved aside, RNG streams, the record's `resumes` and the preflight refusal
 before any process starts. The launches (2 -> 1 and 1 -> 2 per strategy) are in
 tests/training/test_strategies.py."""
@@ -13,33 +13,60 @@ from pathlib import Path
 
 import pytest
 
+from finetune.checkpointing import checkpoints, resume, resume_plan, rng
+from finetune.checkpointing import provenance as checkpoint_facts
+from finetune.checkpointing.provenance import Written
+from finetune.checkpointing.resume_plan import Launch, plan
 from finetune.errors import ConfigError, UserError
-from finetune.training import checkpoint_facts, checkpoints, resume, resume_plan, rng
-from finetune.training.checkpoint_facts import Written
-from finetune.training.resume_plan import Launch, plan
 
 LORA = {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 MODEL = {"name_or_path": "/models/tiny", "revision": None, "config_sha256": "a" * 64}
-DATA = {"train_rows": 64, "fingerprint": "f" * 64, "seed": 42, "data_seed": None, "sampling": "random",
-        "drop_last": False, "packing": False}
+DATA = {
+    "train_rows": 64,
+    "fingerprint": "f" * 64,
+    "seed": 42,
+    "data_seed": None,
+    "sampling": "random",
+    "drop_last": False,
+    "packing": False,
+}
 TWO_RANK_FILES = ["optimizer.pt", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
 
 
 def written(strategy="zero2", world=2, per_device=4, accum=1, step=3, files=TWO_RANK_FILES, **kw) -> Written:
-    w = Written(checkpoint=f"/runs/x/checkpoint-{step}", step=step, world_size=world, source="marker",
-                files=list(files) + (["latest"] if str(strategy).startswith("zero") else []), strategy=strategy,
-                offload="none", per_device=per_device, grad_accum=accum,
-                effective=None if None in (per_device, accum) else world * per_device * accum,
-                method=dict(LORA), model=dict(MODEL), data=dict(DATA))
+    w = Written(
+        checkpoint=f"/runs/x/checkpoint-{step}",
+        step=step,
+        world_size=world,
+        source="marker",
+        files=list(files) + (["latest"] if str(strategy).startswith("zero") else []),
+        strategy=strategy,
+        offload="none",
+        per_device=per_device,
+        grad_accum=accum,
+        effective=None if None in (per_device, accum) else world * per_device * accum,
+        method=dict(LORA),
+        model=dict(MODEL),
+        data=dict(DATA),
+    )
     for key, value in kw.items():
         setattr(w, key, value)
     return w
 
 
 def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, training=None, **kw) -> Launch:
-    base = Launch(strategy=strategy, offload="none", world_size=world, per_device=per_device, grad_accum=accum,
-                  explicit=explicit or {}, method=dict(LORA), model=dict(MODEL), data={k: DATA[k] for k in
-                  ("seed", "data_seed", "sampling", "drop_last", "packing")}, training=training or {})
+    base = Launch(
+        strategy=strategy,
+        offload="none",
+        world_size=world,
+        per_device=per_device,
+        grad_accum=accum,
+        explicit=explicit or {},
+        method=dict(LORA),
+        model=dict(MODEL),
+        data={k: DATA[k] for k in ("seed", "data_seed", "sampling", "drop_last", "packing")},
+        training=training or {},
+    )
     for key, value in kw.items():
         setattr(base, key, value)
     return base
@@ -55,15 +82,18 @@ def refusals(w: Written, la: Launch) -> list[str]:
 # --- the effective batch: accumulation recomputed ------------------------------------------------
 
 
-@pytest.mark.parametrize("old, new, explicit, want", [
-    ((2, 4, 1), (1, 4), {}, (4, 2)),  # 2 ranks x 4 x 1 -> 1 process: accumulation 2 (the issue's case)
-    ((1, 4, 2), (2, 4), {}, (4, 1)),  # 1 -> 2
-    ((2, 4, 1), (2, 4), {}, (4, 1)),  # same layout
-    ((2, 4, 1), (4, 4), {"per_device_train_batch_size": 2}, (2, 1)),  # 2 -> 4 with a smaller per-device batch
-    ((2, 4, 1), (1, 4), {"per_device_train_batch_size": 2}, (2, 4)),
-    ((4, 2, 1), (1, 8), {}, (2, 4)),  # the checkpoint's per-device batch wins over the recipe's (8)
-    ((2, 4, 2), (4, 4), {}, (4, 1)),
-])
+@pytest.mark.parametrize(
+    "old, new, explicit, want",
+    [
+        ((2, 4, 1), (1, 4), {}, (4, 2)),  # 2 ranks x 4 x 1 -> 1 process: accumulation 2 (the issue's case)
+        ((1, 4, 2), (2, 4), {}, (4, 1)),  # 1 -> 2
+        ((2, 4, 1), (2, 4), {}, (4, 1)),  # same layout
+        ((2, 4, 1), (4, 4), {"per_device_train_batch_size": 2}, (2, 1)),  # 2 -> 4 with a smaller per-device batch
+        ((2, 4, 1), (1, 4), {"per_device_train_batch_size": 2}, (2, 4)),
+        ((4, 2, 1), (1, 8), {}, (2, 4)),  # the checkpoint's per-device batch wins over the recipe's (8)
+        ((2, 4, 2), (4, 4), {}, (4, 1)),
+    ],
+)
 def test_accumulation_is_recomputed_to_keep_the_effective_batch(old, new, explicit, want):
     N, B, A = old
     p = plan(written(world=N, per_device=B, accum=A), launch(world=new[0], per_device=new[1], explicit=explicit))
@@ -124,10 +154,15 @@ def test_another_family_method_and_model_are_refused_together_naming_what_differ
 
 
 def test_layout_dependent_data_order_is_refused_only_when_the_layout_changes():
-    breaking = [{"dataloader_drop_last": True}, {"train_sampling_strategy": "group_by_length"},
-                {"train_sampling_strategy": "batch_rebalance"}, {"ignore_data_skip": True},
-                {"auto_find_batch_size": True}, {"accelerator_config": {"even_batches": False}},
-                {"accelerator_config": {"split_batches": True}}]
+    breaking = [
+        {"dataloader_drop_last": True},
+        {"train_sampling_strategy": "group_by_length"},
+        {"train_sampling_strategy": "batch_rebalance"},
+        {"ignore_data_skip": True},
+        {"auto_find_batch_size": True},
+        {"accelerator_config": {"even_batches": False}},
+        {"accelerator_config": {"split_batches": True}},
+    ]
     for training in breaking:
         (msg,) = refusals(written(world=2), launch(world=1, training=training))
         assert "the layout changes (2 -> 1 process(es))" in msg, msg
@@ -140,13 +175,24 @@ def test_another_seed_is_refused_and_other_data_is_refused_once_built():
     assert "training.seed is 7 but checkpoint-3 was trained with 42" in msg and "--training.seed=42" in msg, msg
     p = plan(written(), launch(world=1))
     resume_plan.check_data(p, rows=64, fingerprint="f" * 64)
-    with pytest.raises(UserError, match=r"the training data differs .*\(64 rows, fingerprint ffffffffffff; now 63 rows"):
+    with pytest.raises(
+        UserError, match=r"the training data differs .*\(64 rows, fingerprint ffffffffffff; now 63 rows"
+    ):
         resume_plan.check_data(p, rows=63, fingerprint="e" * 64)
 
 
 def test_a_checkpoint_without_its_layout_resumes_only_at_its_world_size():
-    old = written(world=2, strategy=None, per_device=None, accum=None, effective=None, method=None, model=None,
-                  data=None, source="marker (world size only)")
+    old = written(
+        world=2,
+        strategy=None,
+        per_device=None,
+        accum=None,
+        effective=None,
+        method=None,
+        model=None,
+        data=None,
+        source="marker (world size only)",
+    )
     (msg,) = refusals(old, launch(world=1))
     assert "does not record its batch layout" in msg and "--num_processes 2" in msg, msg
     p = plan(old, launch(world=2, accum=1))
@@ -184,8 +230,10 @@ def _order(rows, B, N, A, max_steps, resume_at=0, drop_last=False):
     steps = []
     for epoch in range(resume_at // per_epoch, math.ceil(max_steps / per_epoch)):
         first = epoch == resume_at // per_epoch
-        its = [iter(list(SkipBatchSampler(per_rank(r, epoch), skip) if first and skip else per_rank(r, epoch)))
-               for r in range(N)]
+        its = [
+            iter(list(SkipBatchSampler(per_rank(r, epoch), skip) if first and skip else per_rank(r, epoch)))
+            for r in range(N)
+        ]
         for u in range(skip // A if first else 0, per_epoch):
             n = A if u < per_epoch - 1 else (len_dl % A or A)
             steps.append(sorted(i for it in its for _ in range(n) for i in next(it, [])))
@@ -194,13 +242,16 @@ def _order(rows, B, N, A, max_steps, resume_at=0, drop_last=False):
     return steps
 
 
-@pytest.mark.parametrize("rows, old, new, steps, at", [
-    (64, (4, 2, 1), (4, 1, 2), 5, 3),  # the tests' case: 2 ranks -> 1 process
-    (64, (4, 1, 2), (4, 2, 1), 5, 3),  # 1 -> 2
-    (64, (2, 4, 1), (2, 1, 4), 24, 11),  # 4 -> 1 in the second of three epochs
-    (64, (4, 2, 2), (4, 4, 1), 12, 5),  # across an epoch boundary
-    (64, (4, 2, 1), (2, 4, 1), 12, 5),  # per-device batch 4 -> 2 on 4 processes
-])
+@pytest.mark.parametrize(
+    "rows, old, new, steps, at",
+    [
+        (64, (4, 2, 1), (4, 1, 2), 5, 3),  # the tests' case: 2 ranks -> 1 process
+        (64, (4, 1, 2), (4, 2, 1), 5, 3),  # 1 -> 2
+        (64, (2, 4, 1), (2, 1, 4), 24, 11),  # 4 -> 1 in the second of three epochs
+        (64, (4, 2, 2), (4, 4, 1), 12, 5),  # across an epoch boundary
+        (64, (4, 2, 1), (2, 4, 1), 12, 5),  # per-device batch 4 -> 2 on 4 processes
+    ],
+)
 def test_keeping_the_effective_batch_keeps_the_rows_of_every_step(rows, old, new, steps, at):
     """(per-device B, processes N, accumulation A): interrupted at step `at` and resumed under the
     other layout, every later step trains the rows of the uninterrupted run, none twice in an epoch."""
@@ -209,7 +260,7 @@ def test_keeping_the_effective_batch_keeps_the_rows_of_every_step(rows, old, new
     assert resumed == reference
     per_epoch = math.ceil(rows / (old[0] * old[1] * old[2]))
     for e in range(0, steps, per_epoch):
-        epoch_rows = [i for s in resumed[e:e + per_epoch] for i in s]
+        epoch_rows = [i for s in resumed[e : e + per_epoch] for i in s]
         assert len(epoch_rows) == len(set(epoch_rows))
     w = written(step=at, world=old[1], per_device=old[0], accum=old[2], data={**DATA, "train_rows": rows})
     p = plan(w, launch(world=new[1], explicit={"per_device_train_batch_size": new[0]}))
@@ -229,8 +280,10 @@ def test_control_drop_last_loses_the_position_which_is_why_it_is_refused():
 def test_rng_streams_follow_the_rank_number():
     assert [rng.source_file(r, 2) for r in range(3)] == ["rng_state_0.pth", "rng_state_1.pth", None]
     assert [rng.source_file(r, 1) for r in range(2)] == ["rng_state.pth", None]
-    assert (plan(written(world=2), launch(world=1)).rng, plan(written(world=2), launch(world=1)).rng_ranks) == \
-        ("partial", [0])
+    assert (plan(written(world=2), launch(world=1)).rng, plan(written(world=2), launch(world=1)).rng_ranks) == (
+        "partial",
+        [0],
+    )
     assert plan(written(world=2), launch(world=2)).rng == "restored"
     one = written("ddp", world=1, accum=2, files=["rng_state.pth"])
     assert (plan(one, launch("ddp", world=2)).rng, plan(one, launch("ddp", world=2)).rng_ranks) == ("partial", [0])
@@ -242,8 +295,10 @@ def test_rng_restore_continues_the_saved_stream(tmp_path):
     import torch
 
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()},
-               tmp_path / "rng_state_1.pth")
+    torch.save(
+        {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()},
+        tmp_path / "rng_state_1.pth",
+    )
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(2), np.random.seed(2), torch.manual_seed(2)
     assert rng.restore(tmp_path, rank=1, old_world_size=2) == "rng_state_1.pth"
@@ -273,8 +328,12 @@ def test_newer_checkpoints_are_moved_aside_not_deleted(tmp_path):
     moved = checkpoints.move_aside_newer(tmp_path, 3)
     assert moved == [("checkpoint-5", "checkpoint-5.superseded-2"), ("checkpoint-6", "checkpoint-6.superseded-1")]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-3", "checkpoint-5.superseded-1", "checkpoint-5.superseded-2",
-        "checkpoint-5.universal.superseded-2", "checkpoint-6.superseded-1"]
+        "checkpoint-3",
+        "checkpoint-5.superseded-1",
+        "checkpoint-5.superseded-2",
+        "checkpoint-5.universal.superseded-2",
+        "checkpoint-6.superseded-1",
+    ]
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == files_before  # nothing deleted
     assert checkpoints.checkpoints(tmp_path) == [tmp_path / "checkpoint-3"]
     assert checkpoints.read_marker(tmp_path / "checkpoint-3")["run"] == {"world_size": 2}
@@ -293,8 +352,17 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
 
     old = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
     old.set("strategy", {"name": "zero2", "world_size": 2, "offload": "none"})
-    old.set("batch", {"per_device": 4, "grad_accum": 1, "data_parallel_size": 2, "effective": 8,
-                      "input_tokens_per_step": None, "trained_tokens_per_step": None})
+    old.set(
+        "batch",
+        {
+            "per_device": 4,
+            "grad_accum": 1,
+            "data_parallel_size": 2,
+            "effective": 8,
+            "input_tokens_per_step": None,
+            "trained_tokens_per_step": None,
+        },
+    )
     old.set("steps", [{"step": s, "loss": 1.0} for s in range(1, 6)])
     old.update("summary", status="interrupted")  # written before `resumes` existed: no such section
     old.write()
@@ -304,8 +372,10 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     resume.continue_record(rec, tmp_path, ckpt, p)
     resume.note_segment(rec, superseded=["checkpoint-5.superseded-1"])
     segments = rec.view.get("resumes")
-    assert [(s["step"], s["world_size"], s["grad_accum"], s["from"]) for s in segments] == \
-        [(0, 2, 1, None), (3, 1, 2, str(ckpt))]
+    assert [(s["step"], s["world_size"], s["grad_accum"], s["from"]) for s in segments] == [
+        (0, 2, 1, None),
+        (3, 1, 2, str(ckpt)),
+    ]
     last = segments[-1]
     assert (last["reshard"], last["rng"], last["from_world_size"], last["effective"]) == ("universal", "partial", 2, 8)
     assert last["position"] == {"epoch": 0, "samples_into_epoch": 24, "samples_per_epoch": 64}
@@ -315,7 +385,13 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     assert rec.view.get("resumes")[-1]["conversion_s"] == 0.7
     assert resume.keep_previous_record(tmp_path).name == "run.before-resume1.json"  # what the resume replaces
     rec.write()
-    assert [s["step"] for s in json.loads((tmp_path / "run.before-resume1.json").read_text())["steps"]] == [1, 2, 3, 4, 5]
+    assert [s["step"] for s in json.loads((tmp_path / "run.before-resume1.json").read_text())["steps"]] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     again = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
     resume.continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
     assert [s["world_size"] for s in again.view.get("resumes")] == [2, 1, 2]
@@ -323,7 +399,9 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
 
 
 def test_the_preemption_command_says_another_gpu_count_is_fine(monkeypatch, tmp_path):
-    monkeypatch.setattr("sys.argv", ["/x/finetune/train.py", "--recipe", "zero2", "--training.gradient_accumulation_steps=2"])
+    monkeypatch.setattr(
+        "sys.argv", ["/x/finetune/train.py", "--recipe", "zero2", "--training.gradient_accumulation_steps=2"]
+    )
     cmd = resume.resume_command(tmp_path, effective=8, per_device=4)
     assert "--training.gradient_accumulation_steps" not in cmd  # recomputed on resume for any count
     assert f"--run.output_dir={tmp_path.resolve()} --resume" in cmd
@@ -354,9 +432,18 @@ def _cfg(recipe: str, overrides=()):
 def _fake_run(tmp_path: Path, tiny: Path, strategy: str, world: int, **facts) -> Path:
     """A run directory whose checkpoint-3 says it was written by `strategy` on `world` ranks."""
     cfg = _cfg(strategy, [f"--model.name_or_path={tiny}", "--training.per_device_train_batch_size=4"])
-    run = {"world_size": world, "strategy": strategy, "offload": "none", "per_device": 4, "grad_accum": 1,
-           "effective": 4 * world, "method": checkpoint_facts.method_identity(cfg.method),
-           "model": checkpoint_facts.model_identity(cfg.model), "data": {**DATA, "train_rows": 800}, **facts}
+    run = {
+        "world_size": world,
+        "strategy": strategy,
+        "offload": "none",
+        "per_device": 4,
+        "grad_accum": 1,
+        "effective": 4 * world,
+        "method": checkpoint_facts.method_identity(cfg.method),
+        "model": checkpoint_facts.model_identity(cfg.model),
+        "data": {**DATA, "train_rows": 800},
+        **facts,
+    }
     ckpt = tmp_path / "run" / "checkpoint-3"
     ckpt.mkdir(parents=True)
     for name in ["trainer_state.json", "latest", *[f"rng_state_{r}.pth" for r in range(world)]]:
@@ -375,8 +462,8 @@ def tiny(tmp_path) -> Path:
 
 
 def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_path, tiny, monkeypatch):
+    from finetune import preflight
     from finetune.launch import accelerate as launcher
-    from finetune.launch import preflight
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "zero3", 2)
@@ -384,7 +471,9 @@ def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_pat
     fsdp = launcher.launch_command("fsdp", args, "accelerate_configs/cpu/fsdp.yaml", 1, resume="auto")
     with pytest.raises(ConfigError) as err:
         preflight.check_launch(fsdp, resume_check=resume_plan.preflight_problems)
-    assert any("checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp" in p for p in err.value.problems)
+    assert any(
+        "checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp" in p for p in err.value.problems
+    )
     zero3 = launcher.launch_command("zero3", args, "accelerate_configs/cpu/zero3.yaml", 1, resume="auto")
     preflight.check_launch(zero3, resume_check=resume_plan.preflight_problems)  # 2 -> 1 under zero3: fine
     three = launcher.launch_command("zero3", args, "accelerate_configs/cpu/zero3.yaml", 3, resume="auto")
@@ -393,8 +482,8 @@ def test_finetune_train_refuses_another_family_before_any_process_starts(tmp_pat
 
 
 def test_finetune_train_accepts_ddp_resumed_on_one_process_as_single(tmp_path, tiny, monkeypatch):
+    from finetune import preflight
     from finetune.launch import accelerate as launcher
-    from finetune.launch import preflight
 
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     run_dir = _fake_run(tmp_path, tiny, "ddp", 2)
@@ -402,12 +491,14 @@ def test_finetune_train_accepts_ddp_resumed_on_one_process_as_single(tmp_path, t
     one = launcher.launch_command("ddp", args, "accelerate_configs/cpu/ddp.yaml", 1, resume="auto")
     preflight.check_launch(one, resume_check=resume_plan.preflight_problems)
     with pytest.raises(ConfigError, match="meant for strategy 'ddp'.* sets up 'single'"):  # control: a fresh run
-        preflight.check_launch(launcher.launch_command("ddp", args[:2], "accelerate_configs/cpu/ddp.yaml", 1),
-                               resume_check=resume_plan.preflight_problems)
+        preflight.check_launch(
+            launcher.launch_command("ddp", args[:2], "accelerate_configs/cpu/ddp.yaml", 1),
+            resume_check=resume_plan.preflight_problems,
+        )
 
 
 def test_universal_cache_counts_only_when_built_from_this_very_checkpoint(tmp_path):
-    from finetune.training import universal
+    from finetune.checkpointing import universal
 
     ckpt = _checkpoint(tmp_path, 3)
     cache = tmp_path / "checkpoint-3.universal"
@@ -425,7 +516,8 @@ def test_deepspeed_offload_change_goes_through_the_universal_checkpoint_even_at_
     assert plan(written("zero2", world=2), launch("zero2", world=2, offload="optimizer")).reshard == "universal"
     assert plan(written("zero2", world=2), launch("zero2", world=2)).reshard == "none"
     assert plan(written("fsdp", world=2), launch("fsdp", world=2, offload="optimizer+params")).reshard == "none"
-    old = written(world=2, strategy=None, per_device=None, accum=None, effective=None, method=None, model=None,
-                  data=None)  # a checkpoint without its layout, resumed as it was: drop_last is Trainer's own business
+    old = written(
+        world=2, strategy=None, per_device=None, accum=None, effective=None, method=None, model=None, data=None
+    )  # a checkpoint without its layout, resumed as it was: drop_last is Trainer's own business
     same = plan(old, launch(world=2, training={"dataloader_drop_last": True}))  # no ConfigError: not a layout change
     assert (same.world_size, same.reshard) == (2, "none")

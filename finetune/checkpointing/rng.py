@@ -1,24 +1,7 @@
-"""Random-number streams of a checkpoint resumed under another world size.
-
-Trainer saves one RNG file per rank, `rng_state_{rank}.pth` with more than one process and
-`rng_state.pth` with one (python, numpy, CPU and accelerator states; transformers 5.23
-trainer.py `_save_rng_state`), and on resume reads the file of its own rank and layout
-(`_load_rng_state`). Under another world size that file is often absent: 2 -> 1 looks for
-`rng_state.pth`, 1 -> 2 for `rng_state_1.pth` on rank 1, and Trainer then says so only at info
-level, which a finetune run does not show. Across a world-size change the per-rank streams
-cannot reproduce the uninterrupted run anyway (the micro-batches land on other ranks), so the
-rule here is explicit and recorded (run.json `resumes[].rng`):
-
-* new rank r continues the stream of old rank r when the old run had one (`rng_state.pth` is old
-  rank 0's when it ran alone); its python, numpy and CPU states, and the accelerator state of
-  the device it used (Trainer saved every visible device's under DDP; `set_rng_state_all` with
-  another device count fails, trainer_pt_utils.py `set_rng_state_for_device`);
-* a new rank without such a stream keeps the state the run set up from `training.seed`, as a
-  fresh run does; old ranks >= the new world size are not continued.
-
-Nothing in the shipped recipes draws from these streams during training (LoRA dropout 0; the
-sampler has its own seeded generator), which is why the losses continue exactly; with dropout
-> 0 they continue statistically, not bitwise (said on the console by resume_plan).
+"""Random-number streams of a checkpoint resumed under another world size: new rank r continues old
+rank r's stream where there was one, the others keep the seeded state of a fresh start (recorded
+as run.json `resumes[].rng`; docs/faults.md). Per-rank streams cannot follow a world-size change
+anyway: the micro-batches land on other ranks.
 """
 
 from __future__ import annotations
@@ -46,8 +29,12 @@ def restore(checkpoint: Path, *, rank: int, old_world_size: int) -> str | None:
     name = source_file(rank, old_world_size)
     path = Path(checkpoint) / name if name else None
     if path is None or not path.is_file():
-        log.info("rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
-                 rank, checkpoint, old_world_size)
+        log.info(
+            "rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
+            rank,
+            checkpoint,
+            old_world_size,
+        )
         return None
     with safe_globals():  # numpy's state objects allow-listed, as Trainer loads the file
         state = torch.load(path, weights_only=True)

@@ -1,4 +1,4 @@
-"""Preflight (finetune/launch/preflight.py): each check on a crafted config, and every problem in one error.
+"""Preflight (finetune/preflight/checks.py): each check on a crafted config, and every problem in one error.
 
 No model is loaded and no process is launched: `check_launch` reads the accelerate config
 `finetune train` would launch, `check_before_loading` reads what a launched process sees.
@@ -14,11 +14,12 @@ import pytest
 import torch
 import yaml
 
+from finetune import preflight
 from finetune.cli import dispatch
 from finetune.config.recipe import available_recipes
 from finetune.errors import ConfigError
 from finetune.launch import accelerate as launcher
-from finetune.launch import cpu_rehearsal, preflight
+from finetune.launch import cpu_rehearsal
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root
 
@@ -26,9 +27,19 @@ REPO = Path(__file__).resolve().parents[2]  # the repository root
 @pytest.fixture(autouse=True)
 def clean_launch_env(monkeypatch):
     """No accelerate/torchrun variables from the shell or from other tests' `finetune train` calls."""
-    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
-                "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU",
-                "FINETUNE_ACCELERATE_CONFIG", cpu_rehearsal.ENV, "FSDP_OFFLOAD_PARAMS", "LOCAL_RANK"):
+    for var in (
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "ACCELERATE_USE_DEEPSPEED",
+        "ACCELERATE_USE_FSDP",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+        "ACCELERATE_MIXED_PRECISION",
+        "ACCELERATE_USE_CPU",
+        "FINETUNE_ACCELERATE_CONFIG",
+        cpu_rehearsal.ENV,
+        "FSDP_OFFLOAD_PARAMS",
+        "LOCAL_RANK",
+    ):
         monkeypatch.setenv(var, "")  # records the original, so teardown also removes what the code sets
         monkeypatch.delenv(var)
 
@@ -42,21 +53,36 @@ def write(path: Path, content) -> Path:
 
 
 def accelerate_yaml(tmp_path: Path, name: str = "launch.yaml", **values) -> Path:
-    base = {"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "machine_rank": 0, "use_cpu": True,
-            "distributed_type": "MULTI_CPU", "num_processes": 2}
+    base = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_machines": 1,
+        "machine_rank": 0,
+        "use_cpu": True,
+        "distributed_type": "MULTI_CPU",
+        "num_processes": 2,
+    }
     return write(tmp_path / name, {**base, **values})
 
 
 def deepspeed_yaml(tmp_path: Path, ds: dict, **values) -> Path:
     ds_file = write(tmp_path / "ds.json", ds)
-    return accelerate_yaml(tmp_path, distributed_type="DEEPSPEED",
-                           deepspeed_config={"deepspeed_config_file": str(ds_file), "zero3_init_flag": False}, **values)
+    return accelerate_yaml(
+        tmp_path,
+        distributed_type="DEEPSPEED",
+        deepspeed_config={"deepspeed_config_file": str(ds_file), "zero3_init_flag": False},
+        **values,
+    )
 
 
 def zero(stage: int, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": stage}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        **extra,
+    }
 
 
 def problems_of(recipe: str, overrides: list[str], config: Path | None, *, cpu: bool = False) -> list[str]:
@@ -110,8 +136,9 @@ def test_more_processes_than_visible_gpus(tmp_path, fake_cuda):
 
 
 def test_deepspeed_values_that_fight_training_arguments(tmp_path):
-    ds = zero(2, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=4, train_batch_size=64,
-              gradient_clipping=0.5)
+    ds = zero(
+        2, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=4, train_batch_size=64, gradient_clipping=0.5
+    )
     config = deepspeed_yaml(tmp_path, ds)
     found = problems_of("zero2", ["--training.per_device_train_batch_size=4"], config)
     text = "\n".join(found)
@@ -124,8 +151,9 @@ def test_deepspeed_values_that_fight_training_arguments(tmp_path):
 
 
 def test_deepspeed_values_that_agree_or_are_auto_pass(tmp_path):
-    config = deepspeed_yaml(tmp_path, zero(2, train_micro_batch_size_per_gpu=4, train_batch_size=8,
-                                           gradient_clipping=1.0))
+    config = deepspeed_yaml(
+        tmp_path, zero(2, train_micro_batch_size_per_gpu=4, train_batch_size=8, gradient_clipping=1.0)
+    )
     assert problems_of("zero2", [], config) == []
 
 
@@ -140,8 +168,9 @@ def test_deepspeed_stage_and_offload_must_match_the_recipe(tmp_path):
 
 
 def test_deepspeed_fields_of_the_accelerate_config_count_too(tmp_path):
-    config = accelerate_yaml(tmp_path, distributed_type="DEEPSPEED",
-                             deepspeed_config={"zero_stage": 3, "gradient_accumulation_steps": 2})
+    config = accelerate_yaml(
+        tmp_path, distributed_type="DEEPSPEED", deepspeed_config={"zero_stage": 3, "gradient_accumulation_steps": 2}
+    )
     found = problems_of("zero2", [], config)
     assert len(found) == 2, found
     assert any("gradient_accumulation_steps is 2" in p for p in found)
@@ -149,8 +178,12 @@ def test_deepspeed_fields_of_the_accelerate_config_count_too(tmp_path):
 
 
 def test_deepspeed_and_fsdp_at_once(tmp_path, monkeypatch):
-    config = accelerate_yaml(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2},
-                             deepspeed_config={"deepspeed_config_file": "ds_configs/zero2.json"})
+    config = accelerate_yaml(
+        tmp_path,
+        distributed_type="FSDP",
+        fsdp_config={"fsdp_version": 2},
+        deepspeed_config={"deepspeed_config_file": "ds_configs/zero2.json"},
+    )
     msg = one_problem("fsdp", [], config)
     assert "distributed_type FSDP but the file also has a deepspeed_config section" in msg
     # inside a launched process: both switches in the environment
@@ -163,15 +196,25 @@ def test_deepspeed_and_fsdp_at_once(tmp_path, monkeypatch):
 
 
 def test_qlora_storage_must_be_the_float_compute_dtype_under_zero3_and_fsdp(tmp_path):
-    for config in (deepspeed_yaml(tmp_path, zero(3)),
-                   accelerate_yaml(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2})):
+    for config in (
+        deepspeed_yaml(tmp_path, zero(3)),
+        accelerate_yaml(tmp_path, distributed_type="FSDP", fsdp_config={"fsdp_version": 2}),
+    ):
         msg = one_problem("demo", ["--method.name=qlora", "--method.quant_storage=uint8", "--run.strategy=any"], config)
         assert "method.quant_storage: 'uint8'" in msg and "float32 here" in msg and "quant_storage: auto" in msg
-        assert problems_of("demo", ["--method.name=qlora", "--method.quant_storage=auto", "--run.strategy=any"],
-                           config) == []
+        assert (
+            problems_of("demo", ["--method.name=qlora", "--method.quant_storage=auto", "--run.strategy=any"], config)
+            == []
+        )
     # not sharded: any storage works
-    assert problems_of("demo", ["--method.name=qlora", "--method.quant_storage=uint8", "--run.strategy=any"],
-                       accelerate_yaml(tmp_path)) == []
+    assert (
+        problems_of(
+            "demo",
+            ["--method.name=qlora", "--method.quant_storage=uint8", "--run.strategy=any"],
+            accelerate_yaml(tmp_path),
+        )
+        == []
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
@@ -215,13 +258,22 @@ def test_launch_precision_values_that_contradict_the_policy(tmp_path):
     assert "mixed_precision 'bf16' contradicts training.precision 32-true" in msg and "remove mixed_precision" in msg
     assert problems_of("ddp", ["--training.precision=bf16-mixed"], config) == []
     assert problems_of("ddp", ["--training.precision=32-true"], accelerate_yaml(tmp_path, mixed_precision="no")) == []
-    found = problems_of("zero2", ["--training.precision=bf16-mixed"], deepspeed_yaml(
-        tmp_path, zero(2, bf16={"enabled": False, "bf16_optimizer_states": True})))
+    found = problems_of(
+        "zero2",
+        ["--training.precision=bf16-mixed"],
+        deepspeed_yaml(tmp_path, zero(2, bf16={"enabled": False, "bf16_optimizer_states": True})),
+    )
     assert len(found) == 2, found
     assert any("bf16.enabled is False but training.precision bf16-mixed needs True" in p for p in found)
     assert any("bf16.bf16_optimizer_states is True but training.precision bf16-mixed needs False" in p for p in found)
-    assert problems_of("zero2", ["--training.precision=bf16-mixed"],
-                       deepspeed_yaml(tmp_path, zero(2, bf16={"enabled": True}, fp16={"enabled": "auto"}))) == []
+    assert (
+        problems_of(
+            "zero2",
+            ["--training.precision=bf16-mixed"],
+            deepspeed_yaml(tmp_path, zero(2, bf16={"enabled": True}, fp16={"enabled": "auto"})),
+        )
+        == []
+    )
 
 
 def test_dataset_missing_and_wrong_columns(tmp_path):
@@ -231,9 +283,13 @@ def test_dataset_missing_and_wrong_columns(tmp_path):
     msg = one_problem("demo", [f"--data.path={data}", "--eval.exact_match=false"], None)
     assert f"{data} row 2: missing key 'output'" in msg
     # on_bad_rows: skip trains on the good rows, so a bad row among good ones is no preflight problem
-    assert problems_of("demo", [f"--data.path={data}", "--data.on_bad_rows=skip", "--eval.exact_match=false"], None) == []
+    assert (
+        problems_of("demo", [f"--data.path={data}", "--data.on_bad_rows=skip", "--eval.exact_match=false"], None) == []
+    )
     weird = write(tmp_path / "w.jsonl", '{"question": "a", "answer": "b"}\n')
-    assert "cannot detect the data format" in one_problem("demo", [f"--data.path={weird}", "--eval.exact_match=false"], None)
+    assert "cannot detect the data format" in one_problem(
+        "demo", [f"--data.path={weird}", "--eval.exact_match=false"], None
+    )
 
 
 def test_existing_run_directory_is_reported_and_untouched(tmp_path):
@@ -299,21 +355,23 @@ def test_world_size_mismatch_in_a_launched_process(monkeypatch):
     assert "FINETUNE_CPU_DISTRIBUTED=1" in str(err.value)
 
 
-# --- who sets up the strategy (finetune/launch/setup.py) decides what preflight compares ------------
+# --- who sets up the strategy (finetune/launch/strategy_setup.py) decides what preflight compares ------------
 
 
 def _setup(recipe: str, launched=None, env=None):
     from finetune import resources
-    from finetune.launch import setup
+    from finetune.launch import strategy_setup as setup
     from finetune.launch.launcher import Launcher
 
     cfg = _recipe(recipe)
-    return cfg, setup.decide(env or {}, launched or Launcher("accelerate launch"), cfg.run.strategy, cfg.run.offload,
-                             root=resources.ROOT)
+    return cfg, setup.decide(
+        env or {}, launched or Launcher("accelerate launch"), cfg.run.strategy, cfg.run.offload, root=resources.ROOT
+    )
 
 
-@pytest.mark.parametrize("recipe, dtype", [("zero2", "NO"), ("zero3_offload", "MULTI_CPU"), ("fsdp", "MULTI_GPU"),
-                                           ("ddp", "MULTI_CPU")])
+@pytest.mark.parametrize(
+    "recipe, dtype", [("zero2", "NO"), ("zero3_offload", "MULTI_CPU"), ("fsdp", "MULTI_GPU"), ("ddp", "MULTI_CPU")]
+)
 def test_a_plain_launch_passes_when_the_recipe_sets_up_its_strategy(recipe, dtype):
     """The issue's refusal of `accelerate launch finetune/train.py --recipe zero2` is gone: the facts are
     the recipe's row (its DeepSpeed JSON, FSDP settings; DDP in a group of one is DDP)."""
@@ -396,17 +454,36 @@ def test_every_problem_is_reported_together_and_nothing_is_launched(tmp_path, mo
     launched = []
     monkeypatch.setattr(launcher, "run_accelerate_launch", lambda args: launched.append(args) or 0)
     with pytest.raises(SystemExit) as exit_info:
-        dispatch.main(["train", "--recipe", "zero2", "--config_file", str(config),
-                  f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
-                  "--training.precision=16-mixed", "--method.name=qlora", "--method.quant_storage=uint8",
-                  f"--model.name_or_path={tmp_path / 'no-model'}"])
+        dispatch.main(
+            [
+                "train",
+                "--recipe",
+                "zero2",
+                "--config_file",
+                str(config),
+                f"--data.path={tmp_path / 'missing.jsonl'}",
+                "--eval.exact_match=false",
+                f"--run.output_dir={run_dir}",
+                "--training.precision=16-mixed",
+                "--method.name=qlora",
+                "--method.quant_storage=uint8",
+                f"--model.name_or_path={tmp_path / 'no-model'}",
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and launched == []
     on_cpu = not torch.cuda.is_available()
     assert f"preflight (nothing was started, loaded or written): {8 if on_cpu else 7} problems:" in err, err
-    for part in ("train_micro_batch_size_per_gpu is 16", "gradient_clipping is 0.5", "meant for strategy 'zero2'",
-                 "method.quant_storage: 'uint8' under zero3", "missing.jsonl: file not found", "already exists",
-                 "no such local directory", "training.precision 16-mixed on CPU" if on_cpu else "uint8"):
+    for part in (
+        "train_micro_batch_size_per_gpu is 16",
+        "gradient_clipping is 0.5",
+        "meant for strategy 'zero2'",
+        "method.quant_storage: 'uint8' under zero3",
+        "missing.jsonl: file not found",
+        "already exists",
+        "no such local directory",
+        "training.precision 16-mixed on CPU" if on_cpu else "uint8",
+    ):
         assert part in err, part
     assert "Traceback" not in err and [p.name for p in run_dir.iterdir()] == ["run.json"]
 
@@ -417,8 +494,16 @@ def test_train_main_runs_preflight_before_the_run_directory(tmp_path, capsys):
 
     run_dir = tmp_path / "new-run"
     with pytest.raises(SystemExit) as exit_info:
-        run.main(["--recipe", "demo", f"--data.path={tmp_path / 'missing.jsonl'}", "--eval.exact_match=false", f"--run.output_dir={run_dir}",
-                    f"--model.name_or_path={tmp_path / 'no-model'}"])
+        run.main(
+            [
+                "--recipe",
+                "demo",
+                f"--data.path={tmp_path / 'missing.jsonl'}",
+                "--eval.exact_match=false",
+                f"--run.output_dir={run_dir}",
+                f"--model.name_or_path={tmp_path / 'no-model'}",
+            ]
+        )
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "2 problems" in err and "missing.jsonl" in err and "no-model" in err, err
     assert not run_dir.exists()

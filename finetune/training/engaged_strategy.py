@@ -1,15 +1,7 @@
-"""Which distributed strategy actually engaged, and the refusal to train anything else.
-
-Accelerate downgrades some launches without a word (a 2-process launch without `use_cpu` on
-a machine without a GPU runs two independent single-process jobs; an FSDP launch on CPU runs
-plain DDP), so the run checks twice and refuses a mismatch with the recipe's `run.strategy` /
-`run.offload`, naming the launch line that would work:
-
-1. `engaged()`: from Accelerate's state once Trainer exists (before the model is wrapped).
-2. `live_check()`: a callback at on_train_begin, after Trainer wrapped the model and before the
-   first optimizer step, that reads the wrapped model itself (DeepSpeed engine: stage, offload
-   devices, the ZeRO optimizer's own offload flags, clipping; FSDP2: FSDP modules, DTensor
-   parameters and the fraction this rank holds; DDP wrapper) into run.json `strategy.evidence`.
+"""Which distributed strategy actually engaged, and the refusal to train anything else. Accelerate
+downgrades some launches without a word, so the run checks twice against the recipe's run.strategy
+and run.offload: from Accelerate's state once Trainer exists (`engaged`), and from the wrapped
+model itself before the first optimizer step (`live_check`: run.json `strategy.evidence`).
 """
 
 from __future__ import annotations
@@ -22,27 +14,45 @@ from finetune.strategies import launch_line, name_of, offload_device, offload_na
 def engaged(state, *, method: str, setup=None) -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
     `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
-    `setup` (finetune/launch/setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
+    `setup` (finetune/launch/strategy_setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
     dtype = state.distributed_type.value
-    out = {"name": None, "distributed_type": dtype, "zero_stage": None, "offload_optimizer": None,
-           "offload_params": None, "offload": "none", "fsdp_version": None, "world_size": state.num_processes,
-           "method": method,  # precision: run.json `precision` (finetune/training/precision_live.py)
-           "cpu_distributed": cpu_rehearsal.requested() if setup is None else setup.cpu_gloo is not None,
-           "set_up_by": setup.set_up_by if setup is not None else None,
-           "setup": setup.record() if setup is not None else None, "evidence": None}
+    out = {
+        "name": None,
+        "distributed_type": dtype,
+        "zero_stage": None,
+        "offload_optimizer": None,
+        "offload_params": None,
+        "offload": "none",
+        "fsdp_version": None,
+        "world_size": state.num_processes,
+        "method": method,  # precision: run.json `precision` (finetune/training/precision_live.py)
+        "cpu_distributed": cpu_rehearsal.requested() if setup is None else setup.cpu_gloo is not None,
+        "set_up_by": setup.set_up_by if setup is not None else None,
+        "setup": setup.record() if setup is not None else None,
+        "evidence": None,
+    }
     if dtype == "DEEPSPEED":
         ds = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
         stage = int(ds.get("stage", 0))
         opt = (ds.get("offload_optimizer") or {}).get("device", "none") or "none"
         par = (ds.get("offload_param") or {}).get("device", "none") or "none"
-        out.update(name=name_of(dtype, zero_stage=stage), zero_stage=stage, offload_optimizer=opt,
-                   offload_params=par, offload=offload_name(opt, par))
+        out.update(
+            name=name_of(dtype, zero_stage=stage),
+            zero_stage=stage,
+            offload_optimizer=opt,
+            offload_params=par,
+            offload=offload_name(opt, par),
+        )
     elif dtype == "FSDP":
         plugin = state.fsdp_plugin
         offload = _fsdp_offloads(plugin.cpu_offload)
-        out.update(name=name_of(dtype), fsdp_version=getattr(plugin, "fsdp_version", 1),
-                   offload_optimizer="cpu" if offload else "none", offload_params="cpu" if offload else "none",
-                   offload="optimizer+params" if offload else "none")
+        out.update(
+            name=name_of(dtype),
+            fsdp_version=getattr(plugin, "fsdp_version", 1),
+            offload_optimizer="cpu" if offload else "none",
+            offload_params="cpu" if offload else "none",
+            offload="optimizer+params" if offload else "none",
+        )
     else:  # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
         out["name"] = name_of(dtype, num_processes=state.num_processes)
     return out
@@ -64,7 +74,8 @@ def check_expected(expected: str, engaged_strategy: dict, recipe: str, expected_
         f"run.offload) but this launch engaged {name!r} with offload {offload!r} (Accelerate distributed type "
         f"{engaged_strategy['distributed_type']}, world size {engaged_strategy['world_size']}{seen}). "
         f"Nothing was trained. Launch it with:\n{launch_line(want, want_offload, recipe)}\n"
-        f"or set run.strategy: any (and run.offload: any) to accept whatever the launch gives.")
+        f"or set run.strategy: any (and run.offload: any) to accept whatever the launch gives."
+    )
 
 
 # --- the live engine, after Trainer wrapped the model ----------------------------------------
@@ -75,20 +86,36 @@ def live_evidence(wrapped) -> dict:
     the DeepSpeed engine, or FSDP2 DTensor parameters and the fraction of them this rank holds."""
     import torch
 
-    ev = {"engine_class": type(wrapped).__name__, "zero_stage": None, "zero_optimizer_class": None,
-          "basic_optimizer_class": None, "offload_optimizer_device": None, "offload_param_device": None,
-          "gradient_clipping": None, "fsdp_modules": 0, "dtensor_params": 0, "params": 0,
-          "local_param_fraction": None, "fsdp_offload_policy": None,
-          "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1}
+    ev = {
+        "engine_class": type(wrapped).__name__,
+        "zero_stage": None,
+        "zero_optimizer_class": None,
+        "basic_optimizer_class": None,
+        "offload_optimizer_device": None,
+        "offload_param_device": None,
+        "gradient_clipping": None,
+        "fsdp_modules": 0,
+        "dtensor_params": 0,
+        "params": 0,
+        "local_param_fraction": None,
+        "fsdp_offload_policy": None,
+        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+    }
     if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__):
         opt_cfg, par_cfg = wrapped.zero_offload_optimizer(), wrapped.zero_offload_param()
         zopt = wrapped.optimizer
-        ev.update(zero_stage=int(wrapped.zero_optimization_stage()), zero_optimizer_class=type(zopt).__name__,
-                  basic_optimizer_class=type(getattr(wrapped, "basic_optimizer", None)).__name__,
-                  offload_optimizer_device=offload_device(opt_cfg), offload_param_device=offload_device(par_cfg),
-                  gradient_clipping=float(wrapped.gradient_clipping()))
+        ev.update(
+            zero_stage=int(wrapped.zero_optimization_stage()),
+            zero_optimizer_class=type(zopt).__name__,
+            basic_optimizer_class=type(getattr(wrapped, "basic_optimizer", None)).__name__,
+            offload_optimizer_device=offload_device(opt_cfg),
+            offload_param_device=offload_device(par_cfg),
+            gradient_clipping=float(wrapped.gradient_clipping()),
+        )
         # The optimizer's own flags, not only the config: ZeRO-1/2 `cpu_offload`, ZeRO-3 `offload_*`.
-        ev["optimizer_offloaded"] = bool(getattr(zopt, "cpu_offload", False) or getattr(zopt, "offload_optimizer", False))
+        ev["optimizer_offloaded"] = bool(
+            getattr(zopt, "cpu_offload", False) or getattr(zopt, "offload_optimizer", False)
+        )
         ev["params_offloaded"] = bool(getattr(zopt, "offload_param", False))
         params = list(wrapped.module.parameters())
         ev["params"] = len(params)
@@ -141,22 +168,33 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
     return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 
-def live_check(trainer, *, expected: str, expected_offload: str, recipe: str, record=None):
-    """A callback that, once Trainer has wrapped the model and before the first optimizer step,
-    reads the live engine, records it in run.json (`strategy.evidence`) and refuses a mismatch."""
+def live_check(trainer, *, declared: dict, expected: str, expected_offload: str, recipe: str, record=None):
+    """run.json `strategy` as `engaged` declared it, now; then a callback that, once Trainer has wrapped
+    the model and before the first optimizer step, reads the live engine, records it
+    (`strategy.evidence`) and refuses a mismatch."""
     from transformers import TrainerCallback
+
+    if record is not None:
+        record.set("strategy", declared)
 
     class _LiveStrategyCheck(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             ev = live_evidence(trainer.model_wrapped)
             name, offload = strategy_from_evidence(ev)
-            declared = dict(record.view.get("strategy", default={})) if record is not None else {}
             ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
-            live = {"name": name, "offload": offload, "evidence": ev, "world_size": ev["world_size"],
-                    "distributed_type": trainer.accelerator.distributed_type.value}
+            live = {
+                "name": name,
+                "offload": offload,
+                "evidence": ev,
+                "world_size": ev["world_size"],
+                "distributed_type": trainer.accelerator.distributed_type.value,
+            }
             if ev["zero_stage"] is not None:
-                live.update(zero_stage=ev["zero_stage"], offload_optimizer=ev["offload_optimizer_device"],
-                            offload_params=ev["offload_param_device"])
+                live.update(
+                    zero_stage=ev["zero_stage"],
+                    offload_optimizer=ev["offload_optimizer_device"],
+                    offload_params=ev["offload_param_device"],
+                )
             if record is not None:
                 record.set("strategy", {**declared, **live})
                 record.write()

@@ -1,38 +1,6 @@
-"""Who sets up the distributed strategy of this run: the launcher's config, or the recipe.
-
-The rule (docs/preflight.md "Who sets up the strategy"):
-
-1. `ACCELERATE_USE_DEEPSPEED` or `ACCELERATE_USE_FSDP` is true: an accelerate config (or
-   accelerate launch's --use_deepspeed/--use_fsdp flags) set up DeepSpeed/FSDP -> `launcher-config`;
-2. else the launcher read an accelerate config file: `finetune train`'s (FINETUNE_ACCELERATE_CONFIG),
-   `accelerate launch --config_file`, or the user's accelerate default config
-   (finetune/launch/launcher.py) -> `launcher-config`: it says DDP or one device;
-3. else the launcher only started processes (plain `accelerate launch`, `torchrun`, `python`):
-   the recipe's strategy row (finetune/strategies.py) is engaged from inside the script with those
-   processes -> `recipe`; a recipe with `run.strategy: any` takes what Accelerate makes of the
-   processes (one device or DDP) -> `launcher-processes`.
-
-Under `launcher-config` a strategy other than the recipe's is refused as before
-(finetune/launch/preflight.py). Under `recipe` this module prepares the process before the first
-PartialState (finetune/training/run.py), all seen necessary on CPU (accelerate 1.15,
-transformers 5.23, DeepSpeed 0.19.8):
-
-* a world of one (RANK=0 ... MASTER_PORT=<free>) when no launcher made a process group (a
-  one-process `accelerate launch` and `python` export none of these): else DeepSpeed's
-  init_distributed falls back to MPI discovery (`No module named 'mpi4py'`) and Trainer refuses
-  FSDP ("Using fsdp only works in distributed training");
-* the gloo group of CPU processes (`PartialState(cpu=True)`, TrainingArguments.use_cpu,
-  finetune/launch/cpu_rehearsal.py): implicit for one process on a machine without CUDA; more
-  processes on CPU keep the FINETUNE_CPU_DISTRIBUTED=1 opt-in (two lone runs is the risk it guards);
-* `accelerate launch --cpu`: ACCELERATE_USE_CPU is dropped in this process, else AcceleratorState
-  skips its DeepSpeed branch (`... and not cpu`) and the run would engage DDP; the gloo path is
-  taken instead;
-* after PartialState, DeepSpeed's comm adopts the torch process group (`adopt_deepspeed_comm`):
-  with cpu=True PartialState skips DeepSpeed's init, and ZeRO-3's zero.Init then sees world size
-  1 against a train_batch_size filled for the real world size (batch assertion `8 != 4 * 1 * 1`).
-
-TrainingArguments gets the row's `deepspeed=` / `fsdp=, fsdp_config=` (strategies.trainer_arguments)
-before the model loads (ZeRO-3's zero.Init hooks from_pretrained through transformers' weak-ref).
+"""Who sets up the distributed strategy of this run: the launcher's config, or the recipe from
+inside the script (docs/preflight.md "Who sets up the strategy": the rule, and what the recipe
+route prepares before the first PartialState).
 """
 
 from __future__ import annotations
@@ -68,18 +36,26 @@ class LaunchSetup:
             how = ", ".join(f"{k}={v}" for k, v in self.trainer_arguments.items() if k != "fsdp_config")
             how = f"TrainingArguments({how})" if how else "the processes as launched"
             gloo = f", gloo on CPU ({self.cpu_gloo})" if self.cpu_gloo else ""
-            return (f"strategy {self.row.name} (offload {self.row.offload}) set up by the recipe: {how}{gloo}; "
-                    f"{self.because}")
+            return (
+                f"strategy {self.row.name} (offload {self.row.offload}) set up by the recipe: {how}{gloo}; "
+                f"{self.because}"
+            )
         if self.set_up_by == "launcher-processes":
             return f"strategy from the processes (the recipe accepts any): {self.because}"
         return f"strategy set up by the launcher: {self.because}"
 
     def record(self) -> dict:
         """run.json `strategy.setup` (docs/run_record.md)."""
-        return {"launcher": self.launcher.kind, "config_file": self.launcher.config_file,
-                "config_from": self.launcher.config_from, "because": self.because,
-                "row": self.row.key if self.row else None, "trainer_arguments": self.trainer_arguments or None,
-                "world_of_one": self.world_of_one, "cpu_gloo": self.cpu_gloo}
+        return {
+            "launcher": self.launcher.kind,
+            "config_file": self.launcher.config_file,
+            "config_from": self.launcher.config_from,
+            "because": self.because,
+            "row": self.row.key if self.row else None,
+            "trainer_arguments": self.trainer_arguments or None,
+            "world_of_one": self.world_of_one,
+            "cpu_gloo": self.cpu_gloo,
+        }
 
 
 def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root) -> LaunchSetup:
@@ -93,10 +69,15 @@ def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root
         return LaunchSetup("launcher-processes", launcher, f"{launcher.describe()}, no strategy set up")
     row = by_recipe(run_strategy, run_offload)
     if row is None:  # the config validator allows only shipped names; a pair without a row is said here
-        return LaunchSetup("launcher-processes", launcher, f"{launcher.describe()}; no shipped strategy row "
-                           f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}")
-    return LaunchSetup("recipe", launcher, f"{launcher.describe()} set up no strategy", row,
-                       trainer_arguments(row, root))
+        return LaunchSetup(
+            "launcher-processes",
+            launcher,
+            f"{launcher.describe()}; no shipped strategy row "
+            f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}",
+        )
+    return LaunchSetup(
+        "recipe", launcher, f"{launcher.describe()} set up no strategy", row, trainer_arguments(row, root)
+    )
 
 
 def detect(cfg, env=os.environ) -> LaunchSetup:
@@ -126,8 +107,14 @@ def prepare(setup: LaunchSetup, env=os.environ) -> None:
         with socket.socket() as s:  # a free port: parallel runs on one machine must not share one
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
+        env.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     if setup.cpu_gloo == "accelerate launch --cpu":
         env.pop("ACCELERATE_USE_CPU")
 

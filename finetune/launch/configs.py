@@ -1,22 +1,8 @@
-"""What a launch will set up, read from its configs before any process or weight exists.
-
-Two sources describe the same launch:
-
-* `from_config_file`: the accelerate config YAML (and the DeepSpeed JSON it names), read by
-  `finetune train` before it starts `accelerate launch`.
-* `from_environment`: inside a launched process, where `accelerate launch` has turned the
-  config into environment variables (accelerate 1.x, accelerate/utils/launch.py:
-  ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE, ACCELERATE_DEEPSPEED_ZERO_STAGE,
-  ACCELERATE_DEEPSPEED_OFFLOAD_{OPTIMIZER,PARAM}_DEVICE, ACCELERATE_GRADIENT_ACCUMULATION_STEPS,
-  ACCELERATE_GRADIENT_CLIPPING, ACCELERATE_USE_FSDP, FSDP_OFFLOAD_PARAMS,
-  ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_CPU; torchrun sets WORLD_SIZE, LOCAL_WORLD_SIZE).
-
-A third, `from_recipe`, describes what the script engages itself when no launcher config set a
-strategy up (finetune/launch/setup.py): the recipe's strategy row and its DeepSpeed JSON.
-
-All give a `LaunchFacts`; problems met while reading (bad YAML, unknown distributed_type,
-missing or malformed DeepSpeed JSON, DeepSpeed and FSDP at once) are collected in it, not
-raised, so finetune/launch/preflight.py can report them with everything else.
+"""What a launch sets up, read into a LaunchFacts from one of three sources: the accelerate config
+(and the DeepSpeed JSON it names) before `finetune train` launches (`from_config_file`), the
+environment `accelerate launch` exported to a process (`from_environment`), or the recipe's
+strategy row the script engages itself (`from_recipe`). Problems met while reading are collected,
+not raised, so preflight reports them with the rest (docs/preflight.md).
 """
 
 from __future__ import annotations
@@ -57,8 +43,10 @@ class LaunchFacts:
         """(strategy, offload) in the names of recipes' run.strategy / run.offload."""
         if self.distributed_type == "DEEPSPEED":
             zero = (self.deepspeed or {}).get("zero_optimization") or {}
-            return (name_of("DEEPSPEED", zero_stage=zero.get("stage", 0)),
-                    offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))))
+            return (
+                name_of("DEEPSPEED", zero_stage=zero.get("stage", 0)),
+                offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))),
+            )
         if self.distributed_type == "FSDP":
             return "fsdp", "optimizer+params" if self.fsdp_offload else "none"
         if self.data_parallel and self.distributed_type in DATA_PARALLEL_TYPES:
@@ -79,8 +67,9 @@ def read_yaml(path: Path) -> dict:
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise UserError(f"accelerate config {path}: the top level must be a mapping of keys, "
-                        f"got {type(values).__name__}")
+        raise UserError(
+            f"accelerate config {path}: the top level must be a mapping of keys, got {type(values).__name__}"
+        )
     return values
 
 
@@ -93,7 +82,9 @@ def read_deepspeed_json(path: Path, named_by: str) -> dict:
     except UnicodeDecodeError as e:
         raise UserError(f"DeepSpeed config {path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise UserError(f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise UserError(
+            f"DeepSpeed config {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+        ) from None
     if not isinstance(values, dict):
         raise UserError(f"DeepSpeed config {path}: the top level must be a JSON object, got {type(values).__name__}")
     return values
@@ -116,8 +107,14 @@ def _distributed_types() -> list[str]:
     return [d.value for d in DistributedType]
 
 
-def from_config_file(path: Path, *, num_processes: int | None = None, cpu: bool = False,
-                     deepspeed_config_file: str | None = None, base_dirs: list[Path] = ()) -> LaunchFacts:
+def from_config_file(
+    path: Path,
+    *,
+    num_processes: int | None = None,
+    cpu: bool = False,
+    deepspeed_config_file: str | None = None,
+    base_dirs: list[Path] = (),
+) -> LaunchFacts:
     """What `accelerate launch --config_file PATH [--num_processes N] [--cpu]` will set up."""
     facts = LaunchFacts(source=f"accelerate config {path}")
     try:
@@ -128,27 +125,34 @@ def from_config_file(path: Path, *, num_processes: int | None = None, cpu: bool 
     dtype = str(values.get("distributed_type", "NO"))
     allowed = _distributed_types()
     if dtype not in allowed:
-        facts.problems.append(f"{facts.source}: distributed_type {dtype!r} is not one Accelerate knows; "
-                              f"allowed: {', '.join(allowed)}")
+        facts.problems.append(
+            f"{facts.source}: distributed_type {dtype!r} is not one Accelerate knows; allowed: {', '.join(allowed)}"
+        )
         return facts
     facts.distributed_type = dtype
     try:
         facts.num_processes = int(num_processes or values.get("num_processes") or 1)
         facts.num_machines = int(values.get("num_machines") or 1)
     except (TypeError, ValueError):
-        facts.problems.append(f"{facts.source}: num_processes and num_machines must be integers, got "
-                              f"{values.get('num_processes')!r} and {values.get('num_machines')!r}")
+        facts.problems.append(
+            f"{facts.source}: num_processes and num_machines must be integers, got "
+            f"{values.get('num_processes')!r} and {values.get('num_machines')!r}"
+        )
     facts.use_cpu = bool(cpu or values.get("use_cpu"))
     facts.mixed_precision = values.get("mixed_precision")
     facts.gpu_ids = None if values.get("gpu_ids") is None else str(values.get("gpu_ids"))
     ds_section = values.get("deepspeed_config") or {}
     fsdp_section = values.get("fsdp_config") or {}
     if dtype == "DEEPSPEED" and fsdp_section:
-        facts.problems.append(f"{facts.source}: distributed_type DEEPSPEED but the file also has an fsdp_config "
-                              f"section (Accelerate ignores it); remove fsdp_config, or use an FSDP config")
+        facts.problems.append(
+            f"{facts.source}: distributed_type DEEPSPEED but the file also has an fsdp_config "
+            f"section (Accelerate ignores it); remove fsdp_config, or use an FSDP config"
+        )
     if dtype == "FSDP" and ds_section:
-        facts.problems.append(f"{facts.source}: distributed_type FSDP but the file also has a deepspeed_config "
-                              f"section (Accelerate ignores it); remove deepspeed_config, or use a DeepSpeed config")
+        facts.problems.append(
+            f"{facts.source}: distributed_type FSDP but the file also has a deepspeed_config "
+            f"section (Accelerate ignores it); remove deepspeed_config, or use a DeepSpeed config"
+        )
     if dtype == "DEEPSPEED":
         ds_file = deepspeed_config_file or ds_section.get("deepspeed_config_file")
         if ds_file:
@@ -170,9 +174,13 @@ def from_config_file(path: Path, *, num_processes: int | None = None, cpu: bool 
 def _deepspeed_from_fields(fields: dict) -> dict:
     """The DeepSpeed config Accelerate builds from an accelerate config without a JSON file
     (accelerate/utils/dataclasses.py DeepSpeedPlugin: zero_stage, offload_*_device, ...)."""
-    out: dict = {"zero_optimization": {"stage": int(fields.get("zero_stage", 2)),
-                                       "offload_optimizer": {"device": fields.get("offload_optimizer_device", "none")},
-                                       "offload_param": {"device": fields.get("offload_param_device", "none")}}}
+    out: dict = {
+        "zero_optimization": {
+            "stage": int(fields.get("zero_stage", 2)),
+            "offload_optimizer": {"device": fields.get("offload_optimizer_device", "none")},
+            "offload_param": {"device": fields.get("offload_param_device", "none")},
+        }
+    }
     for key in ("gradient_accumulation_steps", "gradient_clipping"):
         if fields.get(key) is not None:
             out[key] = fields[key]
@@ -181,18 +189,22 @@ def _deepspeed_from_fields(fields: dict) -> dict:
 
 def from_environment(state, source: str | None = None) -> LaunchFacts:
     """What `accelerate launch` set up for this process (see the module docstring for the names).
-    `source` names the launch in problems (finetune/launch/setup.py knows the config file)."""
+    `source` names the launch in problems (finetune/launch/strategy_setup.py knows the config file)."""
     from finetune.launch import cpu_rehearsal
 
     env = os.environ
     config = env.get("FINETUNE_ACCELERATE_CONFIG")
-    facts = LaunchFacts(source=source or (f"accelerate config {config}" if config else "the accelerate launch environment"))
+    facts = LaunchFacts(
+        source=source or (f"accelerate config {config}" if config else "the accelerate launch environment")
+    )
     use_ds = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     use_fsdp = env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if use_ds and use_fsdp:
-        facts.problems.append("ACCELERATE_USE_DEEPSPEED and ACCELERATE_USE_FSDP are both true in this process's "
-                              "environment: DeepSpeed and FSDP cannot run together. Unset the one your accelerate "
-                              "config does not ask for (see `env | grep ACCELERATE_USE`)")
+        facts.problems.append(
+            "ACCELERATE_USE_DEEPSPEED and ACCELERATE_USE_FSDP are both true in this process's "
+            "environment: DeepSpeed and FSDP cannot run together. Unset the one your accelerate "
+            "config does not ask for (see `env | grep ACCELERATE_USE`)"
+        )
     facts.distributed_type = "DEEPSPEED" if use_ds else "FSDP" if use_fsdp else state.distributed_type.value
     facts.num_processes = int(env.get("WORLD_SIZE", state.num_processes))
     facts.use_cpu = env.get("ACCELERATE_USE_CPU", "false").lower() == "true" or cpu_rehearsal.requested()
@@ -211,11 +223,15 @@ def from_environment(state, source: str | None = None) -> LaunchFacts:
             except UserError as e:
                 facts.problems.append(str(e))
         else:
-            fields = {"zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2),
-                      "offload_optimizer_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
-                      "offload_param_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none")}
-            for key, var in (("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
-                             ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING")):
+            fields = {
+                "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2),
+                "offload_optimizer_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+                "offload_param_device": env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"),
+            }
+            for key, var in (
+                ("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"),
+                ("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING"),
+            ):
                 if env.get(var) not in (None, "None", "none"):
                     fields[key] = _number(env[var])
             facts.deepspeed = _deepspeed_from_fields(fields)
@@ -229,9 +245,11 @@ def from_recipe(setup, state, root: Path) -> LaunchFacts:
     """What the script engages itself (setup.set_up_by == "recipe"): the row's DeepSpeed JSON or FSDP
     settings with the processes the launcher gave; DDP and one device as Accelerate set them up."""
     row = setup.row
-    source = (f"the recipe's strategy row {row.key!r} (set up in the script; {setup.because})"
-              if row.zero_stage is not None or row.fsdp is not None
-              else f"the processes of {setup.launcher.describe()} (no strategy set up by a launcher config)")
+    source = (
+        f"the recipe's strategy row {row.key!r} (set up in the script; {setup.because})"
+        if row.zero_stage is not None or row.fsdp is not None
+        else f"the processes of {setup.launcher.describe()} (no strategy set up by a launcher config)"
+    )
     facts = from_environment(state, source=source)
     facts.gloo = setup.cpu_gloo is not None
     facts.use_cpu = facts.use_cpu or facts.gloo

@@ -1,8 +1,8 @@
 """What wrote a checkpoint: the `run` block of its completion marker, and reading it back.
 
-The block (finetune/training/checkpoints.py write_marker, rank 0, at every save) holds what a
+The block (finetune/checkpointing/checkpoints.py write_marker, rank 0, at every save) holds what a
 resume under another launch must know and compare before loading any weights
-(finetune/training/resume_plan.py): world size, strategy, per-device batch, accumulation and
+(finetune/checkpointing/resume_plan.py): world size, strategy, per-device batch, accumulation and
 effective batch (from run.json's live `strategy` and `batch` sections), the method and model
 identities, and the data: row count, a fingerprint of the rows, and the settings that decide
 their order. Checkpoints written before the block existed are read from the run.json beside
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.training import checkpoints
+from finetune.checkpointing import checkpoints
 
 
 @dataclass
@@ -76,9 +76,13 @@ def model_identity(model) -> dict:
 
 def data_order_settings(cfg) -> dict:
     a = cfg.training.args
-    return {"seed": a.get("seed", 42), "data_seed": a.get("data_seed"),
-            "sampling": a.get("train_sampling_strategy", "random"), "drop_last": bool(a.get("dataloader_drop_last")),
-            "packing": bool(cfg.data.packing)}
+    return {
+        "seed": a.get("seed", 42),
+        "data_seed": a.get("data_seed"),
+        "sampling": a.get("train_sampling_strategy", "random"),
+        "drop_last": bool(a.get("dataloader_drop_last")),
+        "packing": bool(cfg.data.packing),
+    }
 
 
 def data_fingerprint(dataset) -> str:
@@ -97,19 +101,38 @@ def data_fingerprint(dataset) -> str:
 def layout(strategy: dict, batch: dict) -> dict:
     """How a run was laid out, from run.json's `strategy` and `batch` sections: the facts a
     checkpoint marker's `run` block and each `resumes` segment share (None where unknown)."""
-    return {"world_size": strategy.get("world_size"), "strategy": strategy.get("name"), "offload": strategy.get("offload"),
-            "per_device": batch.get("per_device"), "grad_accum": batch.get("grad_accum"), "effective": batch.get("effective")}
+    return {
+        "world_size": strategy.get("world_size"),
+        "strategy": strategy.get("name"),
+        "offload": strategy.get("offload"),
+        "per_device": batch.get("per_device"),
+        "grad_accum": batch.get("grad_accum"),
+        "effective": batch.get("effective"),
+    }
 
 
 def run_block(strategy: dict, batch: dict, lr: dict, static: dict) -> dict:
     """The marker's `run` block: the live strategy and batch (run.json sections) + static facts."""
-    return {**layout(strategy, batch), "zero_stage": strategy.get("zero_stage"),
-            "fsdp_version": strategy.get("fsdp_version"), "lr_applied": lr["applied"], **static}
+    return {
+        **layout(strategy, batch),
+        "zero_stage": strategy.get("zero_stage"),
+        "fsdp_version": strategy.get("fsdp_version"),
+        "lr_applied": lr["applied"],
+        **static,
+    }
+
+
+def run_block_of(record, static: dict) -> dict:
+    """The marker's `run` block from a run record's live sections (RecordView) and the static facts."""
+    return run_block(record.get("strategy"), record.get("batch"), record.get("lr"), static)
 
 
 def static_facts(cfg, *, train_rows: int, fingerprint: str) -> dict:
-    return {"method": method_identity(cfg.method), "model": model_identity(cfg.model),
-            "data": {"train_rows": train_rows, "fingerprint": fingerprint, **data_order_settings(cfg)}}
+    return {
+        "method": method_identity(cfg.method),
+        "model": model_identity(cfg.model),
+        "data": {"train_rows": train_rows, "fingerprint": fingerprint, **data_order_settings(cfg)},
+    }
 
 
 # --- reading a checkpoint ----------------------------------------------------------------------------
@@ -122,13 +145,17 @@ def read(ckpt: Path) -> Written:
     marker = checkpoints.read_marker(ckpt) or {}
     step = int(marker.get("step", checkpoints.step_of(ckpt) or 0))
     world = int(marker.get("world_size", 1))
-    written = Written(str(ckpt), step, world, source=f"{ckpt.name}/{checkpoints.MARKER}",
-                      files=sorted(marker.get("files", {})))
+    written = Written(
+        str(ckpt), step, world, source=f"{ckpt.name}/{checkpoints.MARKER}", files=sorted(marker.get("files", {}))
+    )
     run = marker.get("run")
     if run is None:
         run = _from_run_json(ckpt.parent / "run.json", world)
-        written.source = f"{ckpt.parent / 'run.json'} (the checkpoint predates the marker's run block)" if run else \
-            f"{ckpt.name}/{checkpoints.MARKER} (world size only: written before the marker recorded more)"
+        written.source = (
+            f"{ckpt.parent / 'run.json'} (the checkpoint predates the marker's run block)"
+            if run
+            else f"{ckpt.name}/{checkpoints.MARKER} (world size only: written before the marker recorded more)"
+        )
     for key in ("strategy", "offload", "per_device", "grad_accum", "effective", "method", "model", "data"):
         setattr(written, key, (run or {}).get(key))
     return written
@@ -140,8 +167,14 @@ def _from_run_json(path: Path, world: int) -> dict | None:
         s, b, c = rec["strategy"], rec["batch"], rec["config"]
         if b["data_parallel_size"] != world:
             return None
-        return {"strategy": s["name"], "offload": s.get("offload"), "per_device": b["per_device"],
-                "grad_accum": b["grad_accum"], "effective": b["effective"], "method": {"name": c["method"]["name"]},
-                "model": {"name_or_path": c["model"]["name_or_path"]}}
+        return {
+            "strategy": s["name"],
+            "offload": s.get("offload"),
+            "per_device": b["per_device"],
+            "grad_accum": b["grad_accum"],
+            "effective": b["effective"],
+            "method": {"name": c["method"]["name"]},
+            "model": {"name_or_path": c["model"]["name_or_path"]},
+        }
     except (OSError, ValueError, KeyError, TypeError):
         return None

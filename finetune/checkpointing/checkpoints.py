@@ -1,34 +1,10 @@
-"""Checkpoint validity, choice of the checkpoint to resume from, and rotation.
+"""Checkpoint validity, the choice of the checkpoint to resume from, and rotation (docs/faults.md
+"Torn or corrupt checkpoints").
 
-A Trainer checkpoint (`<run_dir>/checkpoint-<step>/`) is written by every rank (DeepSpeed and
-FSDP each write their own shards) and nothing in it says that the writing finished: a run
-killed while saving leaves a directory that looks like a checkpoint and fails deep inside
-torch or DeepSpeed on load, or silently loads half a state. So a checkpoint counts here only
-when it holds MARKER, which rank 0 writes last, after a barrier that every rank reaches only
-once its own files are written (finetune/training/guards.py). The marker lists every file with
-its size in bytes, so a file truncated or removed later (copying, a full disk) is detected
-too. Sizes, not content hashes: hashing gigabytes of weights at every save would cost
-minutes per checkpoint on the GPUs this runs on, while truncation (the failure seen in
-practice) always changes a size.
-
-The marker also carries the `run` block: what wrote the checkpoint (world size, strategy,
-per-device batch, accumulation, method, model, data and seed; finetune/training/resume_plan.py
-`run_block`). A resume under another world size reads it to reshard and keep the effective batch
-and the data position, and to refuse what cannot work before any weights load.
-
-Rotation (training.args.save_total_limit) is done here rather than by Trainer: Trainer's
-rotate_checkpoints runs inside _save_checkpoint on rank 0 (transformers 5.23,
-trainer.py:_save_checkpoint), before the other ranks have finished writing the new checkpoint
-and before any marker exists, so it can delete the last complete checkpoint while the new
-one is still torn. Here old checkpoints are deleted only after the new one is complete, and
-only valid ones count towards the limit. A DeepSpeed universal cache (`<checkpoint>.universal`,
-finetune/training/universal.py) is derived data and goes with its checkpoint.
-
-A resumed run moves the checkpoints newer than the one it resumed from aside
-(`checkpoint-K.superseded-<n>`, never deleted): it would otherwise save into them, and a
-checkpoint-K written by 1 rank into a directory holding 2 ranks' shards of the interrupted
-segment mixes both (found resuming ZeRO-2 2 -> 1: the marker listed both, the universal
-conversion then failed with "shape '[64, 16]' is invalid").
+A checkpoint counts only when it holds MARKER, which rank 0 writes last, once every rank has
+written its files; it lists every file with its size and what wrote the checkpoint (the `run`
+block, finetune/checkpointing/provenance.py). Rotation happens here, after the new checkpoint is
+complete, not inside Trainer's save.
 """
 
 from __future__ import annotations
@@ -54,8 +30,11 @@ def step_of(path: Path) -> int | None:
 
 
 def _files(ckpt: Path) -> dict[str, int]:
-    return {p.relative_to(ckpt).as_posix(): p.stat().st_size
-            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(ckpt).as_posix(): p.stat().st_size
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = None) -> Path:
@@ -67,8 +46,12 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
         raise RuntimeError(f"checkpoint {ckpt} has no files; refusing to mark it complete")
     marker = ckpt / MARKER
     tmp = ckpt / (MARKER + ".tmp")
-    body = {"step": step, "world_size": world_size, "files": files,
-            "completed": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    body = {
+        "step": step,
+        "world_size": world_size,
+        "files": files,
+        "completed": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     if run is not None:
         body["run"] = run
     tmp.write_text(json.dumps(body, indent=1), encoding="utf-8")
@@ -127,19 +110,22 @@ def newest_valid(run_dir: Path) -> Path:
         log.warning("skipping checkpoint %s: %s", ckpt, why)
         skipped.append(f"{ckpt.name} ({why})")
     if not found:
-        raise UserError(f"--resume: no checkpoint-<step> directory in {run_dir}. Checkpoints are written "
-                        f"every training.save_steps steps (with --training.save_strategy=steps) and when "
-                        f"a run is preempted; start a new run instead.")
-    raise UserError(f"--resume: no complete checkpoint in {run_dir}; every one is incomplete: "
-                    + "; ".join(skipped))
+        raise UserError(
+            f"--resume: no checkpoint-<step> directory in {run_dir}. Checkpoints are written "
+            f"every training.save_steps steps (with --training.save_strategy=steps) and when "
+            f"a run is preempted; start a new run instead."
+        )
+    raise UserError(f"--resume: no complete checkpoint in {run_dir}; every one is incomplete: " + "; ".join(skipped))
 
 
 def resolve(resume: str, run_dir: Path) -> Path:
     """`--resume` (auto) or `--resume=PATH` -> a complete checkpoint directory, or UserError."""
     if resume == "auto":
         if not Path(run_dir).is_dir():
-            raise UserError(f"--resume: run directory {run_dir} does not exist; give --run.name or "
-                            f"--run.output_dir of the run to continue, or --resume=PATH/checkpoint-N")
+            raise UserError(
+                f"--resume: run directory {run_dir} does not exist; give --run.name or "
+                f"--run.output_dir of the run to continue, or --resume=PATH/checkpoint-N"
+            )
         return newest_valid(run_dir)
     path = Path(resume)
     if step_of(path) is None and path.is_dir() and checkpoints(path):  # a run directory was given
@@ -166,7 +152,7 @@ def rotate(run_dir: Path, keep: int | None, newest: Path) -> list[Path]:
     return doomed
 
 
-UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkpoint (training/universal.py)
+UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkpoint (universal.py)
 
 
 def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
@@ -185,8 +171,11 @@ def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
         cache = ckpt.with_name(ckpt.name + UNIVERSAL_SUFFIX)
         if cache.exists():
             cache.rename(cache.with_name(f"{cache.name}.superseded-{n}"))
-        log.warning("set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
-                    ckpt, new.name, step)
+        log.warning(
+            "set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
+            ckpt,
+            new.name,
+            step,
+        )
         moved.append((ckpt.name, new.name))
     return moved
-

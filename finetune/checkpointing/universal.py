@@ -1,36 +1,12 @@
-"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint, cached.
-
-ZeRO-1/2/3 checkpoints hold each rank's flat partition of the fp32 weights and Adam moments, and
-DeepSpeed refuses to load them under another data-parallel size (deepspeed 0.19.8,
-runtime/engine.py `_load_zero_checkpoint`: "The checkpoint being loaded used a DP world size of
-2 but the current world size is 1"). Its universal checkpoint format holds one file per parameter
-and state instead, which any world size loads (`"checkpoint": {"load_universal": true}`, engine.py
-`load_checkpoint` reads `<dir>/latest_universal` and the ZeRO optimizers'
-`_load_universal_checkpoint`).
+"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint (one file per
+parameter and state, which any world size loads), converted once and cached beside the original
+(docs/faults.md "Resume on another number of GPUs").
 
     for_resume(state, plan, rec)   every rank: convert on rank 0, the others wait; noted in the record
-    convert(ckpt)          rank 0: <ckpt>.universal/, built once beside the original, reused after
-    enable_loading(trainer) after Trainer(...), before train(): the engine is built loading it
+    convert(ckpt)                  rank 0: <ckpt>.universal/, built once beside the original, reused after
+    enable_loading(trainer)        after Trainer(...), before train(): the engine is built loading it
 
-The conversion is DeepSpeed's own (deepspeed/checkpoint/ds_to_universal.py `main`), run in this
-process with one worker (its process pools are for big offline conversions). Hugging Face Trainer
-checkpoints lack the `universal_checkpoint_info` state Megatron-DeepSpeed writes, so it runs with
-`inject_missing_state`. The original is only read (tests/training/test_strategies.py hashes every
-file before and after). The cache also holds copies of the files Trainer reads from the directory
-it resumes from (trainer_state.json, scheduler.pt, scaler.pt, rng_state*.pth: transformers 5.23
-trainer.py train/_load_optimizer_and_scheduler/_load_scaler/_load_rng_state), because Trainer
-takes one directory for both. It is built in `<ckpt>.universal.tmp` and renamed, so a reader sees
-no cache or a whole one; its marker names the source checkpoint's completion stamp, so a cache
-left from an older checkpoint of the same name is rebuilt.
-
-Measured on the tests' tiny model: 0.7 s in process; 1.2 MB (ZeRO-3 LoRA) and 26 MB (ZeRO-2: fp32
-copies of the module state) for a 4 MB checkpoint. For full fine-tuning expect about 12 bytes per
-parameter and minutes for billions of parameters: convert beforehand with
-
-    python -m finetune.training.universal runs/exp1/checkpoint-200
-
-(the run then reuses the cache), since during a run the other ranks wait for it within
-training.ddp_timeout.
+For big models convert beforehand: python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
 """
 
 from __future__ import annotations
@@ -44,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
-from finetune.training import checkpoints
 
 log = logging.getLogger("finetune")
 
@@ -75,11 +51,11 @@ def current(ckpt: Path) -> Path | None:
 def for_resume(state, plan, rec) -> str | None:
     """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
     beside the original while the others wait; its directory, on every rank (None when the resume
-    plan needs no resharding through it: finetune/training/resume_plan.py)."""
+    plan needs no resharding through it: finetune/checkpointing/resume_plan.py)."""
     if plan is None or plan.reshard != "universal":
         return None
+    from finetune.checkpointing import resume
     from finetune.launch.ranks import run_on_main
-    from finetune.training import resume
 
     def build():
         out, seconds = convert(Path(plan.checkpoint))
@@ -89,8 +65,12 @@ def for_resume(state, plan, rec) -> str | None:
     if rec:
         resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
         rec.write()
-        log.warning("  DeepSpeed states resharded through %s (%s; %s unchanged)", out,
-                    "reused" if seconds is None else f"converted in {seconds:.2f} s", Path(plan.checkpoint).name)
+        log.warning(
+            "  DeepSpeed states resharded through %s (%s; %s unchanged)",
+            out,
+            "reused" if seconds is None else f"converted in {seconds:.2f} s",
+            Path(plan.checkpoint).name,
+        )
     return out
 
 
@@ -102,8 +82,10 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
         return cache_dir(ckpt), None
     latest = ckpt / "latest"
     if not latest.is_file():
-        raise UserError(f"--resume: {ckpt} has no `latest` file naming its DeepSpeed tag (global_stepN), so it "
-                        f"cannot be converted to a universal checkpoint for another world size")
+        raise UserError(
+            f"--resume: {ckpt} has no `latest` file naming its DeepSpeed tag (global_stepN), so it "
+            f"cannot be converted to a universal checkpoint for another world size"
+        )
     tag = latest.read_text(encoding="utf-8").strip()
     out, tmp = cache_dir(ckpt), ckpt.with_name(ckpt.name + checkpoints.UNIVERSAL_SUFFIX + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a conversion cut short: ours, rebuilt
@@ -113,16 +95,27 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
 
     # ds_to_universal prints its progress; keep it in a log beside the result instead of the console.
     with open(tmp / "conversion.log", "w", encoding="utf-8") as out_log, contextlib.redirect_stdout(out_log):
-        ds_to_universal.main(argparse.Namespace(
-            input_folder=str(ckpt / tag), output_folder=str(tmp / f"{tag}_universal"),  # latest_universal -> tmp/
-            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-            inject_missing_state=True))
+        ds_to_universal.main(
+            argparse.Namespace(
+                input_folder=str(ckpt / tag),
+                output_folder=str(tmp / f"{tag}_universal"),  # latest_universal -> tmp/
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=True,
+            )
+        )
     for pattern in TRAINER_FILES:
         for f in ckpt.glob(pattern):
             shutil.copy2(f, tmp / f.name)
     seconds = round(time.perf_counter() - t0, 2)
-    (tmp / MARKER).write_text(json.dumps({"source": str(ckpt), "source_completed": _source_stamp(ckpt), "tag": tag,
-                                          "seconds": seconds}, indent=1), encoding="utf-8")
+    (tmp / MARKER).write_text(
+        json.dumps(
+            {"source": str(ckpt), "source_completed": _source_stamp(ckpt), "tag": tag, "seconds": seconds}, indent=1
+        ),
+        encoding="utf-8",
+    )
     if out.exists():  # stale: built from an older checkpoint of the same name; derived data, rebuilt
         log.warning("DeepSpeed universal checkpoint %s was built from an older %s; rebuilt", out, ckpt.name)
         shutil.rmtree(out)
@@ -142,8 +135,10 @@ def enable_loading(trainer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.training.universal",
-                                     description="Convert a DeepSpeed checkpoint to its universal cache beforehand.")
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.checkpointing.universal",
+        description="Convert a DeepSpeed checkpoint to its universal cache beforehand.",
+    )
     parser.add_argument("checkpoint", help="a complete checkpoint-N directory written under DeepSpeed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

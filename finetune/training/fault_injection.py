@@ -1,18 +1,11 @@
-"""Fault injection for tests and drills: FINETUNE_FAULT_INJECT makes one rank misbehave at one step.
+"""Fault injection for tests and drills: FINETUNE_FAULT_INJECT makes one rank misbehave at one step
+(docs/faults.md "Drills").
 
-    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"            rank 1's loss is NaN at optimizer step 3
-    FINETUNE_FAULT_INJECT="inf_loss@rank0,step2"            +Inf instead of NaN
-    FINETUNE_FAULT_INJECT="kill@rank1,step2"                rank 1 SIGKILLs itself when step 2 begins
-    FINETUNE_FAULT_INJECT="hang@rank1,step2"                rank 1 stops (sleeps) when step 2 begins
-    FINETUNE_FAULT_INJECT="pause@rank0,step2"               rank 0 sleeps PAUSE_S when step 2 begins, then goes
-                                                            on: holds step 2 open for a signal sent from outside
-    FINETUNE_FAULT_INJECT="sigterm@rank0,step4"             rank 0 gets SIGTERM when step 4 begins: a preemption
-                                                            drill (all ranks stop after step 4, checkpoint-4, exit 75)
-    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3;nan_loss@rank0,step5"   several, `;`-separated
+    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"       rank 1's loss is NaN at optimizer step 3
+    FINETUNE_FAULT_INJECT="sigterm@rank0,step4;kill@rank1,step6"   several, `;`-separated
 
-Steps are optimizer steps counted from 1, as in run.json's steps[] (the step being computed,
-i.e. Trainer's global_step + 1). Unset (the normal case), nothing here does anything. A value
-that does not parse is an error, so a drill never runs without its fault by mistake.
+KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
+anything; a value that does not parse is an error, so a drill never runs without its fault.
 """
 
 from __future__ import annotations
@@ -40,8 +33,10 @@ def faults() -> tuple[tuple[str, int, int], ...]:
     for part in filter(None, (p.strip() for p in raw.split(";"))):
         m = _SPEC.match(part)
         if not m or m["kind"] not in KINDS:
-            raise UserError(f"{ENV}={raw!r}: cannot read {part!r}; expected KIND@rankR,stepS with KIND one of "
-                            f"{', '.join(KINDS)}, e.g. nan_loss@rank1,step3")
+            raise UserError(
+                f"{ENV}={raw!r}: cannot read {part!r}; expected KIND@rankR,stepS with KIND one of "
+                f"{', '.join(KINDS)}, e.g. nan_loss@rank1,step3"
+            )
         out.append((m["kind"], int(m["rank"]), int(m["step"])))
     return tuple(out)
 

@@ -1,0 +1,105 @@
+"""The launch, worked out once: one value that preflight, the resume plan, TrainingArguments and the
+record all read, instead of each working the launch out again.
+
+A launched process resolves it once its process group exists (`LaunchPlan.resolve`); `finetune train`
+plans the launch it is about to start from its accelerate config (`LaunchPlan.of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune import batch, precision
+from finetune.launch.configs import LaunchFacts
+from finetune.launch.strategy_setup import LaunchSetup
+
+
+@dataclass(frozen=True)
+class Machines:
+    """How the processes are spread over machines (the node layout, each rank's node, goes here)."""
+
+    num_machines: int
+    processes_per_machine: int
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What this launch sets up. The parallel mesh (sequence, tensor, context parallel sizes) goes here
+    too; until it exists every process is a data-parallel rank."""
+
+    facts: LaunchFacts  # as the launch's accelerate config, its environment or the recipe's row say it
+    setup: LaunchSetup | None  # who sets the strategy up; None before a launch (`finetune train`)
+    strategy: str  # single | ddp | zero1 | zero2 | zero3 | fsdp (run.strategy's names)
+    offload: str  # none | optimizer | params | optimizer+params (run.offload's names)
+    world_size: int  # processes on all machines
+    machines: Machines
+    policy: precision.Policy  # training.precision, `auto` resolved for the launch's device
+    family: str  # torch | fsdp2 | deepspeed: who applies the policy (finetune/precision.py)
+    cuda: bool  # the processes compute on CUDA devices (not CPU, gloo, or use_cpu)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each take their own micro-batches: world_size / (sp x tp x cp) once a mesh exists."""
+        return self.world_size
+
+    @property
+    def distributed_type(self) -> str:
+        return self.facts.distributed_type
+
+    @property
+    def zero_stage(self) -> int | None:
+        if self.distributed_type != "DEEPSPEED":
+            return None
+        return int(((self.facts.deepspeed or {}).get("zero_optimization") or {}).get("stage", 0))
+
+    @property
+    def set_up_by(self) -> str | None:
+        """launcher-config | recipe | launcher-processes (finetune/launch/strategy_setup.py)."""
+        return self.setup.set_up_by if self.setup is not None else None
+
+    @property
+    def cpu_gloo(self) -> str | None:
+        """Why the processes join gloo as CPU processes (finetune/launch/cpu_rehearsal.py); None: they do not."""
+        return self.setup.cpu_gloo if self.setup is not None else None
+
+    def effective_batch(self, per_device: int, grad_accum: int) -> int:
+        return batch.effective_batch(per_device, grad_accum, self.data_parallel_size)
+
+    @classmethod
+    def of(cls, cfg, facts: LaunchFacts, setup: LaunchSetup | None = None) -> LaunchPlan:
+        """The launch `facts` describe, with the precision policy resolved for its device: CUDA when
+        this machine has one and neither the launch nor the recipe asks for CPU processes."""
+        import torch
+
+        from finetune.launch import cpu_rehearsal
+
+        strategy, offload = facts.strategy()
+        use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
+        cuda = torch.cuda.is_available() and not use_cpu
+        policy = precision.resolve(cfg.training.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+        return cls(
+            facts=facts,
+            setup=setup,
+            strategy=strategy,
+            offload=offload,
+            world_size=facts.num_processes,
+            machines=Machines(facts.num_machines, facts.processes_per_machine),
+            policy=policy,
+            family=precision.family_of_distributed_type(facts.distributed_type),
+            cuda=cuda,
+        )
+
+    @classmethod
+    def resolve(cls, cfg, state, setup: LaunchSetup | None = None) -> LaunchPlan:
+        """This process's launch, once its process group exists: under `recipe` the recipe's row, else
+        what the launcher exported (finetune/launch/configs.py)."""
+        from finetune import resources
+        from finetune.launch.configs import from_environment, from_recipe
+
+        if setup is not None and setup.set_up_by == "recipe":
+            return cls.of(cfg, from_recipe(setup, state, resources.ROOT), setup)
+        source = setup.launcher.describe() if setup is not None and setup.launcher.config_file else None
+        facts = from_environment(state, source=source)
+        if setup is not None and setup.launcher.config_from == "default config":
+            facts.default_config = setup.launcher.config_file
+        return cls.of(cfg, facts, setup)

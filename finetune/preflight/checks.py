@@ -1,0 +1,294 @@
+"""Preflight's entry points and the checks of the configs themselves: every problem the configs
+show, found before any weights load and raised together as one ConfigError (exit 2). What is
+checked, and where: docs/preflight.md.
+
+    check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group
+    check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
+
+With `--resume`, `check_launch` first runs the resume check the CLI hands in (resume_plan
+preflight_problems): its plan (accumulation recomputed, DDP on one process = single) is what the
+other checks see. What engaged is still proven on the live engine (training/engaged_strategy.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from finetune.errors import ConfigError, UserError
+from finetune.launch.plan import LaunchPlan
+from finetune.preflight import devices
+from finetune.preflight import precision as policy_checks
+from finetune.strategies import launch_line
+
+SOURCE = "preflight (nothing was started, loaded or written)"
+
+
+def check_before_loading(
+    cfg, state, *, setup=None, resume: str | None = None, launch: LaunchPlan | None = None
+) -> None:
+    """In each launched process: raise one ConfigError listing every problem; ranks agree. `launch`:
+    this process's launch (resolved from `state` and `setup` when not given). `resume` (--resume)
+    lets the run directory exist: a resumed run continues it."""
+    launch = launch or LaunchPlan.resolve(cfg, state, setup)
+    in_script = launch.set_up_by == "recipe"
+    found = (
+        devices.world_size_problem(state, cfg.recipe if in_script else None),
+        devices.launcher_processes_problem(launch.setup, cfg),
+    )
+    problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)
+    problems = _gather(problems, state)
+    if problems and not state.is_main_process:  # rank 0 prints the list; the others say where it is
+        raise UserError(f"preflight found {len(problems)} problem(s) (listed by rank 0); nothing was started")
+    if problems:
+        raise ConfigError(problems, SOURCE)
+
+
+def check_launch(launch_args: list[str], resume_check=None) -> None:
+    """For `finetune train`: the same checks from the accelerate config it is about to launch.
+    `resume_check(cfg, launch, resume, overrides) -> problems` runs first when --resume is given."""
+    from accelerate.commands.launch import launch_command_parser
+
+    from finetune import resources
+    from finetune.cli.options import parse_train_args
+    from finetune.config.recipe import load_recipe
+    from finetune.launch.configs import LaunchFacts, from_config_file
+
+    parsed = launch_command_parser().parse_args(launch_args)
+    args, overrides = parse_train_args(parsed.training_script_args)
+    cfg, _ = load_recipe(args.recipe, overrides)
+    cfg.run.overwrite = cfg.run.overwrite or args.overwrite
+    if parsed.config_file:
+        facts = from_config_file(
+            Path(parsed.config_file),
+            num_processes=parsed.num_processes,
+            cpu=parsed.cpu,
+            deepspeed_config_file=parsed.deepspeed_config_file,
+            base_dirs=[resources.ROOT],
+        )
+    else:
+        facts = LaunchFacts(
+            source="accelerate launch without a config file",
+            num_processes=parsed.num_processes or 1,
+            use_cpu=parsed.cpu,
+        )
+    launch = LaunchPlan.of(cfg, facts)
+    problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
+    problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
+    if problems:
+        raise ConfigError(problems, SOURCE)
+
+
+def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None = None) -> list[str]:
+    problems = list(launch.facts.problems)
+    checks = [
+        devices.one_device_per_process,
+        devices.one_process_many_devices,
+        deepspeed_values,
+        strategy_matches_recipe,
+        qlora_storage,
+        policy_checks.policy_problems,
+        model_source,
+        dataset,
+    ]
+    if not resume:  # a resumed run continues its directory (finetune/checkpointing/resume.py checks it exists)
+        checks.append(run_directory)
+    for check in checks:
+        problems += check(cfg, launch, in_process=in_process)
+    return problems
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+# DeepSpeed key -> (TrainingArguments field it must equal, how the value follows from the args)
+def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """Explicit DeepSpeed values must equal what Trainer computes; "auto" lets Trainer fill them in
+    (transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process)."""
+    facts, ds, dp = launch.facts, launch.facts.deepspeed, launch.data_parallel_size
+    if facts.distributed_type != "DEEPSPEED" or not ds:
+        return []
+    a = cfg.training.args
+    per_device, accum = a.get("per_device_train_batch_size", 8), a.get("gradient_accumulation_steps", 1)
+    expected = {
+        "train_micro_batch_size_per_gpu": (per_device, "training.per_device_train_batch_size"),
+        "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
+        "train_batch_size": (
+            launch.effective_batch(per_device, accum),
+            (
+                f"training.per_device_train_batch_size x gradient_accumulation_steps x "
+                f"{dp} processes = {per_device} x {accum} x {dp}"
+            ),
+        ),
+        "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
+    }  # bf16/fp16: the precision policy's (finetune/preflight/precision.py)
+    problems = []
+    for key, (want, field) in expected.items():
+        section, _, leaf = key.rpartition(".")
+        value = (ds.get(section) or {}).get(leaf) if section else ds.get(key)
+        if value is None or value == "auto":
+            continue
+        if _as_number(value) != _as_number(want):
+            problems.append(
+                f"{facts.deepspeed_source}: {key} is {value!r} but {field} gives {want!r}; "
+                f'set it to "auto" (Trainer fills it in) or make the two agree'
+            )
+    return problems
+
+
+def strategy_matches_recipe(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """The recipe's run.strategy / run.offload against what the launch config will set up."""
+    facts, want, want_offload = launch.facts, cfg.run.strategy, cfg.run.offload
+    if (want == "any" and want_offload == "any") or facts.problems:
+        return []
+    got, got_offload = launch.strategy, launch.offload
+    if (want in ("any", got)) and (want_offload in ("any", got_offload)):
+        return []
+    where = facts.deepspeed_source if facts.distributed_type == "DEEPSPEED" else facts.source
+    line = launch_line(want if want != "any" else got, want_offload if want_offload != "any" else "none", cfg.recipe)
+    aside = (
+        ""
+        if not facts.default_config
+        else (
+            f"\n  or, to let the recipe set up its strategy itself, move your default config aside (e.g. "
+            f"`mv {facts.default_config} {facts.default_config}.off`) and launch without one:\n"
+            f"    accelerate launch finetune/train.py --recipe {cfg.recipe}"
+        )
+    )
+    return [
+        (
+            f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
+            f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
+            f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
+            f"(and run.offload: any) to accept whatever the launch gives"
+        )
+    ]
+
+
+def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """ZeRO-3 and FSDP flatten and shard parameters of one float dtype, so QLoRA's packed 4-bit
+    weights must be stored in the compute dtype (bnb_4bit_quant_storage; see finetune/modeling/load.py)."""
+    strategy, m = launch.strategy, cfg.method
+    if m.name != "qlora" or strategy not in ("zero3", "fsdp"):
+        return []
+    compute_name = launch.policy.compute_dtype
+    if m.quant_storage in ("auto", compute_name):
+        return []
+    return [
+        (
+            f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
+            f"parameters of one dtype, so QLoRA's 4-bit weights must be stored as the compute dtype "
+            f"({compute_name} here, from training.precision); set method.quant_storage: auto"
+        )
+    ]
+
+
+def model_source(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """model.name_or_path / model.tokenizer_name_or_path: an existing model directory, or a hub
+    id that is in the local Hugging Face cache or whose hub can be reached. Without this, an
+    uncached id on a machine without network costs a minute of retries inside from_pretrained."""
+    from finetune.config.sections import BUNDLED_MODEL
+
+    problems = []
+    for key, name, marker in (
+        ("model.name_or_path", cfg.model.name_or_path, "config.json"),
+        ("model.tokenizer_name_or_path", cfg.model.tokenizer_name_or_path, "tokenizer_config.json"),
+    ):
+        if not name or name == BUNDLED_MODEL:
+            continue
+        if name.startswith("bundled:"):
+            problems.append(f"{key}: unknown bundled model {name!r}; the bundled model is {BUNDLED_MODEL!r}")
+            continue
+        path = Path(name).expanduser()
+        if path.exists():
+            if key == "model.name_or_path" and not (path / "config.json").is_file():
+                problems.append(f"{key}: {name} exists but is not a transformers model directory (no config.json)")
+            continue
+        if name.startswith(("/", ".", "~")) or name.count("/") != 1:
+            problems.append(f"{key}: {name!r}: no such local directory (and not a hub id of the form org/name)")
+            continue
+        problem = _hub_problem(name, cfg.model.revision, marker)
+        if problem:
+            problems.append(f"{key}: {problem}")
+    return problems
+
+
+def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo_id, marker, revision=revision), str):
+            return None  # cached: loads without network
+    except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
+        return f"{repo_id!r} is neither a local directory nor a valid hub id: {e}"
+    fix = (
+        f"download it where there is network (`hf download {repo_id}`, then copy ~/.cache/huggingface) "
+        f"or pass a local model directory"
+    )
+    if constants.HF_HUB_OFFLINE:
+        return f"hub id {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
+    endpoint = urlparse(constants.ENDPOINT)
+    try:  # seconds, not the minute of retries from_pretrained spends before giving up
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
+    except OSError as e:
+        return (
+            f"hub id {repo_id!r} is not in the local Hugging Face cache and {endpoint.hostname} cannot be "
+            f"reached ({e}); {fix}"
+        )
+    return None
+
+
+def dataset(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """The data file exists and its first rows read as the format (finetune/data/build.py's own checks)."""
+    from finetune.data import build, read
+
+    problems = [] if cfg.data.path == "demo" else build.check_head(cfg.data)
+    held = cfg.eval.heldout_path
+    if cfg.eval.exact_match and held and held != "demo" and read.is_local(held) and not os.path.exists(held):
+        problems.append(f"eval.heldout_path: {held}: file not found")
+    return problems
+
+
+def run_directory(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """An existing, non-empty run directory is never replaced without --overwrite (finetune/launch/rundir.py)."""
+    from finetune.launch import rundir
+
+    if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
+        return []  # a default name is new (it carries the time)
+    path = rundir.resolve_run_dir(cfg.run.name, cfg.run.output_dir)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())) or rundir.reusable(path):
+        return []  # a directory a run left by failing before step 1 is reused (said so when it is)
+    return [rundir.exists_message(path, "--run.output_dir" if cfg.run.output_dir else "--run.name")]
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _as_number(value):
+    if isinstance(value, bool):
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _gather(problems: list[str], state) -> list[str]:
+    """Every rank's problems on every rank, so all ranks stop together (none waits at a barrier
+    for a rank that already left) and rank 0 can print them all."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return problems
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    merged: list[str] = []
+    for rank, found in enumerate(everyone):
+        for p in found:
+            item = p if all(p in f for f in everyone) else f"[rank {rank}] {p}"
+            if item not in merged:
+                merged.append(item)
+    return merged

@@ -1,0 +1,67 @@
+"""TrainingArguments, built here and nowhere else: a run's from its recipe and its launch, once, before
+the model loads (ZeRO-3's zero.Init reaches from_pretrained through TrainingArguments(deepspeed=...)).
+
+What each source adds to the recipe's `training` fields: the strategy the recipe sets up itself
+(deepspeed= or fsdp=, fsdp_config=), the precision policy's bf16/fp16, use_cpu for gloo and CPU
+autocast, the learning rate scaled to the effective batch, and the speed options' Liger setting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from finetune import batch
+from finetune.errors import ConfigError
+from finetune.launch.plan import LaunchPlan
+from finetune.training import speed
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
+
+@dataclass(frozen=True)
+class RunArguments:
+    """A run's TrainingArguments and what was taken out of the recipe's fields for others to apply."""
+
+    args: TrainingArguments
+    batch: dict  # run.json `batch` (finetune/batch.py)
+    lr: dict  # run.json `lr`: the base rate, the rule and the applied rate the optimizer is built with
+    save_total_limit: int | None  # rotated once a checkpoint is complete (finetune/checkpointing/checkpoints.py)
+    gradient_checkpointing: bool  # applied by finetune/modeling/load.py before the LoRA wrap
+
+
+def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunArguments:
+    values = dict(cfg.training.args)
+    save_total_limit = values.pop("save_total_limit", None)
+    # transformers 5.23 renamed the option: either name turns it on
+    checkpointing = bool(values.pop("gradient_checkpointing", False)) | bool(
+        values.pop("activation_checkpointing", False)
+    )
+    if launch.cpu_gloo is not None:
+        values["use_cpu"] = True  # Trainer's PartialState joins the gloo group (finetune/launch/cpu_rehearsal.py)
+    values.update(launch.setup.trainer_arguments if launch.setup is not None else {})  # the recipe's own strategy
+    values.update(launch.policy.training_args(launch.family))
+    if (values["bf16"] or values["fp16"]) and not launch.cuda:
+        values["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
+    sizes = batch.section(
+        values["per_device_train_batch_size"], values["gradient_accumulation_steps"], launch.data_parallel_size
+    )
+    lr = batch.lr_scaling(
+        values["learning_rate"], cfg.training.lr_scaling, sizes["effective"], cfg.training.lr_reference_batch_size
+    )
+    values["learning_rate"] = lr["applied"]  # the optimizer is built from this value
+    args = build(output_dir=str(output_dir), run_name=run_name, report_to=cfg.logging.report_to or "none", **values)
+    return RunArguments(args, sizes, lr, save_total_limit, checkpointing)
+
+
+def build(**values) -> TrainingArguments:
+    """The one TrainingArguments(...) call (the benchmark's sides come here too); a value Trainer
+    refuses is a ConfigError naming it."""
+    from transformers import TrainingArguments
+
+    try:
+        return TrainingArguments(**speed.trainer_overrides(values))
+    except (ValueError, TypeError) as e:
+        raise ConfigError([f"training: {e}"], "TrainingArguments") from None
