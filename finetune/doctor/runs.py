@@ -168,38 +168,22 @@ def prepare(out_dir: Path, world: int) -> tuple[Path, Path]:
 
 
 def tiny_model(path: Path) -> Path:
-    """A random Llama of MODEL_SPEC with the bundled model's tokenizer and chat template (fetched and
-    converted once per machine by `finetune prepare-model`; finetune/modeling/bundled.py)."""
+    """A random Llama of MODEL_SPEC (finetune/modeling/tiny.py) with the bundled model's tokenizer and
+    chat template (fetched and converted once per machine by `finetune prepare-model`)."""
     marker = path / "doctor-model.json"
     if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == MODEL_SPEC:
         return path
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from finetune.modeling.bundled import ensure_bundled_model, is_prepared
+    from finetune.modeling.tiny import save_tiny_llama
 
     if not is_prepared():
         print(
             "[doctor] preparing the bundled model once for its tokenizer (finetune prepare-model, ~1 min)", flush=True
         )
-    tokenizer = AutoTokenizer.from_pretrained(ensure_bundled_model())
-    torch.manual_seed(MODEL_SPEC["seed"])
-    h = MODEL_SPEC["hidden"]
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=h,
-        intermediate_size=2 * h,
-        num_hidden_layers=MODEL_SPEC["layers"],
-        num_attention_heads=MODEL_SPEC["heads"],
-        num_key_value_heads=MODEL_SPEC["kv_heads"],
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    spec = {k: v for k, v in MODEL_SPEC.items() if k != "architecture"}
+    save_tiny_llama(path, AutoTokenizer.from_pretrained(ensure_bundled_model()), **spec)
     marker.write_text(json.dumps(MODEL_SPEC) + "\n", encoding="utf-8")
     return path
 
