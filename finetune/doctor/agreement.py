@@ -24,7 +24,9 @@ from __future__ import annotations
 import math
 
 from finetune import precision, strategies
+from finetune.compare import comparable
 from finetune.doctor import lines
+from finetune.telemetry.record import RecordView
 
 S = "strategies"
 TOLERANCES = {
@@ -32,8 +34,9 @@ TOLERANCES = {
     "bf16-mixed": {"loss": 1e-4, "grad_norm": 5e-3, "source": "tests/training/test_precision_equivalence.py"},
 }
 SHARD_SLACK = 0.2  # a rank's share of sharded elements may differ from 1/W by this fraction (padding, uneven dims)
-# Settings a run and the reference must hold equal (docs/run_record.md paths), named when losses disagree.
-SAME = (("batch", "effective"), ("lr", "applied"), ("precision", "policy"), ("config", "training", "max_grad_norm"))
+# Named when losses disagree: what `finetune compare` requires of comparable runs (model, data, precision
+# policy, effective batch, applied LR: finetune/compare/comparable.py) and the clipping all doctor runs share.
+CLIPPING = ("config", "training", "max_grad_norm")
 
 
 def expected_evidence(row: strategies.Strategy) -> dict:
@@ -135,7 +138,7 @@ def losses(record: dict) -> list[dict]:
 
 def compare(ref: dict, rec: dict, steps: int) -> dict:
     """The largest relative differences of `rec` against the reference, step by step, and what the
-    two records hold differently among the settings that must be the same (SAME)."""
+    two records hold differently among the settings that must be the same (`differences`)."""
     a, b = losses(ref), losses(rec)
     out = {
         "steps": [s["step"] for s in b],
@@ -144,7 +147,7 @@ def compare(ref: dict, rec: dict, steps: int) -> dict:
         "worst_step": None,
         "max_grad_norm_rel": None,
         "token_mismatch": [],
-        "differs": _differences(ref, rec),
+        "differs": differences(ref, rec),
     }
     if [s["step"] for s in a] != list(range(1, steps + 1)) or [s["step"] for s in b] != list(range(1, steps + 1)):
         out["missing_steps"] = True
@@ -174,14 +177,12 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else math.inf
 
 
-def _differences(ref: dict, rec: dict) -> list[str]:
-    out = []
-    for path in SAME:
-        x, y = ref, rec
-        for key in path:
-            x, y = (x or {}).get(key), (y or {}).get(key)
-        if x != y:
-            out.append(f"{'.'.join(path)} {y!r} vs {x!r}")
+def differences(ref: dict, rec: dict) -> list[str]:
+    """What `rec` holds differently from `ref` ("lr.applied 0.002 != 0.001"), as `finetune compare` says it."""
+    mine, theirs = RecordView(rec), RecordView(ref)
+    out = comparable.differences(mine, theirs)
+    if mine.get(*CLIPPING) != theirs.get(*CLIPPING):
+        out.append(f"{'.'.join(CLIPPING)} {mine.get(*CLIPPING)!r} != {theirs.get(*CLIPPING)!r}")
     return out
 
 

@@ -79,11 +79,22 @@ def test_a_loss_beyond_the_tolerance_is_a_disagreement_naming_the_differing_sett
     )
     assert line.status == "problem"
     assert "loss differs from single by 2.0e-05 relative (tolerance 1e-05, 32-true)" in line.detail
-    assert "the records differ in lr.applied 0.002 vs 0.001" in line.detail
+    assert "the records differ in lr.applied 0.002 != 0.001" in line.detail
     assert "(misconfigured on purpose by --override: --training.learning_rate=2e-3)" in line.detail
     assert line.fix.startswith(
         "ddp trained differently from one process on the same data: finetune compare runs/s runs/d"
     )
+
+
+def test_other_data_and_other_clipping_are_named_as_finetune_compare_names_differences():
+    ref, rec = record("single", 1), record("zero2", 2)
+    assert agreement.differences(ref, rec) == []
+    rec["config"]["training"]["max_grad_norm"] = 0.5
+    rec["config"]["data"] = {"path": "other.jsonl"}
+    assert agreement.differences(ref, rec) == [
+        "data.path 'other.jsonl' != None",
+        "config.training.max_grad_norm 0.5 != 1.0",
+    ]
 
 
 def test_bf16_mixed_uses_its_own_tolerance_and_other_policies_are_not_judged():

@@ -82,7 +82,7 @@ def test_the_control_a_misconfigured_strategy_is_reported_and_fails_the_doctor(t
     assert code == 1 and not result["ok"], out[-6000:]
     (problem,) = result["problems"]
     assert problem["name"] == "ddp losses" and problem["section"] == "strategies"
-    assert "loss differs from single by" in problem["detail"] and "lr.applied 0.002 vs 0.001" in problem["detail"]
+    assert "loss differs from single by" in problem["detail"] and "lr.applied 0.002 != 0.001" in problem["detail"]
     assert problem["fix"].startswith("ddp trained differently from one process on the same data: finetune compare")
     worst = recounted_max_rel(tmp_path / "control" / "runs" / "single", tmp_path / "control" / "runs" / "ddp")
     assert worst > result["strategies"]["tolerance"]["loss"] and problem["data"]["max_loss_rel"] == pytest.approx(worst)
