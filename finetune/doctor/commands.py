@@ -48,7 +48,7 @@ def run(command: list[str], log: Path, timeout: float, env: dict | None = None) 
     """Run to the end (or the time limit, when the whole group is killed); output to `log`.
     The CPU/gloo opt-in is never inherited: `finetune train --cpu` and `bench-comm --cpu` set it."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    full_env = {k: v for k, v in os.environ.items() if k != cpu_rehearsal.ENV}
+    full_env = cpu_rehearsal.without_opt_in()
     full_env.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     start = time.monotonic()
     with open(log, "w", encoding="utf-8") as out:

@@ -5,6 +5,7 @@ reports, and the options refused before anything starts."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,12 @@ def test_the_prepared_data_is_one_epoch_of_the_planned_steps(tmp_path, monkeypat
     _, data = runs.prepare(tmp_path, 2)
     rows = [json.loads(x) for x in data.read_text().splitlines()]
     assert len(rows) == runs.STEPS * runs.PER_DEVICE * 2 and len({r["instruction"] for r in rows}) == len(rows)
+
+
+def test_a_command_does_not_inherit_the_cpu_opt_in_but_sees_what_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
+    probe = [sys.executable, "-c", "import os; print('opt-in', os.environ.get('FINETUNE_CPU_DISTRIBUTED'))"]
+    inherited = commands.run(probe, tmp_path / "inherited.log", 60)
+    assert inherited.returncode == 0 and inherited.tail == ["opt-in None"]
+    given = commands.run(probe, tmp_path / "given.log", 60, env={"FINETUNE_CPU_DISTRIBUTED": "1"})
+    assert given.tail == ["opt-in 1"]  # the control: the probe does see the variable when it is there
