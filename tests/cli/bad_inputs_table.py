@@ -768,11 +768,11 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from finetune.modeling.bundled import ensure_bundled_model
-    from tests.conftest import make_tiny_model_dir
+    from finetune.modeling.tiny import save_tiny_llama
 
     logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
     root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    model_dir = make_tiny_model_dir(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+    model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
     cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
     results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
