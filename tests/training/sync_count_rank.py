@@ -36,16 +36,15 @@ def main() -> int:
         def on_step_end(self, *args, **kwargs):
             counter.mark()
 
-    build = run.build_trainer
+    train = run.train
 
-    def build_and_count(*args, **kwargs):
-        t = build(*args, **kwargs)
+    def count_and_train(r, t, *args, **kwargs):  # the last phase before Trainer.train: every callback is in
         t.add_callback(Spans())
-        return t
+        return train(r, t, *args, **kwargs)
 
-    run.build_trainer = build_and_count
+    run.train = count_and_train
     if os.environ.get("SYNC_COUNT_CONTROL") == "1":
-        trainer.ResilientTrainer = TodaysGuard  # run.build_trainer imports it at call time
+        trainer.ResilientTrainer = TodaysGuard  # finetune/training/build.py imports it at call time
     with counter:
         code = run.main(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
