@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         "failures": failures,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = bench_report.markdown_table(report["summary"], precision=policy.name)
+    table = bench_report.markdown_table(report["summary"], precision=policy.name, ours=OURS)
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)

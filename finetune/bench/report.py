@@ -78,14 +78,20 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     return a[key] / b[key]
 
 
-def markdown_table(summary: list[dict], *, precision: str | None = None) -> str:
+def markdown_table(summary: list[dict], *, precision: str | None = None, ours: str | None = None) -> str:
     """One row per method and side: its figures, its live precision (parameter/compute dtype) and,
     on our row, ours / each baseline's trained tokens/s (and ours / TRL tuned MFU, device memory)."""
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    head = f"Every side under the precision policy {precision}.\n\n" if precision else ""
+    head = "".join(
+        [
+            f"Ours (`finetune`): {ours}.\n" if ours else "",
+            f"Every side under the precision policy {precision}.\n" if precision else "",
+        ]
+    )
+    head += "\n" if head else ""
     lines = [
         (
             "| method | side | precision (param/compute) | trained tok/s, median (range) | MFU | device peak GiB | "

@@ -86,6 +86,7 @@ def test_bench_runs_ours_and_the_three_baselines_and_reports_every_ratio(tmp_pat
     assert "ours/plain Trainer tok/s" in table and "ours/TRL plain tok/s" in table and "ours/TRL tuned tok/s" in table
     assert "plain Trainer" in table and "TRL plain" in table and "TRL tuned" in table
     assert "precision policy 32-true" in table and "float32/float32" in table
+    assert "Ours (`finetune`): ResilientTrainer as finetune train builds it" in table
     assert "ours/TRL tuned tok/s" in capsys.readouterr().out
 
 
