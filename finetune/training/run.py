@@ -303,8 +303,10 @@ def load_model(run: Run, arguments: RunArguments):
         label_smoothing=args.label_smoothing_factor,
         use_liger_kernel=args.use_liger_kernel,
         device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions on this rank, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data)
+        // (launch.mesh.sp * launch.mesh.cp),
+        tensor_parallel=launch.mesh.tp,
     )
     return model
 
@@ -324,7 +326,9 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         args=arguments.args,
         train_dataset=data.bundle.train,
         eval_dataset=data.bundle.eval,
-        data_collator=collate.make_collator(cfg.data, cfg.model, data.tokenizer.pad_token_id),
+        data_collator=collate.make_collator(
+            cfg.data, cfg.model, data.tokenizer.pad_token_id, shards=_sequence_shards(cfg, launch, arguments)
+        ),
         processing_class=data.tokenizer,
         sinks=run.sinks,
         **meter.mfu_inputs(model, cfg.method.name),
@@ -344,7 +348,8 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         expected_offload=cfg.run.offload,
         recipe=cfg.recipe,
         record=run.record,
-    )  # the wrapped engine, before the first step
+        mesh=launch.mesh,
+    )  # the wrapped engine and the live mesh, before the first step
     precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
     precision_live.install(
         trainer,
@@ -527,6 +532,18 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
+
+def _sequence_shards(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
+    """How batches are cut under sequence parallelism (finetune/data/collate.py), None without it. Over
+    gloo (CPU) every batch is data.max_length long: DeepSpeed's adapter gathers each rank's batch, and
+    gloo gathers only tensors of one shape."""
+    from finetune.data import collate
+
+    if launch.mesh.sp == 1:
+        return None
+    fixed = None if launch.cuda else cfg.data.max_length
+    return collate.SequenceShards(launch.mesh.sp, arguments.args.per_device_train_batch_size, fixed)
 
 
 def _write_demo_data(run: Run) -> None:
