@@ -84,9 +84,15 @@ def _launch_config_problems(cfg, launch: LaunchPlan) -> list[str]:
 
 def _model_problems(cfg, m: meshes.Mesh) -> list[str]:
     """Heads against sp and tp, and the model's tp plan, from its config (no weights)."""
-    config = _model_config(cfg.model.name_or_path)
+    try:
+        config = _model_config(cfg.model.name_or_path)
+    except Exception as e:  # noqa: BLE001 - transformers' config validation raises its own classes
+        return [
+            f"model.name_or_path {cfg.model.name_or_path}: its config.json does not load ({type(e).__name__}: "
+            f"{str(e).splitlines()[-1]}), so its heads and tp plan cannot be checked against the mesh; fix the config"
+        ]
     if config is None:
-        return []  # the model source check (finetune/preflight/checks.py) says why it cannot be read
+        return []  # the model source check (finetune/preflight/checks.py) says why it cannot be found
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = cfg.model.name_or_path
     heads = getattr(text, "num_attention_heads", None)
@@ -135,5 +141,5 @@ def _model_config(name_or_path: str):
         name_or_path = str(bundled.model_dir())
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except (OSError, ValueError):
+    except OSError:  # not on this machine: the model source check names it
         return None

@@ -257,7 +257,13 @@ class Position(TypedDict):
     samples_per_epoch: int  # train rows
 
 
-# One segment of a run: the first start (step 0) or a resume. The first seven keys are always
+class Mesh(TypedDict):
+    sp: int
+    tp: int
+    cp: int
+
+
+# One segment of a run: the first start (step 0) or a resume. The keys up to `mesh` are always
 # there; the resume-only keys from `previous_status` on (finetune/checkpointing/resume.py).
 Segment = TypedDict(
     "Segment",
@@ -271,6 +277,7 @@ Segment = TypedDict(
         "per_device": int | None,
         "grad_accum": int | None,
         "effective": int | None,
+        "mesh": Mesh | None,
         "previous_status": str | None,
         "steps_discarded": int,
         "superseded": list[str],

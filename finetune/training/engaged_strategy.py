@@ -279,7 +279,10 @@ def live_check(trainer, *, declared: dict, expected: str, expected_offload: str,
                     offload_params=ev["offload_param_device"],
                 )
             if record is not None:
+                from finetune.checkpointing import resume
+
                 record.set("strategy", {**declared, **live})
+                resume.note_segment(record, mesh={k: parallel[k] for k in ("sp", "tp", "cp")})
                 record.write()
             check_expected(expected, live, recipe, expected_offload)
             if mesh is not None:
