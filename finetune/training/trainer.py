@@ -25,7 +25,7 @@ from finetune.data.render import IGNORE_INDEX
 from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.telemetry.meter import BatchShare, Meter
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection, sample_trace
+from finetune.training import fault_injection, sample_trace, sequence_parallel
 from finetune.training.signals import flags_per_rank, install_signal_handlers, received, restore_signal_handlers
 
 log = logging.getLogger("finetune")
@@ -65,6 +65,16 @@ class FinetuneTrainer(Trainer):
         self.sequence_parallel = pc is not None and pc.sp_enabled and pc.sp_backend == "deepspeed"
         if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
             self.loss_is_scaled_for_ga = True
+            sequence_parallel.route_skips()
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
+        (finetune/training/sequence_parallel.py: epochs and mid-epoch resumption)."""
+        model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.sequence_parallel:
+            loader = sequence_parallel.ShardLoader(loader)
+            self.callback_handler.train_dataloader = loader
+        return model, loader
 
     def next_step(self) -> int:
         """The optimizer step being trained, counted from 1 as in run.json's steps[]."""
@@ -78,7 +88,7 @@ class FinetuneTrainer(Trainer):
         t0 = time.perf_counter()
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.sequence_parallel:
-            items = scored_tokens(batches, device)
+            items = sequence_parallel.scored_tokens(batches, device)
         self.meter.data_loading(time.perf_counter() - t0)
         return batches, items
 
@@ -144,17 +154,6 @@ class FinetuneTrainer(Trainer):
         max). Every rank must call this (it gathers)."""
         self.record_tail()
         return self.meter.final(self.accelerator)
-
-
-def scored_tokens(batches: list[dict], device) -> torch.Tensor:
-    """Tokens the loss scores in one optimizer step, over every rank: each rank holds distinct
-    shards (sequence parallelism) or rows (data parallelism), so the sum counts each token once."""
-    import torch.distributed as dist
-
-    n = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(n)
-    return n
 
 
 def batch_share(wrapped, accelerator) -> BatchShare:
