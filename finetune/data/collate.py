@@ -120,6 +120,9 @@ class SequenceShards:
     sp: int  # shards per row: its length must be a multiple
     rows: int  # micro-batch rows: Ulysses' attention is built for this batch size
     length: int | None  # every batch padded to it: gloo gathers only equal shapes (None: NCCL, any)
+    # False for context parallelism: Trainer accepts only a causal mask there, so the batch states its
+    # real tokens per row instead (REAL_TOKENS_KEY) and the right padding stays unseen by causality
+    mask: bool = True
 
 
 def sharded_batch(features: list[dict], pad_token_id: int, multiple: int | None, shards: SequenceShards) -> dict:
@@ -137,6 +140,8 @@ def sharded_batch(features: list[dict], pad_token_id: int, multiple: int | None,
             out["attention_mask"][i] = 0
     n, width = out["input_ids"].shape
     out["position_ids"] = torch.arange(width, dtype=torch.long).repeat(n, 1)
+    if not shards.mask:
+        out[REAL_TOKENS_KEY] = out.pop("attention_mask").sum(-1)
     return out
 
 

@@ -148,7 +148,7 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
     state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
-    strategy_setup.adopt_deepspeed_comm(setup)
+    strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
@@ -535,15 +535,18 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
 
 
 def _sequence_shards(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
-    """How batches are cut under sequence parallelism (finetune/data/collate.py), None without it. Over
-    gloo (CPU) every batch is data.max_length long: DeepSpeed's adapter gathers each rank's batch, and
-    gloo gathers only tensors of one shape."""
+    """How batches are cut under sequence or context parallelism (finetune/data/collate.py), None
+    without. Ulysses over gloo (CPU): every batch data.max_length long, as DeepSpeed's adapter gathers
+    each rank's batch and gloo gathers only tensors of one shape. Context parallelism: 2 chunks per
+    rank (torch's load-balanced ring), no mask (Trainer takes only a causal one)."""
     from finetune.data import collate
 
-    if launch.mesh.sp == 1:
-        return None
-    fixed = None if launch.cuda else cfg.data.max_length
-    return collate.SequenceShards(launch.mesh.sp, arguments.args.per_device_train_batch_size, fixed)
+    m, rows = launch.mesh, arguments.args.per_device_train_batch_size
+    if m.sp > 1:
+        return collate.SequenceShards(m.sp, rows, None if launch.cuda else cfg.data.max_length)
+    if m.cp > 1:
+        return collate.SequenceShards(2 * m.cp, rows, None, mask=False)
+    return None
 
 
 def _write_demo_data(run: Run) -> None:

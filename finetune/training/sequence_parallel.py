@@ -28,6 +28,19 @@ def scored_tokens(batches: list[dict], device) -> torch.Tensor:
     return n
 
 
+def gradient_divisor(engine) -> int:
+    """The number DeepSpeed divides the summed gradients by under Ulysses, read from its engine. Not
+    one number: ZeRO-1/2 (stage_1_and_2.py average_tensor) and ZeRO-3's contiguous all-reduce
+    (stage3.py __avg_scatter_contiguous_grads) divide by the sequence-and-data-parallel group's size
+    / sp, the data-parallel size; ZeRO-3's reduce-scatter (stage3.py __avg_scatter_grads ->
+    coalesced_collectives.reduce_scatter_coalesced, the default) by the whole group's size."""
+    ranks, sp = int(engine.seq_dp_world_size), int(engine.sequence_parallel_size)
+    zero = engine.optimizer
+    if int(engine.zero_optimization_stage()) == 3 and getattr(zero, "reduce_scatter", False):
+        return ranks
+    return ranks // sp
+
+
 class ShardLoader:
     """DeepSpeed's adapter (gathers a batch from each sequence-parallel rank, gives each rank its
     shard of every one) with `set_epoch` and mid-epoch resumption (module docstring)."""

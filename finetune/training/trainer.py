@@ -63,6 +63,7 @@ class FinetuneTrainer(Trainer):
         self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
         pc = self.accelerator.parallelism_config
         self.sequence_parallel = pc is not None and pc.sp_enabled and pc.sp_backend == "deepspeed"
+        self._logged_share = 1.0  # a rank's share of the logged loss (sequence_parallel_loss)
         if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
             self.loss_is_scaled_for_ga = True
             sequence_parallel.route_skips()
@@ -101,8 +102,8 @@ class FinetuneTrainer(Trainer):
         """The loss of one sequence shard under Ulysses, such that the step's gradient is the one of
         the token-weighted mean over the whole step (every shard, rank and micro-batch), as without
         sequence parallelism: the shard's summed token losses / the step's scored tokens
-        (get_batch_samples), times the ranks DeepSpeed averages gradients over (its
-        sequence-and-data-parallel group). DeepSpeed's adapter shifted the labels before the split
+        (get_batch_samples), times what DeepSpeed divides the summed gradients by
+        (sequence_parallel.gradient_divisor). DeepSpeed's adapter shifted the labels before the split
         (`shift_labels`: the last position of a shard is scored against the next shard's first
         token). transformers' own SP loss (deepspeed_sp_compute_loss) weights each micro-batch
         alone: a mean of means under accumulation or data parallelism."""
@@ -112,8 +113,9 @@ class FinetuneTrainer(Trainer):
             shift[..., -1] = IGNORE_INDEX  # = the shard's own labels shifted after the split (a control)
         # `labels` for the model's own loss, which reads shift_labels when given (ForCausalLMLoss)
         outputs = model(**{**inputs, "shift_labels": shift, "labels": shift}, num_items_in_batch=num_items_in_batch)
-        ranks = getattr(model, "seq_dp_world_size", None) or self.accelerator.num_processes
-        loss = outputs.loss * ranks
+        divisor = sequence_parallel.gradient_divisor(model)
+        self._logged_share = divisor / self.accelerator.num_processes  # training_step: Trainer logs the mean
+        loss = outputs.loss * divisor
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -121,6 +123,8 @@ class FinetuneTrainer(Trainer):
         self.meter.count_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
+        if self.sequence_parallel:  # Trainer logs the mean over ranks: each rank's share of the step's loss
+            loss = loss / self._logged_share
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
