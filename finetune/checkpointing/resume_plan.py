@@ -163,7 +163,7 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
         use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
         problems.append(
             f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
-            f"accumulation {w.grad_accum}; {D} data-parallel rank(s) x {per_device} per device cannot make {E} "
+            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
             f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
             f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
         )
@@ -220,6 +220,12 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
         notes=notes,
         data_parallel=D,
     )
+
+
+def _ranks(data_parallel: int, processes: int) -> str:
+    if data_parallel == processes:
+        return f"{processes} process(es)"
+    return f"{data_parallel} data-parallel rank(s) ({processes} processes)"
 
 
 def _mesh_problems(name: str, w: Written, launch: Launch) -> list[str]:

@@ -30,7 +30,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO, launch_train
+from tests.conftest import REPO, launch_train, logged_steps
 from tests.training.test_strategies import assert_32_true
 
 pytestmark = pytest.mark.integration
@@ -79,51 +79,26 @@ def runs(tmp_path_factory, tiny_model_dir):
     def get(name: str):
         if name in done:
             return done[name]
-        if name == "single":
-            run = launch_train(
-                ["--recipe", "demo", *common_args(tiny_model_dir)],
-                run_dir=base / name,
-                cwd=REPO,
-                config_file="accelerate_configs/single_gpu.yaml",
-                timeout=420,
-            )
-        elif name in MESHES:
+        args, run_dir = ["--recipe", "demo", *common_args(tiny_model_dir)], base / name
+        config, env = "accelerate_configs/single_gpu.yaml", {}
+        if name in MESHES:
             recipe, config, mesh, fault = MESHES[name]
-            run = launch_train(
-                ["--recipe", recipe, *common_args(tiny_model_dir), *mesh],
-                run_dir=base / name,
-                cwd=REPO,
-                config_file=config,
-                env={
-                    **CPU_ENV,
-                    "FINETUNE_FAULT_INJECT": f"{fault}@rank0,step{FAULT_STEP};{fault}@rank1,step{FAULT_STEP}",
-                },
-                timeout=600,
-            )
-        else:  # "sp_resumed": the sp run's directory, resumed from checkpoint-2 under the same mesh, no fault
+            args = ["--recipe", recipe, *common_args(tiny_model_dir), *mesh]
+            env = {**CPU_ENV, "FINETUNE_FAULT_INJECT": f"{fault}@rank0,step{FAULT_STEP};{fault}@rank1,step{FAULT_STEP}"}
+        elif name == "sp_resumed":  # the sp run's directory, resumed from checkpoint-2 under its mesh, no fault
             recipe, config, mesh, _ = MESHES["sp"]
-            run_dir = base / name
+            args, env = ["--recipe", recipe, *common_args(tiny_model_dir), *mesh, "--resume"], CPU_ENV
             shutil.copytree(get("sp").run_dir, run_dir)
-            shutil.rmtree(run_dir / f"checkpoint-{STEPS}")  # continue from checkpoint-2
-            run = launch_train(
-                ["--recipe", recipe, *common_args(tiny_model_dir), *mesh, "--resume"],
-                run_dir=run_dir,
-                cwd=REPO,
-                config_file=config,
-                env=CPU_ENV,
-                timeout=600,
-            )
-        assert run.returncode == 0, run.explain()
-        done[name] = run
-        return run
+            shutil.rmtree(run_dir / f"checkpoint-{STEPS}")
+        done[name] = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, env=env, timeout=600)
+        assert done[name].returncode == 0, done[name].explain()
+        return done[name]
 
     return get
 
 
 def _steps(record: dict) -> list[dict]:
-    steps = [s for s in record["steps"] if s.get("loss") is not None]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), record["steps"]
-    return steps
+    return logged_steps(record, STEPS)
 
 
 def _rel(a: float, b: float) -> float:
