@@ -124,6 +124,17 @@ class SequenceShards:
     # real tokens per row instead (REAL_TOKENS_KEY) and the right padding stays unseen by causality
     mask: bool = True
 
+    @classmethod
+    def of(cls, mesh, rows: int, max_length: int, *, cuda: bool) -> SequenceShards | None:
+        """How a run's batches are cut under its mesh (finetune/mesh.py), None without sequence or
+        context parallelism. Ulysses over gloo (CPU): every batch max_length long. Context
+        parallelism: 2 chunks per rank (torch's load-balanced ring), no mask."""
+        if mesh.sp > 1:
+            return cls(mesh.sp, rows, None if cuda else max_length)
+        if mesh.cp > 1:
+            return cls(2 * mesh.cp, rows, None, mask=False)
+        return None
+
 
 def sharded_batch(features: list[dict], pad_token_id: int, multiple: int | None, shards: SequenceShards) -> dict:
     """A padded batch for sequence parallelism: its length a multiple of sp (or `shards.length`),

@@ -337,7 +337,12 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         train_dataset=data.bundle.train,
         eval_dataset=data.bundle.eval,
         data_collator=collate.make_collator(
-            cfg.data, cfg.model, data.tokenizer.pad_token_id, shards=_sequence_shards(cfg, launch, arguments)
+            cfg.data,
+            cfg.model,
+            data.tokenizer.pad_token_id,
+            shards=collate.SequenceShards.of(
+                launch.mesh, arguments.args.per_device_train_batch_size, cfg.data.max_length, cuda=launch.cuda
+            ),
         ),
         processing_class=data.tokenizer,
         sinks=run.sinks,
@@ -542,21 +547,6 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
-
-
-def _sequence_shards(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
-    """How batches are cut under sequence or context parallelism (finetune/data/collate.py), None
-    without. Ulysses over gloo (CPU): every batch data.max_length long, as DeepSpeed's adapter gathers
-    each rank's batch and gloo gathers only tensors of one shape. Context parallelism: 2 chunks per
-    rank (torch's load-balanced ring), no mask (Trainer takes only a causal one)."""
-    from finetune.data import collate
-
-    m, rows = launch.mesh, arguments.args.per_device_train_batch_size
-    if m.sp > 1:
-        return collate.SequenceShards(m.sp, rows, None if launch.cuda else cfg.data.max_length)
-    if m.cp > 1:
-        return collate.SequenceShards(2 * m.cp, rows, None, mask=False)
-    return None
 
 
 def _write_demo_data(run: Run) -> None:
