@@ -6,6 +6,8 @@ model itself before the first optimizer step (`live_check`: run.json `strategy.e
 
 from __future__ import annotations
 
+import math
+
 from finetune.errors import UserError
 from finetune.launch import cpu_rehearsal
 from finetune.strategies import launch_line, name_of, offload_device, offload_name
@@ -201,8 +203,6 @@ def _sharded_layers(module) -> dict:
     """AutoTP's replacements of nn.Linear (deepspeed/module_inject/layers.py) and the fraction of
     their weights this rank holds: the tensor-parallel split itself, not its configuration."""
     layers = [m for m in module.modules() if type(m).__name__ in ("LinearLayer", "LinearAllreduce")]
-    import math
-
     # the weight's shape before the split (AutoTP keeps it; private: evidence only)
     full = sum(math.prod(getattr(m, "_orig_weight_shape", None) or m.weight.shape) for m in layers)
     local = sum(int(m.weight.numel()) for m in layers)
@@ -244,8 +244,21 @@ def held_elements(params) -> tuple[int, int, str]:
     if any(isinstance(p, DTensor) for p in params):
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
         return local, sum(p.numel() for p in params), "fsdp2 shards (DTensor local of global)"
+    split = [_autotp_shape(p) for p in params]
+    if any(split):  # AutoTP: the split linears' weights are their rank's share of the original shape
+        full = sum(math.prod(shape) if shape else p.numel() for p, shape in zip(params, split))
+        return sum(p.numel() for p in params), full, "autotp splits (local of each split layer's original shape)"
     whole = sum(p.numel() for p in params)
     return whole, whole, "replicated (every rank holds every parameter)"
+
+
+def _autotp_shape(param) -> tuple | None:
+    """A weight's shape before AutoTP split it, from the restore metadata DeepSpeed 0.19 keeps on it
+    (deepspeed/module_inject/layers.py _set_param_uc_meta); None for a parameter it did not split."""
+    meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None)
+    if not meta or meta.get("replicated") or not meta.get("original_shape"):
+        return None
+    return tuple(meta["original_shape"])
 
 
 def strategy_from_evidence(ev: dict) -> tuple[str, str]:

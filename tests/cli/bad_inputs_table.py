@@ -890,6 +890,11 @@ def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str
 
 
 def main() -> int:
+    # the document alone on stdout: what imports and cases print there (DeepSpeed's logger holds
+    # sys.stdout) goes to stderr
+    sys.stdout.flush()
+    document = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     import logging
     import tempfile
 
@@ -905,7 +910,8 @@ def main() -> int:
     cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
     results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
-    sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
+    document.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
+    document.close()
     shutil.rmtree(root, ignore_errors=True)
     bad = [c.what for c, o in results if o.exit_code != 2 or o.launched or o.changed or o.traceback]
     if bad:

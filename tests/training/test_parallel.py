@@ -122,6 +122,11 @@ def test_mesh_engaged_from_the_live_process_groups(runs, name):
         # AutoTP split the 7 linear layers of each of the 2 blocks; each rank holds half of their weights
         assert par["tp_layers"] == 14 and par["tp_local_weight_fraction"] == 0.5, par
         assert rec["speed"]["loss_impl"]["resolved"] == "standard", rec["speed"]  # AutoTP's own head
+        # run.json `nodes` counts each rank's share of the split layers against the whole model, which
+        # one process holds whole
+        nodes, whole = rec["nodes"], runs("single").record["nodes"]["ranks"][0]["params_full"]
+        assert nodes["param_partition"].startswith("autotp splits"), nodes
+        assert all(r["params_full"] == whole > r["params_local"] for r in nodes["ranks"]), (nodes, whole)
     assert "DeepSpeed engine groups" in par["source"], par
     b = rec["batch"]
     assert (b["per_device"], b["grad_accum"], b["data_parallel_size"], b["effective"]) == (4, 2, 1, 8), b
