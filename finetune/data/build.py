@@ -169,7 +169,8 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
         if complete:
             good = len(numbered) - len(bad)
             check_empty_targets(empty, good, cfg, path, warn=False)  # the data build warns, once
-            _split_problem(good, getattr(cfg, "eval_fraction", 0.0), path)
+            used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
+            _split_problem(used, getattr(cfg, "eval_fraction", 0.0), path)
     except DataError as e:
         return [f"data.path: {e}"]
     return []

@@ -279,6 +279,7 @@ def test_an_eval_split_that_leaves_nothing_to_train_on_is_found_by_preflight(tmp
     ]  # on main: found by the data build, after the run directory was made
     path.write_bytes(jsonl(ROWS * 4))
     assert check_head(cfg(path, eval_fraction=0.75)) == []  # control: 2 of 8 left to train on
+    assert "eval_fraction=0.75 of 2 usable example(s)" in check_head(cfg(path, eval_fraction=0.75, max_samples=2))[0]
 
 
 def test_preflight_reads_the_heldout_rows_as_the_evaluation_does(tmp_path):
