@@ -79,7 +79,7 @@ def _read_bytes(path: str) -> bytes:
 
 def check_bytes(data: bytes, path: str) -> bytes:
     if not data.strip():
-        raise DataError("file is empty", path=path)
+        raise DataError("file is empty" if not data else f"file is empty ({len(data)} bytes of blank space)", path=path)
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16/32 byte-order marks; otherwise "bad byte 0xff in row 1"
         raise DataError(
             f"is UTF-16 (or UTF-32) text, byte-order mark 0x{data[:2].hex()}; re-save the file as UTF-8", path=path
