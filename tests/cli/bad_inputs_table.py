@@ -977,20 +977,23 @@ def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str
 
 
 def main() -> int:
+    import contextlib
     import logging
     import tempfile
 
-    import torch
-    from transformers import AutoTokenizer
+    # stdout is the document: what libraries print (DeepSpeed logs its accelerator to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        import torch
+        from transformers import AutoTokenizer
 
-    from finetune.modeling.bundled import ensure_bundled_model
-    from finetune.modeling.tiny import save_tiny_llama
+        from finetune.modeling.bundled import ensure_bundled_model
+        from finetune.modeling.tiny import save_tiny_llama
 
-    logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
-    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
-    cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
-    results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
+        logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
+        root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+        model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+        cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
+        results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
     sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
     shutil.rmtree(root, ignore_errors=True)
