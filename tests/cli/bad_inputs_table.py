@@ -335,6 +335,12 @@ CASES = [
     ),
     Case("data file empty", "data.path", _data(""), ("train.jsonl", "file is empty")),
     Case(
+        "data file of only blank lines",
+        "data.path",
+        _data("\n\n  \n"),
+        ("train.jsonl", "file is empty (5 bytes of blank space)"),
+    ),
+    Case(
         "latin-1 bytes in row 2",
         "data.path",
         _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
