@@ -41,8 +41,10 @@ def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
         label_smoothing=args.label_smoothing_factor,
         use_liger_kernel=args.use_liger_kernel,
         device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions on this rank, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data)
+        // (launch.mesh.sp * launch.mesh.cp),
+        tensor_parallel=launch.mesh.tp,
     )
     return model
 
@@ -72,13 +74,22 @@ def trainer_for(
         args=arguments.args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        data_collator=collate.make_collator(cfg.data, cfg.model, tokenizer.pad_token_id),
+        data_collator=collate.make_collator(
+            cfg.data,
+            cfg.model,
+            tokenizer.pad_token_id,
+            shards=collate.SequenceShards.of(
+                launch.mesh, arguments.args.per_device_train_batch_size, cfg.data.max_length, cuda=launch.cuda
+            ),
+        ),
         processing_class=tokenizer,
         sinks=sinks,
         **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+        on_collapse=cfg.training.on_collapse,
+        collapse_windows=cfg.training.collapse_windows,
     )
     engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
     engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
@@ -89,7 +100,8 @@ def trainer_for(
         expected_offload=cfg.run.offload,
         recipe=cfg.recipe,
         record=record,
-    )  # the wrapped engine, before the first step
+        mesh=launch.mesh,
+    )  # the wrapped engine and the live mesh, before the first step
     precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
     precision_live.install(
         trainer,

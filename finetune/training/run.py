@@ -71,16 +71,14 @@ class Data:
 class Trained:
     train_loss: float
     train_s: float  # Trainer.train() of this launch
-    measured: dict  # the meter's per-step series and peaks (FinetuneTrainer.final_measurements)
-    eval_loss: float | None
-    exact_match: dict  # "before" / "after" -> evaluation.exact_match's result
+    exact_match: dict  # "before" -> evaluation.exact_match's result, when eval.before
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     from finetune.config.recipe import load_recipe
+    from finetune.training.collapse import Diverged
     from finetune.training.signals import install_signal_handlers
-    from finetune.training.step_guard import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
         return code
-    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
+    except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
         if run.record and run.committed:
             run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             run.sinks.close(run.record.view, e.exit_code)
@@ -157,7 +155,7 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
     state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
-    strategy_setup.adopt_deepspeed_comm(setup)
+    strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
@@ -273,12 +271,14 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
     from finetune.checkpointing import provenance, resume_plan
     from finetune.data import build, read
     from finetune.modeling.load import load_tokenizer
+    from finetune.preflight import model_files
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
     bundle = build.build_datasets(
         dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
     )
+    model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
     if run.resume:
         resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
@@ -379,8 +379,8 @@ def record_setup(
 
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
-    """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
-    loss and exact match after; None when the run was preempted."""
+    """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
+    was preempted, a CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
 
     results = {}
@@ -393,12 +393,10 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     train_s = time.perf_counter() - train_start
     if trainer.resilience.preempted:
         return None
-    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-    measured = trainer.final_measurements()
-    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
-    if data.heldout is not None:
-        results["after"] = _exact_match(run, trainer, model, data, "after")
-    return Trained(out.training_loss, train_s, measured, eval_loss, results)
+    collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
+    if collapsed:
+        raise collapsed  # before any export: main() records it and exits 3
+    return Trained(out.training_loss, train_s, results)
 
 
 def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
@@ -429,85 +427,42 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
 
 
 def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
-    """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
-    from finetune.modeling import export
-    from finetune.training import evaluation
+    """The model exported first, then the eval loss and exact match after training, the summary, the
+    figures; the sinks closed. An error in any of it reports where the trained weights are
+    (finetune/training/after_training.py)."""
+    from finetune.training import evaluation, fault_injection
+    from finetune.training.after_training import WeightsKept, record_figures
 
     cfg, record = run.cfg, run.record
-    if cfg.run.save_model:
-        export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
-        if run.state.is_main_process:
-            data.tokenizer.save_pretrained(str(run.dir / "model"))
+    with WeightsKept(trainer, record, run.dir / "model", data.tokenizer) as kept:
+        trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
+        measured = trainer.final_measurements()
+        if cfg.run.save_model:
+            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/export.py)
+        fault_injection.after_training(rank=run.state.process_index, step=trainer.state.global_step)  # drills
+        eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+        results = dict(trained.exact_match)
+        if data.heldout is not None:
+            results["after"] = _exact_match(run, trainer, model, data, "after")
+        collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
+        if record:
+            record.update(
+                "summary",
+                eval_loss=eval_loss,
+                steps=trainer.state.global_step,
+                train_s=round(trained.train_s, 2),
+                wall_s=round(time.perf_counter() - started, 2),
+                status="failed" if collapsed else "completed",
+                nonfinite_skipped=trainer.skipped_steps,
+            )
+            record_figures(record, measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+            if results:
+                record.set("eval", evaluation.section(results, run.heldout_path))
+        if collapsed:
+            raise collapsed  # main() records the error and exits 3
     if record:
-        record.update(
-            "summary",
-            eval_loss=trained.eval_loss,
-            steps=trainer.state.global_step,
-            train_s=round(trained.train_s, 2),
-            wall_s=round(time.perf_counter() - started, 2),
-            status="completed",
-            nonfinite_skipped=trainer.skipped_steps,
-        )
-        record_figures(record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
-        if trained.exact_match:
-            record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
         run.sinks.close(record.view, 0)
     return 0
-
-
-def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
-    """Summary totals, memory, throughput and the prediction's error of a run whose training
-    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
-    computed is null with the reason in the record; the run stays completed (its training did)."""
-    from finetune.planning import prediction
-    from finetune.telemetry import formulas, meter, model_flops, totals
-
-    view = rec.view
-    warmup = cfg.training.throughput_warmup_steps
-    try:
-        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
-        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
-        summary, stretches, excluded = totals.whole_run(
-            earlier,
-            starts,
-            warmup=warmup,
-            steps=len(measured["step_s"]),
-            trained=sum(measured["trained_tokens"]),
-            inputs=sum(measured["input_tokens"]),
-            train_loss=train_loss,
-        )
-        rec.update("summary", **summary)
-        flops, reason = model_flops.from_model(model, cfg.method.name)
-        figures = meter.run_figures(
-            measured,
-            hardware=view.get("hardware"),
-            model_flops=flops,
-            flops_reason=reason,
-            world_size=world,
-            warmup=warmup,
-            earlier=stretches,
-            earlier_excluded=excluded,
-        )
-    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
-        log.exception("run figures could not be computed; they are null in run.json, with the error")
-        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
-        rec.set("memory", None)
-        rec.set(
-            "throughput",
-            {
-                **formulas.throughput([], excluded=0),
-                "flops_convention": None,
-                "flops_per_token": None,
-                "peak_device": None,
-                "scope": meter.SCOPE,
-                "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
-            },
-        )
-        return
-    rec.set("memory", figures["memory"])
-    rec.set("throughput", figures["throughput"])
-    rec.update("batch", **figures["batch"])
-    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

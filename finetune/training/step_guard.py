@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.errors import EXIT_NONFINITE, UserError
+from finetune.errors import UserError
+from finetune.training.collapse import Diverged
 
 # What each rank's row holds: a 0/1 flag and the first non-finite value of each checked quantity, and
 # the number of the signal this rank received (0: none).
@@ -26,12 +27,8 @@ SLOTS = ("loss", "loss_value", "grad_norm", "grad_norm_value", "signal")
 CHECKED = {"loss": "loss", "grad_norm": "gradient norm"}  # slot -> the name in messages and run.json
 
 
-class NonFiniteError(RuntimeError):
-    exit_code = EXIT_NONFINITE
-
-    def __init__(self, message: str, skipped: list[dict]):
-        super().__init__(message)
-        self.skipped = skipped  # steps skipped before this one (training.on_nonfinite: skip)
+class NonFiniteError(Diverged):
+    """A non-finite loss or gradient norm that every rank agreed on (exit 3)."""
 
 
 def check_policy(policy: str, distributed_type: str) -> None:

@@ -93,6 +93,60 @@ AUTO_DS = {
 }
 
 
+def _fifo(ws: Path) -> list[str]:
+    os.mkfifo(ws / "train.jsonl.pipe")
+    return [f"--data.path={ws / 'train.jsonl.pipe'}"]
+
+
+def _link_loop(ws: Path) -> list[str]:
+    (ws / "a.jsonl").symlink_to(ws / "b.jsonl")
+    (ws / "b.jsonl").symlink_to(ws / "a.jsonl")
+    return [f"--data.path={ws / 'a.jsonl'}"]
+
+
+def _model_config(make_config) -> Callable[[Path], list[str]]:
+    """A model directory holding only the config `make_config()` builds: preflight reads no weights."""
+
+    def setup(ws: Path) -> list[str]:
+        make_config().save_pretrained(ws / "other-model")
+        return [f"--model.name_or_path={ws / 'other-model'}"]
+
+    return setup
+
+
+def _bert():
+    from transformers import BertConfig
+
+    return BertConfig(architectures=["BertForMaskedLM"])
+
+
+def _bart():
+    from transformers import BartConfig
+
+    return BartConfig(architectures=["BartForConditionalGeneration"])
+
+
+def _truncated_weights(ws: Path) -> list[str]:
+    model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "half-copied-model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return [f"--model.name_or_path={model}"]
+
+
+def _small_embedding(ws: Path) -> list[str]:
+    """A tiny Llama with 1,000 embedding rows, saved with the table model's 49,152-token tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(ws / "small-vocab-model")
+    AutoTokenizer.from_pretrained(os.environ["FINETUNE_TABLE_MODEL"]).save_pretrained(ws / "small-vocab-model")
+    return [f"--model.name_or_path={ws / 'small-vocab-model'}"]
+
+
 def _no_chat_template(ws: Path) -> list[str]:
     """A copy of the tiny model whose tokenizer has no chat template."""
     model = ws / "model-without-template"
@@ -113,6 +167,7 @@ def _resume(
     strategy: str = "zero3",
     world: int = 2,
     fingerprint: str | None = None,
+    mesh: dict | None = None,
 ):
     """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
@@ -153,6 +208,8 @@ def _resume(
                 "packing": False,
             },
         }
+        if mesh is not None:
+            run["mesh"] = mesh
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
         return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
 
@@ -160,6 +217,27 @@ def _resume(
 
 
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
+
+
+def _config_dir(ws: Path, name: str, **values) -> Path:
+    """A model directory holding only a config.json: what preflight reads (no weights are loaded)."""
+    path = ws / name
+    _write(path / "config.json", json.dumps(values))
+    return path
+
+
+def _heads(ws: Path) -> list[str]:
+    """The tiny model's config with 5 attention and 5 key/value heads (what sp_size 2 cannot split)."""
+    values = json.loads((Path(os.environ["FINETUNE_TABLE_MODEL"]) / "config.json").read_text())
+    heads = {"num_attention_heads": 5, "num_key_value_heads": 5, "hidden_size": 80, "head_dim": 16}
+    path = _config_dir(ws, "five-heads", **{**values, **heads})
+    return [*ZERO3_CPU, f"--model.name_or_path={path}", "--parallel.sp_size=2"]
+
+
+def _no_tp_plan(ws: Path) -> list[str]:
+    path = _config_dir(ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512)
+    return ["--recipe", "zero2", "--cpu", f"--model.name_or_path={path}", "--method.name=full", "--parallel.tp_size=2"]
+
 
 CASES = [
     # --- recipe YAML ---
@@ -192,6 +270,30 @@ CASES = [
         "recipe file",
         _recipe("trainer:\n  max_steps: 3\n"),
         ("trainer", "unknown section", "training"),
+    ),
+    Case(
+        "a key given twice (the last would silently win)",
+        "recipe file",
+        _recipe("training:\n  max_steps: 3\n  learning_rate: 1.0e-4\n  max_steps: 30\n"),
+        ("my_recipe.yaml", "line 4", "key 'training.max_steps' is given twice (first at line 2)"),
+    ),
+    Case(
+        "negative max_steps (Trainer would train an epoch instead)",
+        "command line",
+        lambda ws: ["--training.max_steps=-5"],
+        ("training.max_steps", "must be >= 1, or -1", "got -5"),
+    ),
+    Case(
+        "negative max_grad_norm (Trainer would turn clipping off)",
+        "command line",
+        lambda ws: ["--training.max_grad_norm=-1"],
+        ("training.max_grad_norm", "must be >= 0", "got -1"),
+    ),
+    Case(
+        "lora_alpha: 0 (the adapters would change nothing)",
+        "command line",
+        lambda ws: ["--method.lora_alpha=0"],
+        ("method.lora_alpha", "must be > 0", "got 0"),
     ),
     Case(
         "wrong type: data.max_length: long",
@@ -257,6 +359,12 @@ CASES = [
     ),
     Case("data file empty", "data.path", _data(""), ("train.jsonl", "file is empty")),
     Case(
+        "data file of only blank lines",
+        "data.path",
+        _data("\n\n  \n"),
+        ("train.jsonl", "file is empty (5 bytes of blank space)"),
+    ),
+    Case(
         "latin-1 bytes in row 2",
         "data.path",
         _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
@@ -294,6 +402,42 @@ CASES = [
         ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format"),
     ),
     Case(
+        "every output empty (trains only the end-of-turn token)",
+        "data.path",
+        _data(_jsonl([{"instruction": "Say nothing.", "output": ""}] * 4)),
+        ("train.jsonl", "4 of 4 row(s) have nothing to train on", "end-of-turn", "data.max_empty_target_share"),
+    ),
+    Case(
+        "eval_fraction that leaves nothing to train on",
+        "data.eval_fraction",
+        lambda ws: [f"--data.path={_write(ws / 'two.jsonl', _jsonl(GOOD_ROWS))}", "--data.eval_fraction=0.9"],
+        ("two.jsonl", "eval_fraction=0.9 of 2 usable example(s) leaves nothing to train on"),
+    ),
+    Case(
+        "symbolic link loop as the data file",
+        "data.path",
+        _link_loop,
+        ("a.jsonl", "is a symbolic link loop", "b.jsonl"),
+    ),
+    Case(
+        "named pipe (FIFO) as the data file (read twice it would hang)",
+        "data.path",
+        _fifo,
+        ("train.jsonl.pipe", "is a named pipe (FIFO), not a regular file", "write the data to a file"),
+    ),
+    Case(
+        "directory as the data file",
+        "data.path",
+        lambda ws: [f"--data.path={_write(ws / 'dataset' / 'train.jsonl', _jsonl(GOOD_ROWS)).parent}"],
+        ("dataset", "is a directory, not a data file", "it holds train.jsonl"),
+    ),
+    Case(
+        "zstd-compressed data file",
+        "data.path",
+        _data(b"\x28\xb5\x2f\xfd" + bytes(16)),
+        ("train.jsonl", "is zstd-compressed", "zstd -d FILE", "gzip, bzip2 or xz"),
+    ),
+    Case(
         "every row longer than max_length (completion cut off)",
         "data.path",
         lambda ws: [
@@ -308,6 +452,16 @@ CASES = [
         "eval.heldout_path",
         lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],
         ("eval.heldout_path", "heldout.jsonl", "file not found"),
+    ),
+    Case(
+        "held-out rows exact match cannot read (messages), evaluated only after training",
+        "eval.heldout_path",
+        lambda ws: [
+            "--eval.exact_match=true",
+            "--eval.before=false",
+            f"--eval.heldout_path={_write(ws / 'heldout.jsonl', _jsonl([{'messages': [{'role': 'user', 'content': 'a'}]}]))}",
+        ],
+        ("eval.heldout_path", "heldout.jsonl row 1", "exact-match rows need instruction/output or prompt/completion"),
     ),
     # --- accelerate configs ---
     Case(
@@ -327,6 +481,12 @@ CASES = [
         "--config_file",
         _accelerate("distributed_type: MULTI_TPU\nnum_processes: 2\n"),
         ("launch.yaml", "distributed_type 'MULTI_TPU'", "allowed", "DEEPSPEED"),
+    ),
+    Case(
+        "accelerate config: a key given twice",
+        "--config_file",
+        _accelerate("distributed_type: DEEPSPEED\nnum_processes: 2\nnum_processes: 4\n"),
+        ("launch.yaml", "line 3", "key 'num_processes' is given twice (first at line 2)"),
     ),
     Case(
         "accelerate config: DeepSpeed and FSDP at once",
@@ -352,6 +512,12 @@ CASES = [
         "deepspeed_config_file",
         _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2,}}'),
         ("ds.json", "invalid JSON at line 1"),
+    ),
+    Case(
+        "DeepSpeed config: a key given twice",
+        "deepspeed_config_file",
+        _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2, "stage": 3}}'),
+        ("ds.json", "key(s) 'stage' given twice in one object"),
     ),
     Case(
         "DeepSpeed values that fight Trainer's",
@@ -406,6 +572,102 @@ CASES = [
         lambda ws: ["--training.precision=bf16-mixed", "--model.dtype=float32"],
         ("model.dtype: 'float32'", "training.precision bf16-mixed", "model.dtype: auto"),
     ),
+    # --- the parallel mesh (docs/parallelism.md) ---
+    Case(
+        "pipeline parallelism asked for",
+        "parallel.pp_size",
+        lambda ws: ["--parallel.pp_size=2"],
+        ("parallel.pp_size: 2", "Trainer has no pipeline schedule", "Megatron", "torchtitan", "parallel.pp_size: 1"),
+    ),
+    Case(
+        "sequence-parallel size that does not divide the world size",
+        "parallel.sp_size",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=3", "--data.max_length=96"],
+        ("sp_size 3 x tp_size 1 x cp_size 1 = 3 does not divide the world size 2", "launch 3 or 6 or 12 processes"),
+    ),
+    Case(
+        "sequence length not divisible by sp_size",
+        "data.max_length",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--data.max_length=129"],
+        ("data.max_length 129 is not divisible by sp_size = 2", "128 or 130"),
+    ),
+    Case(
+        "sequence length not divisible by 2 x cp_size",
+        "data.max_length",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.cp_size=2", "--data.max_length=130"],
+        ("data.max_length 130 is not divisible by 2 x cp_size = 4", "128 or 132"),
+    ),
+    Case(
+        "attention heads not divisible by sp_size",
+        "parallel.sp_size / model",
+        _heads,
+        ("has 5 attention heads and 5 key/value heads", "sp_size must divide 5", "allowed here: 5"),
+    ),
+    Case(
+        "sequence parallelism under DDP",
+        "parallel.sp_size / run.strategy",
+        lambda ws: ["--recipe", "ddp", "--cpu", "--parallel.sp_size=2"],
+        ("parallel.sp_size 2 needs strategy zero1 or zero2 or zero3", "sets up ddp", "recipe zero3_sp"),
+    ),
+    Case(
+        "sequence parallelism under FSDP",
+        "parallel.sp_size / run.strategy",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.sp_size=2"],
+        ("parallel.sp_size 2 needs strategy zero1 or zero2 or zero3", "sets up fsdp", "Ulysses"),
+    ),
+    Case(
+        "sequence and context parallelism together",
+        "parallel.sp_size / cp_size",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--parallel.cp_size=2"],
+        ("sp_size 2 and parallel.cp_size 2", "cannot be combined"),
+    ),
+    Case(
+        "sequence parallelism with packing",
+        "data.packing",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--data.packing=true"],
+        ("data.packing: true with parallel.sp_size > 1", "attends causally over the whole row", "data.packing: false"),
+    ),
+    Case(
+        "context parallelism under DeepSpeed",
+        "parallel.cp_size / run.strategy",
+        lambda ws: [*ZERO3_CPU, "--parallel.cp_size=2"],
+        ("parallel.cp_size 2 needs strategy fsdp", "sets up zero3", "parallel.sp_size under DeepSpeed"),
+    ),
+    Case(
+        "context parallelism on CPU",
+        "parallel.cp_size",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.cp_size=2"],
+        ("parallel.cp_size 2", "runs on CUDA devices only", "use parallel.sp_size 2 instead"),
+        gpu_free_only=True,
+    ),
+    Case(
+        "tensor parallelism with QLoRA",
+        "parallel.tp_size / method.name",
+        lambda ws: ["--recipe", "zero2", "--cpu", "--parallel.tp_size=2", "--method.name=qlora"],
+        ("method.name 'qlora' with parallel.tp_size 2", "not sharded with them", "method.name: full"),
+    ),
+    Case(
+        "tensor parallelism under ZeRO-3",
+        "parallel.tp_size / run.strategy",
+        lambda ws: [*ZERO3_CPU, "--parallel.tp_size=2", "--method.name=full"],
+        ("parallel.tp_size 2 needs strategy zero1 or zero2", "sets up zero3", "recipe zero2_tp"),
+    ),
+    Case(
+        "tensor parallelism for a model without a tp plan",
+        "parallel.tp_size / model",
+        _no_tp_plan,
+        ("gpt2-like (GPT2Config, model_type 'gpt2') has no tensor-parallel plan", "base_model_tp_plan", "sp_size"),
+    ),
+    Case(
+        "DeepSpeed config's autotp_size contradicting parallel.tp_size",
+        "DeepSpeed config / parallel.tp_size",
+        lambda ws: [
+            *_accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "tensor_parallel": {"autotp_size": 4}}))(ws),
+            "--parallel.tp_size=2",
+            "--method.name=full",
+        ],
+        ("tensor_parallel.autotp_size is 4 but parallel.tp_size is 2", "--parallel.tp_size=4"),
+    ),
     # --- model and tokenizer ---
     Case(
         "model directory that does not exist",
@@ -418,6 +680,31 @@ CASES = [
         "model.name_or_path",
         lambda ws: [f"--model.name_or_path={ws}"],
         ("model.name_or_path", "no config.json"),
+    ),
+    Case(
+        "encoder-only model (BERT)",
+        "model.name_or_path",
+        _model_config(_bert),
+        ("model_type 'bert' (BertForMaskedLM) is an encoder", "sees every position", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ),
+    Case(
+        "encoder-decoder model (BART)",
+        "model.name_or_path",
+        _model_config(_bart),
+        ("model_type 'bart'", "encoder-decoder (seq2seq)", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ),
+    Case(
+        "model.safetensors cut short (a copy that did not finish)",
+        "model.name_or_path",
+        _truncated_weights,
+        ("half-copied-model/model.safetensors", "cut short (truncated)", "copy or download the model again"),
+    ),
+    Case(
+        "embedding smaller than the tokenizer's vocabulary",
+        "model.name_or_path (and its tokenizer)",
+        _small_embedding,
+        ("small-vocab-model", "embedding has 1,000 rows", "IndexError", "model.tokenizer_name_or_path"),
+        entry="train.py",
     ),
     Case(
         "hub id not cached, hub unreachable",
@@ -455,6 +742,15 @@ CASES = [
             "checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp",
             "launch with accelerate_configs/zero3.yaml (any --num_processes)",
             "nothing was loaded",
+        ),
+    ),
+    Case(
+        "resume under another mesh (sequence-parallel checkpoint, no sequence parallelism now)",
+        "--resume / parallel.sp_size",
+        _resume(ZERO3_CPU, mesh={"sp": 2, "tp": 1, "cp": 1}),
+        (
+            "checkpoint-3 was written under the mesh sp 2 x tp 1 x cp 1 on 2 rank(s)",
+            "resume with --num_processes 2 --parallel.sp_size=2 --parallel.tp_size=1 --parallel.cp_size=1",
         ),
     ),
     Case(
@@ -517,6 +813,61 @@ CASES = [
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
 # here with the test that covers them, so the table is complete.
 NOT_ERRORS = [
+    (
+        "data files as users save them: a JSON array (pretty-printed or not) in a .jsonl file, a first row over "
+        "1 MiB, a UTF-8 byte-order mark, CRLF line ends, trailing blank lines, gzip/bzip2/xz compression (by "
+        "name, .jsonl.gz, or by content)",
+        "data.path",
+        (
+            "not an error: read by preflight and the run alike (tests/data/test_data_files.py::"
+            "test_files_a_careful_reader_accepts_are_read_by_preflight_and_the_run)"
+        ),
+    ),
+    (
+        "`~` in data.path, eval.heldout_path, data.cache_dir, run.output_dir, model paths",
+        "recipe file, command line",
+        (
+            "not an error: expanded to the home directory when the configuration is built "
+            "(tests/data/test_data_files.py::test_tilde_in_data_and_heldout_paths_is_expanded)"
+        ),
+    ),
+    (
+        "data file without read permission (or in a directory that cannot be searched)",
+        "data.path",
+        (
+            "exit 2: 'permission denied: mode -rw-------, owner uid 0, and this process runs as uid 65534; make it "
+            "readable (chmod a+r FILE) ...' (tests/data/test_data_files.py::"
+            "test_permission_denied_is_named_with_mode_and_owner; the table runs as root, which reads every file)"
+        ),
+    ),
+    (
+        "some rows with every target empty, at most data.max_empty_target_share (0.5) of them",
+        "data.path",
+        (
+            "not an error: trained, named in a warning and listed in run.json data.empty_target_rows "
+            "(tests/data/test_data_files.py::test_rows_with_nothing_to_train_on_are_refused_above_the_share_and_"
+            "named_below)"
+        ),
+    ),
+    (
+        "a checkpoint file damaged in place (same size), then --resume",
+        "--resume",
+        (
+            "not an error: the checkpoint fails its checksum, is skipped with a warning naming the file, set aside as "
+            "checkpoint-K.superseded-<n>, and the newest intact one is resumed from (tests/training/"
+            "test_wrong_results.py::test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoint_"
+            "is_passed_over; docs/faults.md)"
+        ),
+    ),
+    (
+        "a learning rate that collapses the model (gradient norm exactly 0, loss ln(vocabulary))",
+        "training.learning_rate",
+        (
+            "found while training: stopped after training.collapse_windows (3) log windows, run.json failed, exit 3 "
+            "(tests/training/test_wrong_results.py::test_a_learning_rate_that_collapses_the_model_ends_failed_not_"
+            "completed; docs/faults.md)"
+        ),
+    ),
     (
         "one row longer than data.max_length among normal rows",
         "data.path",
@@ -761,20 +1112,23 @@ def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str
 
 
 def main() -> int:
+    import contextlib
     import logging
     import tempfile
 
-    import torch
-    from transformers import AutoTokenizer
+    # stdout is the document: what libraries print (DeepSpeed logs its accelerator to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        import torch
+        from transformers import AutoTokenizer
 
-    from finetune.modeling.bundled import ensure_bundled_model
-    from finetune.modeling.tiny import save_tiny_llama
+        from finetune.modeling.bundled import ensure_bundled_model
+        from finetune.modeling.tiny import save_tiny_llama
 
-    logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
-    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
-    cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
-    results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
+        logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
+        root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+        model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+        cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
+        results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
     sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
     shutil.rmtree(root, ignore_errors=True)
