@@ -4,6 +4,8 @@ The launch script is finetune/train.py; the layout is in README.md ("Layout").""
 
 import logging
 
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
+
 
 class Cpu4bitKernelNotice(logging.Filter):
     """bitsandbytes is imported by peft whenever peft is imported (peft 0.21 peft/helpers.py imports

@@ -23,6 +23,7 @@ def launch_command(
     cpu: bool = False,
     overwrite: bool = False,
     resume: str | None = None,
+    allow_config_change: bool = False,
 ) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
@@ -40,6 +41,7 @@ def launch_command(
     if cpu and not (path and path.parent.name == "cpu"):
         cmd += ["--cpu"]
     resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
+    resume_args += ["--allow-config-change"] if allow_config_change else []
     return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
 
 
