@@ -39,3 +39,13 @@ def cpu_variant(config: Path) -> Path:
     already is one."""
     variant = ACCELERATE_CONFIGS / "cpu" / config.name
     return variant if variant.is_file() and config.parent.name != "cpu" else config
+
+
+def shown(path: Path) -> str:
+    """A path as a launch line should show it: relative to the working directory when under it (from
+    the repository root: accelerate_configs/cpu/zero3.yaml), else absolute (an installed package)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

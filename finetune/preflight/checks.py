@@ -2,6 +2,7 @@
 show, found before any weights load and raised together as one ConfigError (exit 2). What is
 checked, and where: docs/preflight.md.
 
+    check_before_processes(cfg, setup)   # each launched process, before its process group
     check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group
     check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
 
@@ -15,13 +16,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from finetune.errors import ConfigError, UserError
+from finetune.errors import ConfigError, ReportedElsewhere, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
+
+
+OTHER_RANKS_WAIT_S = 30  # for the launcher to stop them once rank 0 has exited
+
+
+def check_before_processes(cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S) -> None:
+    """In each launched process, before its process group: a launch whose processes could only run
+    alone is refused before any collective or DeepSpeed op build (devices.lone_processes_problem).
+    Rank 0 says why and exits 2 at once. The other ranks wait, silently, for the launcher to stop them
+    (torchrun and accelerate launch terminate the others when one exits): were one of them to exit
+    first, the launcher could kill rank 0 before it printed. They exit 2 after `wait_s` otherwise."""
+    problem = devices.lone_processes_problem(cfg, setup, env)
+    if problem is None:
+        return
+    if env.get("RANK", "0") != "0":
+        import time
+
+        time.sleep(wait_s)
+        raise ReportedElsewhere(problem)
+    raise ConfigError([problem], SOURCE)
 
 
 def check_before_loading(
@@ -31,9 +52,8 @@ def check_before_loading(
     this process's launch (resolved from `state` and `setup` when not given). `resume` (--resume)
     lets the run directory exist: a resumed run continues it."""
     launch = launch or LaunchPlan.resolve(cfg, state, setup)
-    in_script = launch.set_up_by == "recipe"
     found = (
-        devices.world_size_problem(state, cfg.recipe if in_script else None),
+        devices.world_size_problem(state, cfg, launch.setup),
         devices.launcher_processes_problem(launch.setup, cfg),
     )
     problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)

@@ -139,11 +139,13 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
     from accelerate import PartialState
 
+    from finetune import preflight
     from finetune.launch import cpu_rehearsal, strategy_setup
     from finetune.launch.plan import LaunchPlan
     from finetune.launch.ranks import close_process_group_at_exit
 
     setup = strategy_setup.detect(cfg)
+    preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
