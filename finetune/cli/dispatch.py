@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from finetune import __version__
+from finetune import __version__, resources
 from finetune.cli import options
 from finetune.errors import ConfigError, exit_on_user_error
 from finetune.launch import accelerate as launcher
@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_recipe(plan)
     plan.add_argument(
         "--model",
-        help="a local dir or config.json, a hub id whose config is cached, or the name of a shipped model "
-        "config (`finetune plan --model list` lists them); default: the recipe's model",
+        help="a local dir or config.json, a hub id whose config is cached, or a shipped model config by name ("
+        + ", ".join(resources.model_config_names())
+        + "); default: the recipe's model",
     )
     plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")

@@ -20,10 +20,12 @@ MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for 
 
 
 def load_model_config(name_or_path: str):
-    """A transformers config without weights: a local directory or config.json, the bundled model
-    (once prepared), or a hub id whose config is already in the Hugging Face cache."""
+    """A transformers config without weights: a local directory or config.json, a shipped model config
+    by name (finetune/model_configs/: `Llama-3.1-8B`), the bundled model (once prepared), or a hub id
+    whose config is already in the Hugging Face cache."""
     from transformers import AutoConfig
 
+    from finetune import resources
     from finetune.config.sections import BUNDLED_MODEL
 
     if name_or_path == BUNDLED_MODEL:
@@ -32,10 +34,12 @@ def load_model_config(name_or_path: str):
         if not bundled.is_prepared():
             raise UserError(
                 "the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
-                "--model DIR_OR_CONFIG_JSON"
+                f"--model DIR_OR_CONFIG_JSON or a shipped model config ({', '.join(resources.model_config_names())})"
             )
         name_or_path = str(bundled.model_dir())
     path = Path(name_or_path)
+    if not path.exists() and resources.model_config(name_or_path):
+        path = resources.model_config(name_or_path)
     if path.is_file():
         try:
             values = json.loads(path.read_text(encoding="utf-8"))
@@ -53,11 +57,23 @@ def load_model_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError):
-        raise UserError(
-            f"--model: {name_or_path!r} is not a local directory or file, and its config is not in "
-            f"the Hugging Face cache (no hub access here). Write the model's config.json (from its "
-            f"model card) and pass --model path/to/config.json or a directory holding it"
-        ) from None
+        raise UserError(not_found_message(name_or_path)) from None
+
+
+def not_found_message(name: str) -> str:
+    """--model that is no file, directory, shipped config or cached hub config: what to pass instead."""
+    from finetune import resources
+
+    names = resources.model_config_names()
+    tail = name.rstrip("/").split("/")[-1]
+    same = next((n for n in names if n.lower() == tail.lower()), None)
+    hint = f"--model {same} (the shipped config of that model), or " if same else ""
+    return (
+        f"--model: {name!r} is not a local directory or file, not a shipped model config, and its config is "
+        f"not in the Hugging Face cache (no hub access here). Pass {hint}a config.json written from the model "
+        f"card (--model path/to/config.json, or a directory holding it), or a shipped model config by name: "
+        f"{', '.join(names)}"
+    )
 
 
 def build_plan(

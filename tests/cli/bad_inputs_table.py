@@ -304,6 +304,12 @@ CASES = [
         entry="train.py",
     ),
     Case(
+        "own data with the demo recipe's exact-match evaluation on",
+        "eval.heldout_path",
+        lambda ws: ["--eval.exact_match=true"],
+        ("eval.heldout_path: 'demo'", "good.jsonl", "--eval.exact_match=false", "--eval.heldout_path=FILE"),
+    ),
+    Case(
         "held-out file missing",
         "eval.heldout_path",
         lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],

@@ -18,7 +18,7 @@ from finetune.planning import comm, memory, params, prediction, report, shapes
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
-CONFIGS = REPO / "docs" / "model_configs"
+CONFIGS = REPO / "finetune" / "model_configs"
 
 
 def tiny_llama_config(**kw):
@@ -370,3 +370,25 @@ def _load(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_shipped_model_config_is_usable_by_name_and_an_uncached_hub_id_points_at_it(capsys):
+    """Issue 27 items 2 and 7: the model configs ship in the package (finetune/model_configs/) and
+    `--model NAME` reads them; a hub id whose config is not cached (no hub here) names the shipped
+    config of the same model, and the other ways, instead of failing bare."""
+    shipped = json.loads((CONFIGS / "Llama-3.2-1B.json").read_text())
+    by_name = run_plan(capsys, "--recipe", "demo", "--model", "Llama-3.2-1B", "--json")
+    assert by_name.returncode == 0, by_name.stderr
+    plan = json.loads(by_name.stdout)
+    assert (plan["model"]["layers"], plan["model"]["hidden"], plan["model"]["vocab"]) == (
+        shipped["num_hidden_layers"],
+        shipped["hidden_size"],
+        shipped["vocab_size"],
+    )
+    missing = run_plan(capsys, "--recipe", "demo", "--model", "meta-llama/Llama-3.1-8B")
+    assert missing.returncode == 2
+    assert "--model Llama-3.1-8B (the shipped config of that model)" in missing.stderr, missing.stderr
+    assert "config.json" in missing.stderr and "Llama-3.2-1B" in missing.stderr
+    other = run_plan(capsys, "--recipe", "demo", "--model", "someorg/unknown-7b")
+    assert other.returncode == 2 and "shipped config of that model" not in other.stderr  # no false match
+    assert "a shipped model config by name: Llama-3.1-8B, Llama-3.2-1B" in other.stderr
