@@ -16,7 +16,7 @@ MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # The CLI wires everything; nothing imports it (or the launch script finetune/train.py), except
 # its options, cli/options.py, which the launch script's run and preflight read too.
 LAYERS = [
-    {"finetune.errors"},
+    {"finetune.errors", "finetune.noise"},
     {"finetune.units", "finetune.strategies", "finetune.resources", "finetune.batch", "finetune.cli.options"},
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},

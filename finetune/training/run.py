@@ -140,12 +140,13 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     from accelerate import PartialState
 
     from finetune import preflight
-    from finetune.launch import cpu_rehearsal, strategy_setup
+    from finetune.launch import cpu_rehearsal, op_builds, strategy_setup
     from finetune.launch.plan import LaunchPlan
     from finetune.launch.ranks import close_process_group_at_exit
 
     setup = strategy_setup.detect(cfg)
     preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
+    _announce_op_builds(op_builds.before_processes(setup))  # DeepSpeed's CPU comm op compiles in PartialState
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
@@ -226,11 +227,17 @@ def commit(run: Run) -> None:
     if run.resume:
         resume.keep_previous_record(run.dir)
     saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-    log.info(
-        "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-        saved,
-        saved.read_text(encoding="utf-8").rstrip(),
-    )
+    if run.cfg.logging.print_config:
+        log.info(
+            "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+            saved,
+            saved.read_text(encoding="utf-8").rstrip(),
+        )
+    else:
+        log.info(
+            "resolved configuration (defaults < recipe < command line) saved to %s (--logging.print_config=true prints it)",
+            saved,
+        )
     run.record.write()
 
 
@@ -400,7 +407,9 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
     loss and exact match after; None when the run was preempted."""
     from finetune.checkpointing import resume
+    from finetune.launch import op_builds
 
+    _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = _exact_match(run, trainer, model, data, "before")
@@ -568,6 +577,17 @@ def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: 
             result["total"],
         )
     return result
+
+
+def _announce_op_builds(ops: list[str]) -> None:
+    """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
+    import os
+
+    from finetune.launch import op_builds
+
+    line = op_builds.announce(ops)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {line}", file=sys.stderr, flush=True)
 
 
 def _setup_logging(level: str, main_process: bool) -> None:
