@@ -169,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace, overrides: list[str]) -> int:
     """`finetune train`: preflight of the launch it is about to start, then accelerate launch."""
     from finetune import preflight
-    from finetune.checkpointing import resume_plan
+    from finetune.checkpointing import resume_config, resume_plan
+    from finetune.errors import UserError
     from finetune.launch import cpu_rehearsal
 
+    config_file = args.config_file
+    if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
+        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        config_file = config_file or resumed.cfg.run.accelerate_config
+    elif args.allow_config_change:
+        raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
     launch_args = launcher.launch_command(
         args.recipe,
         overrides,
-        args.config_file,
+        config_file,
         args.num_processes,
         cpu=args.cpu,
         overwrite=args.overwrite,
@@ -184,7 +191,9 @@ def train(args: argparse.Namespace, overrides: list[str]) -> int:
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
     # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
-    preflight.check_launch(launch_args, resume_check=resume_plan.preflight_problems)
+    preflight.check_launch(
+        launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve
+    )
     env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
     print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
     return launcher.run_accelerate_launch(launch_args)

@@ -64,9 +64,11 @@ def check_before_loading(
         raise ConfigError(problems, SOURCE)
 
 
-def check_launch(launch_args: list[str], resume_check=None) -> None:
+def check_launch(launch_args: list[str], resume_check=None, resume_config=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
-    `resume_check(cfg, launch, resume, overrides) -> problems` runs first when --resume is given."""
+    With --resume, `resume_config(recipe, overrides, allow_change=) -> ResumedConfig` gives the
+    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> problems`
+    runs first."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
@@ -76,7 +78,10 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
-    cfg, _ = load_recipe(args.recipe, overrides)
+    if args.resume and resume_config:
+        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change).cfg
+    else:
+        cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
         facts = from_config_file(

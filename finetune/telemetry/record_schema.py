@@ -240,6 +240,12 @@ class Position(TypedDict):
     samples_per_epoch: int  # train rows
 
 
+class ConfigChange(TypedDict):
+    key: str  # section.key
+    was: object  # in the run's saved configuration (null: not set there, the default)
+    now: object  # given with --allow-config-change
+
+
 # One segment of a run: the first start (step 0) or a resume. The first seven keys are always
 # there; the resume-only keys from `previous_status` on (finetune/checkpointing/resume.py).
 Segment = TypedDict(
@@ -264,6 +270,8 @@ Segment = TypedDict(
         "position": Position | None,
         "universal_cache": str,
         "conversion_s": float | None,
+        "config_from": str,
+        "config_changes": list[ConfigChange],
     },
     total=False,
 )

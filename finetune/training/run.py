@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.cli import options
-from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
 
 if TYPE_CHECKING:
     from accelerate import PartialState
 
+    from finetune.checkpointing.resume_config import ResumedConfig
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
@@ -80,11 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.training.trainer import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
-    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    resumed = None
+    if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
+        from finetune.checkpointing import resume_config
+
+        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        cfg = resumed.cfg
+    else:
+        if args.allow_config_change:
+            raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+        cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
-    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
+    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides, resumed_config=resumed)
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
         code = train_and_record(run)
@@ -159,13 +169,20 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
 
 def prepare(
-    cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None, overrides: list[str]
+    cfg: Config,
+    launch: LaunchPlan,
+    state: PartialState,
+    ended: list,
+    *,
+    resume: str | None,
+    overrides: list[str],
+    resumed_config: ResumedConfig | None = None,
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     from finetune import preflight
     from finetune.checkpointing import resume as resuming
-    from finetune.checkpointing import resume_plan
+    from finetune.checkpointing import resume_config, resume_plan
     from finetune.data import demo
     from finetune.launch import rundir
     from finetune.launch.ranks import run_on_main
@@ -192,6 +209,7 @@ def prepare(
     )
     if record and plan:
         resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
+        resume_config.note(record, resumed_config)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
@@ -458,7 +476,7 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
 def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
     """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
     from finetune.modeling import export
-    from finetune.training import evaluation
+    from finetune.training import evaluation, figures
 
     cfg, record = run.cfg, run.record
     if cfg.run.save_model:
@@ -475,66 +493,13 @@ def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trai
             status="completed",
             nonfinite_skipped=trainer.skipped_steps,
         )
-        record_figures(record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+        figures.record_figures(
+            record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss
+        )
         if trained.exact_match:
             record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
         run.sinks.close(record.view, 0)
     return 0
-
-
-def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
-    """Summary totals, memory, throughput and the prediction's error of a run whose training
-    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
-    computed is null with the reason in the record; the run stays completed (its training did)."""
-    from finetune.planning import prediction
-    from finetune.telemetry import formulas, meter, model_flops, totals
-
-    view = rec.view
-    warmup = cfg.training.throughput_warmup_steps
-    try:
-        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
-        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
-        summary, stretches, excluded = totals.whole_run(
-            earlier,
-            starts,
-            warmup=warmup,
-            steps=len(measured["step_s"]),
-            trained=sum(measured["trained_tokens"]),
-            inputs=sum(measured["input_tokens"]),
-            train_loss=train_loss,
-        )
-        rec.update("summary", **summary)
-        flops, reason = model_flops.from_model(model, cfg.method.name)
-        figures = meter.run_figures(
-            measured,
-            hardware=view.get("hardware"),
-            model_flops=flops,
-            flops_reason=reason,
-            world_size=world,
-            warmup=warmup,
-            earlier=stretches,
-            earlier_excluded=excluded,
-        )
-    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
-        log.exception("run figures could not be computed; they are null in run.json, with the error")
-        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
-        rec.set("memory", None)
-        rec.set(
-            "throughput",
-            {
-                **formulas.throughput([], excluded=0),
-                "flops_convention": None,
-                "flops_per_token": None,
-                "peak_device": None,
-                "scope": meter.SCOPE,
-                "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
-            },
-        )
-        return
-    rec.set("memory", figures["memory"])
-    rec.set("throughput", figures["throughput"])
-    rec.update("batch", **figures["batch"])
-    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
