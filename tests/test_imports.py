@@ -26,6 +26,7 @@ LAYERS = [
     {"finetune.training"},
     {"finetune.compare", "finetune.bench"},
     {"finetune.cli"},
+    {"finetune"},  # the package's __init__: installs finetune/noise.py's filters in every process
 ]
 
 
