@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune import precision
 from finetune.errors import UserError
+from finetune.planning import timing
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
@@ -77,13 +78,24 @@ def not_found_message(name: str) -> str:
 
 
 def build_plan(
-    cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float, bandwidth: dict, model_name: str
+    cfg,
+    model_config,
+    *,
+    gpus: int,
+    nodes: int,
+    gpu_memory: float,
+    host_memory: float,
+    bandwidth: dict,
+    model_name: str,
+    overrides: list[str] = (),
 ) -> dict:
     shape = shape_of(model_config)
     # A plan is for GPUs: `auto` is taken as bf16-mixed (a GPU with bf16), as issue 12 resolves it there.
     policy = precision.resolve(cfg.training.precision, True, True)
     w = workload_from_config(cfg, precision=policy.name)
     n = gpus * nodes
+    if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
+        bandwidth = {**bandwidth, "h2d_gbs": timing.H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
     rows = []
     for row in plan_rows(shape, w, n):
         method_w = Workload(**{**w.__dict__, "method": row["method"]})
@@ -121,11 +133,13 @@ def build_plan(
                     "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
                     **times,
                 },
+                "step_time": timing.step_seconds(shape, method_w, times),
             }
         )
     p = shape.params
     how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
     notes = {
+        "workload": workload_note(cfg, w, overrides),
         "precision": f"{policy.name}{how}: {policy.summary}",
         "micro_batch": w.micro_batch,
         "seq_len": w.seq_len,
@@ -135,8 +149,8 @@ def build_plan(
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
         "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
-        "constants": constants(),
-        "not_modelled": list(NOT_MODELLED),
+        "constants": {**constants(), **timing.constants()},
+        "not_modelled": [*NOT_MODELLED, "the host's optimizer step of offloaded optimizers (in the step time)"],
     }
     return {
         "model": {
@@ -212,14 +226,50 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
         )
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
     faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
+    first, choice = choice, _least_step_time(choice, [r for r in mine if r["fits"]])
     reason = (
         f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
         f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
         f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node"
     )
+    if choice is not first:
+        a, b = first["step_time"], choice["step_time"]
+        reason += (
+            f"; communication dominates at this bandwidth: {first['strategy']} (first in speed order) would "
+            f"take an estimated {a['total_s']:.2f} s per step ({a['communication_s']:.2f} s moving data, "
+            f"{a['compute_s']:.2f} s computing), {choice['strategy']} {b['total_s']:.2f} s "
+            f"({b['communication_s']:.2f} s moving data; its host optimizer step not counted)"
+        )
     if faster:
         reason += f"; faster ones do not fit: {', '.join(faster)}"
     return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
+
+
+def _least_step_time(first: dict, fitting: list[dict]) -> dict:
+    """The speed order's choice, unless its communication takes longer than its compute at the given
+    bandwidth (finetune/planning/timing.py): then the fitting row with the least estimated step time."""
+    if not first.get("step_time") or not first["step_time"]["communication_dominates"]:
+        return first
+    timed = [r for r in fitting if r.get("step_time")]
+    best = min(timed, key=lambda r: (r["step_time"]["total_s"], SPEED_ORDER.index(r["strategy"])))
+    return best if best["step_time"]["total_s"] < first["step_time"]["total_s"] else first
+
+
+def workload_note(cfg, w: Workload, overrides: list[str]) -> dict:
+    """What the plan is for, and where each number came from (the recipe, or the command line)."""
+    given = {o.split("=")[0] for o in overrides}
+
+    def source(key: str) -> str:
+        return "command line" if f"--{key}" in given else f"recipe {cfg.recipe}"
+
+    return {
+        "micro_batch": w.micro_batch,
+        "micro_batch_from": source("training.per_device_train_batch_size"),
+        "seq_len": w.seq_len,
+        "seq_len_from": source("data.max_length"),
+        "grad_accum": w.grad_accum,
+        "tokens_per_micro_step": w.micro_batch * w.seq_len,
+    }
 
 
 def run(args, overrides: list[str]) -> int:
@@ -240,6 +290,7 @@ def run(args, overrides: list[str]) -> int:
             host_memory=parse_size(args.host_memory, "--host-memory"),
             bandwidth=read_bandwidth(args.bandwidth),
             model_name=name,
+            overrides=overrides,
         )
     except ValueError as e:  # an architecture the arithmetic does not cover
         raise UserError(f"--model {name}: {e}") from None
