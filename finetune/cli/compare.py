@@ -125,6 +125,7 @@ def sweep_main(args, overrides: list[str]) -> int:
     for p in planned:
         print(
             f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | {' '.join(p.command()[2:])}"
+            + (f"\n  {'':16s} (added: {p.added})" if p.added else "")
         )
     return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)
 
