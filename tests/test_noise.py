@@ -9,11 +9,11 @@ import logging
 import warnings
 
 import finetune  # noqa: F401 - installs the filters, as every process does
-from finetune import noise
-from finetune.launch import op_builds
 
 
 def _shown(message: str, category=FutureWarning, module: str = "torch.distributed.c10d_logger") -> bool:
+    from finetune import noise
+
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # the control's baseline: everything shows ...
         noise.install()  # ... unless one of our filters (installed after, so first) matches
@@ -31,6 +31,8 @@ def test_deepspeeds_deprecated_collective_warnings_are_held_back_and_nothing_els
 
 
 def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
+    from finetune import noise
+
     held = noise.DEEPSPEED_CPU_ACCELERATOR
     before = len(held.held)
     logger = logging.getLogger("DeepSpeed")
@@ -50,6 +52,8 @@ def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
 
 
 def test_a_first_op_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
+    from finetune.launch import op_builds
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     line = op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
     assert "deepspeed_shm_comm and cpu_adam ops now (first use on this machine" in line and str(tmp_path) in line
@@ -70,6 +74,8 @@ ACCELERATE_DEFAULTS = (
 
 
 def test_accelerates_zero_processes_default_line_is_dropped_and_the_others_kept():
+    from finetune import noise
+
     record = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, ACCELERATE_DEFAULTS, None, None)
     assert noise.ZERO_PROCESSES_DEFAULT.filter(record)
     assert "`--num_processes`" not in record.getMessage() and "`--num_machines` was set" in record.getMessage()

@@ -12,7 +12,6 @@ import sys
 import pytest
 import yaml
 
-from finetune.checkpointing import resume_config
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
 from tests.conftest import REPO, run_process_group
@@ -30,6 +29,8 @@ def _started(tmp_path, extra=()) -> str:
 
 
 def test_the_saved_configuration_is_the_base_not_the_recipe(tmp_path):
+    from finetune.checkpointing import resume_config
+
     where = _started(tmp_path)
     got = resume_config.resolve("demo", [where], allow_change=False)
     assert got.cfg.training.args["max_steps"] == 20 and got.cfg.eval.exact_match is False
@@ -41,6 +42,8 @@ def test_the_saved_configuration_is_the_base_not_the_recipe(tmp_path):
 
 
 def test_a_different_override_is_refused_naming_each_difference_or_applied_when_allowed(tmp_path):
+    from finetune.checkpointing import resume_config
+
     where = _started(tmp_path)
     given = [where, "--training.max_steps=80", "--eval.exact_match=true", "--training.logging_steps=5"]
     with pytest.raises(ConfigError) as err:
@@ -62,6 +65,8 @@ def test_a_different_override_is_refused_naming_each_difference_or_applied_when_
 def test_layout_location_and_overwrite_are_no_changes(tmp_path):
     """Resharding on resume sets the per-device batch and accumulation (resume_plan.py); the run is
     found by its name or directory; a start's --overwrite does not carry over."""
+    from finetune.checkpointing import resume_config
+
     where = _started(tmp_path, ["--run.overwrite=true"])
     given = [where, "--training.per_device_train_batch_size=2", "--training.gradient_accumulation_steps=4"]
     got = resume_config.resolve("demo", given, allow_change=False)
@@ -70,6 +75,8 @@ def test_layout_location_and_overwrite_are_no_changes(tmp_path):
 
 
 def test_an_allowed_change_recorded_by_a_resume_is_the_next_resumes_base(tmp_path):
+    from finetune.checkpointing import resume_config
+
     where = _started(tmp_path)
     run_dir = tmp_path / "runs" / "short"
     segments = [{"step": 0}, {"step": 20, "config_changes": [{"key": "training.max_steps", "was": 20, "now": 40}]}]
@@ -79,6 +86,8 @@ def test_an_allowed_change_recorded_by_a_resume_is_the_next_resumes_base(tmp_pat
 
 
 def test_without_a_saved_configuration_or_a_run_name_the_resume_says_so(tmp_path):
+    from finetune.checkpointing import resume_config
+
     with pytest.raises(UserError, match="--run.name=NAME"):
         resume_config.resolve("demo", [], allow_change=False)
     with pytest.raises(UserError, match="has no config.yaml"):
