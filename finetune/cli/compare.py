@@ -83,11 +83,8 @@ def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
     print(report_lib.console_table(table), flush=True)
     for line in wandb_report.log_comparison(table, pngs, out_dir):
         print(line, flush=True)
-    print(
-        f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)\n"
-        f"plots:  {', '.join(str(p) for p in pngs.values())}",
-        flush=True,
-    )
+    print(f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)", flush=True)
+    print("plots:  " + "\n        ".join(str(p) for p in pngs.values()), flush=True)
     return 0, table
 
 

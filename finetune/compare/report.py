@@ -55,12 +55,18 @@ def _memory_basis(table: Table) -> str | None:
     return bases.pop() if len(bases) == 1 else None
 
 
+def _split_same(table: Table) -> tuple[list, list]:
+    """(columns every run shares a value of, with it; columns no run has a value of)."""
+    same = table.constant_columns()
+    return [(c, text) for c, text in same if text != "n/a"], [c for c, text in same if text == "n/a"]
+
+
 def same_for_every_run(table: Table) -> list[str]:
     """The console lines above the table: the values every run shares, and the columns no run has."""
-    same = table.constant_columns()
-    shared = [f"{c.header} {text}" for c, text in same if text != "n/a"]
-    missing = [c.header for c, text in same if text == "n/a"]
-    return _wrap_items("same for every run: ", shared) + _wrap_items("n/a for every run (why: report.md): ", missing)
+    shared, missing = _split_same(table)
+    return _wrap_items("same for every run: ", [f"{c.header} {text}" for c, text in shared]) + _wrap_items(
+        "n/a for every run (why: report.md): ", [c.header for c in missing]
+    )
 
 
 def _wrap_items(head: str, items: list[str]) -> list[str]:
@@ -143,9 +149,11 @@ def markdown(table: Table, plots: dict[str, Path], out_dir: Path) -> str:
         "",
     ]
     lines += [f"> **warning:** {w}" for w in table.warnings] + ([""] if table.warnings else [])
-    same = table.constant_columns()
-    if same:
-        lines += ["**Same for every run:** " + "; ".join(f"{c.title}: {text}" for c, text in same), ""]
+    shared, missing_everywhere = _split_same(table)
+    if shared:
+        lines += ["**Same for every run:** " + "; ".join(f"{c.title}: {text}" for c, text in shared), ""]
+    if missing_everywhere:
+        lines += ["**n/a for every run** (why: below): " + "; ".join(c.title for c in missing_everywhere), ""]
     lines += _md_table(
         headline_titles(table), [[table.headline_cell(i, k) for k in HEADLINE] for i in range(len(table.rows))]
     )
@@ -204,12 +212,18 @@ def html_page(table: Table, plots: dict[str, Path]) -> str:
     cols = table.columns
     headline = "".join(f"<th>{esc(t)}</th>" for t in headline_titles(table))
     head = "".join(f"<th>{esc(c.title)}</th>" for c in cols)
-    same = table.constant_columns()
+    shared, missing_everywhere = _split_same(table)
     same_html = (
         '<p class="same"><b>Same for every run:</b> '
-        + "; ".join(f"{esc(c.title)}: <b>{esc(text)}</b>" for c, text in same)
+        + "; ".join(f"{esc(c.title)}: <b>{esc(text)}</b>" for c, text in shared)
         + "</p>"
-        if same
+        if shared
+        else ""
+    ) + (
+        '<p class="same"><b>n/a for every run</b> (why: below): '
+        + "; ".join(esc(c.title) for c in missing_everywhere)
+        + "</p>"
+        if missing_everywhere
         else ""
     )
     warnings = "".join(f'<p class="warning">warning: {esc(w)}</p>' for w in table.warnings)
@@ -228,7 +242,7 @@ body {{ font-family: system-ui, sans-serif; margin: 1.5em; max-width: 1600px; }}
 table {{ border-collapse: collapse; font-size: 13px; }}
 table.headline {{ font-size: 15px; }} table.headline td {{ padding: 5px 10px; }}
 th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: right; }}
-th {{ background: #f0f0f0; }} td:first-child, td:nth-child(2) {{ text-align: left; }}
+th {{ background: #f0f0f0; }} td:first-child, td:nth-child(2), th:first-child, th:nth-child(2) {{ text-align: left; }}
 tr.baseline {{ background: #eef6ee; }} tr.failed, tr.interrupted {{ background: #fbeaea; }}
 tr.running {{ background: #fff8e0; }} .warning {{ color: #a00; }} img {{ max-width: 100%; }}
 .scroll {{ overflow-x: auto; }} .same {{ color: #333; }}
