@@ -9,12 +9,14 @@ finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] 
 finetune plan --recipe demo [--model ID_OR_DIR_OR_NAME] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
 finetune bench-comm [--cpu] [--num-processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
 finetune bench [--shape S] [--methods M ...] [...]
+finetune doctor [--quick] [--offload] [--out DIR] [...]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from finetune import __version__, resources
 from finetune.cli import options
@@ -29,6 +31,7 @@ TAKES_OVERRIDES = ("train", "plan", "sweep")
 def build_parser() -> argparse.ArgumentParser:
     from finetune.bench import options as bench_options
     from finetune.cli import compare
+    from finetune.doctor import options as doctor_options
     from finetune.planning import bench_comm
 
     parser = options.Parser(prog="finetune", description=DESCRIPTION)
@@ -94,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=bench_options.DESCRIPTION,
     )
     bench_options.add_arguments(bench)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine: environment, GPU links, every strategy engaged and agreeing",
+        description=doctor_options.DESCRIPTION,
+    )
+    doctor_options.add_arguments(doctor)
     parser.commands = sub.choices  # name -> its parser
     return parser
 
@@ -146,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("+ accelerate launch " + " ".join(launch_args), flush=True)
         return launcher.run_accelerate_launch(launch_args)
+    if args.command == "doctor":
+        from finetune.doctor import main as doctor_main
+
+        words = list(sys.argv[1:] if argv is None else argv)
+        return doctor_main.run(args, words[words.index("doctor") + 1 :])  # as typed, for the report
     if args.command == "bench":
         from finetune.bench import main as bench_main
 

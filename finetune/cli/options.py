@@ -72,9 +72,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_recipe(
-    parser: argparse.ArgumentParser, text: str = "recipe name in recipes/ (e.g. demo) or a YAML path"
+    parser: argparse.ArgumentParser,
+    text: str = "recipe name in recipes/ (e.g. demo) or a YAML path",
+    *,
+    required: bool = True,
 ) -> None:
-    parser.add_argument("--recipe", required=True, help=text)
+    parser.add_argument("--recipe", required=required, help=text)
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError, ReportedElsewhere, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.preflight import devices
+from finetune.preflight import devices, machines
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
@@ -55,6 +55,7 @@ def check_before_loading(
     found = (
         devices.world_size_problem(state, cfg, launch.setup),
         devices.launcher_processes_problem(launch.setup, cfg),
+        machines.machines_problem(launch),
     )
     problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)
     problems = _gather(problems, state)

@@ -1,9 +1,10 @@
 """One training run, as every process started by `accelerate launch finetune/train.py` runs it, in
 phases read top to bottom:
 
-    start the processes and resolve the launch -> prepare the run (resume plan, preflight, run
-    directory, record) -> TrainingArguments -> speed options -> tokenizer and data -> model ->
-    trainer -> train -> finish and record
+    start the processes and resolve the launch (each rank's node too) -> prepare the run (resume
+    plan, preflight, run directory, record, the ranks' heartbeats) -> TrainingArguments -> speed
+    options -> tokenizer and data -> model -> trainer -> nodes and setup recorded -> train ->
+    finish and record
 
 `Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
 plan, the run's name and directory) before the phases that train, and only read after.
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
+    from finetune.launch.peers import Heartbeat
     from finetune.launch.plan import LaunchPlan
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.sinks import Sinks
@@ -54,6 +56,7 @@ class Run:
     sinks: Sinks | None
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
     ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
+    heartbeat: Heartbeat | None  # this rank's, to name a lost rank (finetune/launch/peers.py); None: one process
     committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
 
 
@@ -108,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         run.ended.append(True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
+        from finetune.launch import peers
+
+        lost = peers.failure_note(e, run.heartbeat, run.launch.machines)  # the ranks (and nodes) gone, if so
         if run.record and run.committed:
             interrupted = isinstance(e, KeyboardInterrupt)
             run.record.update(
                 "summary",
                 status="interrupted" if interrupted else "failed",
-                error=None if interrupted else f"{type(e).__name__}: {e}",
+                error=None if interrupted else f"{lost + '; ' if lost else ''}{type(e).__name__}: {e}",
             )
             run.sinks.close(run.record.view, 1)
         raise
@@ -122,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read."""
     from finetune.checkpointing import universal
+    from finetune.training import node_figures
 
     started = time.perf_counter()
     arguments = training_arguments(run)
@@ -130,6 +137,7 @@ def train_and_record(run: Run) -> int:
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
+    node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record)
         run.sinks.start(run.record.view)
@@ -184,7 +192,7 @@ def prepare(
     from finetune.checkpointing import resume as resuming
     from finetune.checkpointing import resume_config, resume_plan
     from finetune.data import demo
-    from finetune.launch import rundir
+    from finetune.launch import peers, rundir
     from finetune.launch.ranks import run_on_main
     from finetune.telemetry import sinks
     from finetune.telemetry.record import RunRecord
@@ -196,6 +204,7 @@ def prepare(
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
+    heartbeat = peers.start(state.process_index, launch.world_size)  # names a lost rank if training fails
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", launch.setup.describe())
@@ -225,6 +234,7 @@ def prepare(
         sinks=sinks.for_run(cfg, record, run_dir) if record else None,
         resume=plan,
         ended=ended,
+        heartbeat=heartbeat,
     )
     if not plan:  # a resumed run commits once its data is checked (load_data)
         commit(run)
