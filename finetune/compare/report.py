@@ -36,7 +36,8 @@ CONSOLE_WIDTH = 120  # the console table's lines never exceed this (the run name
 
 def console_table(table: Table) -> str:
     """The headline table (the values equal in every run said once above it) within CONSOLE_WIDTH
-    columns; the full table is in report.md and report.html."""
+    columns, then its notes, each a whole line (a run's error is greppable as it was written); the full
+    table is in report.md and report.html."""
     keys = list(HEADLINE)
     headers = [_headline_header(table, k) for k in keys]
     cells = [[table.headline_cell(i, k) for k in keys] for i in range(len(table.rows))]
@@ -53,7 +54,7 @@ def console_table(table: Table) -> str:
     out = [*same_for_every_run(table), line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
     notes = _footnotes(table) + [f"n/a: {m}" for m in _missing_reasons(table, HEADLINE)]
-    return "\n".join([line.rstrip() for line in out] + [""] + [w for n in notes for w in _wrap(n)])
+    return "\n".join([line.rstrip() for line in out] + [""] + notes)
 
 
 def _headline_header(table: Table, key: str) -> str:
@@ -99,12 +100,6 @@ def _wrap_items(head: str, items: list[str]) -> list[str]:
 
 def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "~"
-
-
-def _wrap(text: str) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, CONSOLE_WIDTH, subsequent_indent="  ", break_on_hyphens=False) if text else []
 
 
 def _footnotes(table: Table) -> list[str]:
