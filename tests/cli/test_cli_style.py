@@ -44,6 +44,7 @@ def test_version_is_the_package_version(capsys):
         (["bench", "{}", "64"], "seq_len", 64),
         (["bench-comm", "{}", "4"], "num_processes", 4),
         (["sweep", "--recipe", "demo", "--strategies", "ddp", "{}", "ddp"], "baseline_strategy", "ddp"),
+        (["doctor", "{}"], "build_cpu_adam", True),
     ],
 )
 def test_each_flag_takes_both_spellings(argv, dest, value):
@@ -71,6 +72,8 @@ def test_help_texts_are_whole(capsys):
     assert code == 0 and "--out" in out and "--sizes" in out and "--num-processes" in out
     code, out = _exit(["sweep", "--help"], capsys)
     assert "--baseline-strategy STRATEGY" in out
+    code, out = _exit(["doctor", "--help"], capsys)
+    assert code == 0 and "2: a bad option." in " ".join(out.split()) and "--build-cpu-adam" in out
     assert dispatch.main(["recipes"]) == 0
     listed = " ".join(capsys.readouterr().out.split())
     for purpose in (
@@ -92,6 +95,8 @@ BAD = [
     ["bench-comm", "--bogus"],
     ["compare", "runs/a", "--bogus"],
     ["recipes", "--bogus"],
+    ["doctor", "--quick", "--bogus"],
+    ["doctor", "--precision", "fp8"],
 ]
 CHECK = """
 import json, sys
