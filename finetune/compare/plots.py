@@ -177,10 +177,11 @@ def memory_figure(table: Table):
             [i - width / 2 for i in x],
             [m or 0 for m in measured],
             width,
-            color="dimgray",  # not a tab20c component colour
+            color="dimgray",  # no component has a grey
             label="measured peak" + (" allocated" if kind == "device" else " RSS"),
         )
-        colors = iter(plt.get_cmap("tab10").colors[1:])  # [0] is close to the measured bar's grey
+        # tab10 without its blue (the other plots' first run) and its grey (7: the measured bar's)
+        colors = iter(c for n, c in enumerate(plt.get_cmap("tab10").colors) if n not in (0, 7))
         component_colors: dict[str, tuple] = {}
         any_prediction = False
         for i, run in enumerate(table.runs):

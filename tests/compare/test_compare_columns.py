@@ -392,6 +392,12 @@ def test_the_memory_plot_legend_groups_the_components(tmp_path):
     # the grouped bars hold every component: 14 x 0.1 GiB stacked for ddp
     ddp_bars = [p for p in fig.axes[0].patches if abs(p.get_x() + p.get_width() / 2 - (2 + 0.19)) < 0.01]
     assert sum(p.get_height() for p in ddp_bars) == pytest.approx(1.4)
+    import matplotlib.colors as mcolors
     import matplotlib.pyplot as plt
 
+    handles = fig.axes[0].get_legend_handles_labels()[0]
+    rgb = [mcolors.to_rgb((h.patches[0] if hasattr(h, "patches") else h).get_facecolor()) for h in handles]
+    assert len(set(rgb)) == len(rgb) and len(set(rgb[0])) == 1, rgb  # the measured bar grey, each entry its own
+    greys = [label for label, c in zip(labels[1:], rgb[1:]) if max(c) - min(c) < 0.1]
+    assert greys == [], greys  # no component is told from the measured bar by shade alone
     plt.close(fig)
