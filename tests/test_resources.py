@@ -49,11 +49,9 @@ TINY = r"""
 from pathlib import Path
 from transformers import AutoTokenizer
 from finetune.modeling.bundled import ensure_bundled_model
-import sys
-sys.path.insert(0, {repo!r})
-from tests.conftest import make_tiny_model_dir
-make_tiny_model_dir(Path("DIR"), AutoTokenizer.from_pretrained(ensure_bundled_model()))
-""".replace("{repo!r}", repr(str(REPO)))
+from finetune.modeling.tiny import save_tiny_llama
+save_tiny_llama(Path("DIR"), AutoTokenizer.from_pretrained(ensure_bundled_model()))
+"""
 
 RESOLVE = r"""
 import json, finetune
