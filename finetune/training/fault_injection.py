@@ -19,7 +19,7 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm")
+KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm", "error_after_training")
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run
 PAUSE_S = 5.0
@@ -73,3 +73,10 @@ def at_step_begin(*, rank: int, step: int) -> None:
         print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
         while True:
             time.sleep(3600)
+
+
+def after_training(*, rank: int, step: int) -> None:
+    """`error_after_training`: an error once training ended at `step`, after the export and before the
+    evaluation (what happens to the trained weights: finetune/training/after_training.py)."""
+    if _active(("error_after_training",), rank, step):
+        raise RuntimeError(f"[fault injection] error after training on rank {rank} (step {step})")

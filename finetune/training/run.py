@@ -72,16 +72,14 @@ class Data:
 class Trained:
     train_loss: float
     train_s: float  # Trainer.train() of this launch
-    measured: dict  # the meter's per-step series and peaks (FinetuneTrainer.final_measurements)
-    eval_loss: float | None
-    exact_match: dict  # "before" / "after" -> evaluation.exact_match's result
+    exact_match: dict  # "before" -> evaluation.exact_match's result, when eval.before
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     from finetune.config.recipe import load_recipe
+    from finetune.training.collapse import Diverged
     from finetune.training.signals import install_signal_handlers
-    from finetune.training.trainer import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
     resumed = None
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
         return code
-    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
+    except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
         if run.record and run.committed:
             run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
             run.sinks.close(run.record.view, e.exit_code)
@@ -299,12 +297,14 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
     from finetune.checkpointing import provenance, resume_plan
     from finetune.data import build, read
     from finetune.modeling.load import load_tokenizer
+    from finetune.preflight import model_files
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
     bundle = build.build_datasets(
         dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
     )
+    model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
     if run.resume:
         resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
@@ -368,6 +368,8 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+        on_collapse=cfg.training.on_collapse,
+        collapse_windows=cfg.training.collapse_windows,
     )
     trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
@@ -432,8 +434,8 @@ def record_setup(
 
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
-    """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
-    loss and exact match after; None when the run was preempted."""
+    """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
+    was preempted, a CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
     from finetune.launch import op_builds
 
@@ -448,12 +450,10 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     train_s = time.perf_counter() - train_start
     if trainer.resilience.preempted:
         return None
-    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-    measured = trainer.final_measurements()
-    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
-    if data.heldout is not None:
-        results["after"] = _exact_match(run, trainer, model, data, "after")
-    return Trained(out.training_loss, train_s, measured, eval_loss, results)
+    collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
+    if collapsed:
+        raise collapsed  # before any export: main() records it and exits 3
+    return Trained(out.training_loss, train_s, results)
 
 
 def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
@@ -484,30 +484,40 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
 
 
 def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
-    """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
-    from finetune.modeling import export
-    from finetune.training import evaluation, figures
+    """The model exported first, then the eval loss and exact match after training, the summary, the
+    figures; the sinks closed. An error in any of it reports where the trained weights are
+    (finetune/training/after_training.py)."""
+    from finetune.training import evaluation, fault_injection
+    from finetune.training.after_training import WeightsKept, record_figures
 
     cfg, record = run.cfg, run.record
-    if cfg.run.save_model:
-        export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
-        if run.state.is_main_process:
-            data.tokenizer.save_pretrained(str(run.dir / "model"))
+    with WeightsKept(trainer, record, run.dir / "model", data.tokenizer) as kept:
+        trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
+        measured = trainer.final_measurements()
+        if cfg.run.save_model:
+            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/export.py)
+        fault_injection.after_training(rank=run.state.process_index, step=trainer.state.global_step)  # drills
+        eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+        results = dict(trained.exact_match)
+        if data.heldout is not None:
+            results["after"] = _exact_match(run, trainer, model, data, "after")
+        collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
+        if record:
+            record.update(
+                "summary",
+                eval_loss=eval_loss,
+                steps=trainer.state.global_step,
+                train_s=round(trained.train_s, 2),
+                wall_s=round(time.perf_counter() - started, 2),
+                status="failed" if collapsed else "completed",
+                nonfinite_skipped=trainer.skipped_steps,
+            )
+            record_figures(record, measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+            if results:
+                record.set("eval", evaluation.section(results, run.heldout_path))
+        if collapsed:
+            raise collapsed  # main() records the error and exits 3
     if record:
-        record.update(
-            "summary",
-            eval_loss=trained.eval_loss,
-            steps=trainer.state.global_step,
-            train_s=round(trained.train_s, 2),
-            wall_s=round(time.perf_counter() - started, 2),
-            status="completed",
-            nonfinite_skipped=trainer.skipped_steps,
-        )
-        figures.record_figures(
-            record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss
-        )
-        if trained.exact_match:
-            record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
         run.sinks.close(record.view, 0)
     return 0
 
