@@ -94,6 +94,12 @@ def build_plan(
     policy = precision.resolve(cfg.training.precision, True, True)
     w = workload_from_config(cfg, precision=policy.name)
     n = gpus * nodes
+    shards = w.sp * w.tp * w.cp
+    if n % shards:
+        raise UserError(
+            f"parallel.sp_size {w.sp} x tp_size {w.tp} x cp_size {w.cp} = {shards} does not divide the "
+            f"{n} GPU(s) planned (--gpus x --nodes); plan a multiple of {shards} GPUs or change the sizes"
+        )
     if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
         bandwidth = {**bandwidth, "h2d_gbs": timing.H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
     rows = []
@@ -146,6 +152,7 @@ def build_plan(
         "gradient_checkpointing": w.gradient_checkpointing,
         "grad_accum": w.grad_accum,
         "layout": w.layout,
+        "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": n // shards},
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
         "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
