@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.cli import options
-from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
 
 if TYPE_CHECKING:
     from accelerate import PartialState
 
+    from finetune.checkpointing.resume_config import ResumedConfig
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
@@ -81,11 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.training.signals import install_signal_handlers
 
     args, overrides = options.parse_train_args(argv)
-    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    resumed = None
+    if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
+        from finetune.checkpointing import resume_config
+
+        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        cfg = resumed.cfg
+    else:
+        if args.allow_config_change:
+            raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+        cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
-    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
+    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides, resumed_config=resumed)
     install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
         code = train_and_record(run)
@@ -146,11 +156,14 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
     from accelerate import PartialState
 
-    from finetune.launch import cpu_rehearsal, strategy_setup
+    from finetune import preflight
+    from finetune.launch import cpu_rehearsal, op_builds, strategy_setup
     from finetune.launch.plan import LaunchPlan
     from finetune.launch.ranks import close_process_group_at_exit
 
     setup = strategy_setup.detect(cfg)
+    preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
+    _announce_op_builds(op_builds.before_processes(setup))  # DeepSpeed's CPU comm op compiles in PartialState
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
@@ -163,13 +176,20 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
 
 def prepare(
-    cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None, overrides: list[str]
+    cfg: Config,
+    launch: LaunchPlan,
+    state: PartialState,
+    ended: list,
+    *,
+    resume: str | None,
+    overrides: list[str],
+    resumed_config: ResumedConfig | None = None,
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     from finetune import preflight
     from finetune.checkpointing import resume as resuming
-    from finetune.checkpointing import resume_plan
+    from finetune.checkpointing import resume_config, resume_plan
     from finetune.data import demo
     from finetune.launch import peers, rundir
     from finetune.launch.ranks import run_on_main
@@ -197,6 +217,7 @@ def prepare(
     )
     if record and plan:
         resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
+        resume_config.note(record, resumed_config)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
@@ -233,11 +254,17 @@ def commit(run: Run) -> None:
     if run.resume:
         resume.keep_previous_record(run.dir)
     saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-    log.info(
-        "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-        saved,
-        saved.read_text(encoding="utf-8").rstrip(),
-    )
+    if run.cfg.logging.print_config:
+        log.info(
+            "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+            saved,
+            saved.read_text(encoding="utf-8").rstrip(),
+        )
+    else:
+        log.info(
+            "resolved configuration (defaults < recipe < command line) saved to %s (--logging.print_config=true prints it)",
+            saved,
+        )
     run.record.write()
 
 
@@ -382,7 +409,9 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
     was preempted, a CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
+    from finetune.launch import op_builds
 
+    _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = _exact_match(run, trainer, model, data, "before")
@@ -505,6 +534,17 @@ def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: 
             result["total"],
         )
     return result
+
+
+def _announce_op_builds(ops: list[str]) -> None:
+    """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
+    import os
+
+    from finetune.launch import op_builds
+
+    line = op_builds.announce(ops)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {line}", file=sys.stderr, flush=True)
 
 
 def _setup_logging(level: str, main_process: bool) -> None:
