@@ -1,7 +1,7 @@
-"""`finetune bench`: the same workload through this project and through TRL's SFTTrainer (a plain
-script and a tuned one), alternating, in one invocation; reports trained tokens/s, MFU, peak memory
-and the ratios ours / TRL plain and ours / TRL tuned (docs/benchmarks.md: the workload, the shapes,
-the sides and the figures).
+"""`finetune bench`: the same workload through the trainer `finetune train` runs and through three
+baselines (plain transformers.Trainer, TRL's SFTTrainer as a plain script and tuned), alternating, in
+one invocation, every side under one precision policy; reports trained tokens/s, MFU, peak memory and
+the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides, the figures).
 
     finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import resources
+from finetune import precision, resources
 from finetune.bench import report as bench_report
-from finetune.bench.options import SHAPES, TRL_CHOICES, parse_args
+from finetune.bench.options import BASELINES, SHAPES, parse_args
 from finetune.errors import UserError
 
 
@@ -82,30 +82,11 @@ def run(args) -> int:
     """The benchmark of parsed options (finetune/bench/options.py)."""
     import torch
 
+    from finetune.bench import worker
     from finetune.config.sections import ModelConfig
-    from finetune.config.validate import build_config
     from finetune.modeling.load import load_tokenizer
     from finetune.training import speed
 
-    # Our side's options pass the same checks as a recipe (boundary safety, attention, Liger on this machine).
-    speed.check(
-        build_config(
-            {
-                "data": {
-                    "packing": args.layout == "packing",
-                    "padding_free": args.layout == "padding_free",
-                    "pad_to_multiple_of": args.pad_to_multiple_of,
-                },
-                "model": {"attn_implementation": args.attn_implementation, "sdpa_backends": args.sdpa_backends},
-                "training": {
-                    "per_device_train_batch_size": args.batch,
-                    "use_liger_kernel": args.liger,
-                    "loss_impl": args.loss_impl,
-                },
-            },
-            source="finetune bench options",
-        )
-    )
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -118,38 +99,48 @@ def run(args) -> int:
     rows = bench_examples(args, len(tokenizer), set(tokenizer.all_special_ids))
     data_file = out / "data.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    policy = precision.resolve(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
+    if policy.needs_cuda and not cuda:
+        raise UserError(f"--precision {policy.name}: needs a CUDA device; this machine has none (use 32-true or auto)")
+    common = {
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "precision": policy.name,
+        "attn_implementation": args.attn_implementation,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "layout": args.layout,
+        "torch_compile": args.torch_compile,
+        "liger": args.liger,
+        "loss_impl": args.loss_impl,
+        "sdpa_backends": args.sdpa_backends,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
+    }
+    # Our side's options pass the checks a recipe passes (boundary safety, attention, Liger on this machine).
+    speed.check(worker.config_of({**common, "method": args.methods[0], "output_dir": str(out / "runs")}))
     lengths = sorted(len(r["input_ids"]) for r in rows)
     print(
         f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
-        f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}",
+        f"max {lengths[-1]}, mean {sum(lengths) / len(lengths):.0f}; model {args.shape} at {model_dir}; "
+        f"precision {policy.name} ({policy.summary}) on every side; ours: {OURS}",
         flush=True,
     )
 
-    sides = ("finetune", *TRL_CHOICES[args.trl])
+    sides = ("finetune", *dict.fromkeys(BASELINES[b] for b in args.baseline))
     results, failures = [], []
     for method in args.methods:
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
                 spec = {
+                    **common,
                     "side": side,
                     "method": method,
                     "round": r,
-                    "model_dir": str(model_dir),
-                    "data_file": str(data_file),
-                    "seq_len": args.seq_len,
-                    "batch": args.batch,
-                    "steps": args.steps,
-                    "warmup_steps": args.warmup_steps,
-                    "seed": args.seed,
-                    "learning_rate": args.learning_rate,
-                    "attn_implementation": args.attn_implementation,
-                    "gradient_checkpointing": args.gradient_checkpointing,
-                    "layout": args.layout,
-                    "torch_compile": args.torch_compile,
-                    "liger": args.liger,
-                    "loss_impl": args.loss_impl,
-                    "sdpa_backends": args.sdpa_backends,
-                    "pad_to_multiple_of": args.pad_to_multiple_of,
                     "output_dir": str(out / "runs" / f"{method}-{side}-{r}"),
                 }
                 result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
@@ -161,13 +152,15 @@ def run(args) -> int:
         "in_process": args.in_process,
         "environment": environment(),
         "settings": vars(args) | {"data": "synthetic log-normal lengths", "examples": len(rows)},
+        "ours": OURS,
+        "precision": {"requested": args.precision, "policy": policy.name, "summary": policy.summary},
         "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "mean": sum(lengths) / len(lengths)},
         "summary": bench_report.summarize(results, args.methods),
         "runs": results,
         "failures": failures,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = bench_report.markdown_table(report["summary"])
+    table = bench_report.markdown_table(report["summary"], precision=policy.name, ours=OURS)
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
@@ -177,6 +170,9 @@ def run(args) -> int:
             + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures)
         )
     return 0
+
+
+OURS = "ResilientTrainer as finetune train builds it (finetune/training/build.py)"
 
 
 def bench_examples(args, vocab: int, special: set[int]) -> list[dict]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import typing
 
+from finetune import precision
 from finetune.cli.options import Parser
 from finetune.config.sections import TrainingConfig
 
-DESCRIPTION = """The same workload through this project and through TRL's SFTTrainer (a plain script and a tuned
-one), alternating, in one invocation: trained tokens/s, MFU, peak memory and the ratios ours / TRL plain
-and ours / TRL tuned (docs/benchmarks.md: the workload, the shapes, the sides and the figures).
+DESCRIPTION = """The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) against
+three baselines on the same workload (plain transformers.Trainer, TRL's SFTTrainer as a plain script and
+tuned), alternating, in one invocation, every side under one precision policy: trained tokens/s, MFU,
+peak memory and the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides
+and the figures).
 
   finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
   finetune bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test"""
@@ -54,7 +57,8 @@ SHAPES = {
 }
 METHODS = ("qlora", "lora", "full")
 LAYOUTS = ("padding_free", "packing", "padded")
-TRL_CHOICES = {"plain": ("trl_plain",), "tuned": ("trl_tuned",), "both": ("trl_plain", "trl_tuned")}
+# --baseline value -> side (finetune/bench/report.py SIDES)
+BASELINES = {"plain-trainer": "plain_trainer", "trl-plain": "trl_plain", "trl-tuned": "trl_tuned"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,11 +82,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-checkpointing", action="store_true", help="both sides")
     p.add_argument("--torch-compile", action="store_true", help="our side only (a speed option of ours)")
     p.add_argument(
-        "--trl",
-        choices=TRL_CHOICES,
-        default="both",
-        help="TRL sides: plain (TRL's defaults: padded batches), tuned (TRL's padding-free, or BFD "
-        "packing when --layout packing; its own loss; our SDPA backend policy), or both",
+        "--baseline",
+        nargs="+",
+        choices=BASELINES,
+        default=list(BASELINES),
+        help="the sides beside ours: plain-trainer (transformers.Trainer, padded batches, the model's own "
+        "loss, peft LoRA), trl-plain (TRL's SFTTrainer with its defaults: padded batches), trl-tuned "
+        "(TRL's padding-free, or BFD packing with --layout packing; its own loss; our SDPA backend policy); "
+        "default: all three",
+    )
+    p.add_argument(
+        "--precision",
+        choices=precision.CHOICES,
+        default="auto",
+        help="every side's precision policy (training.precision, docs/precision.md); auto (the default) = "
+        "what finetune train uses on this machine: bf16-mixed (fp32 master weights, bf16 compute) on a "
+        "bf16 GPU, 16-mixed on other GPUs, 32-true on CPU",
     )
     p.add_argument("--loss-impl", choices=LOSS_IMPLS, default="auto", help="our side's training.loss_impl")
     p.add_argument(

@@ -1,21 +1,25 @@
-"""`finetune bench`'s report: each side's median over rounds per method, and ours / each TRL side.
+"""`finetune bench`'s report: each side's median over rounds per method, and ours / each baseline.
 
-Sides: `finetune` (this project), `trl_plain` (a plain TRL SFTTrainer script: TRL's defaults for
-batching, so padded batches) and `trl_tuned` (TRL's own padding-free or BFD packing, its own
-chunked loss, the same SDPA backend policy as ours); finetune/bench/trl_side.py.
+Sides: `finetune` (ResilientTrainer as `finetune train` builds it), `plain_trainer` (transformers.Trainer,
+padded batches, the model's own loss; finetune/bench/plain_side.py), `trl_plain` (a plain TRL
+SFTTrainer script: TRL's defaults for batching, so padded batches) and `trl_tuned` (TRL's own
+padding-free or BFD packing, its own chunked loss, the same SDPA backend policy as ours);
+finetune/bench/trl_side.py.
 """
 
 from __future__ import annotations
 
 import statistics
 
-SIDES = ("finetune", "trl_plain", "trl_tuned")
-LABELS = {"finetune": "finetune", "trl_plain": "TRL plain", "trl_tuned": "TRL tuned"}
-TRL_SIDES = SIDES[1:]
+SIDES = ("finetune", "plain_trainer", "trl_plain", "trl_tuned")
+LABELS = {"finetune": "finetune", "plain_trainer": "plain Trainer", "trl_plain": "TRL plain", "trl_tuned": "TRL tuned"}
+BASELINE_SIDES = SIDES[1:]
 
 
 def summarize(results: list[dict], methods: list[str]) -> list[dict]:
-    """Per method: each side's median over rounds (peaks: the max), and ours / each TRL side."""
+    """Per method: each side's median over rounds (peaks: the max; trained tokens/s also its range
+    over rounds), and ours / each baseline: the ratio of the medians and each round's own ratio (the
+    sides of one round ran back to back, so a round's ratio shares that round's machine load)."""
     rows = []
     for method in methods:
         sides = {}
@@ -34,7 +38,13 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
 
             sides[side] = {
                 "runs": len(runs),
+                "trainer": runs[0].get("trainer"),
+                "precision": runs[0].get("precision"),
                 "trained_tokens_per_s": med("trained_tokens_per_s"),
+                "trained_tokens_per_s_range": [
+                    min(r["trained_tokens_per_s"] for r in runs),
+                    max(r["trained_tokens_per_s"] for r in runs),
+                ],
                 "input_tokens_per_s": med("input_tokens_per_s"),
                 "mfu": med("mfu"),
                 "median_step_s": med("median_step_s"),
@@ -47,11 +57,17 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 ),
             }
         row = {"method": method, **{side: sides.get(side) for side in SIDES}, "ratios": {}}
-        for trl in TRL_SIDES:
-            row["ratios"][trl] = {
-                key: _ratio(sides.get("finetune"), sides.get(trl), key)
+        ours = {r["round"]: r for r in results if r["method"] == method and r["side"] == "finetune"}
+        for base in BASELINE_SIDES:
+            row["ratios"][base] = {
+                key: _ratio(sides.get("finetune"), sides.get(base), key)
                 for key in ("trained_tokens_per_s", "mfu", "device_peak_allocated_gib", "host_peak_rss_gib")
             }
+            row["ratios"][base]["trained_tokens_per_s_per_round"] = [
+                _ratio(ours[r["round"]], r, "trained_tokens_per_s")
+                for r in results
+                if r["method"] == method and r["side"] == base and r["round"] in ours
+            ]
         rows.append(row)
     return rows
 
@@ -62,48 +78,83 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
     return a[key] / b[key]
 
 
-def markdown_table(summary: list[dict]) -> str:
+def markdown_table(summary: list[dict], *, precision: str | None = None, ours: str | None = None) -> str:
+    """One row per method and side: its figures, its live precision (parameter/compute dtype) and,
+    on our row, ours / each baseline's trained tokens/s (and ours / TRL tuned MFU, device memory)."""
+
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
+    head = "".join(
+        [
+            f"Ours (`finetune`): {ours}.\n" if ours else "",
+            f"Every side under the precision policy {precision}.\n" if precision else "",
+        ]
+    )
+    head += "\n" if head else ""
     lines = [
         (
-            "| method | side | trained tok/s | MFU | device peak GiB | host peak GiB | median step s | padding | "
-            "ours/TRL plain tok/s | ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
+            "| method | side | precision (param/compute) | trained tok/s, median (range) | MFU | device peak GiB | "
+            "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
+            "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
-        plain, tuned = row["ratios"]["trl_plain"], row["ratios"]["trl_tuned"]
+        ratios = row["ratios"]
         for side in SIDES:
             s = row[side]
             if s is None:
                 continue
             ours = side == "finetune"
+            p = s.get("precision") or {}
             lines.append(
                 " | ".join(
                     [
                         f"| {row['method']}",
                         LABELS[side],
-                        f(s["trained_tokens_per_s"], ",.1f"),
+                        f"{p.get('param_dtype')}/{p.get('compute_dtype')}" if p else "n/a",
+                        _with_range(s["trained_tokens_per_s"], s.get("trained_tokens_per_s_range"), s["runs"]),
                         "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%",
                         f(s["device_peak_allocated_gib"], ".2f"),
                         f(s["host_peak_rss_gib"], ".2f"),
                         f(s["median_step_s"], ".3f"),
                         "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.1f}%",
-                        f(plain["trained_tokens_per_s"], ".2f") if ours else "",
-                        f(tuned["trained_tokens_per_s"], ".2f") if ours else "",
-                        f(tuned["mfu"], ".2f") if ours else "",
-                        f(tuned["device_peak_allocated_gib"], ".2f") if ours else "",
+                        *(
+                            [
+                                _ratio_cell(ratios["plain_trainer"]),
+                                _ratio_cell(ratios["trl_plain"]),
+                                _ratio_cell(ratios["trl_tuned"]),
+                                f(ratios["trl_tuned"]["mfu"], ".2f"),
+                                f(ratios["trl_tuned"]["device_peak_allocated_gib"], ".2f"),
+                            ]
+                            if ours
+                            else [""] * 5
+                        ),
                     ]
                 )
                 + " |"
             )
-    return "\n".join(lines)
+    return head + "\n".join(lines)
+
+
+def _with_range(median: float | None, span: list | None, runs: int) -> str:
+    if median is None:
+        return "n/a"
+    return f"{median:,.1f}" + (f" ({span[0]:,.1f}-{span[1]:,.1f})" if span and runs > 1 else "")
+
+
+def _ratio_cell(ratio: dict) -> str:
+    """The ratio of the medians, and the per-round ratios' range when there are several rounds."""
+    if ratio["trained_tokens_per_s"] is None:
+        return "n/a"
+    rounds = [x for x in ratio.get("trained_tokens_per_s_per_round", []) if x is not None]
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{ratio['trained_tokens_per_s']:.2f}{spread}"
 
 
 def print_run(r: dict) -> None:
-    head = f"[bench] {r['method']:5s} {LABELS.get(r['side'], r['side']):9s} round {r['round']}"
+    head = f"[bench] {r['method']:5s} {LABELS.get(r['side'], r['side']):13s} round {r['round']}"
     if "error" in r:
         print(f"{head}: FAILED {r['error']}", flush=True)
         return
@@ -113,6 +164,7 @@ def print_run(r: dict) -> None:
         f" padding {100 * (r['padding_fraction'] or 0):.1f}% of positions,"
         f" MFU {mfu}, median step {r['median_step_s']:.3f} s, host peak {r['host_peak_rss_gib']:.2f} GiB"
         + (f", device peak {r['device_peak_allocated_gib']:.2f} GiB" if r["device_peak_allocated_gib"] else "")
-        + f", first losses {[round(x, 4) for x in r['losses'][:2]]}",
+        + f", first losses {[round(x, 4) for x in r['losses'][:2]]}"
+        + f", {r['trainer']} in {r['precision']['param_dtype']}/{r['precision']['compute_dtype']}",
         flush=True,
     )

@@ -1,7 +1,7 @@
 """The TRL sides of `finetune bench`: TRL's SFTTrainer as a user would write it, plain (TRL's default
 padded batching, torch's SDPA defaults) or tuned (padding-free or TRL's packing, our SDPA policy);
-the same model, data, length, batch, precision, learning rate, steps, seed and gradient
-checkpointing as our side (docs/benchmarks.md).
+the same model, data, length, batch, precision policy (finetune/bench/plain_side.py load_dtype),
+learning rate, steps, seed, LoRA settings and gradient checkpointing as our side (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,20 +13,27 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     from trl import SFTConfig, SFTTrainer
 
+    from finetune import precision
+    from finetune.bench.plain_side import LORA, load_dtype
+
+    policy = precision.get(spec["precision"])
     cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    kwargs = {"dtype": dtype, "attn_implementation": spec["attn_implementation"]}
+    kwargs = {
+        "dtype": precision.torch_dtype(load_dtype(policy, spec["method"])),
+        "attn_implementation": spec["attn_implementation"],
+    }
     if spec["method"] == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=precision.torch_dtype(policy.compute_dtype),
         )
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
     peft_config = None
     if spec["method"] in ("lora", "qlora"):
-        peft_config = LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
+        peft_config = LoraConfig(**LORA, task_type="CAUSAL_LM")
     layout = {"max_length": spec["seq_len"]}
     if tuned:
         layout = (
@@ -39,7 +46,6 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
         max_steps=spec["steps"],
         per_device_train_batch_size=spec["batch"],
         learning_rate=spec["learning_rate"],
-        bf16=cuda,
         gradient_checkpointing=spec["gradient_checkpointing"],
         logging_steps=1,
         save_strategy="no",
@@ -47,6 +53,7 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
         seed=spec["seed"],
         disable_tqdm=True,
         use_cpu=not cuda,
+        **policy.training_args("torch"),
         **layout,
     )
     return SFTTrainer(

@@ -2,9 +2,12 @@
 
     python -m finetune.bench.worker SPEC.json RESULT.json
 
-Every side is measured by the same meter (finetune/telemetry/meter.py) through two hooks that
-change nothing about the training: a callback driving its step clock and memory tracker, and a
-wrapper around the side's collator counting tokens and rows per batch (docs/benchmarks.md).
+Our side is the trainer `finetune train` runs: the run's own process set-up, TrainingArguments,
+model loading and ResilientTrainer (finetune/training/run.py, finetune/training/build.py), from a
+configuration of the benchmark's settings (`config_of`). Every side is measured by the same meter
+(finetune/telemetry/meter.py) through two hooks that change nothing about the training: a callback
+driving its step clock and memory tracker, and a wrapper around the side's collator counting tokens
+and rows per batch (docs/benchmarks.md). Each side's precision is read back from its live objects.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def run(spec: dict) -> dict:
     from finetune.modeling import attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy = "torch_default" if spec["side"] == "trl_plain" else spec.get("sdpa_backends", "auto")
+    plain = spec["side"] in ("trl_plain", "plain_trainer")  # scripts that leave torch's SDPA flags alone
+    policy = "torch_default" if plain else spec.get("sdpa_backends", "auto")
     with attention.flags_restored():
         attention_record = attention.apply(policy, device, spec["attn_implementation"])
         result = _run(spec, attention_record)
@@ -43,6 +47,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     from finetune.modeling import loss
     from finetune.telemetry import formulas, model_flops
     from finetune.telemetry.meter import Meter, batch_counts
+    from finetune.training import precision_live
 
     ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
@@ -65,6 +70,10 @@ def _run(spec: dict, attention_record: dict) -> dict:
     torch.manual_seed(spec["seed"])
     if ours:
         trainer = _our_trainer(spec, dataset, [Clock()])
+    elif spec["side"] == "plain_trainer":
+        from finetune.bench import plain_side
+
+        trainer = plain_side.build_trainer(spec, dataset, [Clock()])
     else:
         from finetune.bench import trl_side
 
@@ -103,8 +112,10 @@ def _run(spec: dict, attention_record: dict) -> dict:
     peak = formulas.device_peak()
     input_tps = r["input_tokens_per_s"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    live = precision_live.read_live(trainer)
     return {
         "side": spec["side"],
+        "trainer": type(trainer).__name__,
         "method": spec["method"],
         "round": spec["round"],
         "steps": n,
@@ -127,75 +138,87 @@ def _run(spec: dict, attention_record: dict) -> dict:
         "device_peak_source": peak_source,
         "host_peak_rss_gib": mem["host_peak_rss_gib"],
         "attention": attention_record,
-        "loss_impl": loss.installed(trainer.model) if ours else "TRL's own (SFTConfig loss_type nll)",
+        "loss_impl": loss.installed(trainer.model) if ours else LOSSES[spec["side"]],
+        "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_live.py)
+            "policy": spec["precision"],
+            **{k: live[k] for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights")},
+        },
     }
 
 
+LOSSES = {
+    "plain_trainer": "the model's own (transformers ForCausalLMLoss, full logits)",
+    "trl_plain": "TRL's own (SFTConfig loss_type nll)",
+    "trl_tuned": "TRL's own (SFTConfig loss_type nll)",
+}
+
+
+def config_of(spec: dict):
+    """Our side's configuration: the benchmark's settings as a recipe would give them to `finetune
+    train` (one process, strategy single; the same LoRA settings as every side: the defaults)."""
+    from finetune.config.validate import build_config
+
+    return build_config(
+        {
+            "model": {
+                "name_or_path": spec["model_dir"],
+                "attn_implementation": spec["attn_implementation"],
+                "sdpa_backends": spec["sdpa_backends"],
+            },
+            "method": {"name": spec["method"]},
+            "data": {
+                "path": spec["data_file"],
+                "max_length": spec["seq_len"],
+                "padding_free": spec["layout"] == "padding_free",
+                "packing": spec["layout"] == "packing",
+                "pad_to_multiple_of": spec["pad_to_multiple_of"],
+            },
+            "training": {
+                "precision": spec["precision"],
+                "per_device_train_batch_size": spec["batch"],
+                "max_steps": spec["steps"],
+                "learning_rate": spec["learning_rate"],
+                "lr_scaling": "none",
+                "seed": spec["seed"],
+                "logging_steps": 1,
+                "save_strategy": "no",
+                "disable_tqdm": True,
+                "gradient_checkpointing": spec["gradient_checkpointing"],
+                "torch_compile": spec["torch_compile"],
+                "use_liger_kernel": spec["liger"],
+                "loss_impl": spec["loss_impl"],
+                "throughput_warmup_steps": spec["warmup_steps"],
+            },
+            "run": {"strategy": "single", "output_dir": spec["output_dir"], "save_model": False},
+        },
+        recipe="bench",
+        source="finetune bench options",
+    )
+
+
 def _our_trainer(spec: dict, dataset, callbacks: list):
-    """This project's path: finetune.modeling loading, finetune.data.collate batching, FinetuneTrainer."""
-    import torch
+    """ResilientTrainer as `finetune train` builds it: the run's process set-up and launch, its
+    TrainingArguments, model and trainer builders; the benchmark's rows instead of a data file."""
+    from finetune.modeling.load import load_tokenizer
+    from finetune.training import arguments, build, run
 
-    from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
-    from finetune.data import collate
-    from finetune.modeling import loss
-    from finetune.modeling.load import load_model, load_tokenizer
-    from finetune.training import arguments, speed
-    from finetune.training.trainer import FinetuneTrainer
-
-    cuda = torch.cuda.is_available()
-    mcfg = ModelConfig(
-        name_or_path=spec["model_dir"],
-        dtype="bfloat16" if cuda else "float32",
-        attn_implementation=spec["attn_implementation"],
-    )
-    dcfg = DataConfig(
-        path=spec["data_file"],
-        max_length=spec["seq_len"],
-        pad_to_multiple_of=spec["pad_to_multiple_of"],
-        padding_free=spec["layout"] == "padding_free",
-        packing=spec["layout"] == "packing",
-    )
-    tokenizer = load_tokenizer(mcfg)
-    if spec["layout"] == "packing":
+    cfg = config_of(spec)
+    _, launch, _ = run.start_processes(cfg)
+    args = arguments.for_run(cfg, launch, output_dir=spec["output_dir"], run_name=f"bench-{spec['method']}")
+    if cfg.data.packing:
         import datasets
 
         from finetune.data import pack, render
 
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
-    model = load_model(mcfg, MethodConfig(name=spec["method"]), gradient_checkpointing=spec["gradient_checkpointing"])
-    loss.install(
-        model,
-        spec["loss_impl"],
-        use_liger_kernel=spec["liger"],
-        device_type="cuda" if cuda else "cpu",
-        tokens=spec["batch"] * spec["seq_len"],
-    )  # `auto` weighed as finetune train weighs it
-    args = arguments.build(
-        output_dir=spec["output_dir"],
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        learning_rate=spec["learning_rate"],
-        bf16=cuda,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=spec["seed"],
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        torch_compile=spec["torch_compile"],
-        use_liger_kernel=spec["liger"],
+    model = build.model_for(cfg, launch, args)
+    trainer = build.trainer_for(
+        cfg, launch, args, model, train_dataset=dataset, eval_dataset=None, tokenizer=load_tokenizer(cfg.model)
     )
-    if spec["liger"]:
-        speed.check_liger()
-    return FinetuneTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset,
-        callbacks=callbacks,
-        data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
-        processing_class=tokenizer,
-    )
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    return trainer
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_comm.add_arguments(comm)
     bench = sub.add_parser(
         "bench",
-        help="this project vs TRL's SFTTrainer (plain and tuned), side by side",
+        help="the trainer finetune train runs vs plain Trainer and TRL's SFTTrainer (plain, tuned), "
+        "side by side under one precision policy",
         description=bench_options.DESCRIPTION,
     )
     bench_options.add_arguments(bench)

@@ -27,6 +27,10 @@ FLASH_ATTENTION = ("flash_attention_2", "flash_attention_3")
 # shorter row from real tokens; the collator states each row's real token count under this key
 # and FinetuneTrainer takes it out of the batch before the forward pass.
 REAL_TOKENS_KEY = "num_real_input_tokens"
+# The meter's counts of a batch (finetune/telemetry/meter.py batch_counts: input tokens, trained tokens,
+# examples, sum of squared example lengths) as Python ints, added by FinetuneTrainer's collator from
+# the CPU batch before the data loader moves it to the device; taken out before the forward pass.
+COUNTS_KEY = "finetune_batch_counts"
 
 
 def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:

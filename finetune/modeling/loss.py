@@ -24,6 +24,10 @@ IGNORE_INDEX = (
     -100
 )  # finetune/data/render.py IGNORE_INDEX: the label that carries no loss (data sits beside modeling, not below it)
 LOSS_IMPLS = ("auto", "standard", "chunked", "liger")
+# The number of positions the loss scores in this micro-batch, counted on the host by the trainer
+# (finetune/training/trainer.py): a forward keyword the installed loss takes out, so the compaction
+# below needs no host sync. Without it the count is read from the device (nonzero: one sync).
+SCORED_TOKENS_KWARG = "finetune_scored_tokens"
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -100,18 +104,26 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def _head_forward(self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | None = None):
-    """nn.Linear's forward; with targets: (sum of the token losses, number of scored tokens)."""
+def _head_forward(
+    self: nn.Linear, input: torch.Tensor, targets: torch.Tensor | None = None, scored_tokens: int | None = None
+):
+    """nn.Linear's forward; with targets: (sum of the token losses, number of scored tokens).
+    `scored_tokens`: how many targets are not IGNORE_INDEX, when the caller knows it on the host."""
     if targets is None:
         return F.linear(input, self.weight, self.bias)
     h = input.reshape(-1, input.shape[-1])
     t = targets.reshape(-1).to(h.device)
     scored = t != IGNORE_INDEX
     count = scored.sum()
-    if not torch.compiler.is_compiling():
-        # Only scored positions go through the head. One host sync (nonzero); its data-dependent
-        # shape is why this is skipped under torch.compile.
-        idx = scored.nonzero().squeeze(1)
+    if not torch.compiler.is_compiling():  # data-dependent shapes: skipped under torch.compile
+        # Only scored positions go through the head, in order. With the count known on the host: a
+        # stable sort puts them first (no sync; a wrong count stops the run on the device); else
+        # nonzero(), which waits for the device to say how many there are.
+        if scored_tokens is not None:
+            torch._assert_async(count == scored_tokens, "finetune_scored_tokens differs from the labels' count")
+            idx = torch.argsort((~scored).to(torch.int32), stable=True)[:scored_tokens]
+        else:
+            idx = scored.nonzero().squeeze(1)
         h, t = h.index_select(0, idx), t.index_select(0, idx)
     cd = _compute_dtype(h)
     if self.finetune_loss_kernel == "liger":
@@ -141,6 +153,9 @@ def _make_forward(cls_forward):
         **kwargs,
     ):
         shift_labels = kwargs.pop("shift_labels", None)
+        scored_tokens = kwargs.pop(SCORED_TOKENS_KWARG, None)  # counts labels[..., 1:] (not shift_labels)
+        if shift_labels is not None:
+            scored_tokens = None
         if past_key_values is not None:  # passed on only when given: transformers 5.24 deprecates the name
             kwargs["past_key_values"] = past_key_values  # (a FutureWarning per call, even for None)
         if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
@@ -171,7 +186,9 @@ def _make_forward(cls_forward):
         )
         if shift_labels is None:  # as transformers' ForCausalLMLoss: position t is scored against label t + 1
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        total, count = self.get_output_embeddings()(out.last_hidden_state, targets=shift_labels)
+        total, count = self.get_output_embeddings()(
+            out.last_hidden_state, targets=shift_labels, scored_tokens=scored_tokens
+        )
         if num_items is not None:  # gradient accumulation: Trainer's count over the whole step
             loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
         else:

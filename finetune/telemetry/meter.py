@@ -1,6 +1,7 @@
 """The meter: what one training process counts and clocks, in one object that owns its counters and
 resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
-micro-batch, the optimizer-step clock (CUDA-synchronised), memory peaks per rank; each log window
+micro-batch (on the host, from the CPU batch the collator made: `counting`), the optimizer-step
+clock (CUDA-synchronised), memory peaks per rank; each log window
 becomes the metrics dict and a steps[] entry, the end of training the `memory`, `throughput` and
 `batch` figures. Every rank must call the methods that gather (log_window, final, start_training).
 """
@@ -12,12 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.data.collate import REAL_TOKENS_KEY
+from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.telemetry import formulas
 from finetune.telemetry.memory_peaks import MemoryTracker
 from finetune.units import GIB
 
-__all__ = ["BatchShare", "Meter", "MemoryTracker", "batch_counts", "mfu_inputs", "run_figures", "token_counts"]
+__all__ = [
+    "BatchShare",
+    "Meter",
+    "MemoryTracker",
+    "batch_counts",
+    "counting",
+    "mfu_inputs",
+    "run_figures",
+    "token_counts",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ def token_counts(
         if attention_mask is not None
         else real.to(input_ids.device).sum()
         if real is not None
-        else torch.tensor(input_ids.numel(), device=input_ids.device)
+        else torch.full((), input_ids.numel(), device=input_ids.device)
     )
     if labels is not None:
         n_trained = (labels[..., 1:] != -100).sum()
@@ -108,9 +118,22 @@ def batch_counts(inputs: dict, share: BatchShare | None = None) -> torch.Tensor:
         examples, sum_sq = (lengths > 0).sum(), (lengths * lengths).sum()
     else:  # one example per row, every position real
         rows = ids.numel() // ids.shape[-1]
-        examples = torch.tensor(rows, device=ids.device)
-        sum_sq = torch.tensor(rows * ids.shape[-1] ** 2, device=ids.device)
+        examples = torch.full((), rows, device=ids.device)
+        sum_sq = torch.full((), rows * ids.shape[-1] ** 2, device=ids.device)
     return torch.stack([n_input.long(), n_trained.long(), examples.long().to(ids.device), sum_sq.long().to(ids.device)])
+
+
+def counting(collator):
+    """`collator`, adding each batch's batch_counts() under COUNTS_KEY as Python ints: counted on the
+    CPU batch before the data loader moves it to the device, so counting costs the device nothing and
+    the host no wait for it (in a loader worker, off the training loop)."""
+
+    def collate_and_count(features):
+        batch = collator(features)
+        batch[COUNTS_KEY] = tuple(batch_counts(batch).tolist())  # CPU tensors: no device involved
+        return batch
+
+    return collate_and_count
 
 
 def mfu_inputs(model, method: str) -> dict:
@@ -136,7 +159,7 @@ class Meter:
         # per optimizer step on this rank: seconds, input tokens, trained tokens, examples, sum of squared example lengths
         self.steps: list[tuple[float, int, int, int, int]] = []
         self.loading_memory: list[dict] | None = None
-        self._micro: torch.Tensor | None = None  # batch_counts() summed over the step's micro-batches
+        self._micro: list[int] | None = None  # batch_counts() summed over the step's micro-batches
         self._logged_steps = 0
         self._train_peak: dict | None = None
         self._t0: float | None = None
@@ -146,12 +169,20 @@ class Meter:
 
     # --- counting and the clocks -------------------------------------------------------------
 
-    def count_batch(self, inputs: dict) -> None:
-        """Count one micro-batch the trainer is about to train on (takes REAL_TOKENS_KEY out of it:
-        the model must not see it)."""
-        counts = batch_counts(inputs, self.share)
+    def count_batch(self, inputs: dict) -> tuple:
+        """Count one micro-batch the trainer is about to train on and return its counts; takes
+        COUNTS_KEY and REAL_TOKENS_KEY out of it (the model must not see them). Counted on the host by
+        `counting` (Python ints); a rank whose batch its tensor- or context-parallel peers count
+        (BatchShare) adds zeros. A batch without COUNTS_KEY (Ulysses: DeepSpeed's adapter re-cuts the
+        collator's batches) is counted on the device, read once at the step's end."""
+        counts = inputs.pop(COUNTS_KEY, None)
+        if counts is None:
+            counts = batch_counts(inputs, self.share)
+        elif self.share is not None and not self.share.counted:
+            counts = (0, 0, 0, 0)
         inputs.pop(REAL_TOKENS_KEY, None)
-        self._micro = counts if self._micro is None else self._micro + counts
+        self._micro = list(counts) if self._micro is None else [a + b for a, b in zip(self._micro, counts)]
+        return counts
 
     def data_loading(self, seconds: float) -> None:
         """Time spent fetching the batches of a step (outside the step clock)."""
@@ -167,7 +198,7 @@ class Meter:
 
     def record_step(self, seconds: float) -> None:
         """One optimizer step done: its time and the counts of its micro-batches on this rank."""
-        counts = self._micro.tolist() if self._micro is not None else (0, 0, 0, 0)
+        counts = [int(c) for c in self._micro] if self._micro is not None else (0, 0, 0, 0)
         self.steps.append((seconds, *counts))
         self._micro = None
 

@@ -392,12 +392,20 @@ class SpeedLiger(TypedDict):
     version: str | None  # liger-kernel, null when not installed
 
 
+class SpeedDdp(TypedDict):
+    find_unused_parameters: bool | None  # what Accelerate gives DDP (its kwargs handler); null when not DDP
+    decided_by: str | None  # probe | model config | recipe; null when not DDP
+    unused_trainable: list[str] | None  # the probe's trainable parameters without a gradient (first 20)
+    reason: str | None
+
+
 class Speed(TypedDict):
     layout: SpeedLayout
     loss_impl: SpeedLoss
     attention: SpeedAttention
     compile: SpeedCompile
     liger: SpeedLiger
+    ddp: SpeedDdp
 
 
 ABSENT = object()  # a section's initial value when the key appears only once it is first set

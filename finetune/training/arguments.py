@@ -3,7 +3,8 @@ the model loads (ZeRO-3's zero.Init reaches from_pretrained through TrainingArgu
 
 What each source adds to the recipe's `training` fields: the strategy the recipe sets up itself
 (deepspeed= or fsdp=, fsdp_config=), the precision policy's bf16/fp16, use_cpu for gloo and CPU
-autocast, the learning rate scaled to the effective batch, and the speed options' Liger setting.
+autocast, the learning rate scaled to the effective batch, the speed options' Liger setting, and
+Trainer's per-micro-batch NaN filter off (the run's guard covers it without a host sync).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
         values["use_cpu"] = True  # Trainer's PartialState joins the gloo group (finetune/launch/cpu_rehearsal.py)
     values.update(launch.setup.trainer_arguments if launch.setup is not None else {})  # the recipe's own strategy
     values.update(launch.policy.training_args(launch.family))
+    # Trainer's NaN/Inf filter of the logged loss reads every micro-batch's loss on the host (a sync
+    # per micro-batch); ResilientTrainer already logs a non-finite micro-batch as 0, on the device.
+    values.setdefault("logging_nan_inf_filter", False)
     if (values["bf16"] or values["fp16"]) and not launch.cuda:
         values["use_cpu"] = True  # TrainingArguments accepts bf16 without CUDA only with use_cpu (CPU autocast)
     sizes = batch.section(

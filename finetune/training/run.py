@@ -3,8 +3,8 @@ phases read top to bottom:
 
     start the processes and resolve the launch (each rank's node too) -> prepare the run (resume
     plan, preflight, run directory, record, the ranks' heartbeats) -> TrainingArguments -> speed
-    options -> tokenizer and data -> model -> trainer -> nodes and setup recorded -> train ->
-    finish and record
+    options -> tokenizer and data -> model -> DDP options -> trainer -> nodes and setup recorded ->
+    train -> finish and record
 
 `Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
 plan, the run's name and directory) before the phases that train, and only read after.
@@ -134,10 +134,11 @@ def train_and_record(run: Run) -> int:
     data = load_data(run, arguments)
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
+    ddp_record = ddp_options(run, arguments, model, data)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
     node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     if run.record:
-        record_setup(run, trainer, arguments, model, data, attention_record)
+        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
         run.sinks.start(run.record.view)
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
@@ -315,101 +316,55 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
 
 def load_model(run: Run, arguments: RunArguments):
     """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
-    from transformers import set_seed
+    from finetune.training import build
 
-    from finetune.data import rows
-    from finetune.modeling import loss, zero3
-    from finetune.modeling.load import load_model as load
-    from finetune.precision import torch_dtype
+    return build.model_for(run.cfg, run.launch, arguments)
 
-    cfg, launch, args = run.cfg, run.launch, arguments.args
-    set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
-    model = load(
-        cfg.model,
-        cfg.method,
-        gradient_checkpointing=arguments.gradient_checkpointing,
-        policy=launch.policy,
-        deepspeed=launch.family == "deepspeed",
+
+def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
+    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), set in
+    TrainingArguments before Trainer reads it; returns run.json `speed.ddp`. Every rank probes the
+    same first example, so every rank decides the same."""
+    from finetune.training import speed
+
+    decided = speed.ddp_unused_parameters(
+        run.cfg, run.launch, model, data.bundle.train[0]["input_ids"][:64], arguments.args.device
     )
-    if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
-        zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
-    loss.install(
-        model,
-        cfg.training.loss_impl,
-        chunk=cfg.training.loss_chunk_tokens,
-        label_smoothing=args.label_smoothing_factor,
-        use_liger_kernel=args.use_liger_kernel,
-        device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-        tokens=args.per_device_train_batch_size  # a micro-batch's most positions on this rank, bucketing included
-        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data)
-        // (launch.mesh.sp * launch.mesh.cp),
-        tensor_parallel=launch.mesh.tp,
-    )
-    return model
+    if decided["decided_by"] in ("probe", "model config"):
+        arguments.args.ddp_find_unused_parameters = decided["find_unused_parameters"]
+    return decided
 
 
 def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
-    """The Trainer, with the strategy that engaged checked against the recipe and the precision policy
-    applied; both are read back from the live objects before step 1."""
+    """The Trainer (finetune/training/build.py), set to continue a resumed run's checkpoint."""
     from finetune.checkpointing import universal
-    from finetune.data import collate
-    from finetune.telemetry import meter
-    from finetune.training import engaged_strategy, precision_live
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training import build
 
-    cfg, launch = run.cfg, run.launch
-    trainer = ResilientTrainer(
-        model=model,
-        args=arguments.args,
+    trainer = build.trainer_for(
+        run.cfg,
+        run.launch,
+        arguments,
+        model,
         train_dataset=data.bundle.train,
         eval_dataset=data.bundle.eval,
-        data_collator=collate.make_collator(
-            cfg.data,
-            cfg.model,
-            data.tokenizer.pad_token_id,
-            shards=collate.SequenceShards.of(
-                launch.mesh, arguments.args.per_device_train_batch_size, cfg.data.max_length, cuda=launch.cuda
-            ),
-        ),
-        processing_class=data.tokenizer,
+        tokenizer=data.tokenizer,
         sinks=run.sinks,
-        **meter.mfu_inputs(model, cfg.method.name),
-        save_total_limit=arguments.save_total_limit,
-        on_nonfinite=cfg.training.on_nonfinite,
-        max_nonfinite_skips=cfg.training.max_nonfinite_skips,
-        on_collapse=cfg.training.on_collapse,
-        collapse_windows=cfg.training.collapse_windows,
+        record=run.record,
     )
     trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
         universal.enable_loading(trainer)
-    engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
-    engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
-    engaged_strategy.live_check(
-        trainer,
-        declared=engaged,
-        expected=cfg.run.strategy,
-        expected_offload=cfg.run.offload,
-        recipe=cfg.recipe,
-        record=run.record,
-        mesh=launch.mesh,
-    )  # the wrapped engine and the live mesh, before the first step
-    precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
-    precision_live.install(
-        trainer,
-        launch.policy,
-        requested=cfg.training.precision,
-        family=launch.family,
-        method=cfg.method.name,
-        load_dtype=launch.policy.load_dtype(cfg.method.name),
-        learning_rate=arguments.lr["applied"],
-        record=run.record,
-    )  # before step 1
     return trainer
 
 
 def record_setup(
-    run: Run, trainer: ResilientTrainer, arguments: RunArguments, model, data: Data, attention_record: dict
+    run: Run,
+    trainer: ResilientTrainer,
+    arguments: RunArguments,
+    model,
+    data: Data,
+    attention_record: dict,
+    ddp_record: dict,
 ) -> None:
     """What the run set up, into its record (rank 0), each section as its owner builds it."""
     from finetune.checkpointing import provenance, resume
@@ -430,7 +385,14 @@ def record_setup(
     record.set("parameters", parameters_section(model))
     record.set(
         "speed",
-        speed.section(cfg, model, trainer, attention_record=attention_record, loss_record=loss.installed(model)),
+        speed.section(
+            cfg,
+            model,
+            trainer,
+            attention_record=attention_record,
+            loss_record=loss.installed(model),
+            ddp_record=ddp_record,
+        ),
     )
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
     prediction.record_prediction(

@@ -1,9 +1,9 @@
 """SIGTERM/SIGINT recorded instead of raised, and flags agreed across ranks.
 
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
-checkpoint being written; it is logged and ignored). At the end of each optimizer step every
-rank all-gathers its flag (finetune/training/trainer.py), so all ranks stop at the same step
-boundary whichever rank was signalled.
+checkpoint being written; it is logged and ignored). The signal number rides on each optimizer
+step's one agreement of the ranks (finetune/training/step_guard.py), so all ranks stop at the same
+step boundary whichever rank was signalled.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import os
 import signal
 import sys
 import threading
-
-import torch
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -46,11 +44,3 @@ def restore_signal_handlers() -> None:
     for sig, old in _previous.items():
         signal.signal(sig, old)
     _previous.clear()
-
-
-def flags_per_rank(accelerator, value: int) -> list[int]:
-    """Every rank's value, on every rank (one all-gather); the ranks agree by construction."""
-    t = torch.tensor([int(value)], device=accelerator.device)
-    if accelerator.num_processes == 1:
-        return [int(value)]
-    return [int(x) for x in accelerator.gather(t).tolist()]

@@ -85,9 +85,77 @@ def trainer_overrides(targs: dict) -> dict:
     return targs
 
 
-def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -> dict:
+# Config keys of mixture-of-experts models: which experts a token reaches depends on the data.
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def unused_trainable(model, input_ids: list[int]) -> list[str]:
+    """Names of the trainable parameters outside the autograd graph of one forward's loss, found as
+    DDP finds them: walking the graph from the loss to its AccumulateGrad leaves. In eval mode (no
+    dropout, no activation checkpointing) with the RNG streams restored: training is unchanged."""
+    device = next(p.device for p in model.parameters())
+    ids = torch.tensor([input_ids], device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+    finally:
+        model.train(was_training)
+    reached, seen, stack = set(), set(), [out.loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if hasattr(fn, "variable"):  # AccumulateGrad: a leaf that receives a gradient
+            reached.add(id(fn.variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in reached]
+
+
+def ddp_unused_parameters(cfg, launch, model, input_ids: list[int], device) -> dict:
+    """Whether DDP must look for unused parameters after every forward (`find_unused_parameters`),
+    decided from the model before Trainer wraps it: False where every trainable parameter gets a
+    gradient (one probe forward on the first training example, `unused_trainable`), True where one
+    does not or where a mixture of experts routes tokens by their data; the recipe's own
+    training.ddp_find_unused_parameters wins. Trainer's default is True for every peft model and
+    every model without activation checkpointing: DDP then walks the autograd graph each step, and
+    torch warns on every rank that it found nothing. None where the run is not DDP."""
+    if not (launch.distributed_type.startswith("MULTI_") and launch.world_size > 1):
+        return {"find_unused_parameters": None, "decided_by": None, "unused_trainable": None, "reason": "not DDP"}
+    given = cfg.training.args.get("ddp_find_unused_parameters")
+    if given is not None:
+        return {
+            "find_unused_parameters": bool(given),
+            "decided_by": "recipe",
+            "unused_trainable": None,
+            "reason": "training.ddp_find_unused_parameters",
+        }
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    experts = next((k for k in _EXPERT_KEYS if (getattr(text, k, None) or 0) > 1), None)
+    if experts:
+        return {
+            "find_unused_parameters": True,
+            "decided_by": "model config",
+            "unused_trainable": None,
+            "reason": f"config.{experts}={getattr(text, experts)}: the router decides per batch which experts train",
+        }
+    if not getattr(model, "is_loaded_in_4bit", False):  # a 4-bit base is placed by its loader already
+        model.to(device)  # where Trainer puts it for DDP anyway: the probe runs at the device's speed
+    unused = unused_trainable(model, input_ids)
+    return {
+        "find_unused_parameters": bool(unused),
+        "decided_by": "probe",
+        "unused_trainable": unused[:20],
+        "reason": f"{len(unused)} trainable parameter(s) get no gradient" if unused else None,
+    }
+
+
+def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, ddp_record: dict) -> dict:
     """run.json `speed`, from the live objects: the collator's layout, the installed loss, torch's
-    SDPA flags after the policy was applied, Trainer's compile and Liger settings."""
+    SDPA flags after the policy was applied, Trainer's compile and Liger settings, the DDP wrapper's
+    find_unused_parameters as Accelerate will pass it (`ddp_record`: how it was decided)."""
     import importlib.metadata as md
 
     d, args = cfg.data, trainer.args
@@ -115,4 +183,15 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict) -
             "fused_linear_cross_entropy": loss_record["resolved"] == "liger",
             "version": liger_version,
         },
+        "ddp": ddp_record | {"find_unused_parameters": _live_find_unused(trainer, ddp_record)},
     }
+
+
+def _live_find_unused(trainer, decided: dict) -> bool | None:
+    """DistributedDataParallelKwargs as Trainer built them (what Accelerate gives DDP), checked
+    against the decision."""
+    handler = getattr(trainer.accelerator, "ddp_handler", None)
+    live = handler.find_unused_parameters if handler is not None and decided["decided_by"] else None
+    if live != decided["find_unused_parameters"]:
+        raise RuntimeError(f"DDP find_unused_parameters is {live}, decided {decided['find_unused_parameters']}")
+    return live

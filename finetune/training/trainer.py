@@ -11,7 +11,6 @@ before that step's optimizer update, then stops (or skips the update).
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from pathlib import Path
 
@@ -20,14 +19,15 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from finetune.checkpointing import checkpoints, rng
-from finetune.data.collate import REAL_TOKENS_KEY
+from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.data.render import IGNORE_INDEX
-from finetune.errors import UserError
-from finetune.telemetry.meter import BatchShare, Meter
+from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
+from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
 from finetune.training import fault_injection, sample_trace, sequence_parallel
-from finetune.training.collapse import CollapseWatch, Diverged
-from finetune.training.signals import flags_per_rank, install_signal_handlers, received, restore_signal_handlers
+from finetune.training.collapse import CollapseWatch
+from finetune.training.signals import install_signal_handlers, received, restore_signal_handlers
+from finetune.training.step_guard import CHECKED, Agreed, NonFiniteError, StepFlags, check_policy
 
 log = logging.getLogger("finetune")
 
@@ -60,10 +60,19 @@ class FinetuneTrainer(Trainer):
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
-        self.add_callback(_StepClock(self))
-        self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
         pc = self.accelerator.parallelism_config
         self.sequence_parallel = pc is not None and pc.sp_enabled and pc.sp_backend == "deepspeed"
+        if not self.sequence_parallel:  # Ulysses re-cuts the collator's batches: counted on the device there
+            self.data_collator = counting(self.data_collator)  # the meter's counts, on the host (train and eval)
+        self.add_callback(_StepClock(self))
+        # The chunked loss takes its scored-token count from the host (no nonzero() sync per micro-batch);
+        # not under torch.compile, which skips the compaction and would recompile for every new count,
+        # nor under a mesh (a rank's shard of the positions is not the batch the host counted).
+        mesh = pc is not None and (pc.tp_enabled or pc.cp_enabled or pc.sp_enabled)
+        self._pass_scored = (
+            bool((installed(self.model) or {}).get("compact")) and not self.args.torch_compile and not mesh
+        )
+        self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
         self._logged_share = 1.0  # a rank's share of the logged loss (sequence_parallel_loss)
         if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
             self.loss_is_scaled_for_ga = True
@@ -121,15 +130,20 @@ class FinetuneTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         sample_trace.record(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
-        self.meter.count_batch(inputs)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        counts = self.meter.count_batch(inputs)
+        if self._pass_scored:
+            inputs[SCORED_TOKENS_KWARG] = counts[1]  # trained tokens = the positions the loss scores
+        out = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
         if self.sequence_parallel:  # Trainer logs the mean over ranks: each rank's share of the step's loss
-            loss = loss / self._logged_share
-        return loss
+            out = out / self._logged_share
+        return out
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs.pop(REAL_TOKENS_KEY, None)  # a count for the meter (bucketed batches), not a model input
+        inputs.pop(REAL_TOKENS_KEY, None)  # counts for the meter, not model inputs
+        counts = inputs.pop(COUNTS_KEY, None)
+        if self._pass_scored and counts is not None:
+            inputs[SCORED_TOKENS_KWARG] = counts[1]
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -214,19 +228,6 @@ class CompactProgress(ProgressCallback):
 # --- faults: signals, complete checkpoints, non-finite guard -------------------------------------
 
 
-class NonFiniteError(Diverged):
-    pass
-
-
-def check_policy(policy: str, distributed_type: str) -> None:
-    if policy == "skip" and distributed_type == "DEEPSPEED":
-        raise UserError(
-            "training.on_nonfinite: 'skip' is not implemented under DeepSpeed (its engine runs the "
-            "optimizer step inside backward, so the update cannot be dropped from outside); "
-            "use 'stop' (the default) and resume from the last checkpoint"
-        )
-
-
 class ResilienceCallback(TrainerCallback):
     def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
         self.trainer = trainer
@@ -248,14 +249,10 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        signums = flags_per_rank(self.trainer.accelerator, received[0] if received else 0)
-        if any(signums) and self.preempted is None:
-            ranks = [r for r, n in enumerate(signums) if n]
-            self.preempted = {
-                "step": state.global_step,
-                "ranks": ranks,
-                "signal": signal.Signals(signums[ranks[0]]).name,
-            }
+        agreed = self.trainer.agreement_of(state.global_step)  # the signals rode on the step's one agreement
+        ranks = agreed.ranks("signal")
+        if ranks and self.preempted is None:
+            self.preempted = {"step": state.global_step, "ranks": ranks, "signal": agreed.signal_name()}
             control.should_save = True
             control.should_training_stop = True
 
@@ -279,7 +276,9 @@ class ResilienceCallback(TrainerCallback):
 
 
 class ResilientTrainer(FinetuneTrainer):
-    """FinetuneTrainer with the non-finite guard and the resilience callback installed."""
+    """FinetuneTrainer with the non-finite guard and the resilience callback installed. The guard
+    keeps its flags on the device (finetune/training/step_guard.py): no host sync and no collective
+    per micro-batch; the ranks agree once per optimizer step, before its update."""
 
     def __init__(
         self,
@@ -304,6 +303,9 @@ class ResilientTrainer(FinetuneTrainer):
         self.skipped_steps: list[dict] = []
         self._skip_update = False
         check_policy(on_nonfinite, self.accelerator.distributed_type.value)
+        self._deepspeed = self.accelerator.distributed_type.value == "DEEPSPEED"
+        self.flags = StepFlags(self.accelerator.device)
+        self._agreed: tuple[int, Agreed] | None = None  # (step, every rank's row) of the last agreement
 
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
@@ -316,38 +318,49 @@ class ResilientTrainer(FinetuneTrainer):
             "save_total_limit": self.resilience.save_total_limit,
         }
 
-    def _nonfinite(self, what: str, value: torch.Tensor) -> bool:
-        """Agree across ranks on a non-finite `value`; stop or mark this step skipped. True = skip."""
-        bad = flags_per_rank(self.accelerator, not bool(torch.isfinite(value.detach()).all()))
-        if not any(bad):
-            return False
+    def agreement_of(self, step: int) -> Agreed:
+        """The agreement of optimizer step `step`; an error if it did not run (a Trainer whose step no
+        longer passes through the hooks below would otherwise train unguarded)."""
+        if self._agreed is None or self._agreed[0] != step:
+            raise RuntimeError(
+                f"the ranks did not agree on optimizer step {step} before its update: the non-finite "
+                "guard's hooks (compute_loss, _get_grad_norm) were not called as transformers 5.24 calls them"
+            )
+        return self._agreed[1]
+
+    def _agree(self) -> None:
+        """The step's one agreement (signals included); then stop, or mark the update skipped."""
         step = self.state.global_step + 1
-        ranks = [r for r, b in enumerate(bad) if b]
+        agreed = self.flags.agree(self.accelerator, received[0] if received else 0)
+        self._agreed = (step, agreed)
+        bad = agreed.nonfinite()
+        if bad is None:
+            return
+        slot, ranks = bad
+        what = CHECKED[slot]
         if self.on_nonfinite == "skip" and len(self.skipped_steps) < self.max_nonfinite_skips:
-            if not self._skip_update:
-                self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
-                log.warning(
-                    "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
-                    what,
-                    step,
-                    ranks,
-                    len(self.skipped_steps),
-                    self.max_nonfinite_skips,
-                )
+            self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
+            log.warning(
+                "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
+                what,
+                step,
+                ranks,
+                len(self.skipped_steps),
+                self.max_nonfinite_skips,
+            )
             self._skip_update = True
-            return True
+            return
         limit = (
             f"; {len(self.skipped_steps)} step(s) already skipped, training.max_nonfinite_skips="
             f"{self.max_nonfinite_skips}"
             if self.on_nonfinite == "skip"
             else ""
         )
+        values = ", ".join(f"rank {r}: {agreed.value(slot + '_value', r)}" for r in ranks)
         last = self.resilience.last_complete
         raise NonFiniteError(
-            f"non-finite {what} at step {step} on rank(s) {ranks} (value on this rank: "
-            f"{value.detach().float().flatten()[0].item()}); stopped before that step's optimizer "
-            f"update{limit}. Last complete checkpoint: "
-            f"{last if last else 'none written in this run'}",
+            f"non-finite {what} at step {step} on rank(s) {ranks} ({values}); stopped before that step's "
+            f"optimizer update{limit}. Last complete checkpoint: {last if last else 'none written in this run'}",
             list(self.skipped_steps),
         )
 
@@ -357,21 +370,26 @@ class ResilientTrainer(FinetuneTrainer):
             return out
         loss = out[0] if return_outputs else out
         loss = fault_injection.corrupt_loss(loss, rank=self.accelerator.process_index, step=self.state.global_step + 1)
-        if self._nonfinite("loss", loss):
-            raise _Skipped(torch.zeros_like(loss.detach()))
+        self.flags.note("loss", loss)
+        if self._deepspeed and self.accelerator.sync_gradients:
+            self._agree()  # the step's last micro-batch: the engine steps inside its backward
         return (loss, *out[1:]) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        try:
-            return super().training_step(model, inputs, num_items_in_batch)
-        except _Skipped as s:  # every rank skipped this micro-batch's backward together
-            return s.loss
+        # A non-finite micro-batch adds 0 to the logged loss (its step is skipped or stops the run):
+        # on the device, so Trainer's own per-micro-batch check (logging_nan_inf_filter) can stay off.
+        return torch.nan_to_num(super().training_step(model, inputs, num_items_in_batch), 0.0, 0.0, 0.0)
 
-    def _clip_grad_norm(self, model):
-        norm = super()._clip_grad_norm(model)
-        if norm is not None and not self._skip_update and self.accelerator.distributed_type.value != "DEEPSPEED":
-            value = norm.full_tensor() if hasattr(norm, "full_tensor") else torch.as_tensor(norm)
-            self._nonfinite("gradient norm", value)
+    def _get_grad_norm(self, model, grad_norm=None):
+        """Trainer computes the norm here (clipped or not) right before the optimizer step: the
+        agreement point of every strategy but DeepSpeed, whose engine has stepped by now."""
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if not self._deepspeed:
+            if norm is not None:
+                # FSDP2: this rank's part of a DTensor norm; the agreement ORs the ranks (no collective)
+                local = norm.to_local() if hasattr(norm, "to_local") else torch.as_tensor(norm)
+                self.flags.note("grad_norm", local)
+            self._agree()
         return norm
 
     def create_optimizer(self, *args, **kwargs):
@@ -388,10 +406,3 @@ class ResilientTrainer(FinetuneTrainer):
             opt.step = guarded_step
             opt._finetune_guarded = True
         return opt
-
-
-class _Skipped(Exception):
-    """Raised from compute_loss in skip mode so no backward runs on this micro-batch."""
-
-    def __init__(self, loss):
-        self.loss = loss

@@ -67,7 +67,7 @@ def test_help_shows_only_the_hyphen_spelling_and_no_flag_is_declared_with_unders
 
 def test_help_texts_are_whole(capsys):
     code, out = _exit(["bench", "--help"], capsys)
-    assert code == 0 and "the ratios ours / TRL plain and ours / TRL tuned" in " ".join(out.split())
+    assert code == 0 and "peak memory and the ratios ours / each baseline" in " ".join(out.split())
     code, out = _exit(["bench-comm", "--help"], capsys)
     assert code == 0 and "--out" in out and "--sizes" in out and "--num-processes" in out
     code, out = _exit(["sweep", "--help"], capsys)

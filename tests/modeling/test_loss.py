@@ -112,6 +112,20 @@ def test_chunked_equals_standard_loss_and_every_gradient(layout, tie):
     assert (gr["model.embed_tokens.weight"] - gb["model.embed_tokens.weight"]).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_scored_count_from_the_host_gives_the_same_loss_and_refuses_a_wrong_count(layout):
+    """The trainer passes each micro-batch's scored-token count (counted on the host) so the head's
+    compaction needs no nonzero(): loss and every gradient equal the standard loss's, as without the
+    count; a count that is not the labels' stops the run (on CPU at once, on CUDA as a device assert)."""
+    ref, new = pair()
+    batch = (padded if layout == "padded" else flat)(examples())
+    scored = int((batch["labels"][..., 1:] != -100).sum())
+    reference = run(ref, batch)
+    assert_same(reference, run(new, batch, **{loss.SCORED_TOKENS_KWARG: scored}))
+    with pytest.raises(RuntimeError, match="finetune_scored_tokens differs"):
+        run(new, batch, **{loss.SCORED_TOKENS_KWARG: scored - 1})
+
+
 def test_gradient_accumulation_divides_by_the_steps_item_count():
     """Two micro-batches scaled by num_items_in_batch (what Trainer passes for the whole step)."""
     ref, new = pair()

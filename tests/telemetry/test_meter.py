@@ -224,3 +224,31 @@ def test_run_peak_survives_the_per_log_resets(monkeypatch):
     fake.peak = 3 * GIB  # the tail after the last log
     assert meter.memory.snapshot()["device_peak_allocated_gib"] == 3.0  # the old read: the tail only
     assert meter.final(ONE_RANK)["memory"]["max"]["device_peak_allocated_gib"] == 10.0
+
+
+def test_count_batch_takes_the_hosts_counts_and_a_peer_rank_adds_nothing():
+    """The collator's counts (Python ints, counted on the CPU batch) are what the meter adds; a rank
+    whose tensor/context-parallel peers count the batch adds zeros; a batch without them (Ulysses)
+    is counted on the device. Control: the step's total is 2x the batch, not 3x (the peer's zeros)."""
+    from finetune.data.collate import COUNTS_KEY
+    from finetune.telemetry.meter import BatchShare, counting
+
+    batch = {
+        "input_ids": torch.arange(8).reshape(1, 8),
+        "attention_mask": torch.ones(1, 8, dtype=torch.long),
+        "labels": torch.tensor([[-100, -100, 2, 3, 4, 5, 6, 7]]),
+    }
+    collate_and_count = counting(lambda features: dict(batch))
+    m = Meter()
+    on_host = collate_and_count([])
+    assert COUNTS_KEY in on_host
+    counted = m.count_batch(on_host)
+    assert COUNTS_KEY not in on_host and all(type(c) is int for c in counted)
+    assert counted == tuple(batch_counts(batch).tolist()) == (8, 6, 1, 64)  # trained: labels[..., 1:] != -100
+    m.share = BatchShare(counted=False)
+    assert m.count_batch(collate_and_count([])) == (0, 0, 0, 0)
+    assert m.count_batch(dict(batch)).tolist() == [0, 0, 0, 0]  # on the device: a tensor, zero as well
+    m.share = None
+    assert m.count_batch(dict(batch)).tolist() == [8, 6, 1, 64]
+    m.record_step(1.0)
+    assert m.steps == [(1.0, 16, 12, 2, 128)]

@@ -340,3 +340,50 @@ def test_trainer_passes_the_steps_item_count_to_the_chunked_loss(tmp_path):
         logs[impl] = (step["loss"], step["grad_norm"], trainer.evaluate()["eval_loss"])
     for a, b in zip(logs["standard"], logs["chunked"]):
         assert abs(a - b) <= 1e-5 * abs(a), logs
+
+
+def test_ddp_find_unused_parameters_is_decided_by_a_probe_that_sees_an_unused_parameter(tiny_model_dir):
+    """LoRA and full fine-tuning of the tiny Llama: every trainable parameter is in the autograd graph
+    of one forward's loss, so DDP need not search for unused ones (Trainer's default would). The
+    control: a trainable parameter the forward never uses is named and turns the decision to True
+    (DDP with False would fail waiting for its gradient). The probe leaves the RNG and train mode as
+    they were; the recipe's own setting, a mixture of experts and a run that is not DDP decide otherwise."""
+    from types import SimpleNamespace
+
+    from finetune.config.sections import MethodConfig, ModelConfig
+    from finetune.modeling import loss
+    from finetune.modeling.load import load_model
+
+    ddp = SimpleNamespace(distributed_type="MULTI_GPU", world_size=2)
+    cfg = build_config({})
+    ids = list(range(5, 25))
+    mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
+    for method in ("full", "lora"):  # the LoRA model last: the controls below use it
+        model = load_model(mcfg, MethodConfig(name=method))
+        loss.install(model, "auto", tokens=20)
+        model.train()
+        rng = torch.get_rng_state()
+        decided = speed.ddp_unused_parameters(cfg, ddp, model, ids, "cpu")
+        assert decided == {
+            "find_unused_parameters": False,
+            "decided_by": "probe",
+            "unused_trainable": [],
+            "reason": None,
+        }, (method, decided)
+        assert torch.equal(torch.get_rng_state(), rng) and model.training
+    model.base_model.model.model.extra = torch.nn.Linear(4, 4)  # trainable, never called by forward
+    model.base_model.model.model.frozen_extra = torch.nn.Linear(4, 4).requires_grad_(False)  # not trainable: no matter
+    decided = speed.ddp_unused_parameters(cfg, ddp, model, ids, "cpu")
+    assert decided["find_unused_parameters"] is True and decided["decided_by"] == "probe", decided
+    assert decided["unused_trainable"] == ["base_model.model.model.extra.weight", "base_model.model.model.extra.bias"]
+    assert (
+        speed.ddp_unused_parameters(cfg, SimpleNamespace(distributed_type="NO", world_size=1), model, ids, "cpu")[
+            "find_unused_parameters"
+        ]
+        is None
+    )
+    given = build_config({"training": {"ddp_find_unused_parameters": False}})
+    assert speed.ddp_unused_parameters(given, ddp, model, ids, "cpu")["decided_by"] == "recipe"
+    model.config.num_local_experts = 8  # a mixture of experts: routing decides which experts train
+    moe = speed.ddp_unused_parameters(cfg, ddp, model, ids, "cpu")
+    assert moe["find_unused_parameters"] is True and moe["decided_by"] == "model config", moe

@@ -395,6 +395,9 @@ def test_strategy_engaged_from_the_live_engine(runs, name, tiny_model_dir):
     # The default loss is the chunked one under every strategy (docs/speed.md): these launches are its
     # DDP/ZeRO/FSDP2 equivalence tests (test_losses_match_single_process, the full-model exports).
     assert rec["speed"]["loss_impl"]["resolved"] == "chunked", rec["speed"]
+    # DDP without the per-step search for unused parameters (issue 29; a probe found every adapter used)
+    ddp = rec["speed"]["ddp"]
+    assert ddp["find_unused_parameters"] is (False if want_name == "ddp" else None), ddp
     # parameter counts of the whole model, not of this rank's ZeRO-3 shards (issue 15 item 3)
     assert rec["parameters"] == _expected_parameters(STRATEGIES[name][0], tiny_model_dir), rec["parameters"]
 

@@ -1,0 +1,81 @@
+"""The plain-Trainer side of `finetune bench` (`--baseline plain-trainer`): transformers.Trainer as a
+user writes it without TRL or this project: the model's own loss (full logits), batches padded to
+their longest example (DataCollatorForSeq2Seq), peft LoRA; the same model, data order, length, batch,
+precision policy, learning rate, steps, seed, LoRA settings and gradient checkpointing as the other
+sides (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from finetune import precision
+
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear"}  # every side's
+
+
+def load_dtype(policy: precision.Policy, method: str) -> str:
+    """The dtype a side that follows `policy` by hand loads the checkpoint in: the master dtype of a
+    full fine-tune (fp32 under bf16-mixed: the master copy), the frozen base's dtype otherwise."""
+    return policy.master_dtype if method == "full" else policy.frozen_dtype
+
+
+def build_trainer(spec: dict, dataset, callbacks: list):
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        BitsAndBytesConfig,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        set_seed,
+    )
+
+    from finetune.training import arguments
+
+    policy = precision.get(spec["precision"])
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.padding_side = "right"
+    set_seed(spec["seed"])  # the LoRA initialisation the other sides draw
+    kwargs = {
+        "dtype": precision.torch_dtype(load_dtype(policy, spec["method"])),
+        "attn_implementation": spec["attn_implementation"],
+    }
+    if spec["method"] == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=precision.torch_dtype(policy.compute_dtype),
+        )
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
+    if spec["method"] == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"])
+    if spec["method"] in ("lora", "qlora"):
+        model = get_peft_model(
+            model,
+            LoraConfig(**LORA, task_type="CAUSAL_LM"),
+            autocast_adapter_dtype=policy.adapters_fp32,  # fp32 adapters under a mixed policy
+        )
+    args = arguments.build(
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch"],
+        learning_rate=spec["learning_rate"],
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec["seed"],
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        **policy.training_args("torch"),
+    )
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )

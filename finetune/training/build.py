@@ -1,0 +1,116 @@
+"""The model and the Trainer as `finetune train` builds them, from a resolved configuration, the
+launch and the TrainingArguments: finetune/training/run.py's phases and `finetune bench`'s own side
+(finetune/bench/worker.py) both call these, so the benchmark measures the trainer users run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from finetune.config.sections import Config
+    from finetune.launch.plan import LaunchPlan
+    from finetune.training.arguments import RunArguments
+    from finetune.training.trainer import ResilientTrainer
+
+
+def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
+    """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
+    from transformers import set_seed
+
+    from finetune.data import rows
+    from finetune.modeling import loss, zero3
+    from finetune.modeling.load import load_model
+    from finetune.precision import torch_dtype
+
+    args = arguments.args
+    set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
+    model = load_model(
+        cfg.model,
+        cfg.method,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        policy=launch.policy,
+        deepspeed=launch.family == "deepspeed",
+    )
+    if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
+        zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
+    loss.install(
+        model,
+        cfg.training.loss_impl,
+        chunk=cfg.training.loss_chunk_tokens,
+        label_smoothing=args.label_smoothing_factor,
+        use_liger_kernel=args.use_liger_kernel,
+        device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions on this rank, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data)
+        // (launch.mesh.sp * launch.mesh.cp),
+        tensor_parallel=launch.mesh.tp,
+    )
+    return model
+
+
+def trainer_for(
+    cfg: Config,
+    launch: LaunchPlan,
+    arguments: RunArguments,
+    model,
+    *,
+    train_dataset,
+    eval_dataset,
+    tokenizer,
+    sinks=None,
+    record=None,
+) -> ResilientTrainer:
+    """ResilientTrainer over the configured batch layout, with the strategy that engaged checked
+    against the recipe and the precision policy applied; both are read back from the live objects
+    before step 1. `sinks` and `record`: rank 0 of a run (None in the benchmark)."""
+    from finetune.data import collate
+    from finetune.telemetry import meter
+    from finetune.training import engaged_strategy, precision_live
+    from finetune.training.trainer import ResilientTrainer
+
+    trainer = ResilientTrainer(
+        model=model,
+        args=arguments.args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=collate.make_collator(
+            cfg.data,
+            cfg.model,
+            tokenizer.pad_token_id,
+            shards=collate.SequenceShards.of(
+                launch.mesh, arguments.args.per_device_train_batch_size, cfg.data.max_length, cuda=launch.cuda
+            ),
+        ),
+        processing_class=tokenizer,
+        sinks=sinks,
+        **meter.mfu_inputs(model, cfg.method.name),
+        save_total_limit=arguments.save_total_limit,
+        on_nonfinite=cfg.training.on_nonfinite,
+        max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+        on_collapse=cfg.training.on_collapse,
+        collapse_windows=cfg.training.collapse_windows,
+    )
+    engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
+    engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
+    engaged_strategy.live_check(
+        trainer,
+        declared=engaged,
+        expected=cfg.run.strategy,
+        expected_offload=cfg.run.offload,
+        recipe=cfg.recipe,
+        record=record,
+        mesh=launch.mesh,
+    )  # the wrapped engine and the live mesh, before the first step
+    precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
+    precision_live.install(
+        trainer,
+        launch.policy,
+        requested=cfg.training.precision,
+        family=launch.family,
+        method=cfg.method.name,
+        load_dtype=launch.policy.load_dtype(cfg.method.name),
+        learning_rate=arguments.lr["applied"],
+        record=record,
+    )  # before step 1
+    return trainer
