@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from finetune.cli import options
 from finetune.errors import exit_on_user_error
@@ -23,6 +24,9 @@ from finetune.launch import accelerate as launcher
 @launcher.restores_environment
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from finetune.console import guard_streams
+
+    guard_streams()  # a vanished console (a killed `| tee`, a closed terminal) must not end a launch
     parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs under any strategy.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
@@ -100,26 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main.main(rest)
 
     if args.command == "train":
-        from finetune.launch import cpu_rehearsal
+        from finetune.launch import relay
 
-        launch_args = launcher.launch_command(
-            args.recipe,
-            rest,
-            args.config_file,
-            args.num_processes,
-            cpu=args.cpu,
-            overwrite=args.overwrite,
-            resume=args.resume,
-        )
-        from finetune import preflight
-        from finetune.checkpointing import resume_plan
-
-        os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
-        # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
-        preflight.check_launch(launch_args, resume_check=resume_plan.preflight_problems)
-        env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
-        print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
-        return launcher.run_accelerate_launch(launch_args)
+        with relay.Relay() as signals:  # from here to the ranks' end (finetune/launch/relay.py)
+            return _train(args, rest, signals)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "prepare-model":
@@ -135,3 +123,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:20s} {first}")
         return 0
     return 2
+
+
+def _train(args, rest: list[str], signals) -> int:
+    """`finetune train`: the launch line, preflight, then `accelerate launch` (its exit code)."""
+    from finetune import preflight
+    from finetune.checkpointing import resume_plan
+    from finetune.errors import EXIT_PREEMPTED
+    from finetune.launch import cpu_rehearsal
+
+    launch_args = launcher.launch_command(
+        args.recipe,
+        rest,
+        args.config_file,
+        args.num_processes,
+        cpu=args.cpu,
+        overwrite=args.overwrite,
+        resume=args.resume,
+    )
+    os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
+    # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
+    preflight.check_launch(launch_args, resume_check=resume_plan.preflight_problems)
+    if signals.signals:  # signalled during the checks: nothing started yet
+        print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
+    env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
+    print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
+    return launcher.run_accelerate_launch(launch_args)

@@ -75,8 +75,13 @@ class Trained:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from finetune.console import guard_streams
+    from finetune.training import signals
+
+    guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
+    signals.install_signal_handlers()  # first: recorded, never fatal (docs/faults.md "Signals")
+    signals.stop_with_parent()
     from finetune.config.recipe import load_recipe
-    from finetune.training.signals import install_signal_handlers
     from finetune.training.trainer import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
@@ -84,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
+    try:
+        signals.stop_if_received(state, "while the processes started")
+    except signals.Stopped as e:  # nothing created yet
+        return stopped_before_training(None, e, ended)
     run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
-    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
+        if code == 0:
+            signals.restore_signal_handlers()
         return code
+    except signals.Stopped as e:  # every rank agreed, before training
+        return stopped_before_training(run, e, run.ended)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
         if run.record and run.committed:
             run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
@@ -110,23 +122,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train_and_record(run: Run) -> int:
-    """The phases that train, in order; each returns what the next ones read."""
+    """The phases that train, in order; each returns what the next ones read. A signal before
+    training stops every rank at the next phase boundary (signals.Stopped)."""
     from finetune.checkpointing import universal
+    from finetune.training import signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
     data = load_data(run, arguments)
+    signals.stop_if_received(run.state, "while the data was prepared")
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
+    signals.stop_if_received(run.state, "while the model loaded")
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record)
         run.sinks.start(run.record.view)
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
         return preempted(run, trainer, arguments)
-    return finish(run, trainer, model, data, trained, started)
+    return finish(run, trainer, model, data, trained, started, arguments)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
@@ -396,23 +412,30 @@ def record_setup(
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
     """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
-    loss and exact match after; None when the run was preempted."""
+    loss and exact match after; None when the run was preempted (during training, or after it
+    and before the evaluation: then with a checkpoint of the final step)."""
     from finetune.checkpointing import resume
+    from finetune.training import signals
 
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = _exact_match(run, trainer, model, data, "before")
+        signals.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
         resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
+    signals.set_stage(signals.TRAINING)
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
-    if trainer.resilience.preempted:
+    signals.set_stage(signals.FINISHING)
+    if trainer.resilience.preempted or trainer.resilience.stop_after_training():
         return None
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
     if data.heldout is not None:
+        if trainer.resilience.stop_after_training():
+            return None
         results["after"] = _exact_match(run, trainer, model, data, "after")
     return Trained(out.training_loss, train_s, measured, eval_loss, results)
 
@@ -420,6 +443,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
 def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
     from finetune.checkpointing import resume
+    from finetune.training.signals import cause
 
     p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
     trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
@@ -429,7 +453,7 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
             status="interrupted",
             steps=trainer.state.global_step,
             checkpoint=str(ckpt),
-            error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
+            error=f"preempted by {cause(p)} at step {p['step']}",
             nonfinite_skipped=trainer.skipped_steps,
         )
         run.sinks.close(run.record.view, EXIT_PREEMPTED)
@@ -437,19 +461,44 @@ def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> i
             run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
         )
         print(
-            f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-            f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
+            f"\npreempted: {cause(p)}; stopped after step {p['step']} with a complete checkpoint {ckpt}.\n"
+            f"resume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
             flush=True,
         )
     return EXIT_PREEMPTED
 
 
-def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
+def stopped_before_training(run: Run | None, e, ended: list) -> int:
+    """Every rank agreed to stop before training (signals.Stopped): nothing trained, so nothing to
+    checkpoint. The record says `interrupted`; the same command starts the run again (its directory
+    is reused: finetune/launch/rundir.py reusable)."""
+    from finetune.checkpointing import resume
+
+    ended.append(True)
+    if run is not None and run.record and run.committed:
+        run.record.update("summary", status="interrupted", error=f"stopped by {e}, before training")
+        run.sinks.close(run.record.view, EXIT_PREEMPTED)
+    if run is None or run.state.is_main_process:
+        again = (
+            f"resume with:\n  {resume.resume_command(run.dir, effective=None, per_device=None)}"
+            if run is not None and run.resume
+            else "nothing was trained; run the same command again to start it"
+        )
+        print(f"\nstopped: {e}, before training.\n{again}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
+    return EXIT_PREEMPTED
+
+
+def finish(
+    run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
+) -> int:
     """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
     from finetune.modeling import export
-    from finetune.training import evaluation
+    from finetune.training import evaluation, signals
 
     cfg, record = run.cfg, run.record
+    if trainer.resilience.stop_after_training():  # a signal during the final evaluation
+        return preempted(run, trainer, arguments)
+    signals.set_stage(signals.EXPORTING)  # from here a signal lets the export and the record finish
     if cfg.run.save_model:
         export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
         if run.state.is_main_process:

@@ -11,7 +11,6 @@ before that step's optimizer update, then stops (or skips the update).
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.telemetry.meter import Meter
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection, sample_trace
-from finetune.training.signals import flags_per_rank, install_signal_handlers, received, restore_signal_handlers
+from finetune.training import fault_injection, sample_trace, signals
+from finetune.training.signals import flags_per_rank, install_signal_handlers
 
 log = logging.getLogger("finetune")
 
@@ -156,33 +155,44 @@ class ResilienceCallback(TrainerCallback):
     def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
         self.trainer = trainer
         self.save_total_limit = save_total_limit
-        self.preempted: dict | None = None  # {step, signal, ranks} once the ranks agreed to stop
+        self.preempted: dict | None = None  # {step, signal, ranks, relayed_by} once the ranks agreed to stop
+        self.nothing_to_train = False  # resumed from a checkpoint of the last step
         self.last_complete: Path | None = None
         self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/checkpointing/provenance.py)
 
     # --- signals ---------------------------------------------------------------------------
 
-    def on_train_end(self, args, state, control, **kwargs):
-        # Preempted: keep recording signals until the process exits. The launcher tears the
-        # other ranks down with SIGTERM as soon as one rank has exited 75; a rank still
-        # finishing its record or tearing down its process group must not die of it.
-        if self.preempted is None:
-            restore_signal_handlers()
+    def on_train_begin(self, args, state, control, **kwargs):
+        # Resumed from a checkpoint of the last step (a run stopped after training): Trainer would
+        # train one step past max_steps before it looks; there is nothing left to train.
+        self.nothing_to_train = state.global_step >= state.max_steps > 0
+        if self.nothing_to_train:
+            log.info("resumed at step %d of %d: nothing left to train", state.global_step, state.max_steps)
+            control.should_training_stop = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        signums = flags_per_rank(self.trainer.accelerator, received[0] if received else 0)
-        if any(signums) and self.preempted is None:
-            ranks = [r for r, n in enumerate(signums) if n]
-            self.preempted = {
-                "step": state.global_step,
-                "ranks": ranks,
-                "signal": signal.Signals(signums[ranks[0]]).name,
-            }
+        flags = flags_per_rank(self.trainer.accelerator, signals.code())
+        if any(flags) and self.preempted is None:
+            self.preempted = {"step": state.global_step, **signals.describe(flags)}
             control.should_save = True
             control.should_training_stop = True
+
+    def stop_after_training(self) -> bool:
+        """At a boundary after Trainer.train() returned (every rank calls it): if any rank was
+        signalled, make sure a complete checkpoint of the final step exists and say preempted."""
+        trainer = self.trainer
+        flags = flags_per_rank(trainer.accelerator, signals.code())
+        if not any(flags):
+            return False
+        state = trainer.state
+        if self.last_complete is None or checkpoints.step_of(self.last_complete) != state.global_step:
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # noqa: SLF001 - Trainer's own save
+            trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
+        self.preempted = {"step": state.global_step, **signals.describe(flags)}
+        return True
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -223,6 +233,11 @@ class ResilientTrainer(FinetuneTrainer):
         self.skipped_steps: list[dict] = []
         self._skip_update = False
         check_policy(on_nonfinite, self.accelerator.distributed_type.value)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.resilience.nothing_to_train:  # no batch drawn: the step loop ends without a step
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
