@@ -123,12 +123,16 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     return 0
 
 
-def report_failed_ranks(failures: dict) -> int:
-    """Name every rank that failed (first failure first) and return the ranks' common exit code,
-    else 1. A rank killed by a signal (exitcode -N) is named with the signal. A preempted launch
-    (every rank 75, or stopped by torchrun after one did) is no failure: rank 0 has printed the
-    checkpoint and the resume command, so nothing more is said."""
+def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
+    """Name every rank that failed and return the ranks' common exit code, else 1. A rank that
+    stopped making progress (its heartbeats ended long before the others failed: finetune/launch/
+    heartbeat.py) is named first, as the cause; otherwise the first failure is. A rank killed by a
+    signal (exitcode -N) is named with the signal. A preempted launch (every rank 75, or stopped by
+    torchrun after one did) is no failure: rank 0 has printed the checkpoint and the resume command,
+    so nothing more is said."""
     import signal
+
+    from finetune.launch import heartbeat
 
     codes = {f.exitcode for f in failures.values()}
     # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
@@ -138,16 +142,26 @@ def report_failed_ranks(failures: dict) -> int:
     consequences_only = len(real) == 1 and codes - real <= {-signal.SIGTERM}
     if consequences_only and real == {EXIT_PREEMPTED}:
         return EXIT_PREEMPTED
-    ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
+    stalled = heartbeat.stalled(
+        heartbeat.read() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
+    )
+    for rank, why in sorted(stalled.items()):
+        print(f"finetune: rank {rank} {why}", file=sys.stderr, flush=True)
+    ordered = sorted(failures.items(), key=lambda kv: (kv[0] not in stalled, kv[1].timestamp))
     for i, (rank, f) in enumerate(ordered):
         how = (
             f"killed by {signal.Signals(-f.exitcode).name}"
             if f.exitcode < 0
             else f"exit code {f.exitcode}" + (" (preempted)" if f.exitcode == EXIT_PREEMPTED else "")
         )
-        first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
+        if rank in stalled:
+            note = " (stalled: the cause)"
+        elif stalled:
+            note = f" (a consequence: it waited for rank(s) {sorted(stalled)})"
+        else:
+            note = " (first failure)" if i == 0 and len(ordered) > 1 else ""
         print(
-            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
+            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}",
             file=sys.stderr,
             flush=True,
         )

@@ -75,7 +75,9 @@ class Trained:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from finetune import storage
     from finetune.console import guard_streams
+    from finetune.launch import heartbeat
     from finetune.training import signals
 
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
+    heartbeat.start(state.process_index)  # the rank that stops making progress gets named (docs/faults.md)
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
@@ -110,14 +113,19 @@ def main(argv: list[str] | None = None) -> int:
         run.ended.append(True)
         return e.exit_code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
+        failure = storage.error(e, run.dir, "writing the run's files") if isinstance(e, Exception) else None
         if run.record and run.committed:
             interrupted = isinstance(e, KeyboardInterrupt)
+            shown = failure or e
+            silent = heartbeat.silent_ranks(run.state.process_index)  # a collective timed out waiting for them
             run.record.update(
                 "summary",
                 status="interrupted" if interrupted else "failed",
-                error=None if interrupted else f"{type(e).__name__}: {e}",
+                error=None if interrupted else f"{type(shown).__name__}: {shown}" + (f" ({silent})" if silent else ""),
             )
             run.sinks.close(run.record.view, 1)
+        if failure is not None and failure is not e:  # a full or read-only disk: said, not a traceback
+            raise failure from None
         raise
 
 
@@ -187,6 +195,7 @@ def prepare(
 
     plan = resumed = None
     if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+        run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume, overrides))
         resume_plan.apply(plan, cfg)
         resumed = (name, planned_dir)
@@ -228,24 +237,43 @@ def prepare(
     return run
 
 
+def _written(run: Run, what: str, write) -> None:
+    """Rank 0 writes a run file; a full, read-only or forbidden disk is a StorageError on every rank
+    (finetune/storage.py), so none waits for rank 0 in a later collective."""
+    from finetune import storage
+    from finetune.launch.ranks import run_on_main
+
+    def attempt():
+        try:
+            write()
+        except OSError as e:
+            failure = storage.error(e, run.dir, f"writing {what} in {run.dir}")
+            if failure is None:
+                raise
+            raise failure from None
+
+    run_on_main(run.state, attempt)
+
+
 def commit(run: Run) -> None:
     """Write run.json and the resolved configuration (rank 0). A resumed run commits only once its
     data is checked, so a resume refused before leaves the run directory as it was."""
     from finetune.checkpointing import resume
     from finetune.launch import rundir
 
+    def write():
+        if run.resume:
+            resume.keep_previous_record(run.dir)
+        run.record.write()  # first: a directory holding a run.json is one a retry can judge (rundir.reusable)
+        saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
+        log.info(
+            "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
+            saved,
+            saved.read_text(encoding="utf-8").rstrip(),
+        )
+
+    _written(run, "run.json and config.yaml", write if run.record is not None else lambda: None)
     run.committed = True
-    if run.record is None:
-        return
-    if run.resume:
-        resume.keep_previous_record(run.dir)
-    saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-    log.info(
-        "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-        saved,
-        saved.read_text(encoding="utf-8").rstrip(),
-    )
-    run.record.write()
 
 
 # --- the phases that train -----------------------------------------------------------------------------
@@ -583,9 +611,9 @@ def _write_demo_data(run: Run) -> None:
     from finetune.data import demo
 
     train_file = Path(run.data_path)
-    if run.state.is_main_process and not (run.resume and train_file.is_file()):
-        demo.write_demo(train_file.parent, run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size)
-    run.state.wait_for_everyone()
+    if not (run.resume and train_file.is_file()):
+        size, heldout = run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size
+        _written(run, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
 
 
 def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:

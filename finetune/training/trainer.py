@@ -11,6 +11,7 @@ before that step's optimizer update, then stops (or skips the update).
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from transformers.trainer_callback import ProgressCallback
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.errors import EXIT_NONFINITE, UserError
+from finetune.launch import heartbeat
 from finetune.telemetry.meter import Meter
 from finetune.telemetry.sinks import Sinks
 from finetune.training import fault_injection, sample_trace, signals
@@ -174,6 +176,7 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
+        heartbeat.progress(state.global_step)
         flags = flags_per_rank(self.trainer.accelerator, signals.code())
         if any(flags) and self.preempted is None:
             self.preempted = {"step": state.global_step, **signals.describe(flags)}
@@ -188,8 +191,11 @@ class ResilienceCallback(TrainerCallback):
         if not any(flags):
             return False
         state = trainer.state
-        if self.last_complete is None or checkpoints.step_of(self.last_complete) != state.global_step:
-            trainer._save_checkpoint(trainer.model_wrapped, trial=None)  # noqa: SLF001 - Trainer's own save
+        final = Path(trainer.args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoints.problem(final) is None:  # saved at the last step, or the checkpoint resumed from
+            self.last_complete = final
+        else:
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
             trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
         self.preempted = {"step": state.global_step, **signals.describe(flags)}
         return True
@@ -238,6 +244,39 @@ class ResilientTrainer(FinetuneTrainer):
         if self.resilience.nothing_to_train:  # no batch drawn: the step loop ends without a step
             return [], None
         return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's save, made an agreed outcome: a full disk (or quota, or read-only) on any rank is
+        a StorageError on every rank naming the checkpoint, the free space and the newest complete
+        checkpoint; the incomplete one is removed (it has no marker; that frees its space for run.json)."""
+        from finetune import storage
+
+        acc = self.accelerator
+        ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        failure = None
+        try:
+            super()._save_checkpoint(model, trial)
+            fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
+        except Exception as e:
+            failure = storage.error(e, ckpt, f"writing checkpoint {ckpt}")
+            if failure is None:
+                raise
+        failed = flags_per_rank(acc, failure is not None)
+        if not any(failed):
+            return
+        if acc.is_main_process and ckpt.exists() and checkpoints.problem(ckpt) is not None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        acc.wait_for_everyone()
+        last = next((c for c in reversed(checkpoints.checkpoints(ckpt.parent)) if checkpoints.problem(c) is None), None)
+        ranks = [r for r, f in enumerate(failed) if f]
+        then = (
+            f"The incomplete {ckpt.name} was removed; the newest complete checkpoint is "
+            f"{last if last else 'none (none was written)'}"
+            + ("; free space, then continue with --resume" if last else "; free space, then run again")
+        )
+        if failure is None:  # another rank's disk failed
+            raise storage.StorageError(f"writing checkpoint {ckpt} failed on rank(s) {ranks}. {then}", 0)
+        raise storage.StorageError(f"{failure} (rank(s) {ranks}). {then}", failure.errno)
 
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
