@@ -18,6 +18,7 @@ MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 LAYERS = [
     {"finetune.errors"},
     {"finetune.units", "finetune.strategies", "finetune.resources", "finetune.batch", "finetune.cli.options"},
+    {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},
     {"finetune.data", "finetune.modeling"},

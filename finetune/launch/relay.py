@@ -78,6 +78,7 @@ class Relay:
         self._thread.join(timeout=5)
         for sig, old in self._previous.items():
             signal.signal(sig, old)
+        os.environ.pop(ENV, None)
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _handler(self, signum, frame) -> None:

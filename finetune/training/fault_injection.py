@@ -4,6 +4,11 @@
     FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"       rank 1's loss is NaN at optimizer step 3
     FINETUNE_FAULT_INJECT="sigterm@rank0,step4;kill@rank1,step6"   several, `;`-separated
     FINETUNE_FAULT_INJECT="disk_full@rank1,step2"     rank 1's save of checkpoint-2 fails with ENOSPC
+    FINETUNE_FAULT_INJECT="slow_load@rank0,step1"     rank 0 holds the model load (before step 1) open
+
+slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
+load before step S=1, slow_save the save of checkpoint-S, slow_eval the evaluation after training
+ended at step S.
 
 KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
 anything; a value that does not parse is an error, so a drill never runs without its fault.
@@ -20,7 +25,7 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm", "slow_save", "disk_full")
+KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm", "slow_load", "slow_save", "slow_eval", "disk_full")
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run
 PAUSE_S = 5.0
@@ -76,16 +81,20 @@ def at_step_begin(*, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
+def hold(kind: str, *, rank: int, step: int, what: str) -> None:
+    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step."""
+    if _active((kind,), rank, step):
+        print(f"[fault injection] rank {rank} holds {what} open {PAUSE_S:g} s", flush=True)
+        time.sleep(PAUSE_S)
+
+
 def at_save(*, rank: int, step: int, ckpt) -> None:
     """In a checkpoint's save, after Trainer wrote its files and before the completion marker:
-    `slow_save` holds the save open PAUSE_S (time to send a second signal during it), `disk_full`
-    fails it as a full disk does (OSError ENOSPC naming a file of the checkpoint)."""
+    `slow_save` holds it open, `disk_full` fails it as a full disk does (OSError ENOSPC naming a
+    file of the checkpoint)."""
     import errno
 
-    kind = _active(("slow_save", "disk_full"), rank, step)
-    if kind == "slow_save":
-        print(f"[fault injection] rank {rank} holds the save of {ckpt} open {PAUSE_S:g} s", flush=True)
-        time.sleep(PAUSE_S)
-    elif kind == "disk_full":
+    hold("slow_save", rank=rank, step=step, what=f"the save of {ckpt}")
+    if _active(("disk_full",), rank, step):
         print(f"[fault injection] rank {rank}: no space left writing {ckpt}", flush=True)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(ckpt / "optimizer.pt"))

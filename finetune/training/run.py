@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.cli import options
-from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.errors import exit_on_user_error
 
 if TYPE_CHECKING:
     from accelerate import PartialState
@@ -75,10 +74,9 @@ class Trained:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    from finetune import storage
     from finetune.console import guard_streams
     from finetune.launch import heartbeat
-    from finetune.training import signals
+    from finetune.training import endings, signals
 
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
     signals.install_signal_handlers()  # first: recorded, never fatal (docs/faults.md "Signals")
@@ -95,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
-        return stopped_before_training(None, e, ended)
+        return endings.stopped_before_training(None, e, ended)
     run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
     try:
         code = train_and_record(run)
@@ -104,27 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             signals.restore_signal_handlers()
         return code
     except signals.Stopped as e:  # every rank agreed, before training
-        return stopped_before_training(run, e, run.ended)
+        return endings.stopped_before_training(run, e, run.ended)
     except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
-        if run.record and run.committed:
-            run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
-            run.sinks.close(run.record.view, e.exit_code)
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        run.ended.append(True)
-        return e.exit_code
+        return endings.nonfinite(run, e)
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        failure = storage.error(e, run.dir, "writing the run's files") if isinstance(e, Exception) else None
-        if run.record and run.committed:
-            interrupted = isinstance(e, KeyboardInterrupt)
-            shown = failure or e
-            silent = heartbeat.silent_ranks(run.state.process_index)  # a collective timed out waiting for them
-            run.record.update(
-                "summary",
-                status="interrupted" if interrupted else "failed",
-                error=None if interrupted else f"{type(shown).__name__}: {shown}" + (f" ({silent})" if silent else ""),
-            )
-            run.sinks.close(run.record.view, 1)
-        if failure is not None and failure is not e:  # a full or read-only disk: said, not a traceback
+        failure = endings.failed(run, e)
+        if failure is not e:  # a full or read-only disk: said, not a traceback
             raise failure from None
         raise
 
@@ -133,7 +116,7 @@ def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read. A signal before
     training stops every rank at the next phase boundary (signals.Stopped)."""
     from finetune.checkpointing import universal
-    from finetune.training import signals
+    from finetune.training import endings, signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
@@ -149,7 +132,7 @@ def train_and_record(run: Run) -> int:
         run.sinks.start(run.record.view)
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
-        return preempted(run, trainer, arguments)
+        return endings.preempted(run, trainer, arguments)
     return finish(run, trainer, model, data, trained, started, arguments)
 
 
@@ -328,8 +311,10 @@ def load_model(run: Run, arguments: RunArguments):
     from finetune.modeling import loss, zero3
     from finetune.modeling.load import load_model as load
     from finetune.precision import torch_dtype
+    from finetune.training import fault_injection
 
     cfg, launch, args = run.cfg, run.launch, arguments.args
+    fault_injection.hold("slow_load", rank=run.state.process_index, step=1, what="the model load")
     set_seed(args.seed)  # LoRA init must not depend on what the strategy's setup drew from the RNG before
     model = load(
         cfg.model,
@@ -443,7 +428,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     loss and exact match after; None when the run was preempted (during training, or after it
     and before the evaluation: then with a checkpoint of the final step)."""
     from finetune.checkpointing import resume
-    from finetune.training import signals
+    from finetune.training import fault_injection, signals
 
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
@@ -458,6 +443,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     signals.set_stage(signals.FINISHING)
     if trainer.resilience.preempted or trainer.resilience.stop_after_training():
         return None
+    fault_injection.hold("slow_eval", rank=run.state.process_index, step=trainer.state.global_step, what="evaluation")
     trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
     measured = trainer.final_measurements()
     eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
@@ -468,64 +454,16 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     return Trained(out.training_loss, train_s, measured, eval_loss, results)
 
 
-def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
-    """Status `interrupted`, the resume command, and an exit code that says preempted."""
-    from finetune.checkpointing import resume
-    from finetune.training.signals import cause
-
-    p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
-    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
-    if run.record:
-        run.record.update(
-            "summary",
-            status="interrupted",
-            steps=trainer.state.global_step,
-            checkpoint=str(ckpt),
-            error=f"preempted by {cause(p)} at step {p['step']}",
-            nonfinite_skipped=trainer.skipped_steps,
-        )
-        run.sinks.close(run.record.view, EXIT_PREEMPTED)
-        command = resume.resume_command(
-            run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
-        )
-        print(
-            f"\npreempted: {cause(p)}; stopped after step {p['step']} with a complete checkpoint {ckpt}.\n"
-            f"resume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
-            flush=True,
-        )
-    return EXIT_PREEMPTED
-
-
-def stopped_before_training(run: Run | None, e, ended: list) -> int:
-    """Every rank agreed to stop before training (signals.Stopped): nothing trained, so nothing to
-    checkpoint. The record says `interrupted`; the same command starts the run again (its directory
-    is reused: finetune/launch/rundir.py reusable)."""
-    from finetune.checkpointing import resume
-
-    ended.append(True)
-    if run is not None and run.record and run.committed:
-        run.record.update("summary", status="interrupted", error=f"stopped by {e}, before training")
-        run.sinks.close(run.record.view, EXIT_PREEMPTED)
-    if run is None or run.state.is_main_process:
-        again = (
-            f"resume with:\n  {resume.resume_command(run.dir, effective=None, per_device=None)}"
-            if run is not None and run.resume
-            else "nothing was trained; run the same command again to start it"
-        )
-        print(f"\nstopped: {e}, before training.\n{again}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
-    return EXIT_PREEMPTED
-
-
 def finish(
     run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
     """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
     from finetune.modeling import export
-    from finetune.training import evaluation, signals
+    from finetune.training import endings, evaluation, signals
 
     cfg, record = run.cfg, run.record
     if trainer.resilience.stop_after_training():  # a signal during the final evaluation
-        return preempted(run, trainer, arguments)
+        return endings.preempted(run, trainer, arguments)
     signals.set_stage(signals.EXPORTING)  # from here a signal lets the export and the record finish
     if cfg.run.save_model:
         export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
