@@ -35,9 +35,10 @@ _WORDS = {
 class StorageError(UserError):
     """Writing a run's files failed for a reason outside the program (exit 2)."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int | None, failed_at: str | None = None):
         super().__init__(message)
         self.errno = code
+        self.failed_at = failed_at  # the file the failed write was to, when known
 
 
 NEARLY_FULL = 64 * MIB  # bytes free below which torch's errno-less "file write failed" means a full disk
@@ -95,11 +96,16 @@ def error(exc: BaseException, path: Path, doing: str, then: str = "") -> Storage
     code = cause(exc, path)
     if code is None:
         return None
-    failed_at = getattr(exc, "filename", None) or path
-    message = f"{doing} failed: {REASONS[code]} ({failed_at}; {free_space(Path(path))})"
+    failed_at = getattr(exc, "filename", None)
+    return StorageError(message(code, path, doing, then, failed_at=failed_at), code, failed_at)
+
+
+def message(code: int, path: Path, doing: str, then: str = "", *, failed_at=None) -> str:
+    """'<doing> failed: <reason> (<file>; <free space>)[; what to do][. then]'."""
+    text = f"{doing} failed: {REASONS[code]} ({failed_at or path}; {free_space(Path(path))})"
     if code == errno.EROFS or (code in (errno.EACCES, errno.EPERM) and not writable(Path(path))):
-        message += "; give a writable --run.output_dir"
-    return StorageError(message + (f". {then}" if then else ""), code)
+        text += "; give a writable --run.output_dir"
+    return text + (f". {then}" if then else "")
 
 
 def writable(path: Path) -> bool:

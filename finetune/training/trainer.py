@@ -247,8 +247,9 @@ class ResilientTrainer(FinetuneTrainer):
 
     def _save_checkpoint(self, model, trial):
         """Trainer's save, made an agreed outcome: a full disk (or quota, or read-only) on any rank is
-        a StorageError on every rank naming the checkpoint, the free space and the newest complete
-        checkpoint; the incomplete one is removed (it has no marker; that frees its space for run.json)."""
+        a StorageError on every rank (rank 0's names the checkpoint, the reason, the free space and
+        the newest complete checkpoint); the incomplete one is removed (it has no marker; removing it
+        frees its space for run.json)."""
         from finetune import storage
 
         acc = self.accelerator
@@ -261,22 +262,25 @@ class ResilientTrainer(FinetuneTrainer):
             failure = storage.error(e, ckpt, f"writing checkpoint {ckpt}")
             if failure is None:
                 raise
-        failed = flags_per_rank(acc, failure is not None)
-        if not any(failed):
+        codes = flags_per_rank(acc, failure.errno if failure else 0)
+        if not any(codes):
             return
         if acc.is_main_process and ckpt.exists() and checkpoints.problem(ckpt) is not None:
             shutil.rmtree(ckpt, ignore_errors=True)
         acc.wait_for_everyone()
+        if not acc.is_main_process:
+            raise storage.StorageError(f"writing checkpoint {ckpt} failed (rank 0 says why)", failure and failure.errno)
         last = next((c for c in reversed(checkpoints.checkpoints(ckpt.parent)) if checkpoints.problem(c) is None), None)
-        ranks = [r for r, f in enumerate(failed) if f]
-        then = (
-            f"The incomplete {ckpt.name} was removed; the newest complete checkpoint is "
-            f"{last if last else 'none (none was written)'}"
-            + ("; free space, then continue with --resume" if last else "; free space, then run again")
+        then = f"The incomplete {ckpt.name} was removed; " + (
+            f"the newest complete checkpoint is {last}: free space, then continue with --resume"
+            if last
+            else "no complete checkpoint was written: free space, then run again"
         )
-        if failure is None:  # another rank's disk failed
-            raise storage.StorageError(f"writing checkpoint {ckpt} failed on rank(s) {ranks}. {then}", 0)
-        raise storage.StorageError(f"{failure} (rank(s) {ranks}). {then}", failure.errno)
+        ranks = [r for r, c in enumerate(codes) if c]
+        code = next(c for c in codes if c)
+        failed_at = failure.failed_at if failure else None
+        where = f"writing checkpoint {ckpt}" + (f" on rank(s) {ranks}" if acc.num_processes > 1 else "")
+        raise storage.StorageError(storage.message(code, ckpt, where, then, failed_at=failed_at), code)
 
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""

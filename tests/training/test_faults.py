@@ -178,6 +178,31 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
 
 
+@pytest.mark.integration
+def test_a_stopped_rank_is_named_as_the_one_that_stalled(tmp_path, tiny_model_dir):
+    """SIGSTOP to rank 1 after step 1 (rank 0 holds step 2 open meanwhile): rank 0's collective
+    times out after training.ddp_timeout. Before: rank 0 was reported as the first failure and rank
+    1 only as killed by SIGKILL. Now rank 1 is named as the rank that stopped making progress (its
+    heartbeats ended), rank 0's failure as a consequence, and rank 0's record names rank 1."""
+    from tests.conftest import Started, steps_logged
+    from tests.training.test_interrupts import _rank, train_command
+
+    run_dir = tmp_path / "run"
+    cmd = train_command(tiny_model_dir, run_dir, 4, "--training.ddp_timeout=30", ranks=2)
+    env = {**CPU_ENV, faults.ENV: "pause@rank0,step2"}
+    with Started(cmd, cwd=REPO, env=env, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
+        _rank(job, 1).send_signal(signal.SIGSTOP)
+        code = job.finish(timeout=400)
+        out = job.output
+    assert code == 1, out[-4000:]
+    assert "finetune: rank 1 stopped making progress: its last heartbeat came" in out, out[-4000:]
+    assert "failed: killed by SIGKILL (stalled: the cause)" in out, out[-4000:]
+    assert "finetune: rank 0 (local rank 0" in out and "(a consequence: it waited for rank(s) [1])" in out
+    summary = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert summary["status"] == "failed" and "stalled: rank 1 (pid" in summary["error"], summary
+
+
 def _adapter(ckpt: Path) -> dict:
     from safetensors.torch import load_file
 
