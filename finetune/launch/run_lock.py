@@ -55,10 +55,26 @@ def acquire(run_dir: Path) -> None:
 
 
 def release(run_dir: Path) -> None:
-    """Let go of a lock this process holds (tests; a run keeps its lock until it exits)."""
-    fd = _held.pop(str(Path(run_dir).absolute()), None)
-    if fd is not None:
-        os.close(fd)
+    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so
+    a refused --resume leaves nothing behind; a crash leaves the file, unlocked). Unlinked while
+    still locked: a process waiting for it then finds the file gone and takes a new one (acquire's
+    check that the locked file is the one at the path)."""
+    key = str(Path(run_dir).absolute())
+    fd = _held.pop(key, None)
+    if fd is None:
+        return
+    path = Path(key) / LOCK
+    if _same_file(fd, path):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    os.close(fd)
+
+
+def release_all() -> None:
+    for key in list(_held):
+        release(Path(key))
 
 
 def live_run(run_dir: Path) -> str | None:

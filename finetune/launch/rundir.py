@@ -167,3 +167,21 @@ def save_resolved_config(path: Path, config: dict) -> Path:
     out = path / "config.yaml"
     out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return out
+
+
+def written(state, run_dir: Path, what: str, write) -> None:
+    """Rank 0 writes a run file (`write()`); a full, read-only or forbidden disk is a StorageError on
+    every rank (finetune/storage.py), so none waits for rank 0 in a later collective."""
+    from finetune import storage
+    from finetune.launch.ranks import run_on_main
+
+    def attempt():
+        try:
+            write()
+        except OSError as e:
+            failure = storage.error(e, run_dir, f"writing {what} in {run_dir}")
+            if failure is None:
+                raise
+            raise failure from None
+
+    run_on_main(state, attempt)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.cli import options
-from finetune.errors import exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
 
 if TYPE_CHECKING:
     from accelerate import PartialState
@@ -75,13 +75,27 @@ class Trained:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
     from finetune.console import guard_streams
-    from finetune.launch import heartbeat
-    from finetune.training import endings, signals
+    from finetune.launch import run_lock
+    from finetune.training import signals
 
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
     signals.install_signal_handlers()  # first: recorded, never fatal (docs/faults.md "Signals")
     signals.stop_with_parent()
+    code = None
+    try:
+        code = run_phases(argv)
+        return code
+    finally:
+        run_lock.release_all()  # rank 0 is done with the run directory (a crash releases it too)
+        if code != EXIT_PREEMPTED:  # preempted: torchrun stops the other ranks with SIGTERM; stay deaf to it
+            signals.restore_signal_handlers()
+
+
+def run_phases(argv: list[str] | None) -> int:
+    """main() once the signals are handled: start, prepare, train, end."""
     from finetune.config.recipe import load_recipe
+    from finetune.launch import heartbeat
+    from finetune.training import endings, signals
     from finetune.training.trainer import NonFiniteError
 
     args, overrides = options.parse_train_args(argv)
@@ -98,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
-        if code == 0:
-            signals.restore_signal_handlers()
         return code
     except signals.Stopped as e:  # every rank agreed, before training
         return endings.stopped_before_training(run, e, run.ended)
@@ -220,24 +232,6 @@ def prepare(
     return run
 
 
-def _written(run: Run, what: str, write) -> None:
-    """Rank 0 writes a run file; a full, read-only or forbidden disk is a StorageError on every rank
-    (finetune/storage.py), so none waits for rank 0 in a later collective."""
-    from finetune import storage
-    from finetune.launch.ranks import run_on_main
-
-    def attempt():
-        try:
-            write()
-        except OSError as e:
-            failure = storage.error(e, run.dir, f"writing {what} in {run.dir}")
-            if failure is None:
-                raise
-            raise failure from None
-
-    run_on_main(run.state, attempt)
-
-
 def commit(run: Run) -> None:
     """Write run.json and the resolved configuration (rank 0). A resumed run commits only once its
     data is checked, so a resume refused before leaves the run directory as it was."""
@@ -255,7 +249,7 @@ def commit(run: Run) -> None:
             saved.read_text(encoding="utf-8").rstrip(),
         )
 
-    _written(run, "run.json and config.yaml", write if run.record is not None else lambda: None)
+    rundir.written(run.state, run.dir, "run.json and config.yaml", write if run.record is not None else lambda: None)
     run.committed = True
 
 
@@ -547,11 +541,12 @@ def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, tr
 def _write_demo_data(run: Run) -> None:
     """The demo recipe's data, generated into the run directory (a resumed run keeps its own)."""
     from finetune.data import demo
+    from finetune.launch import rundir
 
     train_file = Path(run.data_path)
     if not (run.resume and train_file.is_file()):
         size, heldout = run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size
-        _written(run, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
+        rundir.written(run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
 
 
 def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:

@@ -78,10 +78,13 @@ def restore_signal_handlers() -> None:
     _previous.clear()
 
 
-def stop_with_parent() -> None:
-    """Linux: SIGTERM this process when the process that started it dies (the launcher killed with
-    SIGKILL, or gone without relaying): handled as a preemption, so an orphaned rank checkpoints
-    and stops instead of training on alone."""
+def stop_with_parent(env=os.environ) -> None:
+    """Linux: SIGTERM this process when the launcher that started it dies (killed with SIGKILL, or
+    gone without relaying): handled as a preemption, so an orphaned rank checkpoints and stops
+    instead of training on alone. Only in a launched process (torchrun, accelerate launch, finetune
+    train), not in one that called main() itself."""
+    if not any(k in env for k in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", relay.ENV)):
+        return
     try:
         import ctypes
 
