@@ -69,3 +69,38 @@ def test_a_read_only_output_directory_is_found_before_anything_starts(read_only_
     assert ("read-only file system" if os.geteuid() == 0 else "permission denied") in problem
     assert "--run.output_dir" in problem
     assert storage.unwritable(Path(read_only_dir).parent / "elsewhere", "run directory") is None
+
+
+def test_a_run_json_the_disk_refuses_mid_run_is_said_once_and_training_goes_on(tmp_path, caplog, capsys):
+    """The record's per-step write fails (ENOSPC): a warning, once; the steps stay in memory and are
+    written when the disk has room again; at the end a failure is said on stderr. Any other error
+    (a bug) still raises."""
+    import errno as errnos
+
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson
+
+    rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
+    sink = RunJson(rec)
+    real_write, full = rec.write, [True]
+
+    def write():
+        if full[0]:
+            raise OSError(errnos.ENOSPC, "No space left on device", str(rec.path))
+        real_write()
+
+    rec.write = write
+    with caplog.at_level("WARNING", logger="finetune"):
+        sink.log({"step": 1, "loss": 2.0})
+        sink.log({"step": 2, "loss": 1.5})
+    assert caplog.text.count("no space left on device") == 1, caplog.text
+    assert not rec.path.exists()
+    full[0] = False
+    sink.log({"step": 3, "loss": 1.0})
+    assert [s["step"] for s in __import__("json").loads(rec.path.read_text())["steps"]] == [1, 2, 3]
+    full[0] = True
+    sink.close(rec.view, 0)
+    assert "could not be updated with how the run ended" in capsys.readouterr().err
+    rec.write = lambda: (_ for _ in ()).throw(OSError(errnos.ENOENT, "No such file"))
+    with pytest.raises(OSError):
+        sink.log({"step": 4, "loss": 0.5})

@@ -100,3 +100,57 @@ def test_a_process_whose_console_reader_died_runs_to_its_end_when_guarded(tmp_pa
         assert code == 0 and done.read_text() == "done"
     else:
         assert code != 0 and not done.exists()
+
+
+# A stand-in rank under a launcher (LOCAL_RANK set): it asks for SIGTERM when its parent dies, and
+# records a SIGTERM as the rank's handler does.
+ORPHAN = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from finetune.training import signals
+    signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[2], "w").write("SIGTERM"))
+    signals.stop_with_parent()
+    print("ready", flush=True)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_rank_whose_launcher_is_killed_gets_sigterm(tmp_path, launched):
+    """The launcher SIGKILLed (nothing left to relay): its rank gets SIGTERM from the kernel and
+    stops as if preempted. A process not started by a launcher (no LOCAL_RANK; the control) does not."""
+    got = tmp_path / "got"
+    env = {**os.environ, "LOCAL_RANK": "0"} if launched else {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.Popen(sys.argv[1:]).wait()",
+            sys.executable,
+            "-c",
+            ORPHAN,
+            str(REPO),
+            str(got),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while not got.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if launched:
+            assert got.read_text() == "SIGTERM"
+        else:
+            time.sleep(1)
+            assert not got.exists()
+    finally:
+        got.write_text("done")  # lets a waiting stand-in end

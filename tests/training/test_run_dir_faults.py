@@ -2,7 +2,7 @@
 directory", "Disk full, read-only"): a --resume against a live run is refused and touches nothing;
 a disk that fills during a checkpoint save (a real tmpfs, and an injected ENOSPC on one of two
 ranks) ends the run with the path and the free space named, earlier checkpoints intact and
-resumable, the record `failed` with the reason."""
+resumable, the record `failed` with the reason, and the retry works."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(t
     """A real full filesystem: checkpoint-1 written, then the disk filled to 200 KiB free while
     step 2 runs, so checkpoint-2 (3.9 MB) cannot be written. Before: two chained tracebacks, no
     directory named, run.json left `running`. Now: exit 2, one message with the checkpoint, the free
-    space and the checkpoint to resume from; run.json `failed` with it; checkpoint-1 complete."""
+    space and the checkpoint to resume from; run.json `failed` with it; checkpoint-1 complete, and
+    --resume from it completes the run once the space is freed."""
     run_dir = small_disk / "run"
     cmd = train_command(tiny_model_dir, run_dir, 3, "--training.save_strategy=steps", "--training.save_steps=1")
     filler = small_disk / "filler"
@@ -97,8 +98,12 @@ def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(t
     summary = json.loads((run_dir / "run.json").read_text())["summary"]
     assert summary["status"] == "failed" and "no space left on device" in summary["error"], summary
     assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1"]
-    filler.unlink()
-    assert checkpoints.newest_valid(run_dir) == run_dir / "checkpoint-1"  # what --resume continues from
+    filler.unlink()  # space freed: the retry the message names works
+    assert checkpoints.newest_valid(run_dir) == run_dir / "checkpoint-1"
+    code, out, _ = cli_train([*cmd[cmd.index("train") + 1 : -1], "--resume"], run_dir=run_dir, env={})
+    assert code == 0, out[-4000:]
+    summary = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert summary["status"] == "completed" and summary["steps"] == 3 and summary["resumed_at_step"] == 1, summary
 
 
 def test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named(tmp_path, tiny_model_dir):
