@@ -44,36 +44,11 @@ def tokenizer(bundled_model_dir):
     return AutoTokenizer.from_pretrained(bundled_model_dir)
 
 
-def make_tiny_model_dir(
-    path: Path, tokenizer, *, layers: int = 2, hidden: int = 64, seed: int = 0, tie: bool = True
-) -> Path:
-    """A random Llama-shaped model (2 layers, hidden 64) with the real tokenizer, saved as a
-    plain local model directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+    from finetune.modeling.tiny import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
 
 
 @dataclass

@@ -26,6 +26,7 @@ LAYERS = [
     {"finetune.preflight", "finetune.checkpointing"},
     {"finetune.training"},
     {"finetune.compare", "finetune.bench"},
+    {"finetune.doctor"},  # runs the others through the CLI; uses compare's page style and comparability rule
     {"finetune.cli"},
 ]
 

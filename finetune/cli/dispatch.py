@@ -8,6 +8,7 @@ finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] 
 finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
 finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
 finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench/main.py)
+finetune doctor [--quick] [--offload] [--out DIR] [...]  (see finetune/doctor/main.py)
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
         help="this project vs TRL's SFTTrainer (plain and tuned), side by side (finetune bench --help)",
     )
+    sub.add_parser(
+        "doctor",
+        add_help=False,
+        help="check this machine: environment, GPU links, every strategy engaged and agreeing (finetune doctor --help)",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "sweep":
         return compare.sweep_main(args, rest)
@@ -98,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = bench_comm.launch_args(rest, cpu=args.cpu, num_processes=args.num_processes)
         print("+ accelerate launch " + " ".join(launch_args), flush=True)
         return launcher.run_accelerate_launch(launch_args)
+    if args.command == "doctor":  # finetune/doctor/main.py parses its own options
+        from finetune.doctor import main as doctor_main
+
+        return doctor_main.main(rest)
     if args.command == "bench":  # finetune/bench/main.py parses its own options
         from finetune.bench import main as bench_main
 

@@ -11,9 +11,12 @@ sections: model, method, data, training (any TrainingArguments field), eval, log
 
 
 def add_recipe(
-    parser: argparse.ArgumentParser, text: str = "recipe name in recipes/ (e.g. demo) or a YAML path"
+    parser: argparse.ArgumentParser,
+    text: str = "recipe name in recipes/ (e.g. demo) or a YAML path",
+    *,
+    required: bool = True,
 ) -> None:
-    parser.add_argument("--recipe", required=True, help=text)
+    parser.add_argument("--recipe", required=required, help=text)
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,14 @@ from pathlib import Path
 
 from finetune.compare.table import Table
 
+# The pages' look, shared with `finetune doctor`'s page (finetune/doctor/report.py).
+PAGE_STYLE = """body { font-family: system-ui, sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: right; }
+th { background: #f0f0f0; } td:first-child, td:nth-child(2), td:nth-child(3) { text-align: left; }
+tr.baseline { background: #eef6ee; } tr.failed, tr.interrupted { background: #fbeaea; }
+tr.running { background: #fff8e0; } .warning { color: #a00; } img { max-width: 100%; }
+"""
 PLOT_TITLES = {
     "loss": "Loss against trained tokens",
     "throughput": "Trained tokens per second",
@@ -122,13 +130,7 @@ def html_page(table: Table, plots: dict[str, Path]) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>finetune: run comparison</title>
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 1.5em; }}
-table {{ border-collapse: collapse; font-size: 13px; }}
-th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: right; }}
-th {{ background: #f0f0f0; }} td:first-child, td:nth-child(2), td:nth-child(3) {{ text-align: left; }}
-tr.baseline {{ background: #eef6ee; }} tr.failed, tr.interrupted {{ background: #fbeaea; }}
-tr.running {{ background: #fff8e0; }} .warning {{ color: #a00; }} img {{ max-width: 100%; }}
-</style></head><body>
+{PAGE_STYLE}</style></head><body>
 <h1>Run comparison</h1>
 <p>{len(table.runs)} run record(s); generated {esc(datetime.now(timezone.utc).isoformat(timespec="seconds"))}
 by <code>finetune compare</code>. Hover an n/a cell for the reason.</p>

@@ -11,7 +11,6 @@ baseline its quantization keys); the effective batch is kept by setting the per-
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -179,9 +178,7 @@ def execute(run: PlannedRun) -> Outcome:
     from finetune.launch import cpu_rehearsal
 
     run.log.parent.mkdir(parents=True, exist_ok=True)
-    # Each run's `finetune train` sets the CPU/gloo opt-in from its own config (cpu/ variants only);
-    # a value inherited from the caller would force it on the single-process runs too.
-    env = {k: v for k, v in os.environ.items() if k != cpu_rehearsal.ENV}
+    env = cpu_rehearsal.without_opt_in()  # each run's `finetune train` sets it from its own config
     env.setdefault("PYTHONUNBUFFERED", "1")
     tail: list[str] = []
     with open(run.log, "w", encoding="utf-8") as log:

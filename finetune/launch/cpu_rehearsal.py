@@ -18,6 +18,13 @@ def requested() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def without_opt_in(env=os.environ) -> dict:
+    """`env` less the opt-in, for a child `finetune` command: `finetune train --cpu` and `bench-comm
+    --cpu` set it from their own launch, and a value inherited from the caller would force it on
+    single-process runs too."""
+    return {k: v for k, v in env.items() if k != ENV}
+
+
 @functools.cache
 def keep_fsdp_on_cpu() -> None:
     """Apply Accelerate's own FSDP branch where it skips it only because the device is a CPU; before

@@ -23,6 +23,8 @@ class Launcher:
     num_processes: int | None = None  # `--num_processes N` given on its command line
     cpu: bool = False  # `--cpu` given
     note: str | None = None  # why the parent could not be read, or was not this script's launcher
+    num_machines: int | None = None  # `--num_machines N` given on its command line (finetune/launch/nodes.py)
+    machine_rank: int | None = None  # `--machine_rank K` given on its command line
 
     def describe(self) -> str:
         """The launch, as problems and the record name it."""
@@ -91,7 +93,15 @@ def from_parent_argv(
         config, source = default_config, "default config"
     else:
         config, source = None, None
-    return Launcher("accelerate launch", config, source, parsed.num_processes, bool(parsed.cpu))
+    return Launcher(
+        "accelerate launch",
+        config,
+        source,
+        parsed.num_processes,
+        bool(parsed.cpu),
+        num_machines=parsed.num_machines,
+        machine_rank=parsed.machine_rank,
+    )
 
 
 def detect(env=os.environ) -> Launcher:

@@ -10,16 +10,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import batch, precision
+from finetune.launch import nodes
 from finetune.launch.configs import LaunchFacts
+from finetune.launch.nodes import RankPlace, SlurmStep
 from finetune.launch.strategy_setup import LaunchSetup
 
 
 @dataclass(frozen=True)
 class Machines:
-    """How the processes are spread over machines (the node layout, each rank's node, goes here)."""
+    """How the processes are spread over machines. A launched process gathers each rank's node from
+    its live process group (`gathered`; finetune/launch/nodes.py); before a launch only the counts
+    its config gives are known."""
 
     num_machines: int
     processes_per_machine: int
+    ranks: tuple[RankPlace, ...] = ()  # every rank's place, by rank; empty before a launch
+    slurm: SlurmStep | None = None  # the SLURM job step the launch runs in
+
+    @classmethod
+    def gathered(cls, state, processes_per_machine: int) -> Machines:
+        """Collective: every rank calls it once its process group exists."""
+        ranks, slurm = nodes.gather(state)
+        return cls(len({r.node_rank for r in ranks}), processes_per_machine, ranks, slurm)
+
+    def place(self, rank: int) -> RankPlace | None:
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    def ranks_on(self, node_rank: int) -> list[int]:
+        return [r.rank for r in self.ranks if r.node_rank == node_rank]
 
 
 @dataclass(frozen=True)
@@ -66,9 +84,12 @@ class LaunchPlan:
         return batch.effective_batch(per_device, grad_accum, self.data_parallel_size)
 
     @classmethod
-    def of(cls, cfg, facts: LaunchFacts, setup: LaunchSetup | None = None) -> LaunchPlan:
+    def of(
+        cls, cfg, facts: LaunchFacts, setup: LaunchSetup | None = None, machines: Machines | None = None
+    ) -> LaunchPlan:
         """The launch `facts` describe, with the precision policy resolved for its device: CUDA when
-        this machine has one and neither the launch nor the recipe asks for CPU processes."""
+        this machine has one and neither the launch nor the recipe asks for CPU processes. `machines`:
+        as gathered in a launched process; else the counts the facts give."""
         import torch
 
         from finetune.launch import cpu_rehearsal
@@ -83,7 +104,7 @@ class LaunchPlan:
             strategy=strategy,
             offload=offload,
             world_size=facts.num_processes,
-            machines=Machines(facts.num_machines, facts.processes_per_machine),
+            machines=machines or Machines(facts.num_machines, facts.processes_per_machine),
             policy=policy,
             family=precision.family_of_distributed_type(facts.distributed_type),
             cuda=cuda,
@@ -92,14 +113,16 @@ class LaunchPlan:
     @classmethod
     def resolve(cls, cfg, state, setup: LaunchSetup | None = None) -> LaunchPlan:
         """This process's launch, once its process group exists: under `recipe` the recipe's row, else
-        what the launcher exported (finetune/launch/configs.py)."""
+        what the launcher exported (finetune/launch/configs.py); each rank's node gathered (collective:
+        every rank resolves it)."""
         from finetune import resources
         from finetune.launch.configs import from_environment, from_recipe
 
         if setup is not None and setup.set_up_by == "recipe":
-            return cls.of(cfg, from_recipe(setup, state, resources.ROOT), setup)
-        source = setup.launcher.describe() if setup is not None and setup.launcher.config_file else None
-        facts = from_environment(state, source=source)
-        if setup is not None and setup.launcher.config_from == "default config":
-            facts.default_config = setup.launcher.config_file
-        return cls.of(cfg, facts, setup)
+            facts = from_recipe(setup, state, resources.ROOT)
+        else:
+            source = setup.launcher.describe() if setup is not None and setup.launcher.config_file else None
+            facts = from_environment(state, source=source)
+            if setup is not None and setup.launcher.config_from == "default config":
+                facts.default_config = setup.launcher.config_file
+        return cls.of(cfg, facts, setup, Machines.gathered(state, facts.processes_per_machine))

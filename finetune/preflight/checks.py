@@ -17,7 +17,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.preflight import devices
+from finetune.preflight import devices, machines
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
@@ -35,6 +35,7 @@ def check_before_loading(
     found = (
         devices.world_size_problem(state, cfg.recipe if in_script else None),
         devices.launcher_processes_problem(launch.setup, cfg),
+        machines.machines_problem(launch),
     )
     problems = [p for p in found if p] + run_checks(cfg, launch, in_process=True, resume=resume)
     problems = _gather(problems, state)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from finetune.data.build import DataStats
+from finetune.telemetry.record_nodes import Nodes
 from finetune.telemetry.record_predicted import PredictedMemory
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
@@ -386,6 +387,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("versions", Versions, ABSENT, False),
     Section("hardware", Hardware, ABSENT, True, "object|null"),
     Section("strategy", Strategy | None, lambda: None, True, "object|null"),
+    Section("nodes", Nodes, ABSENT, False),
     Section("precision", Precision | None, lambda: None, False),
     Section("batch", Batch | None, lambda: None, True, "object|null"),
     Section("lr", LearningRate | None, lambda: None, True, "object|null"),

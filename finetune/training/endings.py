@@ -76,19 +76,20 @@ def nonfinite(run, e) -> int:
 def failed(run, e: BaseException) -> BaseException:
     """Record how the run ended (rank 0) and return what to raise: a StorageError for a full,
     read-only or forbidden disk (said without a traceback, finetune/storage.py), else `e`. A rank
-    that failed waiting for others in a collective names those that went silent."""
+    whose collective failed names the ranks (and nodes) that stopped answering (finetune/launch/peers.py):
+    a rank stopped with SIGSTOP stops beating too."""
     from finetune import storage
-    from finetune.launch import heartbeat
+    from finetune.launch import peers
 
     failure = storage.error(e, run.dir, "writing the run's files") if isinstance(e, Exception) else None
+    lost = peers.failure_note(failure or e, run.heartbeat, run.launch.machines)  # the ranks gone, if so
     if run.record and run.committed:
         interrupted = isinstance(e, KeyboardInterrupt)
         shown = failure or e
-        silent = heartbeat.silent_ranks(run.state.process_index)
         run.record.update(
             "summary",
             status="interrupted" if interrupted else "failed",
-            error=None if interrupted else f"{type(shown).__name__}: {shown}" + (f" ({silent})" if silent else ""),
+            error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
         )
         run.sinks.close(run.record.view, 1)
     return failure or e

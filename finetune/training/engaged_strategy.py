@@ -120,8 +120,7 @@ def live_evidence(wrapped) -> dict:
         params = list(wrapped.module.parameters())
         ev["params"] = len(params)
         if ev["zero_stage"] == 3:
-            full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
-            local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+            local, full, _ = held_elements(params)
             ev["local_param_fraction"] = round(local / max(full, 1), 4)
         return ev
     from torch.distributed.tensor import DTensor
@@ -138,8 +137,8 @@ def live_evidence(wrapped) -> dict:
     dtensors = [p for p in params if isinstance(p, DTensor)]
     ev["dtensor_params"] = len(dtensors)
     if dtensors:
-        full = sum(p.numel() for p in dtensors)
-        ev["local_param_fraction"] = round(sum(p.to_local().numel() for p in dtensors) / max(full, 1), 4)
+        local, full, _ = held_elements(dtensors)
+        ev["local_param_fraction"] = round(local / max(full, 1), 4)
         ev["placements"] = str(dtensors[0].placements)
     if fsdp_modules:
         try:  # the first module that holds parameters: under full fine-tuning Accelerate's root holds none
@@ -149,6 +148,23 @@ def live_evidence(wrapped) -> dict:
         except AttributeError:  # private API; evidence only
             pass
     return ev
+
+
+def held_elements(params) -> tuple[int, int, str]:
+    """(parameter elements this rank holds, elements of the whole model, how they are split), from
+    the live parameters: ZeRO-3 partitions (ds_tensor of ds_numel), FSDP2 DTensor shards (local of
+    global), else every parameter whole. The live evidence and run.json `nodes` both count with it."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    if any(hasattr(p, "ds_numel") for p in params):
+        local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+        return local, sum(getattr(p, "ds_numel", p.numel()) for p in params), "zero3 partitions (ds_tensor of ds_numel)"
+    if any(isinstance(p, DTensor) for p in params):
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+        return local, sum(p.numel() for p in params), "fsdp2 shards (DTensor local of global)"
+    whole = sum(p.numel() for p in params)
+    return whole, whole, "replicated (every rank holds every parameter)"
 
 
 def strategy_from_evidence(ev: dict) -> tuple[str, str]:

@@ -1,9 +1,10 @@
 """One training run, as every process started by `accelerate launch finetune/train.py` runs it, in
 phases read top to bottom:
 
-    start the processes and resolve the launch -> prepare the run (resume plan, preflight, run
-    directory, record) -> TrainingArguments -> speed options -> tokenizer and data -> model ->
-    trainer -> train -> finish and record
+    start the processes and resolve the launch (each rank's node too) -> prepare the run (resume
+    plan, preflight, run directory, record, the ranks' heartbeats) -> TrainingArguments -> speed
+    options -> tokenizer and data -> model -> trainer -> nodes and setup recorded -> train ->
+    finish and record
 
 `Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
 plan, the run's name and directory) before the phases that train, and only read after.
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
+    from finetune.launch.peers import Heartbeat
     from finetune.launch.plan import LaunchPlan
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.sinks import Sinks
@@ -52,6 +54,7 @@ class Run:
     sinks: Sinks | None
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
     ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
+    heartbeat: Heartbeat | None  # this rank's, to name a lost rank (finetune/launch/peers.py); None: one process
     committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
 
 
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_phases(argv: list[str] | None) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
     from finetune.config.recipe import load_recipe
-    from finetune.launch import heartbeat
+    from finetune.launch import rank_progress
     from finetune.training import endings, signals
     from finetune.training.trainer import NonFiniteError
 
@@ -103,7 +106,7 @@ def run_phases(argv: list[str] | None) -> int:
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
-    heartbeat.start(state.process_index)  # the rank that stops making progress gets named (docs/faults.md)
+    rank_progress.start(state.process_index)  # the rank that stops making progress gets named (docs/faults.md)
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
@@ -128,7 +131,7 @@ def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read. A signal before
     training stops every rank at the next phase boundary (signals.Stopped)."""
     from finetune.checkpointing import universal
-    from finetune.training import endings, signals
+    from finetune.training import endings, node_figures, signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
@@ -138,6 +141,7 @@ def train_and_record(run: Run) -> int:
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
+    node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     signals.stop_if_received(run.state, "while the model loaded")
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record)
@@ -183,7 +187,7 @@ def prepare(
     from finetune.checkpointing import resume as resuming
     from finetune.checkpointing import resume_plan
     from finetune.data import demo
-    from finetune.launch import rundir
+    from finetune.launch import peers, rundir
     from finetune.launch.ranks import run_on_main
     from finetune.telemetry import sinks
     from finetune.telemetry.record import RunRecord
@@ -196,6 +200,7 @@ def prepare(
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
+    heartbeat = peers.start(state.process_index, launch.world_size)  # names a lost rank if training fails
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", launch.setup.describe())
@@ -224,6 +229,7 @@ def prepare(
         sinks=sinks.for_run(cfg, record, run_dir) if record else None,
         resume=plan,
         ended=ended,
+        heartbeat=heartbeat,
     )
     if not plan:  # a resumed run commits once its data is checked (load_data)
         commit(run)

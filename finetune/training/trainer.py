@@ -22,7 +22,7 @@ from transformers.trainer_callback import ProgressCallback
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
 from finetune.errors import EXIT_NONFINITE, UserError
-from finetune.launch import heartbeat
+from finetune.launch import rank_progress
 from finetune.telemetry.meter import Meter
 from finetune.telemetry.sinks import Sinks
 from finetune.training import fault_injection, sample_trace, signals
@@ -176,7 +176,7 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        heartbeat.progress(state.global_step)
+        rank_progress.progress(state.global_step)
         flags = flags_per_rank(self.trainer.accelerator, signals.code())
         if any(flags) and self.preempted is None:
             self.preempted = {"step": state.global_step, **signals.describe(flags)}

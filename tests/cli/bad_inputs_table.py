@@ -664,6 +664,25 @@ NOT_ERRORS = [
         ),
     ),
     (
+        "one-machine accelerate config (num_machines: 1) launched on each node of a 2-node SLURM job step",
+        "accelerate config num_machines",
+        (
+            "each node's rank exits 2 before any weights load: 'this SLURM job step runs on 2 nodes "
+            "(SLURM_STEP_NUM_NODES) but the launch formed 1 machine(s) ... each node would train alone. Launch with "
+            "--num_machines 2 --machine_rank $SLURM_NODEID ...' (tests/multinode/test_two_nodes.py::"
+            "test_a_config_for_one_machine_on_a_two_node_step_is_refused)"
+        ),
+    ),
+    (
+        "--machine_rank 1 with num_machines 1",
+        "accelerate launch",
+        (
+            "each rank exits 2: '--machine_rank 1 is machine 2 of a multi-machine run, but the launch formed 1 "
+            "machine(s) ... Give every machine's launch --num_machines 2' (tests/preflight/test_machines.py::"
+            "test_a_machine_rank_beyond_the_machines_formed_is_refused)"
+        ),
+    ),
+    (
         "recipe zero3 launched with the DDP config, straight through accelerate launch",
         "accelerate launch",
         (
@@ -928,11 +947,11 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from finetune.modeling.bundled import ensure_bundled_model
-    from tests.conftest import make_tiny_model_dir
+    from finetune.modeling.tiny import save_tiny_llama
 
     logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
     root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    model_dir = make_tiny_model_dir(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+    model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
     cases = [
         c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available()) and not (c.needs_root and os.geteuid())
     ]

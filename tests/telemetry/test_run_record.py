@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import make_tiny_model_dir
+from finetune.modeling.tiny import save_tiny_llama
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]  # the repository root
@@ -120,7 +120,7 @@ def test_host_memory_peak_grows_with_the_model(tmp_path, tokenizer, launch):
     parameter model: the larger one must show a clearly larger training and loading peak."""
     peaks = {}
     for label, layers, hidden in (("small", 2, 64), ("large", 4, 512)):
-        model_dir = make_tiny_model_dir(tmp_path / f"model-{label}", tokenizer, layers=layers, hidden=hidden)
+        model_dir = save_tiny_llama(tmp_path / f"model-{label}", tokenizer, layers=layers, hidden=hidden)
         res = launch(
             [
                 "--recipe",

@@ -200,7 +200,7 @@ def test_a_stopped_rank_is_named_as_the_one_that_stalled(tmp_path, tiny_model_di
     assert "failed: killed by SIGKILL (stalled: the cause)" in out, out[-4000:]
     assert "finetune: rank 0 (local rank 0" in out and "(a consequence: it waited for rank(s) [1])" in out
     summary = json.loads((run_dir / "run.json").read_text())["summary"]
-    assert summary["status"] == "failed" and "stalled: rank 1 (pid" in summary["error"], summary
+    assert summary["status"] == "failed" and "rank(s) [1] on node" in summary["error"], summary
 
 
 def _adapter(ckpt: Path) -> dict:

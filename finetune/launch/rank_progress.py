@@ -5,8 +5,9 @@ Under `finetune train` every rank's thread writes `rank-<R>.json` (pid, host, th
 the rank finished, the time) into the launch's state directory (finetune/launch/relay.py) every
 BEAT_S seconds. A rank stopped with SIGSTOP, frozen or swapped out stops beating; the ranks waiting
 for it in a collective keep beating (collectives wait with the GIL released) until
-`training.ddp_timeout` ends them. Whoever reports the failure reads the beats: `finetune train`
-(report_failed_ranks) and rank 0's record of its own failure. Heartbeats are local files: under a
+`training.ddp_timeout` ends them. `finetune train` reads the beats when it reports the failed ranks
+(report_failed_ranks): the launcher only sees exit codes. (A failing rank's own record names the
+lost ranks from the store's heartbeats, finetune/launch/peers.py.) These are local files: under a
 multi-node launch each node's wrapper sees its own ranks. Without `finetune train` there are none.
 """
 
@@ -93,21 +94,3 @@ def stalled(beats: dict[int, dict], failed_at: dict[int, float]) -> dict[int, st
                 f"step {b['step']} (pid {b['pid']} on {b['host']}); the others waited for it"
             )
     return out
-
-
-def silent_ranks(me: int) -> str | None:
-    """In a rank whose collective failed: the other ranks on this node that are alive but have
-    not beaten for STALL_S (stopped or frozen), as a sentence for the record, else None."""
-    now, found = time.time(), []
-    for rank, b in read().items():
-        if rank != me and now - b["beat"] >= STALL_S and _alive(b["pid"]):
-            found.append(f"rank {rank} (pid {b['pid']}) silent for {now - b['beat']:.0f} s after step {b['step']}")
-    return f"stalled: {'; '.join(found)}" if found else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
