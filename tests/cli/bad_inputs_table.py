@@ -751,7 +751,7 @@ NOT_ERRORS += [
         ),
     ),
     (
-        "SIGTERM during the final evaluation",
+        "SIGTERM to the rank alone (`kill` of train.py) during the final evaluation",
         "signal",
         (
             "not an error: a complete checkpoint of the final step, exit 75; --resume trains no step more, evaluates "

@@ -1,9 +1,10 @@
 """Signals as users send them, to the process they send them to (docs/faults.md "Signals"): SIGTERM
 to `finetune train` as a container's PID 1 (docker stop, Kubernetes), Ctrl-C twice through `| tee` on
-two ranks, SIGHUP (terminal closed) while the model loads, SIGTERM during the final evaluation.
+two ranks, SIGHUP (terminal closed) while the model loads, SIGTERM to the rank alone during the
+final evaluation.
 Each run is the tiny model through `finetune train`, a few steps; a fault injection holds a phase
 open (finetune/training/fault_injection.py) so the signal lands inside it however slow the machine.
-A signal to one rank only: tests/training/test_strategies.py::test_sigterm_on_one_rank_....
+A signal to one rank of two: tests/training/test_strategies.py::test_sigterm_on_one_rank_....
 """
 
 from __future__ import annotations
@@ -142,19 +143,23 @@ def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is
 def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(
     tmp_path, tiny_model_dir
 ):
-    """Training is done, the evaluation after it is running (held open): SIGTERM to `finetune
-    train` gives a complete checkpoint of the final step and exit 75; --resume trains nothing more
-    (Trainer alone would train one step past max_steps: steps would be 3), evaluates and exports."""
+    """Training is done, the evaluation after it is running (held open): SIGTERM to the rank only
+    (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of the final
+    step and exit 75 from `finetune train`, one line; --resume trains nothing more (Trainer alone
+    would train one step past max_steps: steps would be 3), evaluates and exports."""
     run_dir = tmp_path / "run"
     evaluate = ["--eval.exact_match=true", "--eval.before=false", "--data.demo_heldout_size=4", "--eval.samples=4"]
     cmd = train_command(tiny_model_dir, run_dir, 2, *evaluate)
     with Started(cmd, cwd=REPO, env={faults.ENV: "slow_eval@rank0,step2"}, out=tmp_path / "out.txt") as job:
         job.wait_until(lambda: steps_logged(run_dir) >= 2, "training done")
-        _wrapper(job).send_signal(signal.SIGTERM)
+        _rank(job, 0).send_signal(signal.SIGTERM)
         code = job.finish()
         out = job.output
     assert code == EXIT_PREEMPTED, out[-4000:]
-    assert _record(run_dir)["summary"]["status"] == "interrupted" and not (run_dir / "model").exists()
+    assert out.count("SIGTERM received") == 1 and "Traceback" not in out, out[-4000:]
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted" and "SIGTERM on rank(s) [0]" in summary["error"], summary
+    assert not (run_dir / "model").exists()
     assert _complete(run_dir) == ["checkpoint-2"]
     args = cmd[cmd.index("train") + 1 : -1]
     code, out, _ = cli_train([*args, "--resume"], run_dir=run_dir, env={})
