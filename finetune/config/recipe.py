@@ -47,6 +47,37 @@ def parse_yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
+def duplicate_keys(text: str) -> list[str]:
+    """Every key given twice in one mapping of a YAML text, named with its line and dotted path.
+    YAML loaders keep the last value silently; a recipe or launch config must not."""
+    try:
+        root = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return []  # the parse reports it
+    found: list[str] = []
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key, value in node.value:
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else "?"
+                dotted = f"{path}.{name}" if path else name
+                line = key.start_mark.line + 1
+                if name in first and name != "<<":
+                    found.append(
+                        f"line {line}: key {dotted!r} is given twice (first at line {first[name]}); only one value "
+                        "can apply: remove the other"
+                    )
+                first.setdefault(name, line)
+                walk(value, dotted)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{path}[{i}]")
+
+    walk(root, "")
+    return found
+
+
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -83,6 +114,9 @@ def read_recipe_file(path: Path) -> dict:
         return {}
     if not isinstance(values, dict):
         raise ConfigError([f"the top level must be a mapping of sections, got {type(values).__name__}"], str(path))
+    twice = duplicate_keys(text)
+    if twice:
+        raise ConfigError(twice, str(path))
     return values
 
 

@@ -99,6 +99,10 @@ class DataConfig:
     cache_tokenized: bool = False
     cache_dir: str | None = None
     on_bad_rows: Literal["error", "skip"] = "error"
+    # Rows whose every target (output, completion, assistant turn) is empty train only the end-of-turn
+    # token: above this share of the usable rows the data is refused, below it they are named in a
+    # warning and listed in run.json data.empty_target_rows (1.0 accepts them all).
+    max_empty_target_share: float = 0.5
     max_samples: int | None = None
     # Only for path == "demo": number of generated training rows and held-out rows.
     demo_train_size: int = 2000
@@ -165,6 +169,12 @@ class TrainingConfig:
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = 10
+    # A collapsed model (finetune/training/collapse.py, docs/faults.md): the logged gradient norm exactly 0
+    # in this many consecutive log windows (every weight's gradient vanished: nothing trains any more;
+    # the loss is then typically stuck at ln(vocabulary), a uniform prediction). "stop": stop there,
+    # status failed, exit 3; "flag": train to the end and export, but the run ends failed, exit 3.
+    on_collapse: Literal["stop", "flag"] = "stop"
+    collapse_windows: int = 3
     # The loss (finetune/modeling/loss.py, docs/speed.md): "auto" = chunked cross-entropy that never
     # builds the full (tokens x vocab) logits (liger when use_liger_kernel chose Liger; standard,
     # with the reason recorded, where the model's head or options need the logits); "standard" =
@@ -232,6 +242,17 @@ class Config:
         out["training"] = {**training.pop("args"), **training}
         return out
 
+
+# Settings that name a file or directory: a leading ~ is expanded when the configuration is built.
+PATH_KEYS = (
+    ("model", "name_or_path"),
+    ("model", "tokenizer_name_or_path"),
+    ("data", "path"),
+    ("data", "cache_dir"),
+    ("eval", "heldout_path"),
+    ("run", "output_dir"),
+    ("run", "accelerate_config"),
+)
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "recipe"}
 SECTION_CLASSES = {

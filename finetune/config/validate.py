@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from typing import Any, Literal, Union
 
 from finetune import precision
+from finetune.config import ranges
 from finetune.config.sections import (
+    PATH_KEYS,
     SECTION_CLASSES,
     TRAINING_DEFAULTS,
     TRAINING_PRECISION_FLAGS,
@@ -52,10 +55,20 @@ def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe"
     for name, cls in SECTION_CLASSES.items():
         sections.setdefault(name, cls())
     cfg = Config(**sections, recipe=recipe)
+    _expand_home(cfg)
     problems += _cross_checks(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def _expand_home(cfg: Config) -> None:
+    """`~/data.jsonl` -> `/home/me/data.jsonl` in every path setting, as a shell would."""
+    for section, key in PATH_KEYS:
+        body = getattr(cfg, section)
+        value = getattr(body, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(body, key, os.path.expanduser(value))
 
 
 def _build_section(section: str, cls, body: dict, problems: list[str]):
@@ -110,31 +123,14 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
 
 
 def _cross_checks(cfg: Config) -> list[str]:
-    p = []
+    p = ranges.problems(cfg)  # every numeric setting against its allowed range (finetune/config/ranges.py)
     d, m, e, t = cfg.data, cfg.method, cfg.eval, cfg.training
-    if d.max_length < 8:
-        p.append(f"data.max_length: must be >= 8 tokens, got {d.max_length}")
-    if not 0.0 <= d.eval_fraction < 1.0:
-        p.append(f"data.eval_fraction: must be in [0, 1), got {d.eval_fraction}")
-    if d.max_samples is not None and d.max_samples < 1:
-        p.append(f"data.max_samples: must be >= 1 or null, got {d.max_samples}")
-    for key in ("demo_train_size", "demo_heldout_size"):
-        if getattr(d, key) < 1:
-            p.append(f"data.{key}: must be >= 1, got {getattr(d, key)}")
-    if m.lora_r < 1:
-        p.append(f"method.lora_r: must be >= 1, got {m.lora_r}")
-    if not 0.0 <= m.lora_dropout < 1.0:
-        p.append(f"method.lora_dropout: must be in [0, 1), got {m.lora_dropout}")
     if isinstance(m.target_modules, list) and not all(isinstance(x, str) for x in m.target_modules):
         p.append("method.target_modules: must be 'all-linear' or a list of module names (strings)")
-    if e.samples < 1 or e.max_new_tokens < 1 or e.batch_size < 1:
-        p.append("eval.samples, eval.max_new_tokens and eval.batch_size must be >= 1")
     if e.exact_match and not e.heldout_path:
         p.append("eval.heldout_path: required when eval.exact_match is true ('demo' for the demo split)")
     if e.exact_match and e.heldout_path == "demo" and d.path != "demo":
         p.append("eval.heldout_path: 'demo' needs data.path: demo")
-    if t.lr_reference_batch_size is not None and t.lr_reference_batch_size < 1:
-        p.append(f"training.lr_reference_batch_size: must be >= 1, got {t.lr_reference_batch_size}")
     if t.lr_scaling != "none" and t.lr_reference_batch_size is None:
         # Without a reference the run's own effective batch would be it, and the factor always 1.
         p.append(
@@ -142,26 +138,13 @@ def _cross_checks(cfg: Config) -> list[str]:
             f"batch (sequences per optimizer step) at which training.learning_rate was chosen; set it "
             f"(e.g. lr_reference_batch_size: 8), or lr_scaling: none to use learning_rate as it is"
         )
-    for key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-        v = t.args.get(key)
-        if isinstance(v, int) and v < 1:
-            p.append(f"training.{key}: must be >= 1, got {v}")
     if t.args.get("enable_jit_checkpoint"):
         p.append(
             "training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
             "preempted run with exit 0; preemption is handled without it (docs/faults.md)"
         )
-    if d.pad_to_multiple_of is not None and d.pad_to_multiple_of < 1:
-        p.append(f"data.pad_to_multiple_of: must be >= 1 tokens or null, got {d.pad_to_multiple_of}")
-    if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
-        p.append(f"training.loss_chunk_tokens: must be >= 1 or null, got {t.loss_chunk_tokens}")
     if isinstance(cfg.model.sdpa_backends, list) and (problem := sdpa_list_problem(cfg.model.sdpa_backends)):
         p.append(problem)
-    if t.max_nonfinite_skips < 0:
-        p.append(f"training.max_nonfinite_skips: must be >= 0, got {t.max_nonfinite_skips}")
-    lr = t.args.get("learning_rate")
-    if isinstance(lr, (int, float)) and lr <= 0:
-        p.append(f"training.learning_rate: must be > 0, got {lr}")
     if t.precision != "auto":  # auto is checked where the device is known (finetune/preflight/checks.py)
         p += precision.config_problems(
             precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name, compute_dtype=m.compute_dtype

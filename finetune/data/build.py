@@ -11,14 +11,13 @@ and are cheap).
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format
+from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
 from finetune.data.pack import pack
-from finetune.data.read import DataError, Invalid, check_bytes, is_local, parse_json_lines, read_numbered
+from finetune.data.read import DataError, Invalid, is_local, read_head, read_numbered
 from finetune.data.render import (
     IGNORE_INDEX,
     Example,
@@ -52,10 +51,11 @@ class DataStats:
     train_input_tokens: int
     train_trained_tokens: int
     dropped_no_labels: int = 0  # examples left with no trained token (e.g. truncated away)
+    empty_target_rows: list[int] = field(default_factory=list)  # row numbers whose every target is empty
 
     def section(self) -> dict:
-        """run.json `data`: these fields, the first 50 skipped rows."""
-        return vars(self) | {"rows_skipped": self.rows_skipped[:50]}
+        """run.json `data`: these fields, the first 50 skipped rows and rows with empty targets."""
+        return vars(self) | {"rows_skipped": self.rows_skipped[:50], "empty_target_rows": self.empty_target_rows[:50]}
 
 
 @dataclass
@@ -69,13 +69,8 @@ def _split(examples: list[Example], eval_fraction: float, seed: int, path: str):
     if not eval_fraction:
         return examples, None
     n = len(examples)
+    _split_problem(n, eval_fraction, path)
     n_eval = max(1, round(n * eval_fraction))
-    if n_eval >= n:
-        raise DataError(
-            f"eval_fraction={eval_fraction} of {n} usable example(s) leaves nothing to train on; "
-            "lower data.eval_fraction or add rows",
-            path=path,
-        )
     order = list(range(n))
     random.Random(seed).shuffle(order)
     eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
@@ -106,7 +101,9 @@ class _BadRowLog:
 
 
 def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int | None, path: str):
+    """(rendered rows, rows examined, numbers of the rows whose every target is empty)."""
     rendered: list[Rendered] = []
+    empty: list[int] = []
     examined = 0
     for number, row in progress(numbered, len(numbered), "rendering"):
         if max_samples is not None and len(rendered) >= max_samples:
@@ -117,6 +114,8 @@ def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int
             continue
         try:
             rendered.append(renderer.render(row))
+            if empty_target(row, renderer.fmt):
+                empty.append(number)
         except BadRow as e:
             log.bad(number, str(e))
         except TemplateNotPrefixStable as e:
@@ -128,45 +127,37 @@ def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int
                 path=path,
                 row=number,
             ) from None
-    return rendered, examined
-
-
-_HEAD_BYTES = 1 << 20  # JSON-lines preflight reads at most the first MiB
+    return rendered, examined, empty
 
 
 def check_head(cfg, *, max_rows: int = 100) -> list[str]:
-    """Preflight for ``cfg.path`` before any weights load: the file exists, is not empty, and its
-    first ``max_rows`` rows read and validate as the detected (or declared) format, with the
-    messages ``build_datasets`` would give. Returns the problems (empty: none found). Hub
-    datasets are not checked here (that needs the network); the chat template and lengths need
-    the tokenizer, so ``build_datasets`` checks those."""
+    """Preflight for ``cfg.path`` before any weights load: the path is a readable file, and its first
+    ``max_rows`` rows read and validate as the detected (or declared) format, with the messages
+    ``build_datasets`` would give (finetune/data/read.py read_head: the same readers). When those
+    rows are the whole file, the eval split and the share of rows with nothing to train on are
+    checked too. Returns the problems (empty: none found). Hub datasets are not checked here (that
+    needs the network); the chat template and lengths need the tokenizer, so ``build_datasets``
+    checks those."""
     path = cfg.path
     if not is_local(path):
         return []
     try:
-        if path.lower().endswith(".jsonl") and os.path.exists(path) and os.path.getsize(path) > _HEAD_BYTES:
-            with open(path, "rb") as f:
-                head = check_bytes(f.read(_HEAD_BYTES), path)
-            numbered, complete = parse_json_lines(head[: head.rfind(b"\n") + 1] or head), False
-        else:
-            numbered = read_numbered(path, split=getattr(cfg, "split", "train"))
-            complete = len(numbered) <= max_rows
-        numbered = numbered[:max_rows]
+        numbered, complete = read_head(path, max_rows, split=getattr(cfg, "split", "train"))
         skip = getattr(cfg, "on_bad_rows", "error") == "skip"
-        if not numbered:
-            raise DataError("contains no rows", path=path)
         first = next((row for _, row in numbered if not isinstance(row, Invalid)), None)
         if first is None:
             if skip and not complete:
                 return []
             raise DataError(numbered[0][1].reason, path=path, row=numbered[0][0])
         fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
-        bad = []
+        bad, empty = [], []
         for number, row in numbered:
             reason = row.reason if isinstance(row, Invalid) else None
             if reason is None:
                 try:
                     ROW_VALIDATORS[fmt](row)
+                    if empty_target(row, fmt):
+                        empty.append(number)
                 except BadRow as e:
                     reason = str(e)
             if reason is not None:
@@ -175,9 +166,46 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
         if bad and (not skip or (complete and len(bad) == len(numbered))):
             more = f" (and {len(bad) - 1} more bad row(s) among the first {len(numbered)})" if len(bad) > 1 else ""
             return [f"data.path: {bad[0]}{more}"]
+        if complete:
+            good = len(numbered) - len(bad)
+            check_empty_targets(empty, good, cfg, path, warn=False)  # the data build warns, once
+            used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
+            _split_problem(used, getattr(cfg, "eval_fraction", 0.0), path)
     except DataError as e:
         return [f"data.path: {e}"]
     return []
+
+
+def check_empty_targets(rows: list[int], good: int, cfg, path: str, *, warn: bool = True) -> None:
+    """Rows whose every target is empty train only the template's end-of-turn tokens: above
+    data.max_empty_target_share of the usable rows the data is refused, below it they are named in a
+    warning (and counted in run.json data.empty_target_rows). With train_on_prompt every row trains."""
+    if not rows or getattr(cfg, "train_on_prompt", False):
+        return
+    limit = getattr(cfg, "max_empty_target_share", 0.5)
+    named = ", ".join(map(str, rows[:_LOG_FIRST_N])) + (" ..." if len(rows) > _LOG_FIRST_N else "")
+    what = (
+        f"{len(rows)} of {good} row(s) have nothing to train on: every target (output, completion, assistant "
+        f"turn) is empty, so they train only the end-of-turn token (row(s) {named})"
+    )
+    if len(rows) > limit * good:
+        raise DataError(
+            f"{what}; that is more than data.max_empty_target_share={limit} of the rows. Fill in the targets or "
+            "drop those rows (or raise data.max_empty_target_share if they are meant to be empty)",
+            path=path,
+        )
+    if warn:
+        logger.warning("%s: %s", path, what)
+
+
+def _split_problem(n: int, eval_fraction: float, path: str) -> None:
+    """data.eval_fraction of `n` usable examples must leave at least one to train on."""
+    if eval_fraction and max(1, round(n * eval_fraction)) >= n:
+        raise DataError(
+            f"eval_fraction={eval_fraction} of {n} usable example(s) leaves nothing to train on; "
+            "lower data.eval_fraction or add rows",
+            path=path,
+        )
 
 
 def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: int) -> dict:
@@ -195,7 +223,7 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
     fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
 
     renderer = Renderer(tokenizer, fmt, cfg, path)
-    rendered, examined = _render_rows(numbered, renderer, log, getattr(cfg, "max_samples", None), path)
+    rendered, examined, empty = _render_rows(numbered, renderer, log, getattr(cfg, "max_samples", None), path)
     log.report(good=len(rendered))
 
     examples, truncated, dropped = truncate(tokenize(rendered, tokenizer), max_length)
@@ -205,6 +233,7 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
         "skipped": [list(x) for x in log.skipped],
         "truncated": truncated,
         "dropped": dropped,
+        "empty_targets": empty,
         "examples": [[ex.input_ids, ex.labels] for ex in examples],
     }
 
@@ -230,6 +259,7 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
         logger.warning("%s: skipped %d bad row(s) (from the tokenization cache)", path, len(entry["skipped"]))
     fmt, examined, truncated, dropped = entry["format"], entry["examined"], entry["truncated"], entry["dropped"]
     skipped = [tuple(x) for x in entry["skipped"]]
+    check_empty_targets(entry["empty_targets"], examined - len(skipped), cfg, path)
     examples = [Example(ids, labels) for ids, labels in entry["examples"]]
     if not examples:
         raise DataError(
@@ -261,6 +291,7 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
         # what the shifted loss scores: label 0 of a row never is (finetune/telemetry/meter.py token_counts)
         train_trained_tokens=sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in train_rows),
         dropped_no_labels=dropped,
+        empty_target_rows=[] if getattr(cfg, "train_on_prompt", False) else entry["empty_targets"],
     )
     logger.info(
         "%s: %s data, %d train / %d eval examples, %d train tokens (%d trained)%s",

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when the examples read.py, formats.py, render.py or build.py produce change (labels, text,
 # truncation, which rows are skipped), so no run trains on stale cached examples.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: entries list the rows whose every target is empty
 # Settings of the data section that change the tokenized examples (not packing: applied after).
 KEY_FIELDS = (
     "format",

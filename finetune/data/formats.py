@@ -154,6 +154,24 @@ def sharegpt_conversation(row: dict) -> list[dict]:
     return _turns(row, "conversations", "from", "value", _SHAREGPT_ROLES, "sharegpt")
 
 
+def target_texts(row: dict, fmt: str) -> list[str]:
+    """What a valid row of `fmt` trains on without data.train_on_prompt: the output, the completion,
+    the assistant turns; a text row trains on all of its text."""
+    if fmt == "alpaca":
+        return [alpaca_prompt(row)[1]]
+    if fmt == "prompt_completion":
+        return [prompt_completion_pair(row)[1]]
+    if fmt in ("messages", "sharegpt"):
+        turns = messages_conversation(row) if fmt == "messages" else sharegpt_conversation(row)
+        return [m["content"] for m in turns if m["role"] == "assistant"]
+    return [row["text"]]
+
+
+def empty_target(row: dict, fmt: str) -> bool:
+    """Every target of the row is empty or white space: it would train only the end-of-turn token."""
+    return not any(text.strip() for text in target_texts(row, fmt))
+
+
 ROW_VALIDATORS = {
     "text": lambda row: require_str(row, "text", "text", non_empty=True),
     "alpaca": alpaca_prompt,

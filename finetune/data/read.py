@@ -10,13 +10,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.data import files
 from finetune.errors import UserError
 
-LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")
+LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")  # each may end in .gz, .bz2 or .xz too
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(UserError):
@@ -59,22 +63,23 @@ def type_name(value: Any) -> str:
 
 
 def is_local(path: str) -> bool:
+    """A path on this machine (anything else is a Hub dataset name). A directory, a dangling link
+    or a FIFO counts as local: reading it says what it is (finetune/data/files.py)."""
     return (
-        os.path.exists(path) or path.lower().endswith(LOCAL_EXTENSIONS) or path.startswith((".", "/", "~"))
-    ) and not os.path.isdir(path)
+        os.path.lexists(path) or files.format_name(path).endswith(LOCAL_EXTENSIONS) or path.startswith((".", "/", "~"))
+    )
 
 
 def _read_bytes(path: str) -> bytes:
-    if not os.path.exists(path):
-        raise DataError("file not found", path=path)
-    with open(path, "rb") as f:
-        data = f.read()
-    return check_bytes(data, path)
+    try:
+        return check_bytes(files.read_bytes(path), path)
+    except files.FileProblem as e:
+        raise DataError(str(e), path=path) from None
 
 
 def check_bytes(data: bytes, path: str) -> bytes:
     if not data.strip():
-        raise DataError("file is empty", path=path)
+        raise DataError("file is empty" if not data else f"file is empty ({len(data)} bytes of blank space)", path=path)
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16/32 byte-order marks; otherwise "bad byte 0xff in row 1"
         raise DataError(
             f"is UTF-16 (or UTF-32) text, byte-order mark 0x{data[:2].hex()}; re-save the file as UTF-8", path=path
@@ -135,9 +140,11 @@ def _object_or_invalid(value: Any) -> Any:
     return Invalid(f"expected a JSON object, got {type_name(value)}")
 
 
-def _read_json(path: str) -> list[tuple[int, Any]]:
+def _read_json(path: str, *, lines: bool = False) -> list[tuple[int, Any]]:
+    """A JSON array of objects, or JSON lines. `lines` (a .jsonl file): an array is accepted too
+    (a pretty-printed array saved as .jsonl), but a file that is neither is reported line by line."""
     data = _read_bytes(path)
-    if not data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+    if not looks_like_array(data):
         # Not an array: .json files holding JSON lines are common.
         rows = parse_json_lines(data)
         if rows and isinstance(rows[0][1], Invalid) and "malformed JSON" in rows[0][1].reason:
@@ -147,8 +154,19 @@ def _read_json(path: str) -> list[tuple[int, Any]]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
+        if lines:
+            rows = parse_json_lines(data)
+            if not (rows and isinstance(rows[0][1], Invalid)):
+                return rows  # JSON lines whose first row is an array: reported as that row
+        kind = "starts like a JSON array ('[') but is not one: " if lines else ""
+        raise DataError(f"{kind}malformed JSON at line {e.lineno} column {e.colno}: {e.msg}", path=path) from None
+    if lines:
+        logger.info("%s: a JSON array, not JSON lines (one object per line); read as an array", path)
     return [(i + 1, _object_or_invalid(v)) for i, v in enumerate(value)]
+
+
+def looks_like_array(data: bytes) -> bool:
+    return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _reject_single_document(data: bytes, path: str) -> None:
@@ -182,7 +200,9 @@ def _read_csv(path: str) -> list[tuple[int, Any]]:
 def _read_parquet(path: str) -> list[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
-    _read_bytes(path)
+    why = files.problem(path) or ("file is empty" if os.path.getsize(path) == 0 else None)
+    if why:
+        raise DataError(why, path=path)
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several types for corrupt files
@@ -209,26 +229,60 @@ def read_numbered(path: str, *, split: str = "train") -> list[tuple[int, Any]]:
     if not is_local(path):
         rows = _read_hub(path, split)
     else:
-        lower = path.lower()
-        if lower.endswith(".jsonl"):
-            rows = parse_json_lines(_read_bytes(path))
-        elif lower.endswith(".json"):
-            rows = _read_json(path)
-        elif lower.endswith(".csv"):
+        name = files.format_name(path)
+        if name.endswith((".jsonl", ".json")):
+            rows = _read_json(path, lines=name.endswith(".jsonl"))
+        elif name.endswith(".csv"):
             rows = _read_csv(path)
-        elif lower.endswith(".parquet"):
+        elif name.endswith(".parquet"):
             rows = _read_parquet(path)
-        elif not os.path.exists(path):
-            raise DataError("file not found", path=path)
         else:
+            why = files.problem(path)
+            if why:
+                raise DataError(why, path=path)
             raise DataError(
                 f"unsupported file extension {os.path.splitext(path)[1] or '(none)'!r}; "
-                f"use one of {', '.join(LOCAL_EXTENSIONS)}",
+                f"use one of {', '.join(LOCAL_EXTENSIONS)} (optionally compressed: {', '.join(files.COMPRESSION_SUFFIXES)})",
                 path=path,
             )
     if not rows:
         raise DataError("contains no rows", path=path)
     return rows
+
+
+def read_head(path: str, max_rows: int, *, split: str = "train") -> tuple[list[tuple[int, Any]], bool]:
+    """The first `max_rows` rows as `read_numbered` reads them, and whether they are the whole file.
+    JSON lines are streamed with no byte limit (a first row of any size is read whole); an array
+    saved as .jsonl and every other format are read whole."""
+    if not (is_local(path) and files.format_name(path).endswith(".jsonl") and files.problem(path) is None):
+        return _whole(path, max_rows, split)
+    lines: list[bytes] = []
+    complete, seen = True, 0
+    try:
+        with files.opened(path) as f:
+            for line in f:
+                if line.strip():
+                    if seen == 0 and looks_like_array(line):
+                        return _whole(path, max_rows, split)
+                    seen += 1
+                    if seen > max_rows:
+                        complete = False
+                        break
+                lines.append(line)
+    except files.FileProblem as e:
+        raise DataError(str(e), path=path) from None
+    except files.DAMAGED:  # a damaged compressed stream: read it whole, which says what
+        _read_bytes(path)
+        raise
+    rows = parse_json_lines(check_bytes(b"".join(lines), path))
+    if not rows:
+        raise DataError("contains no rows", path=path)
+    return rows, complete
+
+
+def _whole(path: str, max_rows: int, split: str) -> tuple[list[tuple[int, Any]], bool]:
+    rows = read_numbered(path, split=split)
+    return rows[:max_rows], len(rows) <= max_rows
 
 
 def read_rows(path: str, *, split: str = "train") -> list[dict]:

@@ -56,8 +56,11 @@ class LaunchFacts:
 
 def read_yaml(path: Path) -> dict:
     """An accelerate config as a dict, or a UserError naming the file, line and problem."""
+    from finetune.config.recipe import duplicate_keys
+
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        values = yaml.safe_load(text)
     except UnicodeDecodeError as e:
         raise UserError(f"accelerate config {path}: not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
@@ -70,6 +73,9 @@ def read_yaml(path: Path) -> dict:
         raise UserError(
             f"accelerate config {path}: the top level must be a mapping of keys, got {type(values).__name__}"
         )
+    twice = duplicate_keys(text)
+    if twice:
+        raise UserError(f"accelerate config {path}: " + "; ".join(twice))
     return values
 
 
@@ -77,8 +83,9 @@ def read_deepspeed_json(path: Path, named_by: str) -> dict:
     """A DeepSpeed config file, or a UserError naming it, who named it, and the JSON position."""
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} (named by {named_by}): file not found")
+    twice: list[str] = []
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
+        values = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=lambda pairs: _unique(pairs, twice))
     except UnicodeDecodeError as e:
         raise UserError(f"DeepSpeed config {path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -87,7 +94,22 @@ def read_deepspeed_json(path: Path, named_by: str) -> dict:
         ) from None
     if not isinstance(values, dict):
         raise UserError(f"DeepSpeed config {path}: the top level must be a JSON object, got {type(values).__name__}")
+    if twice:
+        raise UserError(
+            f"DeepSpeed config {path}: key(s) {', '.join(map(repr, twice))} given twice in one object; only one "
+            "value can apply: remove the other"
+        )
     return values
+
+
+def _unique(pairs: list[tuple[str, object]], twice: list[str]) -> dict:
+    """json.loads' object hook: the object, with keys given twice noted (json keeps the last silently)."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen and key not in twice:
+            twice.append(key)
+        seen.add(key)
+    return dict(pairs)
 
 
 def resolve_path(name: str, base_dirs: list[Path]) -> Path:

@@ -12,12 +12,11 @@ other checks see. What engaged is still proven on the live engine (training/enga
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.preflight import devices, machines
+from finetune.preflight import devices, machines, model_files
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
@@ -90,6 +89,7 @@ def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None 
         qlora_storage,
         policy_checks.policy_problems,
         model_source,
+        model_kind_and_files,
         dataset,
     ]
     if not resume:  # a resumed run continues its directory (finetune/checkpointing/resume.py checks it exists)
@@ -218,6 +218,11 @@ def model_source(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     return problems
 
 
+def model_kind_and_files(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
+    """A causal LM (not an encoder or a seq2seq model), with whole weight files (finetune/preflight/model_files.py)."""
+    return model_files.model_problems(cfg)
+
+
 def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
     import socket
     from urllib.parse import urlparse
@@ -247,14 +252,32 @@ def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
 
 
 def dataset(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
-    """The data file exists and its first rows read as the format (finetune/data/build.py's own checks)."""
-    from finetune.data import build, read
+    """The data file and the held-out file read as the run reads them: the training file's first rows
+    (finetune/data/build.py check_head), and the exact-match rows the evaluation will use, each
+    validated as evaluation reads it (before training and after it)."""
+    from finetune.data import build
 
     problems = [] if cfg.data.path == "demo" else build.check_head(cfg.data)
-    held = cfg.eval.heldout_path
-    if cfg.eval.exact_match and held and held != "demo" and read.is_local(held) and not os.path.exists(held):
-        problems.append(f"eval.heldout_path: {held}: file not found")
+    if cfg.eval.exact_match and cfg.eval.heldout_path not in (None, "demo"):
+        problem = heldout_problem(cfg.eval.heldout_path, cfg.eval.samples)
+        if problem:
+            problems.append(f"eval.heldout_path: {problem}")
     return problems
+
+
+def heldout_problem(path: str, samples: int) -> str | None:
+    """The first `samples` held-out rows read and turned into prompts and answers as evaluation does."""
+    from finetune.data import read
+    from finetune.data.formats import prompt_and_answer
+
+    if not read.is_local(path):
+        return None  # a Hub dataset: read by the run (needs the network)
+    try:
+        for i, row in enumerate(read.read_rows(path)[:samples], start=1):
+            prompt_and_answer(row, f"{path} row {i}")
+    except read.DataError as e:
+        return str(e)
+    return None
 
 
 def run_directory(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:

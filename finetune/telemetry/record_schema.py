@@ -316,6 +316,8 @@ class Faults(TypedDict):
     collective_timeout_s: float
     on_nonfinite: str
     max_nonfinite_skips: int
+    on_collapse: str
+    collapse_windows: int
     save_total_limit: int | None
 
 

@@ -63,8 +63,9 @@ def stopped_before_training(run, e, ended: list) -> int:
     return EXIT_PREEMPTED
 
 
-def nonfinite(run, e) -> int:
-    """A non-finite loss or gradient norm every rank agreed on: recorded, said without a traceback."""
+def diverged(run, e) -> int:
+    """A non-finite loss or gradient norm, or a collapsed model, every rank agreed on (training/collapse.py):
+    recorded, said without a traceback."""
     if run.record and run.committed:
         run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
         run.sinks.close(run.record.view, e.exit_code)

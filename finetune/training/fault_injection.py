@@ -25,7 +25,19 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = ("nan_loss", "inf_loss", "kill", "hang", "pause", "sigterm", "slow_load", "slow_save", "slow_eval", "disk_full")
+KINDS = (
+    "nan_loss",
+    "inf_loss",
+    "kill",
+    "hang",
+    "pause",
+    "sigterm",
+    "slow_load",
+    "slow_save",
+    "slow_eval",
+    "disk_full",
+    "error_after_training",
+)
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run
 PAUSE_S = 5.0
@@ -98,3 +110,10 @@ def at_save(*, rank: int, step: int, ckpt) -> None:
     if _active(("disk_full",), rank, step):
         print(f"[fault injection] rank {rank}: no space left writing {ckpt}", flush=True)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(ckpt / "optimizer.pt"))
+
+
+def after_training(*, rank: int, step: int) -> None:
+    """`error_after_training`: an error once training ended at `step`, after the export and before the
+    evaluation (what happens to the trained weights: finetune/training/after_training.py)."""
+    if _active(("error_after_training",), rank, step):
+        raise RuntimeError(f"[fault injection] error after training on rank {rank} (step {step})")

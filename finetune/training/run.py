@@ -70,9 +70,7 @@ class Data:
 class Trained:
     train_loss: float
     train_s: float  # Trainer.train() of this launch
-    measured: dict  # the meter's per-step series and peaks (FinetuneTrainer.final_measurements)
-    eval_loss: float | None
-    exact_match: dict  # "before" / "after" -> evaluation.exact_match's result
+    exact_match: dict  # "before" -> evaluation.exact_match's result, when eval.before
 
 
 @exit_on_user_error
@@ -99,7 +97,7 @@ def run_phases(argv: list[str] | None) -> int:
     from finetune.config.recipe import load_recipe
     from finetune.launch import rank_progress
     from finetune.training import endings, signals
-    from finetune.training.trainer import NonFiniteError
+    from finetune.training.collapse import Diverged
 
     args, overrides = options.parse_train_args(argv)
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
@@ -118,8 +116,8 @@ def run_phases(argv: list[str] | None) -> int:
         return code
     except signals.Stopped as e:  # every rank agreed, before training
         return endings.stopped_before_training(run, e, run.ended)
-    except NonFiniteError as e:  # every rank agreed; a clear message, not a traceback (docs/faults.md)
-        return endings.nonfinite(run, e)
+    except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
+        return endings.diverged(run, e)
     except BaseException as e:  # the record must say how the run ended, then the error goes on
         failure = endings.failed(run, e)
         if failure is not e:  # a full or read-only disk: said, not a traceback
@@ -289,12 +287,14 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
     from finetune.checkpointing import provenance, resume_plan
     from finetune.data import build, read
     from finetune.modeling.load import load_tokenizer
+    from finetune.preflight import model_files
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
     bundle = build.build_datasets(
         dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
     )
+    model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
     if run.resume:
         resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
@@ -360,6 +360,8 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,
         max_nonfinite_skips=cfg.training.max_nonfinite_skips,
+        on_collapse=cfg.training.on_collapse,
+        collapse_windows=cfg.training.collapse_windows,
     )
     trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
     if universal_dir:
@@ -424,11 +426,11 @@ def record_setup(
 
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
-    """Exact match before, Trainer.train() from the checkpoint resumed from, the measurements, the eval
-    loss and exact match after; None when the run was preempted (during training, or after it
-    and before the evaluation: then with a checkpoint of the final step)."""
+    """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
+    was preempted (during training, or at its end: then with a checkpoint of the final step), a
+    CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
-    from finetune.training import fault_injection, signals
+    from finetune.training import signals
 
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
@@ -443,102 +445,62 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     signals.set_stage(signals.FINISHING)
     if trainer.resilience.preempted or trainer.resilience.stop_after_training():
         return None
-    fault_injection.hold("slow_eval", rank=run.state.process_index, step=trainer.state.global_step, what="evaluation")
-    trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-    measured = trainer.final_measurements()
-    eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
-    if data.heldout is not None:
-        if trainer.resilience.stop_after_training():
-            return None
-        results["after"] = _exact_match(run, trainer, model, data, "after")
-    return Trained(out.training_loss, train_s, measured, eval_loss, results)
+    collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
+    if collapsed:
+        raise collapsed  # before any export: main() records it and exits 3
+    return Trained(out.training_loss, train_s, results)
 
 
 def finish(
     run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
-    """The model exported; the summary, the figures and the evaluation recorded; the sinks closed."""
-    from finetune.modeling import export
-    from finetune.training import endings, evaluation, signals
+    """The model exported first, then the eval loss and exact match after training, the summary, the
+    figures; the sinks closed. An error in any of it reports where the trained weights are
+    (finetune/training/after_training.py); a signal stops it at the next boundary with a checkpoint
+    of the final step (exit 75; --resume evaluates and exports)."""
+    from finetune.training import endings, evaluation, fault_injection, signals
+    from finetune.training.after_training import WeightsKept, record_figures
 
     cfg, record = run.cfg, run.record
-    if trainer.resilience.stop_after_training():  # a signal during the final evaluation
-        return endings.preempted(run, trainer, arguments)
-    signals.set_stage(signals.EXPORTING)  # from here a signal lets the export and the record finish
-    if cfg.run.save_model:
-        export.save_final_model(trainer, run.dir / "model")  # adapter for LoRA/QLoRA, full weights otherwise
-        if run.state.is_main_process:
-            data.tokenizer.save_pretrained(str(run.dir / "model"))
+    rank, step = run.state.process_index, trainer.state.global_step
+    with WeightsKept(trainer, record, run.dir / "model", data.tokenizer) as kept:
+        trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
+        measured = trainer.final_measurements()
+        if cfg.run.save_model:
+            signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
+            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/export.py)
+            signals.set_stage(signals.FINISHING)
+        fault_injection.after_training(rank=rank, step=step)  # drills
+        fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
+        if trainer.resilience.stop_after_training():  # a signal during the export
+            return endings.preempted(run, trainer, arguments)
+        eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+        results = dict(trained.exact_match)
+        if data.heldout is not None:
+            if trainer.resilience.stop_after_training():
+                return endings.preempted(run, trainer, arguments)
+            results["after"] = _exact_match(run, trainer, model, data, "after")
+        if trainer.resilience.stop_after_training():  # a signal during the final evaluation
+            return endings.preempted(run, trainer, arguments)
+        collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
+        if record:
+            record.update(
+                "summary",
+                eval_loss=eval_loss,
+                steps=trainer.state.global_step,
+                train_s=round(trained.train_s, 2),
+                wall_s=round(time.perf_counter() - started, 2),
+                status="failed" if collapsed else "completed",
+                nonfinite_skipped=trainer.skipped_steps,
+            )
+            record_figures(record, measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
+            if results:
+                record.set("eval", evaluation.section(results, run.heldout_path))
+        if collapsed:
+            raise collapsed  # main() records the error and exits 3
     if record:
-        record.update(
-            "summary",
-            eval_loss=trained.eval_loss,
-            steps=trainer.state.global_step,
-            train_s=round(trained.train_s, 2),
-            wall_s=round(time.perf_counter() - started, 2),
-            status="completed",
-            nonfinite_skipped=trainer.skipped_steps,
-        )
-        record_figures(record, trained.measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
-        if trained.exact_match:
-            record.set("eval", evaluation.section(trained.exact_match, run.heldout_path))
         run.sinks.close(record.view, 0)
     return 0
-
-
-def record_figures(rec: RunRecord, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
-    """Summary totals, memory, throughput and the prediction's error of a run whose training
-    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
-    computed is null with the reason in the record; the run stays completed (its training did)."""
-    from finetune.planning import prediction
-    from finetune.telemetry import formulas, meter, model_flops, totals
-
-    view = rec.view
-    warmup = cfg.training.throughput_warmup_steps
-    try:
-        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
-        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
-        summary, stretches, excluded = totals.whole_run(
-            earlier,
-            starts,
-            warmup=warmup,
-            steps=len(measured["step_s"]),
-            trained=sum(measured["trained_tokens"]),
-            inputs=sum(measured["input_tokens"]),
-            train_loss=train_loss,
-        )
-        rec.update("summary", **summary)
-        flops, reason = model_flops.from_model(model, cfg.method.name)
-        figures = meter.run_figures(
-            measured,
-            hardware=view.get("hardware"),
-            model_flops=flops,
-            flops_reason=reason,
-            world_size=world,
-            warmup=warmup,
-            earlier=stretches,
-            earlier_excluded=excluded,
-        )
-    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
-        log.exception("run figures could not be computed; they are null in run.json, with the error")
-        rec.update("summary", train_loss=train_loss, total_trained_tokens=None)
-        rec.set("memory", None)
-        rec.set(
-            "throughput",
-            {
-                **formulas.throughput([], excluded=0),
-                "flops_convention": None,
-                "flops_per_token": None,
-                "peak_device": None,
-                "scope": meter.SCOPE,
-                "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
-            },
-        )
-        return
-    rec.set("memory", figures["memory"])
-    rec.set("throughput", figures["throughput"])
-    rec.update("batch", **figures["batch"])
-    prediction.record_error(rec, host_lifetime_gib=measured["host_lifetime_peak_gib"])
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ STARTING, TRAINING, FINISHING, EXPORTING = "starting", "training", "finishing", 
 WHAT_NOW = {
     STARTING: "stopping before training starts (nothing trained yet, nothing to save)",
     TRAINING: "stopping at the end of this optimizer step, after a complete checkpoint",
-    FINISHING: "training is done: stopping after a checkpoint of the final step (evaluation and export on --resume)",
-    EXPORTING: "the model is being exported; the run ends once it is written",
+    FINISHING: "training is done: stopping after a checkpoint of the final step (the evaluation on --resume)",
+    EXPORTING: "the model is being exported: stopping once it is written, after a checkpoint of the final step",
 }
 _stage = [STARTING]
 

@@ -21,11 +21,12 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
-from finetune.errors import EXIT_NONFINITE, UserError
+from finetune.errors import UserError
 from finetune.launch import rank_progress
 from finetune.telemetry.meter import Meter
 from finetune.telemetry.sinks import Sinks
 from finetune.training import fault_injection, sample_trace, signals
+from finetune.training.collapse import CollapseWatch, Diverged
 from finetune.training.signals import flags_per_rank, install_signal_handlers
 
 log = logging.getLogger("finetune")
@@ -136,12 +137,8 @@ class CompactProgress(ProgressCallback):
 # --- faults: signals, complete checkpoints, non-finite guard -------------------------------------
 
 
-class NonFiniteError(RuntimeError):
-    exit_code = EXIT_NONFINITE
-
-    def __init__(self, message: str, skipped: list[dict]):
-        super().__init__(message)
-        self.skipped = skipped  # steps skipped before this one (training.on_nonfinite: skip)
+class NonFiniteError(Diverged):
+    pass
 
 
 def check_policy(policy: str, distributed_type: str) -> None:
@@ -228,11 +225,17 @@ class ResilientTrainer(FinetuneTrainer):
         save_total_limit: int | None = None,
         on_nonfinite: str = "stop",
         max_nonfinite_skips: int = 0,
+        on_collapse: str = "stop",
+        collapse_windows: int = 3,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
         self.add_callback(self.resilience)
+        config = getattr(self.model, "config", None)
+        vocab = getattr(config.get_text_config() if config is not None else None, "vocab_size", None)
+        self.collapse = CollapseWatch(policy=on_collapse, windows=collapse_windows, vocab_size=vocab)
+        self.add_callback(self.collapse)
         install_signal_handlers()  # normally done by finetune/training/run.py at start; idempotent
         self.on_nonfinite = on_nonfinite
         self.max_nonfinite_skips = max_nonfinite_skips
@@ -288,6 +291,8 @@ class ResilientTrainer(FinetuneTrainer):
             "collective_timeout_s": self.args.ddp_timeout,
             "on_nonfinite": self.on_nonfinite,
             "max_nonfinite_skips": self.max_nonfinite_skips,
+            "on_collapse": self.collapse.policy,
+            "collapse_windows": self.collapse.windows,
             "save_total_limit": self.resilience.save_total_limit,
         }
 

@@ -147,6 +147,60 @@ def _held(run: str, then=None):
     return setup
 
 
+def _fifo(ws: Path) -> list[str]:
+    os.mkfifo(ws / "train.jsonl.pipe")
+    return [f"--data.path={ws / 'train.jsonl.pipe'}"]
+
+
+def _link_loop(ws: Path) -> list[str]:
+    (ws / "a.jsonl").symlink_to(ws / "b.jsonl")
+    (ws / "b.jsonl").symlink_to(ws / "a.jsonl")
+    return [f"--data.path={ws / 'a.jsonl'}"]
+
+
+def _model_config(make_config) -> Callable[[Path], list[str]]:
+    """A model directory holding only the config `make_config()` builds: preflight reads no weights."""
+
+    def setup(ws: Path) -> list[str]:
+        make_config().save_pretrained(ws / "other-model")
+        return [f"--model.name_or_path={ws / 'other-model'}"]
+
+    return setup
+
+
+def _bert():
+    from transformers import BertConfig
+
+    return BertConfig(architectures=["BertForMaskedLM"])
+
+
+def _bart():
+    from transformers import BartConfig
+
+    return BartConfig(architectures=["BartForConditionalGeneration"])
+
+
+def _truncated_weights(ws: Path) -> list[str]:
+    model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "half-copied-model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return [f"--model.name_or_path={model}"]
+
+
+def _small_embedding(ws: Path) -> list[str]:
+    """A tiny Llama with 1,000 embedding rows, saved with the table model's 49,152-token tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(ws / "small-vocab-model")
+    AutoTokenizer.from_pretrained(os.environ["FINETUNE_TABLE_MODEL"]).save_pretrained(ws / "small-vocab-model")
+    return [f"--model.name_or_path={ws / 'small-vocab-model'}"]
+
+
 def _no_chat_template(ws: Path) -> list[str]:
     """A copy of the tiny model whose tokenizer has no chat template."""
     model = ws / "model-without-template"
@@ -248,6 +302,30 @@ CASES = [
         ("trainer", "unknown section", "training"),
     ),
     Case(
+        "a key given twice (the last would silently win)",
+        "recipe file",
+        _recipe("training:\n  max_steps: 3\n  learning_rate: 1.0e-4\n  max_steps: 30\n"),
+        ("my_recipe.yaml", "line 4", "key 'training.max_steps' is given twice (first at line 2)"),
+    ),
+    Case(
+        "negative max_steps (Trainer would train an epoch instead)",
+        "command line",
+        lambda ws: ["--training.max_steps=-5"],
+        ("training.max_steps", "must be >= 1, or -1", "got -5"),
+    ),
+    Case(
+        "negative max_grad_norm (Trainer would turn clipping off)",
+        "command line",
+        lambda ws: ["--training.max_grad_norm=-1"],
+        ("training.max_grad_norm", "must be >= 0", "got -1"),
+    ),
+    Case(
+        "lora_alpha: 0 (the adapters would change nothing)",
+        "command line",
+        lambda ws: ["--method.lora_alpha=0"],
+        ("method.lora_alpha", "must be > 0", "got 0"),
+    ),
+    Case(
         "wrong type: data.max_length: long",
         "recipe file",
         _recipe("data:\n  max_length: long\n"),
@@ -311,6 +389,12 @@ CASES = [
     ),
     Case("data file empty", "data.path", _data(""), ("train.jsonl", "file is empty")),
     Case(
+        "data file of only blank lines",
+        "data.path",
+        _data("\n\n  \n"),
+        ("train.jsonl", "file is empty (5 bytes of blank space)"),
+    ),
+    Case(
         "latin-1 bytes in row 2",
         "data.path",
         _data(_jsonl(GOOD_ROWS[:1]).encode() + '{"instruction": "caf\xe9", "output": "x"}\n'.encode("latin-1")),
@@ -348,6 +432,42 @@ CASES = [
         ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format"),
     ),
     Case(
+        "every output empty (trains only the end-of-turn token)",
+        "data.path",
+        _data(_jsonl([{"instruction": "Say nothing.", "output": ""}] * 4)),
+        ("train.jsonl", "4 of 4 row(s) have nothing to train on", "end-of-turn", "data.max_empty_target_share"),
+    ),
+    Case(
+        "eval_fraction that leaves nothing to train on",
+        "data.eval_fraction",
+        lambda ws: [f"--data.path={_write(ws / 'two.jsonl', _jsonl(GOOD_ROWS))}", "--data.eval_fraction=0.9"],
+        ("two.jsonl", "eval_fraction=0.9 of 2 usable example(s) leaves nothing to train on"),
+    ),
+    Case(
+        "symbolic link loop as the data file",
+        "data.path",
+        _link_loop,
+        ("a.jsonl", "is a symbolic link loop", "b.jsonl"),
+    ),
+    Case(
+        "named pipe (FIFO) as the data file (read twice it would hang)",
+        "data.path",
+        _fifo,
+        ("train.jsonl.pipe", "is a named pipe (FIFO), not a regular file", "write the data to a file"),
+    ),
+    Case(
+        "directory as the data file",
+        "data.path",
+        lambda ws: [f"--data.path={_write(ws / 'dataset' / 'train.jsonl', _jsonl(GOOD_ROWS)).parent}"],
+        ("dataset", "is a directory, not a data file", "it holds train.jsonl"),
+    ),
+    Case(
+        "zstd-compressed data file",
+        "data.path",
+        _data(b"\x28\xb5\x2f\xfd" + bytes(16)),
+        ("train.jsonl", "is zstd-compressed", "zstd -d FILE", "gzip, bzip2 or xz"),
+    ),
+    Case(
         "every row longer than max_length (completion cut off)",
         "data.path",
         lambda ws: [
@@ -362,6 +482,16 @@ CASES = [
         "eval.heldout_path",
         lambda ws: ["--eval.exact_match=true", f"--eval.heldout_path={ws / 'heldout.jsonl'}"],
         ("eval.heldout_path", "heldout.jsonl", "file not found"),
+    ),
+    Case(
+        "held-out rows exact match cannot read (messages), evaluated only after training",
+        "eval.heldout_path",
+        lambda ws: [
+            "--eval.exact_match=true",
+            "--eval.before=false",
+            f"--eval.heldout_path={_write(ws / 'heldout.jsonl', _jsonl([{'messages': [{'role': 'user', 'content': 'a'}]}]))}",
+        ],
+        ("eval.heldout_path", "heldout.jsonl row 1", "exact-match rows need instruction/output or prompt/completion"),
     ),
     # --- accelerate configs ---
     Case(
@@ -381,6 +511,12 @@ CASES = [
         "--config_file",
         _accelerate("distributed_type: MULTI_TPU\nnum_processes: 2\n"),
         ("launch.yaml", "distributed_type 'MULTI_TPU'", "allowed", "DEEPSPEED"),
+    ),
+    Case(
+        "accelerate config: a key given twice",
+        "--config_file",
+        _accelerate("distributed_type: DEEPSPEED\nnum_processes: 2\nnum_processes: 4\n"),
+        ("launch.yaml", "line 3", "key 'num_processes' is given twice (first at line 2)"),
     ),
     Case(
         "accelerate config: DeepSpeed and FSDP at once",
@@ -406,6 +542,12 @@ CASES = [
         "deepspeed_config_file",
         _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2,}}'),
         ("ds.json", "invalid JSON at line 1"),
+    ),
+    Case(
+        "DeepSpeed config: a key given twice",
+        "deepspeed_config_file",
+        _accelerate(CPU_DS, ds='{"zero_optimization": {"stage": 2, "stage": 3}}'),
+        ("ds.json", "key(s) 'stage' given twice in one object"),
     ),
     Case(
         "DeepSpeed values that fight Trainer's",
@@ -472,6 +614,31 @@ CASES = [
         "model.name_or_path",
         lambda ws: [f"--model.name_or_path={ws}"],
         ("model.name_or_path", "no config.json"),
+    ),
+    Case(
+        "encoder-only model (BERT)",
+        "model.name_or_path",
+        _model_config(_bert),
+        ("model_type 'bert' (BertForMaskedLM) is an encoder", "sees every position", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ),
+    Case(
+        "encoder-decoder model (BART)",
+        "model.name_or_path",
+        _model_config(_bart),
+        ("model_type 'bart'", "encoder-decoder (seq2seq)", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ),
+    Case(
+        "model.safetensors cut short (a copy that did not finish)",
+        "model.name_or_path",
+        _truncated_weights,
+        ("half-copied-model/model.safetensors", "cut short (truncated)", "copy or download the model again"),
+    ),
+    Case(
+        "embedding smaller than the tokenizer's vocabulary",
+        "model.name_or_path (and its tokenizer)",
+        _small_embedding,
+        ("small-vocab-model", "embedding has 1,000 rows", "IndexError", "model.tokenizer_name_or_path"),
+        entry="train.py",
     ),
     Case(
         "hub id not cached, hub unreachable",
@@ -611,6 +778,61 @@ CASES = [
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
 # here with the test that covers them, so the table is complete.
 NOT_ERRORS = [
+    (
+        "data files as users save them: a JSON array (pretty-printed or not) in a .jsonl file, a first row over "
+        "1 MiB, a UTF-8 byte-order mark, CRLF line ends, trailing blank lines, gzip/bzip2/xz compression (by "
+        "name, .jsonl.gz, or by content)",
+        "data.path",
+        (
+            "not an error: read by preflight and the run alike (tests/data/test_data_files.py::"
+            "test_files_a_careful_reader_accepts_are_read_by_preflight_and_the_run)"
+        ),
+    ),
+    (
+        "`~` in data.path, eval.heldout_path, data.cache_dir, run.output_dir, model paths",
+        "recipe file, command line",
+        (
+            "not an error: expanded to the home directory when the configuration is built "
+            "(tests/data/test_data_files.py::test_tilde_in_data_and_heldout_paths_is_expanded)"
+        ),
+    ),
+    (
+        "data file without read permission (or in a directory that cannot be searched)",
+        "data.path",
+        (
+            "exit 2: 'permission denied: mode -rw-------, owner uid 0, and this process runs as uid 65534; make it "
+            "readable (chmod a+r FILE) ...' (tests/data/test_data_files.py::"
+            "test_permission_denied_is_named_with_mode_and_owner; the table runs as root, which reads every file)"
+        ),
+    ),
+    (
+        "some rows with every target empty, at most data.max_empty_target_share (0.5) of them",
+        "data.path",
+        (
+            "not an error: trained, named in a warning and listed in run.json data.empty_target_rows "
+            "(tests/data/test_data_files.py::test_rows_with_nothing_to_train_on_are_refused_above_the_share_and_"
+            "named_below)"
+        ),
+    ),
+    (
+        "a checkpoint file damaged in place (same size), then --resume",
+        "--resume",
+        (
+            "not an error: the checkpoint fails its checksum, is skipped with a warning naming the file, set aside as "
+            "checkpoint-K.superseded-<n>, and the newest intact one is resumed from (tests/training/"
+            "test_wrong_results.py::test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoint_"
+            "is_passed_over; docs/faults.md)"
+        ),
+    ),
+    (
+        "a learning rate that collapses the model (gradient norm exactly 0, loss ln(vocabulary))",
+        "training.learning_rate",
+        (
+            "found while training: stopped after training.collapse_windows (3) log windows, run.json failed, exit 3 "
+            "(tests/training/test_wrong_results.py::test_a_learning_rate_that_collapses_the_model_ends_failed_not_"
+            "completed; docs/faults.md)"
+        ),
+    ),
     (
         "one row longer than data.max_length among normal rows",
         "data.path",
@@ -940,22 +1162,27 @@ def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str
 
 
 def main() -> int:
+    import contextlib
     import logging
     import tempfile
 
-    import torch
-    from transformers import AutoTokenizer
+    # stdout is the document: what libraries print (DeepSpeed logs its accelerator to stdout) goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        import torch
+        from transformers import AutoTokenizer
 
-    from finetune.modeling.bundled import ensure_bundled_model
-    from finetune.modeling.tiny import save_tiny_llama
+        from finetune.modeling.bundled import ensure_bundled_model
+        from finetune.modeling.tiny import save_tiny_llama
 
-    logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
-    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
-    model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
-    cases = [
-        c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available()) and not (c.needs_root and os.geteuid())
-    ]
-    results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
+        logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
+        root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+        model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
+        cases = [
+            c
+            for c in CASES
+            if not (c.gpu_free_only and torch.cuda.is_available()) and not (c.needs_root and os.geteuid())
+        ]
+        results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
     sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))
     shutil.rmtree(root, ignore_errors=True)

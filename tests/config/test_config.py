@@ -231,3 +231,101 @@ def test_yes_no_on_off_stay_strings_and_true_false_are_booleans(tmp_path):
     assert cfg.training.args["gradient_checkpointing"] is True and cfg.data.packing is False
     with pytest.raises(ConfigError, match="data.packing"):
         load_recipe(str(path), ["--data.packing=yes"])  # a string now, and packing wants a boolean
+
+
+# --- issue 23 category 6: a key given twice, values out of range -----------------------------------
+
+
+def test_a_key_given_twice_is_refused_naming_file_line_and_key(tmp_path):
+    """On main the last value silently won (YAML loaders keep it)."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(
+        "training:\n  max_steps: 3\n  learning_rate: 1.0e-4\n  max_steps: 30\n"
+        "data:\n  path: x.jsonl\ntraining:\n  seed: 1\n"
+        "method:\n  target_modules: [{q: 1, q: 2}]\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_recipe(str(path))
+    assert str(path) in str(err.value)
+    assert err.value.problems == [
+        "line 4: key 'training.max_steps' is given twice (first at line 2); only one value can apply: remove the other",
+        "line 7: key 'training' is given twice (first at line 1); only one value can apply: remove the other",
+        "line 10: key 'method.target_modules[0].q' is given twice (first at line 10); only one value can apply: "
+        "remove the other",
+    ]
+    path.write_text("training:\n  max_steps: 3\n  seed: 3\ndata:\n  max_steps: 3\n")  # control: one per mapping
+    with pytest.raises(ConfigError) as err:
+        load_recipe(str(path))
+    assert "given twice" not in str(err.value) and "data.max_steps: unknown key" in str(err.value)
+
+
+def test_a_key_given_twice_in_a_launch_config_is_refused(tmp_path):
+    from finetune.errors import UserError
+    from finetune.launch.configs import read_deepspeed_json, read_yaml
+
+    launch = tmp_path / "launch.yaml"
+    launch.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nnum_processes: 4\n")
+    with pytest.raises(UserError) as err:
+        read_yaml(launch)
+    assert f"accelerate config {launch}: line 3: key 'num_processes' is given twice (first at line 2)" in str(err.value)
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2, "stage": 3}, "train_batch_size": "auto"}')
+    with pytest.raises(UserError) as err:
+        read_deepspeed_json(ds, "the test")
+    assert f"DeepSpeed config {ds}: key(s) 'stage' given twice in one object" in str(err.value)
+    ds.write_text('{"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}')  # control
+    assert read_deepspeed_json(ds, "the test")["zero_optimization"] == {"stage": 2}
+
+
+@pytest.mark.parametrize(
+    "key,value,allowed",
+    [
+        # each was accepted on main, and trained something else than asked (or nothing)
+        ("training.max_steps", -5, ">= 1, or -1 (unset: training.num_train_epochs decides)"),
+        ("training.max_steps", 0, ">= 1, or -1 (unset: training.num_train_epochs decides)"),
+        ("training.num_train_epochs", 0, "> 0"),
+        ("training.learning_rate", 0, "> 0"),
+        ("training.warmup_steps", 2.5, "a whole number of steps >= 0, or a ratio of the total steps in [0, 1)"),
+        ("training.max_grad_norm", -1.0, ">= 0 (0 turns gradient clipping off)"),
+        ("training.weight_decay", -0.1, ">= 0"),
+        ("training.adam_beta2", 1.0, "in [0, 1)"),
+        ("training.adam_epsilon", 0, "> 0"),
+        ("training.label_smoothing_factor", 1.5, "in [0, 1)"),
+        ("training.per_device_eval_batch_size", 0, ">= 1"),
+        ("training.gradient_accumulation_steps", 0, ">= 1"),
+        ("training.save_steps", 0, "a whole number of steps >= 1, or a ratio of the total steps in (0, 1)"),
+        ("training.save_total_limit", 0, ">= 1"),
+        ("training.seed", -1, "in [0, 2**32)"),
+        ("training.dataloader_num_workers", -2, ">= 0"),
+        ("training.ddp_timeout", 0, ">= 1 s"),
+        ("training.throughput_warmup_steps", -1, ">= 0"),
+        ("training.collapse_windows", 0, ">= 1"),
+        ("method.lora_alpha", 0, "> 0"),
+        ("data.max_length", 0, ">= 8 tokens"),
+        ("data.max_empty_target_share", 1.5, "in [0, 1]"),
+        ("eval.batch_size", 0, ">= 1"),
+    ],
+)
+def test_values_out_of_range_are_refused_naming_key_and_range(key, value, allowed):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError) as err:
+        build_config({section: {name: value}})
+    assert err.value.problems == [f"{key}: must be {allowed}, got {value}"]
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("training.max_steps", -1),  # the documented "unset"
+        ("training.max_steps", 1),
+        ("training.warmup_steps", 0.1),  # a ratio
+        ("training.warmup_steps", 10),
+        ("training.max_grad_norm", 0.0),
+        ("training.save_steps", 0.25),
+        ("training.save_total_limit", None),
+        ("data.max_empty_target_share", 1.0),
+    ],
+)
+def test_values_at_the_edges_of_their_range_are_accepted(key, value):
+    section, name = key.split(".")
+    build_config({section: {name: value}})

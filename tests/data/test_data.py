@@ -383,11 +383,20 @@ def test_wrong_types_are_errors_not_coerced(tokenizer, tmp_path, bad_row, fmt, e
     assert expected in str(info.value)
 
 
-@pytest.mark.parametrize("name, content", [("e.jsonl", b""), ("e.json", b"  \n"), ("e.csv", b""), ("e.parquet", b"")])
-def test_empty_file(tmp_path, name, content):
+@pytest.mark.parametrize(
+    "name, content, what",
+    [
+        ("e.jsonl", b"", "file is empty"),
+        ("e.json", b"  \n", r"file is empty \(3 bytes of blank space\)"),
+        ("e.jsonl", b"\n\r\n\n", r"file is empty \(4 bytes of blank space\)"),
+        ("e.csv", b"", "file is empty"),
+        ("e.parquet", b"", "file is empty"),
+    ],
+)
+def test_empty_file(tmp_path, name, content, what):
     path = tmp_path / name
     path.write_bytes(content)
-    with pytest.raises(DataError, match=rf"{name}: file is empty"):
+    with pytest.raises(DataError, match=rf"{name}: {what}"):
         read_rows(str(path))
 
 

@@ -74,7 +74,7 @@ def test_the_record_of_a_resumed_run_is_whole_run(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from finetune.telemetry.record import RunRecord
-    from finetune.training import run
+    from finetune.training import after_training
 
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
     rec.set("steps", EARLIER + [_entry(4, 0.6, 15, 25, 9.0), _entry(5, 0.4, 15, 25, 1.0)])  # this launch's logs too
@@ -108,7 +108,7 @@ def test_the_record_of_a_resumed_run_is_whole_run(tmp_path, tiny_model_dir):
         "memory": {"per_rank": [], "max": {}, "host_peak_method": "vmhwm", "loading": {"per_rank": [], "max": {}}},
     }
     cfg = SimpleNamespace(training=SimpleNamespace(throughput_warmup_steps=1), method=SimpleNamespace(name="lora"))
-    run.record_figures(
+    after_training.record_figures(
         rec, measured, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=2, train_loss=0.5
     )
     s, tp = rec.view.data["summary"], rec.view.data["throughput"]
@@ -131,13 +131,15 @@ def test_a_figure_error_after_training_leaves_the_run_completed_with_the_reason(
 
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.summary import print_summary
-    from finetune.training import run
+    from finetune.training import after_training
 
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
     rec.update("summary", status="completed", steps=2, wall_s=3.0, train_s=2.0)
     broken = {"step_s": [1.0, 1.0], "input_tokens": [5, 5], "trained_tokens": [2, 2]}  # no memory, no lengths
     cfg = SimpleNamespace(training=SimpleNamespace(throughput_warmup_steps=1), method=SimpleNamespace(name="full"))
-    run.record_figures(rec, broken, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=1, train_loss=1.0)
+    after_training.record_figures(
+        rec, broken, AutoModelForCausalLM.from_pretrained(tiny_model_dir), cfg, world=1, train_loss=1.0
+    )
     data = rec.view.data
     assert data["summary"]["status"] == "completed" and data["memory"] is None
     assert data["throughput"]["mfu"] is None and data["throughput"]["mfu_note"].startswith(

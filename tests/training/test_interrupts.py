@@ -145,8 +145,9 @@ def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resum
 ):
     """Training is done, the evaluation after it is running (held open): SIGTERM to the rank only
     (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of the final
-    step and exit 75 from `finetune train`, one line; --resume trains nothing more (Trainer alone
-    would train one step past max_steps: steps would be 3), evaluates and exports."""
+    step and exit 75 from `finetune train`, one line, the export already written; --resume trains
+    nothing more (Trainer alone would train one step past max_steps: steps would be 3), exports and
+    evaluates."""
     run_dir = tmp_path / "run"
     evaluate = ["--eval.exact_match=true", "--eval.before=false", "--data.demo_heldout_size=4", "--eval.samples=4"]
     cmd = train_command(tiny_model_dir, run_dir, 2, *evaluate)
@@ -159,7 +160,7 @@ def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resum
     assert out.count("SIGTERM received") == 1 and "Traceback" not in out, out[-4000:]
     summary = _record(run_dir)["summary"]
     assert summary["status"] == "interrupted" and "SIGTERM on rank(s) [0]" in summary["error"], summary
-    assert not (run_dir / "model").exists()
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file()  # the export comes before the evaluation
     assert _complete(run_dir) == ["checkpoint-2"]
     args = cmd[cmd.index("train") + 1 : -1]
     code, out, _ = cli_train([*args, "--resume"], run_dir=run_dir, env={})

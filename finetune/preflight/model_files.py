@@ -1,0 +1,175 @@
+"""The model's own files, read before any weights load: is it a causal LM, and are its weight files
+whole? And, once the tokenizer and the data exist, does the model's embedding cover every token id
+the run will feed it?
+
+    model_problems(cfg)                          # preflight: config.json and the weight files' headers
+    check_vocabulary(model_cfg, tokenizer, bundle)   # the data phase, before the model loads
+
+Only files on this machine are read (a local directory, or a hub id's cached snapshot).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+from finetune.errors import UserError
+
+# What from_pretrained reads, in its order of preference: the index (shards) or the single file.
+_WEIGHTS = (
+    ("model.safetensors.index.json", "safetensors"),
+    ("model.safetensors", "safetensors"),
+    ("pytorch_model.bin.index.json", "bin"),
+    ("pytorch_model.bin", "bin"),
+)
+_REFETCH = "copy or download the model again (a hub model: `hf download <id>`), or re-save it with save_pretrained"
+
+
+def model_problems(cfg) -> list[str]:
+    """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
+    this machine (finetune/preflight/checks.py model_source says why)."""
+    from finetune.config.sections import BUNDLED_MODEL
+
+    name = cfg.model.name_or_path
+    if name == BUNDLED_MODEL:
+        return []
+    folder = local_folder(name, cfg.model.revision)
+    config = folder / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return []
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return [f"model.name_or_path: {config}: not a readable JSON file ({e}); {_REFETCH}"]
+    problems = [] if not isinstance(values, dict) else [causal_lm_problem(values, config)]
+    problems.append(weights_problem(folder))
+    return [f"model.name_or_path: {p}" for p in problems if p]
+
+
+def local_folder(name: str, revision: str | None) -> Path | None:
+    """The directory holding the model's files: the local directory, or the cached hub snapshot."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def causal_lm_problem(config: dict, source: Path) -> str | None:
+    """Why config.json's model cannot be fine-tuned as a causal LM, or None. Accepted: what transformers'
+    MODEL_FOR_CAUSAL_LM_MAPPING loads as a decoder (or the model's own AutoModelForCausalLM code)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return None  # its own code (model.trust_remote_code)
+    model_type, archs = config.get("model_type"), config.get("architectures") or []
+    accepted = (
+        f"accepted: decoder-only models with a causal-LM class in transformers (MODEL_FOR_CAUSAL_LM_MAPPING: "
+        f"llama, mistral, qwen2, gemma, phi3, gpt2 and {len(CAUSAL) - 6} more)"
+    )
+    what = f"{source}: model_type {model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
+    if model_type not in CAUSAL:
+        return f"{what} has no causal-LM class in transformers, so it cannot be fine-tuned here; {accepted}"
+    config_class = CONFIG_MAPPING[model_type]
+    if config.get("is_encoder_decoder", getattr(config_class, "is_encoder_decoder", False)):
+        return (
+            f"{what} is an encoder-decoder (seq2seq) model: as a causal LM its decoder would train alone, without "
+            f"the encoder it was trained with; {accepted}"
+        )
+    causal_classes = set(CAUSAL.values())
+    if config.get("is_decoder", getattr(config_class, "is_decoder", True)) is False and not (
+        set(archs) & causal_classes
+    ):
+        return (
+            f"{what} is an encoder (is_decoder: false): its attention sees every position, the answer included, "
+            f"so trained as a causal LM it would learn to copy, not to predict; {accepted}"
+        )
+    return None
+
+
+def weights_problem(folder: Path) -> str | None:
+    """The first weight file from_pretrained would read that is not whole, named with what is wrong."""
+    for name, kind in _WEIGHTS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return _file_problem(path, kind)
+        try:
+            shards = sorted(set(json.loads(path.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"{path}: not a readable shard index ({type(e).__name__}: {e}); {_REFETCH}"
+        for shard in shards:
+            if not (folder / shard).is_file():
+                return f"{folder / shard}: missing (listed in {name}); {_REFETCH}"
+            why = _file_problem(folder / shard, kind)
+            if why:
+                return why
+        return None
+    return None  # no weight file of these: from_pretrained names what it looked for
+
+
+def _file_problem(path: Path, kind: str) -> str | None:
+    size = path.stat().st_size
+    if kind == "bin":
+        try:  # a zip archive (torch.save since 1.6): its directory is at the end, so a cut file has none
+            zipfile.ZipFile(path).close()
+        except zipfile.BadZipFile:
+            with open(path, "rb") as f:
+                if f.read(2) != b"PK":
+                    return None  # the legacy pickle format: not checked
+            return f"{path}: {size} bytes and no zip directory at its end: cut short (truncated); {_REFETCH}"
+        return None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        declared = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if declared < 0 or declared > size - 8:
+            return f"{path}: {size} bytes, too short for the safetensors header it starts with (truncated); {_REFETCH}"
+        try:
+            header = json.loads(f.read(declared))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return f"{path}: the safetensors header does not parse (a damaged or foreign file); {_REFETCH}"
+    expected = 8 + declared + end
+    if size != expected:
+        cut = "cut short (truncated)" if size < expected else "longer than its header says (damaged)"
+        return f"{path}: {size:,} bytes, but its header describes {expected:,}: {cut}; {_REFETCH}"
+    return None
+
+
+def check_vocabulary(model_cfg, tokenizer, bundle) -> None:
+    """Every token id the run feeds the model (the data's, the pad id) must have an embedding row;
+    an id past the embedding is an IndexError at step 1. Read from config.json, before the weights."""
+    from transformers import AutoConfig
+
+    from finetune.modeling.load import resolve_model_path
+
+    path = resolve_model_path(model_cfg.name_or_path)
+    config = AutoConfig.from_pretrained(
+        path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+    )
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(rows, int):
+        return
+    ids = [max(max(r) for r in split["input_ids"]) for split in (bundle.train, bundle.eval) if split is not None]
+    highest = max([*ids, tokenizer.pad_token_id or 0])
+    if highest < rows:
+        return
+    tok = model_cfg.tokenizer_name_or_path or model_cfg.name_or_path
+    raise UserError(
+        f"model.name_or_path: {model_cfg.name_or_path}: the model's embedding has {rows:,} rows (config.json "
+        f"vocab_size) but the tokenizer ({tok}, {len(tokenizer):,} tokens) gives token id {highest:,} "
+        f"({tokenizer.convert_ids_to_tokens(highest)!r}) to this run: training would stop at step 1 with an "
+        f"IndexError. Use the tokenizer that belongs to this model (model.tokenizer_name_or_path), or resize "
+        f"the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer)), then "
+        f"save_pretrained) and fine-tune that"
+    )
