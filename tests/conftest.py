@@ -156,6 +156,13 @@ def launch_train(
     return Launch(code, out, err, run_dir)
 
 
+def logged_steps(record: dict, steps: int) -> list[dict]:
+    """A run record's steps[] entries with a loss: exactly steps 1..`steps`, each once."""
+    out = [s for s in record["steps"] if s.get("loss") is not None]
+    assert [s["step"] for s in out] == list(range(1, steps + 1)), record["steps"]
+    return out
+
+
 @pytest.fixture
 def launch():
     return launch_train

@@ -17,7 +17,14 @@ MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # its options, cli/options.py, which the launch script's run and preflight read too.
 LAYERS = [
     {"finetune.errors"},
-    {"finetune.units", "finetune.strategies", "finetune.resources", "finetune.batch", "finetune.cli.options"},
+    {
+        "finetune.units",
+        "finetune.strategies",
+        "finetune.resources",
+        "finetune.batch",
+        "finetune.mesh",
+        "finetune.cli.options",
+    },
     {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},

@@ -36,6 +36,7 @@ class Written:
     method: dict | None = None
     model: dict | None = None
     data: dict | None = None
+    mesh: dict | None = None  # {sp, tp, cp} of the live mesh that wrote it (None: written before meshes)
 
 
 # --- identities written into the marker and compared on resume ------------------------------------
@@ -108,6 +109,7 @@ def layout(strategy: dict, batch: dict) -> dict:
         "per_device": batch.get("per_device"),
         "grad_accum": batch.get("grad_accum"),
         "effective": batch.get("effective"),
+        "mesh": {k: (strategy.get("parallel") or {}).get(k, 1) for k in ("sp", "tp", "cp")},
     }
 
 
@@ -156,7 +158,7 @@ def read(ckpt: Path) -> Written:
             if run
             else f"{ckpt.name}/{checkpoints.MARKER} (world size only: written before the marker recorded more)"
         )
-    for key in ("strategy", "offload", "per_device", "grad_accum", "effective", "method", "model", "data"):
+    for key in ("strategy", "offload", "per_device", "grad_accum", "effective", "method", "model", "data", "mesh"):
         setattr(written, key, (run or {}).get(key))
     return written
 

@@ -57,7 +57,7 @@ def save_config(run_dir: Path, config: dict) -> Path:
 
 
 HISTORY_KEYS = ("from", "step", "at", "previous_status", "steps_discarded")  # summary.resume_history entries
-LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", "effective")
+LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", "effective", "mesh")
 
 
 def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:

@@ -28,6 +28,7 @@ FAMILIES = {
     "zero3": "zero3",
     "fsdp": "fsdp",
 }
+TRIVIAL_MESH = {"sp": 1, "tp": 1, "cp": 1}
 RESHARD = {
     "single/ddp": "replicated",
     "zero1": "universal",
@@ -59,6 +60,12 @@ class Launch:
     data: dict  # data_order_settings()
     training: dict  # cfg.training.args
     lora_dropout: float = 0.0
+    mesh: dict = field(default_factory=lambda: dict(TRIVIAL_MESH))  # {sp, tp, cp} (finetune/mesh.py)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take their own micro-batches: world / (sp x tp x cp)."""
+        return max(1, self.world_size // math.prod(self.mesh.values()))
 
 
 @dataclass
@@ -78,11 +85,12 @@ class ResumePlan:
     position: dict | None  # {epoch, samples_into_epoch, samples_per_epoch}
     data: dict | None  # the checkpoint's data block, checked once the data is built
     notes: list[str] = field(default_factory=list)
+    data_parallel: int | None = None  # data-parallel ranks of this launch (None: the world size)
 
     @property
     def effective_now(self) -> int:
         """The effective batch under this launch (the checkpoint's, unless it did not record one)."""
-        return effective_batch(self.per_device, self.grad_accum, self.world_size)
+        return effective_batch(self.per_device, self.grad_accum, self.data_parallel or self.world_size)
 
     @property
     def layout_changed(self) -> bool:
@@ -97,6 +105,7 @@ class ResumePlan:
 def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> Launch:
     from finetune.config.recipe import parse_overrides
 
+    par = cfg.parallel
     explicit = parse_overrides(list(overrides))[0].get("training", {})
     a = cfg.training.args
     return Launch(
@@ -111,6 +120,7 @@ def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides:
         data=data_order_settings(cfg),
         training=dict(a),
         lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0),
+        mesh={"sp": par.sp_size, "tp": par.tp_size, "cp": par.cp_size},
     )
 
 
@@ -125,8 +135,9 @@ def allowed_world_sizes(effective: int, per_device: int) -> list[int]:
 
 
 def plan(w: Written, launch: Launch) -> ResumePlan:
-    name, M, N = Path(w.checkpoint).name, launch.world_size, w.world_size
-    problems: list[str] = []
+    # M, N: processes now and then (states, RNG streams); D: data-parallel ranks now (the batch arithmetic)
+    name, M, N, D = Path(w.checkpoint).name, launch.world_size, w.world_size, launch.data_parallel
+    problems: list[str] = _mesh_problems(name, w, launch)
     old_family, new_family = FAMILIES.get(w.strategy or ""), FAMILIES.get(launch.strategy)
     if w.strategy is not None and old_family != new_family:
         problems.append(
@@ -147,22 +158,22 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
                 f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
                 f"world size that wrote it: --num_processes {N}"
             )
-    elif E % (M * per_device):
+    elif E % (D * per_device):
         allowed = allowed_world_sizes(E, per_device)
         use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
         problems.append(
             f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
-            f"accumulation {w.grad_accum}; {M} process(es) x {per_device} per device cannot make {E} "
-            f"({E}/{M * per_device} is not a whole accumulation). Use {use}"
+            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
+            f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
             f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
         )
     else:
-        grad_accum = E // (M * per_device)
+        grad_accum = E // (D * per_device)
         given = launch.explicit.get("gradient_accumulation_steps")
         if given is not None and given != grad_accum:
             problems.append(
                 f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
-                f"{E}: {M} x {per_device} x {given} = {M * per_device * given}; leave it out (on resume it "
+                f"{E}: {D} x {per_device} x {given} = {D * per_device * given}; leave it out (on resume it "
                 f"is recomputed, here {grad_accum}) or make the product {E}"
             )
     # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
@@ -171,7 +182,7 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     position = None
     skips = not launch.training.get("ignore_data_skip")  # otherwise Trainer starts the epoch over: no position
     if not problems and E is not None and w.data and w.data.get("train_rows") and skips:
-        position, problem = _position(name, w, M, per_device, grad_accum)
+        position, problem = _position(name, w, D, per_device, grad_accum)
         problems += [problem] if problem else []
     if problems:
         raise ConfigError(problems, f"--resume {w.checkpoint} (nothing was loaded)")
@@ -207,7 +218,37 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
         position=position,
         data=w.data,
         notes=notes,
+        data_parallel=D,
     )
+
+
+def _ranks(data_parallel: int, processes: int) -> str:
+    if data_parallel == processes:
+        return f"{processes} process(es)"
+    return f"{data_parallel} data-parallel rank(s) ({processes} processes)"
+
+
+def _mesh_problems(name: str, w: Written, launch: Launch) -> list[str]:
+    """A checkpoint resumes under the mesh that wrote it, at the world size that wrote it when that
+    mesh splits anything: its states are laid out per sequence/tensor-parallel rank, and no resharding
+    of Ulysses or AutoTP states is known to work here (DeepSpeed's universal checkpoint is not shown to)."""
+    old = {**TRIVIAL_MESH, **(w.mesh or {})}
+    new = launch.mesh
+    same = f"--num_processes {w.world_size} " + " ".join(f"--parallel.{k}_size={v}" for k, v in old.items())
+    if old != new:
+        return [
+            f"{name} was written under the mesh sp {old['sp']} x tp {old['tp']} x cp {old['cp']} on {w.world_size} "
+            f"rank(s); this launch asks for sp {new['sp']} x tp {new['tp']} x cp {new['cp']}. Its states are laid "
+            f"out for its own mesh and are not resharded across meshes; resume with {same} (the effective batch "
+            f"and data position are kept under it)"
+        ]
+    if old != TRIVIAL_MESH and launch.world_size != w.world_size:
+        return [
+            f"{name} was written under the mesh sp {old['sp']} x tp {old['tp']} x cp {old['cp']} on {w.world_size} "
+            f"rank(s); this launch has {launch.world_size} process(es). Under a mesh a checkpoint resumes only at "
+            f"its own world size (Ulysses/AutoTP states are not resharded here); resume with {same}"
+        ]
+    return []
 
 
 def _reshard(family: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
@@ -374,6 +415,11 @@ RESHARD_WORDS = {
 }
 
 
+def _data_parallel_words(p: ResumePlan) -> str:
+    dp = p.data_parallel or p.world_size
+    return f" ({dp} data-parallel)" if dp != p.world_size else ""
+
+
 def describe(p: ResumePlan) -> str:
     """The console lines (rank 0, before the model loads)."""
     w = p.written
@@ -386,7 +432,8 @@ def describe(p: ResumePlan) -> str:
     kept = "kept" if p.effective else "as configured"
     lines = [
         f"resuming {p.checkpoint} (step {p.step}): written by {old} ({w['strategy'] or 'strategy not recorded'})",
-        f"  now {p.world_size} process(es) x {p.per_device} per device x accumulation {p.grad_accum} = effective "
+        f"  now {p.world_size} process(es){_data_parallel_words(p)} x {p.per_device} per device x accumulation "
+        f"{p.grad_accum} = effective "
         f"batch {p.effective_now} ({kept}), {p.strategy}",
         f"  states: {RESHARD_WORDS[p.reshard]}",
     ]

@@ -66,6 +66,8 @@ def strategy_names() -> list[str]:
             continue
         if run["strategy"] == "single" and method.get("name") != "qlora":
             continue  # one process with the recipe's own method: that is `single`
+        if any(v != 1 for v in (values.get("parallel") or {}).values()):
+            continue  # a mesh recipe (zero3_sp, zero2_tp): the sweep varies the strategy, not the mesh
         names.append(name)
     return names
 

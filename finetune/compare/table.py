@@ -262,6 +262,12 @@ def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | Non
     return fits[0] if fits else None
 
 
+def _mesh(run: Run) -> str:
+    """` sp2`, ` tp2`, ...: the run's live mesh (strategy.parallel) where it splits anything."""
+    par = run.get("strategy", "parallel") or {}
+    return "".join(f" {k}{par[k]}" for k in ("sp", "tp", "cp") if (par.get(k) or 1) > 1)
+
+
 def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tuple[dict, dict]:
     why: dict[str, str] = {}
     strategy = run.get("strategy", "name")
@@ -269,7 +275,9 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     row = {
         "run": run.label + (" [baseline]" if run is base else ""),
         "status": run.status,
-        "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "")) if strategy else None,
+        "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "") + _mesh(run))
+        if strategy
+        else None,
         "method": run.get("strategy", "method") or run.get("config", "method", "name"),
         "precision": run.get("precision", "policy"),
         "comparable": None,

@@ -110,6 +110,22 @@ class DataConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How each step is split across ranks beyond data parallelism (finetune/mesh.py,
+    docs/parallelism.md). Data-parallel size = world size / (sp_size x tp_size x cp_size)."""
+
+    # Ulysses sequence parallelism (DeepSpeed ALST, run.strategy zero1/zero2/zero3): each rank holds
+    # 1/sp_size of every sequence; attention heads are split after an all-to-all.
+    sp_size: int = 1
+    # Tensor parallelism from the model's own tp plan (DeepSpeed AutoTP, zero1/zero2, method full).
+    tp_size: int = 1
+    # Context parallelism (torch ring attention, FSDP2 + SDPA, CUDA only).
+    cp_size: int = 1
+    # Pipeline parallelism: refused unless 1 (Trainer has no pipeline schedule; finetune/mesh.py).
+    pp_size: int = 1
+
+
+@dataclass
 class EvalConfig:
     """Task evaluation: exact match of greedy generations on held-out rows."""
 
@@ -228,6 +244,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     recipe: str = "custom"  # name of the recipe the values came from
@@ -261,6 +278,7 @@ SECTION_CLASSES = {
     "data": DataConfig,
     "training": TrainingConfig,
     "eval": EvalConfig,
+    "parallel": ParallelConfig,
     "logging": LoggingConfig,
     "run": RunConfig,
 }

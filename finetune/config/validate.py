@@ -151,6 +151,69 @@ def _cross_checks(cfg: Config) -> list[str]:
         )
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
+    return p + _parallel_checks(cfg)
+
+
+def _parallel_checks(cfg: Config) -> list[str]:
+    """The `parallel` section against the rest of the recipe (what the launch adds, world size, strategy
+    and device, is checked by finetune/preflight/parallel.py). docs/parallelism.md has the why of each."""
+    from finetune import mesh
+
+    par, d, m = cfg.parallel, cfg.data, cfg.method
+    sizes = {k: getattr(par, k) for k in ("sp_size", "tp_size", "cp_size", "pp_size")}
+    bad = [f"parallel.{k}: must be >= 1, got {v}" for k, v in sizes.items() if v < 1]
+    if bad:
+        return bad
+    p = []
+    if par.pp_size != 1:
+        p.append(f"parallel.pp_size: {par.pp_size}: {mesh.PIPELINE_REFUSAL}; set parallel.pp_size: 1")
+    sp, tp, cp = par.sp_size, par.tp_size, par.cp_size
+    if sp > 1 and cp > 1:
+        p.append(
+            f"parallel.sp_size {sp} and parallel.cp_size {cp}: both split the sequence (Ulysses under DeepSpeed, "
+            f"ring attention under FSDP2) and cannot be combined; keep one of them and set the other to 1"
+        )
+    if tp > 1 and (sp > 1 or cp > 1):
+        p.append(
+            f"parallel.tp_size {tp} with sp_size {sp} / cp_size {cp}: tensor parallelism is not composed with "
+            f"sequence or context parallelism here (AutoTP's and Ulysses' process groups are separate engines); "
+            f"use tp_size alone (wide layers) or sp_size alone (long sequences)"
+        )
+    split, why = (sp, "sp_size") if sp > 1 else (2 * cp, "2 x cp_size") if cp > 1 else (1, "")
+    if split > 1:
+        if d.max_length % split:
+            lower, upper = d.max_length - d.max_length % split, d.max_length + split - d.max_length % split
+            p.append(
+                f"data.max_length {d.max_length} is not divisible by {why} = {split}: every sequence is cut into "
+                f"{split} equal shards (one per rank{', two per rank for load balance' if cp > 1 else ''}); "
+                f"set data.max_length to a multiple of {split} (e.g. {lower} or {upper})"
+            )
+        for key in ("packing", "padding_free"):
+            if getattr(d, key):
+                p.append(
+                    f"data.{key}: true with parallel.{'sp_size' if sp > 1 else 'cp_size'} > 1: the sequence-split "
+                    f"attention drops the attention mask and attends causally over the whole row, so packed "
+                    f"examples would see each other; set data.{key}: false (rows are padded instead)"
+                )
+        allowed = ("sdpa", "flash_attention_2", "flash_attention_3") if sp > 1 else ("sdpa",)
+        if cfg.model.attn_implementation not in allowed:
+            p.append(
+                f"model.attn_implementation {cfg.model.attn_implementation!r} with parallel."
+                f"{'sp_size' if sp > 1 else 'cp_size'} > 1: allowed {', '.join(allowed)} (eager builds the "
+                f"4D mask the split attention cannot use{'; ring attention runs over SDPA only' if cp > 1 else ''})"
+            )
+    if sp > 1 and cfg.training.args.get("label_smoothing_factor"):
+        p.append(
+            f"training.label_smoothing_factor {cfg.training.args['label_smoothing_factor']} with parallel.sp_size "
+            f"{sp}: the sequence-parallel loss is the token-weighted negative log-likelihood summed over the "
+            f"shards; set label_smoothing_factor: 0"
+        )
+    if tp > 1 and m.name != "full":
+        p.append(
+            f"method.name {m.name!r} with parallel.tp_size {tp}: AutoTP shards the model's nn.Linear weights, and "
+            f"peft's LoRA{'/4-bit' if m.name == 'qlora' else ''} layers are not sharded with them (DeepSpeed 0.19, "
+            f"peft 0.21); use method.name: full with tp_size, or sp_size / ZeRO-3 for {m.name}"
+        )
     return p
 
 

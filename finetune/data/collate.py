@@ -13,7 +13,9 @@ Which layouts are safe with which attention implementation: finetune/training/sp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -68,10 +70,15 @@ def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | N
     return out
 
 
-def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict]], dict]:
+def make_collator(
+    data_cfg, model_cfg, pad_token_id: int, *, shards: SequenceShards | None = None
+) -> Callable[[list[dict]], dict]:
     """The batch builder for the configured layout (see the module docstring). With
-    data.pad_to_multiple_of every batch's length is rounded up to that multiple (shape bucketing)."""
+    data.pad_to_multiple_of every batch's length is rounded up to that multiple (shape bucketing);
+    with `shards` (sequence parallelism) batches are cut into equal shards (sharded_batch)."""
     multiple = getattr(data_cfg, "pad_to_multiple_of", None)
+    if shards is not None:
+        return lambda features: sharded_batch(features, pad_token_id, multiple, shards)
     if getattr(data_cfg, "padding_free", False):
         from transformers import DataCollatorWithFlattening
 
@@ -103,6 +110,50 @@ def make_collator(data_cfg, model_cfg, pad_token_id: int) -> Callable[[list[dict
     if getattr(data_cfg, "packing", False):
         return lambda features: count_real_tokens(collate(features, pad_token_id, multiple), features)
     return lambda features: collate(features, pad_token_id, multiple)
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """How Ulysses sequence parallelism cuts batches (DeepSpeed's UlyssesSPDataLoaderAdapter gathers
+    each rank's batch and gives every rank 1/sp of its positions)."""
+
+    sp: int  # shards per row: its length must be a multiple
+    rows: int  # micro-batch rows: Ulysses' attention is built for this batch size
+    length: int | None  # every batch padded to it: gloo gathers only equal shapes (None: NCCL, any)
+    # False for context parallelism: Trainer accepts only a causal mask there, so the batch states its
+    # real tokens per row instead (REAL_TOKENS_KEY) and the right padding stays unseen by causality
+    mask: bool = True
+
+    @classmethod
+    def of(cls, mesh, rows: int, max_length: int, *, cuda: bool) -> SequenceShards | None:
+        """How a run's batches are cut under its mesh (finetune/mesh.py), None without sequence or
+        context parallelism. Ulysses over gloo (CPU): every batch max_length long. Context
+        parallelism: 2 chunks per rank (torch's load-balanced ring), no mask."""
+        if mesh.sp > 1:
+            return cls(mesh.sp, rows, None if cuda else max_length)
+        if mesh.cp > 1:
+            return cls(2 * mesh.cp, rows, None, mask=False)
+        return None
+
+
+def sharded_batch(features: list[dict], pad_token_id: int, multiple: int | None, shards: SequenceShards) -> dict:
+    """A padded batch for sequence parallelism: its length a multiple of sp (or `shards.length`),
+    position_ids (Ulysses gathers them to rebuild the causal order; it drops the attention mask), and
+    at least `shards.rows` rows: a short last batch gets filler rows (pad tokens, labels -100, mask 0),
+    which add no loss and no counted token."""
+    filler = {"input_ids": [pad_token_id], "labels": [IGNORE_INDEX], "filler": True}
+    rows = list(features) + [filler] * max(0, shards.rows - len(features))
+    longest = max(len(f["input_ids"]) for f in rows)
+    width = round_up(max(longest, shards.length or 0), math.lcm(multiple or 1, shards.sp))
+    out = collate(rows, pad_token_id, width)  # round_up(longest, width) = width
+    for i, f in enumerate(rows):
+        if f.get("filler"):
+            out["attention_mask"][i] = 0
+    n, width = out["input_ids"].shape
+    out["position_ids"] = torch.arange(width, dtype=torch.long).repeat(n, 1)
+    if not shards.mask:
+        out[REAL_TOKENS_KEY] = out.pop("attention_mask").sum(-1)
+    return out
 
 
 def count_real_tokens(batch: dict, features: list[dict]) -> dict:

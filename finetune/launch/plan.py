@@ -14,6 +14,8 @@ from finetune.launch import nodes
 from finetune.launch.configs import LaunchFacts
 from finetune.launch.nodes import RankPlace, SlurmStep
 from finetune.launch.strategy_setup import LaunchSetup
+from finetune.mesh import Mesh
+from finetune.mesh import of as mesh_of
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Machines:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What this launch sets up. The parallel mesh (sequence, tensor, context parallel sizes) goes here
-    too; until it exists every process is a data-parallel rank."""
+    """What this launch sets up, its parallel mesh included (sequence, tensor, context parallel sizes:
+    finetune/mesh.py); every consumer of the data-parallel size reads it from here."""
 
     facts: LaunchFacts  # as the launch's accelerate config, its environment or the recipe's row say it
     setup: LaunchSetup | None  # who sets the strategy up; None before a launch (`finetune train`)
@@ -54,11 +56,12 @@ class LaunchPlan:
     policy: precision.Policy  # training.precision, `auto` resolved for the launch's device
     family: str  # torch | fsdp2 | deepspeed: who applies the policy (finetune/precision.py)
     cuda: bool  # the processes compute on CUDA devices (not CPU, gloo, or use_cpu)
+    mesh: Mesh  # the recipe's `parallel` sizes over world_size (the live mesh: run.json strategy.parallel)
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that each take their own micro-batches: world_size / (sp x tp x cp) once a mesh exists."""
-        return self.world_size
+        """Ranks that each take their own micro-batches: world_size / (sp x tp x cp)."""
+        return self.mesh.dp
 
     @property
     def distributed_type(self) -> str:
@@ -108,6 +111,7 @@ class LaunchPlan:
             policy=policy,
             family=precision.family_of_distributed_type(facts.distributed_type),
             cuda=cuda,
+            mesh=mesh_of(cfg.parallel, facts.num_processes),
         )
 
     @classmethod

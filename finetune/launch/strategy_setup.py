@@ -119,12 +119,15 @@ def prepare(setup: LaunchSetup, env=os.environ) -> None:
         env.pop("ACCELERATE_USE_CPU")
 
 
-def adopt_deepspeed_comm(setup: LaunchSetup) -> None:
-    """DeepSpeed rows engaged in-script: deepspeed.comm wraps the torch group PartialState made
-    (deepspeed/comm/comm.py init_distributed: "The user initialized torch.dist themselves")."""
+def adopt_deepspeed_comm(setup: LaunchSetup, *, sequence_parallel: bool = False) -> None:
+    """DeepSpeed rows engaged in-script, and every Ulysses run (Accelerate registers Ulysses' groups
+    before DeepSpeed's engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier):
+    deepspeed.comm wraps the torch group PartialState made (deepspeed/comm/comm.py init_distributed:
+    "The user initialized torch.dist themselves")."""
     import torch.distributed as dist
 
-    if setup.set_up_by != "recipe" or setup.row.zero_stage is None or not dist.is_initialized():
+    in_script = setup.set_up_by == "recipe" and setup.row.zero_stage is not None
+    if not (in_script or sequence_parallel) or not dist.is_initialized():
         return
     import deepspeed.comm
 

@@ -224,6 +224,7 @@ def resolve(
     device_type: str = "cpu",
     tokens: int | None = None,
     chunk: int | None = None,
+    tensor_parallel: int = 1,
 ) -> tuple[str, str | None]:
     """(the implementation to install, why `auto` fell back to standard or None). Explicit
     choices that cannot be honoured raise: ConfigError for the model/options, UserError for the
@@ -238,6 +239,11 @@ def resolve(
     why = check_supported(causal_lm(model))
     if label_smoothing:  # Trainer then takes the labels out of the batch and needs the logits
         why.append(f"training.label_smoothing_factor {label_smoothing} needs the full logits")
+    if tensor_parallel > 1:  # DeepSpeed builds its engine after the loss is installed
+        why.append(
+            f"parallel.tp_size {tensor_parallel}: AutoTP replaces the output head with its own split layer, "
+            f"which the chunked loss cannot drive"
+        )
     if requested == "auto":
         if why:
             return "standard", "; ".join(why)
@@ -281,6 +287,7 @@ def install(
     use_liger_kernel: bool = False,
     device_type: str = "cpu",
     tokens: int | None = None,
+    tensor_parallel: int = 1,
 ) -> dict:
     """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it.
     Returns run.json `speed.loss_impl`."""
@@ -292,6 +299,7 @@ def install(
         device_type=device_type,
         tokens=tokens,
         chunk=chunk,
+        tensor_parallel=tensor_parallel,
     )
     lm = causal_lm(model)
     head = lm.get_output_embeddings()

@@ -171,29 +171,36 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     qrot = max(q_src, f.stream)  # q * cos, cos in the stream's dtype (LlamaRotaryEmbedding: .to(x.dtype))
     attn_b = B16 if f.autocast else qrot  # SDPA is on autocast's lower-precision list
     kind = attention_kind(w, attn_b)
-    rows, s = w.rows, w.row_len
     n_rep = H // sh.kv_heads
+    # Ulysses (sp > 1): after its all-to-all a rank attends over the whole row with heads / sp (q: the
+    # same elements as its shard x every head); k and v keep kv_heads / sp heads, at least one (each
+    # rank's copy of a replicated kv head: UlyssesSPAttentionHF kv_replication_factor)
+    rows, s, Ha = w.rows, w.row_len * w.sp, H // w.sp
+    kv_att = kv if w.sp == 1 else w.sp * max(1, sh.kv_heads // w.sp) * sh.head_dim
     if kind in ("flash", "efficient"):
         # saved: q, k, v, the output and an fp32 logsumexp per row and head. With a mask,
         # transformers repeats k and v to every head (repeat_kv: a copy unless kv_heads == 1)
         # and SDPA converts the bool mask to a float bias per call, saved (convert_boolean_attn_mask)
-        kvw = q if (w.attention_mask and n_rep > 1 and sh.kv_heads > 1) else kv
+        kvw = q if (w.attention_mask and n_rep > 1 and sh.kv_heads > 1) else kv_att
         lse_len = _up(s, MEM_EFFICIENT_LSE_ALIGN) if kind == "efficient" else s
-        per["attention"] = attn_b * T * (q + 2 * kvw) + attn_b * T * q + F32 * rows * H * lse_len
+        per["attention"] = attn_b * T * (q + 2 * kvw) + attn_b * T * q + F32 * rows * Ha * lse_len
         if w.attention_mask and kind == "efficient":
             per["attention"] += attn_b * rows * s * _up(s, MEM_EFFICIENT_BIAS_ALIGN)
-        out_copy = False  # the kernels write (b, s, heads, d): transpose(1, 2).contiguous() is a view
+        # the kernels write (b, s, heads, d): transpose(1, 2).contiguous() is a view; Ulysses sends the
+        # output through its all-to-all, so o_proj reads (and saves) a new tensor
+        out_copy = w.sp > 1
     elif kind == "math":
         # aten _scaled_dot_product_attention_math: q * sqrt(scale), repeated k * sqrt(scale), repeated v,
         # and the softmax output (b x heads x s x s)
-        per["attention"] = attn_b * T * q * 3 + attn_b * rows * H * s * s
+        per["attention"] = attn_b * T * q * 3 + attn_b * rows * Ha * s * s
         out_copy = True
     else:
         # transformers eager_attention_forward: q, repeat_kv'd k and v, softmax in fp32 (saved) and
         # its cast back to the query's dtype (saved by the second matmul; none when fp32)
         kvw = q if n_rep > 1 and sh.kv_heads > 1 else kv
-        per["attention"] = attn_b * T * (q + 2 * kvw) + (F32 + (attn_b if attn_b != F32 else 0)) * rows * H * s * s
+        per["attention"] = attn_b * T * (q + 2 * kvw) + (F32 + (attn_b if attn_b != F32 else 0)) * rows * Ha * s * s
         out_copy = True
+    s = w.row_len  # the rest of the block sees this rank's positions
     o_in, o_shared = consumers(attn_b, ["o_proj"])
     per["o_input"] = 0 if (o_shared and not out_copy) else o_in  # the kernel's own output when not copied
     g = f.lin_out
@@ -214,7 +221,8 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     # the final norm, and lm_head's input when it trains (under autocast a bf16 cast of it)
     head_in = ((B16 if f.autocast and y != B16 else y) * T * h) if full else 0
     final = norm(h, 1) + head_in
-    pos_rows = rows if w.layout != "padded" else 1  # cos/sin follow position_ids: (1 or b, s, head_dim)
+    # cos/sin follow position_ids: (1 or b, s, head_dim); sequence-parallel batches carry position_ids
+    pos_rows = rows if (w.layout != "padded" or w.sp > 1 or w.cp > 1) else 1
     rotary = 2 * pos_rows * s * sh.head_dim * f.stream
     indices = INT64 * T  # the loss's shifted targets (ForCausalLMLoss: a contiguous copy, saved by nll_loss)
     cast_layer = cast_head = 0

@@ -33,6 +33,8 @@ def step_traffic(shape: Shape, w: Workload, strategy: str, n: int, regime: Regim
     updated parameters gathered in the module's dtype, and ZeRO-3/FSDP2 gather what forward reads."""
     st = by_key(strategy)
     p = regime
+    mp = _model_parallel_traffic(shape, w, p)
+    shape, n = shape.tp_local(w.tp), max(1, n // w.tp)  # ZeRO/FSDP over the ranks of one tp shard
     if w.method == "full":
         trainable = shape.params.total
         all_bytes = trainable * p.param_compute
@@ -62,7 +64,25 @@ def step_traffic(shape: Shape, w: Workload, strategy: str, n: int, regime: Regim
         h2d["updated params host->device"] = s_w / n
     if st.offload_params:
         h2d["params host->device (forward + backward)"] = 2 * a * all_bytes / n
-    return {"collectives": coll, "host_device": h2d}
+    return {"collectives": {**coll, **mp}, "host_device": h2d}
+
+
+def _model_parallel_traffic(shape: Shape, w: Workload, p: Regime) -> dict:
+    """Bytes per rank per optimizer step of the mesh's own collectives, forward and backward of every
+    block and micro-batch: AutoTP's all-reduce of the two row-parallel outputs (and of the two
+    column-parallel inputs' gradients), T x hidden each; Ulysses' all-to-all of q, k, v and the
+    attention output (and their gradients), of which (sp - 1) / sp leaves the rank."""
+    out, T, b = {}, w.tokens, p.param_compute if w.method == "full" else p.frozen_compute
+    if w.tp > 1:
+        out["all_reduce tensor-parallel activations"] = (
+            w.grad_accum * shape.layers * 4 * ring_factor("all_reduce", w.tp) * T * shape.hidden * b
+        )
+    if w.sp > 1:
+        width = 2 * shape.q + 2 * shape.kv
+        out["all_to_all sequence-parallel attention"] = (
+            w.grad_accum * shape.layers * 2 * (w.sp - 1) / w.sp * T * width * b
+        )
+    return out
 
 
 def step_time(traffic: dict, busbw_gbs: float | None, h2d_gbs: float | None) -> dict:

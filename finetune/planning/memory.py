@@ -261,7 +261,10 @@ def peak(
     """The predicted peak of one device: the phase that holds it, allocated and reserved bytes, the
     persistent and per-phase components, and what lives on the host. `sm`: the GPU's compute
     capability major (cuBLAS workspace size), None for a CPU run. `ds_config`: a DeepSpeed config
-    (dict) to use instead of the strategy's shipped file."""
+    (dict) to use instead of the strategy's shipped file. `n` is the world size; under tensor
+    parallelism (w.tp) every rank holds its tensor-parallel share of the blocks and ZeRO/FSDP shard
+    over the n / tp ranks of its data- (and sequence-) parallel group."""
+    sh, n = sh.tp_local(w.tp), max(1, n // w.tp)
     w = resolve_loss(sh, w)
     z = zero_values(strategy, sh, ds_config)
     dev, host = states(sh, w, p, strategy, n, z)

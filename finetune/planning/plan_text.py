@@ -84,6 +84,23 @@ def breakdown_lines(row: dict) -> list[str]:
     return lines
 
 
+def _mesh_line(m: dict) -> str:
+    """The mesh per device: what each rank holds of a sequence and of the blocks (finetune/mesh.py)."""
+    if (m["sp"], m["tp"], m["cp"]) == (1, 1, 1):
+        return f"mesh: data parallel {m['dp']} (no sequence, tensor or context parallelism)"
+    held = []
+    if m["sp"] > 1 or m["cp"] > 1:
+        k = m["sp"] * m["cp"]
+        held.append(f"1/{k} of every sequence (activations and logits / {k})")
+    if m["tp"] > 1:
+        held.append(f"1/{m['tp']} of every block's linear layers (their weights, grads, states and activations)")
+    return (
+        f"mesh: data parallel {m['dp']} x sp {m['sp']} x tp {m['tp']} x cp {m['cp']}: each GPU holds "
+        + " and ".join(held)
+        + "; only the strategies that run this mesh are listed"
+    )
+
+
 def render(plan: dict, all_methods: bool = True) -> str:
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
     lines = [
@@ -102,6 +119,7 @@ def render(plan: dict, all_methods: bool = True) -> str:
             f"{a['micro_batch']} x accumulation {a['grad_accum']}, sequence {a['seq_len']} ({a['layout']}), loss "
             f"{a['loss_impl']}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}"
         ),
+        _mesh_line(a["mesh"]),
         "GiB per device (2^30 bytes) at each row's predicted peak; comm = GB (1e9) sent per rank per optimizer step"
         + (
             f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"

@@ -23,7 +23,7 @@ NOT_MODELLED = (
     "ZeRO-3 parameters kept gathered at world size > 1 (derived from stage3's reuse-distance rule, unmeasured)",
     "FSDP2's unsharded blocks at world size > 1 (derived, unmeasured)",
     "block-backward and checkpoint-recompute temporaries are approximate (CPU check: within 10%)",
-    "torch.compile, tensor/sequence parallelism, MoE",
+    "torch.compile, MoE; Ulysses all-to-all and AutoTP all-reduce buffers (sp/tp: activations, logits and/or the blocks' states split as docs/parallelism.md says)",
     "the model loading peak (host: checkpoint pages; device: DeepSpeed's init)",
 )
 
@@ -86,7 +86,7 @@ def breakdown(
     r = memory.peak(shape, w, p, strategy, n, sm=sm, ds_config=ds_config)
     components = {**r["persistent"], **{k: v for k, v in r["at_peak"].items() if v}}
     host = host_mem.host_components(
-        r["host_states"], strategy, on_gpu=sm is not None, param_numels=shape.parameter_numels(), n=n
+        r["host_states"], strategy, on_gpu=sm is not None, param_numels=shape.tp_local(w.tp).parameter_numels(), n=n
     )
     if sm is None:  # a CPU run: the device is the host
         host = {**host, **components}
@@ -240,6 +240,9 @@ def workload_from_config(
         loss_chunk_tokens=loss_chunk_tokens or getattr(t, "loss_chunk_tokens", None),
         optimizer="foreach" if optim in ("adamw_torch", "adamw_hf") else "fused",
         legacy_model_dtype=cfg.model.dtype,
+        sp=cfg.parallel.sp_size,
+        tp=cfg.parallel.tp_size,
+        cp=cfg.parallel.cp_size,
     )
 
 
@@ -306,6 +309,15 @@ def record_error(rec, host_lifetime_gib: float | None = None) -> None:
     rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), lifetime_peak_gib=lifetime))
 
 
+def mesh_runs_under(w: Workload, strategy: str) -> bool:
+    """Whether the workload's mesh can run under a planner strategy row (finetune/mesh.py)."""
+    from finetune import mesh
+
+    name = by_key(strategy).name
+    rules = ((w.sp, mesh.SP_STRATEGIES), (w.tp, mesh.TP_STRATEGIES), (w.cp, mesh.CP_STRATEGIES))
+    return all(size == 1 or name in allowed for size, allowed in rules)
+
+
 def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, strategies=None) -> list[dict]:
     """One row per (method, strategy) for `finetune plan`: the breakdown on one device and one host process."""
     from finetune.strategies import KEYS
@@ -313,9 +325,13 @@ def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, stra
     rows = []
     for method in methods:
         wm = Workload(**{**w.__dict__, "method": method})
+        if wm.tp > 1 and method != "full":
+            continue  # tensor parallelism trains full fine-tuning only (finetune/config/validate.py)
         for strategy in strategies or KEYS:
             if n == 1 and strategy != "single" and not by_key(strategy).offload_optimizer:
                 continue  # on one device only the offload variants differ from `single`
+            if not mesh_runs_under(wm, strategy):
+                continue
             b = breakdown(shape, wm, strategy, n, sm=9)
             r = b["peak"]
             rows.append(

@@ -68,6 +68,12 @@ def build_plan(
     policy = precision.resolve(cfg.training.precision, True, True)
     w = workload_from_config(cfg, precision=policy.name)
     n = gpus * nodes
+    shards = w.sp * w.tp * w.cp
+    if n % shards:
+        raise UserError(
+            f"parallel.sp_size {w.sp} x tp_size {w.tp} x cp_size {w.cp} = {shards} does not divide the "
+            f"{n} GPU(s) planned (--gpus x --nodes); plan a multiple of {shards} GPUs or change the sizes"
+        )
     rows = []
     for row in plan_rows(shape, w, n):
         method_w = Workload(**{**w.__dict__, "method": row["method"]})
@@ -116,6 +122,7 @@ def build_plan(
         "gradient_checkpointing": w.gradient_checkpointing,
         "grad_accum": w.grad_accum,
         "layout": w.layout,
+        "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": n // shards},
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
         "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",

@@ -4,7 +4,7 @@ finetune/planning/memory.py turns them into bytes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune.planning.params import ParamCount, count_parameters
 
@@ -76,6 +76,32 @@ class Shape:
             return list(self.linears)
         names = set(targets)
         return [t for t in self.linears if t[0] in names or t[0].rsplit(".", 1)[-1] in names]
+
+    def tp_local(self, tp: int) -> Shape:
+        """One tensor-parallel rank's share of the blocks (AutoTP over the model's tp plan: q/k/v and
+        gate/up split by output, o/down by input; heads and the intermediate width split with them).
+        Norms, the embedding and the head stay whole on every rank; so does the residual stream."""
+        if tp == 1:
+            return self
+        split = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "o_proj": 0, "down_proj": 0}
+        linears = [
+            (n, i // tp if split.get(n) == 0 else i, o // tp if split.get(n) == 1 else o) for n, i, o in self.linears
+        ]
+        saved = self.layer_linear_params - sum(i * o for _, i, o in linears)  # per layer, on other ranks
+        params = replace(
+            self.params,
+            per_layer=self.params.per_layer - saved,
+            total=self.params.total - self.layers * saved,
+            largest_layer=max(self.params.embedding, self.hidden * self.intermediate // tp),
+        )
+        return replace(
+            self,
+            params=params,
+            heads=self.heads // tp,
+            kv_heads=max(1, self.kv_heads // tp),
+            intermediate=self.intermediate // tp,
+            linears=linears,
+        )
 
     def check_block_mechanism(self) -> None:
         if self.model_type not in BLOCK_MECHANISM:
@@ -150,10 +176,15 @@ class Workload:
     loss_chunk_tokens: int | None = None  # None: issue 14's automatic chunk (memory.chunk_tokens)
     optimizer: str = "fused"  # adamw_torch_fused (Trainer's default with torch >= 2.8) | foreach
     legacy_model_dtype: str = "auto"  # model.dtype, only read by the "legacy" precision
+    # the mesh (finetune/mesh.py): sequence shards (Ulysses), tensor-parallel ranks, context shards
+    sp: int = 1
+    tp: int = 1
+    cp: int = 1
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens of the micro-batch on one rank: sequence and context parallelism split every row."""
+        return self.micro_batch * self.seq_len // (self.sp * self.cp)
 
     @property
     def rows(self) -> int:
@@ -161,11 +192,13 @@ class Workload:
 
     @property
     def row_len(self) -> int:
-        return self.tokens if self.layout == "padding_free" else self.seq_len
+        """Positions of a row on one rank."""
+        return self.tokens if self.layout == "padding_free" else self.seq_len // (self.sp * self.cp)
 
     @property
     def attention_mask(self) -> bool:
-        """Whether SDPA gets a mask: padding, or the block-diagonal mask of packed rows."""
-        if self.attn_implementation.startswith("flash_attention"):
+        """Whether SDPA gets a mask: padding, or the block-diagonal mask of packed rows. Ulysses and
+        ring attention drop it (causal over the whole row: the padding is at the end)."""
+        if self.attn_implementation.startswith("flash_attention") or self.sp > 1 or self.cp > 1:
             return False  # varlen kernels: no mask tensor
         return self.layout in ("packed", "padding_free") or self.masked

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.preflight import devices, machines, model_files
+from finetune.preflight import devices, machines, model_files, parallel
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
@@ -87,6 +87,7 @@ def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None 
         deepspeed_values,
         strategy_matches_recipe,
         qlora_storage,
+        parallel.problems,
         policy_checks.policy_problems,
         model_source,
         model_kind_and_files,
@@ -111,7 +112,7 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """Explicit DeepSpeed values must equal what Trainer computes; "auto" lets Trainer fill them in
     (transformers/integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process)."""
     facts, ds, dp = launch.facts, launch.facts.deepspeed, launch.data_parallel_size
-    if facts.distributed_type != "DEEPSPEED" or not ds:
+    if facts.distributed_type != "DEEPSPEED" or not ds or not launch.mesh.divides:
         return []
     a = cfg.training.args
     per_device, accum = a.get("per_device_train_batch_size", 8), a.get("gradient_accumulation_steps", 1)
@@ -122,7 +123,7 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
             launch.effective_batch(per_device, accum),
             (
                 f"training.per_device_train_batch_size x gradient_accumulation_steps x "
-                f"{dp} processes = {per_device} x {accum} x {dp}"
+                f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}"
             ),
         ),
         "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),

@@ -8,6 +8,7 @@ becomes the metrics dict and a steps[] entry, the end of training the `memory`, 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,17 +17,32 @@ from finetune.telemetry import formulas
 from finetune.telemetry.memory_peaks import MemoryTracker
 from finetune.units import GIB
 
-__all__ = ["Meter", "MemoryTracker", "batch_counts", "mfu_inputs", "run_figures", "token_counts"]
+__all__ = ["BatchShare", "Meter", "MemoryTracker", "batch_counts", "mfu_inputs", "run_figures", "token_counts"]
 
 
-def token_counts(input_ids: torch.Tensor, attention_mask, labels, real) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class BatchShare:
+    """How one rank's micro-batches relate to the other ranks' (finetune/mesh.py), so that the counts
+    summed over ranks count each token and example once: tensor- and context-parallel ranks train on
+    the same batch (only `counted` ranks count it); sequence-parallel ranks each hold 1/sp of every
+    row's positions (tokens count where they are; rows and lengths from the lengths summed over
+    `sp_group`, on the group's first rank)."""
+
+    counted: bool = True
+    sp_group: object = None  # torch process group of the Ulysses ranks; None: no sequence parallelism
+
+
+def token_counts(
+    input_ids: torch.Tensor, attention_mask, labels, real, shift_labels=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input tokens, trained tokens) of one batch, as tensors on the batch's device (read them
     once per step: int() here would stall the GPU queue at every micro-batch). `real` is what a
     packed batch states under REAL_TOKENS_KEY (its real tokens per row; it has no mask to tell
     its padding apart). No mask and no stated count: a padding-free batch, where every position
     is a real token. Trained tokens are what the shifted causal-LM loss scores: labels[..., 1:]
     that are not -100 (position t is scored against label t + 1, so label 0 of a row never is;
-    transformers' ForCausalLMLoss and Trainer's num_items_in_batch count the same)."""
+    transformers' ForCausalLMLoss and Trainer's num_items_in_batch count the same); a sequence shard
+    carries `shift_labels` instead, shifted before the split: every one not -100 is scored."""
     n_input = (
         attention_mask.sum()
         if attention_mask is not None
@@ -34,11 +50,14 @@ def token_counts(input_ids: torch.Tensor, attention_mask, labels, real) -> tuple
         if real is not None
         else torch.tensor(input_ids.numel(), device=input_ids.device)
     )
-    n_trained = (labels[..., 1:] != -100).sum() if labels is not None else n_input
+    if labels is not None:
+        n_trained = (labels[..., 1:] != -100).sum()
+    else:
+        n_trained = (shift_labels != -100).sum() if shift_labels is not None else n_input
     return n_input, n_trained
 
 
-def batch_counts(inputs: dict) -> torch.Tensor:
+def batch_counts(inputs: dict, share: BatchShare | None = None) -> torch.Tensor:
     """[input tokens, trained tokens, examples, sum of squared example lengths] of one batch, a
     long tensor on the batch's device (no host sync). Examples are found from the sequence
     boundaries, as the attention mask sees them: a padded batch has one example per row (its
@@ -46,10 +65,24 @@ def batch_counts(inputs: dict) -> torch.Tensor:
     position_ids do not continue by +1 (transformers' find_packed_sequence_indices), counted on
     real tokens only (a packed row's padding is no example); cu_seq_lens_q when position_ids are
     absent (FlashAttention kwargs). The squared lengths give the attention FLOPs
-    (finetune/telemetry/model_flops.py)."""
+    (finetune/telemetry/model_flops.py). `share`: how this rank's batch relates to the others'.
+    A sequence shard (Ulysses: padded rows with a mask) counts its rows and their lengths from the
+    whole rows, summed over its group, once on the group's first rank."""
     ids = inputs["input_ids"]
     real = inputs.get(REAL_TOKENS_KEY)
-    n_input, n_trained = token_counts(ids, inputs.get("attention_mask"), inputs.get("labels"), real)
+    n_input, n_trained = token_counts(
+        ids, inputs.get("attention_mask"), inputs.get("labels"), real, inputs.get("shift_labels")
+    )
+    if share is not None and not share.counted:
+        return torch.zeros(4, dtype=torch.long, device=ids.device)
+    if share is not None and share.sp_group is not None:
+        import torch.distributed as dist
+
+        per_row = inputs["attention_mask"].reshape(-1, ids.shape[-1]).long().sum(-1)
+        dist.all_reduce(per_row, group=share.sp_group)  # the whole rows' real lengths
+        first = dist.get_rank(group=share.sp_group) == 0
+        examples, sum_sq = ((per_row > 0).sum(), (per_row * per_row).sum()) if first else (per_row[:0].sum(),) * 2
+        return torch.stack([n_input.long(), n_trained.long(), examples.long(), sum_sq.long()])
     positions, mask, cu = inputs.get("position_ids"), inputs.get("attention_mask"), inputs.get("cu_seq_lens_q")
     if positions is not None and mask is None:
         positions = positions.reshape(-1, positions.shape[-1])
@@ -109,13 +142,14 @@ class Meter:
         self._t0: float | None = None
         self._window_t0: float | None = None  # wall clock at the start of the log window
         self._data_s = 0.0  # seconds spent fetching batches in the window (this rank)
+        self.share: BatchShare | None = None  # set once the model is prepared (finetune/training/trainer.py)
 
     # --- counting and the clocks -------------------------------------------------------------
 
     def count_batch(self, inputs: dict) -> None:
         """Count one micro-batch the trainer is about to train on (takes REAL_TOKENS_KEY out of it:
         the model must not see it)."""
-        counts = batch_counts(inputs)
+        counts = batch_counts(inputs, self.share)
         inputs.pop(REAL_TOKENS_KEY, None)
         self._micro = counts if self._micro is None else self._micro + counts
 

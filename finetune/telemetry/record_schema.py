@@ -86,6 +86,22 @@ class Setup(TypedDict):
     cpu_gloo: str | None  # why the processes joined gloo as CPU processes; null: they did not
 
 
+class Parallel(TypedDict, total=False):
+    """The live mesh (finetune/training/engaged_strategy.py live_mesh; finetune/mesh.py)."""
+
+    dp_replicate: int  # data-parallel ranks holding whole model states (DDP)
+    dp_shard: int  # data-parallel ranks sharding them (ZeRO-1/2/3 states, FSDP2)
+    tp: int
+    sp: int
+    cp: int
+    world_size: int
+    source: str  # which live groups the sizes were read from
+    zero_partition_ranks: int  # DeepSpeed: ranks ZeRO partitions over (its sequence-and-data-parallel group)
+    ulysses_attention: bool | None  # DeepSpeed: the attention function is Ulysses' wrapper; null without sp
+    tp_layers: int  # AutoTP's split linear layers
+    tp_local_weight_fraction: float | None  # their weights' elements this rank holds
+
+
 class Strategy(TypedDict, total=False):
     name: str | None  # single | ddp | zero1 | zero2 | zero3 | fsdp (finetune/strategies.py)
     distributed_type: str  # Accelerate's DistributedType value
@@ -100,6 +116,7 @@ class Strategy(TypedDict, total=False):
     set_up_by: str | None  # launcher-config | recipe | launcher-processes
     setup: Setup | None
     evidence: Evidence | None
+    parallel: Parallel | None
 
 
 class MixedPrecisionPolicy(TypedDict):  # torch FSDP2's, as fully_shard got it
@@ -241,7 +258,13 @@ class Position(TypedDict):
     samples_per_epoch: int  # train rows
 
 
-# One segment of a run: the first start (step 0) or a resume. The first seven keys are always
+class Mesh(TypedDict):
+    sp: int
+    tp: int
+    cp: int
+
+
+# One segment of a run: the first start (step 0) or a resume. The keys up to `mesh` are always
 # there; the resume-only keys from `previous_status` on (finetune/checkpointing/resume.py).
 Segment = TypedDict(
     "Segment",
@@ -255,6 +278,7 @@ Segment = TypedDict(
         "per_device": int | None,
         "grad_accum": int | None,
         "effective": int | None,
+        "mesh": Mesh | None,
         "previous_status": str | None,
         "steps_discarded": int,
         "superseded": list[str],

@@ -52,8 +52,42 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
         values["learning_rate"], cfg.training.lr_scaling, sizes["effective"], cfg.training.lr_reference_batch_size
     )
     values["learning_rate"] = lr["applied"]  # the optimizer is built from this value
+    values.update(mesh_arguments(cfg, launch))
     args = build(output_dir=str(output_dir), run_name=run_name, report_to=cfg.logging.report_to or "none", **values)
     return RunArguments(args, sizes, lr, save_total_limit, checkpointing)
+
+
+def mesh_arguments(cfg, launch: LaunchPlan) -> dict:
+    """What engages the mesh (finetune/mesh.py): Accelerate's ParallelismConfig for sequence (DeepSpeed
+    Ulysses) and context parallelism (torch), every size given (unset ones would be read from
+    PARALLELISM_CONFIG_* variables); for tensor parallelism the launch's DeepSpeed config with
+    tensor_parallel.autotp_size, which DeepSpeed applies when it builds its engine (AutoTP)."""
+    m = launch.mesh
+    out: dict = {}
+    if m.sp > 1 or m.cp > 1:
+        from accelerate import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        sp_handler = None
+        if m.sp > 1:  # batch lengths vary (padded to a multiple of sp_size, or to data.max_length over gloo)
+            sp_handler = DeepSpeedSequenceParallelConfig(
+                sp_seq_length_is_variable=True, sp_attn_implementation=cfg.model.attn_implementation
+            )
+        out["parallelism_config"] = ParallelismConfig(
+            dp_replicate_size=1,
+            dp_shard_size=m.dp,
+            tp_size=1,
+            cp_size=m.cp,
+            cp_backend="torch",
+            sp_size=m.sp,
+            sp_backend="deepspeed",
+            sp_handler=sp_handler,
+        )
+    if m.tp > 1:
+        ds = dict(launch.facts.deepspeed or {})
+        ds["tensor_parallel"] = {**(ds.get("tensor_parallel") or {}), "autotp_size": m.tp}
+        out["deepspeed"] = ds  # the launch's own JSON (recipe row or accelerate config), AutoTP added
+    return out
 
 
 def build(**values) -> TrainingArguments:

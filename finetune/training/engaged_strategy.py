@@ -6,6 +6,8 @@ model itself before the first optimizer step (`live_check`: run.json `strategy.e
 
 from __future__ import annotations
 
+import math
+
 from finetune.errors import UserError
 from finetune.launch import cpu_rehearsal
 from finetune.strategies import launch_line, name_of, offload_device, offload_name
@@ -30,6 +32,7 @@ def engaged(state, *, method: str, setup=None) -> dict:
         "set_up_by": setup.set_up_by if setup is not None else None,
         "setup": setup.record() if setup is not None else None,
         "evidence": None,
+        "parallel": None,  # the live mesh, read once the model is prepared (live_mesh)
     }
     if dtype == "DEEPSPEED":
         ds = state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
@@ -150,6 +153,84 @@ def live_evidence(wrapped) -> dict:
     return ev
 
 
+def live_mesh(wrapped, accelerator) -> dict:
+    """run.json `strategy.parallel`: the mesh as the live process groups show it, after Trainer
+    prepared the model. DeepSpeed: its engine's groups (Ulysses' sequence-parallel group, AutoTP's
+    tensor-parallel group, the data-parallel group ZeRO reduces over); torch: Accelerate's device
+    mesh, else the world as data-parallel ranks (DDP replicates, FSDP2 shards)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "sp": 1, "cp": 1, "world_size": world, "source": None}
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__):
+        from deepspeed.utils import groups
+
+        tp = 1
+        if wrapped.autotp_size() > 1:
+            tp = dist.get_world_size(group=groups.get_tensor_model_parallel_group())
+        sp, zero_ranks = int(wrapped.sequence_parallel_size), int(wrapped.seq_dp_world_size)
+        # DeepSpeed has no data-parallel group of its own under Ulysses (groups.py returns None):
+        # the ZeRO group is sequence x data parallel
+        dp = int(wrapped.dp_world_size) if wrapped.dp_world_size is not None else zero_ranks // sp
+        stage = int(wrapped.zero_optimization_stage())
+        out.update(_sharded_layers(wrapped.module) if tp > 1 else {})
+        out.update(ulysses_attention=_ulysses_registered(wrapped.module) if sp > 1 else None)
+        out.update(
+            tp=tp,
+            sp=sp,
+            dp_shard=dp if stage >= 1 else 1,
+            dp_replicate=1 if stage >= 1 else dp,
+            zero_partition_ranks=zero_ranks,
+            source="DeepSpeed engine groups: sequence_parallel_size, dp_world_size, seq_dp_world_size"
+            + (", the tensor-parallel group" if tp > 1 else ""),
+        )
+        return out
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is not None and mesh.mesh_dim_names:
+        names = mesh.mesh_dim_names
+        for dim in ("dp_replicate", "dp_shard", "tp", "cp", "sp"):
+            if dim in names:
+                out[dim] = int(mesh[dim].size())
+        out["source"] = f"Accelerate's device mesh {dict(zip(names, mesh.mesh.shape))}"
+        return out
+    fsdp = any(type(m).__name__.startswith("FSDP") for m in wrapped.modules())
+    out["dp_shard" if fsdp else "dp_replicate"] = world
+    out["source"] = "the world process group (no model-parallel group)"
+    return out
+
+
+def _sharded_layers(module) -> dict:
+    """AutoTP's replacements of nn.Linear (deepspeed/module_inject/layers.py) and the fraction of
+    their weights this rank holds: the tensor-parallel split itself, not its configuration."""
+    layers = [m for m in module.modules() if type(m).__name__ in ("LinearLayer", "LinearAllreduce")]
+    # the weight's shape before the split (AutoTP keeps it; private: evidence only)
+    full = sum(math.prod(getattr(m, "_orig_weight_shape", None) or m.weight.shape) for m in layers)
+    local = sum(int(m.weight.numel()) for m in layers)
+    return {"tp_layers": len(layers), "tp_local_weight_fraction": round(local / full, 4) if full else None}
+
+
+def _ulysses_registered(module) -> bool:
+    """Whether the model's attention implementation is DeepSpeed's Ulysses wrapper (registered under
+    the implementation's own name: deepspeed/runtime/sequence_parallel/ulysses_sp.py)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return impl in ALL_ATTENTION_FUNCTIONS and ALL_ATTENTION_FUNCTIONS[impl].__name__ == "uattn_wrapper"
+
+
+def check_mesh(live: dict, planned, recipe: str) -> None:
+    """Refuse a live mesh other than the planned one (finetune/mesh.py): nothing was trained yet."""
+    got = {"sp": live["sp"], "tp": live["tp"], "cp": live["cp"], "dp": live["dp_replicate"] * live["dp_shard"]}
+    want = {**planned.sizes(), "dp": planned.dp}
+    if got == want:
+        return
+    raise UserError(
+        f"recipe {recipe!r} asks for the mesh {want} (parallel.sp_size, tp_size, cp_size over {planned.world} "
+        f"processes) but the live process groups show {got} ({live['source']}). Nothing was trained; check "
+        f"the launch's accelerate/DeepSpeed config for its own parallelism settings (docs/parallelism.md)"
+    )
+
+
 def held_elements(params) -> tuple[int, int, str]:
     """(parameter elements this rank holds, elements of the whole model, how they are split), from
     the live parameters: ZeRO-3 partitions (ds_tensor of ds_numel), FSDP2 DTensor shards (local of
@@ -163,8 +244,21 @@ def held_elements(params) -> tuple[int, int, str]:
     if any(isinstance(p, DTensor) for p in params):
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
         return local, sum(p.numel() for p in params), "fsdp2 shards (DTensor local of global)"
+    split = [_autotp_shape(p) for p in params]
+    if any(split):  # AutoTP: the split linears' weights are their rank's share of the original shape
+        full = sum(math.prod(shape) if shape else p.numel() for p, shape in zip(params, split))
+        return sum(p.numel() for p in params), full, "autotp splits (local of each split layer's original shape)"
     whole = sum(p.numel() for p in params)
     return whole, whole, "replicated (every rank holds every parameter)"
+
+
+def _autotp_shape(param) -> tuple | None:
+    """A weight's shape before AutoTP split it, from the restore metadata DeepSpeed 0.19 keeps on it
+    (deepspeed/module_inject/layers.py _set_param_uc_meta); None for a parameter it did not split."""
+    meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None)
+    if not meta or meta.get("replicated") or not meta.get("original_shape"):
+        return None
+    return tuple(meta["original_shape"])
 
 
 def strategy_from_evidence(ev: dict) -> tuple[str, str]:
@@ -184,7 +278,7 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
     return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 
-def live_check(trainer, *, declared: dict, expected: str, expected_offload: str, recipe: str, record=None):
+def live_check(trainer, *, declared: dict, expected: str, expected_offload: str, recipe: str, record=None, mesh=None):
     """run.json `strategy` as `engaged` declared it, now; then a callback that, once Trainer has wrapped
     the model and before the first optimizer step, reads the live engine, records it
     (`strategy.evidence`) and refuses a mismatch."""
@@ -197,6 +291,7 @@ def live_check(trainer, *, declared: dict, expected: str, expected_offload: str,
         def on_train_begin(self, args, state, control, **kwargs):
             ev = live_evidence(trainer.model_wrapped)
             name, offload = strategy_from_evidence(ev)
+            parallel = live_mesh(trainer.model_wrapped, trainer.accelerator)
             ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
             live = {
                 "name": name,
@@ -204,6 +299,7 @@ def live_check(trainer, *, declared: dict, expected: str, expected_offload: str,
                 "evidence": ev,
                 "world_size": ev["world_size"],
                 "distributed_type": trainer.accelerator.distributed_type.value,
+                "parallel": parallel,
             }
             if ev["zero_stage"] is not None:
                 live.update(
@@ -212,9 +308,14 @@ def live_check(trainer, *, declared: dict, expected: str, expected_offload: str,
                     offload_params=ev["offload_param_device"],
                 )
             if record is not None:
+                from finetune.checkpointing import resume
+
                 record.set("strategy", {**declared, **live})
+                resume.note_segment(record, mesh={k: parallel[k] for k in ("sp", "tp", "cp")})
                 record.write()
             check_expected(expected, live, recipe, expected_offload)
+            if mesh is not None:
+                check_mesh(parallel, mesh, recipe)
 
     trainer.add_callback(_LiveStrategyCheck())
 

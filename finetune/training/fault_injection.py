@@ -37,6 +37,8 @@ KINDS = (
     "slow_eval",
     "disk_full",
     "error_after_training",
+    "sp_late_shift",
+    "tp_partial_sums",
 )
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run
@@ -72,6 +74,32 @@ def corrupt_loss(loss, *, rank: int, step: int):
     if kind is None:
         return loss
     return loss * float("nan" if kind == "nan_loss" else "inf")
+
+
+def late_shift(*, rank: int, step: int) -> bool:
+    """sp_late_shift: this rank scores its sequence shard with the labels shifted after the split
+    (its last position unscored) instead of before: the mistake the sequence-parallel equivalence
+    tests must catch (finetune/training/trainer.py sequence_parallel_loss)."""
+    return _active(("sp_late_shift",), rank, step) is not None
+
+
+def install_tp_partial_sums(model, *, rank: int, step) -> None:
+    """tp_partial_sums: this rank's row-parallel layers (AutoTP's LinearAllreduce) return their local
+    partial sums at that step, as if the all-reduce that combines the tensor-parallel shards were
+    missing: the mistake the tensor-parallel equivalence tests must catch. `step()` is the step running."""
+    if not any(kind == "tp_partial_sums" and r == rank for kind, r, _ in faults()):
+        return
+    import torch
+
+    def partial(module, args, output):
+        if _active(("tp_partial_sums",), rank, step()) is None:
+            return output
+        local = torch.matmul(args[0], module.weight.transpose(-1, -2))
+        return local + module.bias if module.bias is not None else local
+
+    for m in model.modules():
+        if type(m).__name__ == "LinearAllreduce":
+            m.register_forward_hook(partial)
 
 
 def at_step_begin(*, rank: int, step: int) -> None:

@@ -305,11 +305,12 @@ def install(
 def _confirm_compute_dtype(trainer, expected: str, record) -> None:
     """The output dtype of the first Linear with a trainable weight in step 1's first forward (not
     a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D
-    counts as one; an output head whose forward is the chunked loss does not (it returns the loss
-    sum and count, finetune/modeling/loss.py)."""
+    counts as one, and so do DeepSpeed AutoTP's split linears; an output head whose forward is the
+    chunked loss does not (it returns the loss sum and count, finetune/modeling/loss.py)."""
 
     def observable(m) -> bool:
-        linear = isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"  # transformers.pytorch_utils
+        # transformers.pytorch_utils Conv1D; deepspeed/module_inject/layers.py LinearLayer, LinearAllreduce
+        linear = isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Conv1D", "LinearLayer", "LinearAllreduce")
         return linear and m.weight.requires_grad and not hasattr(m, "finetune_loss_kernel")
 
     linear = next((m for m in trainer.model_wrapped.modules() if observable(m)), None)

@@ -169,7 +169,7 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
     state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
-    strategy_setup.adopt_deepspeed_comm(setup)
+    strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
@@ -332,8 +332,10 @@ def load_model(run: Run, arguments: RunArguments):
         label_smoothing=args.label_smoothing_factor,
         use_liger_kernel=args.use_liger_kernel,
         device_type=args.device.type,  # before Trainer wraps the model (finetune/modeling/loss.py)
-        tokens=args.per_device_train_batch_size  # a micro-batch's most positions, bucketing included
-        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data),
+        tokens=args.per_device_train_batch_size  # a micro-batch's most positions on this rank, bucketing included
+        * rows.longest_row(args.per_device_train_batch_size, cfg.data.max_length, cfg.data)
+        // (launch.mesh.sp * launch.mesh.cp),
+        tensor_parallel=launch.mesh.tp,
     )
     return model
 
@@ -353,7 +355,14 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         args=arguments.args,
         train_dataset=data.bundle.train,
         eval_dataset=data.bundle.eval,
-        data_collator=collate.make_collator(cfg.data, cfg.model, data.tokenizer.pad_token_id),
+        data_collator=collate.make_collator(
+            cfg.data,
+            cfg.model,
+            data.tokenizer.pad_token_id,
+            shards=collate.SequenceShards.of(
+                launch.mesh, arguments.args.per_device_train_batch_size, cfg.data.max_length, cuda=launch.cuda
+            ),
+        ),
         processing_class=data.tokenizer,
         sinks=run.sinks,
         **meter.mfu_inputs(model, cfg.method.name),
@@ -375,7 +384,8 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         expected_offload=cfg.run.offload,
         recipe=cfg.recipe,
         record=run.record,
-    )  # the wrapped engine, before the first step
+        mesh=launch.mesh,
+    )  # the wrapped engine and the live mesh, before the first step
     precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
     precision_live.install(
         trainer,

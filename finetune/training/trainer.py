@@ -21,11 +21,12 @@ from transformers.trainer_callback import ProgressCallback
 
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import REAL_TOKENS_KEY
+from finetune.data.render import IGNORE_INDEX
 from finetune.errors import UserError
 from finetune.launch import rank_progress
-from finetune.telemetry.meter import Meter
+from finetune.telemetry.meter import BatchShare, Meter
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection, sample_trace, signals
+from finetune.training import fault_injection, sample_trace, sequence_parallel, signals
 from finetune.training.collapse import CollapseWatch, Diverged
 from finetune.training.signals import flags_per_rank, install_signal_handlers
 
@@ -39,6 +40,11 @@ class _StepClock(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # the model is prepared: the mesh's groups exist, and each rank knows how its batches count
+        self.trainer.meter.share = batch_share(self.trainer.model_wrapped, self.trainer.accelerator)
+        fault_injection.install_tp_partial_sums(
+            self.trainer.model_wrapped, rank=self.trainer.accelerator.process_index, step=self.trainer.next_step
+        )
         self.trainer.meter.start_training(self.trainer.accelerator)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -57,21 +63,70 @@ class FinetuneTrainer(Trainer):
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
         self.add_callback(_StepClock(self))
         self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
+        pc = self.accelerator.parallelism_config
+        self.sequence_parallel = pc is not None and pc.sp_enabled and pc.sp_backend == "deepspeed"
+        self._logged_share = 1.0  # a rank's share of the logged loss (sequence_parallel_loss)
+        if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
+            self.loss_is_scaled_for_ga = True
+            sequence_parallel.route_skips()
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
+        (finetune/training/sequence_parallel.py: epochs and mid-epoch resumption)."""
+        model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.sequence_parallel:
+            loader = sequence_parallel.ShardLoader(loader)
+            self.callback_handler.train_dataloader = loader
+        return model, loader
+
+    def next_step(self) -> int:
+        """The optimizer step being trained, counted from 1 as in run.json's steps[]."""
+        return self.state.global_step + 1
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Trainer fetches every batch of an optimizer step here, before on_step_begin (transformers
         5.23 Trainer._run_epoch): outside the step clock, so its time is the data loading of the
-        step, measured on its own (the meter's per-window data_loading_s and share of wall time)."""
+        step, measured on its own (the meter's per-window data_loading_s and share of wall time).
+        Under sequence parallelism the step's scored tokens are counted here over every rank."""
         t0 = time.perf_counter()
-        out = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.sequence_parallel:
+            items = sequence_parallel.scored_tokens(batches, device)
         self.meter.data_loading(time.perf_counter() - t0)
-        return out
+        return batches, items
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.sequence_parallel and model.training:
+            return self.sequence_parallel_loss(model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def sequence_parallel_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """The loss of one sequence shard under Ulysses, such that the step's gradient is the one of
+        the token-weighted mean over the whole step (every shard, rank and micro-batch), as without
+        sequence parallelism: the shard's summed token losses / the step's scored tokens
+        (get_batch_samples), times what DeepSpeed divides the summed gradients by
+        (sequence_parallel.gradient_divisor). DeepSpeed's adapter shifted the labels before the split
+        (`shift_labels`: the last position of a shard is scored against the next shard's first
+        token). transformers' own SP loss (deepspeed_sp_compute_loss) weights each micro-batch
+        alone: a mean of means under accumulation or data parallelism."""
+        shift = inputs["shift_labels"]
+        if fault_injection.late_shift(rank=self.accelerator.process_index, step=self.next_step()):
+            shift = shift.clone()
+            shift[..., -1] = IGNORE_INDEX  # = the shard's own labels shifted after the split (a control)
+        # `labels` for the model's own loss, which reads shift_labels when given (ForCausalLMLoss)
+        outputs = model(**{**inputs, "shift_labels": shift, "labels": shift}, num_items_in_batch=num_items_in_batch)
+        divisor = sequence_parallel.gradient_divisor(model)
+        self._logged_share = divisor / self.accelerator.num_processes  # training_step: Trainer logs the mean
+        loss = outputs.loss * divisor
+        return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         sample_trace.record(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
         self.meter.count_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.meter.memory.sample()
+        if self.sequence_parallel:  # Trainer logs the mean over ranks: each rank's share of the step's loss
+            loss = loss / self._logged_share
         return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -105,6 +160,29 @@ class FinetuneTrainer(Trainer):
         max). Every rank must call this (it gathers)."""
         self.record_tail()
         return self.meter.final(self.accelerator)
+
+
+def batch_share(wrapped, accelerator) -> BatchShare:
+    """How this rank's micro-batches relate to the other ranks' (finetune/telemetry/meter.py BatchShare),
+    from the live groups: tensor- and context-parallel ranks train on the same batch (the group's
+    first rank counts it); Ulysses ranks each hold a shard of it."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return BatchShare()
+    counted, sp_group = True, None
+    if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__):
+        from deepspeed.utils import groups
+
+        if wrapped.autotp_size() > 1:
+            counted = dist.get_rank(group=groups.get_tensor_model_parallel_group()) == 0
+        if wrapped.sequence_parallel_size > 1:
+            sp_group = groups._get_sequence_parallel_group()
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    for dim in ("tp", "cp"):
+        if mesh is not None and dim in (mesh.mesh_dim_names or ()):
+            counted = counted and mesh[dim].get_local_rank() == 0
+    return BatchShare(counted=counted, sp_group=sp_group)
 
 
 class CompactProgress(ProgressCallback):

@@ -221,6 +221,7 @@ def _resume(
     strategy: str = "zero3",
     world: int = 2,
     fingerprint: str | None = None,
+    mesh: dict | None = None,
 ):
     """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
@@ -261,6 +262,8 @@ def _resume(
                 "packing": False,
             },
         }
+        if mesh is not None:
+            run["mesh"] = mesh
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
         return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
 
@@ -268,6 +271,27 @@ def _resume(
 
 
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
+
+
+def _config_dir(ws: Path, name: str, **values) -> Path:
+    """A model directory holding only a config.json: what preflight reads (no weights are loaded)."""
+    path = ws / name
+    _write(path / "config.json", json.dumps(values))
+    return path
+
+
+def _heads(ws: Path) -> list[str]:
+    """The tiny model's config with 5 attention and 5 key/value heads (what sp_size 2 cannot split)."""
+    values = json.loads((Path(os.environ["FINETUNE_TABLE_MODEL"]) / "config.json").read_text())
+    heads = {"num_attention_heads": 5, "num_key_value_heads": 5, "hidden_size": 80, "head_dim": 16}
+    path = _config_dir(ws, "five-heads", **{**values, **heads})
+    return [*ZERO3_CPU, f"--model.name_or_path={path}", "--parallel.sp_size=2"]
+
+
+def _no_tp_plan(ws: Path) -> list[str]:
+    path = _config_dir(ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512)
+    return ["--recipe", "zero2", "--cpu", f"--model.name_or_path={path}", "--method.name=full", "--parallel.tp_size=2"]
+
 
 CASES = [
     # --- recipe YAML ---
@@ -602,6 +626,102 @@ CASES = [
         lambda ws: ["--training.precision=bf16-mixed", "--model.dtype=float32"],
         ("model.dtype: 'float32'", "training.precision bf16-mixed", "model.dtype: auto"),
     ),
+    # --- the parallel mesh (docs/parallelism.md) ---
+    Case(
+        "pipeline parallelism asked for",
+        "parallel.pp_size",
+        lambda ws: ["--parallel.pp_size=2"],
+        ("parallel.pp_size: 2", "Trainer has no pipeline schedule", "Megatron", "torchtitan", "parallel.pp_size: 1"),
+    ),
+    Case(
+        "sequence-parallel size that does not divide the world size",
+        "parallel.sp_size",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=3", "--data.max_length=96"],
+        ("sp_size 3 x tp_size 1 x cp_size 1 = 3 does not divide the world size 2", "launch 3 or 6 or 12 processes"),
+    ),
+    Case(
+        "sequence length not divisible by sp_size",
+        "data.max_length",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--data.max_length=129"],
+        ("data.max_length 129 is not divisible by sp_size = 2", "128 or 130"),
+    ),
+    Case(
+        "sequence length not divisible by 2 x cp_size",
+        "data.max_length",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.cp_size=2", "--data.max_length=130"],
+        ("data.max_length 130 is not divisible by 2 x cp_size = 4", "128 or 132"),
+    ),
+    Case(
+        "attention heads not divisible by sp_size",
+        "parallel.sp_size / model",
+        _heads,
+        ("has 5 attention heads and 5 key/value heads", "sp_size must divide 5", "allowed here: 5"),
+    ),
+    Case(
+        "sequence parallelism under DDP",
+        "parallel.sp_size / run.strategy",
+        lambda ws: ["--recipe", "ddp", "--cpu", "--parallel.sp_size=2"],
+        ("parallel.sp_size 2 needs strategy zero1 or zero2 or zero3", "sets up ddp", "recipe zero3_sp"),
+    ),
+    Case(
+        "sequence parallelism under FSDP",
+        "parallel.sp_size / run.strategy",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.sp_size=2"],
+        ("parallel.sp_size 2 needs strategy zero1 or zero2 or zero3", "sets up fsdp", "Ulysses"),
+    ),
+    Case(
+        "sequence and context parallelism together",
+        "parallel.sp_size / cp_size",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--parallel.cp_size=2"],
+        ("sp_size 2 and parallel.cp_size 2", "cannot be combined"),
+    ),
+    Case(
+        "sequence parallelism with packing",
+        "data.packing",
+        lambda ws: [*ZERO3_CPU, "--parallel.sp_size=2", "--data.packing=true"],
+        ("data.packing: true with parallel.sp_size > 1", "attends causally over the whole row", "data.packing: false"),
+    ),
+    Case(
+        "context parallelism under DeepSpeed",
+        "parallel.cp_size / run.strategy",
+        lambda ws: [*ZERO3_CPU, "--parallel.cp_size=2"],
+        ("parallel.cp_size 2 needs strategy fsdp", "sets up zero3", "parallel.sp_size under DeepSpeed"),
+    ),
+    Case(
+        "context parallelism on CPU",
+        "parallel.cp_size",
+        lambda ws: ["--recipe", "fsdp", "--cpu", "--parallel.cp_size=2"],
+        ("parallel.cp_size 2", "runs on CUDA devices only", "use parallel.sp_size 2 instead"),
+        gpu_free_only=True,
+    ),
+    Case(
+        "tensor parallelism with QLoRA",
+        "parallel.tp_size / method.name",
+        lambda ws: ["--recipe", "zero2", "--cpu", "--parallel.tp_size=2", "--method.name=qlora"],
+        ("method.name 'qlora' with parallel.tp_size 2", "not sharded with them", "method.name: full"),
+    ),
+    Case(
+        "tensor parallelism under ZeRO-3",
+        "parallel.tp_size / run.strategy",
+        lambda ws: [*ZERO3_CPU, "--parallel.tp_size=2", "--method.name=full"],
+        ("parallel.tp_size 2 needs strategy zero1 or zero2", "sets up zero3", "recipe zero2_tp"),
+    ),
+    Case(
+        "tensor parallelism for a model without a tp plan",
+        "parallel.tp_size / model",
+        _no_tp_plan,
+        ("gpt2-like (GPT2Config, model_type 'gpt2') has no tensor-parallel plan", "base_model_tp_plan", "sp_size"),
+    ),
+    Case(
+        "DeepSpeed config's autotp_size contradicting parallel.tp_size",
+        "DeepSpeed config / parallel.tp_size",
+        lambda ws: [
+            *_accelerate(CPU_DS, ds=json.dumps({**AUTO_DS, "tensor_parallel": {"autotp_size": 4}}))(ws),
+            "--parallel.tp_size=2",
+            "--method.name=full",
+        ],
+        ("tensor_parallel.autotp_size is 4 but parallel.tp_size is 2", "--parallel.tp_size=4"),
+    ),
     # --- model and tokenizer ---
     Case(
         "model directory that does not exist",
@@ -676,6 +796,15 @@ CASES = [
             "checkpoint-3 was written by zero3 (2 rank(s)); this launch sets up fsdp",
             "launch with accelerate_configs/zero3.yaml (any --num_processes)",
             "nothing was loaded",
+        ),
+    ),
+    Case(
+        "resume under another mesh (sequence-parallel checkpoint, no sequence parallelism now)",
+        "--resume / parallel.sp_size",
+        _resume(ZERO3_CPU, mesh={"sp": 2, "tp": 1, "cp": 1}),
+        (
+            "checkpoint-3 was written under the mesh sp 2 x tp 1 x cp 1 on 2 rank(s)",
+            "resume with --num_processes 2 --parallel.sp_size=2 --parallel.tp_size=1 --parallel.cp_size=1",
         ),
     ),
     Case(

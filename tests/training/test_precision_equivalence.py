@@ -56,7 +56,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, launch_train
+from tests.conftest import REPO, launch_train, logged_steps
 from tests.training.test_strategies import CPU_ENV, STEPS, STRATEGIES, common_args
 
 pytestmark = pytest.mark.integration
@@ -130,9 +130,7 @@ def bf16_runs(tmp_path_factory, tiny_model_dir):
 
 
 def _steps(record: dict) -> list[dict]:
-    steps = [s for s in record["steps"] if s.get("loss") is not None]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), record["steps"]
-    return steps
+    return logged_steps(record, STEPS)
 
 
 def _worst(ref: list[dict], got: list[dict], key: str = "loss") -> float:

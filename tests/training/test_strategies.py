@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_SCRIPT, Launch, kill_tree, launch_train, run_process_group
+from tests.conftest import REPO, TRAIN_SCRIPT, Launch, kill_tree, launch_train, logged_steps, run_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -329,9 +329,7 @@ def rows_per_step(trace) -> dict[int, list[int]]:
 
 
 def _steps(record: dict) -> list[dict]:
-    steps = [s for s in record["steps"] if s.get("loss") is not None]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), record["steps"]
-    return steps
+    return logged_steps(record, STEPS)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -710,9 +708,7 @@ def _assert_steps_match(rec: dict, ref: dict, upto: int) -> float:
 
 
 def _steps_upto(record: dict, upto: int) -> list[dict]:
-    steps = [s for s in record["steps"] if s.get("loss") is not None]
-    assert [s["step"] for s in steps] == list(range(1, upto + 1)), record["steps"]
-    return steps
+    return logged_steps(record, upto)
 
 
 def _segments(rec: dict) -> list[tuple]:
