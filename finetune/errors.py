@@ -28,6 +28,10 @@ class UserError(Exception):
     """A problem the user can fix; the message says what, where and what is allowed."""
 
 
+class ReportedElsewhere(UserError):
+    """A user error another rank reports (rank 0 prints it once): this rank exits EXIT_USAGE silently."""
+
+
 class ConfigError(UserError):
     """One or more problems in the resolved configuration, reported together."""
 
@@ -48,7 +52,8 @@ def exit_on_user_error(fn):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            if not isinstance(e, ReportedElsewhere):
+                print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USAGE)
 
     return wrapper

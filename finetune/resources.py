@@ -12,6 +12,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 FOLDERS = ("recipes", "accelerate_configs", "ds_configs")
 INSTALLED_DIR = "shipped"  # finetune/shipped/ in a built wheel (setup.py)
 
+MODEL_CONFIGS = PACKAGE_DIR / "model_configs"  # package data: published shapes for `finetune plan --model NAME`
+
 ROOT = PACKAGE_DIR / INSTALLED_DIR if (PACKAGE_DIR / INSTALLED_DIR).is_dir() else PACKAGE_DIR.parent
 RECIPES = ROOT / "recipes"
 ACCELERATE_CONFIGS = ROOT / "accelerate_configs"
@@ -33,9 +35,30 @@ def locate(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def model_config_names() -> list[str]:
+    """The shipped model configs, by the name `finetune plan --model NAME` takes."""
+    return sorted(p.stem for p in MODEL_CONFIGS.glob("*.json"))
+
+
+def model_config(name: str) -> Path | None:
+    """The shipped model config of that name (with or without .json), else None."""
+    path = MODEL_CONFIGS / (name if name.endswith(".json") else f"{name}.json")
+    return path if "/" not in name and path.is_file() else None
+
+
 def cpu_variant(config: Path) -> Path:
     """The accelerate_configs/cpu/ config of the same name (2 processes over gloo, for machines
     without a GPU; finetune/launch/cpu_rehearsal.py), or `config` itself when there is none or it
     already is one."""
     variant = ACCELERATE_CONFIGS / "cpu" / config.name
     return variant if variant.is_file() and config.parent.name != "cpu" else config
+
+
+def shown(path: Path) -> str:
+    """A path as a launch line should show it: relative to the working directory when under it (from
+    the repository root: accelerate_configs/cpu/zero3.yaml), else absolute (an installed package)."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

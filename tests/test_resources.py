@@ -44,6 +44,15 @@ def _run(cmd, *, cwd, timeout=600):
     return proc.stdout
 
 
+# a tiny random model with the bundled tokenizer, written by the installed environment's python
+TINY = r"""
+from pathlib import Path
+from transformers import AutoTokenizer
+from finetune.modeling.bundled import ensure_bundled_model
+from finetune.modeling.tiny import save_tiny_llama
+save_tiny_llama(Path("DIR"), AutoTokenizer.from_pretrained(ensure_bundled_model()))
+"""
+
 RESOLVE = r"""
 import json, finetune
 from finetune import resources
@@ -82,9 +91,35 @@ def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     listed = _run([venv / "bin" / "finetune", "recipes"], cwd=elsewhere)
-    assert [line.split()[0] for line in listed.splitlines()] == sorted(
+    assert [line.split()[0] for line in listed.splitlines() if not line.startswith(" ")] == sorted(
         p.stem for p in (REPO / "recipes").glob("*.yaml")
     )
+    # issue 27 item 7: the model configs ship as package data and `finetune plan` takes them by name
+    assert {n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("finetune/model_configs/")} == {
+        f"finetune/model_configs/{p.name}" for p in (REPO / "finetune" / "model_configs").glob("*.json")
+    }
+    planned = json.loads(
+        _run(
+            [venv / "bin" / "finetune", "plan", "--recipe", "zero2", "--model", "Llama-3.2-1B", "--json"], cwd=elsewhere
+        )
+    )
+    assert planned["model"]["name"] == "Llama-3.2-1B" and planned["model"]["layers"] == 16
+    # ... and `accelerate launch -m finetune.train` trains from outside a clone (one process, 2 steps)
+    model = TINY.replace("DIR", str(elsewhere / "tiny"))
+    _run([venv / "bin" / "python", "-c", model], cwd=elsewhere)
+    run = elsewhere / "runs" / "m"
+    _run(
+        [
+            venv / "bin" / "python", "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "finetune.train", "--recipe", "zero2",
+            f"--model.name_or_path={elsewhere / 'tiny'}", "--data.demo_train_size=16", "--eval.exact_match=false",
+            "--training.max_steps=2", f"--run.output_dir={run}",
+        ],
+        cwd=elsewhere,
+    )  # fmt: skip
+    record = json.loads((run / "run.json").read_text())
+    assert record["summary"]["status"] == "completed" and record["strategy"]["name"] == "zero2"
+    assert record["strategy"]["setup"]["launcher"] == "accelerate launch"
 
     got = json.loads(_run([venv / "bin" / "python", "-c", RESOLVE], cwd=elsewhere).strip().splitlines()[-1])
     installed = Path(got["package"]).parent

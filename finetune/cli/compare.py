@@ -16,6 +16,11 @@ SWEEP_HELP = "run one recipe under several strategies one after another, then co
 def add_compare_parser(sub) -> None:
     p = sub.add_parser("compare", help=COMPARE_HELP, description=COMPARE_HELP + " (see docs/compare.md)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each holding run.json)")
+    p.add_argument(
+        "--baseline",
+        metavar="RUN_DIR",
+        help="the run to compare against (one of the RUN_DIRs; default: the single-device QLoRA run)",
+    )
     _common(p)
 
 
@@ -23,8 +28,9 @@ def add_sweep_parser(sub) -> None:
     p = sub.add_parser(
         "sweep",
         help=SWEEP_HELP,
-        allow_abbrev=False,
-        description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides apply to every run.",
+        description=SWEEP_HELP + " (see docs/compare.md). Extra --section.key=value overrides apply to every run. "
+        "Every row gets a scaling efficiency: a multi-process strategy whose method has no single-device run "
+        "among the strategies gets one (`single`, or `qlora_baseline` for QLoRA) added and run first.",
     )
     options.add_recipe(p, "the recipe every strategy runs (model, data, hyperparameters)")
     p.add_argument(
@@ -37,15 +43,17 @@ def add_sweep_parser(sub) -> None:
         action="store_true",
         help="use the accelerate_configs/cpu/ variants (automatic when CUDA is not available)",
     )
+    p.add_argument(
+        "--baseline-strategy",
+        "--baseline",
+        metavar="STRATEGY",
+        help="the strategy whose run the others are compared against (one of --strategies; default: the "
+        "single-device QLoRA run). --baseline is its old name",
+    )
     _common(p)
 
 
 def _common(p) -> None:
-    p.add_argument(
-        "--baseline",
-        metavar="RUN_DIR",
-        help="the run to compare against (default: the single-device QLoRA run); in a sweep, a strategy name",
-    )
     p.add_argument("--out", metavar="DIR", help="where the report goes (must not exist or be empty)")
     p.add_argument(
         "--gpu-hour-price",
@@ -75,11 +83,8 @@ def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
     print(report_lib.console_table(table), flush=True)
     for line in wandb_report.log_comparison(table, pngs, out_dir):
         print(line, flush=True)
-    print(
-        f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)\n"
-        f"plots:  {', '.join(str(p) for p in pngs.values())}",
-        flush=True,
-    )
+    print(f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)", flush=True)
+    print("plots:  " + "\n        ".join(str(p) for p in pngs.values()), flush=True)
     return 0, table
 
 
@@ -108,15 +113,16 @@ def sweep_main(args, overrides: list[str]) -> int:
         args.out, Path("runs") / f"sweep-{Path(args.recipe).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     )
     planned = sweep.plan(args.recipe, names, overrides, cpu=cpu, out=out)
-    baseline = args.baseline
+    baseline = args.baseline_strategy
     if baseline is not None:  # in a sweep the baseline is one of its strategies
         if baseline not in names:
-            raise UserError(f"--baseline {baseline}: in a sweep, name one of the strategies ({', '.join(names)})")
+            raise UserError(f"--baseline-strategy {baseline}: name one of the strategies ({', '.join(names)})")
         baseline = out / baseline
     print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
     for p in planned:
         print(
             f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | {' '.join(p.command()[2:])}"
+            + (f"\n  {'':16s} (added: {p.added})" if p.added else "")
         )
     return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)
 

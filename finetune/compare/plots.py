@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from finetune.compare.table import Table, loss_curve
+from finetune.planning.plan_text import COLUMNS as COMPONENT_GROUPS
 
 DPI = 110
 LOSS_RTOL = (
@@ -35,6 +36,32 @@ def write_plots(table: Table, out_dir: Path) -> dict[str, Path]:
         "throughput": throughput_plot(table, out_dir / "throughput.png"),
         "memory": memory_plot(table, out_dir / "memory.png"),
     }
+
+
+# The predicted components in the plan's groups (finetune/planning/plan_text.py COLUMNS): a legend of a
+# few entries instead of one per component (14 in a five-strategy comparison).
+GROUP_LABELS = {
+    "params": "weights",
+    "master": "master weights",
+    "optim": "optimizer states",
+    "grads": "gradients",
+    "activ": "activations",
+    "loss": "loss buffers",
+}
+
+
+def component_group(name: str) -> str:
+    for group, names in COMPONENT_GROUPS:
+        if name in names:
+            return GROUP_LABELS[group]
+    return "process base" if name == "process_base" else "other (batch, workspaces, ...)"
+
+
+def grouped(components: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, gib in components.items():
+        out[component_group(name)] = out.get(component_group(name), 0.0) + (gib or 0.0)
+    return out
 
 
 def _labels(table: Table) -> list[str]:
@@ -150,16 +177,17 @@ def memory_figure(table: Table):
             [i - width / 2 for i in x],
             [m or 0 for m in measured],
             width,
-            color="dimgray",  # not a tab20c component colour
+            color="dimgray",  # no component has a grey
             label="measured peak" + (" allocated" if kind == "device" else " RSS"),
         )
-        colors = iter(plt.get_cmap("tab20c").colors)
+        # tab10 without its blue (the other plots' first run) and its grey (7: the measured bar's)
+        colors = iter(c for n, c in enumerate(plt.get_cmap("tab10").colors) if n not in (0, 7))
         component_colors: dict[str, tuple] = {}
         any_prediction = False
         for i, run in enumerate(table.runs):
             side = ((run.get("predicted_memory") if run.record is not None else None) or {}).get(kind) or {}
             bottom = 0.0
-            for name, gib in (side.get("components_gib") or {}).items():
+            for name, gib in grouped(side.get("components_gib") or {}).items():
                 if not gib:
                     continue
                 first = name not in component_colors  # one legend entry per component

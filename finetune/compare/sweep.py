@@ -40,6 +40,7 @@ class PlannedRun:
     recipe: str
     effective: int = 0
     log: Path = field(default=Path())
+    added: str | None = None  # why the sweep added this run itself (not in --strategies)
 
     def command(self) -> list[str]:
         return [
@@ -125,8 +126,9 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
     args = cfg.training.args
     per_device, accum = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
     effective = effective_batch(per_device, accum, base_world)
+    reference = _scaling_reference(strategies, cfg.method.name, cpu)
     planned, problems = [], []
-    for name in strategies:
+    for name in [*reference, *strategies]:
         run_values, method_values = _strategy_values(name)
         config = launch_config(run_values["accelerate_config"], cpu)
         world = processes(config)
@@ -159,6 +161,7 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
                 recipe,
                 effective,
                 out / "logs" / f"{name}.log",
+                "the single-device reference for scaling efficiency" if name in reference else None,
             )
         )
     if problems:
@@ -166,6 +169,19 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
             "cannot keep the same effective batch across strategies:\n" + "\n".join(f"  - {p}" for p in problems)
         )
     return planned
+
+
+def _scaling_reference(strategies: list[str], method: str, cpu: bool) -> list[str]:
+    """[SINGLE] when a multi-process strategy of the recipe's method has no one-process run of that method
+    among the strategies to measure its scaling efficiency against (finetune/compare/table.py
+    same_method_single), else []: a one-process run already there is the reference."""
+    runs = []
+    for name in strategies:
+        run_values, method_values = _strategy_values(name)
+        world = processes(launch_config(run_values["accelerate_config"], cpu))
+        runs.append((world, method_values.get("name", method)))
+    without = {m for w, m in runs if w > 1} - {m for w, m in runs if w == 1}
+    return [SINGLE] if method in without else []
 
 
 @dataclass

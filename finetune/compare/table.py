@@ -187,6 +187,21 @@ COLUMNS = [
     Column("memory_ratio", "mem ratio", "memory ratio vs baseline", "{:.2f}"),
     Column("scaling_efficiency", "scaling", "scaling efficiency (vs same-method single device)", "{:.0%}"),
 ]
+# The answer first: what a reader compares strategies by (docs/compare.md "The report").
+PEAK = Column("peak_gib", "GiB/dev", "peak memory per device, GiB (the basis of the memory ratio)", "{:.2f}")
+HEADLINE = (
+    "run",
+    "strategy",
+    "tokens_per_s",
+    "speedup",
+    "peak_gib",
+    "memory_ratio",
+    "scaling_efficiency",
+    "cost_per_mtok",
+    "comparable",
+)
+# never "the same for every run" (they identify the run or are the answer)
+NEVER_CONSTANT = {"run", "status", *HEADLINE}
 
 
 @dataclass
@@ -200,11 +215,42 @@ class Table:
     gpu_hour_price: float | None
     columns: list[Column] = field(default_factory=lambda: list(COLUMNS))
 
+    def column(self, key: str) -> Column:
+        return PEAK if key == "peak_gib" else next(c for c in self.columns if c.key == key)
+
+    def headline_cell(self, i: int, key: str) -> str:
+        """The headline's cell: the comparable verdict as yes / no / reference (the differing keys are in
+        the full table and the warnings), the memory ratio without its basis (said once, above)."""
+        value = self.rows[i].get(key)
+        if key == "comparable" and isinstance(value, str):
+            return value.split(":")[0]
+        if key == "strategy" and isinstance(value, str):  # the offload in short: the table must stay narrow
+            return value.replace("optimizer", "opt")
+        if key == "memory_ratio" and value is not None:
+            return self.column(key).fmt.format(value)
+        if key == "peak_gib" and value is None:
+            return "n/a"
+        return self.cell(i, key)
+
+    def constant_columns(self) -> list[tuple[Column, str]]:
+        """Columns whose cell is the same in every row (of two or more runs with a record): said once."""
+        rows = [i for i, run in enumerate(self.runs) if run.record is not None]
+        if len(rows) < 2:
+            return []
+        out = []
+        for c in self.columns:
+            if c.key in NEVER_CONSTANT:
+                continue
+            cells = {self.cell(i, c.key) for i in rows}
+            if len(cells) == 1:
+                out.append((c, cells.pop()))
+        return out
+
     def cell(self, i: int, key: str) -> str:
         value = self.rows[i][key]
         if value is None:
             return "n/a"
-        column = next(c for c in self.columns if c.key == key)
+        column = self.column(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             text = column.fmt.format(value)
             if key == "memory_ratio":
@@ -244,6 +290,12 @@ def memory_pair(run: Run, base: Run) -> tuple[float | None, float | None, str]:
     if mine is not None and theirs is not None:
         return mine, theirs, "device"
     return run.get("memory", "max", "host_peak_rss_gib"), base.get("memory", "max", "host_peak_rss_gib"), "host"
+
+
+def row_peak(run: Run) -> float | None:
+    """Peak memory per device without a baseline: device allocated where recorded, else host RSS."""
+    device = run.get("memory", "max", "device_peak_allocated_gib")
+    return device if device is not None else run.get("memory", "max", "host_peak_rss_gib")
 
 
 def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | None:
@@ -302,6 +354,7 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "speedup": None,
         "memory_ratio": None,
         "memory_basis": None,
+        "peak_gib": row_peak(run),
         "scaling_efficiency": None,
         "error": _error_of(run),
     }
@@ -353,8 +406,9 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         else:
             why["speedup"] = "no tokens/s recorded" + (" for the baseline" if not base_tps else "")
         mine, theirs, basis = memory_pair(run, base)
+        row["peak_gib"], row["memory_basis"] = mine, basis
         if mine is not None and theirs:
-            row["memory_ratio"], row["memory_basis"] = mine / theirs, basis
+            row["memory_ratio"] = mine / theirs
         else:
             why["memory_ratio"] = "no memory peak recorded"
 

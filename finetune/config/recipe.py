@@ -6,6 +6,7 @@ load_recipe("demo", ["--training.max_steps=10"])  ->  Config
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from pathlib import Path
 
@@ -149,6 +150,46 @@ def parse_overrides(args: list[str]) -> tuple[dict, list[str]]:
             value = raw  # not YAML (e.g. an unbalanced bracket): keep the string, validation judges it
         out.setdefault(parts[0], {})[parts[1]] = value
     return out, problems
+
+
+def override_problems(args: list[str], *, flags: list[str] = ()) -> list[str]:
+    """What is wrong with command-line overrides before any recipe is read: the form
+    (--section.key=value) and the section names. Imports nothing heavy, so a bad flag is answered at
+    once; the keys and values are validated with the recipe (TrainingArguments needs transformers).
+    `flags`: the command's own flags, suggested for a mistyped one."""
+    from finetune.config.sections import SECTION_CLASSES
+
+    parsed, problems = parse_overrides(list(args))
+    for i, problem in enumerate(problems):
+        name = problem.split(":")[0].split("=")[0]
+        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.7) if "." not in name else []
+        if close:
+            problems[i] = (
+                f"{name}: unknown option (did you mean {close[0]}?); recipe overrides look like --section.key=value"
+            )
+    for section in parsed:
+        if section not in SECTION_CLASSES:
+            close = difflib.get_close_matches(section, SECTION_CLASSES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"--{section}.*: unknown section{hint}; allowed: {', '.join(SECTION_CLASSES)}")
+    return problems
+
+
+def describe_recipe(name: str, width: int = 100) -> str:
+    """`finetune recipes`' entry: the name and the recipe's whole opening paragraph (its purpose),
+    wrapped; the paragraph ends at the first `Hardware:`, `Pairs with:`, `Launch` or `Same model` line."""
+    import textwrap
+
+    words = []
+    for line in find_recipe(name).read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("# ").rstrip()
+        if not text or text.startswith(("Hardware:", "Pairs with:", "Launch", "Same model")):
+            break
+        words.append(text)
+    purpose = " ".join(words).removeprefix(f"{name}: ")
+    return textwrap.fill(purpose, width, initial_indent=f"{name:16s}", subsequent_indent=" " * 16)
 
 
 def merge(base: dict, overrides: dict) -> dict:

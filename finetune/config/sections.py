@@ -145,6 +145,7 @@ class LoggingConfig:
     report_to: list = field(default_factory=list)  # [], ["wandb"], ["tensorboard"], ...
     wandb_project: str = "finetune"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    print_config: bool = False  # print the whole resolved configuration at the start (it is in config.yaml)
 
 
 @dataclass

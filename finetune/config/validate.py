@@ -130,7 +130,11 @@ def _cross_checks(cfg: Config) -> list[str]:
     if e.exact_match and not e.heldout_path:
         p.append("eval.heldout_path: required when eval.exact_match is true ('demo' for the demo split)")
     if e.exact_match and e.heldout_path == "demo" and d.path != "demo":
-        p.append("eval.heldout_path: 'demo' needs data.path: demo")
+        p.append(
+            f"eval.heldout_path: 'demo' is the demo data's held-out split, but data.path is {d.path!r}: with "
+            f"your own data, turn the exact-match evaluation off (--eval.exact_match=false) or give a held-out "
+            f"file of yours (--eval.heldout_path=FILE, rows like the training data's with the exact answers)"
+        )
     if t.lr_scaling != "none" and t.lr_reference_batch_size is None:
         # Without a reference the run's own effective batch would be it, and the factor always 1.
         p.append(

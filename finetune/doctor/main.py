@@ -6,59 +6,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 from finetune import precision
 from finetune.cli import options
 from finetune.doctor import agreement, devices, environment, lines, links, report, runs
+from finetune.doctor import options as doctor_options
 from finetune.errors import UserError
 
 MARKER = ".finetune-doctor"  # an --out directory the doctor made (and may write into again)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="finetune doctor",
-        description="Check this machine: environment, links between "
-        "GPUs, and a short run under every strategy it can run, agreeing with one process.",
-    )
-    p.add_argument("--quick", action="store_true", help="the environment only (seconds)")
-    p.add_argument(
-        "--offload",
-        action="store_true",
-        help="also the offload strategies; builds DeepSpeed's CPU Adam (~60 s the first time)",
-    )
-    p.add_argument("--build-cpu-adam", action="store_true", help="build DeepSpeed's CPU Adam even without --offload")
-    p.add_argument(
-        "--out",
-        default="runs/doctor",
-        help="where doctor.json, doctor.html, the runs and logs go (default runs/doctor)",
-    )
-    options.add_recipe(
-        p,
-        "also check that the accelerate default config does not refuse this recipe (a name in recipes/ or a YAML path)",
-        required=False,
-    )
-    p.add_argument(
-        "--strategies",
-        help=f"comma-separated subset of {','.join(runs.names(True))} (single, the reference, always runs)",
-    )
-    p.add_argument(
-        "--precision",
-        default="auto",
-        choices=precision.CHOICES,
-        help="training.precision of the runs (default auto: bf16-mixed on GPUs with bf16, 32-true on CPU)",
-    )
-    p.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="STRATEGY:section.key=value",
-        help="for testing the doctor: one recipe override for one strategy's run only (e.g. "
-        "zero2:training.learning_rate=2e-3, which the loss comparison must catch)",
-    )
+    p = options.Parser(prog="finetune doctor", description=doctor_options.DESCRIPTION)
+    doctor_options.add_arguments(p)
     return p
 
 
@@ -224,8 +186,8 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
     return entry, out + [line]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The doctor with its parsed options; `argv` (its options as typed) goes into the report."""
     started = time.monotonic()
     if args.quick and (args.override or args.strategies or args.offload):
         raise UserError("--strategies, --override and --offload apply to the strategy runs, which --quick skips")
@@ -253,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         strategies,
         links_report,
         seconds,
-        ["finetune", "doctor", *(argv if argv is not None else sys.argv[1:])],
+        ["finetune", "doctor", *argv],
     )
     print("\n" + report.console(result, all_lines), flush=True)
     paths = report.write(result, all_lines, out)

@@ -4,12 +4,13 @@ ranks inherit, running it in this process, and the report of the ranks that fail
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from finetune import resources
+from finetune import noise, resources
 from finetune.errors import EXIT_PREEMPTED, UserError
 
 TRAIN_SCRIPT = resources.PACKAGE_DIR / "train.py"  # the launch script (finetune/train.py)
@@ -23,6 +24,7 @@ def launch_command(
     cpu: bool = False,
     overwrite: bool = False,
     resume: str | None = None,
+    allow_config_change: bool = False,
 ) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
@@ -40,6 +42,7 @@ def launch_command(
     if cpu and not (path and path.parent.name == "cpu"):
         cmd += ["--cpu"]
     resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
+    resume_args += ["--allow-config-change"] if allow_config_change else []
     return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
 
 
@@ -95,6 +98,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     from finetune.launch import relay
 
     parsed = accelerate_launch.launch_command_parser().parse_args(launch_args)
+    logging.getLogger("accelerate.commands.launch").addFilter(noise.ZERO_PROCESSES_DEFAULT)
     # torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30) after it stops
     # them: give them time to finish a checkpoint (docs/faults.md). A value the user exported wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")

@@ -128,5 +128,15 @@ def detect(env=os.environ) -> Launcher:
     )
 
 
+def script_form() -> str:
+    """How a launch line should name the launch script: `finetune/train.py` from a directory that holds
+    it (the repository root), else `-m finetune.train`, which works wherever the package is installed;
+    `-m finetune.train` also when this process was started that way."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) != "finetune.train" and Path("finetune/train.py").is_file():
+        return "finetune/train.py"
+    return "-m finetune.train"
+
+
 def _real(path: str, cwd: str) -> str:
     return os.path.realpath(Path(cwd) / Path(path).expanduser())

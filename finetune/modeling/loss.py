@@ -141,6 +141,8 @@ def _make_forward(cls_forward):
         **kwargs,
     ):
         shift_labels = kwargs.pop("shift_labels", None)
+        if past_key_values is not None:  # passed on only when given: transformers 5.24 deprecates the name
+            kwargs["past_key_values"] = past_key_values  # (a FutureWarning per call, even for None)
         if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
             if shift_labels is not None:
                 kwargs["shift_labels"] = shift_labels
@@ -149,7 +151,6 @@ def _make_forward(cls_forward):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -164,7 +165,6 @@ def _make_forward(cls_forward):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -176,12 +176,15 @@ def _make_forward(cls_forward):
             loss = total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
         else:
             loss = total / count  # mean over scored tokens (0/0 = nan, as the standard loss)
+        # the key/value cache under its current name (`cache`; `past_key_values` before transformers 5.23
+        # and deprecated since: reading it warns)
+        cache_key = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
         result = CausalLMOutputWithPast(
             loss=loss,
             logits=None,
-            past_key_values=out.past_key_values,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
+            **{cache_key: out.get(cache_key)},
         )
         return result.to_tuple() if return_dict is False else result
 

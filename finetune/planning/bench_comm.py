@@ -1,7 +1,7 @@
 """`finetune bench-comm`: collective bandwidth over the processes of the current launch.
 
-    finetune bench-comm --cpu --num_processes 2 --out comm.json      # gloo, 2 CPU processes
-    finetune bench-comm --num_processes 2 --out comm.json            # NCCL over 2 GPUs
+    finetune bench-comm --cpu --num-processes 2 --out comm.json      # gloo, 2 CPU processes
+    finetune bench-comm --num-processes 2 --out comm.json            # NCCL over 2 GPUs
     accelerate launch --config_file accelerate_configs/ddp.yaml -m finetune.planning.bench_comm --out comm.json
 
 Definitions follow nccl-tests (doc/PERFORMANCE.md): for a buffer of S bytes taking t seconds,
@@ -29,8 +29,11 @@ BUS_FACTORS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="finetune bench-comm", description=__doc__.splitlines()[0])
+DESCRIPTION = "Collective bandwidth (all-reduce, reduce-scatter, all-gather) over the processes of a launch."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The measurement's options (the `finetune bench-comm` command adds how to launch it)."""
     p.add_argument(
         "--sizes",
         nargs="+",
@@ -40,6 +43,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per op and size (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     p.add_argument("--out", help="write the results as JSON here (for `finetune plan --bandwidth FILE`)")
+
+
+def parser() -> argparse.ArgumentParser:
+    from finetune.cli.options import Parser
+
+    p = Parser(prog="python -m finetune.planning.bench_comm", description=DESCRIPTION)
+    add_arguments(p)
     return p
 
 
@@ -200,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         raise UserError(
             "bench-comm measures the processes of a launch: run `finetune bench-comm --cpu "
-            "--num_processes 2` or `accelerate launch ... -m finetune.planning.bench_comm`"
+            "--num-processes 2` or `accelerate launch ... -m finetune.planning.bench_comm`"
         )
     world = int(os.environ["WORLD_SIZE"])
     if world < 2:
@@ -240,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def measurement_args(args) -> list[str]:
+    """The measurement's options as the launched module reads them (from `finetune bench-comm`'s parse)."""
+    out = ["--sizes", *args.sizes, "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    return out + (["--out", str(Path(args.out).resolve())] if args.out else [])
+
+
 def launch_args(rest: list[str], *, cpu: bool, num_processes: int) -> list[str]:
     """`accelerate launch` arguments that run this module on num_processes processes:
     the CPU DDP config (gloo) with --cpu, else torchrun-style multi-GPU."""
@@ -247,7 +263,7 @@ def launch_args(rest: list[str], *, cpu: bool, num_processes: int) -> list[str]:
     from finetune.errors import UserError
 
     if num_processes < 2:
-        raise UserError(f"--num_processes: bench-comm needs at least 2 processes, got {num_processes}")
+        raise UserError(f"--num-processes: bench-comm needs at least 2 processes, got {num_processes}")
     args = parser().parse_args(rest)  # bad options fail here, before any process starts
     parse_sizes(args.sizes, num_processes)
     if cpu:

@@ -186,7 +186,12 @@ def phases(
     if w.gradient_checkpointing:
         common["recomputed_block"] = A["per_layer"]
     if fam == "deepspeed" and st.zero_stage in (1, 2):
-        common["ipg_bucket"] = z.reduce_bucket_size * p.param  # stage_1_and_2 setup_buckets, first gradient hook
+        # stage_1_and_2 setup_buckets, first gradient hook: torch.empty(reduce_bucket_size). A GPU's
+        # caching allocator hands over the whole block. On CPU glibc maps it (mmap, far above its
+        # threshold) without touching it: only the pages the gradients are copied into are resident,
+        # at most the trainable parameters' elements (contiguous_gradients copies each gradient once).
+        elements = min(z.reduce_bucket_size, P) if cpu else z.reduce_bucket_size
+        common["ipg_bucket"] = elements * p.param
     if fam == "fsdp" and n > 1:
         # the block's unsharded parameters (and the prefetched next), and its unsharded gradients
         # before the reduce-scatter (derived from FSDP2's FSDPParamGroup; not measured)

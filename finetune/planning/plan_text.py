@@ -103,7 +103,14 @@ def _mesh_line(m: dict) -> str:
 
 def render(plan: dict, all_methods: bool = True) -> str:
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
+    wl = a["workload"]
     lines = [
+        (
+            f"planned for: {wl['micro_batch']} sequences x {wl['seq_len']} tokens per device per micro-step "
+            f"({wl['tokens_per_micro_step']:,} tokens; micro-batch from {wl['micro_batch_from']}, sequence length "
+            f"from {wl['seq_len_from']}), accumulation {wl['grad_accum']}; other sizes: "
+            f"--training.per_device_train_batch_size=N --data.max_length=N"
+        ),
         (
             f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
             f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
@@ -122,7 +129,8 @@ def render(plan: dict, all_methods: bool = True) -> str:
         _mesh_line(a["mesh"]),
         "GiB per device (2^30 bytes) at each row's predicted peak; comm = GB (1e9) sent per rank per optimizer step"
         + (
-            f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']})"
+            f"; time at {hw['bandwidth']['busbw_gbs']:.1f} GB/s bus bandwidth ({hw['bandwidth']['source']}), "
+            f"step s = compute (assumed GPU and MFU, below) + communication, not overlapped"
             if hw["bandwidth"]["busbw_gbs"]
             else "; pass --bandwidth for times"
         ),
@@ -132,7 +140,8 @@ def render(plan: dict, all_methods: bool = True) -> str:
         f"{'method':6} {'strategy':18}"
         + "".join(f"{c:>7}" for c, _ in COLUMNS)
         + f"{'other':>7}"
-        + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}  fits"
+        + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}"
+        + f"{'step s':>8}  fits"
     )
     lines += [head, "-" * len(head)]
     for r in plan["rows"]:
@@ -147,7 +156,9 @@ def render(plan: dict, all_methods: bool = True) -> str:
             f"{r['method']:6} {r['strategy']:18}"
             + "".join(f"{v:7.2f}" for v in _cells(d["components_gib"]))
             + f"{d['allocated_gib']:8.2f}{d['reserved_gib']:8.2f}{d['total_gib']:8.2f}"
-            f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}  {fit}"
+            f"{r['host_per_node_gib']:10.2f}{coll:9.2f}{t}{h2d:8.2f}"
+            + (f"{r['step_time']['total_s']:8.2f}" if r.get("step_time") else f"{'-':>8}")
+            + f"  {fit}"
         )
     rec = plan["recommendation"]
     if hw["world_size"] > 1:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from finetune import precision
 from finetune.errors import UserError
+from finetune.planning import timing
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
@@ -20,10 +21,12 @@ MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for 
 
 
 def load_model_config(name_or_path: str):
-    """A transformers config without weights: a local directory or config.json, the bundled model
-    (once prepared), or a hub id whose config is already in the Hugging Face cache."""
+    """A transformers config without weights: a local directory or config.json, a shipped model config
+    by name (finetune/model_configs/: `Llama-3.1-8B`), the bundled model (once prepared), or a hub id
+    whose config is already in the Hugging Face cache."""
     from transformers import AutoConfig
 
+    from finetune import resources
     from finetune.config.sections import BUNDLED_MODEL
 
     if name_or_path == BUNDLED_MODEL:
@@ -32,10 +35,12 @@ def load_model_config(name_or_path: str):
         if not bundled.is_prepared():
             raise UserError(
                 "the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
-                "--model DIR_OR_CONFIG_JSON"
+                f"--model DIR_OR_CONFIG_JSON or a shipped model config ({', '.join(resources.model_config_names())})"
             )
         name_or_path = str(bundled.model_dir())
     path = Path(name_or_path)
+    if not path.exists() and resources.model_config(name_or_path):
+        path = resources.model_config(name_or_path)
     if path.is_file():
         try:
             values = json.loads(path.read_text(encoding="utf-8"))
@@ -53,15 +58,36 @@ def load_model_config(name_or_path: str):
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError):
-        raise UserError(
-            f"--model: {name_or_path!r} is not a local directory or file, and its config is not in "
-            f"the Hugging Face cache (no hub access here). Write the model's config.json (from its "
-            f"model card) and pass --model path/to/config.json or a directory holding it"
-        ) from None
+        raise UserError(not_found_message(name_or_path)) from None
+
+
+def not_found_message(name: str) -> str:
+    """--model that is no file, directory, shipped config or cached hub config: what to pass instead."""
+    from finetune import resources
+
+    names = resources.model_config_names()
+    tail = name.rstrip("/").split("/")[-1]
+    same = next((n for n in names if n.lower() == tail.lower()), None)
+    hint = f"--model {same} (the shipped config of that model), or " if same else ""
+    return (
+        f"--model: {name!r} is not a local directory or file, not a shipped model config, and its config is "
+        f"not in the Hugging Face cache (no hub access here). Pass {hint}a config.json written from the model "
+        f"card (--model path/to/config.json, or a directory holding it), or a shipped model config by name: "
+        f"{', '.join(names)}"
+    )
 
 
 def build_plan(
-    cfg, model_config, *, gpus: int, nodes: int, gpu_memory: float, host_memory: float, bandwidth: dict, model_name: str
+    cfg,
+    model_config,
+    *,
+    gpus: int,
+    nodes: int,
+    gpu_memory: float,
+    host_memory: float,
+    bandwidth: dict,
+    model_name: str,
+    overrides: list[str] = (),
 ) -> dict:
     shape = shape_of(model_config)
     # A plan is for GPUs: `auto` is taken as bf16-mixed (a GPU with bf16), as issue 12 resolves it there.
@@ -74,6 +100,8 @@ def build_plan(
             f"parallel.sp_size {w.sp} x tp_size {w.tp} x cp_size {w.cp} = {shards} does not divide the "
             f"{n} GPU(s) planned (--gpus x --nodes); plan a multiple of {shards} GPUs or change the sizes"
         )
+    if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
+        bandwidth = {**bandwidth, "h2d_gbs": timing.H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
     rows = []
     for row in plan_rows(shape, w, n):
         method_w = Workload(**{**w.__dict__, "method": row["method"]})
@@ -111,11 +139,13 @@ def build_plan(
                     "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
                     **times,
                 },
+                "step_time": timing.step_seconds(shape, method_w, times),
             }
         )
     p = shape.params
     how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
     notes = {
+        "workload": workload_note(cfg, w, overrides),
         "precision": f"{policy.name}{how}: {policy.summary}",
         "micro_batch": w.micro_batch,
         "seq_len": w.seq_len,
@@ -126,8 +156,8 @@ def build_plan(
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
         "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
-        "constants": constants(),
-        "not_modelled": list(NOT_MODELLED),
+        "constants": {**constants(), **timing.constants()},
+        "not_modelled": [*NOT_MODELLED, "the host's optimizer step of offloaded optimizers (in the step time)"],
     }
     return {
         "model": {
@@ -203,14 +233,50 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
         )
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
     faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
+    first, choice = choice, _least_step_time(choice, [r for r in mine if r["fits"]])
     reason = (
         f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
         f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
         f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node"
     )
+    if choice is not first:
+        a, b = first["step_time"], choice["step_time"]
+        reason += (
+            f"; communication dominates at this bandwidth: {first['strategy']} (first in speed order) would "
+            f"take an estimated {a['total_s']:.2f} s per step ({a['communication_s']:.2f} s moving data, "
+            f"{a['compute_s']:.2f} s computing), {choice['strategy']} {b['total_s']:.2f} s "
+            f"({b['communication_s']:.2f} s moving data; its host optimizer step not counted)"
+        )
     if faster:
         reason += f"; faster ones do not fit: {', '.join(faster)}"
     return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
+
+
+def _least_step_time(first: dict, fitting: list[dict]) -> dict:
+    """The speed order's choice, unless its communication takes longer than its compute at the given
+    bandwidth (finetune/planning/timing.py): then the fitting row with the least estimated step time."""
+    if not first.get("step_time") or not first["step_time"]["communication_dominates"]:
+        return first
+    timed = [r for r in fitting if r.get("step_time")]
+    best = min(timed, key=lambda r: (r["step_time"]["total_s"], SPEED_ORDER.index(r["strategy"])))
+    return best if best["step_time"]["total_s"] < first["step_time"]["total_s"] else first
+
+
+def workload_note(cfg, w: Workload, overrides: list[str]) -> dict:
+    """What the plan is for, and where each number came from (the recipe, or the command line)."""
+    given = {o.split("=")[0] for o in overrides}
+
+    def source(key: str) -> str:
+        return "command line" if f"--{key}" in given else f"recipe {cfg.recipe}"
+
+    return {
+        "micro_batch": w.micro_batch,
+        "micro_batch_from": source("training.per_device_train_batch_size"),
+        "seq_len": w.seq_len,
+        "seq_len_from": source("data.max_length"),
+        "grad_accum": w.grad_accum,
+        "tokens_per_micro_step": w.micro_batch * w.seq_len,
+    }
 
 
 def run(args, overrides: list[str]) -> int:
@@ -231,6 +297,7 @@ def run(args, overrides: list[str]) -> int:
             host_memory=parse_size(args.host_memory, "--host-memory"),
             bandwidth=read_bandwidth(args.bandwidth),
             model_name=name,
+            overrides=overrides,
         )
     except ValueError as e:  # an architecture the arithmetic does not cover
         raise UserError(f"--model {name}: {e}") from None

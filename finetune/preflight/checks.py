@@ -2,6 +2,7 @@
 show, found before any weights load and raised together as one ConfigError (exit 2). What is
 checked, and where: docs/preflight.md.
 
+    check_before_processes(cfg, setup)   # each launched process, before its process group
     check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group
     check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
 
@@ -12,15 +13,36 @@ other checks see. What engaged is still proven on the live engine (training/enga
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from finetune.errors import ConfigError, UserError
+from finetune.errors import ConfigError, ReportedElsewhere, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices, machines, model_files, parallel
 from finetune.preflight import precision as policy_checks
 from finetune.strategies import launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
+
+
+OTHER_RANKS_WAIT_S = 30  # for the launcher to stop them once rank 0 has exited
+
+
+def check_before_processes(cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S) -> None:
+    """In each launched process, before its process group: a launch whose processes could only run
+    alone is refused before any collective or DeepSpeed op build (devices.lone_processes_problem).
+    Rank 0 says why and exits 2 at once. The other ranks wait, silently, for the launcher to stop them
+    (torchrun and accelerate launch terminate the others when one exits): were one of them to exit
+    first, the launcher could kill rank 0 before it printed. They exit 2 after `wait_s` otherwise."""
+    problem = devices.lone_processes_problem(cfg, setup, env)
+    if problem is None:
+        return
+    if env.get("RANK", "0") != "0":
+        import time
+
+        time.sleep(wait_s)
+        raise ReportedElsewhere(problem)
+    raise ConfigError([problem], SOURCE)
 
 
 def check_before_loading(
@@ -30,9 +52,8 @@ def check_before_loading(
     this process's launch (resolved from `state` and `setup` when not given). `resume` (--resume)
     lets the run directory exist: a resumed run continues it."""
     launch = launch or LaunchPlan.resolve(cfg, state, setup)
-    in_script = launch.set_up_by == "recipe"
     found = (
-        devices.world_size_problem(state, cfg.recipe if in_script else None),
+        devices.world_size_problem(state, cfg, launch.setup),
         devices.launcher_processes_problem(launch.setup, cfg),
         machines.machines_problem(launch),
     )
@@ -44,9 +65,11 @@ def check_before_loading(
         raise ConfigError(problems, SOURCE)
 
 
-def check_launch(launch_args: list[str], resume_check=None) -> None:
+def check_launch(launch_args: list[str], resume_check=None, resume_config=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
-    `resume_check(cfg, launch, resume, overrides) -> problems` runs first when --resume is given."""
+    With --resume, `resume_config(recipe, overrides, allow_change=) -> ResumedConfig` gives the
+    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> problems`
+    runs first."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
@@ -56,7 +79,10 @@ def check_launch(launch_args: list[str], resume_check=None) -> None:
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
-    cfg, _ = load_recipe(args.recipe, overrides)
+    if args.resume and resume_config:
+        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change).cfg
+    else:
+        cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
         facts = from_config_file(

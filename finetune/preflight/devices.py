@@ -6,34 +6,73 @@ process that would see several CUDA devices (Trainer would wrap it in nn.DataPar
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from finetune.launch.plan import LaunchPlan
-from finetune.strategies import ACCELERATOR_TYPES, by_key, launch_line
+from finetune.strategies import ACCELERATOR_TYPES, by_recipe, launch_line
 
 
-def world_size_problem(state, in_script_recipe: str | None = None) -> str | None:
+def lone_processes_problem(cfg, setup, env=os.environ, cuda: bool | None = None) -> str | None:
+    """Before any process group: several processes launched on a machine without CUDA, without the
+    CPU opt-in, are each set up by Accelerate as a run of their own (each would train alone, and
+    DeepSpeed would first build its CPU ops in each). Every rank finds this from its environment
+    alone, so all of them stop at once, before any collective could wait for another. `cuda`: whether
+    a CUDA device is visible (read from torch when not given)."""
+    launched = int(env.get("WORLD_SIZE", "1"))
+    if launched < 2 or setup.cpu_gloo is not None or env.get("ACCELERATE_USE_CPU", "false").lower() == "true":
+        return None
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    return (
+        f"{launched} processes were launched on a machine without a CUDA GPU: Accelerate would set each up "
+        f"as a run of its own (each would train alone). {cpu_launch_fix(cfg, setup, launched)}"
+    )
+
+
+def world_size_problem(state, cfg, setup) -> str | None:
     """The launcher's world size must equal the processes Accelerate set up (a 2-process launch
-    without use_cpu on a machine without a GPU gives two lone runs). `in_script_recipe`: the
-    recipe sets up its strategy itself, so the fix is a plain torchrun line."""
+    without use_cpu on a machine without a GPU gives two lone runs; most such launches are refused
+    before, by lone_processes_problem)."""
     launcher = int(os.environ.get("WORLD_SIZE", "1"))
     if launcher == state.num_processes:
         return None
-    head = (
+    return (
         f"the launcher started {launcher} processes but Accelerate set up {state.num_processes} "
-        f"(distributed type {state.distributed_type.value}); each process would train alone. On a "
-        f"machine without a GPU "
+        f"(distributed type {state.distributed_type.value}); each process would train alone. "
+        f"{cpu_launch_fix(cfg, setup, launcher)}"
     )
-    if in_script_recipe:
-        return head + (
-            f"opt in to gloo (the recipe sets up its strategy itself), e.g.\n"
-            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {launcher} finetune/train.py "
-            f"--recipe {in_script_recipe}\n  (see finetune/launch/cpu_rehearsal.py)"
+
+
+def cpu_launch_fix(cfg, setup, processes: int) -> str:
+    """The launch that runs this strategy on CPU processes over gloo: the accelerate_configs/cpu/
+    variant of the config the launcher read (of the recipe's strategy when it read none or its own),
+    or, when the recipe sets its strategy up itself, the same launch with the opt-in."""
+    from finetune import resources
+    from finetune.launch import launcher
+
+    script = launcher.script_form()
+    if setup is None or setup.set_up_by == "recipe":
+        return (
+            f"To rehearse on CPU, opt in to gloo (the recipe sets up its strategy itself):\n"
+            f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {processes} {script} --recipe {cfg.recipe}\n"
+            f"  or `finetune train --recipe {cfg.recipe} --cpu` (see docs/preflight.md, CPU rehearsal)"
         )
-    return head + (
-        f"use a CPU config and opt in to gloo, e.g.\n"
-        f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {by_key('ddp').cpu_config} "
-        f"finetune/train.py --recipe ddp\n  (or `finetune train --recipe ddp --cpu`; see "
-        f"finetune/launch/cpu_rehearsal.py)"
+    given = setup.launcher.config_file
+    variant = resources.cpu_variant(Path(given)) if given else None
+    if variant is None or variant.parent.name != "cpu":
+        row = by_recipe(cfg.run.strategy, cfg.run.offload)
+        variant = resources.resolve(row.cpu_config) if row and row.cpu_config else None
+    if variant is None:
+        return "Launch it on a machine with GPUs, or one process (--num_processes 1)."
+    return (
+        f"On a machine without a GPU, use the CPU variant of the config and opt in to gloo:\n"
+        f"    FINETUNE_CPU_DISTRIBUTED=1 accelerate launch --config_file {resources.shown(variant)} {script} "
+        f"--recipe {cfg.recipe}\n"
+        f"  or `finetune train --recipe {cfg.recipe} --cpu` (see docs/preflight.md, CPU rehearsal)"
     )
 
 
@@ -42,6 +81,8 @@ def launcher_processes_problem(setup, cfg) -> str | None:
     no config file, accelerate's simple launcher starts ONE process (accelerate 1.15
     commands/launch.py _validate_launch_command: multi_gpu only when cuda.device_count() > 1),
     which would train alone at another batch size than asked for."""
+    from finetune.launch import launcher
+
     if setup is None or setup.launcher.kind != "accelerate launch" or not setup.launcher.num_processes:
         return None
     asked, got = setup.launcher.num_processes, int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,7 +91,7 @@ def launcher_processes_problem(setup, cfg) -> str | None:
     return (
         f"accelerate launch --num_processes {asked} started {got} process(es): without a config file, accelerate "
         f"starts several only when more than one GPU is visible. For {asked} processes on CPU:\n"
-        f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} finetune/train.py --recipe {cfg.recipe}\n"
+        f"    FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node {asked} {launcher.script_form()} --recipe {cfg.recipe}\n"
         f"  or `finetune train --recipe {cfg.recipe} --cpu`; for one process leave out --num_processes"
     )
 

@@ -258,6 +258,12 @@ class Position(TypedDict):
     samples_per_epoch: int  # train rows
 
 
+class ConfigChange(TypedDict):
+    key: str  # section.key
+    was: object  # in the run's saved configuration (null: not set there, the default)
+    now: object  # given with --allow-config-change
+
+
 class Mesh(TypedDict):
     sp: int
     tp: int
@@ -289,6 +295,8 @@ Segment = TypedDict(
         "position": Position | None,
         "universal_cache": str,
         "conversion_s": float | None,
+        "config_from": str,
+        "config_changes": list[ConfigChange],
     },
     total=False,
 )

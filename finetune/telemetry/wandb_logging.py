@@ -38,7 +38,8 @@ class WandB:
         if self.run is None:
             return
         if exit_code == 0:
-            finish(self.run, record, [self.run_dir / "run.json", self.run_dir / "config.yaml", *launch_config_files()])
+            files = [self.run_dir / "run.json", self.run_dir / "config.yaml", *launch_config_files()]
+            finish(self.run, record, files, stage_dir=self.run_dir / "wandb" / f"run-record-{self.run.id}")
         else:
             self.run.finish(exit_code=exit_code)
 
@@ -100,22 +101,34 @@ def start(record: RecordView, *, project: str, run_dir: Path):
     )
 
 
-def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) -> None:
-    """Summary (peaks, throughput, eval), the run-record artifact, then close the run."""
-    import wandb
-
+def run_summary(record: RecordView) -> dict:
+    """The whole run's figures, under `run/` and the path they have in run.json (`run/throughput/
+    trained_tokens_per_s`): never the name of a per-window key, which W&B also keeps in the summary
+    (its last value; transformers logs them as `train/<key>`). README.md "W&B keys" lists both."""
     summary = {}
     for key, value in record.get("memory", "max", default={}).items():
         if value is not None:
-            summary[f"memory/max_{key}"] = value
+            summary[f"run/memory/max/{key}"] = value
     for key, value in record.get("throughput", default={}).items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            summary[f"perf/{key}"] = value
+            summary[f"run/throughput/{key}"] = value
     for key, value in record.get("eval", default={}).items():
-        if isinstance(value, (int, float)):
-            summary[f"eval/{key}"] = value
-    summary["status"] = record.get("summary", "status")
-    run.summary.update(summary)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            summary[f"run/eval/{key}"] = value
+    summary["run/status"] = record.get("summary", "status")
+    return summary
+
+
+def finish(run, record: RecordView, files: list[Path], *, stage_dir: Path, exit_code: int = 0) -> None:
+    """Summary (peaks, throughput, eval), the run-record artifact, then close the run. The artifact's
+    files are copied into `stage_dir` (inside the run directory) and added from there unchanged: W&B
+    would otherwise stage copies under ~/.local/share/wandb, outside the run directory, and a
+    `wandb sync` of the run directory from another machine would lose them."""
+    import shutil
+
+    import wandb
+
+    run.summary.update(run_summary(record))
     # The precision section as read from the live objects at on_train_begin (start() had the declared part).
     run.config.update(
         {"finetune": {**dict(run.config.get("finetune") or {}), "precision": record.get("precision")}},
@@ -126,9 +139,12 @@ def finish(run, record: RecordView, files: list[Path], *, exit_code: int = 0) ->
         type="run-record",
         description=f"run.json, resolved recipe and launch configs of {record.get('run_name')}",
     )
+    stage_dir.mkdir(parents=True, exist_ok=True)
     for path in files:
         if path.is_file():
-            artifact.add_file(str(path), name=path.name)
+            staged = stage_dir / path.name
+            shutil.copy2(path, staged)
+            artifact.add_file(str(staged), name=path.name, policy="immutable")  # never changed after this
     run.log_artifact(artifact)
     run.finish(exit_code=exit_code)
 

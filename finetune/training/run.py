@@ -6,8 +6,8 @@ phases read top to bottom:
     options -> tokenizer and data -> model -> trainer -> nodes and setup recorded -> train ->
     finish and record
 
-`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
-plan, the run's name and directory) before the phases that train, and only read after.
+`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume plan,
+the run's name and directory) before the phases that train, and only read after.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.cli import options
-from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
 
 if TYPE_CHECKING:
     from accelerate import PartialState
 
+    from finetune.checkpointing.resume_config import ResumedConfig
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
@@ -84,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     signals.stop_with_parent()
     code = None
     try:
-        code = run_phases(argv)
-        return code
+        return (code := run_phases(argv))
     finally:
         run_lock.release_all()  # rank 0 is done with the run directory (a crash releases it too)
         if code != EXIT_PREEMPTED:  # preempted: torchrun stops the other ranks with SIGTERM; stay deaf to it
@@ -100,7 +102,16 @@ def run_phases(argv: list[str] | None) -> int:
     from finetune.training.collapse import Diverged
 
     args, overrides = options.parse_train_args(argv)
-    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    resumed = None
+    if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
+        from finetune.checkpointing import resume_config
+
+        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        cfg = resumed.cfg
+    else:
+        if args.allow_config_change:
+            raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+        cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
@@ -109,7 +120,7 @@ def run_phases(argv: list[str] | None) -> int:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
         return endings.stopped_before_training(None, e, ended)
-    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides)
+    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides, resumed_config=resumed)
     try:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
@@ -160,11 +171,14 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
     from accelerate import PartialState
 
-    from finetune.launch import cpu_rehearsal, strategy_setup
+    from finetune import preflight
+    from finetune.launch import cpu_rehearsal, op_builds, strategy_setup
     from finetune.launch.plan import LaunchPlan
     from finetune.launch.ranks import close_process_group_at_exit
 
     setup = strategy_setup.detect(cfg)
+    preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
+    _announce_op_builds(op_builds.before_processes(setup))  # DeepSpeed's CPU comm op compiles in PartialState
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
@@ -177,13 +191,20 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
 
 
 def prepare(
-    cfg: Config, launch: LaunchPlan, state: PartialState, ended: list, *, resume: str | None, overrides: list[str]
+    cfg: Config,
+    launch: LaunchPlan,
+    state: PartialState,
+    ended: list,
+    *,
+    resume: str | None,
+    overrides: list[str],
+    resumed_config: ResumedConfig | None = None,
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     from finetune import preflight
     from finetune.checkpointing import resume as resuming
-    from finetune.checkpointing import resume_plan
+    from finetune.checkpointing import resume_config, resume_plan
     from finetune.data import demo
     from finetune.launch import peers, rundir
     from finetune.launch.ranks import run_on_main
@@ -212,6 +233,7 @@ def prepare(
     )
     if record and plan:
         resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
+        resume_config.note(record, resumed_config)
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
@@ -247,11 +269,12 @@ def commit(run: Run) -> None:
             resume.keep_previous_record(run.dir)
         run.record.write()  # first: a directory holding a run.json is one a retry can judge (rundir.reusable)
         saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-        log.info(
-            "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-            saved,
-            saved.read_text(encoding="utf-8").rstrip(),
+        shown = (
+            f", saved to {saved}:\n{saved.read_text(encoding='utf-8').rstrip()}"
+            if run.cfg.logging.print_config
+            else f" saved to {saved} (--logging.print_config=true prints it)"
         )
+        log.info("resolved configuration (defaults < recipe < command line)%s", shown)
 
     rundir.written(run.state, run.dir, "run.json and config.yaml", write if run.record is not None else lambda: None)
     run.committed = True
@@ -440,8 +463,10 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
     CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
+    from finetune.launch import op_builds
     from finetune.training import signals
 
+    _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = _exact_match(run, trainer, model, data, "before")
@@ -464,10 +489,9 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
 def finish(
     run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
-    """The model exported first, then the eval loss and exact match after training, the summary, the
-    figures; the sinks closed. An error in any of it reports where the trained weights are
-    (finetune/training/after_training.py); a signal stops it at the next boundary with a checkpoint
-    of the final step (exit 75; --resume evaluates and exports)."""
+    """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. An
+    error reports where the trained weights are (training/after_training.py); a signal stops it at
+    the next boundary with a checkpoint of the final step (exit 75; --resume evaluates)."""
     from finetune.training import endings, evaluation, fault_injection, signals
     from finetune.training.after_training import WeightsKept, record_figures
 
@@ -554,6 +578,15 @@ def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: 
             result["total"],
         )
     return result
+
+
+def _announce_op_builds(ops: list[str]) -> None:
+    """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
+    from finetune.launch import op_builds
+
+    line = op_builds.announce(ops)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {line}", file=sys.stderr, flush=True)
 
 
 def _setup_logging(level: str, main_process: bool) -> None:

@@ -265,9 +265,23 @@ def _resume(
         if mesh is not None:
             run["mesh"] = mesh
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
+        _saved_config(ws, launch)
         return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
 
     return setup
+
+
+def _saved_config(ws: Path, launch: list[str]) -> None:
+    """runs/prev/config.yaml as the earlier run saved it: the recipe the case launches, with the table's
+    base overrides (a resume continues this configuration: finetune/checkpointing/resume_config.py)."""
+    import yaml
+
+    from finetune.config.recipe import load_recipe
+
+    recipe = launch[launch.index("--recipe") + 1] if "--recipe" in launch else "demo"
+    base = [a for a in base_args(ws, Path(os.environ["FINETUNE_TABLE_MODEL"])) if a.startswith("--") and "=" in a]
+    cfg, _ = load_recipe(recipe, [*base, "--run.name=prev"])
+    _write(ws / "runs" / "prev" / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
@@ -500,6 +514,12 @@ CASES = [
         ],
         ("long.jsonl", "no example has a trained token within max_length=32"),
         entry="train.py",
+    ),
+    Case(
+        "own data with the demo recipe's exact-match evaluation on",
+        "eval.heldout_path",
+        lambda ws: ["--eval.exact_match=true"],
+        ("eval.heldout_path: 'demo'", "good.jsonl", "--eval.exact_match=false", "--eval.heldout_path=FILE"),
     ),
     Case(
         "held-out file missing",
@@ -832,13 +852,24 @@ CASES = [
     Case(
         "resume on another process count with dataloader_drop_last",
         "--resume / training",
-        _resume([*ZERO3_CPU, "--num_processes", "1", "--training.dataloader_drop_last=true"]),
+        _resume([*ZERO3_CPU, "--num_processes", "1", "--training.dataloader_drop_last=true", "--allow-config-change"]),
         ("training.dataloader_drop_last: true", "the layout changes (2 -> 1 process(es))"),
     ),
     Case(
-        "resume with another seed",
+        "resume with an override that differs from the run's saved configuration",
+        "--resume / overrides",
+        _resume([*ZERO3_CPU, "--training.seed=7", "--eval.exact_match=true"]),
+        (
+            "training.seed: 42 in the run, 7 given",
+            "eval.exact_match: False in the run, True given",
+            "runs/prev/config.yaml",
+            "--allow-config-change",
+        ),
+    ),
+    Case(
+        "resume with another seed, the change allowed",
         "--resume / training.seed",
-        _resume([*ZERO3_CPU, "--training.seed=7"]),
+        _resume([*ZERO3_CPU, "--training.seed=7", "--allow-config-change"]),
         ("training.seed is 7 but checkpoint-3 was trained with 42", "--training.seed=42"),
     ),
     Case(

@@ -30,6 +30,7 @@ from tests.wandb_records import read_records, summarize
 
 PRICE = 2.0  # USD per device-hour
 STRATEGIES = ("qlora_baseline", "fsdp")
+RAN = ("single", *STRATEGIES)  # the sweep adds the one-process LoRA run FSDP's scaling efficiency needs
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -73,12 +74,14 @@ def sweep(tmp_path_factory, tiny_model_dir):
         stdout, stderr = proc.communicate()
         pytest.fail(f"sweep timed out\n{stdout[-3000:]}\n{stderr[-3000:]}")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-6000:]}\n{stderr[-4000:]}"
-    records = {name: json.loads((out / name / "run.json").read_text()) for name in STRATEGIES}
+    records = {name: json.loads((out / name / "run.json").read_text()) for name in RAN}
     return {"out": out, "stdout": stdout, "records": records, "report": out / "report"}
 
 
 def _table_rows(markdown: str) -> list[list[str]]:
-    lines = [line for line in markdown.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    """The full table (under "## All columns"; the headline table comes first)."""
+    full = markdown.split("## All columns", 1)[1]
+    lines = [line for line in full.splitlines() if line.startswith("|") and not line.startswith("|---")]
     return [[c.strip() for c in line.strip("|").split(" | ")] for line in lines]
 
 
@@ -99,7 +102,7 @@ def test_sweep_runs_each_strategy_for_real_with_the_same_batch_and_seed(sweep):
     ev = fsdp["strategy"]["evidence"]
     assert fsdp["strategy"]["distributed_type"] == "FSDP" and ev["dtensor_params"] == ev["params"] > 0, ev
     assert all(rec["config"]["method"]["lora_r"] == 16 for rec in recs.values())  # LoRA settings: the recipe's
-    for name in STRATEGIES:
+    for name in RAN:
         assert (sweep["out"] / "logs" / f"{name}.log").stat().st_size > 0
 
 
@@ -107,11 +110,11 @@ def test_report_table_equals_the_records_and_derived_columns(sweep):
     recs = sweep["records"]
     md = (sweep["report"] / "report.md").read_text()
     header, *rows = _table_rows(md)
-    assert len(rows) == 2
+    assert len(rows) == 3
     col = {title: i for i, title in enumerate(header)}
     by_run = {row[col["run"]].removesuffix(" [baseline]"): row for row in rows}
-    assert by_run.keys() == {f"demo-{n}" for n in STRATEGIES}
-    assert rows[0][col["run"]] == "demo-qlora_baseline [baseline]"
+    assert by_run.keys() == {f"demo-{n}" for n in RAN}
+    assert by_run["demo-qlora_baseline"][col["run"]] == "demo-qlora_baseline [baseline]"
     base = recs["qlora_baseline"]
     for name, rec in recs.items():
         row = by_run[f"demo-{name}"]
@@ -129,9 +132,14 @@ def test_report_table_equals_the_records_and_derived_columns(sweep):
         assert row[col["memory ratio vs baseline"]] == f"{ratio:.2f} (host)"
         cost = PRICE * rec["strategy"]["world_size"] * s["train_s"] / 3600 / (s["total_trained_tokens"] / 1e6)
         assert row[col["cost per 1M trained tokens, USD (training time)"]] == f"{cost:,.4g}"
-    # No single-device LoRA run in this sweep: FSDP scaling cannot be had, and the table says so.
-    assert by_run["demo-fsdp"][col["scaling efficiency (vs same-method single device)"]] == "n/a"
-    assert "no single-device lora run among the runs" in md
+    # Issue 27 item 4: the sweep named no one-process LoRA run, so it added `single` and FSDP's scaling
+    # efficiency is had: its tokens/s over 2 x the single run's (docs/compare.md).
+    assert "(added: the single-device reference for scaling efficiency)" in sweep["stdout"]
+    single = recs["single"]
+    assert single["strategy"]["world_size"] == 1 and single["strategy"]["method"] == "lora"
+    scaling = recs["fsdp"]["throughput"]["trained_tokens_per_s"] / (2 * single["throughput"]["trained_tokens_per_s"])
+    assert by_run["demo-fsdp"][col["scaling efficiency (vs same-method single device)"]] == f"{scaling:.0%}"
+    assert "no single-device lora run among the runs" not in md
     assert "demo-fsdp" in sweep["stdout"] and "speedup" in sweep["stdout"]  # the console table
 
 
@@ -142,14 +150,14 @@ def test_wandb_comparison_holds_the_record_numbers_and_the_plots(sweep):
     wb = summarize(read_records(files[0]))
     assert wb["run"].run_group == "demo" and wb["run"].job_type == "comparison"
     logged = {k: v for h in wb["history"] for k, v in h.items()}  # nested keys read back as a/b/c
-    assert logged["comparison/table/_type"] == "table-file" and logged["comparison/table/nrows"] == 2
+    assert logged["comparison/table/_type"] == "table-file" and logged["comparison/table/nrows"] == 3
     for plot, png in (("loss", "loss_vs_tokens"), ("throughput", "throughput"), ("memory", "memory")):
         assert logged[f"comparison/{plot}/_type"] == "image-file"
         digest = hashlib.sha256((sweep["report"] / f"{png}.png").read_bytes()).hexdigest()
         assert logged[f"comparison/{plot}/sha256"] == digest  # the very PNG of the report
     table = json.loads((files[0].parent / "files" / logged["comparison/table/path"]).read_text())
     col = {c: i for i, c in enumerate(table["columns"])}
-    assert len(table["data"]) == 2
+    assert len(table["data"]) == 3
     for row in table["data"]:
         name = row[col["run"]].removesuffix(" [baseline]").removeprefix("demo-")
         rec = recs[name]
@@ -355,8 +363,9 @@ def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path
     assert code == 2 and "ddp: the recipe's effective batch 3" in err and "cannot be kept with 2 processes" in err
     code, err = _sweep(capsys, tmp_path, "--strategies", "ddp", "--run.strategy=fsdp")
     assert code == 2 and "--run.strategy: set by the sweep" in err
-    code, err = _sweep(capsys, tmp_path, "--strategies", "ddp,fsdp", "--baseline", "zero2")
-    assert code == 2 and "--baseline zero2: in a sweep, name one of the strategies (ddp, fsdp)" in err
+    for flag in ("--baseline-strategy", "--baseline"):  # its name, and the old one kept
+        code, err = _sweep(capsys, tmp_path, "--strategies", "ddp,fsdp", flag, "zero2")
+        assert code == 2 and "--baseline-strategy zero2: name one of the strategies (ddp, fsdp)" in err
     assert not (tmp_path / "sw" / "ddp").exists()
 
 
@@ -477,3 +486,18 @@ def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, t
         "demo-fsdp": "completed",
         "demo-zero2": "failed",
     }
+
+
+def test_a_sweep_adds_the_single_device_run_scaling_efficiency_needs_or_reuses_one(tmp_path):
+    """Issue 27 item 4: `finetune sweep --strategies qlora_baseline,ddp,zero2,fsdp` (the README's) named no
+    one-process LoRA run, so no LoRA row had a scaling efficiency. The sweep adds `single` (the recipe's
+    method, one process) first; a one-process run of that method among the strategies is reused."""
+
+    def planned(names):
+        return [(p.strategy, p.world_size, p.added) for p in sweep_lib.plan("demo", names, [], cpu=True, out=tmp_path)]
+
+    readme = planned(["qlora_baseline", "ddp", "zero2", "fsdp"])
+    assert readme[0] == ("single", 1, "the single-device reference for scaling efficiency")
+    assert [s for s, _, added in readme if added is None] == ["qlora_baseline", "ddp", "zero2", "fsdp"]
+    assert planned(["single", "ddp"]) == [("single", 1, None), ("ddp", 2, None)]  # reused, not added
+    assert planned(["qlora_baseline"]) == [("qlora_baseline", 1, None)]  # nothing to scale

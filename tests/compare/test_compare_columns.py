@@ -144,11 +144,12 @@ def test_memory_plot_draws_predicted_components_beside_measured(runs, tmp_path):
     fig = plots.memory_figure(table)  # the figure memory_plot saves
     device_ax, host_ax = fig.axes[:2]
     labels = device_ax.get_legend_handles_labels()[1]
+    # the components in the plan's groups (weights, gradients, activations; "optimizer" is no planner name)
     assert labels == [
         "measured peak allocated",
         "predicted: weights",
         "predicted: gradients",
-        "predicted: optimizer",
+        "predicted: other (batch, workspaces, ...)",
         "predicted: activations",
     ]
     # measured: 4, 8, 6 GiB and the CPU-less zero3 run's missing figure drawn as 0; predicted: ddp's components
@@ -306,6 +307,97 @@ def test_speed_columns_show_the_record_and_say_when_it_is_missing(runs):
         "liger": "off",
     }
     assert cells[0]["loss_impl"] == "n/a" and "no speed section" in table.notes[0]["loss_impl"]
-    from finetune.compare.report import console_table
+    from finetune.compare.report import markdown
 
-    assert "packing (BFD), x256 tokens" in console_table(table) and "loss" in console_table(table).splitlines()[0]
+    assert "packing (BFD), x256 tokens" in markdown(table, {}, Path("."))  # the full table (the console: headline)
+
+
+# --- issue 27 item 4: the report leads with the answer -----------------------------------------------------
+
+# every component name the planner writes for a ZeRO-2 LoRA run on a GPU and one on CPU (finetune/planning/memory.py)
+MANY = [
+    "frozen_weights", "lora_adapters", "master_weights", "optimizer_states", "cublas_workspaces", "batch",
+    "activations", "autocast_weight_copies", "loss_buffers", "head_grad", "block_backward_temporaries",
+    "rotary_and_targets", "ipg_bucket", "accumulated_grad_partition",
+]  # fmt: skip
+
+
+def six_runs(tmp_path) -> list[comparison.Run]:
+    """A five-strategy sweep with its single-device reference, as the README's sweep leaves it."""
+    predicted = {**PREDICTED, "device": {**PREDICTED["device"], "components_gib": {n: 0.1 for n in MANY}}}
+    recs = [
+        record("demo-qlora_baseline", strategy="single", method="qlora", world=1, tps=1000.0, device_gib=4.0, host_gib=3.0),
+        record("demo-single", strategy="single", method="lora", world=1, tps=1500.0, device_gib=8.0, host_gib=3.0),
+        record("demo-ddp", strategy="ddp", method="lora", world=2, tps=2400.0, device_gib=6.0, host_gib=2.0, predicted=predicted),
+        record("demo-zero2", strategy="zero2", method="lora", world=2, tps=2300.0, device_gib=5.0, host_gib=2.0, predicted=predicted),
+        record("demo-fsdp", strategy="fsdp", method="lora", world=2, tps=2000.0, device_gib=4.5, host_gib=2.0),
+        record("demo-zero3_offload", strategy="zero3", method="lora", world=2, tps=600.0, device_gib=2.0, host_gib=9.0),
+    ]  # fmt: skip
+    recs[-1]["strategy"]["offload"] = "optimizer+params"
+    return _write(tmp_path, recs)
+
+
+def test_the_console_table_leads_with_the_answer_within_120_columns(tmp_path):
+    from finetune.compare import report
+
+    table = comparison.build_table(six_runs(tmp_path), gpu_hour_price=2.5)
+    text = report.console_table(table)
+    lines = text.splitlines()
+    table_lines = lines[: lines.index("")]  # the notes below are whole lines, however long
+    assert max(len(line) for line in table_lines) <= 120, max(table_lines, key=len)
+    assert "scaling efficiency of demo-ddp: against demo-single" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("run "))
+    for name in ("tok/s", "speedup", "dev GiB", "mem ratio", "scaling", "$/1M tok", "comparable"):
+        assert name in lines[header], lines[header]
+    same = " ".join(lines[:header])  # said once, above the table
+    assert same.startswith("same for every run:") and "eff.batch 16" in same and "lr 0.0002" in same
+    assert "MFU 30.0%" in same and "mem ratio" not in same and "strategy" not in same
+    rows = {line.split()[0]: line for line in lines[header + 2 : header + 8]}
+    # 2400/1000; 6/4 GiB; 2400 / (2 x 1500); 2.5 USD x 2 devices x 100/3600 h / 0.05 M tokens = 2.778
+    assert rows["demo-ddp"].split()[1:] == ["ddp", "2,400.0", "2.40x", "6.00", "1.50", "80%", "2.778", "yes"]
+    # control: the full table, as the console printed it before, is far wider than 120 columns
+    cols = table.columns
+    full = max(sum(len(table.cell(i, c.key)) + 2 for c in cols) for i in range(len(table.rows)))
+    assert full > 200
+
+
+def test_markdown_and_html_put_the_headline_first_and_the_full_table_below(tmp_path):
+    from finetune.compare import report
+
+    table = comparison.build_table(six_runs(tmp_path), gpu_hour_price=2.5)
+    md = report.markdown(table, {}, tmp_path)
+    tables = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    first = [c.strip() for c in tables[0].strip("|").split(" | ")]
+    assert first == report.headline_titles(table) and len(first) == 9
+    assert "peak memory per device, GiB (device allocated)" in first
+    assert md.index("**Same for every run:**") < md.index(tables[0]) < md.index("## All columns")
+    full = [c.strip() for c in md.split("## All columns")[1].splitlines()[2].strip("|").split(" | ")]
+    assert full == [c.title for c in table.columns]  # every column, below
+    page = report.html_page(table, {})
+    assert page.index('<table class="headline">') < page.index("<h2>All columns</h2>")
+    assert page.index("Same for every run:") < page.index('<table class="headline">')
+
+
+def test_the_memory_plot_legend_groups_the_components(tmp_path):
+    table = comparison.build_table(six_runs(tmp_path))
+    fig = plots.memory_figure(table)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert len(labels) <= 8 and len(MANY) == 14, labels
+    assert labels[0] == "measured peak allocated"
+    assert sorted(labels[1:]) == sorted(
+        f"predicted: {g}"
+        for g in ("weights", "master weights", "optimizer states", "gradients", "activations", "loss buffers")
+        + ("other (batch, workspaces, ...)",)
+    )
+    # the grouped bars hold every component: 14 x 0.1 GiB stacked for ddp
+    ddp_bars = [p for p in fig.axes[0].patches if abs(p.get_x() + p.get_width() / 2 - (2 + 0.19)) < 0.01]
+    assert sum(p.get_height() for p in ddp_bars) == pytest.approx(1.4)
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    handles = fig.axes[0].get_legend_handles_labels()[0]
+    rgb = [mcolors.to_rgb((h.patches[0] if hasattr(h, "patches") else h).get_facecolor()) for h in handles]
+    assert len(set(rgb)) == len(rgb) and len(set(rgb[0])) == 1, rgb  # the measured bar grey, each entry its own
+    greys = [label for label, c in zip(labels[1:], rgb[1:]) if max(c) - min(c) < 0.1]
+    assert greys == [], greys  # no component is told from the measured bar by shade alone
+    plt.close(fig)

@@ -59,7 +59,7 @@ def _cfg(**data):
 
 
 def test_the_planner_plans_the_bucketed_length():
-    shape = shape_of(AutoConfig.from_pretrained(REPO / "docs/model_configs/Llama-3.2-1B.json"))
+    shape = shape_of(AutoConfig.from_pretrained(REPO / "finetune/model_configs/Llama-3.2-1B.json"))
     plain = workload_from_config(_cfg(), precision="bf16-mixed", loss_impl="standard")
     bucketed = workload_from_config(_cfg(pad_to_multiple_of=1024), precision="bf16-mixed", loss_impl="standard")
     assert (plain.seq_len, bucketed.seq_len) == (1000, 1024)

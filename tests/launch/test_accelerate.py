@@ -60,7 +60,7 @@ def test_train_sets_the_ranks_environment_only_for_its_launch(monkeypatch):
 
     monkeypatch.delenv(cpu_rehearsal.ENV, raising=False)
     monkeypatch.delenv("FINETUNE_ACCELERATE_CONFIG", raising=False)
-    monkeypatch.setattr("finetune.preflight.check_launch", lambda launch_args, resume_check=None: None)
+    monkeypatch.setattr("finetune.preflight.check_launch", lambda launch_args, **checks: None)
     seen = {}
     monkeypatch.setattr(launcher, "run_accelerate_launch", lambda launch_args: seen.update(os.environ) or 0)
     assert dispatch.main(["train", "--recipe", "fsdp", "--cpu"]) == 0

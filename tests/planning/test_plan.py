@@ -18,7 +18,7 @@ from finetune.planning import comm, memory, params, prediction, report, shapes
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
-CONFIGS = REPO / "docs" / "model_configs"
+CONFIGS = REPO / "finetune" / "model_configs"
 
 
 def tiny_llama_config(**kw):
@@ -370,3 +370,110 @@ def _load(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_shipped_model_config_is_usable_by_name_and_an_uncached_hub_id_points_at_it(capsys):
+    """Issue 27 items 2 and 7: the model configs ship in the package (finetune/model_configs/) and
+    `--model NAME` reads them; a hub id whose config is not cached (no hub here) names the shipped
+    config of the same model, and the other ways, instead of failing bare."""
+    shipped = json.loads((CONFIGS / "Llama-3.2-1B.json").read_text())
+    by_name = run_plan(capsys, "--recipe", "demo", "--model", "Llama-3.2-1B", "--json")
+    assert by_name.returncode == 0, by_name.stderr
+    plan = json.loads(by_name.stdout)
+    assert (plan["model"]["layers"], plan["model"]["hidden"], plan["model"]["vocab"]) == (
+        shipped["num_hidden_layers"],
+        shipped["hidden_size"],
+        shipped["vocab_size"],
+    )
+    missing = run_plan(capsys, "--recipe", "demo", "--model", "meta-llama/Llama-3.1-8B")
+    assert missing.returncode == 2
+    assert "--model Llama-3.1-8B (the shipped config of that model)" in missing.stderr, missing.stderr
+    assert "config.json" in missing.stderr and "Llama-3.2-1B" in missing.stderr
+    other = run_plan(capsys, "--recipe", "demo", "--model", "someorg/unknown-7b")
+    assert other.returncode == 2 and "shipped config of that model" not in other.stderr  # no false match
+    assert "a shipped model config by name: Llama-3.1-8B, Llama-3.2-1B" in other.stderr
+
+
+def test_the_plan_says_first_which_batch_and_sequence_it_planned(capsys):
+    """Issue 27 item 8: the recipe's 8 x 128 (demo) was planned unsaid; the first line says it, and where
+    each number came from."""
+    out = run_plan(capsys, "--recipe", "demo", "--model", "Llama-3.2-1B")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("planned for: 8 sequences x 128 tokens per device per micro-step"), first
+    assert "micro-batch from recipe demo, sequence length from recipe demo" in first
+    given = run_plan(
+        capsys,
+        "--recipe",
+        "demo",
+        "--model",
+        "Llama-3.2-1B",
+        "--data.max_length=512",
+        "--training.per_device_train_batch_size=2",
+        "--json",
+    )
+    wl = json.loads(given.stdout)["assumptions"]["workload"]
+    assert (wl["micro_batch"], wl["seq_len"], wl["tokens_per_micro_step"]) == (2, 512, 1024)
+    assert wl["micro_batch_from"] == wl["seq_len_from"] == "command line"
+
+
+EIGHT_B_FULL_ON_FOUR = [
+    "--recipe",
+    "ddp",
+    "--model",
+    "Llama-3.1-8B",
+    "--method.name=full",
+    "--gpus",
+    "4",
+    "--gpu-memory",
+    "48GiB",
+    "--host-memory",
+    "512GiB",
+    "--data.max_length=2048",
+    "--training.per_device_train_batch_size=1",
+    "--training.gradient_checkpointing=true",
+    "--json",
+]
+
+
+def test_bandwidth_changes_the_recommendation_when_communication_dominates(capsys):
+    """Llama-3.1-8B full fine-tuning on 4 x 48 GiB: ZeRO-2 does not fit, FSDP2 and ZeRO-2 with the optimizer
+    on the host do. FSDP2 comes first in speed order, but it gathers every parameter twice per step: at
+    1 GB/s (a slow network) that takes far longer than the compute, and ZeRO-2 offload, which moves less,
+    is recommended; at 200 GB/s, and without a bandwidth, FSDP2 stays."""
+    plans = {}
+    for bw in (None, "200", "1"):
+        out = run_plan(capsys, *EIGHT_B_FULL_ON_FOUR, *(["--bandwidth", bw] if bw else []))
+        assert out.returncode == 0, out.stderr
+        plans[bw] = json.loads(out.stdout)
+    assert plans[None]["recommendation"]["strategy"] == plans["200"]["recommendation"]["strategy"] == "fsdp"
+    slow = plans["1"]
+    rec = slow["recommendation"]
+    assert rec["strategy"] == "zero2_offload" and "communication dominates" in rec["reason"]
+    rows = {r["strategy"]: r for r in slow["rows"] if r["method"] == "full"}
+    fsdp, off = rows["fsdp"]["step_time"], rows["zero2_offload"]["step_time"]
+    assert fsdp["communication_dominates"] and off["total_s"] < fsdp["total_s"]
+    # the times are the traffic at the bandwidths: collectives at 1 GB/s, copies at the assumed 25 GB/s
+    comm = rows["fsdp"]["communication"]
+    assert fsdp["communication_s"] == pytest.approx(sum(comm["collectives_bytes"].values()) / 1e9, rel=1e-6)
+    copies = sum(rows["zero2_offload"]["communication"]["host_device_bytes"].values())
+    assert copies > 0 and rows["zero2_offload"]["communication"]["host_device_s"] == pytest.approx(copies / 25e9)
+    assert not any(r.get("step_time") for r in plans[None]["rows"])  # no bandwidth: no step time
+
+
+def test_the_planners_flops_per_step_are_the_live_models(tiny_model_dir):
+    """The compute side of the step time: the planner's count from the config against the run's count
+    from the live model's modules (finetune/telemetry/model_flops.py), full and LoRA."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.planning import timing
+    from finetune.planning.shapes import Workload, shape_of
+    from finetune.telemetry import model_flops
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    shape = shape_of(AutoConfig.from_pretrained(tiny_model_dir))
+    for method in ("full", "lora"):
+        live, _ = model_flops.from_model(model, method)
+        w = Workload(method=method, micro_batch=3, seq_len=64, grad_accum=2)
+        rows = w.micro_batch * w.grad_accum
+        assert timing.flops_per_step(shape, w) == live.flops(rows * 64, rows * 64**2)

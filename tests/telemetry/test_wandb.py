@@ -2,33 +2,69 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 from finetune.telemetry import wandb_logging
+from tests.conftest import REPO
 from tests.wandb_records import read_records, summarize
 
 
+def readme_keys() -> dict[str, tuple[str, str]]:
+    """README.md "W&B keys": key -> (history | summary, when)."""
+    section = (REPO / "README.md").read_text().split("### W&B keys", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1] in ("history", "summary"):
+            for key in re.findall(r"`([^`]+)`", cells[0]):
+                out[key] = (cells[1], cells[2])
+    return out
+
+
+def test_the_readme_documents_each_meaning_under_one_name():
+    keys = readme_keys()
+    assert len(keys) > 30 and {when for _, when in keys.values()} == {"always", "GPU", "MFU", "exact match"}
+    history = {k for k, (where, _) in keys.items() if where == "history"}
+    summary = {k for k, (where, _) in keys.items() if where == "summary"}
+    assert history and summary and not history & summary
+    # a whole-run figure and a log window's never share a name (issue 27 item 9: both were perf/...)
+    assert all(k.startswith("train/") for k in history)
+    assert not {k.split("/", 1)[1] for k in history} & {k.split("/", 1)[1] for k in summary if "/" in k}
+
+
 @pytest.mark.integration
-def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_model_dir, launch):
+def test_offline_run_logs_the_keys_the_readme_documents_and_stages_its_artifact(tmp_path, tiny_model_dir, launch):
     env = {"HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no ~/.netrc, no API key: must go offline by itself
     run_dir = tmp_path / "runs" / "wb"
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(
+        "".join(json.dumps({"instruction": f"Add {i} and 1.", "output": str(i + 1)}) + "\n" for i in range(4))
+    )
     args = [
         "--recipe",
         "demo",
         f"--model.name_or_path={tiny_model_dir}",
         "--data.demo_train_size=32",
-        "--eval.exact_match=false",
+        "--eval.exact_match=true",
+        f"--eval.heldout_path={heldout}",
+        "--eval.samples=4",
+        "--eval.max_new_tokens=2",
         "--training.max_steps=3",
         "--training.logging_steps=1",
         "--training.per_device_train_batch_size=4",
         "--logging.report_to=[wandb]",
+        "--logging.print_config=true",
         "--run.name=wb",
     ]
     res = launch(args, run_dir=run_dir, cwd=tmp_path, env=env, unset_env_prefix="WANDB_")
     assert res.returncode == 0, res.explain()
     rec = res.record
+    assert "saved to" in res.stderr and "\nmodel:\n  name_or_path:" in res.stderr  # --logging.print_config=true
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, list((run_dir / "wandb").rglob("*"))
     wb = summarize(read_records(files[0]))
@@ -41,28 +77,37 @@ def test_offline_run_holds_config_steps_summary_and_artifact(tmp_path, tiny_mode
     assert wb["config"]["precision"] == rec["precision"]["policy"] == "32-true"  # the CPU default (auto)
     assert wb["config"]["finetune"]["precision"] == rec["precision"]  # as read from the live run, at the end
 
+    # the keys, against README.md's table (a CPU run: no GPU or MFU keys; exact match on)
+    documented = readme_keys()
+    expected = {where: {k for k, (w, when) in documented.items() if w == where and when in ("always", "exact match")}
+                for where in ("history", "summary")}  # fmt: skip
+    logged = {k for h in wb["history"] for k in h if not k.startswith("_")}
+    assert logged == expected["history"], (sorted(logged - expected["history"]), sorted(expected["history"] - logged))
+    summary = {k for k in wb["summary"] if not k.startswith("_")} - logged  # W&B keeps each history key's last value
+    assert summary == expected["summary"], (
+        sorted(summary - expected["summary"]),
+        sorted(expected["summary"] - summary),
+    )
+
     steps = [h for h in wb["history"] if "train/loss" in h]
     assert len(steps) == 3
-    for h in steps:
-        for key in (
-            "train/perf/trained_tokens_per_s",
-            "train/perf/step_s",
-            "train/memory/max_host_peak_rss_gib",
-            "train/tokens/trained",
-            "train/learning_rate",
-        ):
-            assert key in h, f"{key} missing from logged step {sorted(h)}"
     assert sum(h["train/tokens/trained"] for h in steps) == rec["summary"]["total_trained_tokens"]
     assert [h["train/loss"] for h in steps] == pytest.approx([s["loss"] for s in rec["steps"]], rel=1e-6)
+    got = wb["summary"]
+    assert got["run/memory/max/host_peak_rss_gib"] == rec["memory"]["max"]["host_peak_rss_gib"]
+    assert got["run/throughput/trained_tokens_per_s"] == rec["throughput"]["trained_tokens_per_s"]
+    assert got["run/eval/exact_match_after"] == rec["eval"]["exact_match_after"]
+    assert got["run/status"] == "completed"
 
-    summary = wb["summary"]
-    assert summary["memory/max_host_peak_rss_gib"] == rec["memory"]["max"]["host_peak_rss_gib"]
-    assert summary["perf/trained_tokens_per_s"] == rec["throughput"]["trained_tokens_per_s"]
-    assert summary["status"] == "completed"
-
+    # the run-record artifact, staged inside the run directory (a `wandb sync` elsewhere keeps it)
     (artifact,) = wb["artifacts"]
     assert artifact.type == "run-record"
-    assert {"run.json", "config.yaml"} <= {entry.path for entry in artifact.manifest.contents}
+    entries = {entry.path: entry.local_path for entry in artifact.manifest.contents}
+    assert {"run.json", "config.yaml"} <= set(entries)
+    for name, local in entries.items():
+        staged = Path(local)
+        assert staged.is_relative_to(run_dir / "wandb") and staged.is_file(), (name, local)
+    assert Path(entries["config.yaml"]).read_bytes() == (run_dir / "config.yaml").read_bytes()
 
 
 def test_offline_unless_a_key_is_configured_and_explicit_mode_respected(tmp_path, monkeypatch):

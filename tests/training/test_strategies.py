@@ -332,6 +332,28 @@ def _steps(record: dict) -> list[dict]:
     return logged_steps(record, STEPS)
 
 
+# What a run printed before issue 27 item 5 (a 3-step ZeRO-3 run on CPU: 22 deprecation warnings, DeepSpeed's
+# CPU notice per process, an 80-line configuration): held back at their source (finetune/noise.py) or fixed.
+NOISE = (
+    "all_gather_into_tensor` is deprecated",
+    "reduce_scatter_tensor` is deprecated",
+    "`past_key_values`",
+    "is_gradient_checkpointing",
+    "\nmodel:\n  name_or_path:",
+)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_offload"])
+def test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump(runs, name):
+    run = runs(name)
+    text = run.stdout + run.stderr
+    assert [n for n in NOISE if n in text] == [], text[-4000:]
+    # DeepSpeed's CPU notice: once, from the launcher's own process (accelerate launch imports DeepSpeed
+    # before any rank starts; not ours to filter), no more from each rank
+    assert text.count("Setting accelerator to CPU") <= 1, text[-4000:]
+    assert "config.yaml (--logging.print_config=true prints it)" in text
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_engaged_from_the_live_engine(runs, name, tiny_model_dir):
     rec = runs(name).record

@@ -1,0 +1,145 @@
+"""The configuration a resumed run continues with: the one the run saved when it started (its
+config.yaml) with the changes earlier resumes were allowed to make (run.json `resumes[].config_changes`),
+not the recipe as it reads today. A command-line override that differs from it is refused, naming
+each difference, unless `--allow-config-change` asks for it: then it is applied and recorded in the
+resumed segment (docs/faults.md "Resume").
+
+Not configuration changes: the run's name and directory (they find the run), and the per-device batch
+and accumulation, which the resume plan sets so that the effective batch is kept under another world
+size (finetune/checkpointing/resume_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.config.recipe import load_recipe, merge, parse_overrides
+from finetune.config.validate import build_config
+from finetune.errors import ConfigError, UserError
+
+# keys that may differ on every resume without being a change of the run's configuration
+NOT_CHANGES = (
+    "run.name",
+    "run.output_dir",
+    "run.overwrite",
+    "training.per_device_train_batch_size",
+    "training.gradient_accumulation_steps",
+)
+
+
+@dataclass
+class ResumedConfig:
+    cfg: object  # the Config this launch runs with
+    saved: Path  # the configuration file it is based on
+    changes: list[dict] = field(default_factory=list)  # [{key, was, now}] applied with --allow-config-change
+    recipe_differs: list[str] = field(default_factory=list)  # keys where the recipe now reads otherwise (not used)
+
+
+def run_dir_of(recipe: str, overrides: list[str]) -> Path:
+    """The run directory `--resume` continues: run.name / run.output_dir from the command line, else
+    the recipe file's (resume_plan.locate finds the checkpoint in it). Nothing else of the recipe is
+    read: the run's own configuration is what continues."""
+    from finetune.config.recipe import find_recipe, read_recipe_file
+    from finetune.launch import rundir
+
+    given, _ = parse_overrides(list(overrides))
+    run = {**(read_recipe_file(find_recipe(recipe)).get("run") or {}), **given.get("run", {})}
+    if not run.get("name") and not run.get("output_dir"):
+        raise UserError("--resume: name the run to continue with --run.name=NAME (runs/NAME) or --run.output_dir=DIR")
+    return rundir.resolve_run_dir(run.get("name") or "", run.get("output_dir"))
+
+
+def saved_values(run_dir: Path) -> tuple[dict, Path]:
+    """The run's starting configuration with the changes earlier resumes recorded, and its file."""
+    from finetune.config.recipe import read_recipe_file
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"--resume: {run_dir} has no config.yaml, the configuration the run was started with; "
+            f"is {run_dir} a run directory (run.name / run.output_dir)?"
+        )
+    values = read_recipe_file(path)
+    record = run_dir / "run.json"
+    if record.is_file():
+        for segment in json.loads(record.read_text(encoding="utf-8")).get("resumes") or []:
+            for change in segment.get("config_changes") or []:
+                section, key = change["key"].split(".", 1)
+                values.setdefault(section, {})[key] = change["now"]
+    return values, path
+
+
+def resolve(recipe: str, overrides: list[str], *, allow_change: bool) -> ResumedConfig:
+    """The configuration of `--resume` (module docstring); ConfigError (exit 2) for differences
+    that were not allowed, each with the saved and the given value."""
+    run_dir = run_dir_of(recipe, overrides)
+    values, path = saved_values(run_dir)
+    values.setdefault("run", {})["overwrite"] = False  # a start's --overwrite is not the resume's
+    name = values.pop("recipe", None) or Path(recipe).stem
+    source = f"{path} (the run's saved configuration)"
+    saved = build_config(values, recipe=name, source=source).to_dict()
+    given, _ = parse_overrides(list(overrides))
+    changes = [
+        {"key": f"{section}.{key}", "was": saved.get(section, {}).get(key), "now": now}
+        for section, body in given.items()
+        for key, now in body.items()
+        if f"{section}.{key}" not in NOT_CHANGES and saved.get(section, {}).get(key) != now
+    ]
+    if changes and not allow_change:
+        lines = [f"{c['key']}: {c['was']!r} in the run, {c['now']!r} given" for c in changes]
+        raise ConfigError(
+            lines
+            + [
+                f"a resume continues the run with the configuration it saved ({path}); drop these overrides to "
+                f"continue it as it is, or add --allow-config-change to apply them (recorded in run.json resumes[])"
+            ],
+            f"--resume {run_dir}",
+        )
+    cfg = build_config(merge(values, given), recipe=name, source=f"{source} + command-line overrides")
+    drift = []
+    try:
+        now, _ = load_recipe(recipe, overrides)
+        drift = [c["key"] for c in _differences(cfg.to_dict(), now.to_dict())]
+    except ConfigError:  # the recipe as it reads today need not be valid with these overrides: not used
+        drift = ["(the recipe with these overrides is no valid configuration today)"]
+    return ResumedConfig(cfg, path, changes, drift)
+
+
+def _differences(before: dict, after: dict) -> list[dict]:
+    out = []
+    for section, body in after.items():
+        if not isinstance(body, dict):
+            continue
+        old = before.get(section) or {}
+        for key in dict.fromkeys([*old, *body]):
+            dotted = f"{section}.{key}"
+            if dotted in NOT_CHANGES:
+                continue
+            was, now = old.get(key), body.get(key)
+            if json.dumps(was, sort_keys=True, default=str) != json.dumps(now, sort_keys=True, default=str):
+                out.append({"key": dotted, "was": was, "now": now})
+    return out
+
+
+def note(record, resumed: ResumedConfig | None) -> None:
+    """Rank 0: what the resumed segment runs with, said and recorded (finetune/checkpointing/resume_config.py)."""
+    from finetune.checkpointing import resume
+
+    log = logging.getLogger("finetune")
+    if resumed is None:
+        return
+    resume.note_segment(record, config_from=str(resumed.saved), config_changes=resumed.changes)
+    if resumed.changes:
+        log.warning(
+            "resuming with configuration changes (--allow-config-change; recorded in run.json resumes[]): %s",
+            "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in resumed.changes),
+        )
+    if resumed.recipe_differs:
+        log.info(
+            "the recipe now reads otherwise in %s; the run continues with its saved values (%s)",
+            ", ".join(resumed.recipe_differs),
+            resumed.saved,
+        )

@@ -1,0 +1,88 @@
+"""Third-party messages held back at their source, each for a stated reason and matched by its own
+text and logger or module, never by a blanket switch. Installed when `finetune` is imported, so in
+every process (the CLI, each launched rank, the benchmark's workers). What is held back is kept
+(`held`) where a run may still need to say it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+class HeldBack(logging.Filter):
+    """Drops the records of one logger whose message starts with `prefix`, keeping their text."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+        self.held: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith(self.prefix):
+            self.held.append(record.getMessage())
+            return False
+        return True
+
+
+# bitsandbytes is imported by peft whenever peft is imported (peft 0.21 peft/helpers.py imports it
+# unconditionally), and transformers imports peft with TrainingArguments whenever peft is installed
+# (transformers 5.23 trainer_utils.py), so every command that validates a recipe imports it, 4-bit or
+# not; none of the three has a switch. On import, its CPU backend (bitsandbytes/backends/cpu/ops.py)
+# warns that the optional `kernels` package for its 4-bit CPU matmul is missing, on any CPU with
+# AVX512-BF16: noise for every run without 4-bit weights. A QLoRA run on CPU, where it applies, shows
+# it (finetune/modeling/load.py).
+CPU_4BIT_NOTICE = HeldBack("Failed to load CPU gemm_4bit_forward")
+# DeepSpeed picks its accelerator when it is first imported (deepspeed/accelerator/real_accelerator.py)
+# and, finding no CUDA, warns "Setting accelerator to CPU. If you have GPU or other accelerator, we
+# were unable to detect it." in every process of every command that imports it (through accelerate
+# and transformers), also where no DeepSpeed strategy runs. Whether a CUDA device is visible is said by
+# the run itself: the precision line and run.json `hardware`, and preflight refuses a GPU launch on a
+# machine without one.
+DEEPSPEED_CPU_ACCELERATOR = HeldBack("Setting accelerator to CPU")
+
+
+class ZeroProcessesDefault(logging.Filter):
+    """accelerate launch without --num_processes and without a config that sets it counts the CUDA
+    devices (accelerate 1.15 commands/launch.py _validate_launch_command) and, on a machine without
+    one, reports "`--num_processes` was set to a value of `0`" among its defaults, then runs one
+    process: the 0 is no process count. Its line is dropped (the other defaults stay); installed by
+    `finetune train` and bench-comm around the accelerate launch they run in their own process."""
+
+    LINE = "`--num_processes` was set to a value of `0`"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or self.LINE not in record.msg:
+            return True
+        lines = [line for line in record.msg.split("\n") if self.LINE not in line]
+        record.msg = "\n".join(lines)
+        return any(line.startswith("\t`") for line in lines)  # other defaults still worth saying
+
+
+ZERO_PROCESSES_DEFAULT = ZeroProcessesDefault()
+
+
+def install() -> None:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(CPU_4BIT_NOTICE)
+    # DeepSpeed's own logger (deepspeed/utils/logging.py LoggerFactory: "DeepSpeed", propagate off);
+    # a filter added before DeepSpeed configures it stays on it.
+    logging.getLogger("DeepSpeed").addFilter(DEEPSPEED_CPU_ACCELERATOR)
+    # DeepSpeed 0.19.8's ZeRO-3 calls torch.distributed.all_gather_into_tensor / reduce_scatter_tensor
+    # (deepspeed/comm/torch.py), which torch 2.13 deprecates for the *_single names: a FutureWarning on
+    # every rank for each collective. accelerate's per-step `warnings.catch_warnings` resets the
+    # once-per-location registry, so it repeats every step (22 times in a 3-step run). Only DeepSpeed can
+    # change the call; the collectives themselves are unchanged.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+    )
+    # peft 0.21 reads `model.is_gradient_checkpointing` (peft_model.py PeftModel.__init__), which
+    # transformers 5.24 deprecates for `is_activation_checkpointing`: once per rank at every LoRA/QLoRA
+    # model load, about peft's code.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`is_gradient_checkpointing` is deprecated",
+        category=FutureWarning,
+        module=r"transformers\.modeling_utils",
+    )

@@ -1,0 +1,133 @@
+"""Issue 27 item 6: one flag style across subcommands (hyphens; the underscore spelling accepted too),
+`finetune --version`, help texts whole, and a bad flag refused before torch is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import finetune
+from finetune.cli import dispatch
+from tests.conftest import REPO
+
+
+def _parse(argv):
+    args, _ = dispatch.parse(argv)
+    return args
+
+
+def _exit(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        dispatch.main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+def test_version_is_the_package_version(capsys):
+    code, out = _exit(["--version"], capsys)
+    assert code == 0 and out.strip() == f"finetune {finetune.__version__}"
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in text and 'attr = "finetune.__version__"' in text  # one source
+
+
+@pytest.mark.parametrize(
+    "argv, dest, value",
+    [
+        (["train", "--recipe", "demo", "{}", "cfg.yaml"], "config_file", "cfg.yaml"),
+        (["train", "--recipe", "demo", "{}", "3"], "num_processes", 3),
+        (["plan", "--recipe", "demo", "{}", "80GiB"], "gpu_memory", "80GiB"),
+        (["compare", "runs/a", "{}", "2.5"], "gpu_hour_price", 2.5),
+        (["bench", "{}", "64"], "seq_len", 64),
+        (["bench-comm", "{}", "4"], "num_processes", 4),
+        (["sweep", "--recipe", "demo", "--strategies", "ddp", "{}", "ddp"], "baseline_strategy", "ddp"),
+        (["doctor", "{}"], "build_cpu_adam", True),
+    ],
+)
+def test_each_flag_takes_both_spellings(argv, dest, value):
+    flag = "--" + dest.replace("_", "-")
+    for spelling in (flag, flag.replace("-", "_").replace("__", "--", 1)):
+        args = _parse([spelling if a == "{}" else a for a in argv])
+        assert getattr(args, dest) == value, spelling
+
+
+def test_help_shows_only_the_hyphen_spelling_and_no_flag_is_declared_with_underscores(capsys):
+    parser = dispatch.build_parser()
+    for name, sub in parser.commands.items():
+        for flag in sub.long_flags:
+            assert "_" not in flag, f"finetune {name} {flag}: flags are declared with hyphens"
+        text = sub.format_help()
+        assert "--config_file" not in text and "--num_processes" not in text and "--gpu_memory" not in text, name
+    with pytest.raises(ValueError, match="hyphens"):  # the control: an underscore declaration is refused
+        parser.commands["recipes"].add_argument("--some_flag")
+
+
+def test_help_texts_are_whole(capsys):
+    code, out = _exit(["bench", "--help"], capsys)
+    assert code == 0 and "the ratios ours / TRL plain and ours / TRL tuned" in " ".join(out.split())
+    code, out = _exit(["bench-comm", "--help"], capsys)
+    assert code == 0 and "--out" in out and "--sizes" in out and "--num-processes" in out
+    code, out = _exit(["sweep", "--help"], capsys)
+    assert "--baseline-strategy STRATEGY" in out
+    code, out = _exit(["doctor", "--help"], capsys)
+    assert code == 0 and "2: a bad option." in " ".join(out.split()) and "--build-cpu-adam" in out
+    assert dispatch.main(["recipes"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())
+    for purpose in (
+        "the export gathers a full state dict into one adapter.",  # the fsdp recipe's second line
+        "Reports exact match of greedy answers on 100 held-out prompts before and after training.",  # demo's third
+        "the export gathers 16-bit weights into one adapter.",  # zero3's second
+    ):
+        assert purpose in listed
+
+
+BAD = [
+    ["train", "--recipe", "demo", "--num-procesess", "2"],
+    ["train", "--recipe", "demo", "--bogus=1"],
+    ["train", "--recipe", "demo", "--trainng.max_steps=1"],
+    ["plan", "--recipe", "demo", "--gpu-memroy", "3GiB"],
+    ["sweep", "--recipe", "demo", "--strategies", "ddp", "--bogus"],
+    ["bench", "--bogus"],
+    ["bench", "--steps", "0"],
+    ["bench-comm", "--bogus"],
+    ["compare", "runs/a", "--bogus"],
+    ["recipes", "--bogus"],
+    ["doctor", "--quick", "--bogus"],
+    ["doctor", "--precision", "fp8"],
+]
+CHECK = """
+import json, sys
+from finetune.cli import main
+out = []
+for argv in {bad!r}:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out.append([argv, code, sorted(m for m in ("torch", "transformers", "deepspeed") if m in sys.modules)])
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_a_bad_flag_is_refused_before_torch_is_imported(tmp_path):
+    """Every bad flag in one fresh process, in turn; after each: exit 2 and no torch in sys.modules.
+    (No timing: the import is what costs the seconds.) Every subcommand is tried with an unknown flag
+    too, so one added later (`finetune doctor`) is held to the same."""
+    every = [[name, "--no-such-flag"] for name in dispatch.build_parser().commands]
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK.format(bad=BAD + every)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    results = json.loads(line[len("RESULT ") :])
+    assert [r[1] for r in results] == [2] * len(results), proc.stderr[-3000:]
+    assert all(r[2] == [] for r in results), results
+    assert "did you mean --num-processes?" in proc.stderr and "did you mean --gpu-memory?" in proc.stderr
+    assert "did you mean 'training'?" in proc.stderr

@@ -1,0 +1,118 @@
+"""Issue 27 item 5: third-party noise held back at its source (finetune/noise.py), each filter matching
+one message, and DeepSpeed's first-use op builds announced before they start
+(finetune/launch/op_builds.py). A whole run's console: tests/training/test_strategies.py
+test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import finetune  # noqa: F401 - installs the filters, as every process does
+
+
+def _shown(message: str, category=FutureWarning, module: str = "torch.distributed.c10d_logger") -> bool:
+    from finetune import noise
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # the control's baseline: everything shows ...
+        noise.install()  # ... unless one of our filters (installed after, so first) matches
+        warnings.warn_explicit(message, category, "x.py", 1, module=module)
+    return bool(seen)
+
+
+def test_deepspeeds_deprecated_collective_warnings_are_held_back_and_nothing_else():
+    assert not _shown("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...")
+    assert not _shown("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...")
+    assert _shown("`torch.distributed.all_reduce_coalesced` is deprecated.")  # another deprecation still shows
+    assert _shown("`torch.distributed.all_gather_into_tensor` is deprecated.", DeprecationWarning)  # other category
+    assert not _shown("`is_gradient_checkpointing` is deprecated", module="transformers.modeling_utils")
+    assert _shown("`is_gradient_checkpointing` is deprecated", module="my_code")  # only where peft triggers it
+
+
+def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
+    from finetune import noise
+
+    held = noise.DEEPSPEED_CPU_ACCELERATOR
+    before = len(held.held)
+    logger = logging.getLogger("DeepSpeed")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        logger.warning("Setting ds_accelerator to cpu (auto detect)")  # control: other DeepSpeed records pass
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["Setting ds_accelerator to cpu (auto detect)"]
+    assert held.held[before:] == [
+        "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    ]
+
+
+def test_a_first_op_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
+    from finetune.launch import op_builds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    line = op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    assert "deepspeed_shm_comm and cpu_adam ops now (first use on this machine" in line and str(tmp_path) in line
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert "cpu_adam" not in op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert op_builds.announce(["deepspeed_shm_comm", "cpu_adam"]) is None
+
+
+ACCELERATE_DEFAULTS = (
+    "The following values were not passed to `accelerate launch` and had defaults used instead:\n"
+    "\t`--num_processes` was set to a value of `0`\n"
+    "\t`--num_machines` was set to a value of `1`\n"
+    "To avoid this warning pass in values for each of the problematic parameters or run `accelerate config`."
+)
+
+
+def test_accelerates_zero_processes_default_line_is_dropped_and_the_others_kept():
+    from finetune import noise
+
+    record = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, ACCELERATE_DEFAULTS, None, None)
+    assert noise.ZERO_PROCESSES_DEFAULT.filter(record)
+    assert "`--num_processes`" not in record.getMessage() and "`--num_machines` was set" in record.getMessage()
+    only = ACCELERATE_DEFAULTS.replace("\t`--num_machines` was set to a value of `1`\n", "")
+    record = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, only, None, None)
+    assert not noise.ZERO_PROCESSES_DEFAULT.filter(record)  # nothing left to say
+    other = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, "something else", None, None)
+    assert noise.ZERO_PROCESSES_DEFAULT.filter(other) and other.getMessage() == "something else"
+
+
+LAUNCH = """
+import sys
+from finetune.launch.accelerate import run_accelerate_launch
+sys.exit(run_accelerate_launch(["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", {script!r}]))
+"""
+
+
+def test_an_in_process_accelerate_launch_without_a_process_count_does_not_say_zero(tmp_path):
+    """accelerate launch as `finetune train` runs it (in its own process), no config and no
+    --num_processes on a machine without CUDA: the one process runs, and no "value of `0`" is printed."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "hello.py"
+    script.write_text("print('RAN', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", HF_HOME=str(tmp_path))  # no default config
+    proc = subprocess.run(
+        [sys.executable, "-c", LAUNCH.format(script=str(script))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0 and "RAN" in proc.stdout, proc.stderr[-2000:]
+    assert "set to a value of `0`" not in proc.stderr, proc.stderr[-2000:]
