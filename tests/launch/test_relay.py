@@ -109,7 +109,11 @@ ORPHAN = textwrap.dedent(
     import os, signal, sys, time
     sys.path.insert(0, sys.argv[1])
     from finetune.training import signals
-    signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[2], "w").write("SIGTERM"))
+    def record(*_):  # written whole, then renamed: the test reads it as soon as it exists
+        with open(sys.argv[2] + ".tmp", "w") as f:
+            f.write("SIGTERM")
+        os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    signal.signal(signal.SIGTERM, record)
     signals.stop_with_parent()
     print("ready", flush=True)
     end = time.monotonic() + 30
