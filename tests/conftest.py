@@ -66,6 +66,27 @@ class Launch:
         return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a started command's process group and every process below it: ranks run in sessions
+    of their own (torchrun, finetune/launch/relay.py), out of the group's reach."""
+    import psutil
+
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in below:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
 def run_process_group(
     cmd: list[str], *, cwd: Path, env: dict, timeout: float, merge_stderr: bool = False
 ) -> tuple[int, str, str]:
@@ -84,7 +105,7 @@ def run_process_group(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, err = proc.communicate()
         pytest.fail(
             f"timed out after {timeout} s (the job hung): {' '.join(cmd)}\n{out[-3000:]}\n{(err or '')[-3000:]}"
@@ -154,3 +175,63 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class Started:
+    """A command started in its own session, for tests that act on it while it runs (signal it, or
+    one of its processes). Its output goes to a file; leaving the `with` block kills the whole
+    session (launcher, ranks, a pipeline's other end) by process group, also when the test failed."""
+
+    def __init__(self, cmd: list[str], *, cwd: Path, env: dict, out: Path):
+        self.out_path = out
+        self._out = open(out, "w")  # noqa: SIM115 - closed in __exit__
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=self._out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        kill_tree(self.proc)
+        self._out.close()
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_until(self, ready, what: str, timeout: float = 400) -> None:
+        """Poll `ready()` (exceptions count as not yet) until it holds; fail if the command ended first."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ready():
+                    return
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+            if self.proc.poll() is not None:
+                pytest.fail(f"ended (exit {self.proc.returncode}) before {what}:\n{self.output[-4000:]}")
+            time.sleep(0.2)
+        pytest.fail(f"not {what} after {timeout} s:\n{self.output[-4000:]}")
+
+    def finish(self, timeout: float = 400) -> int:
+        """The exit code; a command still running after `timeout` s fails the test (it hung)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {timeout} s later (hung):\n{self.output[-4000:]}")
+
+    def processes(self) -> list:
+        """Every process of the session now (psutil), the command's own first."""
+        import psutil
+
+        top = psutil.Process(self.proc.pid)
+        return [top, *top.children(recursive=True)]
+
+
+def steps_logged(run_dir: Path) -> int:
+    """How many steps run.json lists (0 before it exists)."""
+    return len(json.loads((run_dir / "run.json").read_text())["steps"])

@@ -25,6 +25,7 @@ LAYERS = [
         "finetune.mesh",
         "finetune.cli.options",
     },
+    {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},
     {"finetune.data", "finetune.modeling"},

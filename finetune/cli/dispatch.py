@@ -132,6 +132,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 @launcher.restores_environment
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from finetune.console import guard_streams
+
+    guard_streams()  # a vanished console (a killed `| tee`, a closed terminal) must not end a launch
     args, rest = parse(argv)
     if args.command == "sweep":
         from finetune.cli import compare
@@ -166,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main.run(args)
     if args.command == "train":
-        return train(args, rest)
+        from finetune.launch import relay
+
+        with relay.Relay() as signals:  # from here to the ranks' end (finetune/launch/relay.py)
+            return train(args, rest, signals)
     if args.command == "prepare-model":
         from finetune.modeling.bundled import ensure_bundled_model
 
@@ -181,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def train(args: argparse.Namespace, overrides: list[str]) -> int:
-    """`finetune train`: preflight of the launch it is about to start, then accelerate launch."""
+def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
+    """`finetune train`: preflight of the launch it is about to start, then accelerate launch (its exit
+    code). `signals`: the relay's (finetune/launch/relay.py), installed around all of it."""
     from finetune import preflight
     from finetune.checkpointing import resume_config, resume_plan
-    from finetune.errors import UserError
+    from finetune.errors import EXIT_PREEMPTED, UserError
     from finetune.launch import cpu_rehearsal
 
     config_file = args.config_file
@@ -209,6 +216,9 @@ def train(args: argparse.Namespace, overrides: list[str]) -> int:
     preflight.check_launch(
         launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve
     )
+    if signals.signals:  # signalled during the checks: nothing started yet
+        print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
     env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
     print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
     return launcher.run_accelerate_launch(launch_args)

@@ -90,23 +90,29 @@ def _absolute_deepspeed_config(config: Path) -> list[str]:
 def run_accelerate_launch(launch_args: list[str]) -> int:
     """Run `accelerate launch` in this process and return the training script's exit code.
     Accelerate reports a failed child with a traceback of its own launcher; the child has
-    already printed the real error, so we pass its exit code on instead (2 = user error)."""
-    from accelerate.commands.launch import launch_command as accelerate_launch
-    from accelerate.commands.launch import launch_command_parser
+    already printed the real error, so we pass its exit code on instead (2 = user error).
+    Under `finetune train` (a relay installed, finetune/launch/relay.py) the one-process launch
+    runs its process in its own session, as torchrun does for many."""
+    import accelerate.commands.launch as accelerate_launch
 
-    parsed = launch_command_parser().parse_args(launch_args)
+    from finetune.launch import relay
+
+    parsed = accelerate_launch.launch_command_parser().parse_args(launch_args)
     logging.getLogger("accelerate.commands.launch").addFilter(noise.ZERO_PROCESSES_DEFAULT)
-    # On SIGTERM/SIGINT torchrun's agent forwards the signal to the ranks and SIGKILLs them after
-    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30): give them time to finish the preemption
-    # checkpoint (docs/faults.md). A value the user exported wins.
+    # torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30) after it stops
+    # them: give them time to finish a checkpoint (docs/faults.md). A value the user exported wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
+    simple = accelerate_launch.simple_launcher
+    if os.environ.get(relay.ENV):
+        accelerate_launch.simple_launcher = relay.one_process_launcher
+        parsed.signals_to_handle = relay.TORCHRUN_SIGNALS
     try:
-        accelerate_launch(parsed)
+        accelerate_launch.launch_command(parsed)
     except subprocess.CalledProcessError as e:  # single-process launches
         return e.returncode
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
-        if type(e).__name__ == "SignalException":  # the launcher itself was signalled; the ranks were
-            # told to checkpoint and stop
+        if type(e).__name__ == "SignalException":  # the launcher itself was signalled (no relay: bench-comm);
+            # torchrun told the ranks to stop
             print(
                 f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
                 file=sys.stderr,
@@ -116,38 +122,54 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
         if type(e).__name__ != "ChildFailedError":
             raise
         return report_failed_ranks(e.failures)
+    finally:
+        accelerate_launch.simple_launcher = simple
     return 0
 
 
-def report_failed_ranks(failures: dict) -> int:
-    """Name every rank that failed (first failure first) and return the ranks' common exit code,
-    else 1. A rank killed by a signal (exitcode -N) is named with the signal."""
+def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
+    """Name every rank that failed and return the ranks' common exit code, else 1. A rank that
+    stopped making progress (its heartbeats ended long before the others failed: finetune/launch/
+    rank_progress.py) is named first, as the cause; otherwise the first failure is. A rank killed by a
+    signal (exitcode -N) is named with the signal. A preempted launch (every rank 75, or stopped by
+    torchrun after one did) is no failure: rank 0 has printed the checkpoint and the resume command,
+    so nothing more is said."""
     import signal
 
-    ordered = sorted(failures.items(), key=lambda kv: kv[1].timestamp)
+    from finetune.launch import rank_progress
+
+    codes = {f.exitcode for f in failures.values()}
+    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
+    # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
+    # whichever rank happened to exit first.
+    real = {c for c in codes if c > 0}
+    consequences_only = len(real) == 1 and codes - real <= {-signal.SIGTERM}
+    if consequences_only and real == {EXIT_PREEMPTED}:
+        return EXIT_PREEMPTED
+    stalled = rank_progress.stalled(
+        rank_progress.read() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
+    )
+    for rank, why in sorted(stalled.items()):
+        print(f"finetune: rank {rank} {why}", file=sys.stderr, flush=True)
+    ordered = sorted(failures.items(), key=lambda kv: (kv[0] not in stalled, kv[1].timestamp))
     for i, (rank, f) in enumerate(ordered):
         how = (
             f"killed by {signal.Signals(-f.exitcode).name}"
             if f.exitcode < 0
             else f"exit code {f.exitcode}" + (" (preempted)" if f.exitcode == EXIT_PREEMPTED else "")
         )
-        first = " (first failure)" if i == 0 and len(ordered) > 1 else ""
+        if rank in stalled:
+            note = " (stalled: the cause)"
+        elif stalled:
+            note = f" (a consequence: it waited for rank(s) {sorted(stalled)})"
+        else:
+            note = " (first failure)" if i == 0 and len(ordered) > 1 else ""
         print(
-            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{first}",
+            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}",
             file=sys.stderr,
             flush=True,
         )
-    codes = {f.exitcode for f in failures.values()}
-    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
-    # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
-    # whichever rank happened to exit first.
-    real = {c for c in codes if c > 0}
-    if len(real) == 1 and codes - real <= {-signal.SIGTERM}:
-        code = real.pop()
-        if code == EXIT_PREEMPTED:  # the checkpoint's completion marker says it is whole
-            print(f"finetune: preempted (exit {EXIT_PREEMPTED}); continue with --resume", file=sys.stderr, flush=True)
-        return code
-    return 1
+    return real.pop() if consequences_only else 1
 
 
 def restores_environment(fn):

@@ -1,5 +1,6 @@
 """The run directory, `runs/<run_name>/` by default: created once, never silently replaced (a
-directory left by a run that failed before its first step is reused, and the console says so).
+directory left by a run that failed before its first step is reused, and the console says so),
+and written by one run at a time (finetune/launch/run_lock.py: rank 0 locks it before changing it).
 
     runs/<name>/config.yaml     the resolved configuration (defaults < recipe < overrides)
     runs/<name>/run.json        the run record (finetune/telemetry/record.py)
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from finetune.errors import UserError
+from finetune.launch import run_lock
 
 
 def default_run_name(recipe: str) -> str:
@@ -28,14 +30,39 @@ def resolve_run_dir(name: str, output_dir: str | None) -> Path:
 
 
 def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
-    """Rank 0: the run's name and directory, created. A resumed run's directory (`resumed`, from the
-    resume plan) is reused as it is; --resume=PATH may name a new one."""
+    """Rank 0: the run's name and directory, created and locked. A resumed run's directory (`resumed`,
+    from the resume plan) is reused as it is; --resume=PATH may name a new one. A directory that
+    cannot be written (read-only, full, forbidden) is a UserError naming it."""
+    from finetune import storage
+
+    try:
+        return _create(cfg, resumed)
+    except OSError as e:
+        name = cfg.run.name or default_run_name(cfg.recipe)
+        path = resumed[1] if resumed else resolve_run_dir(name, cfg.run.output_dir)
+        failure = storage.error(e, path, f"creating run directory {path}")
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def lock_to_resume(cfg) -> None:
+    """Rank 0, --resume: lock the run directory to be continued before its checkpoints are read."""
+    path = resolve_run_dir(cfg.run.name or default_run_name(cfg.recipe), cfg.run.output_dir)
+    if path.is_dir():
+        run_lock.acquire(path)
+
+
+def _create(cfg, resumed: tuple[str, Path] | None) -> tuple[str, str]:
     if resumed is not None:
         name, path = resumed
-        path.mkdir(parents=True, exist_ok=True)
+        run_lock.acquire(path)
         return name, str(path)
     name = cfg.run.name or default_run_name(cfg.recipe)
     path = resolve_run_dir(name, cfg.run.output_dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"run directory {path} is a file, not a directory; give another --run.name or --run.output_dir")
+    run_lock.acquire(path)  # created if missing; a live run's directory is refused here, untouched
     prepare_run_dir(
         path, overwrite=cfg.run.overwrite, name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name"
     )
@@ -45,32 +72,41 @@ def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
 # What a run that failed before its first step leaves behind (run.json, the resolved config, the
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
 LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}
+ENDED = {"failed": "failed", "interrupted": "was interrupted", "running": "died"}
 
 
 def prepare_run_dir(path: Path, *, overwrite: bool, name_given_by: str = "--run.name") -> None:
-    """Create the run directory. An existing non-empty one is an error unless overwrite, or unless
-    it is what a run that failed before its first step left (reusable(): reused, said so)."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    """Make the (locked) run directory ready. An existing non-empty one is an error unless overwrite,
+    or unless it is what a run that failed before its first step left (reusable(): reused, said so)."""
+    if contents(path):
         why = None if overwrite else reusable(path)
         if not overwrite and why is None:
             raise UserError(exists_message(path, name_given_by))
         if why is not None:
             print(f"reusing run directory {path}: {why}", flush=True)
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        for entry in contents(path):  # everything but the lock this process holds
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     path.mkdir(parents=True, exist_ok=True)
 
 
+def contents(path: Path) -> list[Path]:
+    """What a run directory holds besides its lock file ([] when it does not exist)."""
+    if not path.is_dir():
+        return []
+    return [p for p in path.iterdir() if p.name != run_lock.LOCK]
+
+
 def reusable(path: Path) -> str | None:
-    """Why `path` can be reused by a new run (its run.json says the run failed before step 1, and it
-    holds nothing but what such a run writes: no checkpoint, no model), or None."""
+    """Why `path` can be reused by a new run, or None: it holds nothing but what a run that ended
+    before its first step writes (no checkpoint, no model), and its run.json says so: failed or
+    interrupted with no step, or `running` with no step, which only a run that died before it could
+    record its end leaves (a live one holds the directory's lock and is refused before this)."""
     import json
 
-    if not path.is_dir():
-        return None
-    names = {p.name for p in path.iterdir() if not p.name.startswith(".run.json.")}  # + interrupted writes
+    names = {p.name for p in contents(path) if not p.name.startswith(".run.json.")}  # + interrupted writes
     if "run.json" not in names or not names <= LEFT_BEFORE_FIRST_STEP:
         return None
     try:
@@ -80,15 +116,30 @@ def reusable(path: Path) -> str | None:
     summary = record.get("summary") if isinstance(record, dict) else None
     if (
         not isinstance(summary, dict)
-        or summary.get("status") != "failed"
+        or summary.get("status") not in ("failed", "interrupted", "running")
         or summary.get("steps")
         or record.get("steps")
     ):
         return None
     return (
-        f"its run failed before its first step ({summary.get('error') or 'no error recorded'}) and left no "
-        f"checkpoint; its run.json, config.yaml and data/ are replaced"
+        f"its run {ENDED[summary['status']]} before its first step "
+        f"({summary.get('error') or 'no error recorded'}) and left no checkpoint; its run.json, config.yaml and "
+        f"data/ are replaced"
     )
+
+
+def directory_problems(cfg) -> list[str]:
+    """`finetune train` preflight: a named run directory a live run holds (finetune/launch/run_lock.py),
+    or one that cannot be written (a read-only filesystem, no permission). A default name carries
+    the time, so it is new, under runs/."""
+    from finetune import storage
+
+    path = resolve_run_dir(cfg.run.name or default_run_name(cfg.recipe), cfg.run.output_dir)
+    live = run_lock.live_run(path) if (cfg.run.name or cfg.run.output_dir) else None
+    if live:
+        return [live]
+    unwritable = storage.unwritable(path, "run directory")
+    return [unwritable] if unwritable else []
 
 
 def exists_message(path: Path, name_given_by: str = "--run.name") -> str:
@@ -116,3 +167,21 @@ def save_resolved_config(path: Path, config: dict) -> Path:
     out = path / "config.yaml"
     out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return out
+
+
+def written(state, run_dir: Path, what: str, write) -> None:
+    """Rank 0 writes a run file (`write()`); a full, read-only or forbidden disk is a StorageError on
+    every rank (finetune/storage.py), so none waits for rank 0 in a later collective."""
+    from finetune import storage
+    from finetune.launch.ranks import run_on_main
+
+    def attempt():
+        try:
+            write()
+        except OSError as e:
+            failure = storage.error(e, run_dir, f"writing {what} in {run_dir}")
+            if failure is None:
+                raise
+            raise failure from None
+
+    run_on_main(state, attempt)

@@ -123,7 +123,11 @@ def run_checks(cfg, launch: LaunchPlan, *, in_process: bool, resume: str | None 
         checks.append(run_directory)
     for check in checks:
         problems += check(cfg, launch, in_process=in_process)
-    return problems
+    from finetune.launch import rundir
+
+    # a live run's directory or one that cannot be written, first (nothing else matters then); in the
+    # launched processes rank 0 decides as it locks and creates it (finetune/launch/rundir.py create)
+    return (rundir.directory_problems(cfg) if not in_process else []) + problems
 
 
 # --- the checks ------------------------------------------------------------------------------
@@ -305,12 +309,12 @@ def heldout_problem(path: str, samples: int) -> str | None:
 
 def run_directory(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """An existing, non-empty run directory is never replaced without --overwrite (finetune/launch/rundir.py)."""
-    from finetune.launch import rundir
+    from finetune.launch import run_lock, rundir
 
     if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
         return []  # a default name is new (it carries the time)
     path = rundir.resolve_run_dir(cfg.run.name, cfg.run.output_dir)
-    if not path.exists() or (path.is_dir() and not any(path.iterdir())) or rundir.reusable(path):
+    if not rundir.contents(path) or rundir.reusable(path) or run_lock.live_run(path):
         return []  # a directory a run left by failing before step 1 is reused (said so when it is)
     return [rundir.exists_message(path, "--run.output_dir" if cfg.run.output_dir else "--run.name")]
 

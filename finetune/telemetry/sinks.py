@@ -9,10 +9,14 @@ transformers' WandbCallback (report_to: wandb) logs it into the W&B run this mod
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Protocol
 
 from finetune.telemetry.record import RecordView, RunRecord
+
+log = logging.getLogger("finetune")
 
 
 class Sink(Protocol):
@@ -43,10 +47,13 @@ class Sinks:
 
 
 class RunJson:
-    """run.json: written at the start, after each log window (steps[] and summary.steps) and at the end."""
+    """run.json: written at the start, after each log window (steps[] and summary.steps) and at the end.
+    A disk that refuses it mid-run (full, quota) is said once and training goes on, the record kept in
+    memory and written again at the next window; at the end the failure is said on stderr."""
 
     def __init__(self, record: RunRecord):
         self.record = record
+        self.failing: str | None = None  # why the last write failed, until one succeeds
 
     def start(self, record: RecordView) -> None:
         self.record.write()
@@ -54,10 +61,32 @@ class RunJson:
     def log(self, entry: dict) -> None:
         self.record.add_step(entry)
         self.record.update("summary", steps=entry["step"])
-        self.record.write()
+        self._write()
 
     def close(self, record: RecordView, exit_code: int) -> None:
-        self.record.write()
+        if not self._write():
+            print(
+                f"error: {self.record.path} could not be updated with how the run ended "
+                f"(status {record.status}): {self.failing}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _write(self) -> bool:
+        from finetune import storage
+
+        try:
+            self.record.write()
+        except OSError as e:
+            failure = storage.error(e, self.record.path, f"writing {self.record.path}")
+            if failure is None:
+                raise
+            if self.failing is None:
+                log.warning("%s; training goes on, the record is written again at the next log step", failure)
+            self.failing = str(failure)
+            return False
+        self.failing = None
+        return True
 
 
 def for_run(cfg, record: RunRecord, run_dir: Path) -> Sinks:

@@ -3,6 +3,12 @@
 
     FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"       rank 1's loss is NaN at optimizer step 3
     FINETUNE_FAULT_INJECT="sigterm@rank0,step4;kill@rank1,step6"   several, `;`-separated
+    FINETUNE_FAULT_INJECT="disk_full@rank1,step2"     rank 1's save of checkpoint-2 fails with ENOSPC
+    FINETUNE_FAULT_INJECT="slow_load@rank0,step1"     rank 0 holds the model load (before step 1) open
+
+slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
+load before step S=1, slow_save the save of checkpoint-S, slow_eval the evaluation after training
+ended at step S.
 
 KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
 anything; a value that does not parse is an error, so a drill never runs without its fault.
@@ -26,6 +32,10 @@ KINDS = (
     "hang",
     "pause",
     "sigterm",
+    "slow_load",
+    "slow_save",
+    "slow_eval",
+    "disk_full",
     "error_after_training",
     "sp_late_shift",
     "tp_partial_sums",
@@ -109,6 +119,25 @@ def at_step_begin(*, rank: int, step: int) -> None:
         print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
         while True:
             time.sleep(3600)
+
+
+def hold(kind: str, *, rank: int, step: int, what: str) -> None:
+    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step."""
+    if _active((kind,), rank, step):
+        print(f"[fault injection] rank {rank} holds {what} open {PAUSE_S:g} s", flush=True)
+        time.sleep(PAUSE_S)
+
+
+def at_save(*, rank: int, step: int, ckpt) -> None:
+    """In a checkpoint's save, after Trainer wrote its files and before the completion marker:
+    `slow_save` holds it open, `disk_full` fails it as a full disk does (OSError ENOSPC naming a
+    file of the checkpoint)."""
+    import errno
+
+    hold("slow_save", rank=rank, step=step, what=f"the save of {ckpt}")
+    if _active(("disk_full",), rank, step):
+        print(f"[fault injection] rank {rank}: no space left writing {ckpt}", flush=True)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(ckpt / "optimizer.pt"))
 
 
 def after_training(*, rank: int, step: int) -> None:

@@ -6,8 +6,8 @@ phases read top to bottom:
     options -> tokenizer and data -> model -> DDP options -> trainer -> nodes and setup recorded ->
     train -> finish and record
 
-`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume
-plan, the run's name and directory) before the phases that train, and only read after.
+`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume plan,
+the run's name and directory) before the phases that train, and only read after.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -77,9 +78,28 @@ class Trained:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from finetune.console import guard_streams
+    from finetune.launch import run_lock
+    from finetune.training import signals
+
+    guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
+    signals.install_signal_handlers()  # first: recorded, never fatal (docs/faults.md "Signals")
+    signals.stop_with_parent()
+    code = None
+    try:
+        return (code := run_phases(argv))
+    finally:
+        run_lock.release_all()  # rank 0 is done with the run directory (a crash releases it too)
+        if code != EXIT_PREEMPTED:  # preempted: torchrun stops the other ranks with SIGTERM; stay deaf to it
+            signals.restore_signal_handlers()
+
+
+def run_phases(argv: list[str] | None) -> int:
+    """main() once the signals are handled: start, prepare, train, end."""
     from finetune.config.recipe import load_recipe
+    from finetune.launch import rank_progress
+    from finetune.training import endings, signals
     from finetune.training.collapse import Diverged
-    from finetune.training.signals import install_signal_handlers
 
     args, overrides = options.parse_train_args(argv)
     resumed = None
@@ -95,55 +115,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     state, launch, ended = start_processes(cfg)
+    rank_progress.start(state.process_index)  # the rank that stops making progress gets named (docs/faults.md)
+    try:
+        signals.stop_if_received(state, "while the processes started")
+    except signals.Stopped as e:  # nothing created yet
+        return endings.stopped_before_training(None, e, ended)
     run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides, resumed_config=resumed)
-    install_signal_handlers()  # SIGTERM/SIGINT -> checkpoint and exit 75 (finetune/training/trainer.py)
     try:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
         return code
+    except signals.Stopped as e:  # every rank agreed, before training
+        return endings.stopped_before_training(run, e, run.ended)
     except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
-        if run.record and run.committed:
-            run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
-            run.sinks.close(run.record.view, e.exit_code)
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        run.ended.append(True)
-        return e.exit_code
+        return endings.diverged(run, e)
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        from finetune.launch import peers
-
-        lost = peers.failure_note(e, run.heartbeat, run.launch.machines)  # the ranks (and nodes) gone, if so
-        if run.record and run.committed:
-            interrupted = isinstance(e, KeyboardInterrupt)
-            run.record.update(
-                "summary",
-                status="interrupted" if interrupted else "failed",
-                error=None if interrupted else f"{lost + '; ' if lost else ''}{type(e).__name__}: {e}",
-            )
-            run.sinks.close(run.record.view, 1)
+        failure = endings.failed(run, e)
+        if failure is not e:  # a full or read-only disk: said, not a traceback
+            raise failure from None
         raise
 
 
 def train_and_record(run: Run) -> int:
-    """The phases that train, in order; each returns what the next ones read."""
+    """The phases that train, in order; each returns what the next ones read. A signal before
+    training stops every rank at the next phase boundary (signals.Stopped)."""
     from finetune.checkpointing import universal
-    from finetune.training import node_figures
+    from finetune.training import endings, node_figures, signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
     data = load_data(run, arguments)
+    signals.stop_if_received(run.state, "while the data was prepared")
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
     model = load_model(run, arguments)
     ddp_record = ddp_options(run, arguments, model, data)
     trainer = build_trainer(run, arguments, model, data, universal_dir)
     node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
+    signals.stop_if_received(run.state, "while the model loaded")
     if run.record:
         record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
         run.sinks.start(run.record.view)
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
-        return preempted(run, trainer, arguments)
-    return finish(run, trainer, model, data, trained, started)
+        return endings.preempted(run, trainer, arguments)
+    return finish(run, trainer, model, data, trained, started, arguments)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
@@ -198,6 +214,7 @@ def prepare(
 
     plan = resumed = None
     if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+        run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume, overrides))
         resume_plan.apply(plan, cfg)
         resumed = (name, planned_dir)
@@ -248,24 +265,20 @@ def commit(run: Run) -> None:
     from finetune.checkpointing import resume
     from finetune.launch import rundir
 
+    def write():
+        if run.resume:
+            resume.keep_previous_record(run.dir)
+        run.record.write()  # first: a directory holding a run.json is one a retry can judge (rundir.reusable)
+        saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
+        shown = (
+            f", saved to {saved}:\n{saved.read_text(encoding='utf-8').rstrip()}"
+            if run.cfg.logging.print_config
+            else f" saved to {saved} (--logging.print_config=true prints it)"
+        )
+        log.info("resolved configuration (defaults < recipe < command line)%s", shown)
+
+    rundir.written(run.state, run.dir, "run.json and config.yaml", write if run.record is not None else lambda: None)
     run.committed = True
-    if run.record is None:
-        return
-    if run.resume:
-        resume.keep_previous_record(run.dir)
-    saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
-    if run.cfg.logging.print_config:
-        log.info(
-            "resolved configuration (defaults < recipe < command line), saved to %s:\n%s",
-            saved,
-            saved.read_text(encoding="utf-8").rstrip(),
-        )
-    else:
-        log.info(
-            "resolved configuration (defaults < recipe < command line) saved to %s (--logging.print_config=true prints it)",
-            saved,
-        )
-    run.record.write()
 
 
 # --- the phases that train -----------------------------------------------------------------------------
@@ -316,8 +329,9 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
 
 def load_model(run: Run, arguments: RunArguments):
     """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
-    from finetune.training import build
+    from finetune.training import build, fault_injection
 
+    fault_injection.hold("slow_load", rank=run.state.process_index, step=1, what="the model load")
     return build.model_for(run.cfg, run.launch, arguments)
 
 
@@ -407,20 +421,25 @@ def record_setup(
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
-    was preempted, a CollapseError when it collapsed (finetune/training/collapse.py)."""
+    was preempted (during training, or at its end: then with a checkpoint of the final step), a
+    CollapseError when it collapsed (finetune/training/collapse.py)."""
     from finetune.checkpointing import resume
     from finetune.launch import op_builds
+    from finetune.training import signals
 
     _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = _exact_match(run, trainer, model, data, "before")
+        signals.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
         resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
+    signals.set_stage(signals.TRAINING)
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
-    if trainer.resilience.preempted:
+    signals.set_stage(signals.FINISHING)
+    if trainer.resilience.preempted or trainer.resilience.stop_after_training():
         return None
     collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
     if collapsed:
@@ -428,51 +447,36 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     return Trained(out.training_loss, train_s, results)
 
 
-def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
-    """Status `interrupted`, the resume command, and an exit code that says preempted."""
-    from finetune.checkpointing import resume
-
-    p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
-    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
-    if run.record:
-        run.record.update(
-            "summary",
-            status="interrupted",
-            steps=trainer.state.global_step,
-            checkpoint=str(ckpt),
-            error=f"preempted by {p['signal'] or 'a signal'} on rank(s) {p['ranks']} at step {p['step']}",
-            nonfinite_skipped=trainer.skipped_steps,
-        )
-        run.sinks.close(run.record.view, EXIT_PREEMPTED)
-        command = resume.resume_command(
-            run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
-        )
-        print(
-            f"\npreempted: {p['signal'] or 'signal'} on rank(s) {p['ranks']}; stopped after step {p['step']} with a "
-            f"complete checkpoint {ckpt}.\nresume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
-            flush=True,
-        )
-    return EXIT_PREEMPTED
-
-
-def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float) -> int:
-    """The model exported first, then the eval loss and exact match after training, the summary, the
-    figures; the sinks closed. An error in any of it reports where the trained weights are
-    (finetune/training/after_training.py)."""
-    from finetune.training import evaluation, fault_injection
+def finish(
+    run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
+) -> int:
+    """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. An
+    error reports where the trained weights are (training/after_training.py); a signal stops it at
+    the next boundary with a checkpoint of the final step (exit 75; --resume evaluates)."""
+    from finetune.training import endings, evaluation, fault_injection, signals
     from finetune.training.after_training import WeightsKept, record_figures
 
     cfg, record = run.cfg, run.record
+    rank, step = run.state.process_index, trainer.state.global_step
     with WeightsKept(trainer, record, run.dir / "model", data.tokenizer) as kept:
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
         measured = trainer.final_measurements()
         if cfg.run.save_model:
+            signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
             kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/export.py)
-        fault_injection.after_training(rank=run.state.process_index, step=trainer.state.global_step)  # drills
+            signals.set_stage(signals.FINISHING)
+        fault_injection.after_training(rank=rank, step=step)  # drills
+        fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
+        if trainer.resilience.stop_after_training():  # a signal during the export
+            return endings.preempted(run, trainer, arguments)
         eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
         results = dict(trained.exact_match)
         if data.heldout is not None:
+            if trainer.resilience.stop_after_training():
+                return endings.preempted(run, trainer, arguments)
             results["after"] = _exact_match(run, trainer, model, data, "after")
+        if trainer.resilience.stop_after_training():  # a signal during the final evaluation
+            return endings.preempted(run, trainer, arguments)
         collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
         if record:
             record.update(
@@ -500,11 +504,12 @@ def finish(run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trai
 def _write_demo_data(run: Run) -> None:
     """The demo recipe's data, generated into the run directory (a resumed run keeps its own)."""
     from finetune.data import demo
+    from finetune.launch import rundir
 
     train_file = Path(run.data_path)
-    if run.state.is_main_process and not (run.resume and train_file.is_file()):
-        demo.write_demo(train_file.parent, run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size)
-    run.state.wait_for_everyone()
+    if not (run.resume and train_file.is_file()):
+        size, heldout = run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size
+        rundir.written(run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
 
 
 def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
@@ -538,8 +543,6 @@ def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: 
 
 def _announce_op_builds(ops: list[str]) -> None:
     """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
-    import os
-
     from finetune.launch import op_builds
 
     line = op_builds.announce(ops)

@@ -1,46 +1,146 @@
-"""SIGTERM/SIGINT recorded instead of raised, and flags agreed across ranks.
+"""SIGTERM/SIGINT/SIGHUP recorded instead of raised, and flags agreed across ranks (docs/faults.md
+"Signals").
 
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
-checkpoint being written; it is logged and ignored). The signal number rides on each optimizer
-step's one agreement of the ranks (finetune/training/step_guard.py), so all ranks stop at the same
-step boundary whichever rank was signalled.
+checkpoint being written; it is logged and ignored). It is installed first thing in every
+process, before torch is imported. The ranks agree on the flags (one all-gather) at fixed points:
+the end of each optimizer step (finetune/training/trainer.py), and the boundaries between the
+phases before and after training (finetune/training/run.py), so all ranks stop at the same place
+whichever rank was signalled: a step boundary, with a complete checkpoint; before training,
+with nothing trained; after training, with a checkpoint of the final step.
+
+A signal relayed by `finetune train` (finetune/launch/relay.py), which already said so on the
+console, is recorded silently: one line per signal, from the process that got it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from finetune.console import write_line
+from finetune.launch import relay
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+RELAYED = 64  # added to a relayed signal's number in the flags the ranks exchange
 
 received: list[int] = []  # signals received by this process since install_signal_handlers()
+relayed: list[dict] = []  # the relay's note ({"signal", "pid"}) when the first one was relayed
+
+# What the process does with a signal now; set by finetune/training/run.py as the run goes on.
+STARTING, TRAINING, FINISHING, EXPORTING = "starting", "training", "finishing", "exporting"
+WHAT_NOW = {
+    STARTING: "stopping before training starts (nothing trained yet, nothing to save)",
+    TRAINING: "stopping at the end of this optimizer step, after a complete checkpoint",
+    FINISHING: "training is done: stopping after a checkpoint of the final step (the evaluation on --resume)",
+    EXPORTING: "the model is being exported: stopping once it is written, after a checkpoint of the final step",
+}
+_stage = [STARTING]
+
+
+def set_stage(stage: str) -> None:
+    """What a signal does from now on (one of WHAT_NOW's keys)."""
+    _stage[0] = stage
+
 
 _previous: dict = {}
 
 
 def _handler(signum, frame):
     name = signal.Signals(signum).name
+    note = relay.relayed_signal()
+    quiet = note is not None and note.get("signal") == name and not relayed
     if not received:
-        msg = f"{name} received: stopping at the end of this optimizer step, after a complete checkpoint\n"
+        msg = f"{name} received: {WHAT_NOW[_stage[0]]}"
+        if quiet:
+            relayed.append(note)
     else:
-        msg = f"{name} received again: ignored, the checkpoint is being written\n"
+        msg = f"{name} received again: ignored, the run is stopping"
     received.append(signum)
-    os.write(sys.stderr.fileno(), f"[rank {os.environ.get('RANK', '0')}] {msg}".encode())
+    if not quiet:
+        write_line(f"[rank {os.environ.get('RANK', '0')}] {msg}")
 
 
 def install_signal_handlers() -> None:
-    """Record SIGTERM/SIGINT instead of dying, from process start (ranks reach the trainer at
-    different times; one still loading the model when the signal comes must not just die while
-    the others wait for it in a collective). Training stops at the first step boundary after."""
+    """Record SIGTERM/SIGINT/SIGHUP instead of dying, from process start (ranks reach the trainer
+    at different times; one still loading the model when the signal comes must not just die while
+    the others wait for it in a collective)."""
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:
             _previous.setdefault(sig, signal.signal(sig, _handler))
 
 
 def restore_signal_handlers() -> None:
-    """After training: a signal during the final evaluation or export ends the process as usual."""
+    """After a run that completed: a signal during teardown ends the process as usual."""
     for sig, old in _previous.items():
         signal.signal(sig, old)
     _previous.clear()
+
+
+def stop_with_parent(env=os.environ) -> None:
+    """Linux: SIGTERM this process when the launcher that started it dies (killed with SIGKILL, or
+    gone without relaying): handled as a preemption, so an orphaned rank checkpoints and stops
+    instead of training on alone. Only in a launched process (torchrun, accelerate launch, finetune
+    train), not in one that called main() itself."""
+    if not any(k in env for k in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", relay.ENV)):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def code() -> int:
+    """This process's flag for the exchange: 0, the first signal's number, + RELAYED if relayed."""
+    if not received:
+        return 0
+    return received[0] + (RELAYED if relayed else 0)
+
+
+def flags_per_rank(state, value: int) -> list[int]:
+    """Every rank's value, on every rank (one all-gather); the ranks agree by construction.
+    `state`: an Accelerator or a PartialState (before the trainer exists)."""
+    if state.num_processes == 1:
+        return [int(value)]
+    import torch
+    from accelerate.utils import gather
+
+    return [int(x) for x in gather(torch.tensor([int(value)], device=state.device)).tolist()]
+
+
+def describe(flags: list[int]) -> dict:
+    """{signal, ranks, relayed_by} from the exchanged flags (at least one non-zero)."""
+    ranks = [r for r, n in enumerate(flags) if n]
+    first = flags[ranks[0]]
+    by = relayed[0]["pid"] if relayed else None
+    return {
+        "signal": signal.Signals(first % RELAYED).name,
+        "ranks": ranks,
+        "relayed_by": by if first > RELAYED else None,
+    }
+
+
+def cause(p: dict) -> str:
+    """How a stop is named in run.json and on the console."""
+    if p.get("relayed_by"):
+        return f"{p['signal']} to finetune train (pid {p['relayed_by']}), relayed to every rank"
+    return f"{p['signal']} on rank(s) {p['ranks']}"
+
+
+class Stopped(Exception):
+    """Every rank agreed to stop outside a training step (before training, or after it)."""
+
+    def __init__(self, stop: dict, where: str):
+        super().__init__(f"{cause(stop)} {where}")
+        self.stop = stop
+        self.where = where
+
+
+def stop_if_received(state, where: str) -> None:
+    """At a phase boundary every rank reaches: raise Stopped on every rank if any was signalled."""
+    flags = flags_per_rank(state, code())
+    if any(flags):
+        raise Stopped(describe(flags), where)

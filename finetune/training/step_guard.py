@@ -13,7 +13,6 @@ say) adds a slot to SLOTS instead of a collective of its own.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from finetune.errors import UserError
 from finetune.training.collapse import Diverged
 
 # What each rank's row holds: a 0/1 flag and the first non-finite value of each checked quantity, and
-# the number of the signal this rank received (0: none).
+# this rank's signal code (finetune/training/signals.py `code`: 0 for none).
 SLOTS = ("loss", "loss_value", "grad_norm", "grad_norm_value", "signal")
 CHECKED = {"loss": "loss", "grad_norm": "gradient norm"}  # slot -> the name in messages and run.json
 
@@ -62,9 +61,9 @@ class Agreed:
                 return slot, ranks
         return None
 
-    def signal_name(self) -> str | None:
-        ranks = self.ranks("signal")
-        return signal.Signals(int(self.value("signal", ranks[0]))).name if ranks else None
+    def signals(self) -> list[int]:
+        """Each rank's signal code (finetune/training/signals.py `code`: 0 for none)."""
+        return [int(self.value("signal", r)) for r in range(len(self.rows))]
 
 
 class StepFlags:

@@ -11,6 +11,7 @@ before that step's optimizer update, then stops (or skips the update).
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -21,12 +22,13 @@ from transformers.trainer_callback import ProgressCallback
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.data.render import IGNORE_INDEX
+from finetune.launch import rank_progress
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
 from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection, sample_trace, sequence_parallel
+from finetune.training import fault_injection, sample_trace, sequence_parallel, signals
 from finetune.training.collapse import CollapseWatch
-from finetune.training.signals import install_signal_handlers, received, restore_signal_handlers
+from finetune.training.signals import flags_per_rank, install_signal_handlers
 from finetune.training.step_guard import CHECKED, Agreed, NonFiniteError, StepFlags, check_policy
 
 log = logging.getLogger("finetune")
@@ -232,29 +234,48 @@ class ResilienceCallback(TrainerCallback):
     def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
         self.trainer = trainer
         self.save_total_limit = save_total_limit
-        self.preempted: dict | None = None  # {step, signal, ranks} once the ranks agreed to stop
+        self.preempted: dict | None = None  # {step, signal, ranks, relayed_by} once the ranks agreed to stop
+        self.nothing_to_train = False  # resumed from a checkpoint of the last step
         self.last_complete: Path | None = None
         self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/checkpointing/provenance.py)
 
     # --- signals ---------------------------------------------------------------------------
 
-    def on_train_end(self, args, state, control, **kwargs):
-        # Preempted: keep recording signals until the process exits. The launcher tears the
-        # other ranks down with SIGTERM as soon as one rank has exited 75; a rank still
-        # finishing its record or tearing down its process group must not die of it.
-        if self.preempted is None:
-            restore_signal_handlers()
+    def on_train_begin(self, args, state, control, **kwargs):
+        # Resumed from a checkpoint of the last step (a run stopped after training): Trainer would
+        # train one step past max_steps before it looks; there is nothing left to train.
+        self.nothing_to_train = state.global_step >= state.max_steps > 0
+        if self.nothing_to_train:
+            log.info("resumed at step %d of %d: nothing left to train", state.global_step, state.max_steps)
+            control.should_training_stop = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        agreed = self.trainer.agreement_of(state.global_step)  # the signals rode on the step's one agreement
-        ranks = agreed.ranks("signal")
-        if ranks and self.preempted is None:
-            self.preempted = {"step": state.global_step, "ranks": ranks, "signal": agreed.signal_name()}
+        rank_progress.progress(state.global_step)
+        flags = self.trainer.agreement_of(state.global_step).signals()  # rode on the step's one agreement
+        if any(flags) and self.preempted is None:
+            self.preempted = {"step": state.global_step, **signals.describe(flags)}
             control.should_save = True
             control.should_training_stop = True
+
+    def stop_after_training(self) -> bool:
+        """At a boundary after Trainer.train() returned (every rank calls it): if any rank was
+        signalled, make sure a complete checkpoint of the final step exists and say preempted."""
+        trainer = self.trainer
+        flags = flags_per_rank(trainer.accelerator, signals.code())
+        if not any(flags):
+            return False
+        state = trainer.state
+        final = Path(trainer.args.output_dir) / f"checkpoint-{state.global_step}"
+        if checkpoints.problem(final) is None:  # saved at the last step, or the checkpoint resumed from
+            self.last_complete = final
+        else:
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+            trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
+        self.preempted = {"step": state.global_step, **signals.describe(flags)}
+        return True
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -307,6 +328,48 @@ class ResilientTrainer(FinetuneTrainer):
         self.flags = StepFlags(self.accelerator.device)
         self._agreed: tuple[int, Agreed] | None = None  # (step, every rank's row) of the last agreement
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self.resilience.nothing_to_train:  # no batch drawn: the step loop ends without a step
+            return [], None
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's save, made an agreed outcome: a full disk (or quota, or read-only) on any rank is
+        a StorageError on every rank (rank 0's names the checkpoint, the reason, the free space and
+        the newest complete checkpoint); the incomplete one is removed (it has no marker; removing it
+        frees its space for run.json)."""
+        from finetune import storage
+
+        acc = self.accelerator
+        ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        failure = None
+        try:
+            super()._save_checkpoint(model, trial)
+            fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
+        except Exception as e:
+            failure = storage.error(e, ckpt, f"writing checkpoint {ckpt}")
+            if failure is None:
+                raise
+        codes = flags_per_rank(acc, failure.errno if failure else 0)
+        if not any(codes):
+            return
+        if acc.is_main_process and ckpt.exists() and checkpoints.problem(ckpt) is not None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        acc.wait_for_everyone()
+        if not acc.is_main_process:
+            raise storage.StorageError(f"writing checkpoint {ckpt} failed (rank 0 says why)", failure and failure.errno)
+        last = next((c for c in reversed(checkpoints.checkpoints(ckpt.parent)) if checkpoints.problem(c) is None), None)
+        then = f"The incomplete {ckpt.name} was removed; " + (
+            f"the newest complete checkpoint is {last}: free space, then continue with --resume"
+            if last
+            else "no complete checkpoint was written: free space, then run again"
+        )
+        ranks = [r for r, c in enumerate(codes) if c]
+        code = next(c for c in codes if c)
+        failed_at = failure.failed_at if failure else None
+        where = f"writing checkpoint {ckpt}" + (f" on rank(s) {ranks}" if acc.num_processes > 1 else "")
+        raise storage.StorageError(storage.message(code, ckpt, where, then, failed_at=failed_at), code)
+
     def faults_section(self) -> dict:
         """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
         return {
@@ -331,7 +394,7 @@ class ResilientTrainer(FinetuneTrainer):
     def _agree(self) -> None:
         """The step's one agreement (signals included); then stop, or mark the update skipped."""
         step = self.state.global_step + 1
-        agreed = self.flags.agree(self.accelerator, received[0] if received else 0)
+        agreed = self.flags.agree(self.accelerator, signals.code())
         self._agreed = (step, agreed)
         bad = agreed.nonfinite()
         if bad is None:

@@ -38,6 +38,7 @@ class Case:
     entry: str = "finetune train"  # or "train.py": finetune/train.py main() in this process
     env: dict = field(default_factory=dict)  # huggingface_hub.constants overrides, see _patched
     gpu_free_only: bool = False  # the problem exists only on a machine without CUDA
+    needs_root: bool = False  # made with a mount (a full disk): only as root
 
 
 @dataclass
@@ -91,6 +92,59 @@ AUTO_DS = {
     "gradient_clipping": "auto",
     "zero_optimization": {"stage": 2},
 }
+
+
+_CLEANUPS: list = []  # undone after each case (run_case): mounts, processes holding a run directory
+
+
+def cleanup() -> None:
+    while _CLEANUPS:
+        _CLEANUPS.pop()()
+
+
+def _tmpfs(path: Path, options: str) -> Path:
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    _CLEANUPS.append(lambda: subprocess.run(["umount", "-l", str(path)], check=False))
+    return path
+
+
+def _read_only(ws: Path) -> list[str]:
+    """An output directory under a read-only mount (root ignores permission bits), mode 0555 otherwise."""
+    ro = ws / "ro"
+    if os.geteuid() == 0:
+        _tmpfs(ro, "size=1m,ro")
+    else:
+        ro.mkdir()
+        ro.chmod(0o555)
+        _CLEANUPS.append(lambda: ro.chmod(0o755))
+    return [f"--run.output_dir={ro / 'run'}"]
+
+
+def _full_disk(ws: Path) -> list[str]:
+    """An output directory on a filesystem of one 4 KiB page: the directory and its lock fit, run.json does not."""
+    return [f"--run.output_dir={_tmpfs(ws / 'disk', 'size=4k') / 'run'}"]
+
+
+def _held(run: str, then=None):
+    """Another process holds runs/<run> as a live run does (finetune/launch/run_lock.py)."""
+    import subprocess
+
+    def setup(ws: Path) -> list[str]:
+        extra = then(ws) if then else []
+        code = (
+            f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
+            f"from finetune.launch import run_lock; run_lock.acquire(Path({str(ws / 'runs' / run)!r})); "
+            f"print('holding', flush=True); time.sleep(600)"
+        )
+        holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        _CLEANUPS.append(lambda: (holder.kill(), holder.wait()))
+        assert holder.stdout.readline().strip() == "holding"
+        return extra
+
+    return setup
 
 
 def _fifo(ws: Path) -> list[str]:
@@ -827,6 +881,46 @@ CASES = [
     ),
     # --- the run directory ---
     Case(
+        "output directory on a read-only filesystem",
+        "run.output_dir",
+        _read_only,
+        ("ro/run cannot be written", "nothing was started", "--run.output_dir"),
+    ),
+    Case(
+        "output directory on a read-only filesystem (train.py)",
+        "run.output_dir",
+        _read_only,
+        ("creating run directory", "ro/run", "--run.output_dir"),
+        entry="train.py",
+    ),
+    Case(
+        "disk full when the run starts",
+        "run.output_dir",
+        _full_disk,
+        ("writing run.json and config.yaml", "disk/run", "no space left on device", "free of"),
+        entry="train.py",
+        needs_root=True,
+    ),
+    Case(
+        "run name of a run that is still training",
+        "run.name",
+        _held("keep", lambda ws: ["--run.name=keep"]),
+        ("runs/keep is in use by a live run: pid", "nothing was changed", "kill -TERM"),
+    ),
+    Case(
+        "--resume of a run that is still training",
+        "--resume",
+        _held("prev", _resume(ZERO3_CPU)),
+        ("runs/prev is in use by a live run: pid", "nothing was changed"),
+    ),
+    Case(
+        "--resume of a run that is still training (train.py)",
+        "--resume",
+        _held("prev", _resume([], strategy="single", world=1)),
+        ("runs/prev is in use by a live run: pid", "nothing was changed"),
+        entry="train.py",
+    ),
+    Case(
         "run name of an existing run, no --overwrite",
         "run.name",
         lambda ws: ["--run.name=keep"],
@@ -1009,6 +1103,74 @@ NOT_ERRORS = [
 ]
 
 
+# Faults during a launch (docs/faults.md), each provoked by a launched test as a user would.
+NOT_ERRORS += [
+    (
+        "SIGTERM to `finetune train` (docker stop: PID 1; Kubernetes; `kill PID`; `timeout`)",
+        "signal",
+        (
+            "not an error: one line, relayed to every rank once; they stop after the step with one complete "
+            "checkpoint, exit 75, run.json `interrupted` (tests/training/test_interrupts.py::"
+            "test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75)"
+        ),
+    ),
+    (
+        "Ctrl-C, twice, through `| tee`, two ranks",
+        "signal / console",
+        (
+            "not an error: exit 75 through the pipe, checkpoint complete although the console died and the second "
+            "Ctrl-C came during the save (tests/training/test_interrupts.py::"
+            "test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint)"
+        ),
+    ),
+    (
+        "SIGHUP (terminal closed, ssh dropped) while the model loads",
+        "signal",
+        (
+            "not an error: the ranks stop before training (nothing to save), exit 75, run.json `interrupted`; the "
+            "same command reuses the directory (tests/training/test_interrupts.py::"
+            "test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable)"
+        ),
+    ),
+    (
+        "SIGTERM to the rank alone (`kill` of train.py) during the final evaluation",
+        "signal",
+        (
+            "not an error: a complete checkpoint of the final step, exit 75; --resume trains no step more, evaluates "
+            "and exports (tests/training/test_interrupts.py::"
+            "test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates)"
+        ),
+    ),
+    (
+        "two runs started at once with the same --run.name",
+        "run.name",
+        (
+            "exactly one gets the run directory's lock; the other exits 2 naming it (tests/launch/test_run_lock.py::"
+            "test_of_runs_claiming_one_new_directory_at_once_exactly_one_wins)"
+        ),
+    ),
+    (
+        "disk full while a checkpoint is written (a real tmpfs; ENOSPC on one of two ranks)",
+        "run.output_dir",
+        (
+            "exit 2: 'writing checkpoint .../checkpoint-2 [on rank(s) [1]] failed: no space left on device (...; "
+            "0.2 MiB free of 64.0 MiB on its filesystem). The incomplete checkpoint-2 was removed; the newest "
+            "complete checkpoint is .../checkpoint-1: free space, then continue with --resume'; run.json `failed` "
+            "with it (tests/training/test_run_dir_faults.py)"
+        ),
+    ),
+    (
+        "a rank stopped with SIGSTOP (stalled)",
+        "process",
+        (
+            "exit 1 after training.ddp_timeout: 'rank 1 stopped making progress: its last heartbeat came 31 s "
+            "before the others failed ...', the rank that timed out named as a consequence; run.json names it too "
+            "(tests/training/test_faults.py::test_a_stopped_rank_is_named_as_the_one_that_stalled)"
+        ),
+    ),
+]
+
+
 def base_args(ws: Path, model_dir: Path) -> list[str]:
     """A run that would be valid: the demo recipe on the tiny model and a good data file."""
     data = _write(ws / "good.jsonl", _jsonl(GOOD_ROWS * 4))
@@ -1064,7 +1226,17 @@ def _patched(ws: Path, env: dict):
         os.environ.update(saved_env)
 
 
-def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
+def run_case(case: Case, ws: Path, model_dir: Path, *, keep: bool = False) -> Outcome:
+    """Run one case; what its setup made (mounts, holders) is undone afterwards unless `keep`
+    (then call cleanup())."""
+    try:
+        return _run_case(case, ws, model_dir)
+    finally:
+        if not keep:
+            cleanup()
+
+
+def _run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
     from finetune.cli import dispatch
     from finetune.training import run
 
@@ -1100,6 +1272,13 @@ def run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
 
 
 def _clean(message: str, ws: Path, model_dir: Path) -> str:
+    import re
+    import socket
+
+    message = re.sub(r"pid \d+", "pid <pid>", message.replace(socket.gethostname(), "<host>"))
+    message = re.sub(r"kill -TERM \d+", "kill -TERM <pid>", message)
+    message = re.sub(r"started \S+ \(.*?\); nothing", "started <time> (<command>); nothing", message)
+    message = re.sub(r"\d+\.\d+ (MiB|GiB) free of \d+\.\d+ (MiB|GiB)", "<free> free of <size>", message)
     return (
         message.replace(str(ws), "<ws>")
         .replace(str(model_dir), "<tiny-model>")
@@ -1158,7 +1337,11 @@ def main() -> int:
         logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
         root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
         model_dir = save_tiny_llama(root / "tiny-model", AutoTokenizer.from_pretrained(ensure_bundled_model()))
-        cases = [c for c in CASES if not (c.gpu_free_only and torch.cuda.is_available())]
+        cases = [
+            c
+            for c in CASES
+            if not (c.gpu_free_only and torch.cuda.is_available()) and not (c.needs_root and os.geteuid())
+        ]
         results = [(case, run_case(case, root / f"case{i}", model_dir)) for i, case in enumerate(cases)]
     index = {id(c): i for i, c in enumerate(cases)}
     sys.stdout.write(markdown(results, lambda c: root / f"case{index[id(c)]}", model_dir))

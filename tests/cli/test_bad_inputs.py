@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tests.cli import bad_inputs_table
 from tests.cli.bad_inputs_table import CASES, REPO, make_workspace, run_case
 
 
@@ -24,6 +25,8 @@ from tests.cli.bad_inputs_table import CASES, REPO, make_workspace, run_case
 def test_bad_input_fails_cleanly(case, tmp_path, tiny_model_dir):
     if case.gpu_free_only and torch.cuda.is_available():
         pytest.skip("only a problem on a machine without CUDA")
+    if case.needs_root and os.geteuid() != 0:
+        pytest.skip("made with a mount: needs root")
     out = run_case(case, tmp_path, tiny_model_dir)
     assert not out.launched, "accelerate launch was reached"
     assert out.exit_code == 2, out.message
@@ -76,3 +79,22 @@ def test_finetune_train_command_reports_every_problem_exit_2_without_traceback(t
     assert "3 problems" in proc.stderr and "missing.jsonl: file not found" in proc.stderr
     assert "'./no-such-model': no such local directory" in proc.stderr and "runs/keep already exists" in proc.stderr
     assert _tree_hashes(tmp_path) == before
+
+
+def test_a_disk_full_at_start_leaves_nothing_that_blocks_the_retry(tmp_path, tiny_model_dir):
+    """The full-disk case, then space freed (the tmpfs grown): the run directory it left holds
+    nothing but its lock, so the same command's run directory is created again, not refused."""
+    from finetune.launch import rundir
+
+    case = next(c for c in CASES if c.what == "disk full when the run starts")
+    if os.geteuid() != 0:
+        pytest.skip("made with a mount: needs root")
+    try:
+        out = run_case(case, tmp_path, tiny_model_dir, keep=True)
+        assert out.exit_code == 2 and not out.traceback, out.message
+        left = tmp_path / "disk" / "run"
+        assert left.is_dir() and rundir.contents(left) == [], list(left.iterdir())
+        subprocess.run(["mount", "-o", "remount,size=64m", str(tmp_path / "disk")], check=True)
+        rundir.prepare_run_dir(left, overwrite=False)  # what the retry does with it: no refusal
+    finally:
+        bad_inputs_table.cleanup()

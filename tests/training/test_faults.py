@@ -178,6 +178,31 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
 
 
+@pytest.mark.integration
+def test_a_stopped_rank_is_named_as_the_one_that_stalled(tmp_path, tiny_model_dir):
+    """SIGSTOP to rank 1 after step 1 (rank 0 holds step 2 open meanwhile): rank 0's collective
+    times out after training.ddp_timeout. Before: rank 0 was reported as the first failure and rank
+    1 only as killed by SIGKILL. Now rank 1 is named as the rank that stopped making progress (its
+    heartbeats ended), rank 0's failure as a consequence, and rank 0's record names rank 1."""
+    from tests.conftest import Started, steps_logged
+    from tests.training.test_interrupts import _rank, train_command
+
+    run_dir = tmp_path / "run"
+    cmd = train_command(tiny_model_dir, run_dir, 4, "--training.ddp_timeout=30", ranks=2)
+    env = {**CPU_ENV, faults.ENV: "pause@rank0,step2"}
+    with Started(cmd, cwd=REPO, env=env, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
+        _rank(job, 1).send_signal(signal.SIGSTOP)
+        code = job.finish(timeout=400)
+        out = job.output
+    assert code == 1, out[-4000:]
+    assert "finetune: rank 1 stopped making progress: its last heartbeat came" in out, out[-4000:]
+    assert "failed: killed by SIGKILL (stalled: the cause)" in out, out[-4000:]
+    assert "finetune: rank 0 (local rank 0" in out and "(a consequence: it waited for rank(s) [1])" in out
+    summary = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert summary["status"] == "failed" and "rank(s) [1] on node" in summary["error"], summary
+
+
 def _adapter(ckpt: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -248,7 +273,7 @@ def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, 
 
 
 def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
-    """SIGINT/SIGTERM are recorded, not raised (no KeyboardInterrupt mid-save); restored afterwards."""
+    """SIGINT/SIGTERM/SIGHUP are recorded, not raised (no KeyboardInterrupt mid-save); restored afterwards."""
     import time
 
     from finetune.training import signals
@@ -261,20 +286,57 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     before = signal.getsignal(signal.SIGINT)
     signals.received.clear()
     signals.install_signal_handlers()
+    signals.set_stage(signals.TRAINING)
     try:
         assert signal.getsignal(signal.SIGINT) not in (before, signal.default_int_handler, signal.SIG_IGN)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.1)
-        assert signals.received == [signal.SIGINT, signal.SIGTERM]
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(os.getpid(), sig)
+            time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
+        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        assert signals.code() == signal.SIGINT and signals.describe([0, signals.code()]) == {
+            "signal": "SIGINT",
+            "ranks": [1],
+            "relayed_by": None,
+        }
     finally:
         signals.restore_signal_handlers()
         signals.received.clear()
+        signals.set_stage(signals.STARTING)
     err = capfd.readouterr().err
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
-    assert "SIGTERM received again: ignored, the checkpoint is being written" in err, err
+    assert "SIGTERM received again: ignored" in err and "SIGHUP received again: ignored" in err, err
     assert signal.getsignal(signal.SIGINT) is before  # restored, whatever it was
+
+
+def test_a_signal_relayed_by_finetune_train_is_recorded_silently(tmp_path, monkeypatch, capfd):
+    """The wrapper said it on the console already: the rank records it (and by whom) without a line;
+    one sent to the rank directly afterwards is said."""
+    import json
+    import time
+
+    from finetune.launch import relay
+    from finetune.training import signals
+
+    signals.restore_signal_handlers()
+    signals.received.clear()
+    signals.relayed.clear()
+    monkeypatch.setenv(relay.ENV, str(tmp_path))
+    (tmp_path / relay.RELAYED).write_text(json.dumps({"signal": "SIGTERM", "pid": 4321}))
+    signals.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert capfd.readouterr().err == ""
+        stop = signals.describe([signals.code(), signals.code()])
+        assert stop == {"signal": "SIGTERM", "ranks": [0, 1], "relayed_by": 4321}, stop
+        assert signals.cause(stop) == "SIGTERM to finetune train (pid 4321), relayed to every rank"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert "SIGTERM received again: ignored" in capfd.readouterr().err
+    finally:
+        signals.restore_signal_handlers()
+        signals.received.clear()
+        signals.relayed.clear()
 
 
 def test_finetune_train_passes_resume_through_to_train_py():
@@ -332,4 +394,7 @@ def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, 
     }
     assert report_failed_ranks(failures) == expected
     err = capsys.readouterr().err
-    assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)
+    if expected == 75:  # preempted: no failure; rank 0 printed the checkpoint and the resume command
+        assert err == "", err
+    else:
+        assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)

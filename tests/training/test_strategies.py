@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_SCRIPT, Launch, launch_train, logged_steps, run_process_group
+from tests.conftest import REPO, TRAIN_SCRIPT, Launch, kill_tree, launch_train, logged_steps, run_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -899,7 +899,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)  # the ranks too: they run in sessions of their own
             proc.communicate()
     assert proc.returncode == EXIT_PREEMPTED, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())

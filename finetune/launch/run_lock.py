@@ -1,0 +1,136 @@
+"""One writer per run directory: an exclusive flock on LOCK inside it, taken by rank 0 before it
+changes anything there (a new run's directory, --overwrite, --resume) and held until the process
+exits. The kernel releases it when the process dies however it dies, so a crash never leaves a
+stale lock; while it is held, another run naming the directory is refused with the live run's pid
+and host (exit 2, nothing touched). Two runs started with the same --run.name at once: both may
+create the directory, exactly one gets the lock (docs/faults.md "One writer per run directory").
+
+The lock file holds the holder's pid, host, start time and command line (JSON), for the message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from finetune.errors import UserError
+
+LOCK = ".finetune.lock"
+WAIT_S = 2.0  # a probe holds the lock for microseconds; a holder writes its note right after locking
+_held: dict[str, int] = {}  # run directory -> the locked file descriptor, for the life of the process
+
+
+def acquire(run_dir: Path) -> None:
+    """Rank 0: lock `run_dir` (created if missing) for the life of this process, or UserError
+    naming the live run that holds it. Idempotent."""
+    run_dir = Path(run_dir).absolute()
+    if str(run_dir) in _held:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+            break
+        os.close(fd)
+        if time.monotonic() > deadline:
+            raise UserError(in_use_message(run_dir))
+        time.sleep(0.05)
+    note = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv)[:500],
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(note).encode(), 0)
+    _held[str(run_dir)] = fd
+
+
+def release(run_dir: Path) -> None:
+    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so
+    a refused --resume leaves nothing behind; a crash leaves the file, unlocked). Unlinked while
+    still locked: a process waiting for it then finds the file gone and takes a new one (acquire's
+    check that the locked file is the one at the path)."""
+    key = str(Path(run_dir).absolute())
+    fd = _held.pop(key, None)
+    if fd is None:
+        return
+    path = Path(key) / LOCK
+    if _same_file(fd, path):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    os.close(fd)
+
+
+def release_all() -> None:
+    for key in list(_held):
+        release(Path(key))
+
+
+def live_run(run_dir: Path) -> str | None:
+    """The refusal when another process holds `run_dir`'s lock, else None. Changes nothing: the
+    lock file is only opened when it exists, read-only, and a shared lock tried and dropped."""
+    run_dir = Path(run_dir)
+    if str(run_dir.absolute()) in _held:
+        return None
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        free = _try_lock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # drops the shared lock, if taken
+    return None if free else in_use_message(run_dir)
+
+
+def holder(run_dir: Path) -> dict:
+    """The note the holder wrote (empty until it has)."""
+    try:
+        note = json.loads((Path(run_dir) / LOCK).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return note if isinstance(note, dict) else {}
+
+
+def in_use_message(run_dir: Path) -> str:
+    deadline = time.monotonic() + WAIT_S
+    note = holder(run_dir)
+    while not note and time.monotonic() < deadline:  # locked a moment ago: its note comes next
+        time.sleep(0.05)
+        note = holder(run_dir)
+    pid, host = note.get("pid", "?"), note.get("host", "?")
+    here = host == socket.gethostname()
+    where = "" if here else f" on {host}"
+    return (
+        f"run directory {run_dir} is in use by a live run: pid {pid} on host {host}, started "
+        f"{note.get('started', '?')} ({note.get('command', 'command unknown')}); nothing was changed. Wait for it "
+        f"to end, stop it (`kill -TERM {pid}`{where}: it writes a checkpoint and exits 75, then --resume "
+        f"continues it), or give another --run.name / --run.output_dir"
+    )
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """The file locked is still the one at `path` (not unlinked by a run that --overwrite'd it)."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False

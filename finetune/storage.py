@@ -1,0 +1,131 @@
+"""Filesystem failures a user fixes (a full disk, a quota, a read-only or forbidden directory) told
+apart from bugs, and said as one message naming the path and the space left (docs/faults.md
+"Disk full, read-only"). torch.save and safetensors wrap the OSError in their own exceptions, so
+their messages are read too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from finetune.errors import UserError
+from finetune.units import GIB, MIB
+
+REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+# the same failures as torch.save (PytorchStreamWriter) and safetensors (a Rust io::Error) word them
+_WORDS = {
+    "No space left on device": errno.ENOSPC,
+    "StorageFull": errno.ENOSPC,
+    "Disk quota exceeded": errno.EDQUOT,
+    "QuotaExceeded": errno.EDQUOT,
+    "Read-only file system": errno.EROFS,
+    "ReadOnlyFilesystem": errno.EROFS,
+}
+
+
+class StorageError(UserError):
+    """Writing a run's files failed for a reason outside the program (exit 2)."""
+
+    def __init__(self, message: str, code: int | None, failed_at: str | None = None):
+        super().__init__(message)
+        self.errno = code
+        self.failed_at = failed_at  # the file the failed write was to, when known
+
+
+NEARLY_FULL = 64 * MIB  # bytes free below which torch's errno-less "file write failed" means a full disk
+
+
+def cause(exc: BaseException, path: Path | None = None) -> int | None:
+    """The storage errno behind `exc` (or one it was raised from), or None for anything else.
+    torch's writer drops the errno ("file write failed"): read as ENOSPC when `path`'s filesystem
+    is (nearly) full."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, OSError) and exc.errno in REASONS:
+            return exc.errno
+        text = str(exc)
+        for words, code in _WORDS.items():
+            if words in text:
+                return code
+        if "file write failed" in text and path is not None and _free_bytes(path) < NEARLY_FULL:
+            return errno.ENOSPC
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+def _existing(path: Path) -> Path:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return 1 << 62
+
+
+def free_space(path: Path) -> str:
+    """'X GiB free of Y GiB' on the filesystem holding `path` (its nearest existing parent)."""
+    try:
+        usage = shutil.disk_usage(_existing(path))
+    except OSError:
+        return "free space unknown"
+    return f"{_size(usage.free)} free of {_size(usage.total)} on its filesystem"
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def error(exc: BaseException, path: Path, doing: str, then: str = "") -> StorageError | None:
+    """A StorageError for `exc` raised while `doing` something to `path`, or None when `exc` is
+    no storage failure (a bug keeps its traceback)."""
+    code = cause(exc, path)
+    if code is None:
+        return None
+    failed_at = getattr(exc, "filename", None)
+    return StorageError(message(code, path, doing, then, failed_at=failed_at), code, failed_at)
+
+
+def message(code: int, path: Path, doing: str, then: str = "", *, failed_at=None) -> str:
+    """'<doing> failed: <reason> (<file>; <free space>)[; what to do][. then]'."""
+    text = f"{doing} failed: {REASONS[code]} ({failed_at or path}; {free_space(Path(path))})"
+    if code == errno.EROFS or (code in (errno.EACCES, errno.EPERM) and not writable(Path(path))):
+        text += "; give a writable --run.output_dir"
+    return text + (f". {then}" if then else "")
+
+
+def writable(path: Path) -> bool:
+    """Whether files can be created in `path` or, when it does not exist, its nearest existing parent
+    (os.access also answers EROFS for root, whom permission bits do not stop)."""
+    return os.access(_existing(path), os.W_OK | os.X_OK)
+
+
+def unwritable(path: Path, what: str) -> str | None:
+    """Preflight: why `what` at `path` cannot be written (read-only filesystem, no permission), with
+    the directory that decides it, or None when it can be."""
+    where = _existing(path)
+    if os.access(where, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(where).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    reason = REASONS[errno.EROFS if read_only else errno.EACCES]
+    return (
+        f"{what} {path} cannot be written: {reason} ({where}); nothing was started. Give a writable "
+        f"--run.output_dir (or --run.name under a writable runs/)"
+    )

@@ -1,0 +1,106 @@
+"""Filesystem failures told apart from bugs and named (finetune/storage.py): the errno, torch's and
+safetensors' wordings of it, the path and the space left; a read-only directory found before launch."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from finetune import storage
+
+
+def test_storage_failures_are_recognised_in_the_forms_the_libraries_raise(tmp_path):
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "optimizer.pt"))
+    assert storage.cause(full) == errno.ENOSPC
+    assert storage.cause(OSError(errno.EDQUOT, "Disk quota exceeded")) == errno.EDQUOT
+    rust = RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })')
+    assert storage.cause(rust) == errno.ENOSPC
+    try:  # wrapped, as Trainer re-raises
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("saving failed") from e
+    except RuntimeError as wrapped:
+        assert storage.cause(wrapped) == errno.ENOSPC
+    # torch's writer drops the errno: a full disk only when the filesystem is (nearly) full
+    torch_msg = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    assert storage.cause(torch_msg, tmp_path) is None  # this disk has room: not guessed
+    # not storage failures: bugs keep their tracebacks
+    assert storage.cause(OSError(errno.ENOENT, "No such file")) is None
+    assert storage.cause(ValueError("bad value")) is None
+    assert storage.error(ValueError("x"), tmp_path, "writing") is None
+
+
+def test_the_message_names_what_failed_where_and_the_space_left(tmp_path):
+    e = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "ckpt" / "optimizer.pt"))
+    failure = storage.error(e, tmp_path / "ckpt", "writing checkpoint ckpt", then="resume later")
+    assert isinstance(failure, storage.StorageError) and failure.errno == errno.ENOSPC
+    msg = str(failure)
+    assert msg.startswith("writing checkpoint ckpt failed: no space left on device (")
+    assert str(tmp_path / "ckpt" / "optimizer.pt") in msg and "free of" in msg and msg.endswith(". resume later")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no one may write into: a read-only tmpfs as root (root ignores permission bits),
+    mode 0555 otherwise. Unmounted afterwards, also on failure."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_read_only_output_directory_is_found_before_anything_starts(read_only_dir):
+    target = read_only_dir / "runs" / "exp"
+    problem = storage.unwritable(target, "run directory")
+    assert problem and f"run directory {target} cannot be written" in problem
+    assert ("read-only file system" if os.geteuid() == 0 else "permission denied") in problem
+    assert "--run.output_dir" in problem
+    assert storage.unwritable(Path(read_only_dir).parent / "elsewhere", "run directory") is None
+
+
+def test_a_run_json_the_disk_refuses_mid_run_is_said_once_and_training_goes_on(tmp_path, caplog, capsys):
+    """The record's per-step write fails (ENOSPC): a warning, once; the steps stay in memory and are
+    written when the disk has room again; at the end a failure is said on stderr. Any other error
+    (a bug) still raises."""
+    import errno as errnos
+
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import RunJson
+
+    rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
+    sink = RunJson(rec)
+    real_write, full = rec.write, [True]
+
+    def write():
+        if full[0]:
+            raise OSError(errnos.ENOSPC, "No space left on device", str(rec.path))
+        real_write()
+
+    rec.write = write
+    with caplog.at_level("WARNING", logger="finetune"):
+        sink.log({"step": 1, "loss": 2.0})
+        sink.log({"step": 2, "loss": 1.5})
+    assert caplog.text.count("no space left on device") == 1, caplog.text
+    assert not rec.path.exists()
+    full[0] = False
+    sink.log({"step": 3, "loss": 1.0})
+    assert [s["step"] for s in __import__("json").loads(rec.path.read_text())["steps"]] == [1, 2, 3]
+    full[0] = True
+    sink.close(rec.view, 0)
+    assert "could not be updated with how the run ended" in capsys.readouterr().err
+    rec.write = lambda: (_ for _ in ()).throw(OSError(errnos.ENOENT, "No such file"))
+    with pytest.raises(OSError):
+        sink.log({"step": 4, "loss": 0.5})

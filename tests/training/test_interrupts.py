@@ -1,0 +1,171 @@
+"""Signals as users send them, to the process they send them to (docs/faults.md "Signals"): SIGTERM
+to `finetune train` as a container's PID 1 (docker stop, Kubernetes), Ctrl-C twice through `| tee` on
+two ranks, SIGHUP (terminal closed) while the model loads, SIGTERM to the rank alone during the
+final evaluation.
+Each run is the tiny model through `finetune train`, a few steps; a fault injection holds a phase
+open (finetune/training/fault_injection.py) so the signal lands inside it however slow the machine.
+A signal to one rank of two: tests/training/test_strategies.py::test_sigterm_on_one_rank_....
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.checkpointing import checkpoints
+from finetune.errors import EXIT_PREEMPTED
+from finetune.launch import rundir
+from finetune.training import fault_injection as faults
+from tests.conftest import REPO, Started, steps_logged
+from tests.training.test_faults import CPU_ENV, cli_train, tiny_args
+
+pytestmark = pytest.mark.integration
+
+
+def train_command(tiny_model_dir, run_dir: Path, steps: int, *extra: str, ranks: int = 1) -> list[str]:
+    launch = (
+        ["--recipe", "demo", "--cpu"]
+        if ranks == 1
+        else ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml"]
+    )
+    return [
+        sys.executable,
+        "-m",
+        "finetune.cli",
+        "train",
+        *launch,
+        *tiny_args(tiny_model_dir, steps),
+        *extra,
+        f"--run.output_dir={run_dir}",
+    ]
+
+
+def _wrapper(job: Started):
+    """The `finetune train` process of the job (python -m finetune.cli; not unshare or bash around it)."""
+    return next(p for p in job.processes() if p.cmdline()[1:3] == ["-m", "finetune.cli"])
+
+
+def _rank(job: Started, rank: int):
+    """A rank's process: finetune/train.py with RANK (unset when accelerate launches one process)."""
+    ranks = [p for p in job.processes() if any(a.endswith("train.py") for a in p.cmdline())]
+    return next(p for p in ranks if p.environ().get("RANK", "0") == str(rank))
+
+
+def _record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def _complete(run_dir: Path) -> list[str]:
+    return [c.name for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c) is None]
+
+
+def test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75(tmp_path, tiny_model_dir):
+    """`docker stop`: SIGTERM to the container's PID 1, `finetune train` (as root: in a new PID
+    namespace, where PID 1 gets no signal it has no handler for; else a plain process). Before:
+    the wrapper died at once and the rank trained on alone, orphaned. Now: one console line, every
+    rank stops after its step with one complete checkpoint, exit 75, the record `interrupted`."""
+    run_dir = tmp_path / "run"
+    cmd = train_command(tiny_model_dir, run_dir, 4)
+    as_pid_1 = os.geteuid() == 0 and shutil.which("unshare")
+    if as_pid_1:
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", *cmd]
+    with Started(cmd, cwd=REPO, env={faults.ENV: "pause@rank0,step2"}, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged (rank 0 then holds step 2 open)")
+        rank = _rank(job, 0)
+        _wrapper(job).send_signal(signal.SIGTERM)
+        code = job.finish()
+        out = job.output
+        assert not rank.is_running() or rank.status() == "zombie", "the rank outlived the launch"
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    assert out.count("SIGTERM received") == 1 and "Traceback" not in out, out[-4000:]
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted", summary
+    assert "preempted by SIGTERM to finetune train" in summary["error"] and "at step 2" in summary["error"], summary
+    assert _complete(run_dir) == ["checkpoint-2"] and checkpoints.checkpoints(run_dir)[-1].name == "checkpoint-2"
+
+
+def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(tmp_path, tiny_model_dir):
+    """`finetune train ... 2>&1 | tee log` on two ranks, Ctrl-C: the terminal sends SIGINT to the
+    whole pipeline, so tee dies and the console is gone; Ctrl-C again while checkpoint-2 is being
+    written (held open by a fault), and SIGINT to rank 0 itself then too. Before: KeyboardInterrupt
+    in the wrapper, BrokenPipeError in the ranks, no checkpoint. Now: exit 75 through the pipe,
+    checkpoint-2 complete, the record `interrupted`; the second signals change nothing."""
+    run_dir, log = tmp_path / "run", tmp_path / "tee.log"
+    line = shlex.join(train_command(tiny_model_dir, run_dir, 4, ranks=2)) + f" 2>&1 | tee {log}"
+    script = f"trap : INT; {line}; exit ${{PIPESTATUS[0]}}"  # a shell that reports the wrapper's code
+    env = {**CPU_ENV, faults.ENV: "pause@rank0,step2;slow_save@rank0,step2"}
+    with Started(["bash", "-c", script], cwd=REPO, env=env, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
+        tee = next(p for p in job.processes() if p.name() == "tee")
+        rank0 = _rank(job, 0)
+        os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C: the foreground job, tee included
+        job.wait_until(lambda: not tee.is_running() or tee.status() == "zombie", "tee gone")
+        job.wait_until(lambda: (run_dir / "checkpoint-2" / "optimizer.pt").exists(), "checkpoint-2 being written")
+        os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C again, during the save
+        rank0.send_signal(signal.SIGINT)
+        code = job.finish()
+    assert code == EXIT_PREEMPTED, (log.read_text()[-3000:], job.output[-3000:])
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted" and "SIGINT to finetune train" in summary["error"], summary
+    assert _complete(run_dir) == ["checkpoint-2"], [c.name for c in checkpoints.checkpoints(run_dir)]
+    marker = checkpoints.read_marker(run_dir / "checkpoint-2")
+    assert marker["world_size"] == 2 and "optimizer.pt" in marker["files"], marker
+    assert "preempted:" not in log.read_text()  # the console was gone when the run ended
+
+
+def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable(tmp_path, tiny_model_dir):
+    """The terminal closed (SIGHUP to `finetune train`) while the model loads: before, SIGHUP killed
+    every process; now the ranks stop before training (nothing to save), exit 75, the record says
+    `interrupted` before training, and the same command may start again in the same directory."""
+    run_dir = tmp_path / "run"
+    cmd = train_command(tiny_model_dir, run_dir, 2)
+    with Started(cmd, cwd=REPO, env={faults.ENV: "slow_load@rank0,step1"}, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: _record(run_dir)["summary"]["status"] == "running", "run.json written")
+        _wrapper(job).send_signal(signal.SIGHUP)
+        code = job.finish()
+        out = job.output
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    assert out.count("SIGHUP received") == 1 and "Traceback" not in out, out[-4000:]
+    assert "nothing was trained; run the same command again" in out, out[-3000:]
+    rec = _record(run_dir)
+    assert rec["summary"]["status"] == "interrupted" and "before training" in rec["summary"]["error"], rec["summary"]
+    assert rec["steps"] == [] and checkpoints.checkpoints(run_dir) == []
+    assert "was interrupted before its first step" in rundir.reusable(run_dir)
+
+
+def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(
+    tmp_path, tiny_model_dir
+):
+    """Training is done, the evaluation after it is running (held open): SIGTERM to the rank only
+    (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of the final
+    step and exit 75 from `finetune train`, one line, the export already written; --resume trains
+    nothing more (Trainer alone would train one step past max_steps: steps would be 3), exports and
+    evaluates."""
+    run_dir = tmp_path / "run"
+    evaluate = ["--eval.exact_match=true", "--eval.before=false", "--data.demo_heldout_size=4", "--eval.samples=4"]
+    cmd = train_command(tiny_model_dir, run_dir, 2, *evaluate)
+    with Started(cmd, cwd=REPO, env={faults.ENV: "slow_eval@rank0,step2"}, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 2, "training done")
+        _rank(job, 0).send_signal(signal.SIGTERM)
+        code = job.finish()
+        out = job.output
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    assert out.count("SIGTERM received") == 1 and "Traceback" not in out, out[-4000:]
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted" and "SIGTERM on rank(s) [0]" in summary["error"], summary
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file()  # the export comes before the evaluation
+    assert _complete(run_dir) == ["checkpoint-2"]
+    args = cmd[cmd.index("train") + 1 : -1]
+    code, out, _ = cli_train([*args, "--resume"], run_dir=run_dir, env={})
+    assert code == 0, out[-4000:]
+    rec = _record(run_dir)
+    assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 2, rec["summary"]
+    assert [s["step"] for s in rec["steps"]] == [1, 2]
+    assert rec["eval"]["details"]["after"]["total"] == 4 and (run_dir / "model" / "adapter_model.safetensors").is_file()
