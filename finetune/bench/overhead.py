@@ -14,7 +14,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 
 def main(argv=None) -> int:
@@ -28,7 +27,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import Trainer, TrainerCallback
 
-    from finetune.config.sections import MethodConfig, ModelConfig
+    from finetune.config.sections import DataConfig, MethodConfig, ModelConfig
     from finetune.data import build, collate, demo
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.telemetry.record import RunRecord
@@ -50,19 +49,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(mcfg)
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     train_file, _ = demo.write_demo(work, args.batch * args.steps, 1)
-    dcfg = SimpleNamespace(
-        path=str(train_file),
-        format="auto",
-        split="train",
-        max_length=128,
-        eval_fraction=0.0,
-        train_on_prompt=False,
-        system_prompt=None,
-        chat_template=True,
-        packing=False,
-        on_bad_rows="error",
-        max_samples=None,
-    )
+    dcfg = DataConfig(path=str(train_file), max_length=128)
     dataset = build.build_datasets(dcfg, tokenizer, seed=0).train
     results = {"plain Trainer": [], "FinetuneTrainer": []}
     for r in range(args.rounds):

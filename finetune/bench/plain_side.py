@@ -18,6 +18,24 @@ def load_dtype(policy: precision.Policy, method: str) -> str:
     return policy.master_dtype if method == "full" else policy.frozen_dtype
 
 
+def baseline_args(spec: dict, cuda: bool, policy: precision.Policy) -> dict:
+    """The TrainingArguments every baseline side shares: the spec's workload, no saving or logging out."""
+    return dict(
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["batch"],
+        learning_rate=spec["learning_rate"],
+        gradient_checkpointing=spec["gradient_checkpointing"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec["seed"],
+        disable_tqdm=True,
+        use_cpu=not cuda,
+        **policy.training_args("torch"),
+    )
+
+
 def build_trainer(spec: dict, dataset, callbacks: list):
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -57,20 +75,7 @@ def build_trainer(spec: dict, dataset, callbacks: list):
             LoraConfig(**LORA, task_type="CAUSAL_LM"),
             autocast_adapter_dtype=policy.adapters_fp32,  # fp32 adapters under a mixed policy
         )
-    args = arguments.build(
-        output_dir=spec["output_dir"],
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        learning_rate=spec["learning_rate"],
-        gradient_checkpointing=spec["gradient_checkpointing"],
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=spec["seed"],
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        **policy.training_args("torch"),
-    )
+    args = arguments.build(**baseline_args(spec, cuda, policy))
     return Trainer(
         model=model,
         args=args,

@@ -14,7 +14,7 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
     from trl import SFTConfig, SFTTrainer
 
     from finetune import precision
-    from finetune.bench.plain_side import LORA, load_dtype
+    from finetune.bench.plain_side import LORA, baseline_args, load_dtype
 
     policy = precision.get(spec["precision"])
     cuda = torch.cuda.is_available()
@@ -41,21 +41,7 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
             if spec["layout"] == "packing"
             else {"padding_free": True, "max_length": None}
         )
-    args = SFTConfig(
-        output_dir=spec["output_dir"],
-        max_steps=spec["steps"],
-        per_device_train_batch_size=spec["batch"],
-        learning_rate=spec["learning_rate"],
-        gradient_checkpointing=spec["gradient_checkpointing"],
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=spec["seed"],
-        disable_tqdm=True,
-        use_cpu=not cuda,
-        **policy.training_args("torch"),
-        **layout,
-    )
+    args = SFTConfig(**baseline_args(spec, cuda, policy), **layout)
     return SFTTrainer(
         model=model,
         args=args,

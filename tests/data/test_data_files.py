@@ -18,32 +18,18 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from finetune.config.sections import DataConfig
 from finetune.data.build import build_datasets, check_head
 from finetune.data.read import DataError, read_rows
 
 ROWS = [{"instruction": "Add 2 and 3.", "output": "5"}, {"instruction": "Add 1 and 1.", "output": "2"}]
 
 
-def cfg(path, **overrides) -> SimpleNamespace:
-    values = dict(
-        path=str(path),
-        format="auto",
-        split="train",
-        max_length=256,
-        eval_fraction=0.0,
-        train_on_prompt=False,
-        system_prompt=None,
-        chat_template=True,
-        packing=False,
-        on_bad_rows="error",
-        max_samples=None,
-        max_empty_target_share=0.5,
-    )
-    return SimpleNamespace(**(values | overrides))
+def cfg(path, **overrides) -> DataConfig:
+    return DataConfig(**({"path": str(path), "max_length": 256} | overrides))
 
 
 def jsonl(rows) -> bytes:
