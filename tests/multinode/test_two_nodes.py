@@ -233,6 +233,7 @@ def _control_resume(jobs, source: Path, checkpoint: str, dst: Path, args: list[s
         f"--run.output_dir={run}",
         f"--resume={run / checkpoint}",
         "--training.ignore_data_skip=true",
+        "--allow-config-change",  # a resume refuses a changed setting unless asked (docs/faults.md)
         sbatch=[f"--nodes={nodes}"],
     )
     info = jobs.wait(job)

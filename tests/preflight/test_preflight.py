@@ -593,8 +593,10 @@ def test_accelerate_launch_of_zero3_on_cpu_answers_once_with_its_cpu_line():
     assert out.count("processes were launched on a machine without a CUDA GPU") == 1, out[-4000:]
     assert "--config_file accelerate_configs/cpu/zero3.yaml finetune/train.py --recipe zero3" in out
     assert "shm_comm" not in out and "built successfully" not in out  # stopped before DeepSpeed's op build
-    # rank 0 exits first, with 2; the waiting rank 1 is terminated by the launcher
+    # rank 0 exits first, with 2; rank 1 records the launcher's SIGTERM (a signal before training
+    # stops at the next phase boundary) and reaches the same refusal (2), or, still importing after
+    # torchrun's 30 s grace on a loaded machine, is killed (-15 before our handler exists, -9 after)
     root = out.split("Root Cause (first observed failure):")[-1]
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 2 ", root), out[-3000:]
-    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -15", out), out[-3000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: (2|-15|-9) ", out), out[-3000:]
     assert code == 1  # accelerate launch's own exit after torch elastic's ChildFailedError

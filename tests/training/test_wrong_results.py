@@ -146,7 +146,11 @@ def test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoin
         f.unlink()
     (run_dir / "model").rmdir()
     (run_dir / "model").write_text("a file where the export goes")
-    code, out, _ = cli_train([*args, "--training.max_steps=7", "--resume"], run_dir=run_dir, env={})
+    code, out, _ = cli_train(
+        [*args, "--training.max_steps=7", "--run.save_model=true", "--resume", "--allow-config-change"],
+        run_dir=run_dir,
+        env={},
+    )
     assert code == 1, out[-4000:]
     assert f"skipping checkpoint {run_dir / 'checkpoint-4'}: file optimizer.pt does not match" in out, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
