@@ -18,6 +18,24 @@ def load_dtype(policy: precision.Policy, method: str) -> str:
     return policy.master_dtype if method == "full" else policy.frozen_dtype
 
 
+def load_kwargs(spec: dict, policy: precision.Policy) -> dict:
+    """from_pretrained's arguments every baseline side shares: the policy's load dtype, 4-bit for QLoRA."""
+    from transformers import BitsAndBytesConfig
+
+    kwargs = {
+        "dtype": precision.torch_dtype(load_dtype(policy, spec["method"])),
+        "attn_implementation": spec["attn_implementation"],
+    }
+    if spec["method"] == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=precision.torch_dtype(policy.compute_dtype),
+        )
+    return kwargs
+
+
 def baseline_args(spec: dict, cuda: bool, policy: precision.Policy) -> dict:
     """The TrainingArguments every baseline side shares: the spec's workload, no saving or logging out."""
     return dict(
@@ -42,7 +60,6 @@ def build_trainer(spec: dict, dataset, callbacks: list):
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
-        BitsAndBytesConfig,
         DataCollatorForSeq2Seq,
         Trainer,
         set_seed,
@@ -55,18 +72,7 @@ def build_trainer(spec: dict, dataset, callbacks: list):
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     tokenizer.padding_side = "right"
     set_seed(spec["seed"])  # the LoRA initialisation the other sides draw
-    kwargs = {
-        "dtype": precision.torch_dtype(load_dtype(policy, spec["method"])),
-        "attn_implementation": spec["attn_implementation"],
-    }
-    if spec["method"] == "qlora":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=precision.torch_dtype(policy.compute_dtype),
-        )
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **load_kwargs(spec, policy))
     if spec["method"] == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"])
     if spec["method"] in ("lora", "qlora"):
