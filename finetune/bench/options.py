@@ -12,9 +12,9 @@ from finetune.config.sections import TrainingConfig
 
 DESCRIPTION = """The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) against
 three baselines on the same workload (plain transformers.Trainer, TRL's SFTTrainer as a plain script and
-tuned), alternating, in one invocation, every side under one precision policy: trained tokens/s, MFU,
-peak memory and the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides
-and the figures).
+tuned), interleaved over rounds in one invocation, every side under one precision policy: trained
+tokens/s, MFU, peak memory and the ratios ours / each baseline with their spread (docs/benchmarks.md:
+the workload, the shapes, the sides and the figures).
 
   finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
   finetune bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test"""
