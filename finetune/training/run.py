@@ -227,6 +227,8 @@ def prepare(
     name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
+    if state.is_main_process:
+        print(f"[finetune] run directory: {run_dir.absolute()}", flush=True)
     record = (
         RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
         if state.is_main_process

@@ -14,6 +14,7 @@ import yaml
 
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
+from finetune.launch import rundir
 from tests.conftest import REPO, run_process_group
 
 FIRST = ["--training.max_steps=20", "--eval.exact_match=false", "--training.logging_steps=5"]
@@ -25,6 +26,7 @@ def _started(tmp_path, extra=()) -> str:
     run_dir.mkdir(parents=True)
     cfg, _ = load_recipe("demo", [*FIRST, *extra, "--run.name=short", f"--run.output_dir={run_dir}"])
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (run_dir / rundir.MARKER).write_text("")  # made by finetune
     return f"--run.output_dir={run_dir}"
 
 

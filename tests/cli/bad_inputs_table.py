@@ -1188,6 +1188,7 @@ def base_args(ws: Path, model_dir: Path) -> list[str]:
 def make_workspace(ws: Path) -> None:
     """What the user already has: an earlier run with results, a recipe of their own, data."""
     _write(ws / "runs" / "keep" / "run.json", '{"summary": {"status": "completed", "train_loss": 1.23}}')
+    _write(ws / "runs" / "keep" / "config.yaml", "run:\n  name: keep\n")
     _write(ws / "runs" / "keep" / "model" / "adapter_model.safetensors", b"\x00weights\x01" * 100)
     _write(ws / "my_data.jsonl", _jsonl(GOOD_ROWS))
 
