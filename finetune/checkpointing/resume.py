@@ -35,16 +35,21 @@ def read_record(run_dir: Path) -> tuple[dict | None, str | None]:
     return record, None
 
 
-def finished(run_dir: Path) -> str | None:
-    """What `--resume` says of a run that completed, or None: a resume never changes a finished run
-    (it would rewrite model/ and append to run.json), so it changes nothing and exits 0."""
+def finished(run_dir: Path, resume: str = "auto") -> str | None:
+    """What `--resume` says of a run that completed, or None: a resume that would train nothing never
+    changes a finished run (it would rewrite model/ and append to run.json), so it changes nothing and
+    exits 0. An earlier checkpoint named explicitly (--resume=PATH) trains again from there."""
     record, _ = read_record(run_dir)
     summary = (record or {}).get("summary")
     if not isinstance(summary, dict) or summary.get("status") != "completed":
         return None
+    named = checkpoints.step_of(Path(resume)) if resume != "auto" else None
+    if named is not None and named < (summary.get("steps") or 0):
+        return None
     return (
         f"--resume: the run in {run_dir} completed (step {summary.get('steps')}); there is nothing to resume and "
-        f"nothing was changed. To train further, start a new run (another --run.name)"
+        f"nothing was changed. To train further, start a new run (another --run.name); to train it again from "
+        f"an earlier checkpoint, name that one: --resume={run_dir}/checkpoint-N"
     )
 
 

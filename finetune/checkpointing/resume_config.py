@@ -85,10 +85,11 @@ def saved_values(run_dir: Path) -> tuple[dict, Path]:
     return values, path
 
 
-def resolve(recipe: str, overrides: list[str], *, allow_change: bool) -> ResumedConfig:
+def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: str = "auto") -> ResumedConfig:
     """The configuration of `--resume` (module docstring); ConfigError (exit 2) for differences
-    that were not allowed, each with the saved and the given value."""
-    from finetune.checkpointing import resume
+    that were not allowed, each with the saved and the given value; NothingToDo (exit 0) for a
+    completed run that it would train no step of (resume: "auto" or the --resume=PATH given)."""
+    from finetune.checkpointing import resume as resuming
     from finetune.errors import NothingToDo
     from finetune.launch import rundir
 
@@ -98,7 +99,7 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool) -> Resumed
             f"--resume: {run_dir} is not a run directory finetune made (no {rundir.MARKER}, no run.json and "
             f"config.yaml); nothing was changed. Name the run to continue with --run.name / --run.output_dir"
         )
-    done = resume.finished(run_dir)
+    done = resuming.finished(run_dir, resume)
     if done:
         raise NothingToDo(done)
     values, path = saved_values(run_dir)

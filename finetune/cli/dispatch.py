@@ -198,7 +198,9 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
 
     config_file = args.config_file
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
-        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        resumed = resume_config.resolve(
+            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
+        )
         config_file = config_file or resumed.cfg.run.accelerate_config
     elif args.allow_config_change:
         raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")

@@ -80,7 +80,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
     if args.resume and resume_config:
-        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change).cfg
+        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume).cfg
     else:
         cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite

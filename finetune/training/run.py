@@ -106,7 +106,9 @@ def run_phases(argv: list[str] | None) -> int:
     if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
         from finetune.checkpointing import resume_config
 
-        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        resumed = resume_config.resolve(
+            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
+        )
         cfg = resumed.cfg
     else:
         if args.allow_config_change:

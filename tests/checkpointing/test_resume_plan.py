@@ -408,6 +408,20 @@ def test_the_preemption_command_says_another_gpu_count_is_fine(monkeypatch, tmp_
     assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in cmd, cmd
 
 
+def test_the_resume_command_quotes_what_the_user_typed(monkeypatch, tmp_path):
+    """A run directory or override with spaces, `#` or quotes: the printed command, pasted into a
+    shell, gives train.py the same arguments (it was joined with spaces: `#` started a comment)."""
+    import shlex
+
+    run_dir = tmp_path / "my runs #2" / "it's"
+    prompt = "--data.system_prompt=Answer: briefly #1"
+    monkeypatch.setattr("sys.argv", ["/x/finetune/train.py", "--recipe", "demo", prompt])
+    monkeypatch.setenv("FINETUNE_ACCELERATE_CONFIG", str(tmp_path / "a b.yaml"))
+    words = shlex.split(resume.resume_command(run_dir))
+    assert words[words.index("--config_file") + 1] == str(tmp_path / "a b.yaml")
+    assert words[-3:] == [prompt, f"--run.output_dir={run_dir.resolve()}", "--resume"]
+
+
 # --- facts written into the marker ---------------------------------------------------------------------
 
 
