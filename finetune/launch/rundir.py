@@ -60,9 +60,8 @@ def lock_to_resume(cfg) -> None:
 
 def _create(cfg, resumed: tuple[str, Path] | None) -> tuple[str, str]:
     if resumed is not None:
-        name, path = resumed
+        name, path = resumed  # a run directory already (resume_config checked it); a refused resume adds nothing
         run_lock.acquire(path)
-        _mark(path)
         return name, str(path)
     name = cfg.run.name or default_run_name(cfg.recipe)
     path = resolve_run_dir(name, cfg.run.output_dir)
@@ -90,7 +89,7 @@ def inputs(cfg) -> list[tuple[str, str]]:
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
 LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}
 ENDED = {"failed": "failed", "interrupted": "was interrupted", "running": "died"}
-MARKER = ".finetune-run"  # written into every run directory finetune makes or continues
+MARKER = ".finetune-run"  # written into every run directory finetune makes
 # What a run writes at the top of its directory; --overwrite removes these and nothing else. `runs`
 # is TensorBoard's (transformers: output_dir/runs/<date>_<host>), `wandb` W&B's (WANDB_DIR).
 OWNED = (

@@ -526,6 +526,20 @@ def test_universal_cache_counts_only_when_built_from_this_very_checkpoint(tmp_pa
     assert universal.current(ckpt) is None  # built from an older checkpoint-3: rebuilt on use
 
 
+def test_a_folder_in_the_universal_caches_place_that_finetune_did_not_build_is_not_deleted(tmp_path):
+    """The conversion replaced whatever stood at checkpoint-N.universal (shutil.rmtree), built or not."""
+    from finetune.checkpointing import universal
+
+    ckpt = _checkpoint(tmp_path, 3)
+    (ckpt / "latest").write_text("global_step3")
+    mine = tmp_path / "checkpoint-3.universal"
+    mine.mkdir()
+    (mine / "notes.md").write_text("mine")
+    with pytest.raises(UserError, match="is no universal checkpoint finetune built .* nothing was changed"):
+        universal.convert(ckpt)
+    assert [p.name for p in mine.iterdir()] == ["notes.md"]
+
+
 def test_deepspeed_offload_change_goes_through_the_universal_checkpoint_even_at_the_same_world_size():
     assert plan(written("zero2", world=2), launch("zero2", world=2, offload="optimizer")).reshard == "universal"
     assert plan(written("zero2", world=2), launch("zero2", world=2)).reshard == "none"
