@@ -30,7 +30,9 @@ def _finetune_train(args: list[str], cwd: Path) -> tuple[int, str]:
 
 
 def _hashes(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
 
 
 def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tiny_model_dir):
