@@ -38,13 +38,17 @@ def read_record(run_dir: Path) -> tuple[dict | None, str | None]:
 def finished(run_dir: Path, resume: str = "auto") -> str | None:
     """What `--resume` says of a run that completed, or None: a resume that would train nothing never
     changes a finished run (it would rewrite model/ and append to run.json), so it changes nothing and
-    exits 0. An earlier checkpoint named explicitly (--resume=PATH) trains again from there."""
+    exits 0. From an earlier checkpoint (named with --resume=PATH, or the newest complete one when the
+    last is torn) it trains again from there."""
     record, _ = read_record(run_dir)
     summary = (record or {}).get("summary")
     if not isinstance(summary, dict) or summary.get("status") != "completed":
         return None
-    named = checkpoints.step_of(Path(resume)) if resume != "auto" else None
-    if named is not None and named < (summary.get("steps") or 0):
+    step = checkpoints.step_of(Path(resume)) if resume != "auto" else None
+    if step is None:  # the newest complete one, as --resume picks it (sizes only: this reads no data)
+        whole = [c for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c, verify=False) is None]
+        step = checkpoints.step_of(whole[-1]) if whole else None
+    if step is not None and step < (summary.get("steps") or 0):
         return None
     return (
         f"--resume: the run in {run_dir} completed (step {summary.get('steps')}); there is nothing to resume and "

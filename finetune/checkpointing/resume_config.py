@@ -88,7 +88,7 @@ def saved_values(run_dir: Path) -> tuple[dict, Path]:
 def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: str = "auto") -> ResumedConfig:
     """The configuration of `--resume` (module docstring); ConfigError (exit 2) for differences
     that were not allowed, each with the saved and the given value; NothingToDo (exit 0) for a
-    completed run that it would train no step of (resume: "auto" or the --resume=PATH given)."""
+    completed run that it would train no step of, unchanged (resume: "auto" or the --resume=PATH given)."""
     from finetune.checkpointing import resume as resuming
     from finetune.errors import NothingToDo
     from finetune.launch import rundir
@@ -99,9 +99,6 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: st
             f"--resume: {run_dir} is not a run directory finetune made (no {rundir.MARKER}, no run.json and "
             f"config.yaml); nothing was changed. Name the run to continue with --run.name / --run.output_dir"
         )
-    done = resuming.finished(run_dir, resume)
-    if done:
-        raise NothingToDo(done)
     values, path = saved_values(run_dir)
     values.setdefault("run", {})["overwrite"] = False  # a start's --overwrite is not the resume's
     name = values.pop("recipe", None) or Path(recipe).stem
@@ -124,6 +121,9 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: st
             ],
             f"--resume {run_dir}",
         )
+    done = None if changes else resuming.finished(run_dir, resume)  # a change (more steps, say) trains again
+    if done:
+        raise NothingToDo(done)
     cfg = build_config(merge(values, given), recipe=name, source=f"{source} + command-line overrides")
     drift = []
     try:
