@@ -94,7 +94,7 @@ MARKER = ".finetune-run"  # written into every run directory finetune makes
 # is TensorBoard's (transformers: output_dir/runs/<date>_<host>), `wandb` W&B's (WANDB_DIR).
 OWNED = (
     "run.json",
-    "run.*.json",  # run.before-resume<n>.json, run.damaged-<n>.json
+    "run.*.json",  # run.before-resume<n>.json, run.damaged<n>.json
     ".run.json.*",  # an interrupted atomic write (finetune/telemetry/record.py)
     "config.yaml",
     "config.resume*.yaml",
@@ -176,7 +176,7 @@ def problem(
         names = sorted(p.name + ("/" if p.is_dir() else "") for p in held)
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         return (
-            f"run directory {path} ({path.absolute()}) already exists and is not one finetune made (no {MARKER}, "
+            f"run directory {path} ({path.resolve()}) already exists and is not one finetune made (no {MARKER}, "
             f"no run.json and config.yaml): it holds {shown}; nothing was changed, and --overwrite would not "
             f"empty it. A run needs a folder of its own: give --run.name=NAME (runs/NAME) or "
             f"--run.output_dir=<a new or empty folder>"
