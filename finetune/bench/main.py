@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import precision, resources
+from finetune import precision, resources, storage
 from finetune.bench import report as bench_report
 from finetune.bench.options import BASELINES, SHAPES, parse_args
 from finetune.errors import UserError
@@ -88,8 +88,7 @@ def run(args) -> int:
     from finetune.modeling.load import load_tokenizer
     from finetune.training import speed
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.own_directory(Path(args.out).resolve(), "finetune bench", "report.*, data.jsonl, models/, runs/")
     cuda = torch.cuda.is_available()
     tokenizer = load_tokenizer(ModelConfig(name_or_path=args.tokenizer) if args.tokenizer else ModelConfig())
     model_dir = build_model_dir(args.shape, tokenizer, out / "models", cuda=cuda)
