@@ -13,8 +13,8 @@ from tests.conftest import REPO
 
 MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # Who may import whom: a module may import from its own subpackage and from any lower layer.
-# The CLI wires everything; nothing imports it (or the launch script finetune/train.py), except
-# its options, cli/options.py, which the launch script's run and preflight read too.
+# The CLI wires everything; nothing imports it (or the launch script finetune/train.py). The flag
+# style and options every entry point shares live in config/command_line.py.
 LAYERS = [
     {"finetune.errors", "finetune.noise"},
     {
@@ -23,7 +23,6 @@ LAYERS = [
         "finetune.resources",
         "finetune.batch",
         "finetune.mesh",
-        "finetune.cli.options",
     },
     {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
     {"finetune.precision"},  # the policy table: reads the strategy table
@@ -168,6 +167,23 @@ def test_dependencies_point_one_way():
     assert layering_problems(g) == []
     g["finetune.preflight.checks"]["finetune.cli.dispatch"] = []  # control: an edge back toward the CLI
     assert layering_problems(g) == ["finetune.preflight.checks imports finetune.cli.dispatch, which is not below it"]
+
+
+def cli_importers(g: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Modules outside finetune/cli that import from it (the launch script and the package's __init__ too)."""
+    return sorted(
+        f"{src} imports {dst}"
+        for src, targets in g.items()
+        for dst in targets
+        if subpackage(dst) == "finetune.cli" and subpackage(src) != "finetune.cli"
+    )
+
+
+def test_nothing_outside_the_cli_imports_it():
+    g = graph()
+    assert cli_importers(g) == []
+    g["finetune.train"]["finetune.cli.compare"] = []  # control: the launch script is not exempt here
+    assert cli_importers(g) == ["finetune.train imports finetune.cli.compare"]
 
 
 def test_no_private_name_used_across_modules():

@@ -7,7 +7,7 @@ import argparse
 import typing
 
 from finetune import precision
-from finetune.cli.options import Parser
+from finetune.config.command_line import Parser
 from finetune.config.sections import TrainingConfig
 
 DESCRIPTION = """The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) against

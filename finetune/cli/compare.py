@@ -7,7 +7,7 @@ import shlex
 from datetime import datetime
 from pathlib import Path
 
-from finetune.cli import options
+from finetune.config import command_line
 from finetune.errors import UserError
 
 COMPARE_HELP = "compare run records side by side against the single-device QLoRA baseline"
@@ -33,7 +33,7 @@ def add_sweep_parser(sub) -> None:
         "Every row gets a scaling efficiency: a multi-process strategy whose method has no single-device run "
         "among the strategies gets one (`single`, or `qlora_baseline` for QLoRA) added and run first.",
     )
-    options.add_recipe(p, "the recipe every strategy runs (model, data, hyperparameters)")
+    command_line.add_recipe(p, "the recipe every strategy runs (model, data, hyperparameters)")
     p.add_argument(
         "--strategies",
         required=True,

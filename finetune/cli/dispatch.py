@@ -1,4 +1,4 @@
-"""The `finetune` command: one parser for every subcommand (flag style: finetune/cli/options.py),
+"""The `finetune` command: one parser for every subcommand (flag style: finetune/config/command_line.py),
 then each subcommand's work. Parsing, and refusing a bad flag, imports no torch; the work does.
 
 finetune train --recipe demo [--config-file F] [--num-processes N] [--section.key=value ...]
@@ -20,7 +20,7 @@ import shlex
 import sys
 
 from finetune import __version__, resources
-from finetune.cli import options
+from finetune.config import command_line
 from finetune.errors import ConfigError, exit_on_user_error
 from finetune.launch import accelerate as launcher
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     from finetune.doctor import options as doctor_options
     from finetune.planning import bench_comm
 
-    parser = options.Parser(prog="finetune", description=DESCRIPTION)
+    parser = command_line.Parser(prog="finetune", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"finetune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser(
@@ -43,9 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a recipe: runs finetune/train.py through accelerate launch",
         description="Train a recipe: runs finetune/train.py through `accelerate launch` with the recipe's "
         "accelerate config (run.accelerate_config) unless --config-file names another.",
-        epilog=options.TRAIN_EPILOG,
+        epilog=command_line.TRAIN_EPILOG,
     )
-    options.add_recipe(train)
+    command_line.add_recipe(train)
     train.add_argument("--config-file", help="accelerate config (default: the recipe's run.accelerate_config)")
     train.add_argument("--num-processes", type=int, help="override the accelerate config's process count")
     train.add_argument(
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rehearse on CPU: the accelerate_configs/cpu/ variant of the config, 2 processes over gloo",
     )
-    options.add_run_options(train)
+    command_line.add_run_options(train)
     sub.add_parser(
         "prepare-model",
         help="fetch and convert the bundled default model (once)",
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full "
         "--training.per_device_train_batch_size=8 --data.max_length=2048",
     )
-    options.add_recipe(plan)
+    command_line.add_recipe(plan)
     plan.add_argument(
         "--model",
         help="a local dir or config.json, a hub id whose config is cached, or a shipped model config by name ("

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 
 from finetune import precision, storage
-from finetune.cli import options
+from finetune.config import command_line
 from finetune.doctor import agreement, devices, environment, lines, links, report, runs
 from finetune.doctor import options as doctor_options
 from finetune.errors import UserError
 
 
 def parser() -> argparse.ArgumentParser:
-    p = options.Parser(prog="finetune doctor", description=doctor_options.DESCRIPTION)
+    p = command_line.Parser(prog="finetune doctor", description=doctor_options.DESCRIPTION)
     doctor_options.add_arguments(p)
     return p
 

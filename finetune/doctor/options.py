@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from finetune import precision
-from finetune.cli import options
+from finetune.config import command_line
 from finetune.doctor import runs
 
 DESCRIPTION = (
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="runs/doctor",
         help="where doctor.json, doctor.html, the runs and logs go (default runs/doctor)",
     )
-    options.add_recipe(
+    command_line.add_recipe(
         p,
         "also check that the accelerate default config does not refuse this recipe (a name in recipes/ or a YAML path)",
         required=False,

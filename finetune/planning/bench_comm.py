@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from finetune.cli.options import Parser
+    from finetune.config.command_line import Parser
 
     p = Parser(prog="python -m finetune.planning.bench_comm", description=DESCRIPTION)
     add_arguments(p)

@@ -73,7 +73,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
-    from finetune.cli.options import parse_train_args
+    from finetune.config.command_line import parse_train_args
     from finetune.config.recipe import load_recipe
     from finetune.launch.configs import LaunchFacts, from_config_file
 

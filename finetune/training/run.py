@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.cli import options
+from finetune.config import command_line
 from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def run_phases(argv: list[str] | None) -> int:
     from finetune.training import endings, signals
     from finetune.training.collapse import Diverged
 
-    args, overrides = options.parse_train_args(argv)
+    args, overrides = command_line.parse_train_args(argv)
     resumed = None
     if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
         from finetune.checkpointing import resume_config

@@ -137,7 +137,7 @@ def test_an_override_holding_a_space_after_a_bare_resume_stays_an_override():
     """argparse took `--run.name=my run` (an argument with a space) for --resume's PATH, so the run to
     resume had no name; `finetune train` puts --resume before the overrides when it launches."""
     from finetune.cli import dispatch
-    from finetune.cli.options import parse_train_args
+    from finetune.config.command_line import parse_train_args
 
     for parse in (lambda a: parse_train_args(a), lambda a: dispatch.parse(["train", *a])):
         args, rest = parse(["--recipe", "demo", "--resume", "--run.name=my run #2"])

@@ -340,7 +340,7 @@ def test_a_signal_relayed_by_finetune_train_is_recorded_silently(tmp_path, monke
 
 
 def test_finetune_train_passes_resume_through_to_train_py():
-    from finetune.cli.options import parse_train_args
+    from finetune.config.command_line import parse_train_args
     from finetune.launch.accelerate import launch_command
 
     auto = launch_command("ddp", ["--training.max_steps=3"], None, None, resume="auto")

@@ -77,7 +77,7 @@ class Parser(argparse.ArgumentParser):
 
     def add_argument(self, *names, **kwargs):
         if any(n.startswith("--") and "_" in n[2:] for n in names):
-            raise ValueError(f"{names}: declare flags with hyphens; the underscore spelling is added (cli/options.py)")
+            raise ValueError(f"{names}: declare flags with hyphens; the underscore spelling is added")
         aliases = [a for a in map(_alias, names) if a]
         self.long_flags += [n for n in names if n.startswith("--")]
         return super().add_argument(*names, *aliases, **kwargs)
