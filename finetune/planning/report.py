@@ -8,12 +8,11 @@ from pathlib import Path
 
 from finetune import precision
 from finetune.errors import UserError
-from finetune.planning import timing
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
 from finetune.planning.prediction import NOT_MODELLED, constants, plan_rows, workload_from_config
-from finetune.planning.shapes import Workload, shape_of
+from finetune.planning.shapes import Shape, Workload, shape_of
 from finetune.strategies import SPEED_ORDER, by_key
 from finetune.units import GIB, gib, parse_size
 
@@ -98,7 +97,7 @@ def build_plan(
     overrides: list[str] = (),
 ) -> dict:
     shape = shape_of(model_config)
-    # A plan is for GPUs: `auto` is taken as bf16-mixed (a GPU with bf16), as issue 12 resolves it there.
+    # A plan is for GPUs: `auto` is taken as bf16-mixed, as a GPU with bf16 resolves it.
     policy = precision.resolve(cfg.training.precision, True, True)
     w = workload_from_config(cfg, precision=policy.name)
     n = gpus * nodes
@@ -109,7 +108,7 @@ def build_plan(
             f"{n} GPU(s) planned (--gpus x --nodes); plan a multiple of {shards} GPUs or change the sizes"
         )
     if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
-        bandwidth = {**bandwidth, "h2d_gbs": timing.H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
+        bandwidth = {**bandwidth, "h2d_gbs": H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
     rows = []
     for row in plan_rows(shape, w, n):
         method_w = Workload(**{**w.__dict__, "method": row["method"]})
@@ -147,7 +146,7 @@ def build_plan(
                     "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
                     **times,
                 },
-                "step_time": timing.step_seconds(shape, method_w, times),
+                "step_time": step_seconds(shape, method_w, times),
             }
         )
     p = shape.params
@@ -164,7 +163,7 @@ def build_plan(
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
         "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
-        "constants": {**constants(), **timing.constants()},
+        "constants": {**constants(), **step_time_constants()},
         "not_modelled": [*NOT_MODELLED, "the host's optimizer step of offloaded optimizers (in the step time)"],
     }
     return {
@@ -262,7 +261,7 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
 
 def _least_step_time(first: dict, fitting: list[dict]) -> dict:
     """The speed order's choice, unless its communication takes longer than its compute at the given
-    bandwidth (finetune/planning/timing.py): then the fitting row with the least estimated step time."""
+    bandwidth (step_seconds): then the fitting row with the least estimated step time."""
     if not first.get("step_time") or not first["step_time"]["communication_dominates"]:
         return first
     timed = [r for r in fitting if r.get("step_time")]
@@ -311,3 +310,67 @@ def run(args, overrides: list[str]) -> int:
         raise UserError(f"--model {name}: {e}") from None
     print(json.dumps(plan, indent=2) if args.json else render(plan))
     return 0
+
+
+# Time per optimizer step, for the recommendation when a bandwidth is known: compute at an assumed
+# fraction of an assumed GPU's peak, plus the communication at the bus bandwidth and the host<->device
+# copies (finetune/planning/comm.py), with no overlap. Strategies are tried fastest first (SPEED_ORDER),
+# which assumes the communication hides behind the compute; where it takes longer than the compute,
+# the strategy with the least estimated time wins instead (docs/planning.md "Recommendation").
+
+# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100
+# SXM's dense bf16 peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py
+# PEAK_DENSE_FLOPS has the same row).
+PEAK_FLOPS = 989.4e12
+# ASSUMED: the model FLOPs utilisation of a tuned fine-tuning step (the target of docs/benchmarks.md;
+# not measured here). Only decides whether communication dominates; a lower MFU makes that rarer.
+MFU = 0.40
+# ASSUMED: host<->device copy bandwidth when --bandwidth is a number (PCIe 4.0 x16 carries about
+# 25 GB/s of pinned copies); `finetune bench-comm --out` measures it on a GPU machine.
+H2D_GBS = 25.0
+
+
+def flops_per_step(shape: Shape, w: Workload) -> float:
+    """Model FLOPs of one optimizer step on one device, as the runs count MFU
+    (finetune/telemetry/model_flops.py): 6N per token for full fine-tuning, 4N with a frozen base
+    (LoRA, QLoRA: no weight gradients), N the matmul weights (the blocks' linears and the head), plus
+    PaLM's 12·L·Q·T attention term; every row taken at its full length (an upper bound)."""
+    matmul = shape.block_linear_params + shape.vocab * shape.hidden
+    per_token = (6 if w.method == "full" else 4) * matmul + 12 * shape.layers * shape.q * w.seq_len
+    return per_token * w.micro_batch * w.seq_len * w.grad_accum
+
+
+def step_seconds(shape: Shape, w: Workload, comm_times: dict) -> dict | None:
+    """{compute_s, communication_s, total_s, communication_dominates} of one row, or None when the
+    communication time is unknown (no bandwidth given)."""
+    coll, h2d = comm_times.get("collectives_s"), comm_times.get("host_device_s")
+    if coll is None or h2d is None:
+        return None
+    compute = flops_per_step(shape, w) / (PEAK_FLOPS * MFU)
+    moving = coll + h2d
+    return {
+        "compute_s": compute,
+        "communication_s": moving,
+        "total_s": compute + moving,
+        "communication_dominates": moving > compute,
+    }
+
+
+def step_time_constants() -> dict:
+    return {
+        "step_time_peak_flops": {
+            "value": PEAK_FLOPS,
+            "kind": "assumed",
+            "source": "H100 SXM dense bf16 (whitepaper), the GPU of compute capability 9.x the plan assumes",
+        },
+        "step_time_mfu": {
+            "value": MFU,
+            "kind": "assumed",
+            "source": "a tuned fine-tuning step (docs/benchmarks.md's target); not measured",
+        },
+        "h2d_gbs_when_not_measured": {
+            "value": H2D_GBS,
+            "kind": "assumed",
+            "source": "PCIe 4.0 x16 pinned copies; `finetune bench-comm --out FILE` measures it",
+        },
+    }

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.errors import UserError
-from finetune.planning import comm, memory, params, prediction, report, shapes
+from finetune.planning import comm, memory, prediction, report, shapes
 from tests.conftest import REPO, launch_train
 
 GIB = 2**30
@@ -57,7 +57,7 @@ def test_zero2_states_at_the_step_are_deepspeeds_estimate_and_the_papers(n):
     shape = shapes.shape_of(tiny_llama_config())
     psi = shape.params.total
     persistent, step = states_at_step(shape, workload(precision="bf16-mixed"), "zero2", n)
-    assert persistent + step["grads_in_partition"] == pytest.approx(params.zero_model_states_bytes(psi, n, 2))
+    assert persistent + step["grads_in_partition"] == pytest.approx(shapes.zero_model_states_bytes(psi, n, 2))
     _, ds = estimate_zero2_model_states_mem_needs(psi, n, 1, cpu_offload=False)
     assert persistent + step["grads_in_partition"] + step["fp32_grad_partition"] == pytest.approx(ds, abs=1)
 
@@ -68,7 +68,7 @@ def test_zero3_persistent_states_are_the_papers(n):
     partition DeepSpeed allocates at init (grad_partitions_flat_buffer) = (2 + 2 + 12)Ψ/N."""
     shape = shapes.shape_of(tiny_llama_config())
     persistent, _ = states_at_step(shape, workload(precision="bf16-mixed"), "zero3", n)
-    assert persistent == pytest.approx(params.zero_model_states_bytes(shape.params.total, n, 3))
+    assert persistent == pytest.approx(shapes.zero_model_states_bytes(shape.params.total, n, 3))
 
 
 def test_torch_native_strategies_follow_the_policy():
@@ -473,7 +473,7 @@ def test_the_planners_flops_per_step_are_the_live_models(tiny_model_dir):
     from the live model's modules (finetune/telemetry/model_flops.py), full and LoRA."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.planning import timing
+    from finetune.planning import report
     from finetune.planning.shapes import Workload, shape_of
     from finetune.telemetry import model_flops
 
@@ -483,4 +483,4 @@ def test_the_planners_flops_per_step_are_the_live_models(tiny_model_dir):
         live, _ = model_flops.from_model(model, method)
         w = Workload(method=method, micro_batch=3, seq_len=64, grad_accum=2)
         rows = w.micro_batch * w.grad_accum
-        assert timing.flops_per_step(shape, w) == live.flops(rows * 64, rows * 64**2)
+        assert report.flops_per_step(shape, w) == live.flops(rows * 64, rows * 64**2)

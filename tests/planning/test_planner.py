@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.planning import params
+from finetune.planning import shapes
 
 
 @pytest.mark.parametrize("stage, paper_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_figure_1_for_7_5b_on_64_devices(stage, paper_gb):
     # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64, K = 12; the paper's GB are 1e9 bytes.
-    assert params.zero_model_states_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(paper_gb, abs=0.05)
+    assert shapes.zero_model_states_bytes(7_500_000_000, 64, stage) / 1e9 == pytest.approx(paper_gb, abs=0.05)
 
 
 @pytest.mark.parametrize("n", [1, 2, 8, 1024])
 def test_zero_formulas_at_other_degrees(n):
     psi = 7_500_000_000
-    assert params.zero_model_states_bytes(psi, n, 0) == 16 * psi
-    assert params.zero_model_states_bytes(psi, n, 1) == pytest.approx(4 * psi + 12 * psi / n)
-    assert params.zero_model_states_bytes(psi, n, 2) == pytest.approx(2 * psi + 14 * psi / n)
-    assert params.zero_model_states_bytes(psi, n, 3) == pytest.approx(16 * psi / n)
+    assert shapes.zero_model_states_bytes(psi, n, 0) == 16 * psi
+    assert shapes.zero_model_states_bytes(psi, n, 1) == pytest.approx(4 * psi + 12 * psi / n)
+    assert shapes.zero_model_states_bytes(psi, n, 2) == pytest.approx(2 * psi + 14 * psi / n)
+    assert shapes.zero_model_states_bytes(psi, n, 3) == pytest.approx(16 * psi / n)
 
 
 @pytest.mark.parametrize("psi", [135_000_000, 1_000_000_000, 8_000_000_000])
@@ -33,10 +33,10 @@ def test_deepspeed_estimators_reproduced(psi, gpus_per_node, nodes):
     n = gpus_per_node * nodes
     largest = psi // 50
     _, ds2 = estimate_zero2_model_states_mem_needs(psi, gpus_per_node, nodes, cpu_offload=False)
-    assert int(params.zero_model_states_bytes(psi, n, 2, fp32_grads=True)) == pytest.approx(ds2, abs=1)
+    assert int(shapes.zero_model_states_bytes(psi, n, 2, fp32_grads=True)) == pytest.approx(ds2, abs=1)
     _, ds3, ds_largest = estimate_zero3_model_states_mem_needs(psi, largest, gpus_per_node, nodes, cpu_offload=False)
     assert ds_largest == 4 * largest
-    assert int(params.zero_model_states_bytes(psi, n, 3, fp32_grads=True)) + 4 * largest == pytest.approx(ds3, abs=1)
+    assert int(shapes.zero_model_states_bytes(psi, n, 3, fp32_grads=True)) + 4 * largest == pytest.approx(ds3, abs=1)
 
 
 def _llama(tie):
@@ -85,7 +85,7 @@ def test_parameter_count_from_config_equals_the_instantiated_model(build, tie):
     torch.manual_seed(0)
     model = build(tie)
     unique = {p.data_ptr(): p.numel() for p in model.parameters()}  # tied weights counted once
-    count = params.count_parameters(model.config)
+    count = shapes.count_parameters(model.config)
     assert count.total == sum(unique.values())
     assert (count.lm_head == 0) == tie
 
@@ -94,4 +94,4 @@ def test_unknown_architecture_is_refused_not_guessed():
     from transformers import BertConfig
 
     with pytest.raises(ValueError, match="model_type 'bert'"):
-        params.count_parameters(BertConfig())
+        shapes.count_parameters(BertConfig())

@@ -1,5 +1,5 @@
-"""DeepSpeed's buffers as the planner counts them (finetune/planning/memory.py states,
-zero_buffers.py) against a live DeepSpeed 0.19.8 engine built in this process (CPU accelerator,
+"""DeepSpeed's buffers as the planner counts them (finetune/planning/memory.py states
+and its DeepSpeed buffer sizes) against a live DeepSpeed 0.19.8 engine built in this process (CPU accelerator,
 gloo, world size 1) from the shipped ds_configs with the "auto" values HF Trainer fills in
 (transformers' own HfTrainerDeepSpeedConfig, called here): the module's partition, the separate
 master, ZeRO-3's gradient partition buffer and ipg bucket, ZeRO-2's gradient accumulation dtype,
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from finetune.planning import memory, regimes, zero_buffers
+from finetune.planning import memory, regimes
 from finetune.planning.shapes import Workload, shape_of
 from finetune.resources import DS_CONFIGS
 
@@ -51,7 +51,7 @@ def test_the_auto_fill_is_trainers(stage):
     cfg = tiny()
     shipped = json.loads((DS_CONFIGS / f"{stage}.json").read_text())
     filled = trainer_filled(stage, True, LlamaForCausalLM(cfg))["zero_optimization"]
-    ours = zero_buffers.fill_auto(shipped["zero_optimization"], cfg.hidden_size)
+    ours = memory.fill_auto(shipped["zero_optimization"], cfg.hidden_size)
     assert {
         k: float(ours[k]) for k in filled if isinstance(filled[k], (int, float)) and not isinstance(filled[k], bool)
     } == {k: float(v) for k, v in filled.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -132,7 +132,7 @@ def test_the_planners_deepspeed_states_are_the_engines(process_group, stage, bf1
         if policy == "legacy"  # bf16 module, DeepSpeed in fp32 mode
         else regimes.policy_regime(policy, "full", stage)
     )
-    z = zero_buffers.zero_values(stage, shape)
+    z = memory.zero_values(stage, shape)
     dev, _ = memory.states(shape, w, p, stage, 1, z)
     live = engine_buffers(stage, bf16, torch.float32 if policy == "32-true" else torch.bfloat16)
     assert live["separate_master"]
@@ -195,7 +195,7 @@ def test_zero2s_reduce_bucket_on_cpu_commits_only_the_pages_gradients_are_copied
     assert untouched < 2**26 * 4 / 8 < 2**26 * 4 * 0.9 < _rss() - start
     shape = shape_of(tiny())
     p = regimes.policy_regime("32-true", "full", "zero2")
-    z = zero_buffers.zero_values("zero2", shape, config)
+    z = memory.zero_values("zero2", shape, config)
     w = Workload(method="full", micro_batch=2, seq_len=32)
     cpu = memory.phases(shape, w, p, "zero2", 1, z, cpu=True)["last_block_backward"]["ipg_bucket"]
     gpu = memory.phases(shape, w, p, "zero2", 1, z, cpu=False)["last_block_backward"]["ipg_bucket"]
@@ -272,7 +272,7 @@ def test_the_planners_offloaded_states_are_what_the_engine_holds(process_group, 
     shape = shape_of(tiny())
     w = Workload(method="full", micro_batch=2, seq_len=32)
     p = regimes.policy_regime("bf16-mixed", "full", strategy)
-    dev, host = memory.states(shape, w, p, strategy, 1, zero_buffers.zero_values(strategy, shape, config))
+    dev, host = memory.states(shape, w, p, strategy, 1, memory.zero_values(strategy, shape, config))
     held = held_storages(engine)
     for buffer in engine.module.buffers():  # rotary inv_freq: not a state
         held.pop(buffer.untyped_storage().data_ptr(), None)
