@@ -32,7 +32,7 @@ TAKES_OVERRIDES = ("train", "plan", "sweep")
 def build_parser() -> argparse.ArgumentParser:
     from finetune.bench import options as bench_options
     from finetune.cli import compare
-    from finetune.doctor import options as doctor_options
+    from finetune.doctor import main as doctor_main
     from finetune.planning import bench_comm
 
     parser = command_line.Parser(prog="finetune", description=DESCRIPTION)
@@ -102,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser(
         "doctor",
         help="check this machine: environment, GPU links, every strategy engaged and agreeing",
-        description=doctor_options.DESCRIPTION,
+        description=doctor_main.DESCRIPTION,
     )
-    doctor_options.add_arguments(doctor)
+    doctor_main.add_arguments(doctor)
     parser.commands = sub.choices  # name -> its parser
     return parser
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import time
@@ -11,14 +12,57 @@ from pathlib import Path
 
 from finetune import precision, storage
 from finetune.config import command_line
-from finetune.doctor import agreement, devices, environment, lines, links, report, runs
-from finetune.doctor import options as doctor_options
+from finetune.doctor import agreement, devices, environment, lines, report, runs
 from finetune.errors import UserError
+from finetune.planning.bench_comm import DEFAULT_SIZES
+
+DESCRIPTION = (
+    "Check this machine: environment, links between GPUs, and a short run under every strategy it can run, "
+    "agreeing with one process. Exit 0: no problem; 1: a problem, each named with its fix; 2: a bad option."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the environment only (seconds)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="also the offload strategies; builds DeepSpeed's CPU Adam (~60 s the first time)",
+    )
+    p.add_argument("--build-cpu-adam", action="store_true", help="build DeepSpeed's CPU Adam even without --offload")
+    p.add_argument(
+        "--out",
+        default="runs/doctor",
+        help="where doctor.json, doctor.html, the runs and logs go (default runs/doctor)",
+    )
+    command_line.add_recipe(
+        p,
+        "also check that the accelerate default config does not refuse this recipe (a name in recipes/ or a YAML path)",
+        required=False,
+    )
+    p.add_argument(
+        "--strategies",
+        help=f"comma-separated subset of {','.join(runs.names(True))} (single, the reference, always runs)",
+    )
+    p.add_argument(
+        "--precision",
+        default="auto",
+        choices=precision.CHOICES,
+        help="training.precision of the runs (default auto: bf16-mixed on GPUs with bf16, 32-true on CPU)",
+    )
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="STRATEGY:section.key=value",
+        help="for testing the doctor: one recipe override for one strategy's run only (e.g. "
+        "zero2:training.learning_rate=2e-3, which the loss comparison must catch)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
-    p = command_line.Parser(prog="finetune doctor", description=doctor_options.DESCRIPTION)
-    doctor_options.add_arguments(p)
+    p = command_line.Parser(prog="finetune doctor", description=DESCRIPTION)
+    add_arguments(p)
     return p
 
 
@@ -186,7 +230,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     links_report, strategies = None, None
     if not args.quick:
         t = time.monotonic()
-        link_lines, links_report = links.check(dev, out)
+        link_lines, links_report = check_links(dev, out)
         all_lines += link_lines
         seconds["links"] = time.monotonic() - t
         t = time.monotonic()
@@ -207,3 +251,90 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     paths = report.write(result, all_lines, out)
     print(f"wrote {paths['json']} and {paths['html']}", flush=True)
     return 0 if result["ok"] else 1
+
+
+# ---- The links section: `finetune bench-comm` over this machine's processes (NCCL over the GPUs,
+# or gloo over 2 CPU processes), each op's bus bandwidth beside the link's expected figure
+# (devices.py). The figures are shown, not judged: what fraction of NCCL's link figure a collective
+# reaches at these sizes has not been measured on a GPU for this project, so no threshold is
+# derived. A launch that fails, or collectives that return wrong values (bench-comm checks them),
+# are problems.
+LINKS = "links"
+LINKS_TIMEOUT_S = 300
+
+
+def links_command(dev: devices.Devices, out: Path) -> list[str] | str:
+    """The bench-comm command for this machine, or why there is none."""
+    if dev.world_size < 2:
+        return f"{dev.world_size} GPU: collectives need 2 or more"
+    cpu = [] if dev.cuda_available else ["--cpu"]
+    return runs.finetune_command(
+        "bench-comm", *cpu, "--num_processes", str(dev.world_size), "--sizes", *DEFAULT_SIZES, "--out", str(out)
+    )
+
+
+def check_links(dev: devices.Devices, out_dir: Path) -> tuple[list[lines.Line], dict | None]:
+    """(lines, the bench-comm report) after running it."""
+    result_file = out_dir / "comm.json"
+    cmd = links_command(dev, result_file)
+    if isinstance(cmd, str):
+        return [lines.skipped(LINKS, "collectives", cmd)], None
+    result_file.unlink(missing_ok=True)
+    print(f"[doctor] links: {runs.shown(cmd)}", flush=True)
+    done = runs.run_command(cmd, out_dir / "logs" / "bench-comm.log", LINKS_TIMEOUT_S)
+    if done.returncode != 0 or not result_file.is_file():
+        return [
+            lines.problem(
+                LINKS,
+                "collectives",
+                f"`{done.shown()}` failed (exit {done.returncode}): {done.error_line()}",
+                f"run it alone and read {done.log}; on GPUs add NCCL_DEBUG=INFO to see NCCL's reason",
+                log=str(done.log),
+            )
+        ], None
+    comm = json.loads(result_file.read_text(encoding="utf-8"))
+    return describe_links(comm, dev), comm
+
+
+def describe_links(comm: dict, dev: devices.Devices) -> list[lines.Line]:
+    """One line per op: bus bandwidth at each size, and the largest size's share of the link figure."""
+    if comm["backend"] == "nccl":
+        expected, how = dev.expected_busbw()
+    else:
+        expected, how = None, f"{comm['backend']} over host memory: no link figure"
+    out = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        rows = sorted((r for r in comm["results"] if r["op"] == op), key=lambda r: r["bytes"])
+        sizes = ", ".join(f"{_size(r['bytes'])} {r['busbw_gbs']:.2f}" for r in rows)
+        largest = rows[-1]["busbw_gbs"]
+        versus = (
+            f"expected {expected:g} GB/s ({how}): {largest / expected:.0%} at {_size(rows[-1]['bytes'])}"
+            if expected
+            else f"expected unknown ({how})"
+        )
+        detail = f"busbw GB/s {sizes}; {versus} ({comm['backend']}, {comm['world_size']} ranks)"
+        data = {
+            "busbw_gbs": {str(r["bytes"]): r["busbw_gbs"] for r in rows},
+            "expected_gbs": expected,
+            "expected_from": how,
+        }
+        if not comm["verified"].get(op):
+            out.append(
+                lines.problem(
+                    LINKS,
+                    op,
+                    f"{op} returned wrong values on {comm['backend']}",
+                    "reinstall torch (its collectives are broken here) and rerun `finetune doctor`",
+                    **data,
+                )
+            )
+        else:
+            out.append(lines.ok(LINKS, op, detail, **data))
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.doctor import commands, devices, links, main, runs
+from finetune.doctor import devices, main, runs
 from finetune.errors import UserError
 from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, nvswitch_h100s, record
 
@@ -42,7 +42,7 @@ def test_on_cpu_every_strategy_runs_on_two_gloo_processes_against_one_process_ac
     assert [p.name for p in planned] == ["single", "ddp", "zero2", "zero3", "fsdp"] and skipped == {}
     single, *others = planned
     assert (single.world, flags(single), arg(single, "training.gradient_accumulation_steps")) == (1, [], "2")
-    assert commands.shown(single.command).startswith("finetune train --recipe qlora_baseline --overwrite")
+    assert runs.shown(single.command).startswith("finetune train --recipe qlora_baseline --overwrite")
     assert arg(single, "method.name") == "lora"
     for p in others:
         assert (p.world, flags(p), arg(p, "training.gradient_accumulation_steps")) == (2, ["--cpu"], "1")
@@ -98,12 +98,12 @@ def test_bad_strategy_options_are_user_errors(only, overrides, message):
 
 
 def test_bench_comm_command_per_machine(tmp_path):
-    cpu = links.command(machine(0, tmp_path), tmp_path / "c.json")
-    assert commands.shown(cpu).startswith("finetune bench-comm --cpu --num_processes 2 --sizes 64KiB 1MiB 16MiB 64MiB")
-    gpus = links.command(machine(4, tmp_path), tmp_path / "c.json")
-    assert commands.shown(gpus).startswith("finetune bench-comm --num_processes 4 --sizes")
-    assert links.command(machine(1, tmp_path), tmp_path / "c.json") == "1 GPU: collectives need 2 or more"
-    (line,), report = links.check(machine(1, tmp_path), tmp_path)
+    cpu = main.links_command(machine(0, tmp_path), tmp_path / "c.json")
+    assert runs.shown(cpu).startswith("finetune bench-comm --cpu --num_processes 2 --sizes 64KiB 1MiB 16MiB 64MiB")
+    gpus = main.links_command(machine(4, tmp_path), tmp_path / "c.json")
+    assert runs.shown(gpus).startswith("finetune bench-comm --num_processes 4 --sizes")
+    assert main.links_command(machine(1, tmp_path), tmp_path / "c.json") == "1 GPU: collectives need 2 or more"
+    (line,), report = main.check_links(machine(1, tmp_path), tmp_path)
     assert line.status == "skipped" and report is None
 
 
@@ -122,28 +122,28 @@ def bench_report(backend="nccl", verified=True) -> dict:
 
 
 def test_links_show_busbw_beside_the_link_figure(tmp_path):
-    out = links.describe(bench_report(), machine(2, tmp_path))
+    out = main.describe_links(bench_report(), machine(2, tmp_path))
     assert [x.name for x in out] == ["all_reduce", "all_gather", "reduce_scatter"] and all(
         x.status == "ok" for x in out
     )
     assert out[0].detail.startswith("busbw GB/s 1MiB 40.00, 64MiB 185.40; expected 370.8 GB/s (NVLink x18 (NVSwitch)")
     assert "50% at 64MiB" in out[0].detail  # 185.4 / 370.8
-    cpu = links.describe(bench_report("gloo"), machine(0, tmp_path))
+    cpu = main.describe_links(bench_report("gloo"), machine(0, tmp_path))
     assert "expected unknown (gloo over host memory: no link figure)" in cpu[0].detail
 
 
 def test_wrong_collective_values_or_a_failed_benchmark_are_problems(tmp_path, monkeypatch):
-    (bad, *_) = links.describe(bench_report(verified=False), machine(2, tmp_path))
+    (bad, *_) = main.describe_links(bench_report(verified=False), machine(2, tmp_path))
     assert bad.status == "problem" and bad.fix.startswith("reinstall torch")
-    failed = commands.Finished(
+    failed = runs.Finished(
         ["python", "-m", "finetune.cli", "bench-comm"],
         1,
         3.0,
         tmp_path / "b.log",
         ["RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, unhandled system error"],
     )
-    monkeypatch.setattr(commands, "run", lambda *a, **k: failed)
-    (line,), report = links.check(machine(2, tmp_path), tmp_path)
+    monkeypatch.setattr(runs, "run_command", lambda *a, **k: failed)
+    (line,), report = main.check_links(machine(2, tmp_path), tmp_path)
     assert line.status == "problem" and report is None
     assert line.detail == (
         "`finetune bench-comm` failed (exit 1): RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, "
@@ -154,7 +154,7 @@ def test_wrong_collective_values_or_a_failed_benchmark_are_problems(tmp_path, mo
 
 def test_a_failed_run_is_a_problem_with_its_error_and_the_line_to_rerun(tmp_path):
     planned, _ = plan(0, tmp_path, only=["zero3"])
-    finished = commands.Finished(
+    finished = runs.Finished(
         planned[1].command,
         2,
         9.0,
@@ -168,7 +168,7 @@ def test_a_failed_run_is_a_problem_with_its_error_and_the_line_to_rerun(tmp_path
     assert entry["returncode"] == 2 and "engaged" not in entry
     record = {"summary": {"status": "failed", "error": "RuntimeError: boom"}}
     _, (line,) = main.judge(
-        runs.Done(planned[1], commands.Finished(planned[1].command, 1, 9.0, tmp_path / "l", []), record),
+        runs.Done(planned[1], runs.Finished(planned[1].command, 1, 9.0, tmp_path / "l", []), record),
         None,
         "32-true",
     )
@@ -177,7 +177,7 @@ def test_a_failed_run_is_a_problem_with_its_error_and_the_line_to_rerun(tmp_path
 
 def test_a_run_that_engaged_something_else_is_a_problem_and_its_losses_are_still_compared(tmp_path):
     planned, _ = plan(0, tmp_path, only=["zero3"])
-    ok = commands.Finished(planned[0].command, 0, 9.0, tmp_path / "l", [])
+    ok = runs.Finished(planned[0].command, 0, 9.0, tmp_path / "l", [])
     reference = runs.Done(planned[0], ok, record("single", 1))
     wrong = record("zero3", 2, zero_stage=2, local_param_fraction=1.0)
     entry, out = main.judge(runs.Done(planned[1], ok, wrong), reference, "32-true")
@@ -215,7 +215,7 @@ def test_the_prepared_data_is_one_epoch_of_the_planned_steps(tmp_path, monkeypat
 def test_a_command_does_not_inherit_the_cpu_opt_in_but_sees_what_it_is_given(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
     probe = [sys.executable, "-c", "import os; print('opt-in', os.environ.get('FINETUNE_CPU_DISTRIBUTED'))"]
-    inherited = commands.run(probe, tmp_path / "inherited.log", 60)
+    inherited = runs.run_command(probe, tmp_path / "inherited.log", 60)
     assert inherited.returncode == 0 and inherited.tail == ["opt-in None"]
-    given = commands.run(probe, tmp_path / "given.log", 60, env={"FINETUNE_CPU_DISTRIBUTED": "1"})
+    given = runs.run_command(probe, tmp_path / "given.log", 60, env={"FINETUNE_CPU_DISTRIBUTED": "1"})
     assert given.tail == ["opt-in 1"]  # the control: the probe does see the variable when it is there
