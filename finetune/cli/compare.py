@@ -74,7 +74,7 @@ def _fresh_dir(out: str | None, default: Path) -> Path:
 def report(runs, *, baseline, out_dir: Path, price, left_out: list[str] = ()) -> tuple[int, object]:
     """Table, plots, Markdown + HTML, W&B; prints the table. `left_out`: the runs that could not be
     read, with why (said among the warnings). Returns (0, table)."""
-    from finetune.compare import plots, wandb_report
+    from finetune.compare import plots
     from finetune.compare import report as report_lib
     from finetune.compare.table import build_table
 
@@ -84,7 +84,7 @@ def report(runs, *, baseline, out_dir: Path, price, left_out: list[str] = ()) ->
     pngs = plots.write_plots(table, out_dir)
     files = report_lib.write_reports(table, pngs, out_dir)
     print(report_lib.console_table(table), flush=True)
-    for line in wandb_report.log_comparison(table, pngs, out_dir):
+    for line in report_lib.log_comparison(table, pngs, out_dir):
         print(line, flush=True)
     print(f"report: {files['markdown']}\n        {files['html']} (self-contained, plots embedded)", flush=True)
     print("plots:  " + "\n        ".join(str(p) for p in pngs.values()), flush=True)

@@ -1,7 +1,7 @@
 """When two runs' losses may be compared: the same model, data and sequence length, precision
 policy, effective batch and applied learning rate (docs/compare.md). A bf16-true run
-against an fp32-master one measures the precision regime, not the strategy (issue 12: on an H200
-pure-bf16 full fine-tuning at LR 1e-5 barely trained while ZeRO, with its fp32 master, did).
+against an fp32-master one measures the precision regime, not the strategy (on an H200, pure-bf16
+full fine-tuning at LR 1e-5 barely trained while ZeRO, with its fp32 master, did).
 
 Runs are finetune/compare/table.py `Run`s (anything with `.get(section, *keys, default=)` and
 `.label`). `finetune compare` marks each row against the reference run (the baseline, else the
