@@ -46,7 +46,7 @@ def tokenizer(bundled_model_dir):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer) -> Path:
-    from finetune.modeling.tiny import save_tiny_llama
+    from finetune.modeling.bundled import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer)
 

@@ -49,7 +49,7 @@ TINY = r"""
 from pathlib import Path
 from transformers import AutoTokenizer
 from finetune.modeling.bundled import ensure_bundled_model
-from finetune.modeling.tiny import save_tiny_llama
+from finetune.modeling.bundled import save_tiny_llama
 save_tiny_llama(Path("DIR"), AutoTokenizer.from_pretrained(ensure_bundled_model()))
 """
 

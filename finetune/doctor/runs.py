@@ -174,15 +174,14 @@ def prepare(out_dir: Path, world: int) -> tuple[Path, Path]:
 
 
 def tiny_model(path: Path) -> Path:
-    """A random Llama of MODEL_SPEC (finetune/modeling/tiny.py) with the bundled model's tokenizer and
+    """A random Llama of MODEL_SPEC (finetune/modeling/bundled.py save_tiny_llama) with the bundled model's tokenizer and
     chat template (fetched and converted once per machine by `finetune prepare-model`)."""
     marker = path / "doctor-model.json"
     if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == MODEL_SPEC:
         return path
     from transformers import AutoTokenizer
 
-    from finetune.modeling.bundled import ensure_bundled_model, is_prepared
-    from finetune.modeling.tiny import save_tiny_llama
+    from finetune.modeling.bundled import ensure_bundled_model, is_prepared, save_tiny_llama
 
     if not is_prepared():
         print(

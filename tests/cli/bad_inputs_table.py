@@ -1499,8 +1499,7 @@ def main() -> int:
         import torch
         from transformers import AutoTokenizer
 
-        from finetune.modeling.bundled import ensure_bundled_model
-        from finetune.modeling.tiny import save_tiny_llama
+        from finetune.modeling.bundled import ensure_bundled_model, save_tiny_llama
 
         logging.getLogger().addHandler(logging.NullHandler())  # keep train.py's log setup off the captured stderr
         root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))

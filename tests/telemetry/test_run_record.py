@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.modeling.tiny import save_tiny_llama
+from finetune.modeling.bundled import save_tiny_llama
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]  # the repository root
