@@ -1,7 +1,9 @@
-"""Model loading: hub id, local directory or the bundled default; full, LoRA or QLoRA.
+"""The model in and out: loading (hub id, local directory or the bundled default; full, LoRA or
+QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export.
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, cfg.method, gradient_checkpointing=..., policy=..., deepspeed=...)
+    save_final_model(trainer, run_dir / "model")   # every rank
 
 The precision policy (finetune/precision.py, docs/precision.md) decides every dtype here: the
 checkpoint's load dtype, the trainable parameters' dtype (the fp32 master of torch-native
@@ -10,6 +12,7 @@ strategies), the LoRA adapters' dtype and QLoRA's compute dtype.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -18,7 +21,7 @@ import torch
 
 from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
-from finetune.precision import Policy, torch_dtype
+from finetune.precision import Policy, dtype_name, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -270,3 +273,86 @@ def _load_problem(what: str, path: str, err: Exception) -> str:
         else "the directory exists but is not a transformers model directory"
     )
     return f"model.name_or_path: cannot load the {what} from {path!r} ({hint}): {err}"
+
+
+# ---- A ZeRO-3-partitioned model outside the DeepSpeed engine. With `zero3_init_flag: true`,
+# `from_pretrained` loads every weight straight into its shard, so until Trainer builds the engine
+# (whose hooks gather each layer's parameters for its forward) the parameters are empty placeholders
+# and generate() fails ("Padding_idx must be within num_embeddings").
+
+
+@contextlib.contextmanager
+def full_parameters(model):
+    """Inside: every parameter of a ZeRO-3-partitioned, not yet wrapped model is whole (the exact-match
+    evaluation before training). Gathered read-only (modifier_rank=None) on every rank: the full
+    model's memory on each rank for a moment. A no-op for other strategies, which shard only when
+    Trainer wraps the model."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield model
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield model
+
+
+def check_init_dtype(model, requested) -> None:
+    """Refuse a model that ZeRO-3's `zero.Init` created in another dtype than it was loaded in.
+
+    Why: transformers enters `deepspeed.zero.Init` for `from_pretrained` under ZeRO-3
+    (accelerate's zero3_init_flag), and zero.Init creates every float parameter in the dtype of the
+    DeepSpeed config (deepspeed runtime/zero/partition_parameters.py Init._set_dtype: bf16.enabled
+    -> bfloat16, fp16.enabled -> float16, else float32), whatever `dtype=` asked. The shipped JSONs
+    leave bf16.enabled "auto", which Trainer fills from TrainingArguments bf16; left false, a model
+    loaded as bfloat16 silently trains in float32: measured on an H200 (Llama-3.2-1B, full, world
+    size 1) 7x slower than ZeRO-2 with 1.7x its memory (docs/speed.md "DeepSpeed ZeRO-3 settings")."""
+    got = {
+        p.ds_tensor.dtype
+        for p in model.parameters()
+        if hasattr(p, "ds_tensor") and p.ds_tensor.dtype.is_floating_point and type(p).__name__ != "Params4bit"
+    }
+    wrong = sorted(dtype_name(d) for d in got if d != requested)
+    if wrong and requested in (torch.bfloat16, torch.float16, torch.float32):
+        want = dtype_name(requested)
+        raise UserError(
+            f"ZeRO-3 created the model's parameters in {', '.join(wrong)}, not the {want} it was loaded in "
+            f"(model.dtype): zero.Init (accelerate's zero3_init_flag) takes the dtype from the DeepSpeed config, "
+            f"whose bf16.enabled/fp16.enabled the precision policy fills (training.precision, docs/precision.md). "
+            f'Training would run in {wrong[0]}. Check that the DeepSpeed config leaves bf16/fp16 "enabled" '
+            f'to "auto" (or matches the policy), or load the model in {wrong[0]} on purpose (model.dtype: {wrong[0]})'
+        )
+
+
+# ---- The final export (`runs/<name>/model/`): a LoRA adapter or one consolidated model that loads in
+# a single plain process, under every strategy. `Trainer.save_model` (transformers 5.23) writes
+# nothing for FSDP with SHARDED_STATE_DICT, which FSDP2 checkpoints should use, so the export gathers
+# a full state dict instead: Accelerate's `get_state_dict` on FSDP2 is `get_model_state_dict(
+# full_state_dict=True, cpu_offload=True)`, a collective every rank joins. ZeRO-3 gathers 16-bit
+# weights inside `save_model` (stage3_gather_16bit_weights_on_model_save in ds_configs/zero3*.json).
+# The export is then checked for weights, so a strategy that silently saves nothing fails the run.
+WEIGHT_FILES = (
+    "adapter_model.safetensors",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.bin",
+    "pytorch_model.bin",
+)
+
+
+def save_final_model(trainer, model_dir: str | Path) -> None:
+    """Save the trained model on every rank's behalf (call on all ranks)."""
+    model_dir = str(model_dir)
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    if plugin is not None and "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+        state_dict = trainer.accelerator.get_state_dict(trainer.model)  # collective: full, on CPU
+        if trainer.args.should_save:
+            trainer._save(model_dir, state_dict=state_dict)
+        trainer.accelerator.wait_for_everyone()
+    else:
+        trainer.save_model(model_dir)
+    if trainer.args.should_save and not any((Path(model_dir) / f).is_file() for f in WEIGHT_FILES):
+        raise RuntimeError(
+            f"the export in {model_dir} holds no weights (looked for {', '.join(WEIGHT_FILES)}); "
+            f"strategy {trainer.accelerator.distributed_type.value} saved nothing"
+        )

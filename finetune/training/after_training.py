@@ -40,10 +40,10 @@ class WeightsKept:
 
     def export(self) -> Path:
         """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer."""
-        from finetune.modeling import export
+        from finetune.modeling.load import save_final_model
 
         self.attempted = True
-        export.save_final_model(self.trainer, self.model_dir)
+        save_final_model(self.trainer, self.model_dir)
         if self.trainer.accelerator.is_main_process:
             self.tokenizer.save_pretrained(str(self.model_dir))
         self.exported = self.model_dir

@@ -19,8 +19,8 @@ def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
     from transformers import set_seed
 
     from finetune.data import rows
-    from finetune.modeling import loss, zero3
-    from finetune.modeling.load import load_model
+    from finetune.modeling import loss
+    from finetune.modeling.load import check_init_dtype, load_model
     from finetune.precision import torch_dtype
 
     args = arguments.args
@@ -33,7 +33,7 @@ def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
         deepspeed=launch.family == "deepspeed",
     )
     if launch.family == "deepspeed":  # zero.Init's dtype trap: the module must be in the policy's dtype
-        zero3.check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
+        check_init_dtype(model, torch_dtype(launch.policy.module_dtype(cfg.method.name, launch.family)))
     loss.install(
         model,
         cfg.training.loss_impl,

@@ -467,7 +467,7 @@ def finish(
         measured = trainer.final_measurements()
         if cfg.run.save_model:
             signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/export.py)
+            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/load.py save_final_model)
             signals.set_stage(signals.FINISHING)
         fault_injection.after_training(rank=rank, step=step)  # drills
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
@@ -518,11 +518,11 @@ def _write_demo_data(run: Run) -> None:
 
 def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
     """Exact match on the held-out rows, sharded over the ranks; `before` gathers ZeRO-3 shards first."""
-    from finetune.modeling import zero3
+    from finetune.modeling.load import full_parameters
     from finetune.training import evaluation
 
     cfg = run.cfg
-    with zero3.full_parameters(model) if stage == "before" else contextlib.nullcontext():
+    with full_parameters(model) if stage == "before" else contextlib.nullcontext():
         result = evaluation.exact_match(
             model,
             data.tokenizer,

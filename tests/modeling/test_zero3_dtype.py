@@ -1,4 +1,4 @@
-"""ZeRO-3's dtype trap, for real (finetune/modeling/zero3.py check_init_dtype).
+"""ZeRO-3's dtype trap, for real (finetune/modeling/load.py check_init_dtype).
 
 transformers loads a model inside deepspeed.zero.Init when a ZeRO-3 config is active (what
 accelerate's zero3_init_flag sets up before from_pretrained), and zero.Init creates the parameters
@@ -24,7 +24,7 @@ import deepspeed, torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 from finetune.errors import UserError
-from finetune.modeling.zero3 import check_init_dtype
+from finetune.modeling.load import check_init_dtype
 deepspeed.init_distributed(dist_backend="gloo")
 out = {}
 for bf16 in (False, True):
