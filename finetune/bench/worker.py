@@ -71,13 +71,13 @@ def _run(spec: dict, attention_record: dict) -> dict:
     if ours:
         trainer = _our_trainer(spec, dataset, [Clock()])
     elif spec["side"] == "plain_trainer":
-        from finetune.bench import plain_side
+        from finetune.bench import baselines
 
-        trainer = plain_side.build_trainer(spec, dataset, [Clock()])
+        trainer = baselines.plain_trainer(spec, dataset, [Clock()])
     else:
-        from finetune.bench import trl_side
+        from finetune.bench import baselines
 
-        trainer = trl_side.build_trainer(spec, dataset, [Clock()], tuned=spec["side"] == "trl_tuned")
+        trainer = baselines.trl_trainer(spec, dataset, [Clock()], tuned=spec["side"] == "trl_tuned")
     collator = trainer.data_collator
 
     def counting(features):

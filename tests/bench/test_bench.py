@@ -229,7 +229,7 @@ def test_like_ours_sets_the_baselines_differing_arguments_to_ours(tmp_path):
     """What a baseline side builds from the spec `--baseline-like-ours` gives it: every setting that
     differs from ours set to ours, its own output directory and name kept."""
     from finetune import precision
-    from finetune.bench import plain_side
+    from finetune.bench import baselines
     from finetune.training import arguments
 
     spec = {
@@ -240,11 +240,11 @@ def test_like_ours_sets_the_baselines_differing_arguments_to_ours(tmp_path):
         "gradient_checkpointing": False,
         "seed": 0,
     }
-    theirs = arguments.build(**plain_side.baseline_args(spec, False, precision.get("32-true")))
+    theirs = arguments.build(**baselines.baseline_args(spec, False, precision.get("32-true")))
     assert theirs.logging_nan_inf_filter is True and theirs.num_train_epochs == 3.0  # Trainer's defaults
     ours = {**json.loads(theirs.to_json_string()), "logging_nan_inf_filter": False, "num_train_epochs": 1.0}
     ours.update(output_dir=str(tmp_path / "ours"), run_name="bench-lora")
-    like = plain_side.like_ours(theirs, {**spec, "ours_args": ours})
+    like = baselines.like_ours(theirs, {**spec, "ours_args": ours})
     assert like.logging_nan_inf_filter is False and like.num_train_epochs == 1.0
     assert like.output_dir == str(tmp_path / "theirs") and like.run_name != "bench-lora"
-    assert plain_side.like_ours(theirs, spec) is theirs  # without the switch: as users run it
+    assert baselines.like_ours(theirs, spec) is theirs  # without the switch: as users run it

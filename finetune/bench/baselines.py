@@ -1,8 +1,12 @@
-"""The plain-Trainer side of `finetune bench` (`--baseline plain-trainer`): transformers.Trainer as a
-user writes it without TRL or this project: the model's own loss (full logits), batches padded to
-their longest example (DataCollatorForSeq2Seq), peft LoRA; the same model, data order, length, batch,
-precision policy, learning rate, steps, seed, LoRA settings and gradient checkpointing as the other
-sides (docs/benchmarks.md).
+"""The baseline sides of `finetune bench`, each with the same model, data order, length, batch,
+precision policy, learning rate, steps, seed, LoRA settings and gradient checkpointing as our side
+(docs/benchmarks.md):
+
+* plain Trainer (`--baseline plain-trainer`): transformers.Trainer as a user writes it without TRL or
+  this project: the model's own loss (full logits), batches padded to their longest example
+  (DataCollatorForSeq2Seq), peft LoRA;
+* TRL: SFTTrainer as a user would write it, plain (TRL's default padded batching, torch's SDPA
+  defaults) or tuned (padding-free or TRL's packing, our SDPA policy).
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ def like_ours(args, spec: dict):
     return dataclasses.replace(args, **changes)
 
 
-def build_trainer(spec: dict, dataset, callbacks: list):
+def plain_trainer(spec: dict, dataset, callbacks: list):
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import (
@@ -103,5 +107,36 @@ def build_trainer(spec: dict, dataset, callbacks: list):
         train_dataset=dataset,
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
         processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+def trl_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    policy = precision.get(spec["precision"])
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], **load_kwargs(spec, policy))
+    peft_config = None
+    if spec["method"] in ("lora", "qlora"):
+        peft_config = LoraConfig(**LORA, task_type="CAUSAL_LM")
+    layout = {"max_length": spec["seq_len"]}
+    if tuned:
+        layout = (
+            {"packing": True, "packing_strategy": "bfd", "max_length": spec["seq_len"]}
+            if spec["layout"] == "packing"
+            else {"padding_free": True, "max_length": None}
+        )
+    args = like_ours(SFTConfig(**baseline_args(spec, cuda, policy), **layout), spec)
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
         callbacks=callbacks,
     )
