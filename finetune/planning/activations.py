@@ -115,25 +115,26 @@ def forward_temporaries(sh: Shape, w: Workload, p: Regime, per: dict, *, cpu: bo
     return {"forward": emb + unsaved + locals_ + best, "recompute": locals_ + best}
 
 
-def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict:
-    """Bytes autograd keeps at the end of the forward pass (the loss's own buffers excluded:
-    loss_buffers), by component; plus what the backward phases need to know."""
-    sh.check_block_mechanism()
-    f = DtypeFlow(w, p)
-    T, h, q, kv, i, H = w.tokens, sh.hidden, sh.q, sh.kv, sh.intermediate, sh.heads
-    full, lora = w.method == "full", w.method != "full"
-    targets = {name for name, _, _ in sh.targeted(w.lora_targets)} if lora else set()
-    feat = {"q_proj": h, "k_proj": h, "v_proj": h, "gate_proj": h, "up_proj": h, "o_proj": q, "down_proj": i}
+class BlockSaves:
+    """What a decoder block's ops save for their inputs, in bytes, for the regime's dtype flow."""
 
-    def consumers(x_b: int, names: list[str]) -> tuple[int, bool]:
+    def __init__(self, sh: Shape, w: Workload, f: DtypeFlow):
+        self.w, self.f, self.T = w, f, w.tokens
+        self.full = w.method == "full"
+        self.targets = {name for name, _, _ in sh.targeted(w.lora_targets)} if not self.full else set()
+        h = sh.hidden
+        self.feat = {"q_proj": h, "k_proj": h, "v_proj": h, "gate_proj": h, "up_proj": h, "o_proj": sh.q}
+        self.feat["down_proj"] = sh.intermediate  # input features of each linear
+
+    def linear_inputs(self, x_b: int, names: list[str]) -> tuple[int, bool]:
         """Bytes saved for the input of the linears that read one tensor of x_b bytes/element,
         and whether that is the tensor itself (shared with whoever else saved it)."""
-        n = feat[names[0]]
-        if full:
+        f, w, T, n = self.f, self.w, self.T, self.feat[names[0]]
+        if self.full:
             if f.autocast and x_b != B16:
                 return len(names) * B16 * T * n, False  # autocast casts the input once per linear call
             return x_b * T * n, True  # one tensor, saved by every linear that reads it
-        tgt = [m for m in names if m in targets]
+        tgt = [m for m in names if m in self.targets]
         if not tgt:
             return 0, False  # a frozen linear saves nothing for its input
         if w.lora_dropout > 0:  # peft: lora_A(dropout(x)); CUDA's fused native_dropout saves a bool mask
@@ -149,28 +150,18 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
             return x_b * T * n, True  # no cast: the adapters share the input
         return len(tgt) * f.adapter * T * n, False  # one cast copy per adapter (peft _cast_input_dtype)
 
-    def norm(width: int, rows_per_token: int, x_needs_grad: bool = True) -> int:
+    def norm(self, width: int, rows_per_token: int) -> int:
         """transformers LlamaRMSNorm.forward: hidden.to(fp32) (saved by pow and mul; a copy when
         16-bit), rsqrt (fp32, one per row), and weight * xn.to(input dtype) saves xn only when the
         weight trains."""
-        if not x_needs_grad:
-            return 0
-        return F32 * T * width + F32 * T * rows_per_token + (f.stream * T * width if full else 0)
+        T = self.T
+        return F32 * T * width + F32 * T * rows_per_token + (self.f.stream * T * width if self.full else 0)
 
-    per = {"norms": 2 * norm(h, 1)}
-    y = f.stream  # a norm's output: weight * xn.to(input dtype) -> the stream's dtype
-    qkv, qkv_shared = consumers(y, ["q_proj", "k_proj", "v_proj"])
-    mlp_in, _ = consumers(y, ["gate_proj", "up_proj"])
-    per["qkv_inputs"], per["mlp_inputs"] = qkv, mlp_in
-    q_src = f.lin_out
-    if sh.model_type == "qwen3":
-        # q_norm / k_norm: RMSNorm over head_dim of the q and k projections (modeling_qwen3.py)
-        qn = F32 * T * (q + kv) + F32 * T * (H + sh.kv_heads) + (f.lin_out * T * (q + kv) if full else 0)
-        per["qk_norms"] = qn
-        q_src = max(f.lin_out, f.norm_weight)
-    qrot = max(q_src, f.stream)  # q * cos, cos in the stream's dtype (LlamaRotaryEmbedding: .to(x.dtype))
-    attn_b = B16 if f.autocast else qrot  # SDPA is on autocast's lower-precision list
-    kind = attention_kind(w, attn_b)
+
+def attention_saved(sh: Shape, w: Workload, attn_b: int, kind: str) -> tuple[int, bool]:
+    """(bytes the attention kernel saves, whether o_proj reads a copy of its output rather than the
+    output itself), for inputs of attn_b bytes/element."""
+    T, q, kv, H = w.tokens, sh.q, sh.kv, sh.heads
     n_rep = H // sh.kv_heads
     # Ulysses (sp > 1): after its all-to-all a rank attends over the whole row with heads / sp (q: the
     # same elements as its shard x every head); k and v keep kv_heads / sp heads, at least one (each
@@ -183,48 +174,53 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         # and SDPA converts the bool mask to a float bias per call, saved (convert_boolean_attn_mask)
         kvw = q if (w.attention_mask and n_rep > 1 and sh.kv_heads > 1) else kv_att
         lse_len = _up(s, MEM_EFFICIENT_LSE_ALIGN) if kind == "efficient" else s
-        per["attention"] = attn_b * T * (q + 2 * kvw) + attn_b * T * q + F32 * rows * Ha * lse_len
+        saved = attn_b * T * (q + 2 * kvw) + attn_b * T * q + F32 * rows * Ha * lse_len
         if w.attention_mask and kind == "efficient":
-            per["attention"] += attn_b * rows * s * _up(s, MEM_EFFICIENT_BIAS_ALIGN)
+            saved += attn_b * rows * s * _up(s, MEM_EFFICIENT_BIAS_ALIGN)
         # the kernels write (b, s, heads, d): transpose(1, 2).contiguous() is a view; Ulysses sends the
         # output through its all-to-all, so o_proj reads (and saves) a new tensor
-        out_copy = w.sp > 1
-    elif kind == "math":
+        return saved, w.sp > 1
+    if kind == "math":
         # aten _scaled_dot_product_attention_math: q * sqrt(scale), repeated k * sqrt(scale), repeated v,
         # and the softmax output (b x heads x s x s)
-        per["attention"] = attn_b * T * q * 3 + attn_b * rows * Ha * s * s
-        out_copy = True
-    else:
-        # transformers eager_attention_forward: q, repeat_kv'd k and v, softmax in fp32 (saved) and
-        # its cast back to the query's dtype (saved by the second matmul; none when fp32)
-        kvw = q if n_rep > 1 and sh.kv_heads > 1 else kv
-        per["attention"] = attn_b * T * (q + 2 * kvw) + (F32 + (attn_b if attn_b != F32 else 0)) * rows * Ha * s * s
-        out_copy = True
-    s = w.row_len  # the rest of the block sees this rank's positions
-    o_in, o_shared = consumers(attn_b, ["o_proj"])
+        return attn_b * T * q * 3 + attn_b * rows * Ha * s * s, True
+    # transformers eager_attention_forward: q, repeat_kv'd k and v, softmax in fp32 (saved) and
+    # its cast back to the query's dtype (saved by the second matmul; none when fp32)
+    kvw = q if n_rep > 1 and sh.kv_heads > 1 else kv
+    return attn_b * T * (q + 2 * kvw) + (F32 + (attn_b if attn_b != F32 else 0)) * rows * Ha * s * s, True
+
+
+def block_parts(sh: Shape, w: Workload, f: DtypeFlow, saves: BlockSaves) -> tuple[dict, str, int]:
+    """(bytes one decoder block saves, by part; the attention kernel; its bytes/element)."""
+    T, h, q, kv, i, H = w.tokens, sh.hidden, sh.q, sh.kv, sh.intermediate, sh.heads
+    per = {"norms": 2 * saves.norm(h, 1)}
+    y = f.stream  # a norm's output: weight * xn.to(input dtype) -> the stream's dtype
+    per["qkv_inputs"], _ = saves.linear_inputs(y, ["q_proj", "k_proj", "v_proj"])
+    per["mlp_inputs"], _ = saves.linear_inputs(y, ["gate_proj", "up_proj"])
+    q_src = f.lin_out
+    if sh.model_type == "qwen3":
+        # q_norm / k_norm: RMSNorm over head_dim of the q and k projections (modeling_qwen3.py)
+        qn = F32 * T * (q + kv) + F32 * T * (H + sh.kv_heads) + (f.lin_out * T * (q + kv) if saves.full else 0)
+        per["qk_norms"] = qn
+        q_src = max(f.lin_out, f.norm_weight)
+    qrot = max(q_src, f.stream)  # q * cos, cos in the stream's dtype (LlamaRotaryEmbedding: .to(x.dtype))
+    attn_b = B16 if f.autocast else qrot  # SDPA is on autocast's lower-precision list
+    kind = attention_kind(w, attn_b)
+    per["attention"], out_copy = attention_saved(sh, w, attn_b, kind)
+    o_in, o_shared = saves.linear_inputs(attn_b, ["o_proj"])
     per["o_input"] = 0 if (o_shared and not out_copy) else o_in  # the kernel's own output when not copied
     g = f.lin_out
     per["mlp"] = 3 * g * T * i  # SiLU saves gate; the product saves act and up
-    d_in, _ = consumers(g, ["down_proj"])
-    per["mlp"] += d_in
-    if lora:
+    per["mlp"] += saves.linear_inputs(g, ["down_proj"])[0]
+    if not saves.full:
         rb = B16 if f.autocast else f.adapter
-        per["lora_A_out"] = len(targets) * rb * T * w.lora_r  # saved by lora_B
-    layer = sum(per.values())
-    # LoRA/QLoRA: layer 0's input norm sees no grad (a frozen embedding), unless checkpointing made
-    # the embedding's output require grad (enable_input_require_grads)
-    first = layer - (norm(h, 1) if lora and not w.gradient_checkpointing else 0)
-    if lora and not w.gradient_checkpointing and w.lora_dropout > 0:  # no grad into q/k/v's dropout: no mask kept
-        first -= T * h * len(targets & {"q_proj", "k_proj", "v_proj"})
-    kept = sh.layers * f.stream * T * h  # non-reentrant checkpoint: each block's input
-    blocks = kept if w.gradient_checkpointing else first + (sh.layers - 1) * layer
-    # the final norm, and lm_head's input when it trains (under autocast a bf16 cast of it)
-    head_in = ((B16 if f.autocast and y != B16 else y) * T * h) if full else 0
-    final = norm(h, 1) + head_in
-    # cos/sin follow position_ids: (1 or b, s, head_dim); sequence-parallel batches carry position_ids
-    pos_rows = rows if (w.layout != "padded" or w.sp > 1 or w.cp > 1) else 1
-    rotary = 2 * pos_rows * s * sh.head_dim * f.stream
-    indices = INT64 * T  # the loss's shifted targets (ForCausalLMLoss: a contiguous copy, saved by nll_loss)
+        per["lora_A_out"] = len(saves.targets) * rb * T * w.lora_r  # saved by lora_B
+    return per, kind, attn_b
+
+
+def weight_casts(sh: Shape, w: Workload, p: Regime, targets: set) -> tuple[int, int, int]:
+    """(per layer, layer 0, the head): the weight copies autocast makes and autograd saves."""
+    h, full, lora = sh.hidden, w.method == "full", w.method != "full"
     cast_layer = cast_head = 0
     if p.autocast and full and p.param != B16:
         # autocast caches one bf16 copy of every fp32 weight a linear reads (leaf tensors that require
@@ -239,7 +235,35 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     if p.autocast and lora and p.param != B16 and not w.gradient_checkpointing:
         # layer 0's q/k/v read a norm output that needs no grad: lora_A keeps no weight copy for it
         cast_first -= B16 * w.lora_r * h * len(targets & {"q_proj", "k_proj", "v_proj"})
-    weight_casts = (sh.layers - 1) * cast_layer + cast_first + cast_head
+    return cast_layer, cast_first, cast_head
+
+
+def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict:
+    """Bytes autograd keeps at the end of the forward pass (the loss's own buffers excluded:
+    loss_buffers), by component; plus what the backward phases need to know."""
+    sh.check_block_mechanism()
+    f = DtypeFlow(w, p)
+    saves = BlockSaves(sh, w, f)
+    T, h, lora, targets = w.tokens, sh.hidden, not saves.full, saves.targets
+    per, kind, attn_b = block_parts(sh, w, f, saves)
+    layer = sum(per.values())
+    # LoRA/QLoRA: layer 0's input norm sees no grad (a frozen embedding), unless checkpointing made
+    # the embedding's output require grad (enable_input_require_grads)
+    first = layer - (saves.norm(h, 1) if lora and not w.gradient_checkpointing else 0)
+    if lora and not w.gradient_checkpointing and w.lora_dropout > 0:  # no grad into q/k/v's dropout: no mask kept
+        first -= T * h * len(targets & {"q_proj", "k_proj", "v_proj"})
+    kept = sh.layers * f.stream * T * h  # non-reentrant checkpoint: each block's input
+    blocks = kept if w.gradient_checkpointing else first + (sh.layers - 1) * layer
+    # the final norm, and lm_head's input when it trains (under autocast a bf16 cast of it)
+    y = f.stream
+    head_in = ((B16 if f.autocast and y != B16 else y) * T * h) if saves.full else 0
+    final = saves.norm(h, 1) + head_in
+    # cos/sin follow position_ids: (1 or b, s, head_dim); sequence-parallel batches carry position_ids
+    pos_rows = w.rows if (w.layout != "padded" or w.sp > 1 or w.cp > 1) else 1
+    rotary = 2 * pos_rows * w.row_len * sh.head_dim * f.stream
+    indices = INT64 * T  # the loss's shifted targets (ForCausalLMLoss: a contiguous copy, saved by nll_loss)
+    cast_layer, cast_first, cast_head = weight_casts(sh, w, p, targets)
+    casts = (sh.layers - 1) * cast_layer + cast_first + cast_head
     return {
         "per_layer": layer,
         "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
@@ -248,7 +272,7 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         "final": final,
         "rotary": rotary,
         "indices": indices,
-        "weight_casts": weight_casts,
+        "weight_casts": casts,
         "weight_casts_layer": cast_layer,
         "weight_casts_first": cast_first,
         "weight_casts_head": cast_head,
@@ -257,9 +281,9 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         "attn_kind": kind,
         "attn_bytes": attn_b,
         "stream": f.stream,
-        "lin_out": g,
+        "lin_out": f.lin_out,
         "head_input": head_in,
-        "total": blocks + final + rotary + indices + weight_casts,
+        "total": blocks + final + rotary + indices + casts,
     }
 
 
