@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from finetune.modeling import loss_choice
 from finetune.planning.activations import activations, loss_buffers
@@ -145,13 +146,38 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
 def phases(
     sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, *, cpu: bool = False
 ) -> dict:
-    """{phase: {component: bytes}} of what exists beyond the persistent states at each moment."""
-    st = by_key(strategy)
-    fam = family(strategy)
+    """{phase: {component: bytes}} of what exists beyond the persistent states at each moment, in
+    the order they happen (the first of equal totals is taken as the peak)."""
     A = activations(sh, w, p, cpu=cpu)
+    grads = device_gradients(sh, w, p, strategy, n)
+    out = forward_phases(sh, w, p, A)
+    out.update(backward_phases(sh, w, p, strategy, n, z, A, grads, cpu=cpu))
+    out.update(step_phases(sh, w, p, strategy, n, z, grads))
+    return out
+
+
+class DeviceGradients(NamedTuple):
+    """Gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
+    CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)."""
+
+    shard: int  # ranks they are sharded over
+    kept: bool
+    head: float  # bytes of the head's (the embedding's) gradient
+    per_layer: float
+
+
+def device_gradients(sh: Shape, w: Workload, p: Regime, strategy: str, n: int) -> DeviceGradients:
+    st, fam = by_key(strategy), family(strategy)
+    shard = n if st.shards_grads and fam != "deepspeed" else 1
+    kept = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
+    head = sh.embedding * p.grad / shard if kept else 0
+    return DeviceGradients(shard, kept, head, sh.params.per_layer * p.grad / shard if kept else 0)
+
+
+def forward_phases(sh: Shape, w: Workload, p: Regime, A: dict) -> dict:
+    """The end of the forward and the start of the backward (the loss's buffers at each), and the
+    inside of the last block's forward."""
     L = loss_buffers(sh, w, p, chunk_tokens(w, sh.vocab))
-    P = trainable_params(sh, w)
-    T, h, i = w.tokens, sh.hidden, sh.intermediate
     act = A["blocks"] + A["final"] + A["rotary"] + A["indices"]  # = A["total"] less the weight casts
     casts = A["weight_casts"]
     if w.loss_impl != "standard":
@@ -175,19 +201,74 @@ def phases(
         if A["weight_casts"]:
             fwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
         out["last_block_forward"] = fwd
-    # The blocks' backward, from the last block to the first. At block l: the saved tensors of blocks
-    # 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients of the blocks
-    # above (full fine-tuning), the head's gradient, the gradient flowing in (stream dtype), and the
-    # block's own backward temporaries: the MLP's backward holds the grads of the product, act and up
-    # while gate/act/up are still saved (+2 T x i: the product's saved tensor is freed first); with
-    # cast adapter inputs (peft, LoRA) their input grads in the adapter dtype too. The live set is
-    # linear in l, so its maximum is at one end: the last block (first to run) or the first block.
-    shard = n if st.shards_grads and fam != "deepspeed" else 1
-    # gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
-    # CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)
-    grads_here = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
-    head_grad = sh.embedding * p.grad / shard if grads_here else 0
-    layer_grads = sh.params.per_layer * p.grad / shard if grads_here else 0
+    return out
+
+
+def backward_phases(
+    sh: Shape,
+    w: Workload,
+    p: Regime,
+    strategy: str,
+    n: int,
+    z: ZeroValues | None,
+    A: dict,
+    grads: DeviceGradients,
+    *,
+    cpu: bool,
+) -> dict:
+    """The final norm's backward, then the blocks' from the last to the first. At block l: the saved
+    tensors of blocks 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients
+    of the blocks above (full fine-tuning), the head's gradient, the gradient flowing in, and the
+    block's own backward temporaries. The live set is linear in l, so its maximum is at one end: the
+    last block (first to run) or the first block."""
+    T, h = w.tokens, sh.hidden
+    block_casts = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
+    # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
+    # the final norm's fp32 input (its weight's xn and its output's grad are freed by then), the head's
+    # gradient, and RMSNorm's backward temporaries: 5 fp32 T x h (measured on one RMSNorm alone: 20 bytes
+    # x T x h new at the peak, 16-bit or fp32, trained weight or not)
+    norm_bwd = {
+        "activations": A["blocks"] + F32 * T * h,
+        "head_grad": grads.head,
+        "norm_backward_temporaries": 5 * F32 * T * h,
+        "rotary_and_targets": A["rotary"] + A["indices"],
+    }
+    if A["weight_casts"]:
+        norm_bwd["autocast_weight_copies"] = block_casts
+    out = {"final_norm_backward": norm_bwd}
+    common = block_backward_common(sh, w, p, strategy, n, z, A, grads, cpu=cpu)
+    # (the final norm's and the head's saved tensors were freed by their own backward already)
+    top = {"activations": A["blocks"], **common}
+    if A["weight_casts"]:
+        top["autocast_weight_copies"] = block_casts
+    out["last_block_backward"] = top
+    if sh.layers > 1:
+        upper = (sh.layers - 1) * grads.per_layer
+        bottom = {"activations": A["first_layer"], "upper_block_gradients": upper, **common}
+        if A["weight_casts"]:
+            bottom["autocast_weight_copies"] = A["weight_casts_first"]
+        out["first_block_backward"] = bottom
+    return out
+
+
+def block_backward_common(
+    sh: Shape,
+    w: Workload,
+    p: Regime,
+    strategy: str,
+    n: int,
+    z: ZeroValues | None,
+    A: dict,
+    grads: DeviceGradients,
+    *,
+    cpu: bool,
+) -> dict:
+    """What every block's backward holds besides the saved tensors: the head's gradient; the MLP's
+    backward temporaries (the grads of the product, act and up while gate/act/up are still saved, +2
+    T x i: the product's saved tensor is freed first; with cast adapter inputs their input grads in
+    the adapter dtype too); the gradient flowing in (stream dtype); the strategy's own buffers."""
+    st, fam = by_key(strategy), family(strategy)
+    T, h, i = w.tokens, sh.hidden, sh.intermediate
     g = A["lin_out"]
     transient = 2 * g * T * i + A["stream"] * T * h
     if w.method != "full" and A["parts"]["mlp"] > 4 * g * T * i:  # the adapters' inputs were cast copies
@@ -195,7 +276,7 @@ def phases(
     if w.gradient_checkpointing:  # the block is re-run forward inside the backward: its forward temporaries
         transient = max(transient, A["forward_temporaries"]["recompute"] + A["stream"] * T * h)
     common = {
-        "head_grad": head_grad,
+        "head_grad": grads.head,
         "block_backward_temporaries": transient,
         "rotary_and_targets": A["rotary"] + A["indices"],
     }
@@ -206,7 +287,7 @@ def phases(
         # caching allocator hands over the whole block. On CPU glibc maps it (mmap, far above its
         # threshold) without touching it: only the pages the gradients are copied into are resident,
         # at most the trainable parameters' elements (contiguous_gradients copies each gradient once).
-        elements = min(z.reduce_bucket_size, P) if cpu else z.reduce_bucket_size
+        elements = min(z.reduce_bucket_size, trainable_params(sh, w)) if cpu else z.reduce_bucket_size
         common["ipg_bucket"] = elements * p.param
     if fam == "fsdp" and n > 1:
         # the block's unsharded parameters (and the prefetched next), and its unsharded gradients
@@ -215,40 +296,30 @@ def phases(
         common["fsdp_unsharded_blocks"] = 2 * layer_b + (
             sh.params.per_layer * p.param_compute if w.method == "full" else 0
         )
-    # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
-    # the final norm's fp32 input (its weight's xn and its output's grad are freed by then), the head's
-    # gradient, and RMSNorm's backward temporaries: 5 fp32 T x h (measured on one RMSNorm alone: 20 bytes
-    # x T x h new at the peak, 16-bit or fp32, trained weight or not)
-    norm_bwd = {
-        "activations": A["blocks"] + F32 * T * h,
-        "head_grad": head_grad,
-        "norm_backward_temporaries": 5 * F32 * T * h,
-        "rotary_and_targets": A["rotary"] + A["indices"],
-    }
-    if A["weight_casts"]:
-        norm_bwd["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
-    out["final_norm_backward"] = norm_bwd
-    # (the final norm's and the head's saved tensors were freed by their own backward already)
-    top = {"activations": A["blocks"], **common}
-    if A["weight_casts"]:
-        top["autocast_weight_copies"] = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
-    out["last_block_backward"] = top
-    if sh.layers > 1:
-        bottom = {"activations": A["first_layer"], "upper_block_gradients": (sh.layers - 1) * layer_grads, **common}
-        if A["weight_casts"]:
-            bottom["autocast_weight_copies"] = A["weight_casts_first"]
-        out["first_block_backward"] = bottom
-    if grads_here:
-        end = {"gradients": P * p.grad / shard}
+    return common
+
+
+def step_phases(
+    sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, grads: DeviceGradients
+) -> dict:
+    """The end of the backward (the gradients kept on the device) and the optimizer step."""
+    st, fam = by_key(strategy), family(strategy)
+    P = trainable_params(sh, w)
+    out = {}
+    if grads.kept:
+        end = {"gradients": P * p.grad / grads.shard}
         if sh.tied:
             # the head's V x h contribution waits in the embedding's input buffer until
             # embedding_dense_backward adds its own: a third tensor, unless the head's part is a fresh
             # fp32 cast from an autocast weight copy, accumulated in place
             parts = 1 if (p.autocast and p.param != B16) else 2
-            end["tied_embedding_grad_parts"] = parts * sh.embedding * p.grad / shard
+            end["tied_embedding_grad_parts"] = parts * sh.embedding * p.grad / grads.shard
         out["backward_end"] = end
         if w.optimizer == "foreach":  # _multi_tensor_adamw: exp_avg_sq.sqrt() for every parameter at once
-            out["optimizer_step"] = {"gradients": P * p.grad / shard, "foreach_temporaries": P * p.state / shard}
+            out["optimizer_step"] = {
+                "gradients": P * p.grad / grads.shard,
+                "foreach_temporaries": P * p.state / grads.shard,
+            }
     if fam == "deepspeed" and not st.offload_optimizer:
         if st.zero_stage in (1, 2):
             compact = p.grad == F32 and p.param != F32  # fp32 gradient accumulation of a 16-bit module
