@@ -109,63 +109,9 @@ def build_plan(
         )
     if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
         bandwidth = {**bandwidth, "h2d_gbs": H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
-    rows = []
-    for row in plan_rows(shape, w, n):
-        method_w = Workload(**{**w.__dict__, "method": row["method"]})
-        traffic = step_traffic(shape, method_w, row["strategy"], n, row["regime"])
-        times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
-        host_node = row["host_total"] * gpus  # one process per GPU on each node
-        fit_dev, fit_host = row["device_total"] / gpu_memory, host_node / host_memory
-        rows.append(
-            {
-                "method": row["method"],
-                "strategy": row["strategy"],
-                "description": by_key(row["strategy"]).description,
-                "precision": row["regime"].note,
-                "phase": row["phase"],
-                "attention_kernel": row["attn_kind"],
-                "device": {
-                    "components_gib": {k: gib(v) for k, v in row["device"].items()},
-                    "allocated_gib": gib(row["allocated"]),
-                    "reserved_gib": gib(row["reserved"]),
-                    "cuda_context_gib": CUDA_CONTEXT_GIB,
-                    "total_gib": gib(row["device_total"]),
-                    "phases_gib": {k: gib(v) for k, v in row["phases"].items()},
-                },
-                "host_per_process": {
-                    "components_gib": {k: gib(v) for k, v in row["host"].items()},
-                    "total_gib": gib(row["host_total"]),
-                },
-                "host_per_node_gib": gib(host_node),
-                "device_fraction": round(fit_dev, 4),
-                "host_fraction": round(fit_host, 4),
-                "fits": fit_dev <= MARGIN and fit_host <= MARGIN,
-                "fits_without_margin": fit_dev <= 1 and fit_host <= 1,
-                "communication": {
-                    "collectives_bytes": {k: round(v) for k, v in traffic["collectives"].items()},
-                    "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
-                    **times,
-                },
-                "step_time": step_seconds(shape, method_w, times),
-            }
-        )
+    memory = {"gpus": gpus, "gpu": gpu_memory, "host": host_memory}
+    rows = [plan_row(shape, w, row, n, memory, bandwidth) for row in plan_rows(shape, w, n)]
     p = shape.params
-    how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
-    notes = {
-        "workload": workload_note(cfg, w, overrides),
-        "precision": f"{policy.name}{how}: {policy.summary}",
-        "micro_batch": w.micro_batch,
-        "seq_len": w.seq_len,
-        "gradient_checkpointing": w.gradient_checkpointing,
-        "grad_accum": w.grad_accum,
-        "layout": w.layout,
-        "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": n // shards},
-        "loss_impl": loss_text(w, shape),
-        "optimizer": f"AdamW ({w.optimizer})",
-        "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
-        "constants": {**constants(), **step_time_constants()},
-        "not_modelled": [*NOT_MODELLED, "the host's optimizer step of offloaded optimizers (in the step time)"],
-    }
     return {
         "model": {
             "name": model_name,
@@ -188,10 +134,72 @@ def build_plan(
         },
         "recipe": cfg.recipe,
         "method": w.method,
-        "assumptions": notes,
+        "assumptions": plan_notes(cfg, w, policy, shape, n // shards, overrides),
         "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
         "rows": rows,
         "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n),
+    }
+
+
+def plan_row(shape: Shape, w: Workload, row: dict, n: int, memory: dict, bandwidth: dict) -> dict:
+    """One strategy and method of the plan: its memory, whether it fits, its traffic and step time.
+    `memory`: {"gpus": per node, "gpu": bytes per GPU, "host": bytes per node}."""
+    method_w = Workload(**{**w.__dict__, "method": row["method"]})
+    traffic = step_traffic(shape, method_w, row["strategy"], n, row["regime"])
+    times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
+    host_node = row["host_total"] * memory["gpus"]  # one process per GPU on each node
+    fit_dev, fit_host = row["device_total"] / memory["gpu"], host_node / memory["host"]
+    return {
+        "method": row["method"],
+        "strategy": row["strategy"],
+        "description": by_key(row["strategy"]).description,
+        "precision": row["regime"].note,
+        "phase": row["phase"],
+        "attention_kernel": row["attn_kind"],
+        "device": {
+            "components_gib": {k: gib(v) for k, v in row["device"].items()},
+            "allocated_gib": gib(row["allocated"]),
+            "reserved_gib": gib(row["reserved"]),
+            "cuda_context_gib": CUDA_CONTEXT_GIB,
+            "total_gib": gib(row["device_total"]),
+            "phases_gib": {k: gib(v) for k, v in row["phases"].items()},
+        },
+        "host_per_process": {
+            "components_gib": {k: gib(v) for k, v in row["host"].items()},
+            "total_gib": gib(row["host_total"]),
+        },
+        "host_per_node_gib": gib(host_node),
+        "device_fraction": round(fit_dev, 4),
+        "host_fraction": round(fit_host, 4),
+        "fits": fit_dev <= MARGIN and fit_host <= MARGIN,
+        "fits_without_margin": fit_dev <= 1 and fit_host <= 1,
+        "communication": {
+            "collectives_bytes": {k: round(v) for k, v in traffic["collectives"].items()},
+            "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
+            **times,
+        },
+        "step_time": step_seconds(shape, method_w, times),
+    }
+
+
+def plan_notes(cfg, w: Workload, policy, shape: Shape, dp: int, overrides: list[str]) -> dict:
+    """The plan's assumptions: the workload and where its numbers came from, the policy, the
+    constants, and what is not modelled."""
+    how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
+    return {
+        "workload": workload_note(cfg, w, overrides),
+        "precision": f"{policy.name}{how}: {policy.summary}",
+        "micro_batch": w.micro_batch,
+        "seq_len": w.seq_len,
+        "gradient_checkpointing": w.gradient_checkpointing,
+        "grad_accum": w.grad_accum,
+        "layout": w.layout,
+        "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": dp},
+        "loss_impl": loss_text(w, shape),
+        "optimizer": f"AdamW ({w.optimizer})",
+        "gpu": "compute capability 9.x assumed (cuBLAS workspace 32 MiB)",
+        "constants": {**constants(), **step_time_constants()},
+        "not_modelled": [*NOT_MODELLED, "the host's optimizer step of offloaded optimizers (in the step time)"],
     }
 
 
