@@ -326,10 +326,23 @@ def _mesh(run: Run) -> str:
 
 
 def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tuple[dict, dict]:
-    why: dict[str, str] = {}
+    """(the run's cells, why each missing one is missing)."""
+    row = _recorded_cells(run, base)
+    if run.record is None:
+        return row, {k: "the run failed before writing run.json" for k in row}
+    why = _unrecorded(run, row)
+    _fill_prediction(row, run, why)
+    _fill_cost(row, run, price, why)
+    _fill_against_baseline(row, run, base, why)
+    _fill_scaling(row, run, runs, base, why)
+    return row, why
+
+
+def _recorded_cells(run: Run, base: Run | None) -> dict:
+    """The cells read from the record as they are; the derived ones None until filled."""
     strategy = run.get("strategy", "name")
     offload = run.get("strategy", "offload")
-    row = {
+    return {
         "run": run.label + (" [baseline]" if run is base else ""),
         "status": run.status,
         "strategy": (strategy + (f" ({offload})" if offload not in (None, "none") else "") + _mesh(run))
@@ -363,8 +376,11 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         "scaling_efficiency": None,
         "error": _error_of(run),
     }
-    if run.record is None:
-        return row, {k: "the run failed before writing run.json" for k in row}
+
+
+def _unrecorded(run: Run, row: dict) -> dict[str, str]:
+    """Why the record lacks a section or figure a cell reads."""
+    why: dict[str, str] = {}
     if row["precision"] is None:
         why["precision"] = "no precision section in the record (written before it existed, or failed before Trainer)"
     if run.get("speed") is None:
@@ -375,24 +391,27 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
         why["device_peak_gib"] = (
             "no accelerator memory on a CPU run" if run.get("hardware", "device_type") == "cpu" else "not recorded"
         )
+    return why
 
+
+def _fill_prediction(row: dict, run: Run, why: dict) -> None:
     predicted = run.get("predicted_memory")
-    if predicted:
-        side = "device" if predicted.get("device") else "host"
-        errors = predicted.get("error") or {}
-        if side == "device":  # allocated against the measured allocated peak (records before issue 13: total)
-            dev = predicted["device"]
-            row["predicted_gib"] = dev.get("allocated_gib", dev.get("total_gib"))
-            row["predicted_error"] = (errors.get("device_allocated") or errors.get("device") or {}).get(
-                "relative_error"
-            )
-        else:
-            row["predicted_gib"] = (predicted.get("host") or {}).get("total_gib")
-            row["predicted_error"] = (errors.get("host") or {}).get("relative_error")
-        row["predicted_side"] = side
-    else:
+    if not predicted:
         why["predicted_gib"] = why["predicted_error"] = "no prediction in the record"
+        return
+    side = "device" if predicted.get("device") else "host"
+    errors = predicted.get("error") or {}
+    if side == "device":  # allocated against the measured allocated peak (older records: total)
+        dev = predicted["device"]
+        row["predicted_gib"] = dev.get("allocated_gib", dev.get("total_gib"))
+        row["predicted_error"] = (errors.get("device_allocated") or errors.get("device") or {}).get("relative_error")
+    else:
+        row["predicted_gib"] = (predicted.get("host") or {}).get("total_gib")
+        row["predicted_error"] = (errors.get("host") or {}).get("relative_error")
+    row["predicted_side"] = side
 
+
+def _fill_cost(row: dict, run: Run, price: float | None, why: dict) -> None:
     tokens, train_s, devices = run.get("summary", "total_trained_tokens"), row["train_s"], row["devices"]
     if price is None:
         why["cost_per_mtok"] = "no --gpu-hour-price given"
@@ -401,24 +420,29 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     else:
         row["cost_per_mtok"] = price * devices * (train_s / 3600) / (tokens / 1e6)
 
-    tps = row["tokens_per_s"]
+
+def _fill_against_baseline(row: dict, run: Run, base: Run | None, why: dict) -> None:
+    """Speedup and memory ratio against the baseline."""
     if base is None:
         why["speedup"] = why["memory_ratio"] = "no baseline among the runs"
+        return
+    tps, base_tps = row["tokens_per_s"], base.get("throughput", "trained_tokens_per_s")
+    if tps is not None and base_tps:
+        row["speedup"] = tps / base_tps
     else:
-        base_tps = base.get("throughput", "trained_tokens_per_s")
-        if tps is not None and base_tps:
-            row["speedup"] = tps / base_tps
-        else:
-            why["speedup"] = "no tokens/s recorded" + (" for the baseline" if not base_tps else "")
-        mine, theirs, basis = memory_pair(run, base)
-        row["peak_gib"], row["memory_basis"] = mine, basis
-        if mine is not None and theirs:
-            row["memory_ratio"] = mine / theirs
-        else:
-            why["memory_ratio"] = "no memory peak recorded"
+        why["speedup"] = "no tokens/s recorded" + (" for the baseline" if not base_tps else "")
+    mine, theirs, basis = memory_pair(run, base)
+    row["peak_gib"], row["memory_basis"] = mine, basis
+    if mine is not None and theirs:
+        row["memory_ratio"] = mine / theirs
+    else:
+        why["memory_ratio"] = "no memory peak recorded"
 
+
+def _fill_scaling(row: dict, run: Run, runs: list[Run], base: Run | None, why: dict) -> None:
+    """Scaling efficiency against the single-device run of the same method."""
     single = same_method_single(run, runs, base)
-    n = row["devices"]
+    tps, n = row["tokens_per_s"], row["devices"]
     if single is None:
         why["scaling_efficiency"] = f"no single-device {row['method']} run among the runs"
     elif tps is None or not n:
@@ -426,7 +450,6 @@ def _row(run: Run, runs: list[Run], base: Run | None, price: float | None) -> tu
     else:
         row["scaling_efficiency"] = tps / (n * single.get("throughput", "trained_tokens_per_s"))
         row["scaling_reference"] = single.label
-    return row, why
 
 
 def _task_metric(run: Run) -> str | None:
