@@ -16,6 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+from transformers import TrainerCallback
+
+from finetune.telemetry.meter import Meter, batch_counts
+
 
 def main(argv=None) -> int:
     spec_path, out_path = (argv or sys.argv[1:])[:2]
@@ -39,57 +43,36 @@ def run(spec: dict) -> dict:
     return result
 
 
+class SideClock(TrainerCallback):
+    """Drives a side's own meter: its step clock and memory tracker (the counts come from the
+    collator, `counting_collator`). Changes nothing about the training."""
+
+    def __init__(self, meter: Meter, *, reset_peaks: bool):
+        self.meter, self.reset_peaks = meter, reset_peaks
+
+    def on_train_begin(self, *a, **k):
+        if self.reset_peaks:  # FinetuneTrainer's own meter resets (and keeps) our side's peaks
+            self.meter.memory.reset()  # peaks from here on are training, not model loading
+
+    def on_step_begin(self, *a, **k):
+        self.meter.step_begin()
+
+    def on_step_end(self, *a, **k):
+        self.meter.step_end()
+        self.meter.memory.sample()
+
+
 def _run(spec: dict, attention_record: dict) -> dict:
     import datasets
     import torch
-    from transformers import TrainerCallback
-
-    from finetune.modeling import loss
-    from finetune.telemetry import formulas, model_flops
-    from finetune.telemetry.meter import Meter, batch_counts
-    from finetune.training import precision_live
 
     ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
-    dataset = datasets.Dataset.from_list(rows)
     meter = Meter()  # this side's own: its clock and memory; the counts come from the collator below
-    batches: list[tuple[int, int, int, int, int]] = []  # trained, real input tokens, rows, positions, sum T_i^2
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            if not ours:  # FinetuneTrainer's own meter resets (and keeps) our side's peaks
-                meter.memory.reset()  # peaks from here on are training, not model loading
-
-        def on_step_begin(self, *a, **k):
-            meter.step_begin()
-
-        def on_step_end(self, *a, **k):
-            meter.step_end()
-            meter.memory.sample()
-
     torch.manual_seed(spec["seed"])
-    if ours:
-        trainer = _our_trainer(spec, dataset, [Clock()])
-    elif spec["side"] == "plain_trainer":
-        from finetune.bench import baselines
-
-        trainer = baselines.plain_trainer(spec, dataset, [Clock()])
-    else:
-        from finetune.bench import baselines
-
-        trainer = baselines.trl_trainer(spec, dataset, [Clock()], tuned=spec["side"] == "trl_tuned")
-    collator = trainer.data_collator
-
-    def counting(features):
-        batch = collator(features)
-        # real input tokens, trained tokens, examples, squared example lengths (the attention FLOPs:
-        # finetune/telemetry/model_flops.py), as FinetuneTrainer counts them; positions computed =
-        # real tokens + padding (the batch's input_ids size)
-        n_input, n_trained, _, sum_sq = batch_counts(dict(batch)).tolist()
-        batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel()), sum_sq))
-        return batch
-
-    trainer.data_collator = counting  # Trainer builds its data loader from this attribute in train()
+    trainer = build_side(spec, datasets.Dataset.from_list(rows), [SideClock(meter, reset_peaks=not ours)])
+    batches: list[tuple[int, int, int, int, int]] = []  # trained, real input tokens, rows, positions, sum T_i^2
+    trainer.data_collator = counting_collator(trainer.data_collator, batches)  # Trainer builds its loader from it
     trainer.train()
     # Our side's peaks, device and host, are the trainer's own training peaks (max over its log
     # windows): its meter resets torch's peak counters and the kernel's VmHWM at every log, so
@@ -99,46 +82,87 @@ def _run(spec: dict, attention_record: dict) -> dict:
         peak_source = "FinetuneTrainer run peak (max over its log windows)"
     else:
         mem, peak_source = meter.memory.snapshot(), "worker tracker (reset at train begin)"
-    device_peak = mem["device_peak_allocated_gib"]
     steps = [s[0] for s in meter.steps]
-    n = len(steps)
-    trained, inputs, samples, positions, sum_sq = ([b[i] for b in batches[:n]] for i in range(5))
-    r = formulas.rates(steps, trained, inputs, samples, warmup=spec["warmup_steps"])
-    warm = r["excluded"]
-    counter, why = model_flops.from_model(trainer.model, spec["method"])
-    total_flops = sum(counter.flops(i, q) for i, q in zip(inputs[warm:], sum_sq[warm:])) if counter else None
-    flops = total_flops / sum(inputs[warm:]) if total_flops and sum(inputs[warm:]) else None  # per input token
-    convention = counter.convention if counter else f"no FLOPs figure: {why}"
-    peak = formulas.device_peak()
-    input_tps = r["input_tokens_per_s"]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    live = precision_live.read_live(trainer)
+    figures = measured(spec, trainer, steps, batches[: len(steps)])
     return {
         "side": spec["side"],
         "trainer": type(trainer).__name__,
         "method": spec["method"],
         "round": spec["round"],
-        "steps": n,
+        **figures,
+        "device_peak_allocated_gib": mem["device_peak_allocated_gib"],
+        "device_peak_source": peak_source,
+        "host_peak_rss_gib": mem["host_peak_rss_gib"],
+        "attention": attention_record,
+        **live_settings(spec, trainer, ours),
+    }
+
+
+def build_side(spec: dict, dataset, callbacks: list):
+    """The side's trainer: ours as `finetune train` builds it, or a baseline (finetune/bench/baselines.py)."""
+    from finetune.bench import baselines
+
+    if spec["side"] == "finetune":
+        return _our_trainer(spec, dataset, callbacks)
+    if spec["side"] == "plain_trainer":
+        return baselines.plain_trainer(spec, dataset, callbacks)
+    return baselines.trl_trainer(spec, dataset, callbacks, tuned=spec["side"] == "trl_tuned")
+
+
+def counting_collator(collator, batches: list):
+    """The side's collator, counting each batch into `batches`: trained tokens, real input tokens,
+    examples, positions computed (real tokens + padding: the input_ids size) and squared example
+    lengths (the attention FLOPs: finetune/telemetry/model_flops.py), as FinetuneTrainer counts them."""
+
+    def counting(features):
+        batch = collator(features)
+        n_input, n_trained, _, sum_sq = batch_counts(dict(batch)).tolist()
+        batches.append((int(n_trained), int(n_input), len(features), int(batch["input_ids"].numel()), sum_sq))
+        return batch
+
+    return counting
+
+
+def measured(spec: dict, trainer, steps: list[float], batches: list) -> dict:
+    """Step times, counts, throughput, MFU and losses of the side's run (the warm-up steps left out
+    of the rates)."""
+    from finetune.telemetry import formulas, model_flops
+
+    trained, inputs, samples, positions, sum_sq = ([b[i] for b in batches] for i in range(5))
+    r = formulas.rates(steps, trained, inputs, samples, warmup=spec["warmup_steps"])
+    warm = r["excluded"]
+    counter, why = model_flops.from_model(trainer.model, spec["method"])
+    total_flops = sum(counter.flops(i, q) for i, q in zip(inputs[warm:], sum_sq[warm:])) if counter else None
+    flops = total_flops / sum(inputs[warm:]) if total_flops and sum(inputs[warm:]) else None  # per input token
+    peak = formulas.device_peak()
+    return {
+        "steps": len(steps),
         "warmup_steps_excluded": warm,
         "step_s": steps,
         "trained_tokens": trained,
         "input_tokens": inputs,
         "rows": samples,
         "positions": positions,
-        "losses": losses,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "padding_fraction": 1 - sum(inputs) / sum(positions) if sum(positions) else None,
         "trained_tokens_per_s": r["trained_tokens_per_s"],
-        "input_tokens_per_s": input_tps,
+        "input_tokens_per_s": r["input_tokens_per_s"],
         "median_step_s": r["median_step_s"],
         "mfu": formulas.mfu(total_flops, r["seconds"], peak[1] if peak else None),
         "flops_per_token": flops,
-        "flops_convention": convention,
+        "flops_convention": counter.convention if counter else f"no FLOPs figure: {why}",
         "peak_device": peak[0] if peak else None,
-        "device_peak_allocated_gib": device_peak,
-        "device_peak_source": peak_source,
-        "host_peak_rss_gib": mem["host_peak_rss_gib"],
-        "attention": attention_record,
-        "training_args": json.loads(trainer.args.to_json_string()),  # the live TrainingArguments
+    }
+
+
+def live_settings(spec: dict, trainer, ours: bool) -> dict:
+    """The side's live TrainingArguments, loss and precision, read back from its objects."""
+    from finetune.modeling import loss
+    from finetune.training import precision_live
+
+    live = precision_live.read_live(trainer)
+    return {
+        "training_args": json.loads(trainer.args.to_json_string()),
         "loss_impl": loss.installed(trainer.model) if ours else LOSSES[spec["side"]],
         "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_live.py)
             "policy": spec["precision"],
