@@ -83,10 +83,8 @@ def run(args) -> int:
     """The benchmark of parsed options (finetune/bench/options.py)."""
     import torch
 
-    from finetune.bench import worker
     from finetune.config.sections import ModelConfig
     from finetune.modeling.load import load_tokenizer
-    from finetune.training import speed
 
     out = storage.own_directory(Path(args.out).resolve(), "finetune bench", "report.*, data.jsonl, models/, runs/")
     cuda = torch.cuda.is_available()
@@ -102,27 +100,7 @@ def run(args) -> int:
     policy = precision.resolve(args.precision, cuda, cuda and torch.cuda.is_bf16_supported())
     if policy.needs_cuda and not cuda:
         raise UserError(f"--precision {policy.name}: needs a CUDA device; this machine has none (use 32-true or auto)")
-    common = {
-        "model_dir": str(model_dir),
-        "data_file": str(data_file),
-        "seq_len": args.seq_len,
-        "batch": args.batch,
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "seed": args.seed,
-        "learning_rate": args.learning_rate,
-        "precision": policy.name,
-        "attn_implementation": args.attn_implementation,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "layout": args.layout,
-        "torch_compile": args.torch_compile,
-        "liger": args.liger,
-        "loss_impl": args.loss_impl,
-        "sdpa_backends": args.sdpa_backends,
-        "pad_to_multiple_of": args.pad_to_multiple_of,
-    }
-    # Our side's options pass the checks a recipe passes (boundary safety, attention, Liger on this machine).
-    speed.check(worker.config_of({**common, "method": args.methods[0], "output_dir": str(out / "runs")}))
+    common = common_spec(args, model_dir, data_file, policy.name, out)
     lengths = sorted(len(r["input_ids"]) for r in rows)
     print(
         f"[bench] {len(rows)} examples, tokens per example: median {lengths[len(lengths) // 2]}, "
@@ -130,32 +108,7 @@ def run(args) -> int:
         f"precision {policy.name} ({policy.summary}) on every side; ours: {OURS}",
         flush=True,
     )
-
-    sides = ("finetune", *dict.fromkeys(BASELINES[b] for b in args.baseline))
-    results, failures, ours_args = [], [], {}
-    for method in args.methods:
-        for r in range(args.rounds):
-            for side in sides:  # the same order every round: each side's runs spread evenly over the load
-                spec = {
-                    **common,
-                    "side": side,
-                    "method": method,
-                    "round": r,
-                    "output_dir": str(out / "runs" / f"{method}-{side}-{r}"),
-                }
-                load = os.getloadavg()[0]
-                like_ours = args.baseline_like_ours and side != "finetune"
-                if like_ours and method not in ours_args:  # not run as users run it instead, silently
-                    result = {**{k: spec[k] for k in ("side", "method", "round")}, "error": "ours failed: no settings"}
-                else:
-                    if like_ours:
-                        spec["ours_args"] = ours_args[method]
-                    result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
-                result["load_1min"] = [load, os.getloadavg()[0]]  # at the run's start and end
-                if side == "finetune" and "error" not in result:
-                    ours_args.setdefault(method, result["training_args"])
-                (results if "error" not in result else failures).append(result)
-                bench_report.print_run(result)
+    results, failures = run_sides(args, common, out)
     report = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": sys.argv,
@@ -170,20 +123,81 @@ def run(args) -> int:
         "runs": results,
         "failures": failures,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    table = bench_report.markdown_table(report["summary"], precision=policy.name, ours=OURS)
-    table += "\n\n" + bench_report.settings_table(report["settings_differences"], like_ours=args.baseline_like_ours)
-    loads = [x for r in results + failures for x in r["load_1min"]]
-    table += f"\n\n1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
-    (out / "report.md").write_text(table + "\n")
-    print("\n" + table, flush=True)
-    print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
+    write_report(report, args, out)
     if failures:
         raise UserError(
             f"{len(failures)} benchmark run(s) failed: "
             + "; ".join(f"{f['method']} {f['side']} round {f['round']}: {f['error']}" for f in failures)
         )
     return 0
+
+
+def common_spec(args, model_dir: Path, data_file: Path, policy: str, out: Path) -> dict:
+    """What every side's run is given; our side's options pass the checks a recipe passes first
+    (boundary safety, attention, Liger on this machine)."""
+    from finetune.bench import worker
+    from finetune.training import speed
+
+    common = {
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "precision": policy,
+        "attn_implementation": args.attn_implementation,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "layout": args.layout,
+        "torch_compile": args.torch_compile,
+        "liger": args.liger,
+        "loss_impl": args.loss_impl,
+        "sdpa_backends": args.sdpa_backends,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
+    }
+    speed.check(worker.config_of({**common, "method": args.methods[0], "output_dir": str(out / "runs")}))
+    return common
+
+
+def run_sides(args, common: dict, out: Path) -> tuple[list[dict], list[dict]]:
+    """(results, failures) of every method, round and side, the sides in the same order every round:
+    each side's runs spread evenly over the machine's load."""
+    sides = ("finetune", *dict.fromkeys(BASELINES[b] for b in args.baseline))
+    results, failures, ours_args = [], [], {}
+    for method in args.methods:
+        for r in range(args.rounds):
+            for side in sides:
+                spec = {**common, "side": side, "method": method, "round": r}
+                spec["output_dir"] = str(out / "runs" / f"{method}-{side}-{r}")
+                load = os.getloadavg()[0]
+                like_ours = args.baseline_like_ours and side != "finetune"
+                if like_ours and method not in ours_args:  # not run as users run it instead, silently
+                    result = {**{k: spec[k] for k in ("side", "method", "round")}, "error": "ours failed: no settings"}
+                else:
+                    if like_ours:
+                        spec["ours_args"] = ours_args[method]
+                    result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
+                result["load_1min"] = [load, os.getloadavg()[0]]  # at the run's start and end
+                if side == "finetune" and "error" not in result:
+                    ours_args.setdefault(method, result["training_args"])
+                (results if "error" not in result else failures).append(result)
+                bench_report.print_run(result)
+    return results, failures
+
+
+def write_report(report: dict, args, out: Path) -> None:
+    """report.json and report.md (also printed): the summary table, the settings that differ, the load."""
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    policy = report["precision"]["policy"]
+    table = bench_report.markdown_table(report["summary"], precision=policy, ours=OURS)
+    table += "\n\n" + bench_report.settings_table(report["settings_differences"], like_ours=args.baseline_like_ours)
+    loads = [x for r in report["runs"] + report["failures"] for x in r["load_1min"]]
+    table += f"\n\n1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
+    (out / "report.md").write_text(table + "\n")
+    print("\n" + table, flush=True)
+    print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)
 
 
 OURS = "ResilientTrainer as finetune train builds it (finetune/training/build.py)"

@@ -62,6 +62,13 @@ BASELINES = {"plain-trainer": "plain_trainer", "trl-plain": "trl_plain", "trl-tu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options in the order --help lists them: the workload, the sides, the data and the runs."""
+    add_workload(p)
+    add_sides(p)
+    add_data_and_runs(p)
+
+
+def add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape",
         choices=SHAPES,
@@ -80,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3,
         help="runs per side and method, the sides interleaved (A B C, A B C, ...); a ratio needs 3 for a verdict",
     )
+
+
+def add_sides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="padding_free", help="our side's batch layout")
     p.add_argument(
         "--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"], help="both sides"
@@ -119,6 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "separated list of flash, efficient, math, cudnn",
     )
     p.add_argument("--pad-to-multiple-of", type=int, default=None, help="our side's data.pad_to_multiple_of")
+
+
+def add_data_and_runs(p: argparse.ArgumentParser) -> None:
+    """The shape-overhead mode, Liger, the synthetic rows, the seed, and where and how the runs go."""
     p.add_argument(
         "--shape-overhead",
         action="store_true",

@@ -37,61 +37,18 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from finetune.modeling import attention
-
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
-    ).to(device)
+    ).to("cuda" if cuda else "cpu")
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    vocab = model.config.vocab_size
-    fixed = [min(300, args.seq_len)] * 8
-
-    def step(lens: list[int], bucket: int | None) -> float:
-        n = sum(lens)
-        filler = (-n % bucket) if bucket else 0
-        ids = torch.randint(0, vocab, (1, n + filler), device=device)
-        pos = torch.cat(
-            [torch.arange(x, device=device) for x in lens[:-1]] + [torch.arange(lens[-1] + filler, device=device)]
-        ).unsqueeze(0)
-        labels = ids.clone()
-        labels[0, n:] = -100
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        model(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
-
     results = []
     for name, policy, variable, bucket in ROWS:
         if policy == "auto" and not cuda:
             results.append({"row": name, "median_ms": None, "note": "n/a: no cuDNN on CPU (auto changes nothing)"})
             continue
-        rng = random.Random(args.seed)
-        with attention.flags_restored():
-            enabled = attention.apply(policy, device)["sdpa_backends_enabled"]
-            times = [
-                step(lengths(rng, args) if variable else fixed, bucket) for _ in range(args.warmup_steps + args.steps)
-            ]
-        timed = times[args.warmup_steps :]
-        results.append(
-            {
-                "row": name,
-                "sdpa_policy": policy,
-                "sdpa_backends_enabled": enabled,
-                "bucket": bucket,
-                "median_ms": round(1e3 * statistics.median(timed), 2),
-                "first_ms": round(1e3 * times[0], 2),
-                "min_ms": round(1e3 * min(timed), 2),
-                "steps": len(timed),
-            }
-        )
+        results.append(measure_row(args, model, opt, name, policy, variable, bucket))
         print(f"[shape-overhead] {name:36s} median {results[-1]['median_ms']:9.2f} ms", flush=True)
     report = {
         "shape": args.shape,
@@ -116,3 +73,53 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
     (out / "shapes.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines) + f"\n\n[shape-overhead] {out / 'shapes.json'}, {out / 'shapes.md'}", flush=True)
     return 0
+
+
+def measure_row(args, model, opt, name: str, policy: str, variable: bool, bucket: int | None) -> dict:
+    """Warm-up and timed steps of one row under its SDPA policy (restored afterwards)."""
+    from finetune.modeling import attention
+
+    rng = random.Random(args.seed)
+    fixed = [min(300, args.seq_len)] * 8
+    with attention.flags_restored():
+        enabled = attention.apply(policy, model.device.type)["sdpa_backends_enabled"]
+        times = [
+            timed_step(model, opt, lengths(rng, args) if variable else fixed, bucket)
+            for _ in range(args.warmup_steps + args.steps)
+        ]
+    timed = times[args.warmup_steps :]
+    return {
+        "row": name,
+        "sdpa_policy": policy,
+        "sdpa_backends_enabled": enabled,
+        "bucket": bucket,
+        "median_ms": round(1e3 * statistics.median(timed), 2),
+        "first_ms": round(1e3 * times[0], 2),
+        "min_ms": round(1e3 * min(timed), 2),
+        "steps": len(timed),
+    }
+
+
+def timed_step(model, opt, lens: list[int], bucket: int | None) -> float:
+    """Seconds of one forward + backward + AdamW step on the examples of `lens` packed into one row
+    (padded up to a multiple of `bucket` tokens when given)."""
+    import torch
+
+    device, cuda = model.device, model.device.type == "cuda"
+    n = sum(lens)
+    filler = (-n % bucket) if bucket else 0
+    ids = torch.randint(0, model.config.vocab_size, (1, n + filler), device=device)
+    pos = torch.cat(
+        [torch.arange(x, device=device) for x in lens[:-1]] + [torch.arange(lens[-1] + filler, device=device)]
+    ).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, n:] = -100
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    model(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
