@@ -289,7 +289,7 @@ def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
         # stage3.py _create_fp32_partitions means to share the module partition when it already has the
         # master dtype, but compares the partition's torch.device with self.device, a *string*
         # (get_accelerator().current_device_name()): never equal, so ZeRO-3 clones it too (DeepSpeed
-        # 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy: issue 13).
+        # 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy).
         return ParamBytes(
             params=compute,
             grads=compute,

@@ -303,7 +303,7 @@ def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
     log-softmax, nll_loss's grad and log_softmax's grad, all fp32 T x V; the logits and their fp32
     copy are gone (Trainer.compute_loss keeps only the loss; nothing saves them).
 
-    chunked (issue 14's finetune/modeling/loss.py ChunkedLinearCrossEntropy): keeps the head's input
+    chunked (finetune/modeling/loss.py ChunkedLinearCrossEntropy): keeps the head's input
     and an fp32 log-sum-exp per token; one chunk of `chunk` tokens' logits at a time (forward: the
     logits made fp32 + logsumexp's fp32 temporary; backward: the recomputed logits made fp32 and
     their compute-dtype copy), the hidden grad, the head's fp32 weight-grad accumulator when the

@@ -266,7 +266,7 @@ def record_prediction(
         seq_len = min(max(lengths), cfg.data.max_length)
         masked = min(lengths) < longest_row(micro_batch_of(cfg), seq_len, cfg.data)  # bucketing pads equal lengths too
         source = "longest tokenized training example (data.max_length caps it)"
-    speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # issue 14's record, when present
+    speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # the run's loss section, when present
     on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
     sm = None
     if on_gpu:

@@ -1,9 +1,8 @@
 """What a training run holds in which dtype, as the memory planner needs it: bytes per element
 of the weights, gradients, optimizer states, master copy and compute, for one precision policy,
-method and strategy. The policy names and what each keeps are issue 12's (`finetune/precision.py`,
-docs in README "Precision"); this module turns them into the live dtypes the memory arithmetic
-(finetune/planning/activations.py, memory.py) follows, strategy by strategy, because the same
-policy is carried out differently by torch autocast, FSDP2's MixedPrecisionPolicy and DeepSpeed.
+method and strategy. The policies are `finetune/precision.py`'s; this module turns them into the
+live dtypes the memory arithmetic follows, strategy by strategy, because the same policy is carried
+out differently by torch autocast, FSDP2's MixedPrecisionPolicy and DeepSpeed.
 
 `legacy_regime` is what the project did before the policy existed (run records without a
 `precision` section, e.g. the six H200 calibration records of 2026-11-22): the model loaded in
@@ -141,7 +140,7 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
 
 def regime_of_record(record: dict, method: str, strategy: str) -> Regime:
     """The regime a recorded run (a parsed run.json) had: its `precision.policy` when the record
-    has one (issue 12: read from the live run, and the run stops when it differs from the policy),
+    has one (read from the live run, which stops when it differs from the policy),
     else the legacy rules for the record's device type and model.dtype."""
     policy = (record.get("precision") or {}).get("policy")
     if policy:

@@ -223,7 +223,7 @@ class Workload:
     seq_len: int  # the longest row (padded layout), the packed row length, or each example's cap
     grad_accum: int = 1
     gradient_checkpointing: bool = False
-    # precision policy (issue 12), resolved: bf16-mixed | bf16-true | 16-mixed | 32-true, or
+    # precision policy, resolved: bf16-mixed | bf16-true | 16-mixed | 32-true, or
     # "legacy" for what the project did before the policy (finetune/planning/regimes.py)
     precision: str = "bf16-mixed"
     lora_r: int = 16
@@ -236,8 +236,8 @@ class Workload:
     # padding_free: the batch as ONE row of T tokens with position_ids (data.padding_free)
     layout: str = "padded"
     masked: bool = False  # padded layout: some batch carries padding (an attention mask reaches SDPA)
-    loss_impl: str = "standard"  # standard | chunked | liger (issue 14's training.loss_impl)
-    loss_chunk_tokens: int | None = None  # None: issue 14's automatic chunk (memory.chunk_tokens)
+    loss_impl: str = "standard"  # standard | chunked | liger (training.loss_impl)
+    loss_chunk_tokens: int | None = None  # None: the automatic chunk (memory.chunk_tokens)
     optimizer: str = "fused"  # adamw_torch_fused (Trainer's default with torch >= 2.8) | foreach
     legacy_model_dtype: str = "auto"  # model.dtype, only read by the "legacy" precision
     # the mesh (finetune/mesh.py): sequence shards (Ulysses), tensor-parallel ranks, context shards
