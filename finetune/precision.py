@@ -211,14 +211,6 @@ def resolve(name: str, device_has_cuda: bool, cuda_bf16: bool) -> Policy:
     return get(name)
 
 
-def resolve_here(name: str) -> Policy:
-    """`resolve` for the device this process sees (imports torch)."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    return resolve(name, cuda, cuda and torch.cuda.is_bf16_supported())
-
-
 def torch_dtype(name: str | None):
     """ "bfloat16" -> torch.bfloat16 (None stays None)."""
     import torch

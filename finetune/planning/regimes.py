@@ -12,7 +12,7 @@ autocast. Evidence per strategy in docs/planning.md "Which regime a run had"; so
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from finetune import precision
 
@@ -32,9 +32,6 @@ class Regime:
     autocast: bool = False  # torch.autocast around the forward pass (Accelerate's native AMP)
     compute: int | None = None  # FSDP2 MixedPrecisionPolicy param_dtype: the unsharded working copies
     note: str = ""  # how the strategy carries the policy out (source)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     @property
     def param_compute(self) -> int:
