@@ -25,7 +25,7 @@ import math
 
 from finetune import precision, strategies
 from finetune.compare import comparable
-from finetune.doctor import lines
+from finetune.doctor import report
 from finetune.telemetry.record import RecordView
 
 S = "strategies"
@@ -188,12 +188,12 @@ def differences(ref: dict, rec: dict) -> list[str]:
 
 def agreement_line(
     name: str, cmp: dict, policy: str, run_dirs: tuple[str, str], ref_name: str = "single", overrides: list[str] = ()
-) -> lines.Line:
+) -> report.Line:
     """The loss comparison's verdict; `run_dirs`: (reference, this run)."""
     tol = TOLERANCES.get(policy)
     data = {k: v for k, v in cmp.items() if k != "loss"}
     if cmp.get("missing_steps"):
-        return lines.problem(
+        return report.problem(
             S,
             f"{name} losses",
             f"the records do not both log steps 1..N (got {cmp['steps']})",
@@ -201,7 +201,7 @@ def agreement_line(
             **data,
         )
     if tol is None:
-        return lines.skipped(
+        return report.skipped(
             S,
             f"{name} losses",
             f"no tolerance derived for {policy}; largest relative difference "
@@ -222,7 +222,7 @@ def agreement_line(
     if why:
         settings = f"; the records differ in {', '.join(cmp['differs'])}" if cmp["differs"] else ""
         asked = f" (misconfigured on purpose by --override: {', '.join(overrides)})" if overrides else ""
-        return lines.problem(
+        return report.problem(
             S,
             f"{name} losses",
             "; ".join(why) + settings + asked,
@@ -231,7 +231,7 @@ def agreement_line(
             f"nothing differs, report it with doctor.json",
             **data,
         )
-    return lines.ok(
+    return report.ok(
         S,
         f"{name} losses",
         f"within {tol['loss']:g} of {ref_name} at every step (largest "

@@ -14,7 +14,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from finetune.doctor import lines
+from finetune.doctor import report
 from finetune.doctor.devices import Devices
 from finetune.units import GIB
 
@@ -42,7 +42,7 @@ def requirement(package: str) -> str:
     return package
 
 
-def versions(importer=importlib.import_module) -> list[lines.Line]:
+def versions(importer=importlib.import_module) -> list[report.Line]:
     """One line per package: its version, or why it does not import."""
     out = []
     for name in PACKAGES:
@@ -51,7 +51,7 @@ def versions(importer=importlib.import_module) -> list[lines.Line]:
         except Exception as e:  # not installed, or installed and broken (e.g. a CUDA mismatch at import)
             what = "not installed" if isinstance(e, ModuleNotFoundError) else "does not import"
             out.append(
-                lines.problem(
+                report.problem(
                     S,
                     name,
                     f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
@@ -60,7 +60,7 @@ def versions(importer=importlib.import_module) -> list[lines.Line]:
             )
             continue
         out.append(
-            lines.ok(
+            report.ok(
                 S,
                 name,
                 str(getattr(module, "__version__", "unknown version")),
@@ -70,13 +70,13 @@ def versions(importer=importlib.import_module) -> list[lines.Line]:
     return out
 
 
-def cuda(dev: Devices) -> list[lines.Line]:
+def cuda(dev: Devices) -> list[report.Line]:
     """CUDA, NCCL and one line per GPU."""
     torch_version = dev.torch_version.split("+")[0]
     if not dev.cuda_build:
         if dev.driver_gpus:
             return [
-                lines.problem(
+                report.problem(
                     S,
                     "CUDA",
                     f"torch {dev.torch_version} is the CPU build, but the NVIDIA driver lists {dev.driver_gpus} GPU(s)",
@@ -93,7 +93,7 @@ def cuda(dev: Devices) -> list[lines.Line]:
         )
     if not dev.cuda_available:
         return [
-            lines.problem(
+            report.problem(
                 S,
                 "CUDA",
                 f"the NVIDIA driver lists {dev.driver_gpus} GPU(s) and torch "
@@ -105,13 +105,13 @@ def cuda(dev: Devices) -> list[lines.Line]:
             )
         ]
     out = [
-        lines.ok(S, "CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible ({visible})", build=dev.cuda_build)
+        report.ok(S, "CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible ({visible})", build=dev.cuda_build)
     ]
     if dev.nccl_available:
-        out.append(lines.ok(S, "NCCL", dev.nccl_version or "unknown version", version=dev.nccl_version))
+        out.append(report.ok(S, "NCCL", dev.nccl_version or "unknown version", version=dev.nccl_version))
     else:
         out.append(
-            lines.problem(
+            report.problem(
                 S,
                 "NCCL",
                 f"torch {dev.torch_version} has no NCCL backend: GPU collectives cannot run",
@@ -134,10 +134,10 @@ def cuda(dev: Devices) -> list[lines.Line]:
             "pcie": list(gpu.pcie) if gpu.pcie else None,
         }
         if has_kernels(dev.arch_list, gpu.capability):
-            out.append(lines.ok(S, f"GPU {gpu.index}", detail, **data))
+            out.append(report.ok(S, f"GPU {gpu.index}", detail, **data))
         else:
             out.append(
-                lines.problem(
+                report.problem(
                     S,
                     f"GPU {gpu.index}",
                     f"{detail}: torch {dev.torch_version} has no kernels for "
@@ -150,11 +150,11 @@ def cuda(dev: Devices) -> list[lines.Line]:
     return out
 
 
-def _no_gpu(why: str) -> list[lines.Line]:
+def _no_gpu(why: str) -> list[report.Line]:
     return [
-        lines.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
-        lines.skipped(S, "NCCL", "no CUDA: collectives use gloo"),
-        lines.skipped(S, "GPUs", "no CUDA device"),
+        report.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
+        report.skipped(S, "NCCL", "no CUDA: collectives use gloo"),
+        report.skipped(S, "GPUs", "no CUDA device"),
     ]
 
 
@@ -172,15 +172,15 @@ def has_kernels(arch_list: list[str], capability: tuple[int, int]) -> bool:
     return False
 
 
-def peer_access(dev: Devices, env=os.environ) -> list[lines.Line]:
+def peer_access(dev: Devices, env=os.environ) -> list[report.Line]:
     if len(dev.gpus) < 2:
-        return [lines.skipped(S, "GPU peer access", f"{len(dev.gpus)} GPU(s): no pair to connect")]
+        return [report.skipped(S, "GPU peer access", f"{len(dev.gpus)} GPU(s): no pair to connect")]
     matrix = "; ".join(f"{p.a}-{p.b} P2P {'yes' if p.peer_access else 'no'}, {p.link}" for p in dev.pairs)
     data = {"pairs": [vars(p) for p in dev.pairs], "nvml": dev.nvml_note}
     broken = [p for p in dev.pairs if p.nvlinks and not p.peer_access]
     if broken:
         return [
-            lines.problem(
+            report.problem(
                 S,
                 "GPU peer access",
                 f"{matrix}: NVLink is up but CUDA peer access is off for {', '.join(f'{p.a}-{p.b}' for p in broken)}",
@@ -190,7 +190,7 @@ def peer_access(dev: Devices, env=os.environ) -> list[lines.Line]:
         ]
     if env.get("NCCL_P2P_DISABLE", "0") not in ("", "0") and any(p.peer_access for p in dev.pairs):
         return [
-            lines.problem(
+            report.problem(
                 S,
                 "GPU peer access",
                 f"{matrix}; but NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']} keeps NCCL off these links",
@@ -199,10 +199,10 @@ def peer_access(dev: Devices, env=os.environ) -> list[lines.Line]:
             )
         ]
     note = "" if dev.nvml_note is None else f" ({dev.nvml_note})"
-    return [lines.ok(S, "GPU peer access", matrix + note, **data)]
+    return [report.ok(S, "GPU peer access", matrix + note, **data)]
 
 
-def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> lines.Line:
+def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> report.Line:
     """Available RAM against what the doctor's runs take: each process's base RSS (the planner's
     constants, finetune/planning/host.py) for the ranks plus the launcher."""
     import psutil
@@ -219,7 +219,7 @@ def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> lines.Line
         "need_gib": round(need, 2),
     }
     if vm.available / GIB < need:
-        return lines.problem(
+        return report.problem(
             S,
             "host RAM",
             f"{detail}: the doctor's {processes} rank(s) + launcher need about "
@@ -227,10 +227,10 @@ def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> lines.Line
             "stop other processes using memory (see `top`), or use a machine with more RAM",
             **data,
         )
-    return lines.ok(S, "host RAM", detail, **data)
+    return report.ok(S, "host RAM", detail, **data)
 
 
-def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> lines.Line:
+def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> report.Line:
     where = Path(out_dir).resolve()
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -238,7 +238,7 @@ def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> lines.Line:
     free = usage.free / GIB
     detail = f"{free:.1f} GiB free of {usage.total / GIB:.1f} GiB at {where}"
     if free < MIN_FREE_DISK_GIB:
-        return lines.problem(
+        return report.problem(
             S,
             "disk",
             f"{detail}: under {MIN_FREE_DISK_GIB:g} GiB",
@@ -247,10 +247,10 @@ def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> lines.Line:
             free_gib=round(free, 2),
             path=str(where),
         )
-    return lines.ok(S, "disk", detail, free_gib=round(free, 2), path=str(where))
+    return report.ok(S, "disk", detail, free_gib=round(free, 2), path=str(where))
 
 
-def default_accelerate_config(recipe: str | None, path: Path | None = None) -> lines.Line:
+def default_accelerate_config(recipe: str | None, path: Path | None = None) -> report.Line:
     """Whether `accelerate config` left a default config, what it sets up, and (with --recipe)
     whether a plain `accelerate launch` of that recipe would be refused (docs/preflight.md)."""
     from finetune.launch.configs import from_config_file
@@ -261,11 +261,11 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> l
         path = Path(default_config_file)
     name = "accelerate default config"
     if not path.is_file():
-        return lines.ok(S, name, f"none at {path}: each recipe sets up its own strategy")
+        return report.ok(S, name, f"none at {path}: each recipe sets up its own strategy")
     facts = from_config_file(path)
     facts.default_config = str(path)
     if facts.problems:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"{path}: {facts.problems[0]}",
@@ -279,7 +279,7 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> l
     )
     data = {"path": str(path), "strategy": strategy, "offload": offload}
     if recipe is None:
-        return lines.ok(
+        return report.ok(
             S, name, detail + "; recipes of other strategies are refused under it (check one: --recipe R)", **data
         )
     from finetune.config.recipe import load_recipe
@@ -289,7 +289,7 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> l
     cfg, _ = load_recipe(recipe, [])
     refused = strategy_matches_recipe(cfg, LaunchPlan.of(cfg, facts), in_process=False)
     if refused:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"{detail}: recipe {recipe!r} is meant for {cfg.run.strategy} "
@@ -299,10 +299,10 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> l
             refusal=refused[0],
             **data,
         )
-    return lines.ok(S, name, detail + f"; recipe {recipe!r} matches it", **data)
+    return report.ok(S, name, detail + f"; recipe {recipe!r} matches it", **data)
 
 
-def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) -> lines.Line:
+def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) -> report.Line:
     """W&B mode and login from the environment and ~/.netrc (the product's rule,
     finetune/telemetry/wandb_logging.py); the W&B server is never called."""
     from finetune.telemetry import wandb_logging
@@ -310,7 +310,7 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
     try:
         version = importer("wandb").__version__
     except Exception as e:
-        return lines.skipped(
+        return report.skipped(
             S,
             "W&B",
             f"wandb does not import ({type(e).__name__}); only --logging.report_to=[wandb] "
@@ -321,7 +321,7 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
     login = "API key found (WANDB_API_KEY or ~/.netrc)" if logged_in else "no API key (WANDB_API_KEY, ~/.netrc)"
     data = {"version": version, "mode": mode or None, "api_key": logged_in}
     if mode and mode not in WANDB_MODES:
-        return lines.problem(
+        return report.problem(
             S,
             "W&B",
             f"WANDB_MODE={mode!r} is not a W&B mode (allowed: {', '.join(WANDB_MODES)})",
@@ -329,7 +329,7 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
             **data,
         )
     if mode == "online" and not logged_in:
-        return lines.problem(
+        return report.problem(
             S,
             "W&B",
             f"WANDB_MODE=online but {login}: a run with --logging.report_to=[wandb] would stop at wandb.init",
@@ -337,10 +337,10 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
             **data,
         )
     effective = mode or ("online" if logged_in else "offline (the product's fallback; `wandb sync` uploads later)")
-    return lines.ok(S, "W&B", f"wandb {version}, mode {effective}, {login}", **data)
+    return report.ok(S, "W&B", f"wandb {version}, mode {effective}, {login}", **data)
 
 
-def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) -> lines.Line:
+def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) -> report.Line:
     """DeepSpeed's CPU Adam (every offload recipe steps the optimizer with it): its prerequisites,
     and with `build` the JIT build itself (~60 s the first time, cached by torch_extensions)."""
     name = "DeepSpeed CPU Adam"
@@ -351,31 +351,31 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
             builder = CPUAdamBuilder()
         compatible = builder.is_compatible()
     except Exception as e:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"the op builder does not load: {type(e).__name__}: {e}",
             f'pip install "{requirement("deepspeed")}"',
         )
     if not compatible:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"not buildable here: {getattr(builder, 'error_log', None) or 'is_compatible() False'}",
             "DS_BUILD_CPU_ADAM=1 pip install --no-cache-dir --force-reinstall deepspeed (prints why)",
         )
     if not which("ninja"):
-        return lines.problem(S, name, "ninja is missing: the JIT build of CPU Adam needs it", "pip install ninja")
+        return report.problem(S, name, "ninja is missing: the JIT build of CPU Adam needs it", "pip install ninja")
     compiler = os.environ.get("CXX") or "c++"
     if not which(compiler):
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"no C++ compiler ({compiler}): the JIT build of CPU Adam needs one",
             "install one: apt-get install build-essential (or set CXX)",
         )
     if not build:
-        return lines.ok(
+        return report.ok(
             S,
             name,
             "buildable (is_compatible, ninja, c++); not built: --offload or --build-cpu-adam "
@@ -390,7 +390,7 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
     try:
         proc = run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CPU_ADAM_BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"the build did not finish in {CPU_ADAM_BUILD_TIMEOUT_S} s",
@@ -399,17 +399,17 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
         )
     if proc.returncode != 0 or "loaded" not in proc.stdout:
         tail = [t for t in (proc.stderr or proc.stdout).splitlines() if t.strip()][-1:] or ["no output"]
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"the build failed (exit {proc.returncode}): {tail[0][:300]}",
             "build it alone to see the compiler's error: python -c \"from deepspeed.ops.op_builder "
             'import CPUAdamBuilder; CPUAdamBuilder().load(verbose=True)"',
         )
-    return lines.ok(S, name, "built and loaded", built=True)
+    return report.ok(S, name, "built and loaded", built=True)
 
 
-def bitsandbytes_4bit(on_gpu: bool, functional=None) -> lines.Line:
+def bitsandbytes_4bit(on_gpu: bool, functional=None) -> report.Line:
     """QLoRA's NF4 kernels: quantize and dequantize a random matrix on the GPU (on CPU: the CPU
     kernels the QLoRA rehearsal uses). The round trip may err by half the widest gap between NF4
     code values (of each block's absmax); broken kernels return garbage, zeros or NaN."""
@@ -426,7 +426,7 @@ def bitsandbytes_4bit(on_gpu: bool, functional=None) -> lines.Line:
         err = float(((functional.dequantize_4bit(q, state) - x).abs().max() / x.abs().max()).cpu())
     except Exception as e:
         where = "CUDA" if on_gpu else "CPU"
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"{where} NF4 round trip failed: {type(e).__name__}: {str(e)[:200]}",
@@ -434,7 +434,7 @@ def bitsandbytes_4bit(on_gpu: bool, functional=None) -> lines.Line:
         )
     data = {"device": "cuda" if on_gpu else "cpu", "max_relative_error": round(err, 4), "bound": round(bound, 4)}
     if not err <= bound:
-        return lines.problem(
+        return report.problem(
             S,
             name,
             f"NF4 round trip off by {err:.3g} of the absmax (bound {bound:.3g}): the kernels compute wrong values",
@@ -442,11 +442,11 @@ def bitsandbytes_4bit(on_gpu: bool, functional=None) -> lines.Line:
             **data,
         )
     if not on_gpu:
-        return lines.skipped(
+        return report.skipped(
             S,
             name,
             f"no CUDA GPU for the CUDA kernels; the CPU kernels (the QLoRA rehearsal) work: "
             f"NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})",
             **data,
         )
-    return lines.ok(S, name, f"CUDA NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})", **data)
+    return report.ok(S, name, f"CUDA NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})", **data)

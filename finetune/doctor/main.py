@@ -12,7 +12,7 @@ from pathlib import Path
 
 from finetune import precision, storage
 from finetune.config import command_line
-from finetune.doctor import agreement, devices, environment, lines, report, runs
+from finetune.doctor import agreement, devices, environment, report, runs
 from finetune.errors import UserError
 from finetune.planning.bench_comm import DEFAULT_SIZES
 
@@ -76,7 +76,7 @@ def machine_text(dev: devices.Devices) -> str:
     )
 
 
-def environment_lines(args, dev: devices.Devices, out: Path) -> list[lines.Line]:
+def environment_lines(args, dev: devices.Devices, out: Path) -> list[report.Line]:
     on_gpu = dev.on_gpu
     return [
         *environment.versions(),
@@ -91,7 +91,7 @@ def environment_lines(args, dev: devices.Devices, out: Path) -> list[lines.Line]
     ]
 
 
-def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[lines.Line], dict]:
+def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report.Line], dict]:
     world, on_gpu = dev.world_size, dev.on_gpu
     policy = precision.resolve(args.precision, on_gpu, on_gpu and all(g.bf16 for g in dev.gpus)).name
     where = f"{world} GPU(s) over NCCL" if on_gpu else f"{world} processes over gloo (the CPU rehearsal)"
@@ -112,7 +112,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[lines.
         model_dir, data_file = runs.prepare(out, world)
     except UserError as e:
         return [
-            lines.problem(
+            report.problem(
                 agreement.S,
                 "tiny model",
                 f"could not prepare it: {e}",
@@ -123,7 +123,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[lines.
         dev, out, model_dir, data_file, offload=args.offload, only=only, precision=args.precision, overrides=overrides
     )
     summary["skipped"] = skipped
-    out_lines = [lines.skipped(agreement.S, name, why) for name, why in skipped.items()]
+    out_lines = [report.skipped(agreement.S, name, why) for name, why in skipped.items()]
     done = [runs.execute(p, out) for p in planned]
     reference = next((d for d in done if d.planned.name == "single"), None)
     ref_ok = reference is not None and _completed(reference)
@@ -154,7 +154,7 @@ def _completed(d: runs.Done) -> bool:
     )
 
 
-def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict, list[lines.Line]]:
+def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict, list[report.Line]]:
     """One run's entry in doctor.json and its lines: ran, engaged, agreed."""
     p, rec, S = d.planned, d.record, agreement.S
     entry = {
@@ -171,7 +171,7 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
     if not _completed(d):
         error = ((rec or {}).get("summary") or {}).get("error") or d.finished.error_line()
         return entry, [
-            lines.problem(
+            report.problem(
                 S,
                 f"{p.name} run",
                 f"exit {d.finished.returncode}: {error}",
@@ -189,10 +189,10 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
         memory=m,
         memory_text=agreement.memory_text(m),
     )
-    out = [lines.ok(S, f"{p.name} run", f"completed in {d.finished.seconds:.0f} s")]
+    out = [report.ok(S, f"{p.name} run", f"completed in {d.finished.seconds:.0f} s")]
     if wrong:
         out.append(
-            lines.problem(
+            report.problem(
                 S,
                 f"{p.name} engaged",
                 "; ".join(wrong),
@@ -202,11 +202,11 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
             )
         )
     else:
-        out.append(lines.ok(S, f"{p.name} engaged", described))
+        out.append(report.ok(S, f"{p.name} engaged", described))
     if p.name == "single":
         return entry, out
     if reference is None:
-        out.append(lines.skipped(S, f"{p.name} losses", "the single-process reference did not complete"))
+        out.append(report.skipped(S, f"{p.name} losses", "the single-process reference did not complete"))
         return entry, out
     cmp = agreement.compare(reference.record, rec, runs.STEPS)
     line = agreement.agreement_line(
@@ -273,18 +273,18 @@ def links_command(dev: devices.Devices, out: Path) -> list[str] | str:
     )
 
 
-def check_links(dev: devices.Devices, out_dir: Path) -> tuple[list[lines.Line], dict | None]:
+def check_links(dev: devices.Devices, out_dir: Path) -> tuple[list[report.Line], dict | None]:
     """(lines, the bench-comm report) after running it."""
     result_file = out_dir / "comm.json"
     cmd = links_command(dev, result_file)
     if isinstance(cmd, str):
-        return [lines.skipped(LINKS, "collectives", cmd)], None
+        return [report.skipped(LINKS, "collectives", cmd)], None
     result_file.unlink(missing_ok=True)
     print(f"[doctor] links: {runs.shown(cmd)}", flush=True)
     done = runs.run_command(cmd, out_dir / "logs" / "bench-comm.log", LINKS_TIMEOUT_S)
     if done.returncode != 0 or not result_file.is_file():
         return [
-            lines.problem(
+            report.problem(
                 LINKS,
                 "collectives",
                 f"`{done.shown()}` failed (exit {done.returncode}): {done.error_line()}",
@@ -296,7 +296,7 @@ def check_links(dev: devices.Devices, out_dir: Path) -> tuple[list[lines.Line], 
     return describe_links(comm, dev), comm
 
 
-def describe_links(comm: dict, dev: devices.Devices) -> list[lines.Line]:
+def describe_links(comm: dict, dev: devices.Devices) -> list[report.Line]:
     """One line per op: bus bandwidth at each size, and the largest size's share of the link figure."""
     if comm["backend"] == "nccl":
         expected, how = dev.expected_busbw()
@@ -320,7 +320,7 @@ def describe_links(comm: dict, dev: devices.Devices) -> list[lines.Line]:
         }
         if not comm["verified"].get(op):
             out.append(
-                lines.problem(
+                report.problem(
                     LINKS,
                     op,
                     f"{op} returned wrong values on {comm['backend']}",
@@ -329,7 +329,7 @@ def describe_links(comm: dict, dev: devices.Devices) -> list[lines.Line]:
                 )
             )
         else:
-            out.append(lines.ok(LINKS, op, detail, **data))
+            out.append(report.ok(LINKS, op, detail, **data))
     return out
 
 

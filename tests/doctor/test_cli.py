@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from finetune.doctor import lines, report
+from finetune.doctor import report
 from tests.conftest import REPO, run_process_group
 
 
@@ -73,12 +73,12 @@ def test_bad_options_stop_before_anything_is_written(tmp_path, args, message):
     assert code == 2 and message in stdout and not (tmp_path / "doc").exists()
 
 
-def sample() -> tuple[dict, list[lines.Line]]:
+def sample() -> tuple[dict, list[report.Line]]:
     all_lines = [
-        lines.ok("environment", "torch", "2.13.0"),
-        lines.skipped("environment", "CUDA", "no CUDA"),
-        lines.problem("strategies", "zero2 losses", "step 2 loss differs", "finetune compare a b"),
-        lines.ok("strategies", "zero2 run", "completed in 15 s"),
+        report.ok("environment", "torch", "2.13.0"),
+        report.skipped("environment", "CUDA", "no CUDA"),
+        report.problem("strategies", "zero2 losses", "step 2 loss differs", "finetune compare a b"),
+        report.ok("strategies", "zero2 run", "completed in 15 s"),
     ]
     strategies = {
         "description": "10 steps",
