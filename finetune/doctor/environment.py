@@ -204,13 +204,13 @@ def peer_access(dev: Devices, env=os.environ) -> list[report.Line]:
 
 def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> report.Line:
     """Available RAM against what the doctor's runs take: each process's base RSS (the planner's
-    constants, finetune/planning/host.py) for the ranks plus the launcher."""
+    constants, finetune/planning/prediction.py) for the ranks plus the launcher."""
     import psutil
 
-    from finetune.planning import host
+    from finetune.planning import prediction
 
     vm = virtual_memory or psutil.virtual_memory()
-    base = host.HOST_CUDA_PROCESS_BASE_GIB if on_gpu else host.HOST_CPU_PROCESS_BASE_GIB
+    base = prediction.HOST_CUDA_PROCESS_BASE_GIB if on_gpu else prediction.HOST_CPU_PROCESS_BASE_GIB
     need = (processes + 1) * base
     detail = f"{vm.total / GIB:.1f} GiB total, {vm.available / GIB:.1f} GiB available"
     data = {
@@ -223,7 +223,7 @@ def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> report.Lin
             S,
             "host RAM",
             f"{detail}: the doctor's {processes} rank(s) + launcher need about "
-            f"{need:.1f} GiB ({base} GiB each, finetune/planning/host.py)",
+            f"{need:.1f} GiB ({base} GiB each, finetune/planning/prediction.py)",
             "stop other processes using memory (see `top`), or use a machine with more RAM",
             **data,
         )

@@ -322,10 +322,10 @@ def test_bitsandbytes_on_cpu_checks_the_cpu_kernels_and_skips_cuda():
 
 
 def test_host_memory_need_uses_the_planners_constants():
-    from finetune.planning import host
+    from finetune.planning import prediction
 
     line = environment.host_memory(4, True, SimpleNamespace(total=512 * GIB, available=400 * GIB))
-    assert line.data["need_gib"] == pytest.approx(5 * host.HOST_CUDA_PROCESS_BASE_GIB)
+    assert line.data["need_gib"] == pytest.approx(5 * prediction.HOST_CUDA_PROCESS_BASE_GIB)
 
 
 def test_disk_ok_names_the_directory(tmp_path):

@@ -240,7 +240,7 @@ def test_the_planners_offloaded_states_are_what_the_engine_holds(process_group, 
     from deepspeed.accelerator import get_accelerator
     from transformers import LlamaForCausalLM
 
-    from finetune.planning import host as host_mem
+    from finetune.planning import prediction
     from finetune.strategies import by_key, planner_key
     from finetune.training.engaged_strategy import live_evidence, strategy_from_evidence
 
@@ -279,6 +279,6 @@ def test_the_planners_offloaded_states_are_what_the_engine_holds(process_group, 
     live, planned = sum(held.values()), sum(dev.values()) + sum(host.values())
     assert live == planned, f"live - planned: {(live - planned) / shape.params.total:.3f} bytes/param; {dev} {host}"
     live_pinned = sum(n for ptr, n in held.items() if ptr in pins)
-    planned_pinned = sum(v for k, v in host.items() if host_mem.pinned(k, strategy))
+    planned_pinned = sum(v for k, v in host.items() if prediction.pinned(k, strategy))
     assert live_pinned == planned_pinned, f"pinned: live {live_pinned}, planned {planned_pinned}: {host}"
     assert (live_pinned > 0) == by_key(strategy).offload_optimizer
