@@ -1,5 +1,4 @@
-"""`finetune compare` and `finetune sweep`: argument parsing and wiring (logic in compare, plots,
-report, wandb_compare and sweep)."""
+"""`finetune compare` and `finetune sweep`: argument parsing and wiring (the work: finetune/compare/)."""
 
 from __future__ import annotations
 
