@@ -31,15 +31,15 @@ def make_examples(
     n: int, seq_len: int, vocab: int, *, seed: int, prompt_median: float, response_median: float, special: set[int]
 ) -> list[dict]:
     """Pre-tokenized rows {input_ids, labels}: random token ids, loss on the response only."""
-    import math
     import random
+
+    from finetune.bench.shapes import draw_lengths
 
     rng = random.Random(seed)
     ids = [i for i in range(vocab) if i not in special]
     rows = []
     for _ in range(n):
-        prompt = max(4, min(int(rng.lognormvariate(math.log(prompt_median), 0.8)), seq_len // 2))
-        response = max(4, min(int(rng.lognormvariate(math.log(response_median), 0.9)), seq_len - prompt))
+        prompt, response = draw_lengths(rng, seq_len, prompt_median, response_median)
         tokens = [rng.choice(ids) for _ in range(prompt + response)]
         rows.append({"input_ids": tokens, "labels": [-100] * prompt + tokens[prompt:]})
     return rows

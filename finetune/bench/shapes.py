@@ -22,13 +22,15 @@ ROWS = [  # (name, SDPA policy, variable lengths, bucket tokens)
 ]
 
 
+def draw_lengths(rng: random.Random, seq_len: int, prompt_median: float, response_median: float) -> tuple[int, int]:
+    """(prompt, response) tokens of one synthetic example: log-normal, at least 4 each, within seq_len."""
+    prompt = max(4, min(int(rng.lognormvariate(math.log(prompt_median), 0.8)), seq_len // 2))
+    response = max(4, min(int(rng.lognormvariate(math.log(response_median), 0.9)), seq_len - prompt))
+    return prompt, response
+
+
 def lengths(rng: random.Random, args, n: int = 8) -> list[int]:
-    out = []
-    for _ in range(n):
-        prompt = max(4, min(int(rng.lognormvariate(math.log(args.prompt_median), 0.8)), args.seq_len // 2))
-        response = max(4, min(int(rng.lognormvariate(math.log(args.response_median), 0.9)), args.seq_len - prompt))
-        out.append(prompt + response)
-    return out
+    return [sum(draw_lengths(rng, args.seq_len, args.prompt_median, args.response_median)) for _ in range(n)]
 
 
 def run(args, model_dir: Path, out: Path, environment: dict) -> int:
