@@ -150,23 +150,23 @@ def phases(
     the order they happen (the first of equal totals is taken as the peak)."""
     A = activations(sh, w, p, cpu=cpu)
     grads = device_gradients(sh, w, p, strategy, n)
+    common = block_backward_common(sh, w, p, strategy, n, z, A, grads.head, cpu=cpu)
     out = forward_phases(sh, w, p, A)
-    out.update(backward_phases(sh, w, p, strategy, n, z, A, grads, cpu=cpu))
+    out.update(backward_phases(sh, w, A, grads, common))
     out.update(step_phases(sh, w, p, strategy, n, z, grads))
     return out
 
 
 class DeviceGradients(NamedTuple):
-    """Gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
-    CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)."""
-
     shard: int  # ranks they are sharded over
-    kept: bool
+    kept: bool  # whether gradients stay on the device through the backward
     head: float  # bytes of the head's (the embedding's) gradient
     per_layer: float
 
 
 def device_gradients(sh: Shape, w: Workload, p: Regime, strategy: str, n: int) -> DeviceGradients:
+    """Gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
+    CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)."""
     st, fam = by_key(strategy), family(strategy)
     shard = n if st.shards_grads and fam != "deepspeed" else 1
     kept = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
@@ -204,23 +204,12 @@ def forward_phases(sh: Shape, w: Workload, p: Regime, A: dict) -> dict:
     return out
 
 
-def backward_phases(
-    sh: Shape,
-    w: Workload,
-    p: Regime,
-    strategy: str,
-    n: int,
-    z: ZeroValues | None,
-    A: dict,
-    grads: DeviceGradients,
-    *,
-    cpu: bool,
-) -> dict:
+def backward_phases(sh: Shape, w: Workload, A: dict, grads: DeviceGradients, common: dict) -> dict:
     """The final norm's backward, then the blocks' from the last to the first. At block l: the saved
     tensors of blocks 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients
     of the blocks above (full fine-tuning), the head's gradient, the gradient flowing in, and the
-    block's own backward temporaries. The live set is linear in l, so its maximum is at one end: the
-    last block (first to run) or the first block."""
+    block's own backward temporaries (`common`). The live set is linear in l, so its maximum is at one
+    end: the last block (first to run) or the first block."""
     T, h = w.tokens, sh.hidden
     block_casts = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
     # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
@@ -236,7 +225,6 @@ def backward_phases(
     if A["weight_casts"]:
         norm_bwd["autocast_weight_copies"] = block_casts
     out = {"final_norm_backward": norm_bwd}
-    common = block_backward_common(sh, w, p, strategy, n, z, A, grads, cpu=cpu)
     # (the final norm's and the head's saved tensors were freed by their own backward already)
     top = {"activations": A["blocks"], **common}
     if A["weight_casts"]:
@@ -252,16 +240,7 @@ def backward_phases(
 
 
 def block_backward_common(
-    sh: Shape,
-    w: Workload,
-    p: Regime,
-    strategy: str,
-    n: int,
-    z: ZeroValues | None,
-    A: dict,
-    grads: DeviceGradients,
-    *,
-    cpu: bool,
+    sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, A: dict, head: float, *, cpu: bool
 ) -> dict:
     """What every block's backward holds besides the saved tensors: the head's gradient; the MLP's
     backward temporaries (the grads of the product, act and up while gate/act/up are still saved, +2
@@ -276,7 +255,7 @@ def block_backward_common(
     if w.gradient_checkpointing:  # the block is re-run forward inside the backward: its forward temporaries
         transient = max(transient, A["forward_temporaries"]["recompute"] + A["stream"] * T * h)
     common = {
-        "head_grad": grads.head,
+        "head_grad": head,
         "block_backward_temporaries": transient,
         "rotary_and_targets": A["rotary"] + A["indices"],
     }
