@@ -1,13 +1,6 @@
-"""`finetune bench`: the same workload through the trainer `finetune train` runs and through three
-baselines (plain transformers.Trainer, TRL's SFTTrainer as a plain script and tuned), interleaved over
-rounds in one invocation, every side under one precision policy; reports trained tokens/s, MFU, peak
-memory, the ratios ours / each baseline with their spread over rounds, and the settings that differ
-(docs/benchmarks.md: the workload, the shapes, the sides, the figures).
-
-    finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
-    python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
-
-Each run is its own process (worker.py); no timing is asserted anywhere.
+"""`finetune bench` (what it compares: options.py DESCRIPTION, docs/benchmarks.md): the model and
+the synthetic rows, then every method, round and side, each run in its own process (worker.py),
+then the report. No timing is asserted anywhere.
 """
 
 from __future__ import annotations
