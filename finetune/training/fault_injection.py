@@ -8,7 +8,10 @@
 
 slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
 load before step S=1, slow_save the save of checkpoint-S, slow_eval the evaluation after training
-ended at step S.
+ended at step S. fail_<step> raises at the end of that step (its collectives done) after training
+ended at step S, on rank R alone (export, eval, exact_match, record: the ranks must agree on it);
+stray_collective holds rank R in a collective the other ranks never enter, in the evaluation after
+training ended at step S (the watchdog must end the run).
 
 KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
 anything; a value that does not parse is an error, so a drill never runs without its fault.
@@ -36,7 +39,11 @@ KINDS = (
     "slow_save",
     "slow_eval",
     "disk_full",
-    "error_after_training",
+    "fail_export",
+    "fail_eval",
+    "fail_exact_match",
+    "fail_record",
+    "stray_collective",
     "sp_late_shift",
     "tp_partial_sums",
 )
@@ -121,11 +128,16 @@ def at_step_begin(*, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-def hold(kind: str, *, rank: int, step: int, what: str) -> None:
-    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step."""
+def hold(kind: str, *, rank: int, step: int, what: str, interrupt=None) -> None:
+    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step; `interrupt()`,
+    checked every 0.1 s, may end it early (a phase that a stop signal interrupts)."""
     if _active((kind,), rank, step):
         print(f"[fault injection] rank {rank} holds {what} open {PAUSE_S:g} s", flush=True)
-        time.sleep(PAUSE_S)
+        end = time.monotonic() + PAUSE_S
+        while time.monotonic() < end:
+            if interrupt:
+                interrupt()
+            time.sleep(0.1)
 
 
 def at_save(*, rank: int, step: int, ckpt) -> None:
@@ -140,8 +152,14 @@ def at_save(*, rank: int, step: int, ckpt) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(ckpt / "optimizer.pt"))
 
 
-def after_training(*, rank: int, step: int) -> None:
-    """`error_after_training`: an error once training ended at `step`, after the export and before the
-    evaluation (what happens to the trained weights: finetune/training/after_training.py)."""
-    if _active(("error_after_training",), rank, step):
-        raise RuntimeError(f"[fault injection] error after training on rank {rank} (step {step})")
+def fail(what: str, *, rank: int, step: int) -> None:
+    """`fail_<what>`: an error at the end of that step after training (export, eval, exact_match,
+    record) ended at `step`, on this rank, once its collectives are done (finetune/training/
+    after_training.py: the ranks agree on it). `stray_collective` (eval): this rank enters a barrier."""
+    if _active((f"fail_{what}",), rank, step):
+        raise RuntimeError(f"[fault injection] {what} fails on rank {rank} (training ended at step {step})")
+    if what == "eval" and _active(("stray_collective",), rank, step):
+        import torch.distributed as dist
+
+        print(f"[fault injection] rank {rank} enters a barrier no other rank enters", flush=True)
+        dist.barrier()

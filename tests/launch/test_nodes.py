@@ -151,20 +151,25 @@ def test_a_store_that_no_longer_answers_is_reported_not_raised():
             raise RuntimeError("Connection reset by peer")
 
     assert peers.Heartbeat(Gone(), 1, 2).lost(watch_s=0) == ([], "RuntimeError: Connection reset by peer")
-    assert peers.start(0, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}) is None  # one process: nothing
+    alone = peers.start(0, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    alone.stop()
+    assert alone.store is None  # one process: no store (the thread still watches)
 
 
 def test_the_failure_note_names_the_lost_node_and_rank(capsys):
     machines = machines_of(place(0, 0, "node1"), place(1, 1, "node2"))
 
     class Seen:
-        rank = 0
+        rank, store = 0, "the launcher's"
 
         def __init__(self, lost, error=None):
             self.result = (lost, error)
 
         def lost(self):
             return self.result
+
+        def stuck(self):
+            return None  # no other rank's watchdog ended it
 
     note = peers.failure_note(RuntimeError("Connection closed by peer"), Seen([1]), machines)
     assert note == "lost node node2 (node rank 1): rank(s) [1] stopped answering"
