@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -96,7 +97,8 @@ class Watch:
         label, since, _ = self.phase
         if self.wait:
             return f"waits in {self.wait[0]} ({now - self.wait[1]:.0f} s)"
-        return f"is in {label} ({now - since:.0f} s)"
+        inside = collective_of_main_thread()
+        return f"is in {label} ({now - since:.0f} s)" + (f", waiting in {inside}" if inside else "")
 
     def overdue(self, now: float) -> str | None:
         """Why this rank is stuck, or None."""
@@ -112,6 +114,25 @@ class Watch:
 
 
 watch = Watch()  # this process's
+
+
+def collective_of_main_thread() -> str | None:
+    """The torch.distributed call the main thread is blocked in (its innermost Python frames are
+    torch's; a gloo collective blocks there) and the first caller outside torch, or None."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    names = []
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" not in path:
+            break
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if not names or frame is None:
+        return None
+    name = next((n for n in names if not n.startswith("_") and n != "wrapper"), names[0])
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    short = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-3:])
+    return f"torch.distributed {name} (called from {short}:{frame.f_lineno} {frame.f_code.co_name})"
 
 
 class Heartbeat:
@@ -153,7 +174,7 @@ class Heartbeat:
 
     def _share(self) -> None:
         """Publish what this rank does and a stop signal it got; read another rank's stop."""
-        doing = watch.doing(time.monotonic()).split(" (")[0]  # unchanged while the phase is
+        doing = re.sub(r" \(\d+ s\)", "", watch.doing(time.monotonic()))  # unchanged while the phase is
         stop = f"{watch.signal[0]} on rank {self.rank}" if watch.signal else None
         if doing != self._said[0]:
             self.store.set(f"{PREFIX}at/{self.rank}", f"{doing} since {time.strftime('%H:%M:%S')}")
@@ -272,10 +293,11 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     else:
         return None
     me = machines.place(heartbeat.rank)
+    nodes_left = "" if stuck else ", on the nodes left too"
     print(
         f"finetune: rank {heartbeat.rank} on node {me.node if me else None}: {note}; this rank stops "
-        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume, on the nodes left "
-        f"too (docs/faults.md)",
+        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume{nodes_left} "
+        f"(docs/faults.md)",
         file=sys.stderr,
         flush=True,
     )

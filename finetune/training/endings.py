@@ -94,6 +94,8 @@ def failed(run, e: BaseException) -> BaseException:
             status="interrupted" if interrupted else "failed",
             error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
         )
+        if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
+            run.record.update("summary", checkpoint=_newest_complete(run.dir))
         run.sinks.close(run.record.view, 1)
     return failure or e
 
@@ -102,12 +104,14 @@ def stuck(run, cause: str) -> None:
     """The watchdog ends this rank (finetune/launch/peers.py; its thread, the main thread held in a
     collective): rank 0 records the run failed with `cause` and the newest complete checkpoint, which
     stays (nothing is deleted). No sink is closed and no collective entered: either could hang too."""
-    from finetune.checkpointing import checkpoints
-
     if not (run.record and run.committed):
         return
-    newest = next(
-        (c for c in reversed(checkpoints.checkpoints(run.dir)) if checkpoints.problem(c, verify=False) is None), None
-    )
-    run.record.update("summary", status="failed", error=cause, checkpoint=str(newest) if newest else None)
+    run.record.update("summary", status="failed", error=cause, checkpoint=_newest_complete(run.dir))
     run.record.write()
+
+
+def _newest_complete(run_dir) -> str | None:
+    from finetune.checkpointing import checkpoints
+
+    found = checkpoints.checkpoints(run_dir)
+    return next((str(c) for c in reversed(found) if checkpoints.problem(c, verify=False) is None), None)

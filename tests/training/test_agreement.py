@@ -8,12 +8,16 @@ exact match and checkpoint each enter a real collective, and the run's own fault
 step. Every step x failing rank: both ranks must end the same way (the failure raised on both, naming
 the failed rank; a stop: exit 75 on both), having entered the same collectives in the same order
 (a rank that skipped one would leave the other waiting: the groups' 60 s timeout turns that into a
-failed case, not a hang). Each strategy's real collectives are covered by one launch each:
-tests/training/test_strategies.py::test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank.
+failed case, not a hang).
+
+Launched: each strategy's own collectives (DDP, ZeRO-2, ZeRO-3, FSDP2, tensor parallelism), one launch
+each, failing another of the four steps each time (LAUNCHED below): every step and every strategy
+once; the step x failing-rank cross product runs in-process above.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from datetime import timedelta
@@ -189,3 +193,83 @@ def test_every_rank_ends_the_same_way_after_a_fault_on_one_rank(outcomes, case):
         assert "saved in the complete checkpoint" in where[0] and r0[2][-1] == "checkpoint", (where, r0)
     else:
         assert "the trained model is exported in" in where[0] and "checkpoint" not in r0[2], (where, r0)
+
+
+# --- one launch per strategy, each failing another step (the cross product is above) ------------------
+
+# strategy -> (recipe, CPU accelerate config, extra arguments, the step that fails, the rank it fails on)
+LAUNCHED = {
+    "ddp": ("ddp", "accelerate_configs/cpu/ddp.yaml", [], "record", 1),
+    "zero2": (
+        "zero2",
+        "accelerate_configs/cpu/zero2.yaml",
+        [
+            "--eval.exact_match=true",
+            "--eval.heldout_path=demo",
+            "--data.demo_heldout_size=4",
+            "--eval.samples=4",
+            "--eval.max_new_tokens=2",
+            "--eval.before=false",
+        ],
+        "exact_match",
+        0,
+    ),
+    "zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml", ["--data.eval_fraction=0.25"], "eval", 1),
+    "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", [], "export", 0),
+    "tp": ("zero2", "accelerate_configs/cpu/zero2.yaml", ["--parallel.tp_size=2", "--method.name=full"], "export", 1),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(LAUNCHED))
+def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(tmp_path, tiny_model_dir, name):
+    """`finetune train` with the shipped recipe's defaults (export on), 2 ranks over gloo, 2 steps; one
+    rank fails at the end of one step after training (fault injection). Both ranks stop at that
+    boundary: each says the failure (its own error, or the failed rank's), both save the same weights
+    (the export, or when the export failed a complete checkpoint of step 2), run.json `failed` names
+    the rank and its error, exit 1. Before (issue: TP's export), the failing rank went on to save a
+    checkpoint while the other waited in the next agreement: both hung until the collective timeout."""
+    from finetune.checkpointing import checkpoints
+    from tests.training.test_faults import CPU_ENV, cli_train, tiny_args
+
+    recipe, config, extra, step_name, bad = LAUNCHED[name]
+    code, out, run_dir = cli_train(
+        [
+            "--recipe",
+            recipe,
+            "--config_file",
+            config,
+            *tiny_args(tiny_model_dir, 2),
+            "--data.demo_train_size=32",
+            *extra,
+        ],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, "FINETUNE_FAULT_INJECT": f"fail_{step_name}@rank{bad},step2"},
+        timeout=400,
+    )
+    assert code == 1, out[-4000:]
+    injected = f"[fault injection] {step_name} fails on rank {bad} (training ended at step 2)"
+    other = 1 - bad
+    assert f"[rank{bad}]: finetune.training.after_training.TrainedWeightsSaved: RuntimeError: {injected}" in out, out[
+        -4000:
+    ]
+    said = f"[rank{other}]: finetune.training.after_training.TrainedWeightsSaved: FailedElsewhere: "
+    assert said in out and f"failed on rank(s) [{bad}] (rank {bad}: RuntimeError: {injected})" in out, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    s = rec["summary"]
+    assert s["status"] == "failed" and injected in s["error"], s
+    # the strategy engaged, from the live objects (the record's strategy section, written before training)
+    assert rec["strategy"]["world_size"] == 2 and rec["strategy"]["name"] == recipe, rec["strategy"]
+    if name == "tp":
+        assert rec["strategy"]["parallel"]["tp"] == 2 and rec["strategy"]["parallel"]["tp_layers"] > 0
+    if recipe.startswith("zero"):
+        assert rec["strategy"]["evidence"]["zero_stage"] == int(recipe[-1]), rec["strategy"]
+    if step_name == "export":  # the trained weights went to a complete checkpoint of the final step instead
+        assert (
+            s["checkpoint"] == str(run_dir / "checkpoint-2") and checkpoints.problem(run_dir / "checkpoint-2") is None
+        )
+        assert f"saved in the complete checkpoint {run_dir / 'checkpoint-2'}" in s["error"], s
+    else:
+        assert f"the trained model is exported in {run_dir / 'model'}" in s["error"], s
+        assert any((run_dir / "model" / f).is_file() for f in ("adapter_model.safetensors", "model.safetensors"))
+        assert checkpoints.checkpoints(run_dir) == []

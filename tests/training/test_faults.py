@@ -398,3 +398,40 @@ def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, 
         assert err == "", err
     else:
         assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)
+
+
+@pytest.mark.integration
+def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(tmp_path, tiny_model_dir):
+    """Rank 1 enters a barrier no other rank enters during the evaluation after training (fault
+    injection: the kind of bug that hung tensor parallelism's export), so rank 0 waits in the agreement
+    after it: no progress. Before, both waited until training.ddp_timeout (30 min by default; the
+    run.json said `running` all along). Now the watchdog ends them after training.finish_timeout (here
+    15 s) naming each rank's collective, run.json `failed` with that cause and the newest complete
+    checkpoint, kept; exit 1."""
+    run_dir = tmp_path / "run"
+    code, out, _ = cli_train(
+        [
+            "--recipe",
+            "ddp",
+            "--config_file",
+            "accelerate_configs/cpu/ddp.yaml",
+            *tiny_args(tiny_model_dir, 2),
+            "--data.demo_train_size=32",
+            "--training.save_strategy=steps",
+            "--training.save_steps=1",
+            "--training.finish_timeout=15",
+        ],
+        run_dir=run_dir,
+        env={**CPU_ENV, faults.ENV: "stray_collective@rank1,step2"},
+        timeout=300,
+    )
+    assert code == 1, out[-4000:]
+    assert "[fault injection] rank 1 enters a barrier no other rank enters" in out, out[-4000:]
+    s = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert s["status"] == "failed" and s["error"].startswith("stuck: rank "), s
+    assert "made no progress in the evaluation" in s["error"], s
+    assert "the agreement after the evaluation" in s["error"], s  # what rank 0 waits in
+    assert "torch.distributed barrier (called from finetune/training/fault_injection.py" in s["error"], s  # rank 1
+    assert s["checkpoint"] == str(run_dir / "checkpoint-2") and checkpoints.problem(run_dir / "checkpoint-2") is None
+    assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1", "checkpoint-2"]
+    assert "finetune: stuck: rank" in out, out[-4000:]
