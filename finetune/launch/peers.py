@@ -56,7 +56,7 @@ class Watch:
         self.grace_s: float | None = None  # training.stop_grace, once the recipe is read
         self.signal: tuple[str, float] | None = None  # a stop signal no agreement has acted on: (name, when)
         self.done_with_signals = False  # a stop was agreed: later signals are ignored (signals.py)
-        self.phase: tuple[str, float, float | None] = ("starting", time.monotonic(), None)  # label, since, limit
+        self.phase: tuple[str, float, float | None] = ("the start", time.monotonic(), None)  # label, since, limit
         self.wait: tuple[str, float] | None = None  # the agreement (collective) the main thread is in
         self.peer_stop: str | None = None  # another rank's stop signal, read from the store
         self.on_stuck = None  # rank 0: (cause) -> None, records the run failed (finetune/training/run.py)
@@ -101,15 +101,17 @@ class Watch:
         return f"is in {label} ({now - since:.0f} s)" + (f", waiting in {inside}" if inside else "")
 
     def overdue(self, now: float) -> str | None:
-        """Why this rank is stuck, or None."""
+        """Why this rank is stuck, or None. A phase with a limit of its own (a save, the model load, the
+        steps after training) is held to it, a signal or not: a save is never cut short by the grace."""
+        label, since, limit = self.phase
+        if limit is not None:
+            late = now - since > limit
+            return f"made no progress in {label} for {now - since:.0f} s (its limit: {limit:g} s)" if late else None
         if self.signal and self.grace_s is not None and now - self.signal[1] > self.grace_s:
             return (
                 f"got {self.signal[0]} {now - self.signal[1]:.0f} s ago and could not act on it within "
                 f"training.stop_grace ({self.grace_s:g} s)"
             )
-        label, since, limit = self.phase
-        if limit is not None and now - since > limit:
-            return f"made no progress in {label} for {now - since:.0f} s (its limit: {limit:g} s)"
         return None
 
 

@@ -7,8 +7,8 @@
     FINETUNE_FAULT_INJECT="slow_load@rank0,step1"     rank 0 holds the model load (before step 1) open
 
 slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
-load before step S=1, slow_save the save of checkpoint-S, slow_eval the evaluation after training
-ended at step S. fail_<step> raises at the end of that step (its collectives done) after training
+load before step S=1, slow_save the save of checkpoint-S, slow_export and slow_eval the export and
+the evaluation after training ended at step S. fail_<step> raises at the end of that step (its collectives done) after training
 ended at step S, on rank R alone (export, eval, exact_match, record: the ranks must agree on it);
 stray_collective holds rank R in a collective the other ranks never enter, in the evaluation after
 training ended at step S (the watchdog must end the run).
@@ -38,6 +38,7 @@ KINDS = (
     "slow_load",
     "slow_save",
     "slow_eval",
+    "slow_export",
     "disk_full",
     "fail_export",
     "fail_eval",

@@ -143,19 +143,21 @@ def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read. A signal before
     training stops every rank at the next phase boundary (signals.Stopped)."""
     from finetune.checkpointing import resume_plan, universal
+    from finetune.launch import peers
     from finetune.training import endings, node_figures, signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = _phase(run, "while the data was prepared", lambda: load_data(run, arguments))
+    data = signals.phase(run.state, "while the data was prepared", lambda: load_data(run, arguments))
     if run.resume:  # the rows must be the checkpoint's, before the model loads
         resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
         commit(run)  # the continued record replaces run.json from here on
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
-    model = load_model(run, arguments)
-    ddp_record = ddp_options(run, arguments, model, data)
-    trainer = build_trainer(run, arguments, model, data, universal_dir)
+    with peers.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
+        model = load_model(run, arguments)
+        ddp_record = ddp_options(run, arguments, model, data)
+        trainer = build_trainer(run, arguments, model, data, universal_dir)
     node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     signals.stop_if_received(run.state, "while the model loaded")
     if run.record:
@@ -475,6 +477,10 @@ def finish(
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
         return trainer.final_measurements()
 
+    def export_drills():
+        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
+        fault_injection.fail("export", rank=rank, step=step)
+
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
         loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
@@ -491,7 +497,7 @@ def finish(
             measured = kept.step("the measurements", measure)
             if cfg.run.save_model:
                 signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-                kept.export(then=lambda: fault_injection.fail("export", rank=rank, step=step))
+                kept.export(then=export_drills)
                 signals.set_stage(signals.FINISHING)
             eval_loss = kept.step("the evaluation", evaluate)
             if data.heldout is not None:
@@ -508,25 +514,6 @@ def finish(
     if run.record:
         run.sinks.close(run.record.view, 0)
     return 0
-
-
-def _phase(run: Run, where: str, fn):
-    """A phase before training, then its boundary (signals.stop_if_received): a failure on any rank
-    raises on every rank, a stop signal on any rank stops every rank. A phase without collectives
-    (the data build) ends early on a stop signal (signals.Interrupted)."""
-    from finetune.training import signals
-
-    result = error = interrupted = None
-    try:
-        result = fn()
-    except signals.Interrupted as e:
-        interrupted = e
-    except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank
-        error = e
-    signals.stop_if_received(run.state, where, error=error)
-    if interrupted:  # a stop signal always reaches the boundary above: it stopped every rank
-        raise RuntimeError(f"interrupted ({interrupted}) {where}, but no rank said it was signalled")
-    return result
 
 
 # --- helpers ---------------------------------------------------------------------------------------------

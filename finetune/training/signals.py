@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 from finetune.config.sections import STOP_SIGNALS
 from finetune.console import write_line
@@ -47,8 +48,10 @@ _stage = [STARTING]
 
 
 def set_stage(stage: str) -> None:
-    """What a signal does from now on (one of WHAT_NOW's keys)."""
+    """What a signal does from now on (one of WHAT_NOW's keys); the watchdog names the phase so."""
     _stage[0] = stage
+    label = {STARTING: "the start", TRAINING: "training", EXPORTING: "the export"}.get(stage, "the end of the run")
+    peers.watch.phase = (label, time.monotonic(), None)
 
 
 _previous: dict = {}
@@ -206,3 +209,20 @@ def stop_if_received(state, where: str, what: str | None = None, error: BaseExce
     flags = agree(state, what or where, error)
     if any(flags):
         raise Stopped(describe(flags), where)
+
+
+def phase(state, where: str, fn):
+    """A phase before training, then its boundary (stop_if_received): a failure on any rank raises on
+    every rank, a stop signal on any rank stops every rank. A phase without collectives (the data
+    build) ends early on a stop signal (Interrupted)."""
+    result = error = interrupted = None
+    try:
+        result = fn()
+    except Interrupted as e:
+        interrupted = e
+    except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank
+        error = e
+    stop_if_received(state, where, error=error)
+    if interrupted:  # a stop signal always reaches the boundary above: it stopped every rank
+        raise RuntimeError(f"interrupted ({interrupted}) {where}, but no rank said it was signalled")
+    return result

@@ -355,8 +355,9 @@ class ResilientTrainer(FinetuneTrainer):
         ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
         failure = error = None
         try:
-            super()._save_checkpoint(model, trial)
-            fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
+            with peers.watch.during(f"the save of {ckpt.name}", self.args.ddp_timeout):  # the watchdog's limit
+                super()._save_checkpoint(model, trial)
+                fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
         except Exception as e:  # noqa: BLE001 - agreed below before any rank goes on
             failure, error = storage.error(e, ckpt, f"writing checkpoint {ckpt}"), e
         # every rank's outcome: 0 saved, an errno (a full or read-only disk), -1 any other error

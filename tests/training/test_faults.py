@@ -289,10 +289,10 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     signals.set_stage(signals.TRAINING)
     try:
         assert signal.getsignal(signal.SIGINT) not in (before, signal.default_int_handler, signal.SIG_IGN)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             os.kill(os.getpid(), sig)
             time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
-        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
         assert signals.code() == signal.SIGINT and signals.describe([0, signals.code()]) == {
             "signal": "SIGINT",
             "ranks": [1],
@@ -304,8 +304,34 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
         signals.set_stage(signals.STARTING)
     err = capfd.readouterr().err
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
-    assert "SIGTERM received again: ignored" in err and "SIGHUP received again: ignored" in err, err
+    assert "SIGTERM received again: ignored" in err and "SIGUSR2 received again: ignored" in err, err
     assert signal.getsignal(signal.SIGINT) is before  # restored, whatever it was
+
+
+def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
+    """training.stop_signals: SIGUSR1 and SIGUSR2 (a scheduler's warning) are stops by default; a
+    recipe that leaves them out gets their previous (default) action back, in the ranks and in the
+    `finetune train` wrapper alike (signals.keep_only, relay.Relay.keep_only)."""
+    from finetune.launch import relay
+    from finetune.training import signals
+
+    signals.restore_signal_handlers()
+    before = signal.getsignal(signal.SIGUSR1)
+    signals.install_signal_handlers()
+    try:
+        assert signal.getsignal(signal.SIGUSR1) not in (before, signal.SIG_DFL)
+        signals.keep_only(["SIGTERM", "SIGINT", "SIGHUP"])
+        assert signal.getsignal(signal.SIGUSR1) is before and signal.getsignal(signal.SIGUSR2) is not None
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # still a stop
+    finally:
+        signals.restore_signal_handlers()
+    with relay.Relay() as wrapper:
+        assert signal.getsignal(signal.SIGUSR2) == wrapper._handler
+        wrapper.keep_only(["SIGTERM"])
+        assert (
+            signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == wrapper._handler
+        )
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
 
 
 def test_a_signal_relayed_by_finetune_train_is_recorded_silently(tmp_path, monkeypatch, capfd):
@@ -363,14 +389,22 @@ def test_fault_settings_are_validated_with_allowed_values():
                 "--training.on_nonfinite=ignore",
                 "--training.max_nonfinite_skips=-1",
                 "--training.enable_jit_checkpoint=true",
+                "--training.stop_signals=[SIGTERM,SIGKILL]",
+                "--training.stop_grace=0",
             ],
         )
     msg = str(err.value)
+    assert (
+        "training.stop_signals: got ['SIGTERM', 'SIGKILL']; allowed: a list of SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2"
+        in msg
+    )
+    assert "training.stop_grace: must be >= 1 s, got 0" in msg, msg
     assert "training.on_nonfinite: got 'ignore'; allowed: stop, skip" in msg, msg
     assert "training.max_nonfinite_skips: must be >= 0, got -1" in msg, msg
     assert "training.enable_jit_checkpoint: not supported" in msg, msg
     cfg, _ = load_recipe("ddp", [])
     assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
+    assert cfg.training.stop_signals == ["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"]
 
 
 @pytest.mark.parametrize(
