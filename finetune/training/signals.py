@@ -4,7 +4,7 @@
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
 checkpoint being written; it is logged and ignored). It is installed first thing in every
 process, before torch is imported, for SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2; once the
-recipe is read, those left out of run.stop_signals get their default action back. The ranks agree
+recipe is read, those left out of training.stop_signals get their default action back. The ranks agree
 (one all-gather) at fixed points: the end of each optimizer step (finetune/training/trainer.py), and
 the boundaries between the phases before and after training (finetune/training/run.py, `agree`),
 where each rank also says whether its phase failed: a failure on one rank is known to every rank
@@ -55,6 +55,7 @@ def set_stage(stage: str) -> None:
 
 
 _previous: dict = {}
+_wanted = list(SIGNALS)  # training.stop_signals
 
 
 def _handler(signum, frame):
@@ -78,14 +79,16 @@ def install_signal_handlers() -> None:
     different times; one still loading the model when the signal comes must not just die while the
     others wait for it in a collective)."""
     if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
+        for sig in _wanted:
             _previous.setdefault(sig, signal.signal(sig, _handler))
 
 
 def keep_only(names) -> None:
-    """run.stop_signals: the signals not named get back what they had before (their default action)."""
+    """training.stop_signals: the signals not named get back what they had before (their default
+    action), also when the handlers are installed again (the trainer does)."""
+    _wanted[:] = [sig for sig in SIGNALS if sig.name in names]
     for sig in SIGNALS:
-        if sig.name not in names and sig in _previous:
+        if sig not in _wanted and sig in _previous:
             signal.signal(sig, _previous.pop(sig))
 
 
@@ -173,14 +176,15 @@ class FailedElsewhere(RuntimeError):
     """Another rank's phase failed: this rank stops with it (the message carries that rank's error)."""
 
 
-def agree(state, what: str, error: BaseException | None = None) -> list[int]:
+def agree(state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
     """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
-    all-gather of each rank's signal flag and failure. A failure on any rank raises on every rank
-    before any of them enters another collective: its own error where it failed, FailedElsewhere
-    with the failed ranks' errors on the others (one more gather, which every rank enters since every
-    rank saw the failure). Otherwise every rank's signal flag (all 0: no signal)."""
-    with peers.watch.waiting(f"the agreement after {what}"):
-        flags = flags_per_rank(state, code() + (FAILED if error is not None else 0))
+    all-gather of each rank's signal flag (unless the caller does not act on signals) and failure. A
+    failure on any rank raises on every rank before any of them enters another collective: its own
+    error where it failed, FailedElsewhere with the failed ranks' errors on the others (one more
+    gather, which every rank enters since every rank saw the failure). Otherwise every rank's signal
+    flag (all 0: no signal)."""
+    with peers.watch.waiting(f"the ranks' agreement ({what})"):
+        flags = flags_per_rank(state, (code() if with_signals else 0) + (FAILED if error is not None else 0))
         failed = [r for r, n in enumerate(flags) if n >= FAILED]
         errors = _gather_text(state, f"{type(error).__name__}: {error}" if error is not None else "") if failed else []
     if any(flags):
@@ -191,7 +195,7 @@ def agree(state, what: str, error: BaseException | None = None) -> list[int]:
         raise error
     if failed:
         said = "; ".join(f"rank {r}: {errors[r]}" for r in failed)
-        raise FailedElsewhere(f"{what} failed on rank(s) {failed} ({said}); every rank stopped with it")
+        raise FailedElsewhere(f"{what}: failed on rank(s) {failed} ({said}); every rank stopped with it")
     return flags
 
 
@@ -203,10 +207,10 @@ def _gather_text(state, text: str) -> list[str]:
     return gather_object([text])
 
 
-def stop_if_received(state, where: str, what: str | None = None, error: BaseException | None = None) -> None:
-    """At a phase boundary every rank reaches (`what`: the phase; `where`: how a stop names it): a
-    failure on any rank raises on every rank (agree); else Stopped on every rank if any was signalled."""
-    flags = agree(state, what or where, error)
+def stop_if_received(state, where: str, error: BaseException | None = None) -> None:
+    """At a phase boundary every rank reaches (`where`: how a stop names it): a failure on any rank
+    raises on every rank (agree); else Stopped on every rank if any was signalled."""
+    flags = agree(state, where, error)
     if any(flags):
         raise Stopped(describe(flags), where)
 

@@ -303,7 +303,7 @@ class ResilienceCallback(TrainerCallback):
                 log.info("checkpoint %s complete", ckpt)
             except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
                 error = e
-        signals.agree(acc, f"the completion marker of {ckpt.name}", error)  # instead of a plain barrier
+        signals.agree(acc, f"the completion marker of {ckpt.name}", error, with_signals=False)  # not a plain barrier
         self.last_complete = ckpt
 
 

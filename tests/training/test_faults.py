@@ -312,6 +312,7 @@ def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
     """training.stop_signals: SIGUSR1 and SIGUSR2 (a scheduler's warning) are stops by default; a
     recipe that leaves them out gets their previous (default) action back, in the ranks and in the
     `finetune train` wrapper alike (signals.keep_only, relay.Relay.keep_only)."""
+    from finetune.config.sections import STOP_SIGNALS
     from finetune.launch import relay
     from finetune.training import signals
 
@@ -321,10 +322,12 @@ def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
     try:
         assert signal.getsignal(signal.SIGUSR1) not in (before, signal.SIG_DFL)
         signals.keep_only(["SIGTERM", "SIGINT", "SIGHUP"])
+        signals.install_signal_handlers()  # again, as the trainer does: still left out
         assert signal.getsignal(signal.SIGUSR1) is before and signal.getsignal(signal.SIGUSR2) is not None
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # still a stop
     finally:
         signals.restore_signal_handlers()
+        signals.keep_only(STOP_SIGNALS)
     with relay.Relay() as wrapper:
         assert signal.getsignal(signal.SIGUSR2) == wrapper._handler
         wrapper.keep_only(["SIGTERM"])
@@ -464,7 +467,7 @@ def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(tmp
     s = json.loads((run_dir / "run.json").read_text())["summary"]
     assert s["status"] == "failed" and s["error"].startswith("stuck: rank "), s
     assert "made no progress in the evaluation" in s["error"], s
-    assert "the agreement after the evaluation" in s["error"], s  # what rank 0 waits in
+    assert "the ranks' agreement (the evaluation)" in s["error"], s  # what rank 0 waits in
     assert "torch.distributed barrier (called from finetune/training/fault_injection.py" in s["error"], s  # rank 1
     assert s["checkpoint"] == str(run_dir / "checkpoint-2") and checkpoints.problem(run_dir / "checkpoint-2") is None
     assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1", "checkpoint-2"]
