@@ -44,6 +44,10 @@ class ConfigError(UserError):
         super().__init__("\n".join(lines))
 
 
+class NothingToDo(Exception):  # noqa: N818 - not an error: exit 0
+    """The command has nothing to do (e.g. --resume of a run that completed): said, exit 0."""
+
+
 def exit_on_user_error(fn):
     """User errors print one clear message and exit EXIT_USAGE; bugs keep their traceback."""
 
@@ -51,6 +55,12 @@ def exit_on_user_error(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except NothingToDo as e:
+            import os
+
+            if os.environ.get("RANK", "0") == "0":
+                print(str(e), file=sys.stderr, flush=True)
+            return 0
         except UserError as e:
             if not isinstance(e, ReportedElsewhere):
                 print(f"error: {e}", file=sys.stderr, flush=True)

@@ -129,3 +129,18 @@ def unwritable(path: Path, what: str) -> str | None:
         f"{what} {path} cannot be written: {reason} ({where}); nothing was started. Give a writable "
         f"--run.output_dir (or --run.name under a writable runs/)"
     )
+
+
+def own_directory(path: Path, tool: str, rewrites: str) -> Path:
+    """--out of `tool` (`finetune doctor`, `finetune bench`): made, or reused when `tool` made it
+    (its marker file); a directory it did not make is refused, nothing in it touched. `rewrites`:
+    what `tool` writes there again, for the marker's text."""
+    marker = path / f".{tool.replace(' ', '-')}"
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not marker.is_file())):
+        raise UserError(
+            f"--out {path}: exists and was not made by {tool} (no {marker.name} in it); nothing was changed. "
+            f"Give another --out"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"made by {tool}; {rewrites} are rewritten by it\n")
+    return path

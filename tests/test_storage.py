@@ -104,3 +104,27 @@ def test_a_run_json_the_disk_refuses_mid_run_is_said_once_and_training_goes_on(t
     rec.write = lambda: (_ for _ in ()).throw(OSError(errnos.ENOENT, "No such file"))
     with pytest.raises(OSError):
         sink.log({"step": 4, "loss": 0.5})
+
+
+def test_bench_out_of_a_folder_bench_did_not_make_is_refused_untouched(tmp_path, monkeypatch):
+    """`finetune bench --out .` wrote data.jsonl, report.json, report.md, models/ and runs/ over the
+    user's files of those names; like `finetune doctor`'s, its --out is now a folder it made or a new one."""
+    from finetune.bench import main as bench_main
+    from finetune.errors import UserError
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("data.jsonl", "report.md"):
+        (mine / name).write_text("the user's")
+
+    def loaded_a_tokenizer(*_):  # what comes next in the benchmark: building models, then writing into --out
+        raise AssertionError("the benchmark went on")
+
+    monkeypatch.setattr("finetune.modeling.load.load_tokenizer", loaded_a_tokenizer)
+    with pytest.raises(UserError, match=r"--out .*mine: exists and was not made by finetune bench"):
+        bench_main.run(bench_main.parse_args(["--out", str(mine), "--shape", "tiny", "--methods", "lora"]))
+    assert sorted(p.name for p in mine.iterdir()) == ["data.jsonl", "report.md"]
+    assert {p.read_text() for p in mine.iterdir()} == {"the user's"}
+    made = tmp_path / "made"
+    assert storage.own_directory(made, "finetune bench", "its files") == made  # new: made and marked
+    assert storage.own_directory(made, "finetune bench", "its files") == made  # its own: reused

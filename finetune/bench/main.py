@@ -1,7 +1,8 @@
 """`finetune bench`: the same workload through the trainer `finetune train` runs and through three
-baselines (plain transformers.Trainer, TRL's SFTTrainer as a plain script and tuned), alternating, in
-one invocation, every side under one precision policy; reports trained tokens/s, MFU, peak memory and
-the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides, the figures).
+baselines (plain transformers.Trainer, TRL's SFTTrainer as a plain script and tuned), interleaved over
+rounds in one invocation, every side under one precision policy; reports trained tokens/s, MFU, peak
+memory, the ratios ours / each baseline with their spread over rounds, and the settings that differ
+(docs/benchmarks.md: the workload, the shapes, the sides, the figures).
 
     finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
     python -m finetune.bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from finetune import precision, resources
+from finetune import precision, resources, storage
 from finetune.bench import report as bench_report
 from finetune.bench.options import BASELINES, SHAPES, parse_args
 from finetune.errors import UserError
@@ -87,8 +88,7 @@ def run(args) -> int:
     from finetune.modeling.load import load_tokenizer
     from finetune.training import speed
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = storage.own_directory(Path(args.out).resolve(), "finetune bench", "report.*, data.jsonl, models/, runs/")
     cuda = torch.cuda.is_available()
     tokenizer = load_tokenizer(ModelConfig(name_or_path=args.tokenizer) if args.tokenizer else ModelConfig())
     model_dir = build_model_dir(args.shape, tokenizer, out / "models", cuda=cuda)
@@ -132,10 +132,10 @@ def run(args) -> int:
     )
 
     sides = ("finetune", *dict.fromkeys(BASELINES[b] for b in args.baseline))
-    results, failures = [], []
+    results, failures, ours_args = [], [], {}
     for method in args.methods:
         for r in range(args.rounds):
-            for side in sides if r % 2 == 0 else sides[::-1]:
+            for side in sides:  # the same order every round: each side's runs spread evenly over the load
                 spec = {
                     **common,
                     "side": side,
@@ -143,7 +143,17 @@ def run(args) -> int:
                     "round": r,
                     "output_dir": str(out / "runs" / f"{method}-{side}-{r}"),
                 }
-                result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
+                load = os.getloadavg()[0]
+                like_ours = args.baseline_like_ours and side != "finetune"
+                if like_ours and method not in ours_args:  # not run as users run it instead, silently
+                    result = {**{k: spec[k] for k in ("side", "method", "round")}, "error": "ours failed: no settings"}
+                else:
+                    if like_ours:
+                        spec["ours_args"] = ours_args[method]
+                    result = _run_in_process(spec) if args.in_process else _run_side(spec, out, args.run_timeout)
+                result["load_1min"] = [load, os.getloadavg()[0]]  # at the run's start and end
+                if side == "finetune" and "error" not in result:
+                    ours_args.setdefault(method, result["training_args"])
                 (results if "error" not in result else failures).append(result)
                 bench_report.print_run(result)
     report = {
@@ -156,11 +166,15 @@ def run(args) -> int:
         "precision": {"requested": args.precision, "policy": policy.name, "summary": policy.summary},
         "length_stats": {"median": lengths[len(lengths) // 2], "max": lengths[-1], "mean": sum(lengths) / len(lengths)},
         "summary": bench_report.summarize(results, args.methods),
+        "settings_differences": bench_report.settings_differences(results),
         "runs": results,
         "failures": failures,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
     table = bench_report.markdown_table(report["summary"], precision=policy.name, ours=OURS)
+    table += "\n\n" + bench_report.settings_table(report["settings_differences"], like_ours=args.baseline_like_ours)
+    loads = [x for r in results + failures for x in r["load_1min"]]
+    table += f"\n\n1-minute load average at the runs' starts and ends: {min(loads):.1f}-{max(loads):.1f}."
     (out / "report.md").write_text(table + "\n")
     print("\n" + table, flush=True)
     print(f"\n[bench] report: {out / 'report.json'}, {out / 'report.md'}", flush=True)

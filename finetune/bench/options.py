@@ -12,9 +12,9 @@ from finetune.config.sections import TrainingConfig
 
 DESCRIPTION = """The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) against
 three baselines on the same workload (plain transformers.Trainer, TRL's SFTTrainer as a plain script and
-tuned), alternating, in one invocation, every side under one precision policy: trained tokens/s, MFU,
-peak memory and the ratios ours / each baseline (docs/benchmarks.md: the workload, the shapes, the sides
-and the figures).
+tuned), interleaved over rounds in one invocation, every side under one precision policy: trained
+tokens/s, MFU, peak memory and the ratios ours / each baseline with their spread (docs/benchmarks.md:
+the workload, the shapes, the sides and the figures).
 
   finetune bench --shape qwen2.5-1.5b --methods full lora qlora --seq-len 2048 --batch 8 --steps 30 --out bench-out
   finetune bench --shape tiny --methods lora --steps 2 --rounds 1     # CPU smoke test"""
@@ -74,7 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4, help="examples per step per device (both sides)")
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     p.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the figures")
-    p.add_argument("--rounds", type=int, default=1, help="runs per side and method, alternating sides")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs per side and method, the sides interleaved (A B C, A B C, ...); a ratio needs 3 for a verdict",
+    )
     p.add_argument("--layout", choices=LAYOUTS, default="padding_free", help="our side's batch layout")
     p.add_argument(
         "--attn-implementation", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"], help="both sides"
@@ -90,6 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "loss, peft LoRA), trl-plain (TRL's SFTTrainer with its defaults: padded batches), trl-tuned "
         "(TRL's padding-free, or BFD packing with --layout packing; its own loss; our SDPA backend policy); "
         "default: all three",
+    )
+    p.add_argument(
+        "--baseline-like-ours",
+        action="store_true",
+        help="run the baselines with every TrainingArguments setting in which ours differs from theirs set "
+        "to ours (read from our side's live arguments; report.md lists them): a like-for-like figure "
+        "beside the as-users-run one",
     )
     p.add_argument(
         "--precision",

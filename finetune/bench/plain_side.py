@@ -54,6 +54,21 @@ def baseline_args(spec: dict, cuda: bool, policy: precision.Policy) -> dict:
     )
 
 
+def like_ours(args, spec: dict):
+    """`--baseline-like-ours`: this side's TrainingArguments with every setting that differs from our
+    side's live ones (`spec["ours_args"]`) set to ours, each run's own output and name aside."""
+    import dataclasses
+    import json
+
+    from finetune.bench.report import PER_RUN, differing
+
+    if "ours_args" not in spec:
+        return args
+    theirs = json.loads(args.to_json_string())
+    changes = {k: ours for k, (ours, _) in differing(spec["ours_args"], theirs).items() if k not in PER_RUN}
+    return dataclasses.replace(args, **changes)
+
+
 def build_trainer(spec: dict, dataset, callbacks: list):
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -81,7 +96,7 @@ def build_trainer(spec: dict, dataset, callbacks: list):
             LoraConfig(**LORA, task_type="CAUSAL_LM"),
             autocast_adapter_dtype=policy.adapters_fp32,  # fp32 adapters under a mixed policy
         )
-    args = arguments.build(**baseline_args(spec, cuda, policy))
+    args = like_ours(arguments.build(**baseline_args(spec, cuda, policy)), spec)
     return Trainer(
         model=model,
         args=args,

@@ -12,6 +12,67 @@ from __future__ import annotations
 import statistics
 
 SIDES = ("finetune", "plain_trainer", "trl_plain", "trl_tuned")
+# TrainingArguments that are each run's own, not a setting (--baseline-like-ours leaves them)
+PER_RUN = ("output_dir", "logging_dir", "run_name")
+
+
+# Why a TrainingArguments setting of ours differs from a baseline's (a difference without one here
+# is reported as unexplained)
+WHY = {
+    "logging_nan_inf_filter": "ours off: the step guard (docs/faults.md) handles a non-finite loss on the device; "
+    "Trainer's default on tests each micro-batch's loss on the host, a device sync per micro-batch on a GPU",
+    "num_train_epochs": "no effect: every side sets max_steps, which overrides it",
+    "output_dir": "each run's own directory (nothing is saved)",
+    "logging_dir": "each run's own directory (nothing is written)",
+    "run_name": "ours names its run; no logger reads it here (report_to none)",
+    "use_cpu": "the baselines set it where there is no CUDA device; ours runs there on the CPU without it",
+    "dataloader_pin_memory": "Trainer turns it off with use_cpu; pinning does nothing without a GPU",
+}
+MIN_ROUNDS = 3  # rounds a ratio needs for a verdict
+
+
+def differing(ours: dict, theirs: dict) -> dict:
+    """{setting: (ours, theirs)} of the TrainingArguments fields both sides have whose values differ."""
+    return {k: (ours[k], theirs[k]) for k in sorted(ours.keys() & theirs.keys()) if ours[k] != theirs[k]}
+
+
+def settings_differences(results: list[dict]) -> list[dict]:
+    """Every TrainingArguments setting in which a baseline's live arguments differ from ours (the
+    first run of each side and method), with the methods it holds for and why."""
+    rows: dict = {}
+    for run in results:
+        ours = next((r for r in results if r["side"] == "finetune" and r["method"] == run["method"]), None)
+        if run["side"] == "finetune" or ours is None or run["round"] != ours["round"]:
+            continue
+        for key, (a, b) in differing(ours["training_args"], run["training_args"]).items():
+            row = rows.setdefault((run["side"], key), {"side": run["side"], "setting": key, "methods": []})
+            row.update(ours=a, theirs=b, why=WHY.get(key))
+            row["methods"] += [run["method"]] if run["method"] not in row["methods"] else []
+    return list(rows.values())
+
+
+def settings_table(rows: list[dict], *, like_ours: bool = False) -> str:
+    head = (
+        "TrainingArguments that differ from ours (each side's live arguments"
+        + ("; the baselines ran with ours, --baseline-like-ours" if like_ours else ", as its users run it")
+        + "):\n\n| side | setting | ours | theirs | methods | why |\n|---|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {LABELS[r['side']]} | `{r['setting']}` | {r['ours']} | {r['theirs']} | {', '.join(r['methods'])} | "
+        f"{r['why'] or 'unexplained'} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines]) if lines else head + "\n| (none) | | | | | |"
+
+
+def verdict(per_round: list) -> str | None:
+    """None when ours / the baseline is on one side of 1.0 in every one of at least MIN_ROUNDS rounds."""
+    rounds = [x for x in per_round if x is not None]
+    if len(rounds) < MIN_ROUNDS:
+        return f"{len(rounds)} round(s): no verdict"
+    return "not significant" if min(rounds) <= 1.0 <= max(rounds) else None
+
+
 LABELS = {"finetune": "finetune", "plain_trainer": "plain Trainer", "trl_plain": "TRL plain", "trl_tuned": "TRL tuned"}
 BASELINE_SIDES = SIDES[1:]
 
@@ -63,11 +124,13 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 key: _ratio(sides.get("finetune"), sides.get(base), key)
                 for key in ("trained_tokens_per_s", "mfu", "device_peak_allocated_gib", "host_peak_rss_gib")
             }
-            row["ratios"][base]["trained_tokens_per_s_per_round"] = [
+            per_round = [
                 _ratio(ours[r["round"]], r, "trained_tokens_per_s")
                 for r in results
                 if r["method"] == method and r["side"] == base and r["round"] in ours
             ]
+            row["ratios"][base]["trained_tokens_per_s_per_round"] = per_round
+            row["ratios"][base]["trained_tokens_per_s_verdict"] = verdict(per_round) if per_round else None
         rows.append(row)
     return rows
 
@@ -94,7 +157,7 @@ def markdown_table(summary: list[dict], *, precision: str | None = None, ours: s
     head += "\n" if head else ""
     lines = [
         (
-            "| method | side | precision (param/compute) | trained tok/s, median (range) | MFU | device peak GiB | "
+            "| method | side | precision (param/compute) | trained tok/s, median (min-max) | MFU | device peak GiB | "
             "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
             "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
         ),
@@ -135,7 +198,12 @@ def markdown_table(summary: list[dict], *, precision: str | None = None, ours: s
                 )
                 + " |"
             )
-    return head + "\n".join(lines)
+    legend = (
+        "\n\nA ratio: ours / the baseline, of the medians; in brackets the min-max over rounds of each "
+        f"round's own ratio (the sides of a round ran back to back); not significant: that range crosses 1.0; "
+        f"no verdict under {MIN_ROUNDS} rounds."
+    )
+    return head + "\n".join(lines) + legend
 
 
 def _with_range(median: float | None, span: list | None, runs: int) -> str:
@@ -145,12 +213,14 @@ def _with_range(median: float | None, span: list | None, runs: int) -> str:
 
 
 def _ratio_cell(ratio: dict) -> str:
-    """The ratio of the medians, and the per-round ratios' range when there are several rounds."""
+    """The ratio of the medians, the per-round ratios' range when there are several rounds, and why
+    it is no verdict (a range crossing 1.0, too few rounds)."""
     if ratio["trained_tokens_per_s"] is None:
         return "n/a"
     rounds = [x for x in ratio.get("trained_tokens_per_s_per_round", []) if x is not None]
     spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
-    return f"{ratio['trained_tokens_per_s']:.2f}{spread}"
+    why = ratio.get("trained_tokens_per_s_verdict")
+    return f"{ratio['trained_tokens_per_s']:.2f}{spread}" + (f" {why}" if why else "")
 
 
 def print_run(r: dict) -> None:
@@ -165,6 +235,7 @@ def print_run(r: dict) -> None:
         f" MFU {mfu}, median step {r['median_step_s']:.3f} s, host peak {r['host_peak_rss_gib']:.2f} GiB"
         + (f", device peak {r['device_peak_allocated_gib']:.2f} GiB" if r["device_peak_allocated_gib"] else "")
         + f", first losses {[round(x, 4) for x in r['losses'][:2]]}"
-        + f", {r['trainer']} in {r['precision']['param_dtype']}/{r['precision']['compute_dtype']}",
+        + f", {r['trainer']} in {r['precision']['param_dtype']}/{r['precision']['compute_dtype']}"
+        + (f", load {r['load_1min'][0]:.1f}-{r['load_1min'][1]:.1f}" if "load_1min" in r else ""),
         flush=True,
     )

@@ -14,7 +14,7 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
     from trl import SFTConfig, SFTTrainer
 
     from finetune import precision
-    from finetune.bench.plain_side import LORA, baseline_args, load_kwargs
+    from finetune.bench.plain_side import LORA, baseline_args, like_ours, load_kwargs
 
     policy = precision.get(spec["precision"])
     cuda = torch.cuda.is_available()
@@ -30,7 +30,7 @@ def build_trainer(spec: dict, dataset, callbacks: list, *, tuned: bool = False):
             if spec["layout"] == "packing"
             else {"padding_free": True, "max_length": None}
         )
-    args = SFTConfig(**baseline_args(spec, cuda, policy), **layout)
+    args = like_ours(SFTConfig(**baseline_args(spec, cuda, policy), **layout), spec)
     return SFTTrainer(
         model=model,
         args=args,

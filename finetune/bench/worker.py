@@ -138,6 +138,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
         "device_peak_source": peak_source,
         "host_peak_rss_gib": mem["host_peak_rss_gib"],
         "attention": attention_record,
+        "training_args": json.loads(trainer.args.to_json_string()),  # the live TrainingArguments
         "loss_impl": loss.installed(trainer.model) if ours else LOSSES[spec["side"]],
         "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_live.py)
             "policy": spec["precision"],

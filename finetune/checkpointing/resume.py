@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,6 +16,45 @@ from pathlib import Path
 from finetune.checkpointing import checkpoints, provenance
 from finetune.errors import UserError
 from finetune.telemetry.record import RecordView, load
+
+
+def read_record(run_dir: Path) -> tuple[dict | None, str | None]:
+    """(run.json of `run_dir`, None), (None, None) when it has none, or (None, what is wrong with it)
+    when it is damaged: cut short by a crash, not JSON, not an object."""
+    path = Path(run_dir) / "run.json"
+    try:
+        record = load(path)
+    except FileNotFoundError:
+        return None, None
+    except UnicodeDecodeError as e:
+        return None, f"{path} is not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}; half-written?)"
+    if not isinstance(record, dict):
+        return None, f"{path} is not a run record (a JSON {type(record).__name__})"
+    return record, None
+
+
+def finished(run_dir: Path, resume: str = "auto") -> str | None:
+    """What `--resume` says of a run that completed, or None: a resume that would train nothing never
+    changes a finished run (it would rewrite model/ and append to run.json), so it changes nothing and
+    exits 0. From an earlier checkpoint (named with --resume=PATH, or the newest complete one when the
+    last is torn) it trains again from there."""
+    record, _ = read_record(run_dir)
+    summary = (record or {}).get("summary")
+    if not isinstance(summary, dict) or summary.get("status") != "completed":
+        return None
+    step = checkpoints.step_of(Path(resume)) if resume != "auto" else None
+    if step is None:  # the newest complete one, as --resume picks it (sizes only: this reads no data)
+        whole = [c for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c, verify=False) is None]
+        step = checkpoints.step_of(whole[-1]) if whole else None
+    if step is not None and step < (summary.get("steps") or 0):
+        return None
+    return (
+        f"--resume: the run in {run_dir} completed (step {summary.get('steps')}); there is nothing to resume and "
+        f"nothing was changed. To train further, start a new run (another --run.name); to train it again from "
+        f"an earlier checkpoint, name that one: --resume={run_dir}/checkpoint-N"
+    )
 
 
 def first_segment(rec) -> None:
@@ -46,13 +86,13 @@ def note_segment(rec, **fields) -> None:
 
 def save_config(run_dir: Path, config: dict) -> Path:
     """The resumed run's resolved configuration, beside the original's config.yaml (kept)."""
-    import yaml
+    from finetune.config.recipe import dump_yaml
 
     n = 1
     while (run_dir / f"config.resume{n}.yaml").exists():
         n += 1
     out = run_dir / f"config.resume{n}.yaml"
-    out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    out.write_text(dump_yaml(config), encoding="utf-8")
     return out
 
 
@@ -64,8 +104,8 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
     """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
     and open this segment. `plan`: the ResumePlan (finetune/checkpointing/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
-    old_path = run_dir / "run.json"
-    old = RecordView(load(old_path)) if old_path.is_file() else None
+    record, _ = read_record(run_dir)  # a damaged one is set aside by keep_previous_record
+    old = RecordView(record) if record is not None else None
     entry = {
         "step": step,
         "from": str(ckpt),
@@ -114,17 +154,25 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
 def keep_previous_record(run_dir: Path) -> Path | None:
     """run.json as it was before this resume, kept as run.before-resume<n>.json: the continued
     record drops the steps after the checkpoint, and a resume that fails later (a rank dies while
-    the model loads, say) must not have lost them. Rank 0, before the continued record is written."""
+    the model loads, say) must not have lost them. A damaged one is renamed run.damaged<n>.json
+    (never deleted). Rank 0, before the continued record is written."""
+    import logging
     import shutil
 
     record = Path(run_dir) / "run.json"
     if not record.is_file():
         return None
+    _, damaged = read_record(run_dir)
+    kind = "damaged" if damaged else "before-resume"
     n = 1
-    while (record.parent / f"run.before-resume{n}.json").exists():
+    while (record.parent / f"run.{kind}{n}.json").exists():
         n += 1
-    out = record.parent / f"run.before-resume{n}.json"
-    shutil.copy2(record, out)
+    out = record.parent / f"run.{kind}{n}.json"
+    if damaged:
+        record.rename(out)
+        logging.getLogger("finetune").warning("%s: kept as %s; the resumed run writes a new run.json", damaged, out)
+    else:
+        shutil.copy2(record, out)
     return out
 
 
@@ -165,9 +213,9 @@ def resume_command(run_dir: Path, *, effective: int | None = None, per_device: i
     argv.append(f"--run.output_dir={run_dir.resolve()}")
     config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
     env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
-    launch = f"--config_file {config} " if config else "<the same accelerate launch options> "
-    script = Path(sys.argv[0]).resolve()
-    command = f"{env}accelerate launch {launch}{script} {' '.join(argv)} --resume"
+    launch = f"--config_file {shlex.quote(config)} " if config else "<the same accelerate launch options> "
+    script = shlex.quote(str(Path(sys.argv[0]).resolve()))
+    command = f"{env}accelerate launch {launch}{script} {shlex.join(argv)} --resume"
     if effective and per_device:
         from finetune.checkpointing.resume_plan import allowed_world_sizes
 

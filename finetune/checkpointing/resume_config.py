@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +55,9 @@ def run_dir_of(recipe: str, overrides: list[str]) -> Path:
 
 
 def saved_values(run_dir: Path) -> tuple[dict, Path]:
-    """The run's starting configuration with the changes earlier resumes recorded, and its file."""
+    """The run's starting configuration with the changes earlier resumes recorded, and its file. With
+    run.json damaged (those changes unknown), the newest resumed segment's config.resume<n>.yaml."""
+    from finetune.checkpointing import resume
     from finetune.config.recipe import read_recipe_file
 
     path = run_dir / "config.yaml"
@@ -62,20 +66,39 @@ def saved_values(run_dir: Path) -> tuple[dict, Path]:
             f"--resume: {run_dir} has no config.yaml, the configuration the run was started with; "
             f"is {run_dir} a run directory (run.name / run.output_dir)?"
         )
+    record, damaged = resume.read_record(run_dir)
+    if damaged:
+        later = [p for p in run_dir.glob("config.resume*.yaml") if p.stem.removeprefix("config.resume").isdigit()]
+        path = max(later, key=lambda p: int(p.stem.removeprefix("config.resume")), default=path)
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"warning: {damaged}. It is kept (renamed run.damaged<n>.json when the resumed run writes its record); "
+                f"the run continues from its newest complete checkpoint with the configuration in {path}",
+                file=sys.stderr,
+                flush=True,
+            )
     values = read_recipe_file(path)
-    record = run_dir / "run.json"
-    if record.is_file():
-        for segment in json.loads(record.read_text(encoding="utf-8")).get("resumes") or []:
-            for change in segment.get("config_changes") or []:
-                section, key = change["key"].split(".", 1)
-                values.setdefault(section, {})[key] = change["now"]
+    for segment in (record or {}).get("resumes") or []:
+        for change in segment.get("config_changes") or []:
+            section, key = change["key"].split(".", 1)
+            values.setdefault(section, {})[key] = change["now"]
     return values, path
 
 
-def resolve(recipe: str, overrides: list[str], *, allow_change: bool) -> ResumedConfig:
+def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: str = "auto") -> ResumedConfig:
     """The configuration of `--resume` (module docstring); ConfigError (exit 2) for differences
-    that were not allowed, each with the saved and the given value."""
+    that were not allowed, each with the saved and the given value; NothingToDo (exit 0) for a
+    completed run that it would train no step of, unchanged (resume: "auto" or the --resume=PATH given)."""
+    from finetune.checkpointing import resume as resuming
+    from finetune.errors import NothingToDo
+    from finetune.launch import rundir
+
     run_dir = run_dir_of(recipe, overrides)
+    if run_dir.is_dir() and rundir.contents(run_dir) and not rundir.is_run_dir(run_dir):
+        raise UserError(
+            f"--resume: {run_dir} is not a run directory finetune made (no {rundir.MARKER}, no run.json and "
+            f"config.yaml); nothing was changed. Name the run to continue with --run.name / --run.output_dir"
+        )
     values, path = saved_values(run_dir)
     values.setdefault("run", {})["overwrite"] = False  # a start's --overwrite is not the resume's
     name = values.pop("recipe", None) or Path(recipe).stem
@@ -98,6 +121,9 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool) -> Resumed
             ],
             f"--resume {run_dir}",
         )
+    done = None if changes else resuming.finished(run_dir, resume)  # a change (more steps, say) trains again
+    if done:
+        raise NothingToDo(done)
     cfg = build_config(merge(values, given), recipe=name, source=f"{source} + command-line overrides")
     drift = []
     try:

@@ -88,6 +88,11 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
         )
     tag = latest.read_text(encoding="utf-8").strip()
     out, tmp = cache_dir(ckpt), ckpt.with_name(ckpt.name + checkpoints.UNIVERSAL_SUFFIX + ".tmp")
+    if out.exists() and not (out / MARKER).is_file():  # rebuilt below; only a cache this module built
+        raise UserError(
+            f"--resume: {out} exists but is no universal checkpoint finetune built (no {MARKER}); nothing was "
+            f"changed. Move it away, then resume again"
+        )
     shutil.rmtree(tmp, ignore_errors=True)  # a conversion cut short: ours, rebuilt
     tmp.mkdir()
     t0 = time.perf_counter()

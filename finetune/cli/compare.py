@@ -3,6 +3,7 @@ report, wandb_compare and sweep)."""
 
 from __future__ import annotations
 
+import shlex
 from datetime import datetime
 from pathlib import Path
 
@@ -70,13 +71,15 @@ def _fresh_dir(out: str | None, default: Path) -> Path:
     return path
 
 
-def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
-    """Table, plots, Markdown + HTML, W&B; prints the table. Returns (0, table)."""
+def report(runs, *, baseline, out_dir: Path, price, left_out: list[str] = ()) -> tuple[int, object]:
+    """Table, plots, Markdown + HTML, W&B; prints the table. `left_out`: the runs that could not be
+    read, with why (said among the warnings). Returns (0, table)."""
     from finetune.compare import plots, wandb_report
     from finetune.compare import report as report_lib
     from finetune.compare.table import build_table
 
     table = build_table(runs, baseline=baseline, gpu_hour_price=price)
+    table.warnings += [f"left out (unreadable): {problem}" for problem in left_out]
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plots.write_plots(table, out_dir)
     files = report_lib.write_reports(table, pngs, out_dir)
@@ -89,12 +92,22 @@ def report(runs, *, baseline, out_dir: Path, price) -> tuple[int, object]:
 
 
 def compare_main(args) -> int:
+    """Every readable run compared; an unreadable one is named with its problem (a warning while two
+    runs remain to compare, else exit 2 with every problem, before anything is written)."""
+    import sys
+
     from finetune.compare import table as comparison
 
-    runs = comparison.load_runs(args.run_dirs)  # every problem at once, before anything is written
+    runs, problems = comparison.read_runs(args.run_dirs)
+    if problems and len(runs) < 2:
+        raise comparison.CompareInputError(
+            [*problems, f"{len(runs)} readable run(s) of {len(args.run_dirs)}: a comparison needs at least two"]
+        )
+    for problem in problems:
+        print(f"warning: left out of the comparison: {problem}", file=sys.stderr, flush=True)
     out = _fresh_dir(args.out, Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     comparison.pick_baseline(runs, args.baseline)  # a bad --baseline fails before the directory is made
-    code, _ = report(runs, baseline=args.baseline, out_dir=out, price=args.gpu_hour_price)
+    code, _ = report(runs, baseline=args.baseline, out_dir=out, price=args.gpu_hour_price, left_out=problems)
     return code
 
 
@@ -121,7 +134,7 @@ def sweep_main(args, overrides: list[str]) -> int:
     print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
     for p in planned:
         print(
-            f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | {' '.join(p.command()[2:])}"
+            f"  {p.strategy:16s} {p.world_size} process(es) x {p.per_device} per device | {shlex.join(p.command()[2:])}"
             + (f"\n  {'':16s} (added: {p.added})" if p.added else "")
         )
     return run_sweep(planned, out=out, baseline=baseline, price=args.gpu_hour_price)

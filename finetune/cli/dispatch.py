@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from finetune import __version__, resources
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         launch_args = bench_comm.launch_args(
             bench_comm.measurement_args(args), cpu=args.cpu, num_processes=args.num_processes
         )
-        print("+ accelerate launch " + " ".join(launch_args), flush=True)
+        print("+ accelerate launch " + shlex.join(launch_args), flush=True)
         return launcher.run_accelerate_launch(launch_args)
     if args.command == "doctor":
         from finetune.doctor import main as doctor_main
@@ -198,7 +199,9 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
 
     config_file = args.config_file
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
-        cfg = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change).cfg
+        cfg = resume_config.resolve(
+            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
+        ).cfg
         config_file = config_file or cfg.run.accelerate_config
     elif args.allow_config_change:
         raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
@@ -224,5 +227,5 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
         print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED
     env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
-    print(f"+ {env}accelerate launch " + " ".join(launch_args), flush=True)
+    print(f"+ {env}accelerate launch " + shlex.join(launch_args), flush=True)
     return launcher.run_accelerate_launch(launch_args)

@@ -10,6 +10,7 @@ Recipe overrides are not flags: `--section.key=value` uses the recipe's own key 
 from __future__ import annotations
 
 import argparse
+import sys
 
 TRAIN_EPILOG = """overrides: any recipe value as --section.key=value, e.g.
   --training.max_steps=20 --method.name=full --data.path=my.jsonl --run.name=try1
@@ -62,6 +63,17 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         self.long_flags: list[str] = []  # as declared (hyphens), for did-you-mean on a bad flag
         super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse takes an argument holding a space (`--run.name=my run`) for the value of a flag
+        # before it whose value is optional (--resume): such a flag followed by an option gets its const.
+        args = list(sys.argv[1:] if args is None else args)
+        consts = {flag: a.const for a in self._actions if a.nargs == "?" for flag in a.option_strings}
+        args = [
+            f"{a}={consts[a]}" if a in consts and args[i + 1 : i + 2] and args[i + 1].startswith("-") else a
+            for i, a in enumerate(args)
+        ]
+        return super().parse_known_args(args, namespace)
 
     def add_argument(self, *names, **kwargs):
         if any(n.startswith("--") and "_" in n[2:] for n in names):

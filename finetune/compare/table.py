@@ -52,6 +52,16 @@ class Run:
 def load_runs(paths: list[str | Path]) -> list[Run]:
     """Each path: a run directory holding run.json, or a run.json file. All problems are collected
     and raised together, before anything is written."""
+    runs, problems = read_runs(paths)
+    if problems:
+        raise CompareInputError(problems)
+    if not runs:
+        raise CompareInputError(["no run directories given"])
+    return runs
+
+
+def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
+    """(the runs whose run.json is readable, what is wrong with each of the others)."""
     runs, problems = [], []
     for given in paths:
         path = Path(given)
@@ -78,12 +88,8 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
             problems.append(f"{file}: {problem}")
             continue
         runs.append(Run(file, record, label=RecordView(record).get("run_name")))
-    if problems:
-        raise CompareInputError(problems)
-    if not runs:
-        raise CompareInputError(["no run directories given"])
     _unique_labels(runs)
-    return runs
+    return runs, problems
 
 
 def _unique_labels(runs: list[Run]) -> None:

@@ -9,6 +9,7 @@ import copy
 import difflib
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -46,6 +47,18 @@ _Loader.add_implicit_resolver(
 
 def parse_yaml(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string _Loader would read as another type (`1e5`, `true`), so a saved
+    configuration reads back as it was written (a run name `1e5` stays a string on --resume)."""
+
+
+_Dumper.yaml_implicit_resolvers = {k: list(v) for k, v in _Loader.yaml_implicit_resolvers.items()}
+
+
+def dump_yaml(values) -> str:
+    return yaml.dump(values, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
 
 
 def duplicate_keys(text: str) -> list[str]:
@@ -121,9 +134,11 @@ def read_recipe_file(path: Path) -> dict:
     return values
 
 
-def parse_overrides(args: list[str]) -> tuple[dict, list[str]]:
-    """`--section.key=value` or `--section.key value` -> nested dict. Values are parsed as YAML
-    (so 3, 1e-4, true, null, [a, b] have their types); returns (overrides, problems)."""
+def parse_overrides(args: list[str], *, typed: bool = True) -> tuple[dict, list[str]]:
+    """`--section.key=value` or `--section.key value` -> nested dict; returns (overrides, problems).
+    Each value is what was typed, read as the type the schema gives its key (typed_value): never as
+    YAML, whose comment (` #`) and mapping (`: `) rules would cut or change a string. `typed=False`:
+    the strings as they are (no schema, nothing heavy imported)."""
     out: dict = {}
     problems: list[str] = []
     i = 0
@@ -144,12 +159,75 @@ def parse_overrides(args: list[str]) -> tuple[dict, list[str]]:
         if len(parts) != 2 or not all(parts):
             problems.append(f"--{key}: overrides are --section.key=value (e.g. --training.max_steps=10)")
             continue
-        try:
-            value = parse_yaml(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw  # not YAML (e.g. an unbalanced bracket): keep the string, validation judges it
-        out.setdefault(parts[0], {})[parts[1]] = value
+        out.setdefault(parts[0], {})[parts[1]] = raw
+    if typed:
+        for section, body in out.items():
+            hints = _schema(section, body)
+            for key, raw in body.items():
+                body[key] = typed_value(raw, hints.get(key, Any))
     return out, problems
+
+
+def _schema(section: str, body: dict) -> dict:
+    """The type of each key of a section; `training` adds TrainingArguments' fields when asked for."""
+    import typing
+
+    from finetune.config.sections import SECTION_CLASSES, TrainingConfig
+
+    cls = SECTION_CLASSES.get(section)
+    hints = typing.get_type_hints(cls) if cls else {}
+    if cls is TrainingConfig and set(body) - set(hints):
+        from transformers import TrainingArguments
+
+        hints = {**typing.get_type_hints(TrainingArguments), **hints}
+    return hints
+
+
+_INT = re.compile(r"[-+]?[0-9]+(?:_[0-9]+)*")
+_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:_[0-9]+)*\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def typed_value(raw: str, hint) -> Any:
+    """An override's string as the type `hint` allows: null (Optional), true/false (bool), an integer,
+    a number, a [list] or {mapping} (JSON, or YAML flow style), else the string itself. A string no
+    allowed type holds is returned unchanged: validation then names the key, the value and the type."""
+    import enum
+    import json
+    import types
+    import typing
+
+    kinds: set = set()
+    for option in typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,):
+        base = typing.get_origin(option) or option
+        if option is Any:
+            kinds |= {type(None), bool, int, float, list, dict, str}
+        elif base is typing.Literal:
+            kinds |= {type(v) for v in typing.get_args(option)}
+        elif base in (type(None), bool, int, float, list, dict):
+            kinds.add(base)
+        elif isinstance(base, type) and issubclass(base, enum.Enum):
+            kinds.add(str)
+    text = raw.strip()
+    if type(None) in kinds and text in ("null", "Null", "NULL"):
+        return None
+    if bool in kinds and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if kinds & {int, float} and _INT.fullmatch(text):  # as YAML has it: 2 is an integer, which a number takes
+        return int(text.replace("_", ""))
+    if float in kinds and _FLOAT.fullmatch(text):
+        return float(text.replace("_", ""))
+    for container, ends in ((list, "[]"), (dict, "{}")):
+        if container in kinds and text[:1] == ends[0] and text[-1:] == ends[1]:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                try:
+                    value = parse_yaml(text)
+                except yaml.YAMLError:
+                    continue
+            if isinstance(value, container):
+                return value
+    return raw
 
 
 def override_problems(args: list[str], *, flags: list[str] = ()) -> list[str]:
@@ -159,7 +237,7 @@ def override_problems(args: list[str], *, flags: list[str] = ()) -> list[str]:
     `flags`: the command's own flags, suggested for a mistyped one."""
     from finetune.config.sections import SECTION_CLASSES
 
-    parsed, problems = parse_overrides(list(args))
+    parsed, problems = parse_overrides(list(args), typed=False)
     for i, problem in enumerate(problems):
         name = problem.split(":")[0].split("=")[0]
         close = difflib.get_close_matches(name, flags, n=1, cutoff=0.7) if "." not in name else []

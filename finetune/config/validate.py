@@ -158,7 +158,27 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append(f"training.stop_signals: got {t.stop_signals!r}; allowed: a list of {', '.join(STOP_SIGNALS)}")
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
+    if isinstance(cfg.run.name, str) and (why := _not_a_name(cfg.run.name)):
+        p.append(
+            f"run.name: {cfg.run.name!r} {why}; a run name is one folder name under runs/ (to put the run "
+            f"elsewhere, give run.output_dir)"
+        )
     return p + _parallel_checks(cfg)
+
+
+def _not_a_name(name: str) -> str | None:
+    """Why `name` is not one folder name (runs/<name>), or None."""
+    if not name.strip():
+        return "is empty"
+    if "/" in name or "\\" in name:
+        return "contains a path separator" + (" (an absolute path)" if name.startswith("/") else "")
+    if name in (".", ".."):
+        return "is the current or the parent folder, not a name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "contains a control character (a newline, a tab, NUL)"
+    if len(name.encode("utf-8")) > 255:
+        return f"is {len(name.encode('utf-8'))} bytes long; a folder name holds at most 255"
+    return None
 
 
 def _parallel_checks(cfg: Config) -> list[str]:

@@ -4,6 +4,7 @@ each in its own process group with its output in a log file and a time limit."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,8 +41,8 @@ def finetune_command(*args: str) -> list[str]:
 def shown(command: list[str]) -> str:
     """A command as the user would type it (`finetune ...` for the finetune CLI)."""
     if command[1:3] == ["-m", "finetune.cli"]:
-        return "finetune " + " ".join(command[3:])
-    return " ".join(command)
+        return "finetune " + shlex.join(command[3:])
+    return shlex.join(command)
 
 
 def run(command: list[str], log: Path, timeout: float, env: dict | None = None) -> Finished:

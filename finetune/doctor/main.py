@@ -9,31 +9,17 @@ import platform
 import time
 from pathlib import Path
 
-from finetune import precision
+from finetune import precision, storage
 from finetune.cli import options
 from finetune.doctor import agreement, devices, environment, lines, links, report, runs
 from finetune.doctor import options as doctor_options
 from finetune.errors import UserError
-
-MARKER = ".finetune-doctor"  # an --out directory the doctor made (and may write into again)
 
 
 def parser() -> argparse.ArgumentParser:
     p = options.Parser(prog="finetune doctor", description=doctor_options.DESCRIPTION)
     doctor_options.add_arguments(p)
     return p
-
-
-def out_directory(path: Path) -> Path:
-    """--out, made or reused; a directory the doctor did not make is refused (nothing in it is touched)."""
-    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / MARKER).is_file())):
-        raise UserError(
-            f"--out {path}: exists and was not made by finetune doctor (no {MARKER} in it); nothing was "
-            f"changed. Give another --out"
-        )
-    path.mkdir(parents=True, exist_ok=True)
-    (path / MARKER).write_text("made by finetune doctor; runs/, logs/, model/, data/ are rewritten by it\n")
-    return path
 
 
 def machine_text(dev: devices.Devices) -> str:
@@ -192,7 +178,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.quick and (args.override or args.strategies or args.offload):
         raise UserError("--strategies, --override and --offload apply to the strategy runs, which --quick skips")
     selection(args)  # bad names fail here, before anything runs
-    out = out_directory(Path(args.out))
+    out = storage.own_directory(Path(args.out), "finetune doctor", "runs/, logs/, model/, data/")
     print("[doctor] environment ...", flush=True)
     dev = devices.probe()
     all_lines = environment_lines(args, dev, out)

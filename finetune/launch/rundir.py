@@ -7,15 +7,20 @@ and written by one run at a time (finetune/launch/run_lock.py: rank 0 locks it b
     runs/<name>/data/           generated data (the demo recipe)
     runs/<name>/model/          the adapter (LoRA, QLoRA) or full model, with the tokenizer
     runs/<name>/checkpoint-*/   Trainer checkpoints, when training.save_strategy asks for them
+    runs/<name>/.finetune-run   the marker: finetune made this directory (MARKER)
+
+Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a
+folder finetune did not make (the user's project, `.`, `~`, a folder holding runs) is refused,
+nothing in it touched.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import shlex
 import shutil
 from datetime import datetime
 from pathlib import Path
-
-import yaml
 
 from finetune.errors import UserError
 from finetune.launch import run_lock
@@ -55,48 +60,139 @@ def lock_to_resume(cfg) -> None:
 
 def _create(cfg, resumed: tuple[str, Path] | None) -> tuple[str, str]:
     if resumed is not None:
-        name, path = resumed
+        name, path = resumed  # a run directory already (resume_config checked it); a refused resume adds nothing
         run_lock.acquire(path)
         return name, str(path)
     name = cfg.run.name or default_run_name(cfg.recipe)
     path = resolve_run_dir(name, cfg.run.output_dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"run directory {path} is a file, not a directory; give another --run.name or --run.output_dir")
+    given_by = "--run.output_dir" if cfg.run.output_dir else "--run.name"
+    if not is_run_dir(path) and not run_lock.live_run(path):  # before the lock: none in the user's folder
+        refusal = problem(path, overwrite=cfg.run.overwrite, name_given_by=given_by)
+        if refusal:
+            raise UserError(refusal)
     run_lock.acquire(path)  # created if missing; a live run's directory is refused here, untouched
-    prepare_run_dir(
-        path, overwrite=cfg.run.overwrite, name_given_by="--run.output_dir" if cfg.run.output_dir else "--run.name"
-    )
+    prepare_run_dir(path, overwrite=cfg.run.overwrite, name_given_by=given_by, inputs=inputs(cfg))
     return name, str(path)
+
+
+def inputs(cfg) -> list[tuple[str, str]]:
+    """(setting, path) of every file or folder the run reads, for the check that --overwrite deletes none."""
+    from finetune.config.sections import PATH_KEYS
+
+    values = [(f"{s}.{k}", getattr(getattr(cfg, s), k)) for s, k in PATH_KEYS if (s, k) != ("run", "output_dir")]
+    return [(key, value) for key, value in values if isinstance(value, str) and value]
 
 
 # What a run that failed before its first step leaves behind (run.json, the resolved config, the
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
 LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}
 ENDED = {"failed": "failed", "interrupted": "was interrupted", "running": "died"}
+MARKER = ".finetune-run"  # written into every run directory finetune makes
+# What a run writes at the top of its directory; --overwrite removes these and nothing else. `runs`
+# is TensorBoard's (transformers: output_dir/runs/<date>_<host>), `wandb` W&B's (WANDB_DIR).
+OWNED = (
+    "run.json",
+    "run.*.json",  # run.before-resume<n>.json, run.damaged<n>.json
+    ".run.json.*",  # an interrupted atomic write (finetune/telemetry/record.py)
+    "config.yaml",
+    "config.resume*.yaml",
+    "trainer_state.json",
+    "checkpoint-*",
+    "model",
+    "data",
+    "runs",
+    "wandb",
+)
+DEMO_FILES = {"train.jsonl", "heldout.jsonl"}  # finetune/data/demo.py write_demo
 
 
-def prepare_run_dir(path: Path, *, overwrite: bool, name_given_by: str = "--run.name") -> None:
-    """Make the (locked) run directory ready. An existing non-empty one is an error unless overwrite,
-    or unless it is what a run that failed before its first step left (reusable(): reused, said so)."""
+def prepare_run_dir(
+    path: Path, *, overwrite: bool, name_given_by: str = "--run.name", inputs: list[tuple[str, str]] = ()
+) -> None:
+    """Make the (locked) run directory ready and mark it. An existing non-empty one is an error unless
+    overwrite, or unless it is what a run that failed before its first step left (reusable(): reused,
+    said so); either way only what a run wrote is removed (owned()), anything else is kept and named."""
+    refusal = problem(path, overwrite=overwrite, inputs=inputs, name_given_by=name_given_by)
+    if refusal:
+        raise UserError(refusal)
     if contents(path):
         why = None if overwrite else reusable(path)
-        if not overwrite and why is None:
-            raise UserError(exists_message(path, name_given_by))
         if why is not None:
             print(f"reusing run directory {path}: {why}", flush=True)
-        for entry in contents(path):  # everything but the lock this process holds
-            if entry.is_dir() and not entry.is_symlink():
+        kept = []
+        for entry in contents(path):
+            if not owned(entry):
+                kept.append(entry.name)
+            elif entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
+        if kept:
+            print(f"kept in {path} (not written by finetune): {', '.join(sorted(kept))}", flush=True)
+    _mark(path)
+
+
+def _mark(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).touch()  # empty: it takes no space on a disk that is full
 
 
 def contents(path: Path) -> list[Path]:
-    """What a run directory holds besides its lock file ([] when it does not exist)."""
+    """What a run directory holds besides its lock file and marker ([] when it does not exist)."""
     if not path.is_dir():
         return []
-    return [p for p in path.iterdir() if p.name != run_lock.LOCK]
+    return [p for p in path.iterdir() if p.name not in (run_lock.LOCK, MARKER)]
+
+
+def is_run_dir(path: Path) -> bool:
+    """Made by finetune: its marker, or (made before the marker existed) run.json and config.yaml."""
+    return (path / MARKER).is_file() or ((path / "run.json").is_file() and (path / "config.yaml").is_file())
+
+
+def owned(entry: Path) -> bool:
+    """Whether a run wrote `entry` (a top-level entry of a run directory): its name is one a run
+    writes, and data/ holds only the demo files, runs/ only TensorBoard event files."""
+    if entry.is_symlink() or not any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in OWNED):
+        return False
+    if entry.name == "data" and entry.is_dir():
+        return {p.name for p in entry.iterdir()} <= DEMO_FILES
+    if entry.name == "runs" and entry.is_dir():
+        return all(p.is_dir() or p.name.startswith("events.out.tfevents.") for p in entry.rglob("*"))
+    return True
+
+
+def problem(
+    path: Path, *, overwrite: bool, inputs: list[tuple[str, str]] = (), name_given_by: str = "--run.name"
+) -> str | None:
+    """Why `path` cannot be this new run's directory, or None; reads only. A folder finetune did not
+    make is never one (nothing in it is touched); an existing run's is one with --overwrite (or when
+    reusable()), unless --overwrite would delete a file this run reads."""
+    held = contents(path)
+    if not held:
+        return None
+    if not is_run_dir(path):
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in held)
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        return (
+            f"run directory {path} ({path.resolve()}) already exists and is not one finetune made (no {MARKER}, "
+            f"no run.json and config.yaml): it holds {shown}; nothing was changed, and --overwrite would not "
+            f"empty it. A run needs a folder of its own: give --run.name=NAME (runs/NAME) or "
+            f"--run.output_dir=<a new or empty folder>"
+        )
+    if not overwrite:
+        return None if reusable(path) else exists_message(path, name_given_by)
+    doomed = [entry.absolute() for entry in held if owned(entry)]
+    for key, value in inputs:
+        target = Path(value).expanduser().absolute()
+        hit = next((d for d in doomed if target == d or d in target.parents), None)
+        if hit is not None:
+            return (
+                f"--overwrite would delete {hit}, which holds {key} ({value}) that this run reads; nothing was "
+                f"changed. Copy it elsewhere and point {key} there, or give another --run.name / --run.output_dir"
+            )
+    return None
 
 
 def reusable(path: Path) -> str | None:
@@ -150,11 +246,14 @@ def exists_message(path: Path, name_given_by: str = "--run.name") -> str:
         if p.is_dir() and p.name.split("-", 1)[1].isdigit()
     ]
     fresh = next(f"{path.name}-{n}" for n in range(2, 10_000) if not (path.parent / f"{path.name}-{n}").exists())
-    other = f"--run.name={fresh}" if name_given_by == "--run.name" else f"--run.output_dir={path.parent / fresh}"
+    other = shlex.quote(
+        f"--run.name={fresh}" if name_given_by == "--run.name" else f"--run.output_dir={path.parent / fresh}"
+    )
     lines = [
         f"run directory {path} already exists; nothing was changed. Retry with the same command and one of:",
         f"    {other}   (a new run directory)",
-        f"    --overwrite   (deletes {path} and everything in it first)",
+        f"    --overwrite   (deletes what the run wrote in {path} first: run.json, config.yaml, checkpoints, "
+        f"model/, its demo data; nothing else)",
     ]
     if steps:  # --resume picks the newest complete one (finetune/checkpointing/checkpoints.py)
         lines.append(
@@ -164,8 +263,10 @@ def exists_message(path: Path, name_given_by: str = "--run.name") -> str:
 
 
 def save_resolved_config(path: Path, config: dict) -> Path:
+    from finetune.config.recipe import dump_yaml
+
     out = path / "config.yaml"
-    out.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    out.write_text(dump_yaml(config), encoding="utf-8")
     return out
 
 

@@ -10,6 +10,7 @@ strategies), the LoRA adapters' dtype and QLoRA's compute dtype.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -205,6 +206,61 @@ def parameters_section(model) -> dict:
     """run.json `parameters`: count_parameters' figures."""
     trainable, total = count_parameters(model)
     return {"trainable": trainable, "total": total}
+
+
+def code_problem(folder: Path, trust: bool) -> str | None:
+    """The folder's config.json or tokenizer_config.json asks for Python code of its own (auto_map)
+    that transformers has no class in place of, and model.trust_remote_code is not true: loading
+    would have to run it. (A known model_type loads transformers' own class; nothing runs then.)"""
+    if trust:
+        return None
+    files = {name: _json(folder / name) for name in ("config.json", "tokenizer_config.json")}
+    model_type = files["config.json"].get("model_type")
+    needed = []
+    for name, values in files.items():
+        auto_map = values.get("auto_map")
+        if isinstance(auto_map, list):  # the old form of a tokenizer's: [slow, fast]
+            auto_map = {"AutoTokenizer": auto_map}
+        for auto, ref in auto_map.items() if isinstance(auto_map, dict) else ():
+            if auto in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer") and not _has_class(
+                auto, model_type, values.get("tokenizer_class")
+            ):
+                refs = [r for r in (ref if isinstance(ref, list) else [ref]) if isinstance(r, str)]
+                needed += [(folder / name, auto, r) for r in refs]
+    if not needed:
+        return None
+    code = "; ".join(
+        f"{auto} -> {ref} ({folder / (ref.split('--')[-1].rsplit('.', 1)[0] + '.py')})" for _, auto, ref in needed
+    )
+    return (
+        f"{needed[0][0]}: its auto_map asks for the folder's own Python code ({code}), which loading it would run "
+        f"(transformers has no class of its own for model_type {model_type!r})"
+    )
+
+
+def _json(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def _has_class(auto: str, model_type, tokenizer_class) -> bool:
+    """Whether transformers loads `auto` for these files with a class of its own (its Auto* logic)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    if auto == "AutoConfig":
+        return model_type in CONFIG_MAPPING_NAMES
+    if auto == "AutoModelForCausalLM":
+        return model_type in CAUSAL
+    if model_type in TOKENIZER_MAPPING_NAMES:
+        return True
+    return isinstance(tokenizer_class, str) and any(
+        tokenizer_class_from_name(n) is not None for n in (tokenizer_class, tokenizer_class.removesuffix("Fast"))
+    )
 
 
 def _load_problem(what: str, path: str, err: Exception) -> str:

@@ -77,6 +77,13 @@ def trainable_params(sh: Shape, w: Workload) -> int:
     return sh.params.total if w.method == "full" else sh.lora_params(w.lora_r, w.lora_targets)
 
 
+def largest_trainable(sh: Shape, w: Workload) -> int:
+    """Elements of the largest trainable parameter tensor (a LoRA A is r x in, B out x r)."""
+    if w.method == "full":
+        return max(sh.parameter_numels())
+    return max(w.lora_r * max(i, o) for _, i, o in sh.targeted(w.lora_targets))
+
+
 def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None) -> tuple[dict, dict]:
     """(device, host) bytes that persist across steps: weights, master copy, optimizer states,
     persistent gradient buffers, per device / per process."""
@@ -107,8 +114,17 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
                 ("grad_partition_buffer",) if st.zero_stage == 3 else ()
             ):
                 host[key] = dev.pop(key)
+            # the fp32 gradient partition, persistent on the host: ZeRO-1/2's
+            # single_partition_of_fp32_groups[i].grad; ZeRO-3's one buffer per sub-group
+            # (stage3.py initialize_optimizer_states, fp32_partitioned_groups_flat[i].grad), which
+            # _release_sub_group frees only when the optimizer is not offloaded
+            host["fp32_grad_partition"] = P * p.master / n
             if st.zero_stage != 3:
-                host["fp32_grad_partition"] = P * F32 / n  # single_partition_of_fp32_groups[i].grad, pinned
+                # stage_1_and_2.py __init__: param_buffer_of_bit16_for_cpu_offload_groups (the updated
+                # partition in the module dtype, for the copy back) and temp_grad_buffer_for_{cpu,gpu}_offload
+                # (the largest trainable parameter's elements, one on each side)
+                host["bit16_partition_buffer"] = P * p.param / n
+                host["offload_grad_staging"] = dev["offload_grad_staging"] = largest_trainable(sh, w) * p.param
         if st.offload_params:
             key = "weights" if w.method == "full" else "lora_adapters"
             host[key] = dev.pop(key)

@@ -34,6 +34,7 @@ COLUMNS = (
             "head_grad",
             "upper_block_gradients",
             "fp32_grad_partition",
+            "offload_grad_staging",
             "grads_in_partition",
             "fp32_subgroup_grad",
         ),

@@ -86,7 +86,12 @@ def breakdown(
     r = memory.peak(shape, w, p, strategy, n, sm=sm, ds_config=ds_config)
     components = {**r["persistent"], **{k: v for k, v in r["at_peak"].items() if v}}
     host = host_mem.host_components(
-        r["host_states"], strategy, on_gpu=sm is not None, param_numels=shape.tp_local(w.tp).parameter_numels(), n=n
+        r["host_states"],
+        strategy,
+        on_gpu=sm is not None,
+        param_numels=shape.tp_local(w.tp).parameter_numels(),
+        n=n,
+        sub_group_bytes=r["zero"].sub_group_size * p.master if r["zero"] else None,
     )
     if sm is None:  # a CPU run: the device is the host
         host = {**host, **components}

@@ -52,8 +52,16 @@ def load_model_config(name_or_path: str):
                 f"model's shapes): {type(e).__name__}: {e}"
             ) from None
     if path.is_dir():
+        from finetune.modeling.load import code_problem
+
         if not (path / "config.json").is_file():
             raise UserError(f"--model: directory {path} has no config.json")
+        code = code_problem(path, trust=False)
+        if code:
+            raise UserError(
+                f"--model: {code}; `finetune plan` runs no model code: give a config of an architecture "
+                f"transformers has (a config.json with its model_type and shapes)"
+            )
         return AutoConfig.from_pretrained(path)
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)

@@ -80,7 +80,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
     if args.resume and resume_config:
-        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change).cfg
+        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume).cfg
     else:
         cfg, _ = load_recipe(args.recipe, overrides)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
@@ -308,15 +308,18 @@ def heldout_problem(path: str, samples: int) -> str | None:
 
 
 def run_directory(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
-    """An existing, non-empty run directory is never replaced without --overwrite (finetune/launch/rundir.py)."""
+    """An existing, non-empty run directory is never replaced without --overwrite, and a folder finetune
+    did not make never is (finetune/launch/rundir.py problem)."""
     from finetune.launch import run_lock, rundir
 
-    if not (cfg.run.name or cfg.run.output_dir) or cfg.run.overwrite:
+    if not (cfg.run.name or cfg.run.output_dir):
         return []  # a default name is new (it carries the time)
     path = rundir.resolve_run_dir(cfg.run.name, cfg.run.output_dir)
-    if not rundir.contents(path) or rundir.reusable(path) or run_lock.live_run(path):
-        return []  # a directory a run left by failing before step 1 is reused (said so when it is)
-    return [rundir.exists_message(path, "--run.output_dir" if cfg.run.output_dir else "--run.name")]
+    if run_lock.live_run(path):
+        return []  # named first by directory_problems, or by rank 0 as it locks
+    given_by = "--run.output_dir" if cfg.run.output_dir else "--run.name"
+    why = rundir.problem(path, overwrite=cfg.run.overwrite, inputs=rundir.inputs(cfg), name_given_by=given_by)
+    return [why] if why else []
 
 
 # --- helpers ---------------------------------------------------------------------------------

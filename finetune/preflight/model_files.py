@@ -1,6 +1,7 @@
-"""The model's own files, read before any weights load: is it a causal LM, and are its weight files
-whole? And, once the tokenizer and the data exist, does the model's embedding cover every token id
-the run will feed it?
+"""The model's own files, read before any weights load: is it a causal LM, are its weight files
+whole, and would loading it run anything (the folder's own Python code without
+model.trust_remote_code, a pickle that names code)? And, once the tokenizer and the data exist, does
+the model's embedding cover every token id the run will feed it?
 
     model_problems(cfg)                          # preflight: config.json and the weight files' headers
     check_vocabulary(model_cfg, tokenizer, bundle)   # the data phase, before the model loads
@@ -23,6 +24,11 @@ _WEIGHTS = (
     ("pytorch_model.bin.index.json", "bin"),
     ("pytorch_model.bin", "bin"),
 )
+TRUST = (
+    "finetune runs no code from a model folder unless told to: if you trust its author, set "
+    "model.trust_remote_code: true (--model.trust_remote_code=true); otherwise use a model of an architecture "
+    "transformers has"
+)
 _REFETCH = "copy or download the model again (a hub model: `hf download <id>`), or re-save it with save_pretrained"
 
 
@@ -30,21 +36,30 @@ def model_problems(cfg) -> list[str]:
     """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
+    from finetune.modeling.load import code_problem
 
-    name = cfg.model.name_or_path
-    if name == BUNDLED_MODEL:
-        return []
-    folder = local_folder(name, cfg.model.revision)
+    model = cfg.model
+    tokenizer = model.tokenizer_name_or_path
+    problems = []
+    if tokenizer and tokenizer != model.name_or_path and tokenizer != BUNDLED_MODEL:
+        folder = local_folder(tokenizer, model.revision)
+        why = folder and code_problem(folder, model.trust_remote_code)
+        problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
+    if model.name_or_path == BUNDLED_MODEL:
+        return problems
+    folder = local_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
-        return []
+        return problems
     try:
         values = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        return [f"model.name_or_path: {config}: not a readable JSON file ({e}); {_REFETCH}"]
-    problems = [] if not isinstance(values, dict) else [causal_lm_problem(values, config)]
-    problems.append(weights_problem(folder))
-    return [f"model.name_or_path: {p}" for p in problems if p]
+        return [*problems, f"model.name_or_path: {config}: not a readable JSON file ({e}); {_REFETCH}"]
+    code = code_problem(folder, model.trust_remote_code)
+    found = [f"{code}; {TRUST}" if code else None]
+    found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
+    found.append(weights_problem(folder))
+    return problems + [f"model.name_or_path: {p}" for p in found if p]
 
 
 def local_folder(name: str, revision: str | None) -> Path | None:
@@ -125,10 +140,9 @@ def _file_problem(path: Path, kind: str) -> str | None:
             zipfile.ZipFile(path).close()
         except zipfile.BadZipFile:
             with open(path, "rb") as f:
-                if f.read(2) != b"PK":
-                    return None  # the legacy pickle format: not checked
-            return f"{path}: {size} bytes and no zip directory at its end: cut short (truncated); {_REFETCH}"
-        return None
+                if f.read(2) == b"PK":
+                    return f"{path}: {size} bytes and no zip directory at its end: cut short (truncated); {_REFETCH}"
+        return pickle_problem(path)
     with open(path, "rb") as f:
         head = f.read(8)
         declared = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -144,6 +158,47 @@ def _file_problem(path: Path, kind: str) -> str | None:
         cut = "cut short (truncated)" if size < expected else "longer than its header says (damaged)"
         return f"{path}: {size:,} bytes, but its header describes {expected:,}: {cut}; {_REFETCH}"
     return None
+
+
+def pickle_problem(path: Path) -> str | None:
+    """A pickled weight file (pytorch_model.bin) that names code (functions, classes) outside torch's
+    weights-only allowlist: transformers' weights-only load refuses it, and loading it any other way
+    would import and call them. Read without unpickling (the opcodes, as torch's own check does)."""
+    import pickletools
+
+    import torch
+    from torch import _weights_only_unpickler as weights_only
+
+    if zipfile.is_zipfile(path):
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+        except (ValueError, RuntimeError, KeyError):
+            return None  # no torch.save archive: the loader names it
+    else:  # the legacy format: pickles of the magic number, protocol, system info, then the object
+        found: set[str] = set()
+        with open(path, "rb") as f:
+            for _ in range(4):
+                strings: list[str] = []
+                try:
+                    for op, arg, _pos in pickletools.genops(f):
+                        if op.name == "GLOBAL":
+                            found.add(arg.replace(" ", "."))
+                        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                            found.add(f"{strings[-2]}.{strings[-1]}")
+                        elif isinstance(arg, str):
+                            strings.append(arg)
+                except ValueError:  # no further pickle (the storages follow the object)
+                    break
+        allowed = set(weights_only._get_allowed_globals()) | set(weights_only._get_user_allowed_globals())
+        unsafe = found - allowed
+    if not unsafe:
+        return None
+    return (
+        f"{path}: a pickle that names code outside torch's weights-only allowlist ({', '.join(sorted(unsafe))}); "
+        f"loading it would import and call that, so weights-only loading refuses it and finetune does not unpickle "
+        f"it. Use a copy of the model in safetensors (model.safetensors), or convert this file where you trust "
+        f"it: torch.load(..., weights_only=False), then safetensors.torch.save_file(state_dict, 'model.safetensors')"
+    )
 
 
 def check_vocabulary(model_cfg, tokenizer, bundle) -> None:

@@ -141,5 +141,5 @@ def _model_config(name_or_path: str):
         name_or_path = str(bundled.model_dir())
     try:
         return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except OSError:  # not on this machine: the model source check names it
+    except (OSError, ValueError):  # not on this machine, or its own code: model_source / model_files name it
         return None

@@ -106,7 +106,9 @@ def run_phases(argv: list[str] | None) -> int:
     if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
         from finetune.checkpointing import resume_config
 
-        resumed = resume_config.resolve(args.recipe, overrides, allow_change=args.allow_config_change)
+        resumed = resume_config.resolve(
+            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
+        )
         cfg = resumed.cfg
     else:
         if args.allow_config_change:
@@ -235,6 +237,8 @@ def prepare(
     name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
+    if state.is_main_process:
+        print(f"[finetune] run directory: {run_dir.absolute()}", flush=True)
     record = (
         RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
         if state.is_main_process

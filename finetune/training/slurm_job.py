@@ -37,7 +37,7 @@ def run_dir_and_args(recipe: str, args: list[str], env=os.environ) -> tuple[Path
     from finetune.launch.rundir import resolve_run_dir
 
     own = [a for a in args if a == "--overwrite" or a == "--resume" or a.startswith("--resume=")]  # train.py's flags
-    overrides, _ = parse_overrides([a for a in args if a not in own])
+    overrides, _ = parse_overrides([a for a in args if a not in own], typed=False)
     run = merge(read_recipe_file(find_recipe(recipe)), overrides).get("run") or {}
     extra = []
     name, output_dir = run.get("name"), run.get("output_dir")

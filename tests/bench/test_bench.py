@@ -88,6 +88,15 @@ def test_bench_runs_ours_and_the_three_baselines_and_reports_every_ratio(tmp_pat
     assert "precision policy 32-true" in table and "float32/float32" in table
     assert "Ours (`finetune`): ResilientTrainer as finetune train builds it" in table
     assert "ours/TRL tuned tok/s" in capsys.readouterr().out
+    # every TrainingArguments setting that differs, read from the live arguments, each with why
+    diffs = {(d["side"], d["setting"]): d for d in report["settings_differences"]}
+    for side in ("plain_trainer", "trl_plain", "trl_tuned"):
+        assert diffs[(side, "logging_nan_inf_filter")]["ours"] is False
+        assert diffs[(side, "logging_nan_inf_filter")]["theirs"] is True
+        assert (side, "learning_rate") not in diffs and (side, "output_dir") in diffs  # the workload is shared
+    assert all(d["why"] for d in diffs.values()), [k for k, d in diffs.items() if not d["why"]]
+    assert "| plain Trainer | `logging_nan_inf_filter` | False | True | lora | ours off: the step guard" in table
+    assert "as its users run it" in table and "unexplained" not in table
 
 
 def test_bench_help_names_the_baselines_and_the_precision_policy(capsys):
@@ -133,33 +142,109 @@ def test_shape_overhead_rows(tmp_path, bundled_model_dir):
     assert "n/a: no cuDNN on CPU" in (out / "shapes.md").read_text()
 
 
-def test_summary_gives_medians_ranges_and_each_rounds_ratio():
-    """Two rounds (order alternating, so each round's ratio shares that round's machine load): the
-    medians' ratio, each round's own ratio and the range, counted here by hand."""
+def run(side, rnd, tps, method="lora", **extra):
+    """One side's result as worker.run returns it, with the figures given."""
+    return {
+        "side": side,
+        "method": method,
+        "round": rnd,
+        "trained_tokens_per_s": tps,
+        "input_tokens_per_s": tps,
+        "mfu": None,
+        "median_step_s": 1.0,
+        "device_peak_allocated_gib": None,
+        "host_peak_rss_gib": 1.0,
+        "padding_fraction": 0.0,
+        "trained_tokens": [1, 1],
+        "warmup_steps_excluded": 1,
+        "losses": [1.0],
+        "trainer": "Trainer",
+        "precision": {"param_dtype": "float32", "compute_dtype": "float32"},
+        **extra,
+    }
+
+
+def test_summary_gives_medians_ranges_each_rounds_ratio_and_its_verdict():
+    """Three rounds: the medians' ratio, each round's own ratio and its range, counted here by hand; a
+    range that crosses 1.0 is not significant, one above it is a verdict, two rounds are too few."""
     from finetune.bench import report
 
-    def run(side, rnd, tps):
-        return {
-            "side": side,
-            "method": "lora",
-            "round": rnd,
-            "trained_tokens_per_s": tps,
-            "input_tokens_per_s": tps,
-            "mfu": None,
-            "median_step_s": 1.0,
-            "device_peak_allocated_gib": None,
-            "host_peak_rss_gib": 1.0,
-            "padding_fraction": 0.0,
-            "trained_tokens": [1, 1],
-            "warmup_steps_excluded": 1,
-        }
-
-    results = [run("finetune", 0, 10.0), run("plain_trainer", 0, 5.0), run("plain_trainer", 1, 40.0)]
-    results.append(run("finetune", 1, 20.0))
+    ours, plain, trl = (10.0, 20.0, 30.0), (5.0, 40.0, 20.0), (4.0, 8.0, 12.0)
+    results = [run(side, r, tps[r]) for r in range(3) for side, tps in zip(SIDES3, (ours, plain, trl))]
     row = report.summarize(results, ["lora"])[0]
-    assert row["finetune"]["trained_tokens_per_s"] == 15.0 and row["finetune"]["trained_tokens_per_s_range"] == [10, 20]
+    assert row["finetune"]["trained_tokens_per_s"] == 20.0 and row["finetune"]["trained_tokens_per_s_range"] == [10, 30]
     ratio = row["ratios"]["plain_trainer"]
-    assert ratio["trained_tokens_per_s"] == 15.0 / 22.5 and ratio["trained_tokens_per_s_per_round"] == [2.0, 0.5]
-    assert row["ratios"]["trl_plain"]["trained_tokens_per_s"] is None  # a side that did not run
-    assert "| lora | finetune | n/a | 15.0 (10.0-20.0) |" in report.markdown_table([row])
-    assert "| 0.67 (0.50-2.00) |" in report.markdown_table([row])
+    assert ratio["trained_tokens_per_s"] == 20.0 / 20.0 and ratio["trained_tokens_per_s_per_round"] == [2.0, 0.5, 1.5]
+    assert ratio["trained_tokens_per_s_verdict"] == "not significant"  # 0.5-2.0 crosses 1.0
+    assert row["ratios"]["trl_plain"]["trained_tokens_per_s_per_round"] == [2.5, 2.5, 2.5]
+    assert row["ratios"]["trl_plain"]["trained_tokens_per_s_verdict"] is None  # above 1.0 in every round
+    assert row["ratios"]["trl_tuned"]["trained_tokens_per_s"] is None  # a side that did not run
+    table = report.markdown_table([row])
+    assert "| lora | finetune | float32/float32 | 20.0 (10.0-30.0) |" in table
+    assert "| 1.00 (0.50-2.00) not significant | 2.50 (2.50-2.50) |" in table
+    two = report.summarize([r for r in results if r["round"] < 2], ["lora"])[0]["ratios"]["trl_plain"]
+    assert two["trained_tokens_per_s_verdict"] == "2 round(s): no verdict"
+
+
+SIDES3 = ("finetune", "plain_trainer", "trl_plain")
+
+
+def fake_bench(monkeypatch, tmp_path, bundled_model_dir, *extra):
+    """`finetune bench` through its real loop and report, each side's training replaced by a result
+    whose live TrainingArguments differ from ours in logging_nan_inf_filter unless ours were copied."""
+    from finetune.bench import main
+
+    specs = []
+
+    def fake(spec):
+        specs.append(spec)
+        theirs = {"logging_nan_inf_filter": spec["side"] != "finetune", "learning_rate": 1e-4}
+        args = {**theirs, **{k: v for k, v in spec.get("ours_args", {}).items()}}
+        return run(spec["side"], spec["round"], 10.0, spec["method"], training_args=args)
+
+    monkeypatch.setattr(main, "_run_in_process", fake)
+    out = tmp_path / "bench"
+    argv = ["bench", "--methods", "lora", "full", "--rounds", "3", "--in-process", "--out", str(out)]
+    argv += ["--baseline", "plain-trainer", "trl-plain", "--tokenizer", str(bundled_model_dir), *extra]
+    assert dispatch.main(argv) == 0
+    return specs, json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
+
+
+def test_rounds_interleave_the_sides(monkeypatch, tmp_path, bundled_model_dir):
+    specs, report, table = fake_bench(monkeypatch, tmp_path, bundled_model_dir)
+    order = [(s["method"], s["round"], s["side"]) for s in specs]
+    assert order == [(m, r, side) for m in ("lora", "full") for r in range(3) for side in SIDES3]  # A B C, A B C, ...
+    assert not any("ours_args" in s for s in specs)  # as users run them
+    assert all(len(r["load_1min"]) == 2 for r in report["runs"]) and "1-minute load average" in table
+
+
+def test_baseline_like_ours_hands_the_baselines_our_live_settings(monkeypatch, tmp_path, bundled_model_dir):
+    specs, report, table = fake_bench(monkeypatch, tmp_path, bundled_model_dir, "--baseline-like-ours")
+    baselines = [s for s in specs if s["side"] != "finetune"]
+    assert baselines and all(s["ours_args"]["logging_nan_inf_filter"] is False for s in baselines)
+    assert report["settings_differences"] == [] and "the baselines ran with ours" in table
+
+
+def test_like_ours_sets_the_baselines_differing_arguments_to_ours(tmp_path):
+    """What a baseline side builds from the spec `--baseline-like-ours` gives it: every setting that
+    differs from ours set to ours, its own output directory and name kept."""
+    from finetune import precision
+    from finetune.bench import plain_side
+    from finetune.training import arguments
+
+    spec = {
+        "output_dir": str(tmp_path / "theirs"),
+        "steps": 2,
+        "batch": 2,
+        "learning_rate": 1e-4,
+        "gradient_checkpointing": False,
+        "seed": 0,
+    }
+    theirs = arguments.build(**plain_side.baseline_args(spec, False, precision.get("32-true")))
+    assert theirs.logging_nan_inf_filter is True and theirs.num_train_epochs == 3.0  # Trainer's defaults
+    ours = {**json.loads(theirs.to_json_string()), "logging_nan_inf_filter": False, "num_train_epochs": 1.0}
+    ours.update(output_dir=str(tmp_path / "ours"), run_name="bench-lora")
+    like = plain_side.like_ours(theirs, {**spec, "ours_args": ours})
+    assert like.logging_nan_inf_filter is False and like.num_train_epochs == 1.0
+    assert like.output_dir == str(tmp_path / "theirs") and like.run_name != "bench-lora"
+    assert plain_side.like_ours(theirs, spec) is theirs  # without the switch: as users run it

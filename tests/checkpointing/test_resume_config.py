@@ -14,6 +14,7 @@ import yaml
 
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
+from finetune.launch import rundir
 from tests.conftest import REPO, run_process_group
 
 FIRST = ["--training.max_steps=20", "--eval.exact_match=false", "--training.logging_steps=5"]
@@ -25,6 +26,7 @@ def _started(tmp_path, extra=()) -> str:
     run_dir.mkdir(parents=True)
     cfg, _ = load_recipe("demo", [*FIRST, *extra, "--run.name=short", f"--run.output_dir={run_dir}"])
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (run_dir / rundir.MARKER).write_text("")  # made by finetune
     return f"--run.output_dir={run_dir}"
 
 
@@ -92,6 +94,67 @@ def test_without_a_saved_configuration_or_a_run_name_the_resume_says_so(tmp_path
         resume_config.resolve("demo", [], allow_change=False)
     with pytest.raises(UserError, match="has no config.yaml"):
         resume_config.resolve("demo", [f"--run.output_dir={tmp_path / 'nothing'}"], allow_change=False)
+
+
+def _hashes(root):
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def test_a_resume_of_a_completed_run_changes_nothing_and_exits_0(tmp_path, capsys):
+    """Before: `--resume` of a completed run said "nothing left to train", then rewrote model/ and
+    appended to run.json. The launched proof: tests/training/test_run_safety.py."""
+    from finetune.checkpointing import resume_config
+    from finetune.cli import dispatch
+    from finetune.errors import NothingToDo
+
+    where = _started(tmp_path)
+    run_dir = tmp_path / "runs" / "short"
+    (run_dir / "run.json").write_text(json.dumps({"summary": {"status": "completed", "steps": 20}}))
+    (run_dir / "checkpoint-20").mkdir()
+    before = _hashes(run_dir)
+    for resume in ("auto", str(run_dir / "checkpoint-20")):
+        with pytest.raises(NothingToDo, match="completed \\(step 20\\); there is nothing to resume"):
+            resume_config.resolve("demo", [where], allow_change=False, resume=resume)
+    assert resume_config.resolve("demo", [where], allow_change=False, resume=str(run_dir / "checkpoint-10"))
+    assert dispatch.main(["train", "--recipe", "demo", where, "--resume"]) == 0
+    assert "nothing was changed" in capsys.readouterr().err
+    assert _hashes(run_dir) == before
+
+
+def test_a_damaged_run_json_is_named_and_the_config_comes_from_the_newest_saved_one(tmp_path, capsys):
+    """Before: a JSONDecodeError traceback. Now the file is named, the newest resumed configuration
+    is the base (the changes run.json recorded are unreadable), and the file is kept renamed."""
+    from finetune.checkpointing import resume, resume_config
+
+    where = _started(tmp_path)
+    run_dir = tmp_path / "runs" / "short"
+    later, _ = load_recipe("demo", [*FIRST, "--run.name=short", "--training.max_steps=40"])
+    (run_dir / "config.resume1.yaml").write_text(yaml.safe_dump(later.to_dict(), sort_keys=False))
+    half = b'{"schema": 1, "summary": {"status": "running"}, "steps": [{"step": 1, "lo'
+    (run_dir / "run.json").write_bytes(half)
+    got = resume_config.resolve("demo", [where], allow_change=False)
+    err = capsys.readouterr().err
+    assert f"{run_dir / 'run.json'} is not valid JSON (line 1, column" in err and "config.resume1.yaml" in err
+    assert got.cfg.training.args["max_steps"] == 40 and got.saved.name == "config.resume1.yaml"
+    kept = resume.keep_previous_record(run_dir)  # as the resumed run commits
+    assert kept == run_dir / "run.damaged1.json" and kept.read_bytes() == half and not (run_dir / "run.json").exists()
+
+
+def test_a_resume_into_a_folder_finetune_did_not_make_is_refused(tmp_path):
+    from finetune.checkpointing import resume_config
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("my: settings\n")
+    (folder / "notes.md").write_text("mine")
+    before = _hashes(folder)
+    with pytest.raises(UserError, match="is not a run directory finetune made"):
+        resume_config.resolve("demo", [f"--run.output_dir={folder}"], allow_change=False)
+    assert _hashes(folder) == before
 
 
 def test_allow_config_change_without_resume_is_refused(capsys):

@@ -408,6 +408,20 @@ def test_the_preemption_command_says_another_gpu_count_is_fine(monkeypatch, tmp_
     assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in cmd, cmd
 
 
+def test_the_resume_command_quotes_what_the_user_typed(monkeypatch, tmp_path):
+    """A run directory or override with spaces, `#` or quotes: the printed command, pasted into a
+    shell, gives train.py the same arguments (it was joined with spaces: `#` started a comment)."""
+    import shlex
+
+    run_dir = tmp_path / "my runs #2" / "it's"
+    prompt = "--data.system_prompt=Answer: briefly #1"
+    monkeypatch.setattr("sys.argv", ["/x/finetune/train.py", "--recipe", "demo", prompt])
+    monkeypatch.setenv("FINETUNE_ACCELERATE_CONFIG", str(tmp_path / "a b.yaml"))
+    words = shlex.split(resume.resume_command(run_dir))
+    assert words[words.index("--config_file") + 1] == str(tmp_path / "a b.yaml")
+    assert words[-3:] == [prompt, f"--run.output_dir={run_dir.resolve()}", "--resume"]
+
+
 # --- facts written into the marker ---------------------------------------------------------------------
 
 
@@ -510,6 +524,20 @@ def test_universal_cache_counts_only_when_built_from_this_very_checkpoint(tmp_pa
     assert universal.convert(ckpt) == (cache, None)  # reused: nothing converted
     (cache / universal.MARKER).write_text(json.dumps({"source_completed": "2020-01-01T00:00:00+00:00"}))
     assert universal.current(ckpt) is None  # built from an older checkpoint-3: rebuilt on use
+
+
+def test_a_folder_in_the_universal_caches_place_that_finetune_did_not_build_is_not_deleted(tmp_path):
+    """The conversion replaced whatever stood at checkpoint-N.universal (shutil.rmtree), built or not."""
+    from finetune.checkpointing import universal
+
+    ckpt = _checkpoint(tmp_path, 3)
+    (ckpt / "latest").write_text("global_step3")
+    mine = tmp_path / "checkpoint-3.universal"
+    mine.mkdir()
+    (mine / "notes.md").write_text("mine")
+    with pytest.raises(UserError, match="is no universal checkpoint finetune built .* nothing was changed"):
+        universal.convert(ckpt)
+    assert [p.name for p in mine.iterdir()] == ["notes.md"]
 
 
 def test_deepspeed_offload_change_goes_through_the_universal_checkpoint_even_at_the_same_world_size():

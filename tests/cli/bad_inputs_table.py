@@ -287,6 +287,49 @@ def _saved_config(ws: Path, launch: list[str]) -> None:
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
 
 
+def _user_files(folder: Path) -> Path:
+    """What a user keeps in a project folder besides the data: notes, a notebook, a figure."""
+    _write(folder / "notes.md", "# what I tried\n")
+    _write(folder / "analysis.ipynb", '{"cells": []}')
+    _write(folder / "figures" / "loss.png", b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    return folder
+
+
+def _home(ws: Path) -> list[str]:
+    """`~` is a home directory of the user's files (HOME set to one inside the workspace)."""
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = str(_user_files(ws / "home"))
+    _CLEANUPS.append(lambda: os.environ.__setitem__("HOME", saved) if saved else os.environ.pop("HOME", None))
+    return ["--run.output_dir=~", "--overwrite"]
+
+
+def _own_code(ws: Path) -> list[str]:
+    """The tiny model whose config.json asks for a model class of its own code (auto_map)."""
+    model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "custom-model")
+    values = json.loads((model / "config.json").read_text())
+    values.update(model_type="my_arch", auto_map={"AutoModelForCausalLM": "modeling_my.MyForCausalLM"})
+    _write(model / "config.json", json.dumps(values))
+    _write(model / "modeling_my.py", "import os\nos.system('echo ran')\n")
+    return [f"--model.name_or_path={model}"]
+
+
+def _pickled_code(ws: Path) -> list[str]:
+    """The tiny model with its weights as a pytorch_model.bin that also pickles a call of os.system."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "pickled-model")
+    weights = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    torch.save({**weights, "extra": _Call()}, model / "pytorch_model.bin")
+    return [f"--model.name_or_path={model}"]
+
+
+class _Call:
+    def __reduce__(self):
+        return (os.system, ("echo ran",))
+
+
 def _config_dir(ws: Path, name: str, **values) -> Path:
     """A model directory holding only a config.json: what preflight reads (no weights are loaded)."""
     path = ws / name
@@ -417,6 +460,12 @@ CASES = [
         "command line",
         lambda ws: ["--recipe", "demo", "--training.learning_rate=fast"],
         ("training.learning_rate", "fast"),
+    ),
+    Case(
+        "override with a comment-like tail: --training.max_steps=10 #ten",
+        "command line",
+        lambda ws: ["--recipe", "demo", "--training.max_steps=10 #ten"],
+        ("training.max_steps: expected an integer, got string '10 #ten'",),
     ),
     # --- dataset files ---
     Case(
@@ -774,6 +823,19 @@ CASES = [
         ("half-copied-model/model.safetensors", "cut short (truncated)", "copy or download the model again"),
     ),
     Case(
+        "model folder asking for its own code (auto_map) without model.trust_remote_code",
+        "model.name_or_path",
+        _own_code,
+        ("custom-model/config.json: its auto_map asks for", "modeling_my.py", "--model.trust_remote_code=true"),
+    ),
+    Case(
+        "model weights only as a pickle that names code (pytorch_model.bin calling os.system)",
+        "model.name_or_path",
+        _pickled_code,
+        ("pickled-model/pytorch_model.bin: a pickle that names code", "posix.system", "model.safetensors"),
+        entry="train.py",
+    ),
+    Case(
         "embedding smaller than the tokenizer's vocabulary",
         "model.name_or_path (and its tokenizer)",
         _small_embedding,
@@ -921,6 +983,68 @@ CASES = [
         entry="train.py",
     ),
     Case(
+        "--overwrite into the user's own folder (the data, notes, a notebook, an earlier run)",
+        "run.output_dir",
+        lambda ws: [f"--run.output_dir={_user_files(ws)}", "--overwrite"],
+        ("already exists and is not one finetune made", "nothing was changed", "--run.name=NAME", "or empty folder"),
+    ),
+    Case(
+        "--overwrite into the user's own folder (train.py)",
+        "run.output_dir",
+        lambda ws: [f"--run.output_dir={_user_files(ws)}", "--overwrite"],
+        ("already exists and is not one finetune made", "nothing was changed", "--run.name=NAME"),
+        entry="train.py",
+    ),
+    Case(
+        "--run.output_dir=. --overwrite (the working directory)",
+        "run.output_dir",
+        lambda ws: ["--run.output_dir=.", "--overwrite"],
+        ("run directory . (", ") already exists and is not one finetune made", "good.jsonl", "nothing was changed"),
+    ),
+    Case(
+        "--run.output_dir=~ --overwrite (the home directory)",
+        "run.output_dir",
+        _home,
+        ("home) already exists and is not one finetune made", "nothing was changed"),
+    ),
+    Case(
+        "--run.output_dir=runs --overwrite (the folder holding the runs)",
+        "run.output_dir",
+        lambda ws: ["--run.output_dir=runs", "--overwrite"],
+        ("run directory runs (", "/runs) already exists and is not one finetune made", "it holds keep/"),
+    ),
+    Case(
+        "--overwrite of a run whose demo data is the data.path of the new run",
+        "run.name / data.path",
+        lambda ws: [
+            "--run.name=keep",
+            "--overwrite",
+            f"--data.path={_write(ws / 'runs' / 'keep' / 'data' / 'train.jsonl', _jsonl(GOOD_ROWS))}",
+        ],
+        ("--overwrite would delete", "runs/keep/data, which holds data.path", "nothing was changed"),
+    ),
+    Case(
+        "run name with a path separator: ../../escape",
+        "run.name",
+        lambda ws: ["--run.name=../../escape"],
+        ("run.name: '../../escape' contains a path separator", "run.output_dir"),
+    ),
+    Case(
+        "absolute path as the run name",
+        "run.name",
+        lambda ws: [f"--run.name={ws / 'elsewhere'}"],
+        ("contains a path separator (an absolute path)", "run.output_dir"),
+    ),
+    Case(
+        "--resume of a folder finetune did not make",
+        "--resume / run.output_dir",
+        lambda ws: [
+            f"--run.output_dir={_write(_user_files(ws / 'mine') / 'config.yaml', 'my: own').parent}",
+            "--resume",
+        ],
+        ("mine is not a run directory finetune made", "nothing was changed"),
+    ),
+    Case(
         "run name of an existing run, no --overwrite",
         "run.name",
         lambda ws: ["--run.name=keep"],
@@ -1025,6 +1149,49 @@ NOT_ERRORS = [
             "not an error: the directory is reused and the console says so: 'reusing run directory ...: its run "
             "failed before its first step (...)' (tests/launch/test_rundir.py::"
             "test_a_run_that_failed_before_step_1_leaves_a_directory_the_retry_reuses)"
+        ),
+    ),
+    (
+        "run name with spaces, `#`, `:`, quotes or unicode (`--run.name=keep #2`)",
+        "run.name",
+        (
+            "not an error: a name is what was typed (runs/keep #2; YAML read `keep #2` as `keep`, another run), "
+            "and config.yaml reads it back on --resume (tests/config/test_config.py::"
+            "test_a_valid_run_name_with_spaces_hashes_colons_or_unicode_survives_save_and_resume)"
+        ),
+    ),
+    (
+        "--overwrite of a run directory holding a file the user put there",
+        "run.name",
+        (
+            "not an error: the run's own files (run.json, config.yaml, checkpoints, model/, its demo data) are removed, "
+            "the user's kept and named (tests/launch/test_rundir.py::"
+            "test_overwrite_removes_what_a_run_wrote_and_keeps_the_users_files)"
+        ),
+    ),
+    (
+        "--resume of a run that completed",
+        "--resume",
+        (
+            "not an error: exit 0, 'the run in ... completed (step N); there is nothing to resume and nothing was "
+            "changed', every file the same (tests/training/test_run_safety.py)"
+        ),
+    ),
+    (
+        "--resume with run.json half-written (a crash while it was written)",
+        "--resume",
+        (
+            "not an error: the file is named, kept as run.damaged<n>.json, and the run resumes from its newest complete "
+            "checkpoint (tests/training/test_run_safety.py)"
+        ),
+    ),
+    (
+        "`finetune compare` with an unreadable run.json among readable runs",
+        "finetune compare",
+        (
+            "not an error while two runs are readable: they are compared, each unreadable one named with its problem "
+            "(a warning, and in the report); exit 2 with fewer (tests/compare/test_compare_columns.py::"
+            "test_unreadable_runs_are_named_and_the_readable_ones_compared)"
         ),
     ),
     (
@@ -1222,6 +1389,7 @@ def base_args(ws: Path, model_dir: Path) -> list[str]:
 def make_workspace(ws: Path) -> None:
     """What the user already has: an earlier run with results, a recipe of their own, data."""
     _write(ws / "runs" / "keep" / "run.json", '{"summary": {"status": "completed", "train_loss": 1.23}}')
+    _write(ws / "runs" / "keep" / "config.yaml", "run:\n  name: keep\n")
     _write(ws / "runs" / "keep" / "model" / "adapter_model.safetensors", b"\x00weights\x01" * 100)
     _write(ws / "my_data.jsonl", _jsonl(GOOD_ROWS))
 

@@ -131,3 +131,16 @@ def test_a_bad_flag_is_refused_before_torch_is_imported(tmp_path):
     assert all(r[2] == [] for r in results), results
     assert "did you mean --num-processes?" in proc.stderr and "did you mean --gpu-memory?" in proc.stderr
     assert "did you mean 'training'?" in proc.stderr
+
+
+def test_an_override_holding_a_space_after_a_bare_resume_stays_an_override():
+    """argparse took `--run.name=my run` (an argument with a space) for --resume's PATH, so the run to
+    resume had no name; `finetune train` puts --resume before the overrides when it launches."""
+    from finetune.cli import dispatch
+    from finetune.cli.options import parse_train_args
+
+    for parse in (lambda a: parse_train_args(a), lambda a: dispatch.parse(["train", *a])):
+        args, rest = parse(["--recipe", "demo", "--resume", "--run.name=my run #2"])
+        assert args.resume == "auto" and rest == ["--run.name=my run #2"]
+        args, rest = parse(["--recipe", "demo", "--resume", "runs/a b/checkpoint-2", "--run.name=x y"])
+        assert args.resume == "runs/a b/checkpoint-2" and rest == ["--run.name=x y"]

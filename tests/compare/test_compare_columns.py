@@ -401,3 +401,35 @@ def test_the_memory_plot_legend_groups_the_components(tmp_path):
     greys = [label for label, c in zip(labels[1:], rgb[1:]) if max(c) - min(c) < 0.1]
     assert greys == [], greys  # no component is told from the measured bar by shade alone
     plt.close(fig)
+
+
+def test_unreadable_runs_are_named_and_the_readable_ones_compared(tmp_path, capsys):
+    """Before: one unreadable run.json among good runs refused the whole comparison (exit 2)."""
+    from finetune.cli import dispatch
+
+    good = [
+        record(n, strategy=s, method="qlora", world=w, tps=t, device_gib=2.0, host_gib=3.0)
+        for n, s, w, t in (("base", "single", 1, 1000.0), ("ddp", "ddp", 2, 1800.0))
+    ]
+    paths = [p.parent for p in (_write_file(tmp_path, r["run_name"], json.dumps(r)) for r in good)]
+    broken = _write_file(tmp_path, "broken", '{"schema": 1, "run_name": "broken", "steps": [')
+    missing = tmp_path / "gone"
+    code = dispatch.main(["compare", *map(str, paths), str(broken.parent), str(missing), "--out", str(tmp_path / "r")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"warning: left out of the comparison: {broken}: not valid JSON (line 1" in err
+    assert f"warning: left out of the comparison: {missing}: no such file or directory" in err
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert f"left out (unreadable): {broken}: not valid JSON" in page and "| ddp" in page and "| base" in page
+    # fewer than two readable: exit 2, every problem named, nothing written
+    with pytest.raises(SystemExit) as e:
+        dispatch.main(["compare", str(paths[0]), str(broken.parent), "--out", str(tmp_path / "r2")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{broken}: not valid JSON" in err and "1 readable run(s) of 2" in err
+    assert not (tmp_path / "r2").exists()
+
+
+def _write_file(tmp_path: Path, name: str, text: str) -> Path:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "run.json").write_text(text)
+    return tmp_path / name / "run.json"

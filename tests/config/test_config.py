@@ -329,3 +329,87 @@ def test_values_out_of_range_are_refused_naming_key_and_range(key, value, allowe
 def test_values_at_the_edges_of_their_range_are_accepted(key, value):
     section, name = key.split(".")
     build_config({section: {name: value}})
+
+
+# --- values are what the user typed; a run name is a name ---------------------------------------------
+
+AS_TYPED = object()
+
+
+@pytest.mark.parametrize(
+    "arg, key, expected",
+    [
+        ("--run.name=keep #2", ("run", "name"), "keep #2"),  # YAML cut it at the comment: `keep`
+        ("--run.output_dir=out #1", ("run", "output_dir"), "out #1"),
+        ("--data.system_prompt=Answer: briefly. 'Quote' \"it\" #1", ("data", "system_prompt"), AS_TYPED),
+        ("--run.name=1e5", ("run", "name"), "1e5"),  # a string key keeps a number-like name a string
+        ("--run.name=123", ("run", "name"), "123"),
+        ("--run.name=~", ("run", "name"), "~"),  # YAML read `~` as null
+        ("--training.learning_rate=1e-4", ("training", "args", "learning_rate"), 1e-4),
+        ("--training.max_steps=10", ("training", "args", "max_steps"), 10),
+        ("--training.save_strategy=no", ("training", "args", "save_strategy"), "no"),
+        ("--data.pad_to_multiple_of=null", ("data", "pad_to_multiple_of"), None),
+        ("--logging.report_to=[]", ("logging", "report_to"), []),
+    ],
+)
+def test_an_override_is_read_by_its_keys_type_never_as_yaml(arg, key, expected):
+    cfg, _ = load_recipe("demo", [arg])
+    value = cfg
+    for part in key:
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    expected = arg.split("=", 1)[1] if expected is AS_TYPED else expected
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize(
+    "arg, problem",
+    [
+        ("--data.max_length=512 #tokens", "data.max_length: expected an integer, got string '512 #tokens'"),
+        ("--training.max_steps=ten", "training.max_steps: expected an integer, got string 'ten'"),
+        ("--data.packing=yes", "data.packing: expected true/false, got string 'yes'"),
+        ("--data.eval_fraction=0.1: x", "data.eval_fraction: expected a number, got string '0.1: x'"),
+    ],
+)
+def test_a_value_its_type_cannot_hold_is_refused_naming_key_value_and_type(arg, problem):
+    with pytest.raises(ConfigError) as err:
+        load_recipe("demo", [arg])
+    assert problem in err.value.problems
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("../../escape", "contains a path separator"),
+        ("/tmp/elsewhere", "contains a path separator (an absolute path)"),
+        ("a/b", "contains a path separator"),
+        ("a\\b", "contains a path separator"),
+        ("..", "is the current or the parent folder"),
+        (".", "is the current or the parent folder"),
+        ("", "is empty"),
+        ("line\nbreak", "contains a control character"),
+        ("x" * 256, "is 256 bytes long; a folder name holds at most 255"),
+    ],
+)
+def test_a_run_name_that_is_no_folder_name_is_refused_with_the_reason(name, why):
+    """Before: `--run.name=../../escape` wrote the run two levels above runs/, an absolute name at that path."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe("demo", [f"--run.name={name}"])
+    (problem,) = [p for p in err.value.problems if p.startswith("run.name:")]
+    assert why in problem and "run.output_dir" in problem, problem
+
+
+@pytest.mark.parametrize("name", ["keep #2", "a: b", "my run", "1e5", "ünïcode 名前", "v1..v2", "-dash", "~"])
+def test_a_valid_run_name_with_spaces_hashes_colons_or_unicode_survives_save_and_resume(tmp_path, name):
+    """The run directory is runs/<name> exactly, and the saved config.yaml reads back (what --resume
+    continues with) with the same name: YAML would have read `1e5` as a number."""
+    from finetune.checkpointing import resume_config
+    from finetune.launch import rundir
+
+    cfg, _ = load_recipe("demo", [f"--run.name={name}"])
+    assert cfg.run.name == name and rundir.resolve_run_dir(cfg.run.name, None) == Path("runs") / name
+    run_dir = tmp_path / "runs" / name
+    run_dir.mkdir(parents=True)
+    rundir.save_resolved_config(run_dir, cfg.to_dict())
+    values, _ = resume_config.saved_values(run_dir)
+    values.pop("recipe")
+    assert values["run"]["name"] == name and build_config(values).run.name == name

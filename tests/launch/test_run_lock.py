@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.config.sections import Config
 from finetune.errors import UserError
 from finetune.launch import run_lock, rundir
 from tests.conftest import REPO
@@ -69,8 +70,7 @@ def test_a_live_run_is_named_and_its_death_leaves_no_stale_lock(tmp_path):
         with pytest.raises(UserError, match=f"pid {holder.pid}"):
             run_lock.acquire(run_dir)
         # --overwrite of the live run's directory: refused before anything is deleted
-        cfg = type("C", (), {})()
-        cfg.recipe, cfg.run = "demo", type("R", (), {"name": None, "output_dir": str(run_dir), "overwrite": True})()
+        cfg = Config(recipe="demo").replaced("run", output_dir=str(run_dir), overwrite=True)
         with pytest.raises(UserError, match="in use by a live run"):
             rundir.create(cfg)
         assert (run_dir / "checkpoint-1").is_dir()
@@ -112,7 +112,7 @@ def test_the_lock_file_is_not_content_and_survives_overwrite_and_reuse(tmp_path,
         assert "its run died before its first step" in capsys.readouterr().out
         (run_dir / "checkpoint-2").mkdir()
         rundir.prepare_run_dir(run_dir, overwrite=True)
-        assert [p.name for p in run_dir.iterdir()] == [run_lock.LOCK]
+        assert sorted(p.name for p in run_dir.iterdir()) == sorted([run_lock.LOCK, rundir.MARKER])
         assert run_lock.live_run(run_dir) is None  # ours; still held: another process is refused
         probe = subprocess.run(
             [

@@ -18,11 +18,12 @@ from finetune.launch import accelerate as launcher
 ACCEPTED = "accepted: decoder-only models with a causal-LM class in transformers (MODEL_FOR_CAUSAL_LM_MAPPING"
 
 
-def preflight_problems(tmp_path: Path, model: Path) -> list[str]:
+def preflight_problems(tmp_path: Path, model: Path, *extra: str) -> list[str]:
     """`finetune train`'s preflight on the demo recipe with this model (the run directory is new)."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n' * 4)
     args = [str(launcher.TRAIN_SCRIPT), "--recipe", "demo", f"--model.name_or_path={model}", f"--data.path={data}"]
+    args += extra
     try:
         preflight.check_launch([*args, "--eval.exact_match=false", f"--run.output_dir={tmp_path / 'run'}"])
     except ConfigError as e:
@@ -143,3 +144,95 @@ def test_an_embedding_smaller_than_the_tokenizer_is_refused_before_the_model_loa
     )
     fits = config_dir(tmp_path, "fits", LlamaConfig(vocab_size=len(tokenizer)))
     model_files.check_vocabulary(SimpleNamespace(**{**vars(model_cfg), "name_or_path": str(fits)}), tokenizer, bundle)
+
+
+# --- model files that would run code: refused in the project's words, before any weights load ---------
+
+
+def _custom_code_model(tmp_path: Path, tiny_model_dir: Path, model_type: str = "my_arch") -> Path:
+    """The tiny model whose config.json asks for its own code (auto_map), and that code, which would
+    leave a file behind if it ever ran."""
+    model = shutil.copytree(tiny_model_dir, tmp_path / "custom-model")
+    values = json.loads((model / "config.json").read_text())
+    values["model_type"] = model_type
+    values["auto_map"] = {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyLM"}
+    (model / "config.json").write_text(json.dumps(values))
+    for module in ("configuration_my", "modeling_my"):
+        (model / f"{module}.py").write_text(f"open({str(tmp_path / 'code-ran')!r}, 'w').write('{module}')\n")
+    return model
+
+
+def test_a_model_asking_for_its_own_code_without_trust_is_refused_naming_the_file_and_the_setting(
+    tmp_path, tiny_model_dir
+):
+    """Before: not executed, but a transformers ValueError traceback, exit 1, naming neither the setting nor the fix."""
+    from finetune.modeling.load import code_problem
+
+    model = _custom_code_model(tmp_path, tiny_model_dir)
+    (problem,) = preflight_problems(tmp_path, model)
+    assert problem.startswith(f"model.name_or_path: {model / 'config.json'}: its auto_map asks for")
+    for part in (
+        f"AutoModelForCausalLM -> modeling_my.MyLM ({model / 'modeling_my.py'})",
+        "which loading it would run",
+        "model_type 'my_arch'",
+        "model.trust_remote_code: true (--model.trust_remote_code=true)",
+    ):
+        assert part in problem, problem
+    assert not (tmp_path / "code-ran").exists()
+    assert code_problem(model, trust=True) is None  # trusted explicitly: the user's choice
+    # a model_type transformers has loads its own class: the folder's code is not needed, nothing runs
+    assert code_problem(_custom_code_model(tmp_path / "known", tiny_model_dir, "llama"), trust=False) is None
+
+
+def test_a_tokenizer_asking_for_its_own_code_is_refused_too(tmp_path, tiny_model_dir):
+    tok = shutil.copytree(tiny_model_dir, tmp_path / "tok")
+    values = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "config.json").unlink()
+    values.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": ["tokenization_my.MyTokenizer", None]})
+    (tok / "tokenizer_config.json").write_text(json.dumps(values))
+    problems = preflight_problems(tmp_path, tiny_model_dir, f"--model.tokenizer_name_or_path={tok}")
+    assert any(
+        p.startswith(f"model.tokenizer_name_or_path: {tok / 'tokenizer_config.json'}") and "tokenization_my.py" in p
+        for p in problems
+    ), problems
+
+
+def _pickled_code(path: Path, *, zip_format: bool) -> Path:
+    """A pytorch_model.bin holding the tiny tensors and an object whose unpickling calls os.system."""
+    import os
+    import pickle
+
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(path.parent / "code-ran"),))
+
+    path.parent.mkdir(parents=True)
+    if zip_format:
+        torch.save({"w": torch.zeros(4), "x": Payload()}, path)
+    else:
+        path.write_bytes(pickle.dumps({"w": [0.0] * 4, "x": Payload()}))
+    return path
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["torch.save", "plain pickle"])
+def test_pickled_weights_naming_code_are_refused_naming_the_file_and_what_it_would_call(tmp_path, zip_format):
+    """Before: weights-only loading refused it, as a library traceback (exit 1) that named no fix."""
+    from finetune.preflight import model_files
+
+    weights = _pickled_code(tmp_path / "model" / "pytorch_model.bin", zip_format=zip_format)
+    problem = model_files.weights_problem(weights.parent)
+    assert problem and problem.startswith(f"{weights}: a pickle that names code outside torch's weights-only")
+    assert "(posix.system)" in problem and "model.safetensors" in problem and "weights_only=False" in problem
+    assert not (tmp_path / "model" / "code-ran").exists()
+
+
+def test_finetune_plan_refuses_a_model_folder_that_needs_its_own_code(tmp_path, tiny_model_dir):
+    """Before: `finetune plan --model DIR` ended in transformers' ValueError traceback (exit 1)."""
+    from finetune.planning.report import load_model_config
+
+    model = _custom_code_model(tmp_path, tiny_model_dir)
+    with pytest.raises(UserError, match=r"--model: .*config.json: its auto_map asks for .*`finetune plan` runs no"):
+        load_model_config(str(model))
+    assert not (tmp_path / "code-ran").exists()

@@ -300,13 +300,15 @@ def test_dataset_missing_and_wrong_columns(tmp_path):
 
 
 def test_existing_run_directory_is_reported_and_untouched(tmp_path):
-    run_dir = tmp_path / "mine"
+    run_dir = tmp_path / "mine"  # a run's: run.json and config.yaml (rundir.is_run_dir)
     write(run_dir / "run.json", '{"precious": true}')
+    write(run_dir / "config.yaml", "run: {}\n")
     msg = one_problem("demo", [f"--run.output_dir={run_dir}"], None)
     assert f"run directory {run_dir} already exists" in msg and "--overwrite" in msg
     assert f"--run.output_dir={tmp_path / 'mine-2'}" in msg and "--resume" not in msg  # no checkpoint to resume
     assert problems_of("demo", [f"--run.output_dir={run_dir}", "--run.overwrite=true"], None) == []
-    assert [p.name for p in run_dir.iterdir()] == ["run.json"] and "precious" in (run_dir / "run.json").read_text()
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "run.json"]
+    assert "precious" in (run_dir / "run.json").read_text()
 
 
 def test_a_run_directory_left_by_a_run_that_failed_before_step_1_is_not_a_problem(tmp_path):
