@@ -1,5 +1,6 @@
 """Each rank's heartbeat and watchdog: which ranks are still alive when a collective fails, what each
-rank waits in, and a stuck rank ended cleanly (docs/faults.md "A rank dies or stalls", "Stuck").
+rank waits in, and a stuck rank ended cleanly (docs/faults.md "A rank dies or stalls", "Hangs and every
+stop signal").
 
 A rank whose process dies (its node lost, its task killed) makes the others' next collective fail
 with an error that names a socket, not a rank ("Connection closed by peer [127.0.0.1]:41234"; NCCL

@@ -1,8 +1,8 @@
 """What runs after the last optimizer step (measurements, the export, the eval loss, exact match, the
 record) runs as steps of `WeightsKept`: each step ends at a boundary where every rank agrees on its
 outcome (finetune/training/signals.py `agree`), so a failure on one rank is known to every rank before
-any of them enters another collective, and all take the same path (docs/faults.md "Agreement at
-every boundary"):
+any of them enters another collective, and all take the same path (docs/faults.md "Hangs and every
+stop signal"):
 
     with WeightsKept(trainer, record, model_dir, tokenizer, limits) as kept:
         measured = kept.step("the measurements", trainer.final_measurements)

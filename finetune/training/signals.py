@@ -1,5 +1,5 @@
 """Stop signals recorded instead of raised, and every rank's outcome agreed at fixed points
-(docs/faults.md "Signals", "Agreement at every boundary").
+(docs/faults.md "Signals", "Hangs and every stop signal").
 
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
 checkpoint being written; it is logged and ignored). It is installed first thing in every

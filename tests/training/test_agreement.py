@@ -1,5 +1,5 @@
 """Every rank agrees at each boundary after training (finetune/training/after_training.py, signals.agree;
-docs/faults.md "Agreement at every boundary").
+docs/faults.md "Hangs and every stop signal").
 
 In-process: two ranks over gloo (torch.multiprocessing, Accelerate's PartialState, no model) run the
 run's own `finish()` (finetune/training/run.py) with a stand-in trainer whose export, evaluation,
@@ -227,7 +227,7 @@ def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(tmp_path, 
     rank fails at the end of one step after training (fault injection). Both ranks stop at that
     boundary: each says the failure (its own error, or the failed rank's), both save the same weights
     (the export, or when the export failed a complete checkpoint of step 2), run.json `failed` names
-    the rank and its error, exit 1. Before (issue: TP's export), the failing rank went on to save a
+    the rank and its error, exit 1. Before (tensor parallelism's export found it), the failing rank went on to save a
     checkpoint while the other waited in the next agreement: both hung until the collective timeout."""
     from finetune.checkpointing import checkpoints
     from tests.training.test_faults import CPU_ENV, cli_train, tiny_args
