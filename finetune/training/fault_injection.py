@@ -129,16 +129,11 @@ def at_step_begin(*, rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-def hold(kind: str, *, rank: int, step: int, what: str, interrupt=None) -> None:
-    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step; `interrupt()`,
-    checked every 0.1 s, may end it early (a phase that a stop signal interrupts)."""
+def hold(kind: str, *, rank: int, step: int, what: str) -> None:
+    """A slow_* fault: hold `what` open PAUSE_S when `kind` names this rank and step."""
     if _active((kind,), rank, step):
         print(f"[fault injection] rank {rank} holds {what} open {PAUSE_S:g} s", flush=True)
-        end = time.monotonic() + PAUSE_S
-        while time.monotonic() < end:
-            if interrupt:
-                interrupt()
-            time.sleep(0.1)
+        time.sleep(PAUSE_S)
 
 
 def at_save(*, rank: int, step: int, ckpt) -> None:
