@@ -60,6 +60,8 @@ RANGES: dict[str, Range] = {
     "training.max_nonfinite_skips": at_least(0),
     "training.loss_chunk_tokens": at_least(1),
     "training.collapse_windows": at_least(1),
+    "training.stop_grace": at_least(1, " s"),
+    "training.finish_timeout": at_least(1, " s"),
     # TrainingArguments
     "training.max_steps": Range(lambda v: v == -1 or v >= 1, ">= 1, or -1 (unset: training.num_train_epochs decides)"),
     "training.num_train_epochs": positive(),

@@ -227,7 +227,6 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
             "--training.num_train_epochs=1",
             "--training.per_device_train_batch_size=4",
             "--training.logging_steps=2",
-            "--run.save_model=false",
         ],
         run_dir=run_dir,
         cwd=tmp_path,
