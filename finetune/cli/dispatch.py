@@ -193,17 +193,21 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     code). `signals`: the relay's (finetune/launch/relay.py), installed around all of it."""
     from finetune import preflight
     from finetune.checkpointing import resume_config, resume_plan
+    from finetune.config.recipe import load_recipe
     from finetune.errors import EXIT_PREEMPTED, UserError
     from finetune.launch import cpu_rehearsal
 
     config_file = args.config_file
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
-        resumed = resume_config.resolve(
+        cfg = resume_config.resolve(
             args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
-        )
-        config_file = config_file or resumed.cfg.run.accelerate_config
+        ).cfg
+        config_file = config_file or cfg.run.accelerate_config
     elif args.allow_config_change:
         raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+    else:
+        cfg, _ = load_recipe(args.recipe, overrides)
+    signals.keep_only(cfg.training.stop_signals)
     launch_args = launcher.launch_command(
         args.recipe,
         overrides,

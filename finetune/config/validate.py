@@ -18,6 +18,7 @@ from finetune import precision
 from finetune.config.sections import (
     PATH_KEYS,
     SECTION_CLASSES,
+    STOP_SIGNALS,
     TRAINING_DEFAULTS,
     TRAINING_PRECISION_FLAGS,
     TRAINING_RESERVED,
@@ -153,6 +154,8 @@ def _cross_checks(cfg: Config) -> list[str]:
         p += precision.config_problems(
             precision.get(t.precision), model_dtype=cfg.model.dtype, method=m.name, compute_dtype=m.compute_dtype
         )
+    if any(x not in STOP_SIGNALS for x in t.stop_signals):
+        p.append(f"training.stop_signals: got {t.stop_signals!r}; allowed: a list of {', '.join(STOP_SIGNALS)}")
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
     if isinstance(cfg.run.name, str) and (why := _not_a_name(cfg.run.name)):
@@ -380,6 +383,8 @@ RANGES: dict[str, Range] = {
     "training.max_nonfinite_skips": at_least(0),
     "training.loss_chunk_tokens": at_least(1),
     "training.collapse_windows": at_least(1),
+    "training.stop_grace": at_least(1, " s"),
+    "training.finish_timeout": at_least(1, " s"),
     # TrainingArguments
     "training.max_steps": Range(lambda v: v == -1 or v >= 1, ">= 1, or -1 (unset: training.num_train_epochs decides)"),
     "training.num_train_epochs": positive(),

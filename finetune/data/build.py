@@ -100,12 +100,12 @@ class _BadRowLog:
         logger.warning("%s: skipped %d bad row(s): %s%s", self.path, len(self.skipped), first, more)
 
 
-def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int | None, path: str):
+def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int | None, path: str, interrupt=None):
     """(rendered rows, rows examined, numbers of the rows whose every target is empty)."""
     rendered: list[Rendered] = []
     empty: list[int] = []
     examined = 0
-    for number, row in progress(numbered, len(numbered), "rendering"):
+    for number, row in progress(numbered, len(numbered), "rendering", interrupt=interrupt):
         if max_samples is not None and len(rendered) >= max_samples:
             break
         examined += 1
@@ -208,7 +208,7 @@ def _split_problem(n: int, eval_fraction: float, path: str) -> None:
         )
 
 
-def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: int) -> dict:
+def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: int, interrupt=None) -> dict:
     """Read, validate, render, tokenize and truncate; a plain-JSON dict (what the cache stores)."""
     numbered = read_numbered(path, split=getattr(cfg, "split", "train"))
     log = _BadRowLog(path, skip=on_bad_rows == "skip")
@@ -223,10 +223,12 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
     fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
 
     renderer = Renderer(tokenizer, fmt, cfg, path)
-    rendered, examined, empty = _render_rows(numbered, renderer, log, getattr(cfg, "max_samples", None), path)
+    rendered, examined, empty = _render_rows(
+        numbered, renderer, log, getattr(cfg, "max_samples", None), path, interrupt
+    )
     log.report(good=len(rendered))
 
-    examples, truncated, dropped = truncate(tokenize(rendered, tokenizer), max_length)
+    examples, truncated, dropped = truncate(tokenize(rendered, tokenizer, interrupt), max_length)
     return {
         "format": fmt,
         "examined": examined,
@@ -238,8 +240,10 @@ def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: 
     }
 
 
-def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
-    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``."""
+def build_datasets(cfg, tokenizer, *, seed: int, interrupt=None) -> DataBundle:
+    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``.
+    ``interrupt()``, called per row rendered and per chunk tokenized, may raise to end the build early
+    (a stop signal: finetune/training/signals.py check_interrupt)."""
     import datasets
 
     from finetune.data import cache as token_cache
@@ -252,7 +256,7 @@ def build_datasets(cfg, tokenizer, *, seed: int) -> DataBundle:
     cache = token_cache.for_data(cfg, tokenizer, path)  # data.cache_tokenized: reuse across runs
     entry = cache.load() if cache else None
     if entry is None:
-        entry = _read_and_tokenize(cfg, tokenizer, path, on_bad_rows, max_length)
+        entry = _read_and_tokenize(cfg, tokenizer, path, on_bad_rows, max_length, interrupt)
         if cache:
             cache.save(entry)
     elif entry["skipped"]:

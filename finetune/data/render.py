@@ -147,9 +147,10 @@ def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int,
     return labels
 
 
-def tokenize(rendered: list[Rendered], tokenizer) -> list[Example]:
+def tokenize(rendered: list[Rendered], tokenizer, interrupt=None) -> list[Example]:
     examples = []
-    for lo in progress(range(0, len(rendered), _TOKENIZE_CHUNK), len(rendered), "tokenizing", _TOKENIZE_CHUNK):
+    chunks = range(0, len(rendered), _TOKENIZE_CHUNK)
+    for lo in progress(chunks, len(rendered), "tokenizing", _TOKENIZE_CHUNK, interrupt=interrupt):
         chunk = rendered[lo : lo + _TOKENIZE_CHUNK]
         try:
             enc = tokenizer([r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True)
@@ -163,8 +164,11 @@ def tokenize(rendered: list[Rendered], tokenizer) -> list[Example]:
     return examples
 
 
-def progress(iterable, total_rows: int, desc: str, step: int = 1):
-    """A tqdm bar for big inputs on a terminal; the plain iterable otherwise."""
+def progress(iterable, total_rows: int, desc: str, step: int = 1, interrupt=None):
+    """A tqdm bar for big inputs on a terminal; the plain iterable otherwise. `interrupt()` is called
+    before each item: it raises to end the build early (a stop signal, finetune/training/signals.py)."""
+    if interrupt is not None:
+        iterable = _checked(iterable, interrupt)
     if total_rows <= _PROGRESS_MIN_ROWS or not sys.stderr.isatty():
         return iterable
     try:
@@ -172,6 +176,12 @@ def progress(iterable, total_rows: int, desc: str, step: int = 1):
     except ImportError:
         return iterable
     return tqdm(iterable, desc=desc, total=-(-total_rows // step), unit="rows" if step == 1 else f"x{step} rows")
+
+
+def _checked(iterable, interrupt):
+    for item in iterable:
+        interrupt()
+        yield item
 
 
 def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], int, int]:

@@ -1,4 +1,6 @@
-"""Which ranks are still alive when a collective fails: heartbeats through the rendezvous store.
+"""Each rank's heartbeat and watchdog: which ranks are still alive when a collective fails, what each
+rank waits in, and a stuck rank ended cleanly (docs/faults.md "A rank dies or stalls", "Hangs and every
+stop signal").
 
 A rank whose process dies (its node lost, its task killed) makes the others' next collective fail
 with an error that names a socket, not a rank ("Connection closed by peer [127.0.0.1]:41234"; NCCL
@@ -13,31 +15,140 @@ answers, its host, node rank 0, is what was lost. `failure_note` names them with
 Its own client connection with a short timeout: the process group's store waits up to
 training.ddp_timeout. The thread is stopped and joined at exit (a daemon thread still inside a
 store call while the interpreter finalizes can abort the process; finetune/launch/ranks.py).
+
+The same thread, every BEAT_S, in every process (one alone too, without a store):
+
+* writes this rank's progress file for `finetune train` (finetune/launch/rank_progress.py);
+* publishes what this rank does now (`at/<rank>`: the phase, or the collective it waits in, since
+  when) and a stop signal this rank received (`stop`), which every other rank's thread reads: a rank
+  in a phase without collectives (the data build) then ends that phase early too;
+* is the watchdog (`watch`): a stop signal that no agreement has acted on within its grace period, or
+  a phase that outlives its limit (a rank held in a collective after training), ends the process:
+  what every rank waits in is named on stderr and, through `watch.on_stuck`, in run.json (`failed`),
+  nothing is deleted (the newest complete checkpoint stays the newest), exit 1. The main thread
+  cannot be interrupted inside a collective, so this thread does it (os._exit).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import re
 import sys
 import threading
 import time
 from datetime import timedelta
 
+from finetune.launch import rank_progress
+
 BEAT_S = 0.5  # seconds between heartbeats
 WATCH_S = 3.0  # how long a failing rank watches the counters (6 beats of a live rank)
 STORE_TIMEOUT_S = 5.0  # one store call on the heartbeat connection, at most
 PREFIX = "finetune/peers/"
+EXIT_STUCK = 1  # a failure: the run did not end as planned
+MARGIN_S = 60.0  # the backend's collective timeout is set this far past the watchdog's limits
+
+
+class Watch:
+    """What this process's watchdog checks; set by the main thread and the signal handler."""
+
+    def __init__(self):
+        self.grace_s: float | None = None  # training.stop_grace, once the recipe is read
+        self.signal: tuple[str, float] | None = None  # a stop signal no agreement has acted on: (name, when)
+        self.done_with_signals = False  # a stop was agreed: later signals are ignored (signals.py)
+        self.phase: tuple[str, float, float | None] = ("the start", time.monotonic(), None)  # label, since, limit
+        self.wait: tuple[str, float] | None = None  # the agreement (collective) the main thread is in
+        self.peer_stop: str | None = None  # another rank's stop signal, read from the store
+        self.on_stuck = None  # rank 0: (cause) -> None, records the run failed (finetune/training/run.py)
+
+    def signalled(self, name: str) -> None:
+        if self.signal is None and not self.done_with_signals:
+            self.signal = (name, time.monotonic())
+
+    def acted(self) -> None:
+        """The ranks agreed on a stop (or a failure): the grace period ends; the stop's own phases follow."""
+        self.signal, self.done_with_signals = None, True
+
+    @contextlib.contextmanager
+    def during(self, label: str, limit_s: float | None = None):
+        """A phase; a limit (seconds, from its start or its last `progress()`) makes the watchdog end a
+        rank still in it after that long."""
+        before, self.phase = self.phase, (label, time.monotonic(), limit_s)
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    def progress(self) -> None:
+        """The phase made progress (an evaluation batch): its limit counts from now."""
+        label, _, limit = self.phase
+        self.phase = (label, time.monotonic(), limit)
+
+    @contextlib.contextmanager
+    def waiting(self, label: str):
+        """The main thread is in a collective every rank must reach (for `doing`)."""
+        self.wait = (label, time.monotonic())
+        try:
+            yield
+        finally:
+            self.wait = None
+
+    def doing(self, now: float) -> str:
+        label, since, _ = self.phase
+        if self.wait:
+            return f"waits in {self.wait[0]} ({now - self.wait[1]:.0f} s)"
+        inside = collective_of_main_thread()
+        return f"is in {label} ({now - since:.0f} s)" + (f", waiting in {inside}" if inside else "")
+
+    def overdue(self, now: float) -> str | None:
+        """Why this rank is stuck, or None. A phase with a limit of its own (a save, the model load, the
+        steps after training) is held to it, a signal or not: a save is never cut short by the grace."""
+        label, since, limit = self.phase
+        if limit is not None:
+            late = now - since > limit
+            return f"made no progress in {label} for {now - since:.0f} s (its limit: {limit:g} s)" if late else None
+        if self.signal and self.grace_s is not None and now - self.signal[1] > self.grace_s:
+            return (
+                f"got {self.signal[0]} {now - self.signal[1]:.0f} s ago and could not act on it within "
+                f"training.stop_grace ({self.grace_s:g} s)"
+            )
+        return None
+
+
+watch = Watch()  # this process's
+
+
+def collective_of_main_thread() -> str | None:
+    """The torch.distributed call the main thread is blocked in (its innermost Python frames are
+    torch's; a gloo collective blocks there) and the first caller outside torch, or None."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    names = []
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if "/torch/distributed/" not in path:
+            break
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    if not names or frame is None:
+        return None
+    name = next((n for n in names if not n.startswith("_") and n != "wrapper"), names[0])
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    short = path.split("site-packages/")[-1] if "site-packages/" in path else "/".join(path.split("/")[-3:])
+    return f"torch.distributed {name} (called from {short}:{frame.f_lineno} {frame.f_code.co_name})"
 
 
 class Heartbeat:
-    """This rank's heartbeat thread and its view of the others (see the module docstring)."""
+    """This rank's heartbeat thread and its view of the others (see the module docstring). `store`
+    None: one process, or no store to reach; the thread still writes the progress file and watches."""
 
     def __init__(self, store, rank: int, world_size: int):
         self.store, self.rank, self.world_size = store, rank, world_size
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="finetune-heartbeat", daemon=True)
         self.error: str | None = None  # why beating stopped (the store stopped answering)
+        self._progress = rank_progress.writer(rank)  # None without `finetune train`
+        self._said: tuple[str | None, str | None] = (None, None)  # (doing, stop) last published
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -51,12 +162,67 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.store.add(f"{PREFIX}beat/{self.rank}", 1)
-            except Exception as e:  # noqa: BLE001 - the store host is gone; `lost` says so
-                self.error = f"{type(e).__name__}: {e}"
-                return
+            if self._progress:
+                self._progress()
+            if self.store is not None and self.error is None:
+                try:
+                    self.store.add(f"{PREFIX}beat/{self.rank}", 1)
+                    self._share()
+                except Exception as e:  # noqa: BLE001 - the store host is gone; `lost` says so
+                    self.error = f"{type(e).__name__}: {e}"
+            cause = watch.overdue(time.monotonic())
+            if cause:
+                self._end_stuck(cause)
             self._stop.wait(BEAT_S)
+
+    def _share(self) -> None:
+        """Publish what this rank does and a stop signal it got; read another rank's stop."""
+        doing = re.sub(r" \(\d+ s\)", "", watch.doing(time.monotonic()))  # unchanged while the phase is
+        stop = f"{watch.signal[0]} on rank {self.rank}" if watch.signal else None
+        if doing != self._said[0]:
+            self.store.set(f"{PREFIX}at/{self.rank}", f"{doing} since {time.strftime('%H:%M:%S')}")
+        if stop and not self._said[1]:
+            self.store.set(f"{PREFIX}stop", stop)
+        elif not watch.peer_stop and self.store.check([f"{PREFIX}stop"]):
+            watch.peer_stop = self.store.get(f"{PREFIX}stop").decode()
+        self._said = (doing, self._said[1] or stop)
+
+    def others(self) -> str:
+        """What every other rank said it does (`at/<rank>`), for a stuck rank's message."""
+        if self.store is None or self.error:
+            return ""
+        said = []
+        for r in range(self.world_size):
+            if r != self.rank:
+                try:
+                    said.append(f"rank {r} {self.store.get(f'{PREFIX}at/{r}').decode()}")
+                except Exception:  # noqa: BLE001 - not said yet, or the store is gone
+                    said.append(f"rank {r}: not known")
+        return "; ".join(said)
+
+    def _end_stuck(self, cause: str) -> None:
+        """The watchdog's stop: name what each rank waits in, record it (rank 0), exit EXIT_STUCK."""
+        now = time.monotonic()
+        text = f"rank {self.rank} {cause}; it {watch.doing(now)}"
+        others = self.others()
+        text += f"; {others}" if others else ""
+        print(f"finetune: stuck: {text}. Stopping this rank (exit {EXIT_STUCK}); nothing was deleted", file=sys.stderr)
+        sys.stderr.flush()
+        try:
+            if self.store is not None and not self.error:
+                self.store.set(f"{PREFIX}stuck/{self.rank}", text)
+            if watch.on_stuck:
+                watch.on_stuck(f"stuck: {text}")
+        finally:
+            os._exit(EXIT_STUCK)
+
+    def stuck(self) -> str | None:
+        """What another rank's watchdog said when it ended that rank (`stuck/<rank>`), if one did."""
+        try:
+            found = [r for r in range(self.world_size) if self.store.check([f"{PREFIX}stuck/{r}"])]
+            return "; ".join(self.store.get(f"{PREFIX}stuck/{r}").decode() for r in found) or None
+        except Exception:  # noqa: BLE001 - the store is gone: `lost` says so
+            return None
 
     def counters(self) -> list[int]:
         return [int(self.store.add(f"{PREFIX}beat/{r}", 0)) for r in range(self.world_size)]
@@ -78,32 +244,41 @@ class Heartbeat:
         ], None
 
 
-def start(rank: int, world_size: int, env=os.environ) -> Heartbeat | None:
-    """Start this rank's heartbeat on the launcher's store, or None (one process, or no store address)."""
-    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if world_size < 2 or not host or not (port or "").isdigit():
-        return None
-    import torch.distributed as dist
+def start(rank: int, world_size: int, env=os.environ) -> Heartbeat:
+    """Start this rank's heartbeat and watchdog, on the launcher's store when there is one to reach
+    (more than one process and its address known)."""
+    host, port, store = env.get("MASTER_ADDR"), env.get("MASTER_PORT"), None
+    if world_size > 1 and host and (port or "").isdigit():
+        import torch.distributed as dist
 
-    try:
-        store = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
-        )
-    except Exception:  # noqa: BLE001 - no heartbeat: a later failure is reported without the rank named
-        return None
+        try:
+            store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+            )
+        except Exception:  # noqa: BLE001 - no store: a later failure is reported without the rank named
+            store = None
     return Heartbeat(store, rank, world_size).start()
 
 
 def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) -> str | None:
     """After training failed on this rank: which ranks (and nodes) of `machines` (LaunchPlan.machines)
-    stopped answering, printed on stderr and returned for run.json; None in a one-process run, when
-    every rank is still there, and for an interruption or a user error (nothing was lost)."""
+    stopped answering, or what another rank's watchdog said when it ended that rank, printed on stderr
+    and returned for run.json; None in a one-process run, when every rank is still there, and for an
+    interruption or a user error (nothing was lost)."""
     from finetune.errors import UserError
 
-    if heartbeat is None or not machines.ranks or isinstance(error, (KeyboardInterrupt, SystemExit, UserError)):
+    if (
+        heartbeat is None
+        or heartbeat.store is None
+        or not machines.ranks
+        or isinstance(error, (KeyboardInterrupt, SystemExit, UserError))
+    ):
         return None
-    lost, store_error = heartbeat.lost()
-    if store_error:  # the store lives in the launcher of node rank 0
+    stuck = heartbeat.stuck()  # another rank's watchdog ended it: its note names what every rank waited in
+    lost, store_error = ([], None) if stuck else heartbeat.lost()
+    if stuck:
+        note = f"stuck: {stuck}"
+    elif store_error:  # the store lives in the launcher of node rank 0
         gone = machines.ranks_on(0)
         note = (
             f"lost node {machines.place(gone[0]).node} (node rank 0, rank(s) {gone}): the launcher's "
@@ -121,10 +296,11 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     else:
         return None
     me = machines.place(heartbeat.rank)
+    nodes_left = "" if stuck else ", on the nodes left too"
     print(
         f"finetune: rank {heartbeat.rank} on node {me.node if me else None}: {note}; this rank stops "
-        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume, on the nodes left "
-        f"too (docs/faults.md)",
+        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume{nodes_left} "
+        f"(docs/faults.md)",
         file=sys.stderr,
         flush=True,
     )

@@ -1,9 +1,9 @@
 """Per-rank heartbeats, so the rank that stopped making progress is the one named when a run fails
 (docs/faults.md "A rank dies or stalls").
 
-Under `finetune train` every rank's thread writes `rank-<R>.json` (pid, host, the last optimizer step
-the rank finished, the time) into the launch's state directory (finetune/launch/relay.py) every
-BEAT_S seconds. A rank stopped with SIGSTOP, frozen or swapped out stops beating; the ranks waiting
+Under `finetune train` every rank's heartbeat thread (finetune/launch/peers.py) writes `rank-<R>.json`
+(pid, host, the last optimizer step the rank finished, the time) into the launch's state directory
+(finetune/launch/relay.py) every beat. A rank stopped with SIGSTOP, frozen or swapped out stops beating; the ranks waiting
 for it in a collective keep beating (collectives wait with the GIL released) until
 `training.ddp_timeout` ends them. `finetune train` reads the beats when it reports the failed ranks
 (report_failed_ranks): the launcher only sees exit codes. (A failing rank's own record names the
@@ -16,19 +16,16 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
 from finetune.launch import relay
 
-BEAT_S = 1.0
 # A rank whose last beat is this much older than the moment the others failed (or now) had stopped
 # making progress: well above a beat delayed on a loaded machine, well below any collective timeout.
 STALL_S = 10.0
 
 _progress = {"step": 0}
-_stepped = threading.Event()  # wakes the beat at once when a step ends
 
 
 def directory(env=os.environ) -> Path | None:
@@ -36,32 +33,29 @@ def directory(env=os.environ) -> Path | None:
     return Path(state) if state else None
 
 
-def start(rank: int) -> None:
-    """Start this rank's heartbeat thread (a daemon; nothing without `finetune train`)."""
+def writer(rank: int):
+    """A function that writes this rank's beat (called by its heartbeat thread), or None without
+    `finetune train`."""
     where = directory()
     if where is None:
-        return
+        return None
     path = where / f"rank-{rank}.json"
     note = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
 
     def beat():
-        while True:
-            tmp = path.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps({**note, "step": _progress["step"], "beat": time.time()}))
-                tmp.replace(path)
-            except OSError:
-                pass  # the launch ended and took its directory, or the disk is full: nothing to report to
-            _stepped.wait(BEAT_S)
-            _stepped.clear()
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({**note, "step": _progress["step"], "beat": time.time()}))
+            tmp.replace(path)
+        except OSError:
+            pass  # the launch ended and took its directory, or the disk is full: nothing to report to
 
-    threading.Thread(target=beat, name="finetune-heartbeat", daemon=True).start()
+    return beat
 
 
 def progress(step: int) -> None:
     """The last optimizer step this rank finished (its beats carry it)."""
     _progress["step"] = step
-    _stepped.set()
 
 
 def read(where: Path | None = None) -> dict[int, dict]:

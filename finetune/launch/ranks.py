@@ -54,3 +54,19 @@ def _may_use_nccl(dist) -> bool:
     import torch
 
     return "nccl" in str(dist.get_backend_config()) and torch.cuda.is_available()
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group's collective timeout (the default group's and DeepSpeed's own), for the
+    phases from here on: after training the watchdog's limits end a stuck rank cleanly
+    (finetune/launch/peers.py), so the backend's own timeout, which raises deep inside a collective
+    (gloo) or aborts the process (NCCL), is set past the longest of them."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)

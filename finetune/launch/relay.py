@@ -1,6 +1,7 @@
 """`finetune train` keeps charge of the processes it launched until they end (docs/faults.md
-"Signals"). SIGTERM, SIGINT and SIGHUP sent to it (docker stop, Kubernetes, `kill PID`, `timeout`,
-Ctrl-C, a closed terminal or ssh session) are relayed to every rank, once, and it waits for them:
+"Signals"). SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to it (docker stop, Kubernetes, `kill PID`,
+`timeout`, Ctrl-C, a closed terminal or ssh session, SLURM's `--signal=B:USR1@N`; training.stop_signals
+chooses which) are relayed to every rank, once, and it waits for them:
 they finish the optimizer step, write one complete checkpoint and exit 75, which it passes on. A
 second signal is ignored while they write. The ranks run in their own sessions (torchrun starts
 them so; the one-process launch here does the same), so a terminal's Ctrl-C reaches the wrapper
@@ -23,12 +24,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from finetune.config.sections import STOP_SIGNALS
 from finetune.console import write_line
 from finetune.errors import EXIT_PREEMPTED
 
 ENV = "FINETUNE_LAUNCH_STATE"  # the launch's state directory, inherited by every rank
 RELAYED = "relayed.json"  # written there before the first relayed signal is sent
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS = tuple(signal.Signals[name] for name in STOP_SIGNALS)
 POLL_S = 0.1  # how often the relay looks for ranks to signal
 
 
@@ -72,6 +74,12 @@ class Relay:
                 self._previous[sig] = signal.signal(sig, self._handler)
         self._thread.start()
         return self
+
+    def keep_only(self, names) -> None:
+        """training.stop_signals: the signals not named get back what they had (their default action)."""
+        for sig in list(self._previous):
+            if sig.name not in names:
+                signal.signal(sig, self._previous.pop(sig))
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

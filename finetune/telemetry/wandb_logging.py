@@ -1,7 +1,9 @@
 """Weights & Biases, when `logging.report_to` includes wandb (rank 0). Offline into the run directory
-without an API key; runs grouped by recipe and tagged with strategy and method; the record's
-sections as config, the peaks and throughput as summary, the run record and configs as one
-artifact. Each log window reaches W&B through transformers' WandbCallback, which finds our run.
+without an API key, or when the server cannot be reached within INIT_TIMEOUT_S (one warning naming the
+offline run's directory and the `wandb sync` command); runs grouped by recipe and tagged with strategy
+and method; the record's sections as config, the peaks and throughput as summary, the run record and
+configs as one artifact. Each log window reaches W&B through transformers' WandbCallback, which finds
+our run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ from pathlib import Path
 from finetune.telemetry.record import RecordView
 
 log = logging.getLogger(__name__)
+
+# wandb's init_timeout (s) when online, unless WANDB_INIT_TIMEOUT says otherwise: measured here (wandb
+# 0.31), an unreachable server ends wandb.init after about init_timeout + 10 s (31 s with 20, 27 s with
+# 15, 22 s with 10); wandb's own default is 90 (190 s seen).
+INIT_TIMEOUT_S = 15
 
 
 def enabled(report_to: list[str]) -> bool:
@@ -78,7 +85,7 @@ def start(record: RecordView, *, project: str, run_dir: Path):
         )
         if t
     ]
-    return wandb.init(
+    arguments = dict(
         project=os.environ.get("WANDB_PROJECT", project),
         name=record.get("run_name"),
         group=record.get("recipe"),
@@ -99,6 +106,23 @@ def start(record: RecordView, *, project: str, run_dir: Path):
             "lr_scaling": record.get("lr", "rule"),
         },
     )
+    if os.environ.get("WANDB_MODE", "online") != "online":  # offline or disabled, as configured
+        return wandb.init(**arguments)
+    try:
+        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", INIT_TIMEOUT_S))
+        return wandb.init(**arguments, settings=wandb.Settings(init_timeout=timeout))
+    except wandb.errors.Error as e:  # no network, a proxy, the server down: train on, log offline
+        os.environ["WANDB_MODE"] = "offline"
+        run = wandb.init(**arguments, mode="offline")
+        log.warning(
+            "W&B: the server could not be reached (%s: %s); logging offline to %s instead. Upload it later with "
+            "`wandb sync %s`",
+            type(e).__name__,
+            str(e).splitlines()[0][:200],
+            run.settings.sync_dir,
+            run.settings.sync_dir,
+        )
+        return run
 
 
 def run_summary(record: RecordView) -> dict:

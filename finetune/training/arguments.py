@@ -65,7 +65,9 @@ def mesh_arguments(cfg, launch: LaunchPlan) -> dict:
     """What engages the mesh (finetune/mesh.py): Accelerate's ParallelismConfig for sequence (DeepSpeed
     Ulysses) and context parallelism (torch), every size given (unset ones would be read from
     PARALLELISM_CONFIG_* variables); for tensor parallelism the launch's DeepSpeed config with
-    tensor_parallel.autotp_size, which DeepSpeed applies when it builds its engine (AutoTP)."""
+    tensor_parallel.autotp_size, which DeepSpeed applies when it builds its engine (AutoTP), and the
+    export gathering AutoTP's shards into one model (zero_optimization.gather_16bit_weights_on_model_save:
+    without it Trainer.save_model writes no weights and a DeepSpeed checkpoint instead)."""
     m = launch.mesh
     out: dict = {}
     if m.sp > 1 or m.cp > 1:
@@ -90,6 +92,7 @@ def mesh_arguments(cfg, launch: LaunchPlan) -> dict:
     if m.tp > 1:
         ds = dict(launch.facts.deepspeed or {})
         ds["tensor_parallel"] = {**(ds.get("tensor_parallel") or {}), "autotp_size": m.tp}
+        ds["zero_optimization"] = {**(ds.get("zero_optimization") or {}), "gather_16bit_weights_on_model_save": True}
         out["deepspeed"] = ds  # the launch's own JSON (recipe row or accelerate config), AutoTP added
     return out
 

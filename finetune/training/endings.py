@@ -1,6 +1,6 @@
 """How a run that does not complete ends, on every rank: preempted (a signal during or after
 training: a complete checkpoint, exit 75), stopped before training (nothing to save, exit 75),
-diverged (exit 3) or failed (the record says why, the error goes on). Rank 0 records it and says
+diverged (exit 3), failed (the record says why, the error goes on) or stuck (the watchdog's stop). Rank 0 records it and says
 it once (docs/faults.md). `run` is the phases' Run (finetune/training/run.py)."""
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def failed(run, e: BaseException) -> BaseException:
     a rank stopped with SIGSTOP stops beating too."""
     from finetune import storage
     from finetune.launch import peers
+    from finetune.training import signals
 
     failure = storage.error(e, run.dir, "writing the run's files") if isinstance(e, Exception) else None
-    lost = peers.failure_note(failure or e, run.heartbeat, run.launch.machines)  # the ranks gone, if so
+    # the ranks gone, if so (a failure every rank agreed on lost none)
+    lost = None if signals.failures_agreed else peers.failure_note(failure or e, run.heartbeat, run.launch.machines)
     if run.record and run.committed:
         interrupted = isinstance(e, KeyboardInterrupt)
         shown = failure or e
@@ -92,5 +94,24 @@ def failed(run, e: BaseException) -> BaseException:
             status="interrupted" if interrupted else "failed",
             error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
         )
+        if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
+            run.record.update("summary", checkpoint=_newest_complete(run.dir))
         run.sinks.close(run.record.view, 1)
     return failure or e
+
+
+def stuck(run, cause: str) -> None:
+    """The watchdog ends this rank (finetune/launch/peers.py; its thread, the main thread held in a
+    collective): rank 0 records the run failed with `cause` and the newest complete checkpoint, which
+    stays (nothing is deleted). No sink is closed and no collective entered: either could hang too."""
+    if not (run.record and run.committed):
+        return
+    run.record.update("summary", status="failed", error=cause, checkpoint=_newest_complete(run.dir))
+    run.record.write()
+
+
+def _newest_complete(run_dir) -> str | None:
+    from finetune.checkpointing import checkpoints
+
+    found = checkpoints.checkpoints(run_dir)
+    return next((str(c) for c in reversed(found) if checkpoints.problem(c, verify=False) is None), None)

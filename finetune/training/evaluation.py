@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 
 from finetune.data.formats import prompt_and_answer
+from finetune.launch import peers
 
 
 def render_prompts(
@@ -79,6 +80,7 @@ def exact_match(
             for i, text in zip(idx, texts):
                 if i in mine:
                     generated[i] = text
+            peers.watch.progress()  # a batch done: the watchdog's limit counts from here
     finally:
         tokenizer.padding_side = old_side
         model.train(was_training)

@@ -7,8 +7,11 @@
     FINETUNE_FAULT_INJECT="slow_load@rank0,step1"     rank 0 holds the model load (before step 1) open
 
 slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
-load before step S=1, slow_save the save of checkpoint-S, slow_eval the evaluation after training
-ended at step S.
+load before step S=1, slow_save the save of checkpoint-S, slow_export and slow_eval the export and
+the evaluation after training ended at step S. fail_<step> raises at the end of that step (its collectives done) after training
+ended at step S, on rank R alone (export, eval, exact_match, record: the ranks must agree on it);
+stray_collective holds rank R in a collective the other ranks never enter, in the evaluation after
+training ended at step S (the watchdog must end the run).
 
 KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
 anything; a value that does not parse is an error, so a drill never runs without its fault.
@@ -35,8 +38,13 @@ KINDS = (
     "slow_load",
     "slow_save",
     "slow_eval",
+    "slow_export",
     "disk_full",
-    "error_after_training",
+    "fail_export",
+    "fail_eval",
+    "fail_exact_match",
+    "fail_record",
+    "stray_collective",
     "sp_late_shift",
     "tp_partial_sums",
 )
@@ -140,8 +148,14 @@ def at_save(*, rank: int, step: int, ckpt) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)", str(ckpt / "optimizer.pt"))
 
 
-def after_training(*, rank: int, step: int) -> None:
-    """`error_after_training`: an error once training ended at `step`, after the export and before the
-    evaluation (what happens to the trained weights: finetune/training/after_training.py)."""
-    if _active(("error_after_training",), rank, step):
-        raise RuntimeError(f"[fault injection] error after training on rank {rank} (step {step})")
+def fail(what: str, *, rank: int, step: int) -> None:
+    """`fail_<what>`: an error at the end of that step after training (export, eval, exact_match,
+    record) ended at `step`, on this rank, once its collectives are done (finetune/training/
+    after_training.py: the ranks agree on it). `stray_collective` (eval): this rank enters a barrier."""
+    if _active((f"fail_{what}",), rank, step):
+        raise RuntimeError(f"[fault injection] {what} fails on rank {rank} (training ended at step {step})")
+    if what == "eval" and _active(("stray_collective",), rank, step):
+        import torch.distributed as dist
+
+        print(f"[fault injection] rank {rank} enters a barrier no other rank enters", flush=True)
+        dist.barrier()

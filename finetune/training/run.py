@@ -57,7 +57,7 @@ class Run:
     sinks: Sinks | None
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
     ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
-    heartbeat: Heartbeat | None  # this rank's, to name a lost rank (finetune/launch/peers.py); None: one process
+    heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
     committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_phases(argv: list[str] | None) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
     from finetune.config.recipe import load_recipe
-    from finetune.launch import rank_progress
+    from finetune.launch import peers
     from finetune.training import endings, signals
     from finetune.training.collapse import Diverged
 
@@ -116,13 +116,16 @@ def run_phases(argv: list[str] | None) -> int:
         cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
+    signals.keep_only(cfg.training.stop_signals)  # the others get their default action back
+    peers.watch.grace_s = cfg.training.stop_grace
     state, launch, ended = start_processes(cfg)
-    rank_progress.start(state.process_index)  # the rank that stops making progress gets named (docs/faults.md)
+    # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md)
+    heartbeat = peers.start(state.process_index, launch.world_size)
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
         return endings.stopped_before_training(None, e, ended)
-    run = prepare(cfg, launch, state, ended, resume=args.resume, overrides=overrides, resumed_config=resumed)
+    run = prepare(cfg, launch, state, ended, heartbeat, resume=args.resume, overrides=overrides, resumed_config=resumed)
     try:
         code = train_and_record(run)
         run.ended.append(True)  # every rank returns here together (completed or preempted)
@@ -141,18 +144,22 @@ def run_phases(argv: list[str] | None) -> int:
 def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read. A signal before
     training stops every rank at the next phase boundary (signals.Stopped)."""
-    from finetune.checkpointing import universal
+    from finetune.checkpointing import resume_plan, universal
+    from finetune.launch import peers
     from finetune.training import endings, node_figures, signals
 
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = load_data(run, arguments)
-    signals.stop_if_received(run.state, "while the data was prepared")
+    data = signals.phase(run.state, "while the data was prepared", lambda: load_data(run, arguments))
+    if run.resume:  # the rows must be the checkpoint's, before the model loads
+        resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
+        commit(run)  # the continued record replaces run.json from here on
     universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
-    model = load_model(run, arguments)
-    ddp_record = ddp_options(run, arguments, model, data)
-    trainer = build_trainer(run, arguments, model, data, universal_dir)
+    with peers.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
+        model = load_model(run, arguments)
+        ddp_record = ddp_options(run, arguments, model, data)
+        trainer = build_trainer(run, arguments, model, data, universal_dir)
     node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     signals.stop_if_received(run.state, "while the model loaded")
     if run.record:
@@ -198,6 +205,7 @@ def prepare(
     launch: LaunchPlan,
     state: PartialState,
     ended: list,
+    heartbeat: Heartbeat,
     *,
     resume: str | None,
     overrides: list[str],
@@ -213,6 +221,7 @@ def prepare(
     from finetune.launch.ranks import run_on_main
     from finetune.telemetry import sinks
     from finetune.telemetry.record import RunRecord
+    from finetune.training import endings
 
     plan = resumed = None
     if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
@@ -222,7 +231,6 @@ def prepare(
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
-    heartbeat = peers.start(state.process_index, launch.world_size)  # names a lost rank if training fails
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", launch.setup.describe())
@@ -256,7 +264,8 @@ def prepare(
         ended=ended,
         heartbeat=heartbeat,
     )
-    if not plan:  # a resumed run commits once its data is checked (load_data)
+    peers.watch.on_stuck = lambda cause: endings.stuck(run, cause)  # the watchdog's stop, recorded
+    if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
     if cfg.data.path == "demo":
         _write_demo_data(run)
@@ -310,23 +319,24 @@ def speed_options(run: Run, arguments: RunArguments) -> dict:
 
 
 def load_data(run: Run, arguments: RunArguments) -> Data:
-    """Tokenizer, datasets, and the held-out rows; a resumed run checks the rows are the checkpoint's
-    before the model loads, then commits."""
-    from finetune.checkpointing import provenance, resume_plan
+    """Tokenizer, datasets, and the held-out rows; no collective, so a stop signal ends the build at
+    the next row (signals.Interrupted)."""
+    from finetune.checkpointing import provenance
     from finetune.data import build, read
     from finetune.modeling.load import load_tokenizer
     from finetune.preflight import model_files
+    from finetune.training import signals
 
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
     bundle = build.build_datasets(
-        dataclasses.replace(cfg.data, path=run.data_path), tokenizer, seed=arguments.args.seed
+        dataclasses.replace(cfg.data, path=run.data_path),
+        tokenizer,
+        seed=arguments.args.seed,
+        interrupt=signals.check_interrupt,
     )
     model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
-    if run.resume:
-        resume_plan.check_data(run.resume, rows=len(bundle.train), fingerprint=fingerprint)
-        commit(run)  # the continued record replaces run.json from here on
     heldout = read.read_rows(run.heldout_path)[: cfg.eval.samples] if cfg.eval.exact_match else None
     return Data(tokenizer, bundle, fingerprint, heldout)
 
@@ -434,7 +444,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
-        results["before"] = _exact_match(run, trainer, model, data, "before")
+        results["before"] = exact_match(run, trainer, model, data, "before")
         signals.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
         resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
@@ -443,7 +453,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
     signals.set_stage(signals.FINISHING)
-    if trainer.resilience.preempted or trainer.resilience.stop_after_training():
+    if trainer.resilience.preempted:  # a signal after training is agreed at finish()'s first boundary
         return None
     collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
     if collapsed:
@@ -454,51 +464,59 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
 def finish(
     run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
-    """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. An
-    error reports where the trained weights are (training/after_training.py); a signal stops it at
-    the next boundary with a checkpoint of the final step (exit 75; --resume evaluates)."""
-    from finetune.training import endings, evaluation, fault_injection, signals
-    from finetune.training.after_training import WeightsKept, record_figures
+    """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. Each
+    step ends at a boundary every rank agrees on (training/after_training.py): a failure on any rank
+    saves the trained weights on every rank and reports where they are; a signal stops every rank
+    there with a checkpoint of the final step (exit 75; --resume evaluates)."""
+    from finetune.launch import peers, ranks
+    from finetune.training import endings, fault_injection, signals
+    from finetune.training.after_training import Limits, WeightsKept, record_end
 
-    cfg, record = run.cfg, run.record
-    rank, step = run.state.process_index, trainer.state.global_step
-    with WeightsKept(trainer, record, run.dir / "model", data.tokenizer) as kept:
+    cfg, rank, step = run.cfg, run.state.process_index, trainer.state.global_step
+    limits = Limits(finish_s=cfg.training.finish_timeout, save_s=arguments.args.ddp_timeout)
+    ranks.set_collective_timeout(max(limits.finish_s, limits.save_s) + peers.MARGIN_S)  # the watchdog acts first
+    results = dict(trained.exact_match)
+
+    def measure():
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-        measured = trainer.final_measurements()
-        if cfg.run.save_model:
-            signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-            kept.export()  # adapter for LoRA/QLoRA, full weights otherwise (finetune/modeling/load.py save_final_model)
-            signals.set_stage(signals.FINISHING)
-        fault_injection.after_training(rank=rank, step=step)  # drills
+        return trainer.final_measurements()
+
+    def export_drills():
+        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
+        fault_injection.fail("export", rank=rank, step=step)
+
+    def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
-        if trainer.resilience.stop_after_training():  # a signal during the export
-            return endings.preempted(run, trainer, arguments)
-        eval_loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
-        results = dict(trained.exact_match)
-        if data.heldout is not None:
-            if trainer.resilience.stop_after_training():
-                return endings.preempted(run, trainer, arguments)
-            results["after"] = _exact_match(run, trainer, model, data, "after")
-        if trainer.resilience.stop_after_training():  # a signal during the final evaluation
-            return endings.preempted(run, trainer, arguments)
-        collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
-        if record:
-            record.update(
-                "summary",
-                eval_loss=eval_loss,
-                steps=trainer.state.global_step,
-                train_s=round(trained.train_s, 2),
-                wall_s=round(time.perf_counter() - started, 2),
-                status="failed" if collapsed else "completed",
-                nonfinite_skipped=trainer.skipped_steps,
+        loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
+        fault_injection.fail("eval", rank=rank, step=step)  # drills fail a step after its collectives
+        return loss
+
+    def match():
+        result = exact_match(run, trainer, model, data, "after")
+        fault_injection.fail("exact_match", rank=rank, step=step)
+        return result
+
+    try:
+        with WeightsKept(trainer, run.record, run.dir / "model", data.tokenizer, limits) as kept:
+            measured = kept.step("the measurements", measure)
+            if cfg.run.save_model:
+                signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
+                kept.export(then=export_drills)
+                signals.set_stage(signals.FINISHING)
+            eval_loss = kept.step("the evaluation", evaluate)
+            if data.heldout is not None:
+                results["after"] = kept.step("exact match", match)
+            collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
+            kept.step(
+                "the record",
+                lambda: record_end(run, trainer, model, measured, trained, results, eval_loss, started, collapsed),
             )
-            record_figures(record, measured, model, cfg, world=run.launch.world_size, train_loss=trained.train_loss)
-            if results:
-                record.set("eval", evaluation.section(results, run.heldout_path))
-        if collapsed:
-            raise collapsed  # main() records the error and exits 3
-    if record:
-        run.sinks.close(record.view, 0)
+            if collapsed:
+                raise collapsed  # main() records the error and exits 3
+    except signals.Stopped:  # every rank agreed; the checkpoint of the final step is written
+        return endings.preempted(run, trainer, arguments)
+    if run.record:
+        run.sinks.close(run.record.view, 0)
     return 0
 
 
@@ -516,7 +534,7 @@ def _write_demo_data(run: Run) -> None:
         rundir.written(run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
 
 
-def _exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
+def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
     """Exact match on the held-out rows, sharded over the ranks; `before` gathers ZeRO-3 shards first."""
     from finetune.modeling.load import full_parameters
     from finetune.training import evaluation

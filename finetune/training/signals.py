@@ -1,13 +1,17 @@
-"""SIGTERM/SIGINT/SIGHUP recorded instead of raised, and flags agreed across ranks (docs/faults.md
-"Signals").
+"""Stop signals recorded instead of raised, and every rank's outcome agreed at fixed points
+(docs/faults.md "Signals", "Hangs and every stop signal").
 
 The handler only records the signal (it never raises, so a second signal cannot interrupt a
 checkpoint being written; it is logged and ignored). It is installed first thing in every
-process, before torch is imported. The ranks agree on the flags (one all-gather) at fixed points:
-the end of each optimizer step (finetune/training/trainer.py), and the boundaries between the
-phases before and after training (finetune/training/run.py), so all ranks stop at the same place
-whichever rank was signalled: a step boundary, with a complete checkpoint; before training,
-with nothing trained; after training, with a checkpoint of the final step.
+process, before torch is imported, for SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2; once the
+recipe is read, those left out of training.stop_signals get their default action back. The ranks agree
+(one all-gather) at fixed points: the end of each optimizer step (finetune/training/trainer.py), and
+the boundaries between the phases before and after training (finetune/training/run.py, `agree`),
+where each rank also says whether its phase failed: a failure on one rank is known to every rank
+before any of them enters another collective. So all ranks stop at the same place whichever rank
+was signalled: a step boundary, with a complete checkpoint; before training, with nothing trained;
+after training, with a checkpoint of the final step. A phase without collectives (the data build)
+checks `check_interrupt` per row and ends early; the boundary after it then stops every rank.
 
 A signal relayed by `finetune train` (finetune/launch/relay.py), which already said so on the
 console, is recorded silently: one line per signal, from the process that got it.
@@ -18,14 +22,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
+from finetune.config.sections import STOP_SIGNALS
 from finetune.console import write_line
-from finetune.launch import relay
+from finetune.launch import peers, relay
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS = tuple(signal.Signals[name] for name in STOP_SIGNALS)
 RELAYED = 64  # added to a relayed signal's number in the flags the ranks exchange
+FAILED = 256  # added to a rank's flag at a phase boundary when its phase failed
 
 received: list[int] = []  # signals received by this process since install_signal_handlers()
+failures_agreed: list[str] = []  # the phases whose failure every rank agreed on (no rank was lost)
 relayed: list[dict] = []  # the relay's note ({"signal", "pid"}) when the first one was relayed
 
 # What the process does with a signal now; set by finetune/training/run.py as the run goes on.
@@ -40,11 +48,14 @@ _stage = [STARTING]
 
 
 def set_stage(stage: str) -> None:
-    """What a signal does from now on (one of WHAT_NOW's keys)."""
+    """What a signal does from now on (one of WHAT_NOW's keys); the watchdog names the phase so."""
     _stage[0] = stage
+    label = {STARTING: "the start", TRAINING: "training", EXPORTING: "the export"}.get(stage, "the end of the run")
+    peers.watch.phase = (label, time.monotonic(), None)
 
 
 _previous: dict = {}
+_wanted = list(SIGNALS)  # training.stop_signals
 
 
 def _handler(signum, frame):
@@ -58,17 +69,27 @@ def _handler(signum, frame):
     else:
         msg = f"{name} received again: ignored, the run is stopping"
     received.append(signum)
+    peers.watch.signalled(name)  # the watchdog's grace period starts (finetune/launch/peers.py)
     if not quiet:
         write_line(f"[rank {os.environ.get('RANK', '0')}] {msg}")
 
 
 def install_signal_handlers() -> None:
-    """Record SIGTERM/SIGINT/SIGHUP instead of dying, from process start (ranks reach the trainer
-    at different times; one still loading the model when the signal comes must not just die while
-    the others wait for it in a collective)."""
+    """Record the stop signals instead of dying, from process start (ranks reach the trainer at
+    different times; one still loading the model when the signal comes must not just die while the
+    others wait for it in a collective)."""
     if threading.current_thread() is threading.main_thread():
-        for sig in SIGNALS:
+        for sig in _wanted:
             _previous.setdefault(sig, signal.signal(sig, _handler))
+
+
+def keep_only(names) -> None:
+    """training.stop_signals: the signals not named get back what they had before (their default
+    action), also when the handlers are installed again (the trainer does)."""
+    _wanted[:] = [sig for sig in SIGNALS if sig.name in names]
+    for sig in SIGNALS:
+        if sig not in _wanted and sig in _previous:
+            signal.signal(sig, _previous.pop(sig))
 
 
 def restore_signal_handlers() -> None:
@@ -100,6 +121,17 @@ def code() -> int:
     return received[0] + (RELAYED if relayed else 0)
 
 
+class Interrupted(Exception):
+    """A stop signal reached this rank, or another rank's (through the watchdog's store), during a phase
+    that ends early for it (the data build); the boundary after the phase stops every rank."""
+
+
+def check_interrupt() -> None:
+    """Called per row by a phase without collectives: raise Interrupted once a stop is pending."""
+    if received or peers.watch.peer_stop:
+        raise Interrupted(peers.watch.peer_stop or signal.Signals(received[0]).name)
+
+
 def flags_per_rank(state, value: int) -> list[int]:
     """Every rank's value, on every rank (one all-gather); the ranks agree by construction.
     `state`: an Accelerator or a PartialState (before the trainer exists)."""
@@ -112,7 +144,8 @@ def flags_per_rank(state, value: int) -> list[int]:
 
 
 def describe(flags: list[int]) -> dict:
-    """{signal, ranks, relayed_by} from the exchanged flags (at least one non-zero)."""
+    """{signal, ranks, relayed_by} from the exchanged signal flags (at least one non-zero)."""
+    flags = [n % FAILED for n in flags]
     ranks = [r for r, n in enumerate(flags) if n]
     first = flags[ranks[0]]
     by = relayed[0]["pid"] if relayed else None
@@ -139,8 +172,61 @@ class Stopped(Exception):
         self.where = where
 
 
-def stop_if_received(state, where: str) -> None:
-    """At a phase boundary every rank reaches: raise Stopped on every rank if any was signalled."""
-    flags = flags_per_rank(state, code())
+class FailedElsewhere(RuntimeError):
+    """Another rank's phase failed: this rank stops with it (the message carries that rank's error)."""
+
+
+def agree(state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
+    """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
+    all-gather of each rank's signal flag (unless the caller does not act on signals) and failure. A
+    failure on any rank raises on every rank before any of them enters another collective: its own
+    error where it failed, FailedElsewhere with the failed ranks' errors on the others (one more
+    gather, which every rank enters since every rank saw the failure). Otherwise every rank's signal
+    flag (all 0: no signal)."""
+    with peers.watch.waiting(f"the ranks' agreement ({what})"):
+        flags = flags_per_rank(state, (code() if with_signals else 0) + (FAILED if error is not None else 0))
+        failed = [r for r, n in enumerate(flags) if n >= FAILED]
+        errors = _gather_text(state, f"{type(error).__name__}: {error}" if error is not None else "") if failed else []
+    if any(flags):
+        peers.watch.acted()  # the stop (or failure) is agreed: the watchdog's grace period ends
+    if failed:
+        failures_agreed.append(what)
+    if error is not None:
+        raise error
+    if failed:
+        said = "; ".join(f"rank {r}: {errors[r]}" for r in failed)
+        raise FailedElsewhere(f"{what}: failed on rank(s) {failed} ({said}); every rank stopped with it")
+    return flags
+
+
+def _gather_text(state, text: str) -> list[str]:
+    if state.num_processes == 1:
+        return [text]
+    from accelerate.utils import gather_object
+
+    return gather_object([text])
+
+
+def stop_if_received(state, where: str, error: BaseException | None = None) -> None:
+    """At a phase boundary every rank reaches (`where`: how a stop names it): a failure on any rank
+    raises on every rank (agree); else Stopped on every rank if any was signalled."""
+    flags = agree(state, where, error)
     if any(flags):
         raise Stopped(describe(flags), where)
+
+
+def phase(state, where: str, fn):
+    """A phase before training, then its boundary (stop_if_received): a failure on any rank raises on
+    every rank, a stop signal on any rank stops every rank. A phase without collectives (the data
+    build) ends early on a stop signal (Interrupted)."""
+    result = error = interrupted = None
+    try:
+        result = fn()
+    except Interrupted as e:
+        interrupted = e
+    except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank
+        error = e
+    stop_if_received(state, where, error=error)
+    if interrupted:  # a stop signal always reaches the boundary above: it stopped every rank
+        raise RuntimeError(f"interrupted ({interrupted}) {where}, but no rank said it was signalled")
+    return result

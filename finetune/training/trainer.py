@@ -22,7 +22,7 @@ from transformers.trainer_callback import ProgressCallback
 from finetune.checkpointing import checkpoints, rng
 from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.data.render import IGNORE_INDEX
-from finetune.launch import rank_progress
+from finetune.launch import peers, rank_progress
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
 from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
@@ -260,22 +260,29 @@ class ResilienceCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
 
-    def stop_after_training(self) -> bool:
-        """At a boundary after Trainer.train() returned (every rank calls it): if any rank was
-        signalled, make sure a complete checkpoint of the final step exists and say preempted."""
+    def stop_after_training(self, flags: list[int]) -> None:
+        """Every rank agreed (`flags`: every rank's signal flag, one non-zero) to stop after Trainer.train()
+        returned: a complete checkpoint of the final step, and the run is preempted."""
+        with peers.watch.during("the checkpoint of the final step", self.trainer.args.ddp_timeout):
+            self.final_checkpoint()
+        self.preempted = {"step": self.trainer.state.global_step, **signals.describe(flags)}
+
+    def final_checkpoint(self) -> Path:
+        """A complete checkpoint of the final step, on every rank: the one saved at the last step (or
+        resumed from) when every rank sees it complete, else saved now (agreed: a rank that cannot see
+        it makes every rank save)."""
         trainer = self.trainer
-        flags = flags_per_rank(trainer.accelerator, signals.code())
-        if not any(flags):
-            return False
-        state = trainer.state
-        final = Path(trainer.args.output_dir) / f"checkpoint-{state.global_step}"
-        if checkpoints.problem(final) is None:  # saved at the last step, or the checkpoint resumed from
-            self.last_complete = final
-        else:
+        final = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+        missing = checkpoints.problem(final, verify=False) is not None
+        if any(flags_per_rank(trainer.accelerator, int(missing))):
+            log.warning("saving a checkpoint of the final step: %s", final)
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-            trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
-        self.preempted = {"step": state.global_step, **signals.describe(flags)}
-        return True
+            trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
+        self.last_complete = final
+        return final
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        peers.watch.progress()  # an evaluation batch done: the watchdog's limit counts from here
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -283,17 +290,21 @@ class ResilienceCallback(TrainerCallback):
         acc = self.trainer.accelerator
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         acc.wait_for_everyone()  # every rank's shards are on disk before the marker says so
+        error = None
         if acc.is_main_process:
-            checkpoints.write_marker(
-                ckpt,
-                step=state.global_step,
-                world_size=acc.num_processes,
-                run=self.run_facts() if self.run_facts else None,
-            )
-            checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
-            log.info("checkpoint %s complete", ckpt)
+            try:
+                checkpoints.write_marker(
+                    ckpt,
+                    step=state.global_step,
+                    world_size=acc.num_processes,
+                    run=self.run_facts() if self.run_facts else None,
+                )
+                checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
+                log.info("checkpoint %s complete", ckpt)
+            except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
+                error = e
+        signals.agree(acc, f"the completion marker of {ckpt.name}", error, with_signals=False)  # not a plain barrier
         self.last_complete = ckpt
-        acc.wait_for_everyone()
 
 
 class ResilientTrainer(FinetuneTrainer):
@@ -337,22 +348,27 @@ class ResilientTrainer(FinetuneTrainer):
         """Trainer's save, made an agreed outcome: a full disk (or quota, or read-only) on any rank is
         a StorageError on every rank (rank 0's names the checkpoint, the reason, the free space and
         the newest complete checkpoint); the incomplete one is removed (it has no marker; removing it
-        frees its space for run.json)."""
+        frees its space for run.json). Any other error on any rank raises on every rank."""
         from finetune import storage
 
         acc = self.accelerator
         ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        failure = None
+        failure = error = None
         try:
-            super()._save_checkpoint(model, trial)
-            fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
-        except Exception as e:
-            failure = storage.error(e, ckpt, f"writing checkpoint {ckpt}")
-            if failure is None:
-                raise
-        codes = flags_per_rank(acc, failure.errno if failure else 0)
+            with peers.watch.during(f"the save of {ckpt.name}", self.args.ddp_timeout):  # the watchdog's limit
+                super()._save_checkpoint(model, trial)
+                fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
+        except Exception as e:  # noqa: BLE001 - agreed below before any rank goes on
+            failure, error = storage.error(e, ckpt, f"writing checkpoint {ckpt}"), e
+        # every rank's outcome: 0 saved, an errno (a full or read-only disk), -1 any other error
+        codes = flags_per_rank(acc, failure.errno if failure else -1 if error else 0)
         if not any(codes):
             return
+        if -1 in codes:  # not the disk: every rank raises (its own error, or one naming the ranks that failed)
+            if error is not None:
+                raise error
+            failed = [r for r, c in enumerate(codes) if c]
+            raise signals.FailedElsewhere(f"writing checkpoint {ckpt} failed on rank(s) {failed}; stopped with them")
         if acc.is_main_process and ckpt.exists() and checkpoints.problem(ckpt) is not None:
             shutil.rmtree(ckpt, ignore_errors=True)
         acc.wait_for_everyone()
@@ -396,6 +412,8 @@ class ResilientTrainer(FinetuneTrainer):
         step = self.state.global_step + 1
         agreed = self.flags.agree(self.accelerator, signals.code())
         self._agreed = (step, agreed)
+        if any(agreed.signals()):
+            peers.watch.acted()  # the stop is agreed: the watchdog's grace period ends (checkpoint next)
         bad = agreed.nonfinite()
         if bad is None:
             return

@@ -1335,6 +1335,40 @@ NOT_ERRORS += [
             "(tests/training/test_faults.py::test_a_stopped_rank_is_named_as_the_one_that_stalled)"
         ),
     ),
+    (
+        "SIGUSR1 (SLURM `--signal=USR1@N`: every process; `B:USR1`: the batch shell, then `finetune train`)",
+        "signal",
+        (
+            "not an error: a stop like SIGTERM (training.stop_signals): one complete checkpoint, exit 75, run.json "
+            "`interrupted` (tests/training/test_interrupts.py::test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75)"
+        ),
+    ),
+    (
+        "SIGTERM while a 60,000-row data file is built",
+        "signal",
+        (
+            "not an error: the build ends at its next row on every rank, exit 75 before training, run.json "
+            "`interrupted` (tests/training/test_interrupts.py::test_sigterm_during_the_build_of_60000_rows_stops_the_build)"
+        ),
+    ),
+    (
+        "a failure on one rank after training (the export, the evaluation, exact match, the record)",
+        "process",
+        (
+            "exit 1 on every rank, agreed before any enters another collective: the trained weights saved (the export, "
+            "or a complete checkpoint of the final step), the failed rank and its error named (tests/training/"
+            "test_agreement.py)"
+        ),
+    ),
+    (
+        "a rank held in a collective after training",
+        "process",
+        (
+            "exit 1 after training.finish_timeout without progress: 'stuck: rank 0 made no progress in the evaluation "
+            "...', what each rank waits in named, run.json `failed` with it and the newest complete checkpoint "
+            "(tests/training/test_faults.py::test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog)"
+        ),
+    ),
 ]
 
 

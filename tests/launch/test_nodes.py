@@ -151,20 +151,25 @@ def test_a_store_that_no_longer_answers_is_reported_not_raised():
             raise RuntimeError("Connection reset by peer")
 
     assert peers.Heartbeat(Gone(), 1, 2).lost(watch_s=0) == ([], "RuntimeError: Connection reset by peer")
-    assert peers.start(0, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}) is None  # one process: nothing
+    alone = peers.start(0, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    alone.stop()
+    assert alone.store is None  # one process: no store (the thread still watches)
 
 
 def test_the_failure_note_names_the_lost_node_and_rank(capsys):
     machines = machines_of(place(0, 0, "node1"), place(1, 1, "node2"))
 
     class Seen:
-        rank = 0
+        rank, store = 0, "the launcher's"
 
         def __init__(self, lost, error=None):
             self.result = (lost, error)
 
         def lost(self):
             return self.result
+
+        def stuck(self):
+            return None  # no other rank's watchdog ended it
 
     note = peers.failure_note(RuntimeError("Connection closed by peer"), Seen([1]), machines)
     assert note == "lost node node2 (node rank 1): rank(s) [1] stopped answering"
@@ -232,3 +237,58 @@ def test_heartbeat_threads_end_when_stopped(store):
     assert not beat._thread.is_alive() and not any(
         t.name == "finetune-heartbeat" and t is beat._thread for t in threading.enumerate()
     )
+
+
+def test_the_watchdog_ends_an_unanswered_signal_after_its_grace_and_a_phase_after_its_limit():
+    """finetune/launch/peers.py Watch, on a made-up clock: a stop signal no agreement acted on is
+    overdue after training.stop_grace; a phase with a limit (the steps after training, a save) is held
+    to its limit from its start or its last progress, and a signal's grace does not cut it short."""
+    w = peers.Watch()
+    w.grace_s = 10.0
+    t = time.monotonic()
+    assert w.overdue(t + 1000) is None  # no signal, no limit: nothing to end (the process groups' timeout)
+    w.signalled("SIGUSR1")
+    assert w.overdue(t + 5) is None
+    assert "got SIGUSR1" in w.overdue(t + 11) and "training.stop_grace (10 s)" in w.overdue(t + 11)
+    w.acted()  # the ranks agreed on it: the stop's own phases follow
+    w.signalled("SIGTERM")  # torchrun's, once a rank ended: ignored from now on
+    assert w.signal is None and w.overdue(t + 1000) is None
+    w = peers.Watch()
+    w.grace_s = 10.0
+    w.signalled("SIGTERM")
+    with w.during("the export", 100.0):
+        assert w.overdue(time.monotonic() + 50) is None  # a save is not cut short by the grace
+        with w.during("the evaluation", 20.0):
+            w.progress()
+            now = time.monotonic()
+            assert w.overdue(now + 19) is None
+            assert w.overdue(now + 21).startswith("made no progress in the evaluation for 21 s (its limit: 20 s)")
+        assert w.phase[0] == "the export"
+    with w.waiting("the agreement after the export"):
+        assert w.doing(time.monotonic()).startswith("waits in the agreement after the export")
+
+
+def test_a_stop_signal_on_one_rank_reaches_the_others_through_the_store(store, monkeypatch):
+    """What lets a rank that is building its data (no collective there) stop at its next row when
+    another rank got the signal: rank 0's thread publishes it, rank 1's reads it. (One process plays
+    both: the watch is per process, so rank 0's part is played first, then rank 1's.)"""
+    from finetune.training import signals
+
+    monkeypatch.setattr(peers, "watch", peers.Watch())
+    peers.watch.signalled("SIGTERM")
+    rank0 = peers.Heartbeat(store, 0, 2).start()
+    deadline = time.monotonic() + 10
+    while not store.check([f"{peers.PREFIX}stop"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank0.stop()
+    monkeypatch.setattr(peers, "watch", peers.Watch())  # rank 1: no signal of its own
+    rank1 = peers.Heartbeat(store, 1, 2).start()
+    try:
+        while peers.watch.peer_stop is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        rank1.stop()
+    assert peers.watch.peer_stop == "SIGTERM on rank 0"
+    with pytest.raises(signals.Interrupted, match="SIGTERM on rank 0"):
+        signals.check_interrupt()
+    assert store.get(f"{peers.PREFIX}at/1").decode().startswith("is in the start")  # what rank 1 does, said

@@ -50,14 +50,17 @@ def test_a_rank_that_died_is_not_called_stalled(capsys):
 def test_heartbeats_are_written_and_read_back(tmp_path, monkeypatch):
     import time
 
-    from finetune.launch import relay
+    from finetune.launch import peers, relay
 
     monkeypatch.setenv(relay.ENV, str(tmp_path))
-    rank_progress.start(3)
+    beat = peers.Heartbeat(None, 3, 1).start()  # the rank's heartbeat thread writes its file
     rank_progress.progress(7)
-    deadline = time.monotonic() + 20
-    while rank_progress.read().get(3, {}).get("step") != 7 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 20
+        while rank_progress.read().get(3, {}).get("step") != 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        beat.stop()
     got = rank_progress.read()[3]
     assert got["step"] == 7 and got["pid"] > 0 and abs(got["beat"] - time.time()) < 20
     rank_progress.progress(0)

@@ -86,7 +86,7 @@ def ensure_installed(log: Path) -> None:
 def slurm_conf(root: Path, hostname: str) -> str:
     """The cluster's slurm.conf: keys that work with several slurmd on one host, no cgroups, no systemd."""
     nodes = "\n".join(
-        f"NodeName={name} NodeAddr={addr} NodeHostname={hostname} Port={port} CPUs=1 RealMemory=1000 State=UNKNOWN"
+        f"NodeName={name} NodeAddr={addr} NodeHostname={hostname} Port={port} CPUs=2 RealMemory=1000 State=UNKNOWN"
         for name, addr, port in NODES
     )
     return f"""\

@@ -18,7 +18,7 @@ from tests.training.test_faults import tiny_args
 
 SCRIPT = "accelerate_configs/slurm_two_node.sbatch"
 REQUIRED = "FINETUNE_REQUIRE_SLURM"  # set (by .ci/run): a machine that cannot host the cluster fails, not skips
-# The README's rehearsal options: no GPU on the nodes, one CPU per task (the nodes have one each).
+# The README's rehearsal options: no GPU on the nodes, one CPU per task (the nodes have two each).
 CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1"]
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -40,8 +40,9 @@ def slurm(tmp_path_factory):
 
 def job_args(model_dir: Path, *, steps: int = 6) -> list[str]:
     """A tiny ZeRO-3 LoRA run: effective batch 8 = 4 per device x 2 ranks, fp32 (the CPU's policy),
-    a step per log so every loss is recorded, no dropout (the losses continue exactly on resume)."""
-    return [*tiny_args(model_dir, steps), "--run.save_model=false"]
+    a step per log so every loss is recorded, no dropout (the losses continue exactly on resume), the
+    adapter exported at the end (the default)."""
+    return tiny_args(model_dir, steps)
 
 
 class Jobs:
@@ -51,13 +52,16 @@ class Jobs:
     def __init__(self, cluster: Cluster, log_dir: Path):
         self.cluster, self.log_dir = cluster, log_dir
 
-    def submit(self, *args: str, sbatch: list[str] = (), env: dict | None = None, cwd: Path = REPO) -> str:
+    def submit(
+        self, *args: str, sbatch: list[str] = (), env: dict | None = None, cwd: Path = REPO, port: bool = True
+    ) -> str:
+        """`port`: pass a free MASTER_PORT (else the script derives one from the job id)."""
         cmd = ["sbatch", "--parsable", f"--output={self.log_dir}/job-%j.out", *CPU_NODES, *sbatch, SCRIPT, *args]
         full_env = {
-            **self.cluster.env,
+            **{k: v for k, v in self.cluster.env.items() if k != "MASTER_PORT"},
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            "MASTER_PORT": str(free_port()),
+            **({"MASTER_PORT": str(free_port())} if port else {}),
             **(env or {}),
         }
         p = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=60)

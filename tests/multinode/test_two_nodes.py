@@ -362,3 +362,26 @@ def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_
     assert control["resumes"][-1]["world_size"] == 1
     print_losses("node 2 lost at step 3, resumed on one node from checkpoint-2", want, got, losses(control))
     assert max(relative_differences(losses(control), want, [4, 5, 6]).values()) > 10 * TOLERANCE
+
+
+def test_two_jobs_at_once_each_take_a_rendezvous_port_of_their_own_and_complete(jobs, tiny_model_dir, tmp_path):
+    """Two users' jobs on the same two nodes at the same time, neither setting MASTER_PORT: both
+    rendezvous at node1. Before, both asked for port 29500 and the second failed ("another process is
+    utilizing it"), exit 1. Now each takes 10000 + job id % 50000, says which, and both complete."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    ids = [jobs.submit("zero3", *job_args(tiny_model_dir, steps=4), f"--run.output_dir={r}", port=False) for r in runs]
+    deadline, together = time.monotonic() + 300, False
+    while not together and time.monotonic() < deadline:
+        states = [jobs.cluster.job(j).get("JobState") for j in ids]
+        together = states == ["RUNNING", "RUNNING"]
+        if any(s not in ("PENDING", "RUNNING", "CONFIGURING") for s in states):
+            break
+        time.sleep(0.2)
+    assert together, f"the two jobs never ran at the same time: {[jobs.cluster.job(j) for j in ids]}"
+    for job, run in zip(ids, runs):
+        info = jobs.wait(job)
+        log = jobs.log(job)
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
+        assert f"rendezvous node1:{10000 + int(job) % 50000} (from job id {job})" in log, log[-4000:]
+        rec = record(run)
+        assert rec["summary"]["status"] == "completed" and rec["nodes"]["num_machines"] == 2, rec["summary"]

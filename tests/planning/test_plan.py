@@ -348,7 +348,6 @@ def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_mod
             "--eval.exact_match=false",
             "--training.max_steps=2",
             "--training.logging_steps=1",
-            "--run.save_model=false",
         ],
         run_dir=tmp_path / "run",
         cwd=REPO,

@@ -130,7 +130,6 @@ def test_host_memory_peak_grows_with_the_model(tmp_path, tokenizer, launch):
                 "--data.demo_train_size=16",
                 "--eval.exact_match=false",
                 "--training.max_steps=2",
-                "--run.save_model=false",
             ],
             run_dir=tmp_path / label,
             cwd=tmp_path,

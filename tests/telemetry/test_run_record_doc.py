@@ -28,7 +28,6 @@ def test_a_real_run_record_matches_the_doc_both_ways(tmp_path, tiny_model_dir, l
             "--training.max_steps=2",
             "--training.logging_steps=1",
             "--training.per_device_train_batch_size=4",
-            "--run.save_model=false",
         ],
         run_dir=tmp_path / "run",
         cwd=tmp_path,

@@ -130,3 +130,65 @@ def test_offline_unless_a_key_is_configured_and_explicit_mode_respected(tmp_path
     (tmp_path / ".netrc").write_text("machine api.example-wandb.test\n  login user\n  password k\n")
     (tmp_path / ".netrc").chmod(0o600)
     assert wandb_logging.has_api_key()
+
+
+ONLINE_WITHOUT_SERVER = """
+import json, logging, sys, time
+from pathlib import Path
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+from finetune.telemetry import wandb_logging
+from finetune.telemetry.record import RunRecord
+
+run_dir = Path(sys.argv[1])
+mode = wandb_logging.configure_environment("p", run_dir)
+record = RunRecord(run_dir / "run.json", run_name="r", recipe="demo", config={})
+sink = wandb_logging.WandB("p", run_dir)
+started = time.monotonic()
+sink.start(record.view)
+waited = time.monotonic() - started
+sink.run.log({"train/loss": 1.0})
+sink.close(record.view, 1)
+print("RESULT", json.dumps({"mode": mode, "offline": sink.run.settings._offline, "sync_dir": sink.run.settings.sync_dir,
+                  "waited_s": round(waited, 1)}))
+"""
+
+
+def test_online_without_a_reachable_server_falls_back_to_offline_with_one_warning(tmp_path):
+    """An API key but no way to the W&B server (here: a local port nobody listens on; this machine
+    has no route to the real one either): before, wandb.init raised CommError after its 90 s timeout
+    retrying (190 s seen) and the run failed, exit 1. Now it logs offline into the run directory after
+    one warning that names that directory and the `wandb sync` command (init_timeout 15 s by default:
+    27 s in all measured here; 2 s here to keep the test short)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {
+        "HOME": str(tmp_path),
+        "WANDB_API_KEY": "0123456789" * 4,
+        "WANDB_BASE_URL": f"http://127.0.0.1:{free_port()}",
+        "WANDB_INIT_TIMEOUT": "2",  # wandb's own setting, honoured (the run's default: 15 s)
+        "PYTHONPATH": str(REPO),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", ONLINE_WITHOUT_SERVER, str(run_dir)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    print(f"W&B online without a server: offline after {got['waited_s']} s")
+    assert got["mode"] == "online" and got["offline"] is True, got
+    sync_dir = Path(got["sync_dir"])
+    assert sync_dir.parent == run_dir / "wandb" and sync_dir.name.startswith("offline-run-"), got
+    assert any(sync_dir.glob("*.wandb")), list(sync_dir.iterdir())
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("WARNING finetune.telemetry.wandb_logging")]
+    assert len(warnings) == 1, p.stderr[-4000:]
+    assert f"logging offline to {sync_dir} instead" in warnings[0] and f"`wandb sync {sync_dir}`" in warnings[0]

@@ -289,10 +289,10 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     signals.set_stage(signals.TRAINING)
     try:
         assert signal.getsignal(signal.SIGINT) not in (before, signal.default_int_handler, signal.SIG_IGN)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             os.kill(os.getpid(), sig)
             time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
-        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
         assert signals.code() == signal.SIGINT and signals.describe([0, signals.code()]) == {
             "signal": "SIGINT",
             "ranks": [1],
@@ -304,8 +304,37 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
         signals.set_stage(signals.STARTING)
     err = capfd.readouterr().err
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
-    assert "SIGTERM received again: ignored" in err and "SIGHUP received again: ignored" in err, err
+    assert "SIGTERM received again: ignored" in err and "SIGUSR2 received again: ignored" in err, err
     assert signal.getsignal(signal.SIGINT) is before  # restored, whatever it was
+
+
+def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
+    """training.stop_signals: SIGUSR1 and SIGUSR2 (a scheduler's warning) are stops by default; a
+    recipe that leaves them out gets their previous (default) action back, in the ranks and in the
+    `finetune train` wrapper alike (signals.keep_only, relay.Relay.keep_only)."""
+    from finetune.config.sections import STOP_SIGNALS
+    from finetune.launch import relay
+    from finetune.training import signals
+
+    signals.restore_signal_handlers()
+    before = signal.getsignal(signal.SIGUSR1)
+    signals.install_signal_handlers()
+    try:
+        assert signal.getsignal(signal.SIGUSR1) not in (before, signal.SIG_DFL)
+        signals.keep_only(["SIGTERM", "SIGINT", "SIGHUP"])
+        signals.install_signal_handlers()  # again, as the trainer does: still left out
+        assert signal.getsignal(signal.SIGUSR1) is before and signal.getsignal(signal.SIGUSR2) is not None
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # still a stop
+    finally:
+        signals.restore_signal_handlers()
+        signals.keep_only(STOP_SIGNALS)
+    with relay.Relay() as wrapper:
+        assert signal.getsignal(signal.SIGUSR2) == wrapper._handler
+        wrapper.keep_only(["SIGTERM"])
+        assert (
+            signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == wrapper._handler
+        )
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
 
 
 def test_a_signal_relayed_by_finetune_train_is_recorded_silently(tmp_path, monkeypatch, capfd):
@@ -363,14 +392,22 @@ def test_fault_settings_are_validated_with_allowed_values():
                 "--training.on_nonfinite=ignore",
                 "--training.max_nonfinite_skips=-1",
                 "--training.enable_jit_checkpoint=true",
+                "--training.stop_signals=[SIGTERM,SIGKILL]",
+                "--training.stop_grace=0",
             ],
         )
     msg = str(err.value)
+    assert (
+        "training.stop_signals: got ['SIGTERM', 'SIGKILL']; allowed: a list of SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2"
+        in msg
+    )
+    assert "training.stop_grace: must be >= 1 s, got 0" in msg, msg
     assert "training.on_nonfinite: got 'ignore'; allowed: stop, skip" in msg, msg
     assert "training.max_nonfinite_skips: must be >= 0, got -1" in msg, msg
     assert "training.enable_jit_checkpoint: not supported" in msg, msg
     cfg, _ = load_recipe("ddp", [])
     assert cfg.training.on_nonfinite == "stop" and cfg.training.args["ddp_timeout"] == 1800
+    assert cfg.training.stop_signals == ["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"]
 
 
 @pytest.mark.parametrize(
@@ -398,3 +435,40 @@ def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, 
         assert err == "", err
     else:
         assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)
+
+
+@pytest.mark.integration
+def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(tmp_path, tiny_model_dir):
+    """Rank 1 enters a barrier no other rank enters during the evaluation after training (fault
+    injection: the kind of bug that hung tensor parallelism's export), so rank 0 waits in the agreement
+    after it: no progress. Before, both waited until training.ddp_timeout (30 min by default; the
+    run.json said `running` all along). Now the watchdog ends them after training.finish_timeout (here
+    15 s) naming each rank's collective, run.json `failed` with that cause and the newest complete
+    checkpoint, kept; exit 1."""
+    run_dir = tmp_path / "run"
+    code, out, _ = cli_train(
+        [
+            "--recipe",
+            "ddp",
+            "--config_file",
+            "accelerate_configs/cpu/ddp.yaml",
+            *tiny_args(tiny_model_dir, 2),
+            "--data.demo_train_size=32",
+            "--training.save_strategy=steps",
+            "--training.save_steps=1",
+            "--training.finish_timeout=15",
+        ],
+        run_dir=run_dir,
+        env={**CPU_ENV, faults.ENV: "stray_collective@rank1,step2"},
+        timeout=300,
+    )
+    assert code == 1, out[-4000:]
+    assert "[fault injection] rank 1 enters a barrier no other rank enters" in out, out[-4000:]
+    s = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert s["status"] == "failed" and s["error"].startswith("stuck: rank "), s
+    assert "made no progress in the evaluation" in s["error"], s
+    assert "the ranks' agreement (the evaluation)" in s["error"], s  # what rank 0 waits in
+    assert "torch.distributed barrier (called from finetune/training/fault_injection.py" in s["error"], s  # rank 1
+    assert s["checkpoint"] == str(run_dir / "checkpoint-2") and checkpoints.problem(run_dir / "checkpoint-2") is None
+    assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1", "checkpoint-2"]
+    assert "finetune: stuck: rank" in out, out[-4000:]

@@ -169,3 +169,57 @@ def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resum
     assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 2, rec["summary"]
     assert [s["step"] for s in rec["steps"]] == [1, 2]
     assert rec["eval"]["details"]["after"]["total"] == 4 and (run_dir / "model" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("target", ["every process", "the wrapper alone"])
+def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(tmp_path, tiny_model_dir, target):
+    """SLURM's warning before the time limit: `sbatch --signal=USR1@N` signals every process of the job
+    step (here `finetune train` and both ranks), `--signal=B:USR1@N` the batch shell alone, which
+    runs `finetune train` (here the wrapper alone, one rank). Before: SIGUSR1's default action killed
+    every process it reached (exit -10), the wrapper alone exit 138 with the ranks orphaned, and
+    run.json stayed `running`. Now: every rank stops after step 2 with a complete checkpoint, exit 75."""
+    run_dir = tmp_path / "run"
+    ranks = 2 if target == "every process" else 1
+    env = {**(CPU_ENV if ranks == 2 else {}), faults.ENV: "pause@rank0,step2"}
+    with Started(train_command(tiny_model_dir, run_dir, 4, ranks=ranks), cwd=REPO, env=env, out=tmp_path / "o") as job:
+        job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged (rank 0 then holds step 2 open)")
+        wrapper = _wrapper(job)
+        for p in job.processes() if target == "every process" else [wrapper]:
+            if p.pid == wrapper.pid or any(a.endswith("train.py") for a in p.cmdline()):
+                p.send_signal(signal.SIGUSR1)
+        code = job.finish()
+        out = job.output
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted" and "preempted by SIGUSR1" in summary["error"], summary
+    assert "at step 2" in summary["error"], summary
+    assert _complete(run_dir) == ["checkpoint-2"], [c.name for c in checkpoints.checkpoints(run_dir)]
+    assert checkpoints.read_marker(run_dir / "checkpoint-2")["world_size"] == ranks
+
+
+def test_sigterm_during_the_build_of_60000_rows_stops_the_build(tmp_path, tiny_model_dir):
+    """SIGTERM to `finetune train` while a 60,000-row file is rendered and tokenized: before, it took
+    effect only once the whole build had run (124-144 s after the signal here); now the build checks
+    the stop at every row and the run stops before training: exit 75, nothing trained, the build
+    never finished (it would log its example count)."""
+    import time
+
+    data = tmp_path / "big.jsonl"
+    with data.open("w") as f:
+        for i in range(60_000):
+            f.write(json.dumps({"instruction": f"Add {i} and {i % 7}.", "input": "", "output": str(i + i % 7)}) + "\n")
+    run_dir = tmp_path / "run"
+    cmd = train_command(tiny_model_dir, run_dir, 2, f"--data.path={data}")
+    with Started(cmd, cwd=REPO, env={}, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: _record(run_dir)["summary"]["status"] == "running", "run.json written")
+        time.sleep(2)  # inside the build: reading, rendering and tokenizing 60,000 rows take minutes here
+        sent = time.monotonic()
+        _wrapper(job).send_signal(signal.SIGTERM)
+        code = job.finish()
+        print(f"SIGTERM during the data build: exit {code} {time.monotonic() - sent:.1f} s after the signal")
+        out = job.output
+    assert code == EXIT_PREEMPTED, out[-4000:]
+    assert "60000 train" not in out, "the build ran to its end before the stop took effect"
+    summary = _record(run_dir)["summary"]
+    assert summary["status"] == "interrupted" and "while the data was prepared" in summary["error"], summary
+    assert checkpoints.checkpoints(run_dir) == []

@@ -18,7 +18,11 @@ Controls, in the same launches (finetune/training/fault_injection.py, docs/fault
 the sequence-parallel ranks score their shards with the labels shifted after the split
 (sp_late_shift: each shard's last position loses its target, the next shard's first token), and the
 tensor-parallel ranks drop the all-reduce that sums their row-parallel partial products
-(tp_partial_sums). Both move step 4's loss and grad norm by far more than the tolerances (printed by
+(tp_partial_sums).
+
+Every launch exports the model at the end (run.save_model, the default); tensor parallelism's export
+gathers AutoTP's shards into one model that loads in a plain process
+(test_tensor_parallel_export_is_the_trained_model_in_one_plain_process). Both move step 4's loss and grad norm by far more than the tolerances (printed by
 the test; the near-uniform predictions of the tiny random model damp the loss's response), so the
 comparison that passes for steps 1-3 can fail.
 """
@@ -67,8 +71,7 @@ def common_args(model_dir) -> list[str]:
         "--training.gradient_accumulation_steps=2",
         "--training.save_strategy=steps",
         f"--training.save_steps={SAVE}",
-        "--run.save_model=false",
-    ]
+    ]  # and the final export: the shipped default
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +198,41 @@ def test_runs_on_different_meshes_at_the_same_effective_batch_are_comparable(run
     record["batch"]["effective"] = 16
     other = Run(loaded[1].path, record, label="sp-16")
     assert any("batch.effective differs" in w for w in comparable.warnings([loaded[0], other]))
+
+
+def test_tensor_parallel_export_is_the_trained_model_in_one_plain_process(runs, tiny_model_dir):
+    """The tp run (defaults: export on) completed with one consolidated model in model/: every tensor
+    equals the trained one, which DeepSpeed's own checkpoint of the last step holds as each rank's AutoTP
+    shard (global_stepN/mp_rank_0R_model_states.pt, concatenated here along the dimension AutoTP split);
+    loaded in this plain process with from_pretrained it gives the logits of a model built from those
+    shards, bit for bit, and it is not the untrained model. Before: Trainer.save_model wrote no weights
+    under AutoTP ("stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead"),
+    the run failed on rank 0 alone and the ranks hung (the tests passed only with run.save_model false)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = runs("tp")
+    assert run.record["summary"]["status"] == "completed", run.record["summary"]
+    exported = load_file(str(run.run_dir / "model" / "model.safetensors"))
+    step_dir = run.run_dir / f"checkpoint-{STEPS}" / f"global_step{STEPS}"
+    shards = [torch.load(step_dir / f"mp_rank_0{r}_model_states.pt", weights_only=False)["module"] for r in (0, 1)]
+    assert set(shards[0]) == set(exported), (sorted(shards[0]), sorted(exported))
+    trained, split = {}, 0
+    for key, whole in exported.items():
+        a, b = shards[0][key], shards[1][key]
+        dims = [d for d, (x, y) in enumerate(zip(a.shape, whole.shape)) if x != y]
+        split += bool(dims)
+        trained[key] = torch.cat([a, b], dims[0]) if dims else a
+        assert torch.equal(trained[key], whole), key
+    assert split >= 16, split  # AutoTP split 7 linear layers per block (2 blocks), the head and the embedding
+    untrained = load_file(str(tiny_model_dir / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(untrained[key], exported[key])
+
+    model = AutoModelForCausalLM.from_pretrained(run.run_dir / "model", dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    reference.load_state_dict(trained)
+    ids = torch.tensor([[1, 17, 230, 4000, 12, 9, 300, 77]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

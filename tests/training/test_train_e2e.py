@@ -141,17 +141,19 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
 
 def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tiny_model_dir, launch):
     run_dir = tmp_path / "runs" / "full"
-    run_dir.mkdir(parents=True)
-    (run_dir / "stale.txt").write_text("from an earlier run")
+    (run_dir / "checkpoint-99").mkdir(parents=True)  # an earlier run of this directory (finetune's marker)
+    (run_dir / "checkpoint-99" / "trainer_state.json").write_text("{}")
+    (run_dir / ".finetune-run").touch()
+    (run_dir / "run.json").write_text('{"run_name": "earlier"}')
     res = launch(
         tiny_args(tiny_model_dir, "--method.name=full", "--eval.exact_match=false", "--overwrite"),
         run_dir=run_dir,
         cwd=tmp_path,
     )
     assert res.returncode == 0, res.explain()
-    assert not (run_dir / "stale.txt").exists()  # --overwrite replaced the directory
+    assert not (run_dir / "checkpoint-99").exists()  # --overwrite replaced the earlier run's files
     rec = res.record
-    assert rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
+    assert rec["run_name"] == "full" and rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
     assert rec["parameters"]["trainable"] == rec["parameters"]["total"]
     assert (run_dir / "model" / "model.safetensors").is_file()
     out = reload_and_generate(run_dir / "model", adapter=False)
@@ -227,7 +229,6 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
             "--training.num_train_epochs=1",
             "--training.per_device_train_batch_size=4",
             "--training.logging_steps=2",
-            "--run.save_model=false",
         ],
         run_dir=run_dir,
         cwd=tmp_path,

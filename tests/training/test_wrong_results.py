@@ -128,11 +128,11 @@ def test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoin
     code, out, _ = cli_train(
         [*args, "--training.max_steps=4", "--run.save_model=false"],
         run_dir=run_dir,
-        env={faults.ENV: "error_after_training@rank0,step4"},
+        env={faults.ENV: "fail_eval@rank0,step4"},
     )
     assert code == 1, out[-4000:]
     saved = f"the trained model is exported in {run_dir / 'model'} (saved after the error)"
-    assert "[fault injection] error after training on rank 0 (step 4)" in out and saved in out, out[-4000:]
+    assert "[fault injection] eval fails on rank 0 (training ended at step 4)" in out and saved in out, out[-4000:]
     s = json.loads((run_dir / "run.json").read_text())["summary"]
     assert s["status"] == "failed" and saved in s["error"] and s["steps"] == 4, s
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
