@@ -61,7 +61,10 @@ def test_tensor_parallelism_adds_autotp_to_the_launchs_own_deepspeed_config():
     ds = {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}
     cfg, launch = plan_for("zero2", ["--parallel.tp_size=2", "--method.name=full"], world=2, ds=ds)
     out = mesh_arguments(cfg, launch)
-    assert out["deepspeed"] == {**ds, "tensor_parallel": {"autotp_size": 2}} and "parallelism_config" not in out
+    # AutoTP, and the export gathering its shards into one model (the default path saves the model)
+    gathered = {"stage": 2, "gather_16bit_weights_on_model_save": True}
+    expected = {**ds, "zero_optimization": gathered, "tensor_parallel": {"autotp_size": 2}}
+    assert out["deepspeed"] == expected and "parallelism_config" not in out
     assert ds == {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto"}  # the launch's own, untouched
     assert mesh_arguments(*plan_for("zero2", [], world=2)) == {}  # no mesh: nothing added
 
