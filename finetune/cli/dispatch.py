@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    """The subcommand's options and its recipe overrides; a bad flag or a malformed override is
-    refused here (exit 2), before anything heavy is imported."""
+    """The subcommand's options and its well-formed recipe overrides, before anything heavy is
+    imported. A bad flag is refused here (exit 2), except by train and plan: they keep the command
+    line's problems (args.problems) to report with the recipe's, data's and launch's, in one message."""
     from finetune.config.recipe import override_problems
 
     parser = build_parser()
@@ -124,9 +125,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
             bench_options.check(args, parser.commands["bench"])
         return args, rest
-    problems = override_problems(rest, flags=parser.commands[args.command].long_flags)
-    if problems:
-        raise ConfigError(problems, f"finetune {args.command}: command line")
+    args.problems, rest = override_problems(rest, flags=parser.commands[args.command].long_flags)
+    if args.problems and args.command == "sweep":  # each of its runs is checked as it starts
+        raise ConfigError(args.problems, f"finetune {args.command}: command line")
     return args, rest
 
 
@@ -170,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main.run(args)
     if args.command == "train":
+        from finetune.checkpointing import resume
         from finetune.launch import relay
 
+        words = list(sys.argv[1:] if argv is None else argv)  # as typed: the resume hint repeats them
+        os.environ[resume.TYPED_ENV] = shlex.join(words[words.index("train") + 1 :])
         with relay.Relay() as signals:  # from here to the ranks' end (finetune/launch/relay.py)
             return train(args, rest, signals)
     if args.command == "prepare-model":
@@ -194,20 +198,21 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     from finetune import preflight
     from finetune.checkpointing import resume_config, resume_plan
     from finetune.config.recipe import load_recipe
-    from finetune.errors import EXIT_PREEMPTED, UserError
+    from finetune.errors import EXIT_PREEMPTED
     from finetune.launch import cpu_rehearsal
 
-    config_file = args.config_file
+    config_file, problems = args.config_file, list(args.problems)  # the command line's, then every other
+    if args.allow_config_change and not args.resume:
+        problems.append("--allow-config-change applies to --resume only (a new run takes any configuration)")
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
+        if problems:
+            raise ConfigError(problems, "finetune train: command line")
         cfg = resume_config.resolve(
             args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
         ).cfg
         config_file = config_file or cfg.run.accelerate_config
-    elif args.allow_config_change:
-        raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
     else:
-        cfg, _ = load_recipe(args.recipe, overrides)
-    signals.keep_only(cfg.training.stop_signals)
+        cfg, _ = load_recipe(args.recipe, overrides, problems)
     launch_args = launcher.launch_command(
         args.recipe,
         overrides,
@@ -217,12 +222,15 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
         overwrite=args.overwrite,
         resume=args.resume,
         allow_config_change=args.allow_config_change,
+        cfg=cfg,
+        problems=problems,
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
     # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
     preflight.check_launch(
-        launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve
+        launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve, problems=problems
     )
+    signals.keep_only(cfg.training.stop_signals)
     if signals.signals:  # signalled during the checks: nothing started yet
         print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -134,11 +134,12 @@ def read_recipe_file(path: Path) -> dict:
     return values
 
 
-def parse_overrides(args: list[str], *, typed: bool = True) -> tuple[dict, list[str]]:
+def parse_overrides(args: list[str], *, typed: bool = True, flags: list[str] = ()) -> tuple[dict, list[str]]:
     """`--section.key=value` or `--section.key value` -> nested dict; returns (overrides, problems).
     Each value is what was typed, read as the type the schema gives its key (typed_value): never as
     YAML, whose comment (` #`) and mapping (`: `) rules would cut or change a string. `typed=False`:
-    the strings as they are (no schema, nothing heavy imported)."""
+    the strings as they are (no schema, nothing heavy imported). `flags`: the command's own flags,
+    suggested for a mistyped one."""
     out: dict = {}
     problems: list[str] = []
     i = 0
@@ -149,16 +150,21 @@ def parse_overrides(args: list[str], *, typed: bool = True) -> tuple[dict, list[
             problems.append(f"{arg!r}: unexpected argument; overrides look like --section.key=value")
             continue
         key, sep, raw = arg[2:].partition("=")
+        parts = key.split(".")
+        if len(parts) != 2 or not all(parts):
+            if not sep and i < len(args) and not args[i].startswith("-"):
+                i += 1  # its value (`--num-procesess 2`)
+            close = difflib.get_close_matches(f"--{key}", flags, n=1, cutoff=0.7)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            what = "unknown option" if "." not in key else "malformed override"
+            problems.append(f"--{key}: {what}{hint}; recipe overrides look like --section.key=value")
+            continue
         if not sep:
             if i >= len(args) or args[i].startswith("--"):
                 problems.append(f"--{key}: missing value; use --{key}=VALUE")
                 continue
             raw = args[i]
             i += 1
-        parts = key.split(".")
-        if len(parts) != 2 or not all(parts):
-            problems.append(f"--{key}: overrides are --section.key=value (e.g. --training.max_steps=10)")
-            continue
         out.setdefault(parts[0], {})[parts[1]] = raw
     if typed:
         for section, body in out.items():
@@ -230,27 +236,21 @@ def typed_value(raw: str, hint) -> Any:
     return raw
 
 
-def override_problems(args: list[str], *, flags: list[str] = ()) -> list[str]:
+def override_problems(args: list[str], *, flags: list[str] = ()) -> tuple[list[str], list[str]]:
     """What is wrong with command-line overrides before any recipe is read: the form
-    (--section.key=value) and the section names. Imports nothing heavy, so a bad flag is answered at
-    once; the keys and values are validated with the recipe (TrainingArguments needs transformers).
-    `flags`: the command's own flags, suggested for a mistyped one."""
+    (--section.key=value) and the section names; and the overrides that are well formed, for the
+    recipe to validate (their keys and values: TrainingArguments needs transformers). Imports
+    nothing heavy. `flags`: the command's own flags, suggested for a mistyped one."""
     from finetune.config.sections import SECTION_CLASSES
 
-    parsed, problems = parse_overrides(list(args), typed=False)
-    for i, problem in enumerate(problems):
-        name = problem.split(":")[0].split("=")[0]
-        close = difflib.get_close_matches(name, flags, n=1, cutoff=0.7) if "." not in name else []
-        if close:
-            problems[i] = (
-                f"{name}: unknown option (did you mean {close[0]}?); recipe overrides look like --section.key=value"
-            )
+    parsed, problems = parse_overrides(list(args), typed=False, flags=flags)
     for section in parsed:
         if section not in SECTION_CLASSES:
             close = difflib.get_close_matches(section, SECTION_CLASSES, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"--{section}.*: unknown section{hint}; allowed: {', '.join(SECTION_CLASSES)}")
-    return problems
+    kept = [f"--{s}.{k}={v}" for s, body in parsed.items() if s in SECTION_CLASSES for k, v in body.items()]
+    return problems, kept
 
 
 def describe_recipe(name: str, width: int = 100) -> str:
@@ -280,18 +280,24 @@ def merge(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> tuple[Config, Path | None]:
-    """Defaults < recipe YAML < overrides, validated together: one ConfigError lists everything."""
-    over, problems = parse_overrides(list(overrides))
-    path = find_recipe(name_or_path) if name_or_path else None
-    values = read_recipe_file(path) if path else {}
+def load_recipe(
+    name_or_path: str | None, overrides: list[str] = (), problems: list[str] | None = None
+) -> tuple[Config, Path | None]:
+    """Defaults < recipe YAML < overrides, validated together: one ConfigError lists everything.
+    Given a `problems` list (those found so far), the recipe's are added to it and the Config is
+    returned (build_config); a recipe that cannot be read raises with all of them."""
+    gather = [] if problems is None else problems
+    over, found = parse_overrides(list(overrides))
+    gather.extend(p for p in found if p not in gather)
+    try:
+        path = find_recipe(name_or_path) if name_or_path else None
+        values = read_recipe_file(path) if path else {}
+    except ConfigError as e:
+        raise ConfigError(gather + e.problems, e.source) from None
     source = f"{path}" if path else "configuration"
     if over:
         source += " + command-line overrides"
-    try:
-        cfg = build_config(merge(values, over), recipe=path.stem if path else "custom", source=source)
-    except ConfigError as e:
-        raise ConfigError(problems + e.problems, source) from None
-    if problems:
-        raise ConfigError(problems, source)
+    cfg = build_config(merge(values, over), recipe=path.stem if path else "custom", source=source, problems=gather)
+    if gather and problems is None:
+        raise ConfigError(gather, source)
     return cfg, path

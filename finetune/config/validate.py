@@ -29,10 +29,14 @@ from finetune.config.sections import (
 from finetune.errors import ConfigError
 
 
-def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe") -> Config:
+def build_config(
+    values: dict, *, recipe: str = "custom", source: str = "recipe", problems: list[str] | None = None
+) -> Config:
     """Turn a nested {section: {key: value}} dict into a validated Config, or raise ConfigError
-    listing every problem (unknown sections/keys, wrong types, values not allowed)."""
-    problems: list[str] = []
+    listing every problem (unknown sections/keys, wrong types, values not allowed). Given a
+    `problems` list, they are added to it instead and the Config is returned (a value of the wrong
+    type left at its default), for preflight to check the data, model and launch with."""
+    gather, problems = problems, []
     if not isinstance(values, dict):
         raise ConfigError([f"the top level must be a mapping of sections, got {_kind(values)}"], source)
     sections: dict[str, Any] = {}
@@ -58,7 +62,9 @@ def build_config(values: dict, *, recipe: str = "custom", source: str = "recipe"
     cfg = Config(**sections, recipe=recipe)
     _expand_home(cfg)
     problems += _cross_checks(cfg)
-    if problems:
+    if gather is not None:
+        gather.extend(p for p in problems if p not in gather)
+    elif problems:
         raise ConfigError(problems, source)
     return cfg
 

@@ -25,15 +25,25 @@ def launch_command(
     overwrite: bool = False,
     resume: str | None = None,
     allow_config_change: bool = False,
+    cfg=None,
+    problems: list[str] | None = None,
 ) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
     With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
     processes over gloo, see finetune/launch/cpu_rehearsal.py) and a single-process one gets --cpu.
-    Pure: the environment those launches need comes from launch_environment()."""
+    Pure: the environment those launches need comes from launch_environment(). `cfg`: the recipe
+    as loaded already; `problems`: a list to add an accelerate config that is not found to (for
+    preflight to report with the rest) instead of raising."""
     from finetune.config.recipe import load_recipe
 
-    cfg, _ = load_recipe(recipe, rest)  # fail here, before any process starts, on a bad recipe
-    path = _accelerate_config_path(config_file or cfg.run.accelerate_config, cfg.run.accelerate_config, cpu)
+    cfg = cfg or load_recipe(recipe, rest)[0]  # fail here, before any process starts, on a bad recipe
+    try:
+        path = _accelerate_config_path(config_file or cfg.run.accelerate_config, cfg.run.accelerate_config, cpu)
+    except UserError as e:
+        if problems is None:
+            raise
+        problems.append(str(e))
+        path = None
     cmd = []
     if path:
         cmd += ["--config_file", str(path)] + _absolute_deepspeed_config(path)

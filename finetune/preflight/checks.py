@@ -66,11 +66,13 @@ def check_before_loading(
         raise ConfigError(problems, SOURCE)
 
 
-def check_launch(launch_args: list[str], resume_check=None, resume_config=None) -> None:
+def check_launch(launch_args: list[str], resume_check=None, resume_config=None, problems=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
     With --resume, `resume_config(recipe, overrides, allow_change=) -> ResumedConfig` gives the
     configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> problems`
-    runs first."""
+    runs first. `problems`: those found before (the command line's, the recipe's); the recipe's own
+    are added, and with any of them only the inputs are checked (accelerate config, model, data, run
+    directory): the rest judges a configuration that holds together. All raised at once."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
@@ -78,12 +80,13 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
     from finetune.config.recipe import load_recipe
     from finetune.launch.configs import LaunchFacts, from_config_file
 
+    problems = [] if problems is None else problems
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
     if args.resume and resume_config:
         cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume).cfg
     else:
-        cfg, _ = load_recipe(args.recipe, overrides)
+        cfg, _ = load_recipe(args.recipe, overrides, problems)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
         facts = from_config_file(
@@ -99,8 +102,13 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
             num_processes=parsed.num_processes or 1,
             use_cpu=parsed.cpu,
         )
+    if problems:
+        for check in (model_source, model_kind_and_files, dataset, run_directory):
+            problems += check(cfg, None, in_process=False)
+        problems += facts.problems
+        raise ConfigError(problems, SOURCE)
     launch = LaunchPlan.of(cfg, facts)
-    problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
+    problems += resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
