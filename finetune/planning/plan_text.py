@@ -102,7 +102,12 @@ def _mesh_line(m: dict) -> str:
     )
 
 
-def render(plan: dict, all_methods: bool = True) -> str:
+def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
+    """The plan as text; every line but the table's wrapped at `width` (the terminal's)."""
+    import textwrap
+
+    from finetune.strategies import STRATEGIES
+
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
     wl = a["workload"]
     lines = [
@@ -120,7 +125,7 @@ def render(plan: dict, all_methods: bool = True) -> str:
         (
             f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
             f"host {hw['host_memory_gib']:.0f} GiB per node; fits = reserved + CUDA context <= "
-            f"{int(hw['margin'] * 100)}% of each"
+            f"{hw['margin']:.0%} of each"
         ),
         (
             f"recipe {plan['recipe']}: method {plan['method']}, precision {a['precision']}, micro-batch "
@@ -144,6 +149,7 @@ def render(plan: dict, all_methods: bool = True) -> str:
         + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}"
         + f"{'step s':>8}  fits"
     )
+    table = len(lines)
     lines += [head, "-" * len(head)]
     for r in plan["rows"]:
         if not all_methods and r["method"] != plan["method"]:
@@ -161,7 +167,10 @@ def render(plan: dict, all_methods: bool = True) -> str:
             + (f"{r['step_time']['total_s']:8.2f}" if r.get("step_time") else f"{'-':>8}")
             + f"  {fit}"
         )
+    table = range(table, len(lines))
     rec = plan["recommendation"]
+    extra = [s.key for s in STRATEGIES if not s.recipe]
+    lines.append(f"({', '.join(extra)}: for comparison; no recipe or config ships them, so never recommended)")
     if hw["world_size"] > 1:
         lines.append("(single: one GPU of the same kind, for reference; not recommended when more are there)")
     shown = next((r for r in plan["rows"] if r["method"] == rec["method"] and r["strategy"] == rec["strategy"]), None)
@@ -176,4 +185,10 @@ def render(plan: dict, all_methods: bool = True) -> str:
         lines.append(f"  {name} = {c['value']:g} ({c['kind']}: {c['source']})")
     lines.append("  not modelled: " + "; ".join(a["not_modelled"]))
     lines.append("differs from DeepSpeed's estimators: " + plan["differences_from_deepspeed"])
-    return "\n".join(lines)
+    indent = lambda line: " " * (len(line) - len(line.lstrip()) + 4)  # noqa: E731
+    return "\n".join(
+        line
+        if i in table or not line
+        else textwrap.fill(line, width, subsequent_indent=indent(line), break_on_hyphens=False)
+        for i, line in enumerate(lines)
+    )

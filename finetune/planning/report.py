@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from finetune import precision
-from finetune.errors import UserError
+from finetune.errors import ConfigError, UserError
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
@@ -218,7 +218,11 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
     """The fastest strategy for the recipe's method that fits with the margin, why, and what does not fit.
     With several GPUs the single-device row is a reference only: it would leave the others idle."""
     mine = sorted(
-        (r for r in rows if r["method"] == method and (world == 1 or r["strategy"] != "single")),
+        (
+            r
+            for r in rows
+            if r["method"] == method and (world == 1 or r["strategy"] != "single") and by_key(r["strategy"]).recipe
+        ),  # only what ships a recipe and its configs (the planner-only rows are for comparison)
         key=lambda r: SPEED_ORDER.index(r["strategy"]),
     )
     choice = next((r for r in mine if r["fits"]), None)
@@ -232,19 +236,20 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
         if over_dev > 0:
             parts.append(
                 f"device needs {r['device']['total_gib']:.1f} GiB, {over_dev / GIB:.1f} GiB over "
-                f"{int(MARGIN * 100)}% of {gpu_memory / GIB:.0f} GiB"
+                f"{MARGIN:.0%} of {gpu_memory / GIB:.0f} GiB"
                 + ("" if r["device_fraction"] > 1 else " (fits only without the margin)")
             )
         if over_host > 0:
             parts.append(
                 f"host needs {r['host_per_node_gib']:.1f} GiB per node, {over_host / GIB:.1f} GiB over "
-                f"{int(MARGIN * 100)}% of {host_memory / GIB:.0f} GiB"
+                f"{MARGIN:.0%} of {host_memory / GIB:.0f} GiB"
             )
         short.append({"strategy": r["strategy"], "problem": "; ".join(parts)})
     if choice is None:
+        lighter = {"full": "a lighter method (lora, qlora), ", "lora": "a lighter method (qlora), "}.get(method, "")
         reason = (
-            f"no strategy fits {method} with a {int((1 - MARGIN) * 100)}% margin: use a smaller micro-batch, "
-            f"gradient checkpointing, a shorter sequence, a lighter method (lora/qlora) or more/larger GPUs"
+            f"no strategy fits {method} with a {1 - MARGIN:.0%} margin: use a smaller micro-batch, gradient "
+            f"checkpointing, a shorter sequence, {lighter}or more/larger GPUs"
         )
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
     faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
@@ -295,11 +300,16 @@ def workload_note(cfg, w: Workload, overrides: list[str]) -> dict:
 
 
 def run(args, overrides: list[str]) -> int:
+    import shutil
+
     from finetune.config.recipe import load_recipe
 
-    cfg, _ = load_recipe(args.recipe, overrides)
+    problems = list(getattr(args, "problems", []))  # the command line's (finetune/cli/dispatch.py parse)
+    cfg, _ = load_recipe(args.recipe, overrides, problems)
     if args.gpus < 1 or args.nodes < 1:
-        raise UserError(f"--gpus and --nodes must be >= 1, got {args.gpus} and {args.nodes}")
+        problems.append(f"--gpus and --nodes must be >= 1, got {args.gpus} and {args.nodes}")
+    if problems:
+        raise ConfigError(problems, "finetune plan")
     name = args.model or cfg.model.name_or_path
     model_config = load_model_config(name)
     try:
@@ -316,7 +326,7 @@ def run(args, overrides: list[str]) -> int:
         )
     except ValueError as e:  # an architecture the arithmetic does not cover
         raise UserError(f"--model {name}: {e}") from None
-    print(json.dumps(plan, indent=2) if args.json else render(plan))
+    print(json.dumps(plan, indent=2) if args.json else render(plan, width=shutil.get_terminal_size().columns))
     return 0
 
 

@@ -200,7 +200,8 @@ def test_plan_cli_on_published_shapes_recommends_what_the_arithmetic_says(capsys
     the GPU, so only an offload can fit; ZeRO-Offload leaves the bf16 module (2Ψ = 16 GB) on the device, and
     it is the fastest offload, given host memory for the states (ZeRO-Offload paper), but its device
     staging buffer of the largest parameter (the bf16 embedding, 1.05 GB) takes it 0.1 GiB past the 90%
-    margin: ZeRO-3 with the optimizer offloaded, next in speed order, is recommended."""
+    margin. ZeRO-3 with the optimizer offloaded, next in speed order, ships no config (a planner row);
+    FSDP2 with parameters and optimizer on the host, the next shipped one, is recommended."""
     small = run_plan(
         capsys,
         "--recipe",
@@ -240,7 +241,8 @@ def test_plan_cli_on_published_shapes_recommends_what_the_arithmetic_says(capsys
     assert psi == 8_030_261_248  # Llama-3.1-8B's published parameter count
     assert 16 * psi / 2 > 24 * GIB
     assert 2 * psi < 0.9 * 24 * GIB < 16 * psi / 2
-    assert plan["recommendation"]["strategy"] == "zero3_offload_opt"
+    assert plan["recommendation"]["strategy"] == "fsdp_offload"
+    assert next(r for r in plan["rows"] if r["strategy"] == "zero3_offload_opt")["fits"]  # fits, never recommended
     rows = {(r["method"], r["strategy"]): r for r in plan["rows"]}
     offload = rows[("full", "zero2_offload")]
     assert offload["device"]["components_gib"]["offload_grad_staging"] == pytest.approx(
@@ -483,3 +485,30 @@ def test_the_planners_flops_per_step_are_the_live_models(tiny_model_dir):
         w = Workload(method=method, micro_batch=3, seq_len=64, grad_accum=2)
         rows = w.micro_batch * w.grad_accum
         assert report.flops_per_step(shape, w) == live.flops(rows * 64, rows * 64**2)
+
+
+def test_the_plan_recommends_only_what_ships_says_its_margin_and_wraps(capsys, monkeypatch):
+    """8 x 80 GiB, Llama-3.1-8B full: zero1 fits and is faster in speed order, but no recipe, DeepSpeed
+    or accelerate config ships it; the recommendation is the fastest shipped one (zero2). Every line but
+    the table's fits the terminal; nothing fitting names the 10% margin and no method already chosen."""
+    monkeypatch.setenv("COLUMNS", "100")
+    workload = [
+        "--model",
+        "Llama-3.1-8B",
+        "--gpus",
+        "8",
+        "--data.max_length=2048",
+        "--training.per_device_train_batch_size=2",
+    ]
+    done = run_plan(capsys, "--recipe", "zero3", *workload, "--gpu-memory", "80GiB", "--method.name=full")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "recommendation for full: zero2" in lines
+    start = next(i for i, line in enumerate(lines) if line.startswith("method strategy"))
+    end = next(i for i, line in enumerate(lines) if i > start and not line.startswith(("full", "lora", "qlora", "-")))
+    assert lines[start + 1 : end] and all(len(line) <= 100 for line in lines[:start] + lines[end:])
+    assert "zero1" not in done.stdout.split("recommendation for full:")[1].split("assumptions:")[0]
+    for method, lighter in (("full", "(lora, qlora)"), ("lora", "(qlora)"), ("qlora", None)):
+        rec = report.recommend([_row("ddp", 40, method=method)], method, 24 * GIB, 64 * GIB)
+        assert rec["strategy"] is None and "with a 10% margin" in rec["reason"]
+        assert (f"a lighter method {lighter}" in rec["reason"]) if lighter else "lighter" not in rec["reason"]
