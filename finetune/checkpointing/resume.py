@@ -197,31 +197,39 @@ def _checkpoint_step(ckpt: Path) -> int:
     return step
 
 
+TYPED_ENV = "FINETUNE_TRAIN_ARGS"  # `finetune train`'s arguments as the user typed them (shell-quoted)
+
+
 def resume_command(run_dir: Path, *, effective: int | None = None, per_device: int | None = None) -> str:
     """The command that continues this run (the same arguments, plus --resume); absolute paths,
-    so it works from any directory. With the effective batch and per-device batch, a second line
+    so it works from any directory: `finetune train ...` when the run was started so (TYPED_ENV),
+    else the accelerate launch. With the effective batch and per-device batch, a second line
     says which other process counts keep the effective batch. An explicit accumulation is left
     out: on resume it is recomputed from the checkpoint for whatever count the launch has."""
-    argv = [
-        a
-        for a in sys.argv[1:]
-        if a != "--overwrite"
-        and not a.startswith("--resume")
-        and not a.startswith("--run.output_dir")
-        and not a.startswith("--training.gradient_accumulation_steps")
-    ]
+    typed = os.environ.get(TYPED_ENV)
+    words, argv = shlex.split(typed) if typed is not None else sys.argv[1:], []
+    dropped = ("--resume", "--run.output_dir", "--training.gradient_accumulation_steps")
+    while words:
+        word, words = words[0], words[1:]
+        if word.split("=")[0] in dropped:
+            words = words[1:] if "=" not in word and words and not words[0].startswith("-") else words
+        elif word != "--overwrite":
+            argv.append(word)
     argv.append(f"--run.output_dir={run_dir.resolve()}")
     config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
     env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
     launch = f"--config_file {shlex.quote(config)} " if config else "<the same accelerate launch options> "
     script = shlex.quote(str(Path(sys.argv[0]).resolve()))
     command = f"{env}accelerate launch {launch}{script} {shlex.join(argv)} --resume"
+    if typed is not None:
+        command = shlex.join(["finetune", "train", *argv, "--resume"])
     if effective and per_device:
         from finetune.checkpointing.resume_plan import allowed_world_sizes
 
         counts = ", ".join(map(str, allowed_world_sizes(effective, per_device)))
+        flag = "--num_processes" if typed is None else "--num-processes"
         command += (
-            f"\n  on another number of GPUs too: add --num_processes M with M in {{{counts}}} (M x {per_device} "
+            f"\n  on another number of GPUs too: add {flag} M with M in {{{counts}}} (M x {per_device} "
             f"per device must divide the effective batch {effective}; gradient accumulation is recomputed), "
             f"or more with a smaller --training.per_device_train_batch_size"
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -549,3 +550,27 @@ def test_deepspeed_offload_change_goes_through_the_universal_checkpoint_even_at_
     )  # a checkpoint without its layout, resumed as it was: drop_last is Trainer's own business
     same = plan(old, launch(world=2, training={"dataloader_drop_last": True}))  # no ConfigError: not a layout change
     assert (same.world_size, same.reshard) == (2, "none")
+
+
+def test_after_finetune_train_the_resume_command_is_finetune_train_as_typed(monkeypatch, tmp_path):
+    """Ctrl-C on `finetune train ...` printed the long `FINETUNE_CPU_DISTRIBUTED=1 accelerate launch
+    --config_file ... train.py ...` form; the user's own command, with --resume, is the one to repeat."""
+    import shlex
+
+    from finetune.cli import dispatch
+
+    seen = {}
+    monkeypatch.setattr(dispatch, "train", lambda *a: seen.setdefault("typed", os.environ[resume.TYPED_ENV]) and 0)
+    typed = ["--recipe", "demo", "--cpu", "--run.name=my run #2", "--overwrite", "--resume", "x/checkpoint-2"]
+    dispatch.main(["train", *typed, "--training.gradient_accumulation_steps", "2"])
+    assert resume.TYPED_ENV not in os.environ  # put back once the command returns
+    monkeypatch.setenv(resume.TYPED_ENV, seen["typed"])
+    monkeypatch.setenv("FINETUNE_CPU_DISTRIBUTED", "1")
+    run_dir = tmp_path / "my run #2"
+    command = resume.resume_command(run_dir, effective=8, per_device=4)
+    first, hint = command.split("\n")
+    assert shlex.split(first) == [
+        *["finetune", "train", "--recipe", "demo", "--cpu", "--run.name=my run #2"],
+        *[f"--run.output_dir={run_dir.resolve()}", "--resume"],
+    ]
+    assert "add --num-processes M with M in {1, 2}" in hint
