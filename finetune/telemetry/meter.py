@@ -321,7 +321,7 @@ def run_figures(
 ) -> dict:
     """run.json's `memory` and `throughput` sections and the `batch` tokens per step, from
     Meter.final() of this launch and, for a resumed run, `earlier`: the stretches of the earlier
-    segments, `earlier_excluded` of their steps left out as warm-up (finetune/telemetry/totals.py).
+    segments, `earlier_excluded` of their steps left out as warm-up (finetune/telemetry/formulas.py).
     MFU against the peak of the recorded device (CUDA only; none on a MIG slice or off the
     table, with the reason)."""
     import os

@@ -172,17 +172,17 @@ def record_end(
 
 def record_figures(rec, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> None:
     """Summary totals, memory, throughput and the prediction's error of a run whose training
-    completed, whole-run for a resumed run (finetune/telemetry/totals.py). A figure that cannot be
+    completed, whole-run for a resumed run (finetune/telemetry/formulas.py). A figure that cannot be
     computed is null with the reason in the record; the run stays completed (its training did)."""
     from finetune.planning import prediction
-    from finetune.telemetry import formulas, meter, model_flops, totals
+    from finetune.telemetry import formulas, meter, model_flops
 
     view = rec.view
     warmup = cfg.training.throughput_warmup_steps
     try:
         starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
-        earlier = totals.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
-        summary, stretches, excluded = totals.whole_run(
+        earlier = formulas.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
+        summary, stretches, excluded = formulas.whole_run(
             earlier,
             starts,
             warmup=warmup,
