@@ -187,10 +187,10 @@ def test_autotps_split_head_takes_the_standard_loss(tiny_model_dir):
 @pytest.mark.parametrize("stage, reduce_scatter, divisor", [(2, True, 2), (1, False, 2), (3, True, 4), (3, False, 2)])
 def test_the_gradient_divisor_is_read_per_zero_path(stage, reduce_scatter, divisor):
     """4 ranks, sp 2: ZeRO-1/2 and ZeRO-3's contiguous all-reduce divide by world / sp, ZeRO-3's
-    reduce-scatter by the world (the DeepSpeed lines in finetune/training/sequence_parallel.py)."""
+    reduce-scatter by the world (the DeepSpeed lines in finetune/training/trainer.py gradient_divisor)."""
     from types import SimpleNamespace
 
-    from finetune.training.sequence_parallel import gradient_divisor
+    from finetune.training.trainer import gradient_divisor
 
     engine = SimpleNamespace(
         seq_dp_world_size=4,

@@ -184,12 +184,12 @@ class TrainingConfig:
     lr_reference_batch_size: int | None = None  # required by linear/sqrt; with none, unused
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
-    # A non-finite loss or gradient norm on any rank (finetune/training/trainer.py, docs/faults.md):
+    # A non-finite loss or gradient norm on any rank (finetune/training/resilience.py, docs/faults.md):
     # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = 10
-    # A collapsed model (finetune/training/collapse.py, docs/faults.md): the logged gradient norm exactly 0
+    # A collapsed model (finetune/training/resilience.py, docs/faults.md): the logged gradient norm exactly 0
     # in this many consecutive log windows (every weight's gradient vanished: nothing trains any more;
     # the loss is then typically stuck at ln(vocabulary), a uniform prediction). "stop": stop there,
     # status failed, exit 3; "flag": train to the end and export, but the run ends failed, exit 3.

@@ -106,7 +106,7 @@ class WeightsKept:
         where = self._save()
         if isinstance(error, UserError):
             raise UserError(f"{error}\n{where}") from None
-        if hasattr(error, "exit_code") and hasattr(error, "skipped"):  # a stopped run (training/collapse.py)
+        if hasattr(error, "exit_code") and hasattr(error, "skipped"):  # a stopped run (training/resilience.py)
             raise type(error)(f"{error}; {where}", error.skipped) from error
         raise TrainedWeightsSaved(f"{type(error).__name__}: {error}\n{where}") from error
 

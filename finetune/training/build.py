@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from finetune.config.sections import Config
     from finetune.launch.plan import LaunchPlan
     from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
 
 def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
@@ -67,7 +67,7 @@ def trainer_for(
     from finetune.data import collate
     from finetune.telemetry import meter
     from finetune.training import engaged_strategy, precision_live
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
     trainer = ResilientTrainer(
         model=model,

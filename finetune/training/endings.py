@@ -12,7 +12,7 @@ from finetune.errors import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
 
 def preempted(run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
@@ -64,7 +64,7 @@ def stopped_before_training(run, e, ended: list) -> int:
 
 
 def diverged(run, e) -> int:
-    """A non-finite loss or gradient norm, or a collapsed model, every rank agreed on (training/collapse.py):
+    """A non-finite loss or gradient norm, or a collapsed model, every rank agreed on (training/resilience.py):
     recorded, said without a traceback."""
     if run.record and run.committed:
         run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.sinks import Sinks
     from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
 log = logging.getLogger("finetune")
 
@@ -99,7 +99,7 @@ def run_phases(argv: list[str] | None) -> int:
     from finetune.config.recipe import load_recipe
     from finetune.launch import peers
     from finetune.training import endings, signals
-    from finetune.training.collapse import Diverged
+    from finetune.training.resilience import Diverged
 
     args, overrides = options.parse_train_args(argv)
     resumed = None
@@ -436,7 +436,7 @@ def record_setup(
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
-    CollapseError when it collapsed (finetune/training/collapse.py)."""
+    CollapseError when it collapsed (finetune/training/resilience.py)."""
     from finetune.checkpointing import resume
     from finetune.launch import op_builds
     from finetune.training import signals

@@ -5,7 +5,7 @@ The handler only records the signal (it never raises, so a second signal cannot 
 checkpoint being written; it is logged and ignored). It is installed first thing in every
 process, before torch is imported, for SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2; once the
 recipe is read, those left out of training.stop_signals get their default action back. The ranks agree
-(one all-gather) at fixed points: the end of each optimizer step (finetune/training/trainer.py), and
+(one all-gather) at fixed points: the end of each optimizer step (finetune/training/resilience.py), and
 the boundaries between the phases before and after training (finetune/training/run.py, `agree`),
 where each rank also says whether its phase failed: a failure on one rank is known to every rank
 before any of them enters another collective. So all ranks stop at the same place whichever rank
