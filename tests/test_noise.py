@@ -1,6 +1,6 @@
 """Issue 27 item 5: third-party noise held back at its source (finetune/noise.py), each filter matching
 one message, and DeepSpeed's first-use op builds announced before they start
-(finetune/launch/op_builds.py). A whole run's console: tests/training/test_strategies.py
+(finetune/launch/strategy_setup.py). A whole run's console: tests/training/test_strategies.py
 test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump."""
 
 from __future__ import annotations
@@ -52,17 +52,17 @@ def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
 
 
 def test_a_first_op_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
-    from finetune.launch import op_builds
+    from finetune.launch import strategy_setup
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    line = op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    line = strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
     assert "deepspeed_shm_comm and cpu_adam ops now (first use on this machine" in line and str(tmp_path) in line
     (tmp_path / "cpu_adam").mkdir()
     (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    assert "cpu_adam" not in op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    assert "cpu_adam" not in strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert op_builds.announce(["deepspeed_shm_comm", "cpu_adam"]) is None
+    assert strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"]) is None
 
 
 ACCELERATE_DEFAULTS = (

@@ -69,7 +69,7 @@ def _layout(view) -> dict:
 def set_aside_newer(state, run_dir: Path, step: int, rec=None) -> None:
     """Checkpoints newer than the one resumed from, moved aside on rank 0 (a resumed run would save
     into them; checkpoints.move_aside_newer), and noted in the current segment."""
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
 
     moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, step))
     if rec:

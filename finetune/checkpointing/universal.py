@@ -55,7 +55,7 @@ def for_resume(state, plan, rec) -> str | None:
     if plan is None or plan.reshard != "universal":
         return None
     from finetune.checkpointing import resume
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
 
     def build():
         out, seconds = convert(Path(plan.checkpoint))

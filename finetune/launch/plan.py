@@ -13,7 +13,7 @@ from finetune import batch, precision
 from finetune.launch import nodes
 from finetune.launch.configs import LaunchFacts
 from finetune.launch.nodes import RankPlace, SlurmStep
-from finetune.launch.strategy_setup import LaunchSetup
+from finetune.launch.strategy_setup import StrategySetup
 from finetune.mesh import Mesh
 from finetune.mesh import of as mesh_of
 
@@ -48,7 +48,7 @@ class LaunchPlan:
     finetune/mesh.py); every consumer of the data-parallel size reads it from here."""
 
     facts: LaunchFacts  # as the launch's accelerate config, its environment or the recipe's row say it
-    setup: LaunchSetup | None  # who sets the strategy up; None before a launch (`finetune train`)
+    setup: StrategySetup | None  # who sets the strategy up; None before a launch (`finetune train`)
     strategy: str  # single | ddp | zero1 | zero2 | zero3 | fsdp (run.strategy's names)
     offload: str  # none | optimizer | params | optimizer+params (run.offload's names)
     world_size: int  # processes on all machines
@@ -88,7 +88,7 @@ class LaunchPlan:
 
     @classmethod
     def of(
-        cls, cfg, facts: LaunchFacts, setup: LaunchSetup | None = None, machines: Machines | None = None
+        cls, cfg, facts: LaunchFacts, setup: StrategySetup | None = None, machines: Machines | None = None
     ) -> LaunchPlan:
         """The launch `facts` describe, with the precision policy resolved for its device: CUDA when
         this machine has one and neither the launch nor the recipe asks for CPU processes. `machines`:
@@ -115,7 +115,7 @@ class LaunchPlan:
         )
 
     @classmethod
-    def resolve(cls, cfg, state, setup: LaunchSetup | None = None) -> LaunchPlan:
+    def resolve(cls, cfg, state, setup: StrategySetup | None = None) -> LaunchPlan:
         """This process's launch, once its process group exists: under `recipe` the recipe's row, else
         what the launcher exported (finetune/launch/configs.py); each rank's node gathered (collective:
         every rank resolves it)."""

@@ -274,7 +274,7 @@ def written(state, run_dir: Path, what: str, write) -> None:
     """Rank 0 writes a run file (`write()`); a full, read-only or forbidden disk is a StorageError on
     every rank (finetune/storage.py), so none waits for rank 0 in a later collective."""
     from finetune import storage
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
 
     def attempt():
         try:

@@ -43,13 +43,13 @@ def preempted(run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
     return EXIT_PREEMPTED
 
 
-def stopped_before_training(run, e, ended: list) -> int:
+def stopped_before_training(run, e, teardown) -> int:
     """Every rank agreed to stop before training (signals.Stopped): nothing trained, so nothing to
     checkpoint. The record says `interrupted`; the same command starts the run again (its directory
     is reused: finetune/launch/rundir.py reusable)."""
     from finetune.checkpointing import resume
 
-    ended.append(True)
+    teardown.ended_cleanly()
     if run is not None and run.record and run.committed:
         run.record.update("summary", status="interrupted", error=f"stopped by {e}, before training")
         run.sinks.close(run.record.view, EXIT_PREEMPTED)
@@ -70,7 +70,7 @@ def diverged(run, e) -> int:
         run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
         run.sinks.close(run.record.view, e.exit_code)
         print(f"error: {e}", file=sys.stderr, flush=True)
-    run.ended.append(True)
+    run.teardown.ended_cleanly()
     return e.exit_code
 
 

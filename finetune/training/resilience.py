@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 from finetune.checkpointing import checkpoints
 from finetune.errors import EXIT_NONFINITE, UserError
-from finetune.launch import peers, rank_progress
+from finetune.launch import peers
 from finetune.training import fault_injection, signals
 from finetune.training.signals import flags_per_rank, install_signal_handlers
 from finetune.training.trainer import FinetuneTrainer
@@ -203,7 +203,7 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        rank_progress.progress(state.global_step)
+        peers.step_done(state.global_step)
         flags = self.trainer.agreement_of(state.global_step).signals()  # rode on the step's one agreement
         if any(flags) and self.preempted is None:
             self.preempted = {"step": state.global_step, **signals.describe(flags)}

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ if TYPE_CHECKING:
     from finetune.checkpointing.resume_plan import ResumePlan
     from finetune.config.sections import Config
     from finetune.data.build import DataBundle
-    from finetune.launch.peers import Heartbeat
+    from finetune.launch.peers import Heartbeat, Teardown
     from finetune.launch.plan import LaunchPlan
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.sinks import Sinks
@@ -56,7 +54,7 @@ class Run:
     record: RunRecord | None
     sinks: Sinks | None
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
-    ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
+    teardown: Teardown  # the process group's, at exit (finetune/launch/peers.py)
     heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
     committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
 
@@ -118,20 +116,22 @@ def run_phases(argv: list[str] | None) -> int:
         cfg = cfg.replaced("run", overwrite=True)
     signals.keep_only(cfg.training.stop_signals)  # the others get their default action back
     peers.watch.grace_s = cfg.training.stop_grace
-    state, launch, ended = start_processes(cfg)
+    state, launch, teardown = start_processes(cfg)
     # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md)
     heartbeat = peers.start(state.process_index, launch.world_size)
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
-        return endings.stopped_before_training(None, e, ended)
-    run = prepare(cfg, launch, state, ended, heartbeat, resume=args.resume, overrides=overrides, resumed_config=resumed)
+        return endings.stopped_before_training(None, e, teardown)
+    run = prepare(
+        cfg, launch, state, teardown, heartbeat, resume=args.resume, overrides=overrides, resumed_config=resumed
+    )
     try:
         code = train_and_record(run)
-        run.ended.append(True)  # every rank returns here together (completed or preempted)
+        run.teardown.ended_cleanly()  # every rank returns here together (completed or preempted)
         return code
     except signals.Stopped as e:  # every rank agreed, before training
-        return endings.stopped_before_training(run, e, run.ended)
+        return endings.stopped_before_training(run, e, run.teardown)
     except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
         return endings.diverged(run, e)
     except BaseException as e:  # the record must say how the run ended, then the error goes on
@@ -174,7 +174,7 @@ def train_and_record(run: Run) -> int:
 # --- before the run: the processes, the launch, the run directory ------------------------------------
 
 
-def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
+def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
     """The process group, set up by the launcher's config or the recipe (finetune/launch/strategy_setup.py),
     and the launch worked out once it exists."""
     from datetime import timedelta
@@ -182,29 +182,30 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
     from accelerate import PartialState
 
     from finetune import preflight
-    from finetune.launch import cpu_rehearsal, op_builds, strategy_setup
+    from finetune.launch import cpu_rehearsal, peers, strategy_setup
     from finetune.launch.plan import LaunchPlan
-    from finetune.launch.ranks import close_process_group_at_exit
 
     setup = strategy_setup.detect(cfg)
     preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
-    _announce_op_builds(op_builds.before_processes(setup))  # DeepSpeed's CPU comm op compiles in PartialState
+    strategy_setup.say_op_builds(
+        strategy_setup.ops_before_processes(setup)
+    )  # DeepSpeed's CPU comm op compiles in PartialState
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
     state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
     strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
-    ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
+    teardown = peers.Teardown(state)  # before the interpreter exits
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
-    return state, LaunchPlan.resolve(cfg, state, setup), ended
+    return state, LaunchPlan.resolve(cfg, state, setup), teardown
 
 
 def prepare(
     cfg: Config,
     launch: LaunchPlan,
     state: PartialState,
-    ended: list,
+    teardown: Teardown,
     heartbeat: Heartbeat,
     *,
     resume: str | None,
@@ -218,7 +219,7 @@ def prepare(
     from finetune.checkpointing import resume_config, resume_plan
     from finetune.data import demo
     from finetune.launch import peers, rundir
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
     from finetune.telemetry import sinks
     from finetune.telemetry.record import RunRecord
     from finetune.training import endings
@@ -261,7 +262,7 @@ def prepare(
         record=record,
         sinks=sinks.for_run(cfg, record, run_dir) if record else None,
         resume=plan,
-        ended=ended,
+        teardown=teardown,
         heartbeat=heartbeat,
     )
     peers.watch.on_stuck = lambda cause: endings.stuck(run, cause)  # the watchdog's stop, recorded
@@ -438,10 +439,12 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
     CollapseError when it collapsed (finetune/training/resilience.py)."""
     from finetune.checkpointing import resume
-    from finetune.launch import op_builds
+    from finetune.launch import strategy_setup
     from finetune.training import signals
 
-    _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
+    strategy_setup.say_op_builds(
+        strategy_setup.ops_at_optimizer(run.launch)
+    )  # DeepSpeedCPUAdam compiles when training starts
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = exact_match(run, trainer, model, data, "before")
@@ -468,13 +471,13 @@ def finish(
     step ends at a boundary every rank agrees on (training/after_training.py): a failure on any rank
     saves the trained weights on every rank and reports where they are; a signal stops every rank
     there with a checkpoint of the final step (exit 75; --resume evaluates)."""
-    from finetune.launch import peers, ranks
+    from finetune.launch import peers
     from finetune.training import endings, fault_injection, signals
     from finetune.training.after_training import Limits, WeightsKept, record_end
 
     cfg, rank, step = run.cfg, run.state.process_index, trainer.state.global_step
     limits = Limits(finish_s=cfg.training.finish_timeout, save_s=arguments.args.ddp_timeout)
-    ranks.set_collective_timeout(max(limits.finish_s, limits.save_s) + peers.MARGIN_S)  # the watchdog acts first
+    peers.set_collective_timeout(max(limits.finish_s, limits.save_s) + peers.MARGIN_S)  # the watchdog acts first
     results = dict(trained.exact_match)
 
     def measure():
@@ -561,15 +564,6 @@ def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: s
             result["total"],
         )
     return result
-
-
-def _announce_op_builds(ops: list[str]) -> None:
-    """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
-    from finetune.launch import op_builds
-
-    line = op_builds.announce(ops)
-    if line and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] {line}", file=sys.stderr, flush=True)
 
 
 def _setup_logging(level: str, main_process: bool) -> None:

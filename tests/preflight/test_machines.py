@@ -12,7 +12,7 @@ from finetune.launch import nodes
 from finetune.launch.configs import LaunchFacts
 from finetune.launch.launcher import Launcher, from_parent_argv
 from finetune.launch.plan import LaunchPlan, Machines
-from finetune.launch.strategy_setup import LaunchSetup
+from finetune.launch.strategy_setup import StrategySetup
 from finetune.preflight import machines
 
 DEMO = load_recipe("demo", [])[0]
@@ -23,7 +23,7 @@ def launched(launcher: Launcher, *, num_machines: int, slurm=None) -> LaunchPlan
     """The plan of one rank of a launch that formed `num_machines` machines of one process each."""
     ranks = tuple(nodes.this_rank(i, 0, {"GROUP_RANK": str(i)}) for i in range(num_machines))
     facts = LaunchFacts(source="test", num_processes=num_machines, num_machines=num_machines)
-    setup = LaunchSetup("launcher-config", launcher, "test")
+    setup = StrategySetup("launcher-config", launcher, "test")
     return LaunchPlan.of(DEMO, facts, setup, Machines(num_machines, 1, ranks, slurm))
 
 
