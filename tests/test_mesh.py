@@ -202,7 +202,7 @@ def test_the_gradient_divisor_is_read_per_zero_path(stage, reduce_scatter, divis
 
 
 def test_a_live_mesh_other_than_the_recipes_is_refused():
-    from finetune.training.engaged_strategy import check_mesh
+    from finetune.training.strategy_evidence import check_mesh
 
     live = {"sp": 1, "tp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 2, "source": "DeepSpeed engine groups"}
     check_mesh(live, meshes.Mesh(world=2), "zero3")  # as planned: passes

@@ -47,7 +47,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     from finetune.modeling import loss
     from finetune.telemetry import formulas, model_flops
     from finetune.telemetry.meter import Meter, batch_counts
-    from finetune.training import precision_live
+    from finetune.training import precision_evidence
 
     ours = spec["side"] == "finetune"
     rows = [json.loads(line) for line in Path(spec["data_file"]).read_text().splitlines() if line.strip()]
@@ -112,7 +112,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     peak = formulas.device_peak()
     input_tps = r["input_tokens_per_s"]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    live = precision_live.read_live(trainer)
+    live = precision_evidence.read_live(trainer)
     return {
         "side": spec["side"],
         "trainer": type(trainer).__name__,
@@ -140,7 +140,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
         "attention": attention_record,
         "training_args": json.loads(trainer.args.to_json_string()),  # the live TrainingArguments
         "loss_impl": loss.installed(trainer.model) if ours else LOSSES[spec["side"]],
-        "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_live.py)
+        "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_evidence.py)
             "policy": spec["precision"],
             **{k: live[k] for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights")},
         },

@@ -270,7 +270,7 @@ def save_resolved_config(path: Path, config: dict) -> Path:
     return out
 
 
-def written(state, run_dir: Path, what: str, write) -> None:
+def write_on_main(state, run_dir: Path, what: str, write) -> None:
     """Rank 0 writes a run file (`write()`); a full, read-only or forbidden disk is a StorageError on
     every rank (finetune/storage.py), so none waits for rank 0 in a later collective."""
     from finetune import storage

@@ -251,23 +251,23 @@ def workload_from_config(
     )
 
 
-def record_prediction(
-    rec, model_config, cfg, *, gradient_checkpointing: bool, precision: str, train_dataset=None
-) -> None:
-    """run.json `predicted_memory` for the strategy in the record's `strategy`, under the resolved
+def run_prediction(
+    view, model_config, cfg, *, gradient_checkpointing: bool, precision: str, train_dataset=None
+) -> dict | None:
+    """run.json `predicted_memory` for the strategy in the record's `strategy` (`view`), under the resolved
     precision policy; null with a logged reason when the architecture has no arithmetic here (training
     goes on: a plan is not a precondition). The sequence length is the longest training example when
     the dataset is given (batches are padded to their longest), and padding is assumed when some
     example is shorter; the loss implementation is the one the run resolved (its `speed` record)."""
-    engaged = rec.view.get("strategy", default={})
+    engaged = view.get("strategy", default={})
     seq_len, masked, source = None, False, "data.max_length"
     if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         seq_len = min(max(lengths), cfg.data.max_length)
         masked = min(lengths) < longest_row(micro_batch_of(cfg), seq_len, cfg.data)  # bucketing pads equal lengths too
         source = "longest tokenized training example (data.max_length caps it)"
-    speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # issue 14's record, when present
-    on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
+    speed = (view.data.get("speed") or {}).get("loss_impl") or {}  # the run's `speed` section, when present
+    on_gpu = view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
     sm = None
     if on_gpu:
         import torch
@@ -285,22 +285,19 @@ def record_prediction(
             loss_chunk_tokens=speed.get("chunk_tokens"),
         )
         strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
-        rec.set(
-            "predicted_memory",
-            predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm, seq_len_source=source),
-        )
+        return predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm, seq_len_source=source)
     except ValueError as e:
         log.warning("no memory prediction in run.json: %s", e)
-        rec.set("predicted_memory", None)
+        return None
 
 
-def record_error(rec, host_lifetime_gib: float | None = None) -> None:
+def prediction_with_error(view, host_lifetime_gib: float | None = None) -> dict | None:
     """Once training ends: the relative errors of the prediction against the measured training peaks.
     host_lifetime_gib: rank 0's lifetime peak RSS as the meter kept it (its high-water-mark resets
     also reset what getrusage reports, finetune/telemetry/memory_peaks.py); getrusage without it."""
-    predicted = rec.view.get("predicted_memory")
+    predicted = view.get("predicted_memory")
     if predicted is None:
-        return
+        return None
     import resource
     import sys
 
@@ -311,7 +308,7 @@ def record_error(rec, host_lifetime_gib: float | None = None) -> None:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB,
         4,
     )
-    rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), lifetime_peak_gib=lifetime))
+    return add_error(predicted, view.get("memory"), lifetime_peak_gib=lifetime)
 
 
 def mesh_runs_under(w: Workload, strategy: str) -> bool:

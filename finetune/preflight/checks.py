@@ -8,7 +8,7 @@ checked, and where: docs/preflight.md.
 
 With `--resume`, `check_launch` first runs the resume check the CLI hands in (resume_plan
 preflight_problems): its plan (accumulation recomputed, DDP on one process = single) is what the
-other checks see. What engaged is still proven on the live engine (training/engaged_strategy.py).
+other checks see. What engaged is still proven on the live engine (training/hooks.py).
 """
 
 from __future__ import annotations

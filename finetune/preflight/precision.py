@@ -1,6 +1,6 @@
 """Preflight's check of the precision policy against the launch: combinations it cannot honour,
 each with the alternative. The policy itself is resolved with the launch (finetune/launch/plan.py);
-what engaged is proven later from the live objects (finetune/training/precision_live.py).
+what engaged is proven later from the live objects (finetune/training/precision_evidence.py).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def policy_problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
 
 def _deepspeed_keys(policy: precision.Policy, label: str, facts: LaunchFacts) -> list[str]:
     """Explicit DeepSpeed precision values must be the policy's; "auto" or absent: the policy fills
-    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/precision_live.py apply for the rest)."""
+    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/build.py apply_precision for the rest)."""
     low = policy.deepspeed_low_precision_master
     wanted = {
         ("bf16", "enabled"): policy.deepspeed_bf16,

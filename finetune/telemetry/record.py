@@ -1,14 +1,13 @@
 """The run record, `<output_dir>/run.json`: its one owner. docs/run_record.md is the contract.
 
-Writers (training, the trainer, the engaged-strategy check, the planner, resume) go through
-`RunRecord`: `set(section, value)`, `update(section, **fields)`, `add_step(entry)`, `write()`.
-A field not declared in finetune/telemetry/record_schema.py is refused there and then, so what
-a run writes cannot drift from the declared shape. Readers (compare, W&B, sweep, the end-of-run
+Sections are computed by pure functions and handed to the run's sinks (finetune/telemetry/sinks.py),
+which keep them in a `RunRecord`: `set(section, value)`, `update(section, **fields)`, `add_step(entry)`;
+the RunJson sink alone saves it. A field not declared in finetune/telemetry/record_schema.py is refused
+there and then, so what a run writes cannot drift from the declared shape. Readers (compare, W&B, sweep, the end-of-run
 summary) go through `RecordView.get(section, *keys)`, which treats a null or missing value as
 absent and refuses a path the schema does not declare (a typo is a bug, not a silent None).
 
-Rank 0 writes the record atomically (temporary file + rename) so a reader never sees half a
-record; `summary.status` says whether the run is running, completed, interrupted or failed.
+`summary.status` says whether the run is running, completed, interrupted or failed.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import types
 import typing
 from datetime import datetime, timezone
@@ -31,7 +29,7 @@ __all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "covers", "declared_pat
 
 
 class RunRecord:
-    """Holds the record in memory; `write()` persists it (call on rank 0 only)."""
+    """The record in memory (rank 0), and where it is saved (by the RunJson sink alone)."""
 
     def __init__(self, path: Path, *, run_name: str, recipe: str, config: dict):
         self.path = Path(path)
@@ -72,19 +70,6 @@ class RunRecord:
         """Append one logged step to `steps`."""
         _validate([entry], _section("steps").shape, "steps")
         self.data["steps"].append(entry)
-
-    def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".run.json.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.data, f, indent=2, default=str)
-                f.write("\n")
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
 
 
 class RecordView:

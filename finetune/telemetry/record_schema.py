@@ -85,7 +85,7 @@ class Setup(TypedDict):
 
 
 class Parallel(TypedDict, total=False):
-    """The live mesh (finetune/training/engaged_strategy.py live_mesh; finetune/mesh.py)."""
+    """The live mesh (finetune/training/strategy_evidence.py live_mesh; finetune/mesh.py)."""
 
     dp_replicate: int  # data-parallel ranks holding whole model states (DDP)
     dp_shard: int  # data-parallel ranks sharding them (ZeRO-1/2/3 states, FSDP2)

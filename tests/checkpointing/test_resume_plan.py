@@ -18,6 +18,7 @@ from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
 from finetune.checkpointing.resume_plan import Launch, plan
 from finetune.errors import ConfigError, UserError
+from tests.conftest import continue_record, save_record
 
 LORA = {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 MODEL = {"name_or_path": "/models/tiny", "revision": None, "config_sha256": "a" * 64}
@@ -365,12 +366,12 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     )
     old.set("steps", [{"step": s, "loss": 1.0} for s in range(1, 6)])
     old.update("summary", status="interrupted")  # written before `resumes` existed: no such section
-    old.write()
+    save_record(old)
     ckpt = _checkpoint(tmp_path, 3)
     p = plan(written(world=2, step=3), launch(world=1))
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
-    resume.continue_record(rec, tmp_path, ckpt, p)
-    resume.note_segment(rec, superseded=["checkpoint-5.superseded-1"])
+    continue_record(rec, tmp_path, ckpt, p)
+    rec.set("resumes", resume.noted(rec.view, superseded=["checkpoint-5.superseded-1"]))
     segments = rec.view.get("resumes")
     assert [(s["step"], s["world_size"], s["grad_accum"], s["from"]) for s in segments] == [
         (0, 2, 1, None),
@@ -381,10 +382,10 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     assert last["position"] == {"epoch": 0, "samples_into_epoch": 24, "samples_per_epoch": 64}
     assert last["superseded"] == ["checkpoint-5.superseded-1"] and last["steps_discarded"] == 2
     assert rec.view.get("summary", "resume_history") == [{k: last[k] for k in resume.HISTORY_KEYS}]
-    resume.note_segment(rec, universal_cache="c.universal", conversion_s=0.7)
+    rec.set("resumes", resume.noted(rec.view, universal_cache="c.universal", conversion_s=0.7))
     assert rec.view.get("resumes")[-1]["conversion_s"] == 0.7
     assert resume.keep_previous_record(tmp_path).name == "run.before-resume1.json"  # what the resume replaces
-    rec.write()
+    save_record(rec)
     assert [s["step"] for s in json.loads((tmp_path / "run.before-resume1.json").read_text())["steps"]] == [
         1,
         2,
@@ -393,7 +394,7 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
         5,
     ]
     again = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
-    resume.continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
+    continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
     assert [s["world_size"] for s in again.view.get("resumes")] == [2, 1, 2]
     assert again.view.get("summary", "resumes") == 2
 

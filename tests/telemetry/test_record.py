@@ -10,6 +10,7 @@ import pytest
 
 from finetune.telemetry import record
 from finetune.telemetry.record import RecordView, RunRecord
+from tests.conftest import save_record
 from tests.telemetry.run_record_doc import documented
 
 
@@ -67,7 +68,7 @@ def test_a_new_record_has_the_schema_1_shape(rec):
     )
     rec.set("parameters", {"trainable": 1, "total": 2})
     assert list(rec.data)[-2:] == ["faults", "parameters"]  # appended when first written, as before
-    rec.write()
+    save_record(rec)
     assert json.loads(rec.path.read_text()) == json.loads(json.dumps(rec.data))
 
 
