@@ -4,7 +4,7 @@ another number of GPUs").
 
     written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan
-    apply(p, cfg)                              accumulation, per-device batch, run.strategy for this launch
+    cfg = applied(p, cfg)                      a new configuration: accumulation, per-device batch, run.strategy
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from finetune.batch import effective_batch
 from finetune.checkpointing import checkpoints, rng
 from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
+from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.strategies import STRATEGIES
@@ -58,7 +59,7 @@ class Launch:
     method: dict
     model: dict
     data: dict  # data_order_settings()
-    training: dict  # cfg.training.args
+    training: TrainingArgs  # cfg.training.typed
     lora_dropout: float = 0.0
     mesh: dict = field(default_factory=lambda: dict(TRIVIAL_MESH))  # {sp, tp, cp} (finetune/mesh.py)
 
@@ -107,18 +108,18 @@ def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides:
 
     par = cfg.parallel
     explicit = parse_overrides(list(overrides))[0].get("training", {})
-    a = cfg.training.args
+    a = cfg.training.typed
     return Launch(
         strategy=strategy,
         offload=offload,
         world_size=world_size,
-        per_device=a["per_device_train_batch_size"],
-        grad_accum=a["gradient_accumulation_steps"],
+        per_device=a.per_device_train_batch_size,
+        grad_accum=a.gradient_accumulation_steps,
         explicit=explicit,
         method=method_identity(cfg.method),
         model=model_identity(cfg.model),
         data=data_order_settings(cfg),
-        training=dict(a),
+        training=a,
         lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0),
         mesh={"sp": par.sp_size, "tp": par.tp_size, "cp": par.cp_size},
     )
@@ -180,7 +181,7 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     layout = (M, per_device, grad_accum) != (N, w.per_device or per_device, w.grad_accum or grad_accum)
     problems += _order_problems(name, w, launch, layout)
     position = None
-    skips = not launch.training.get("ignore_data_skip")  # otherwise Trainer starts the epoch over: no position
+    skips = not launch.training.ignore_data_skip  # otherwise Trainer starts the epoch over: no position
     if not problems and E is not None and w.data and w.data.get("train_rows") and skips:
         position, problem = _position(name, w, D, per_device, grad_accum)
         problems += [problem] if problem else []
@@ -292,21 +293,21 @@ def _order_problems(name: str, w: Written, launch: Launch, layout: bool) -> list
         return problems
     why = f"the layout changes ({w.world_size} -> {launch.world_size} process(es))"
     a = launch.training
-    if a.get("dataloader_drop_last"):
+    if a.dataloader_drop_last:
         problems.append(
             f"training.dataloader_drop_last: true and {why}: the number of steps per epoch depends on "
             f"the world size and per-device batch, so the data position cannot be kept"
         )
-    if a.get("train_sampling_strategy", "random") not in ("random", "sequential"):
+    if a.train_sampling_strategy not in ("random", "sequential"):
         problems.append(
-            f"training.train_sampling_strategy: {a['train_sampling_strategy']} and {why}: its order depends "
+            f"training.train_sampling_strategy: {a.train_sampling_strategy} and {why}: its order depends "
             f"on per-device batch x accumulation (LengthGroupedSampler) or on the ranks "
             f"(BatchRebalanceSampler); resume with the original layout or use random"
         )
     for key in ("auto_find_batch_size", "ignore_data_skip"):
-        if a.get(key):
+        if getattr(a, key):
             problems.append(f"training.{key}: true and {why}: the data position would not be kept")
-    acc = a.get("accelerator_config") if isinstance(a.get("accelerator_config"), dict) else {}
+    acc = a.accelerator_config if isinstance(a.accelerator_config, dict) else {}
     for key, bad in ACCELERATOR_ORDER.items():
         if key in acc and bool(acc[key]) == bad:
             problems.append(
@@ -344,13 +345,15 @@ def _position(name: str, w: Written, M: int, B: int, A: int) -> tuple[dict | Non
     return {"epoch": w.step // per_epoch, "samples_into_epoch": into, "samples_per_epoch": D}, None
 
 
-def apply(p: ResumePlan, cfg) -> None:
-    """The plan into this process's configuration, before TrainingArguments exist."""
-    cfg.training.args["per_device_train_batch_size"] = p.per_device
-    cfg.training.args["gradient_accumulation_steps"] = p.grad_accum
+def applied(p: ResumePlan, cfg):
+    """The configuration this launch runs with: the plan's per-device batch and accumulation (and
+    strategy), a new configuration built before TrainingArguments exist; `cfg` is left as it was."""
+    batch = {"per_device_train_batch_size": p.per_device, "gradient_accumulation_steps": p.grad_accum}
+    cfg = cfg.replaced("training", args={**cfg.training.args, **batch})
     # DDP continued on one process is a single-process run (and one process continued on many, DDP)
     if FAMILIES.get(cfg.run.strategy) == "single/ddp" and FAMILIES.get(p.strategy) == "single/ddp":
-        cfg.run.strategy = p.strategy
+        cfg = cfg.replaced("run", strategy=p.strategy)
+    return cfg
 
 
 def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
@@ -394,17 +397,16 @@ def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tu
     )
 
 
-def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> list[str]:
+def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[list[str], object]:
     """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
-    problems, before any process starts; the plan is applied to `cfg` for the other checks."""
+    problems, before any process starts, and the configuration the other checks see (the plan applied)."""
     try:
         _, _, p = for_launch(cfg, launch, resume, overrides)
     except ConfigError as e:
-        return [f"{e.source}: {problem}" for problem in e.problems]
+        return [f"{e.source}: {problem}" for problem in e.problems], cfg
     except UserError as e:
-        return [str(e)]
-    apply(p, cfg)
-    return []
+        return [str(e)], cfg
+    return [], applied(p, cfg)
 
 
 RESHARD_WORDS = {

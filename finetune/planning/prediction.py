@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-from finetune.config.sections import TRAINING_DEFAULTS
 from finetune.data.rows import longest_row
 from finetune.modeling import loss_choice
 from finetune.planning import host as host_mem
@@ -200,7 +199,7 @@ def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib
 
 def micro_batch_of(cfg) -> int:
     """The recipe's per-device micro-batch (rows), Trainer's default where the recipe has none."""
-    return int(cfg.training.args.get("per_device_train_batch_size", TRAINING_DEFAULTS["per_device_train_batch_size"]))
+    return int(cfg.training.typed.per_device_train_batch_size)
 
 
 def workload_from_config(
@@ -216,9 +215,9 @@ def workload_from_config(
     """The workload of a recipe. `loss_impl`: the resolved loss (a run's speed record); else the
     recipe's training.loss_impl; "auto" is resolved per method and shape as the run resolves it
     (finetune/modeling/loss_choice.py; a head that needs the logits is recorded by the run)."""
-    targs = cfg.training.args
+    targs = cfg.training.typed
     if gradient_checkpointing is None:
-        gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
+        gradient_checkpointing = bool(targs.gradient_checkpointing)
     m, d, t = cfg.method, cfg.data, cfg.training
     micro_batch = micro_batch_of(cfg)
     # the longest row a batch can have: data.pad_to_multiple_of rounds it up (finetune/data/rows.py)
@@ -226,12 +225,12 @@ def workload_from_config(
     if loss_impl is None:
         loss_impl = getattr(t, "loss_impl", "standard")  # "auto": resolved per method (memory.resolve_loss)
     layout = "padding_free" if getattr(d, "padding_free", False) else ("packed" if d.packing else "padded")
-    optim = str(targs.get("optim", "adamw_torch_fused"))
+    optim = str(targs.optim)
     return Workload(
         method=m.name,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
+        grad_accum=int(targs.gradient_accumulation_steps),
         gradient_checkpointing=gradient_checkpointing,
         precision=precision,
         lora_r=m.lora_r,

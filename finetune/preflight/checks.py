@@ -68,7 +68,7 @@ def check_before_loading(
 def check_launch(launch_args: list[str], resume_check=None, resume_config=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
     With --resume, `resume_config(recipe, overrides, allow_change=) -> ResumedConfig` gives the
-    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> problems`
+    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> (problems, cfg)`
     runs first."""
     from accelerate.commands.launch import launch_command_parser
 
@@ -99,7 +99,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
             use_cpu=parsed.cpu,
         )
     launch = LaunchPlan.of(cfg, facts)
-    problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
+    problems, cfg = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else ([], cfg)
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
@@ -140,8 +140,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     facts, ds, dp = launch.facts, launch.facts.deepspeed, launch.data_parallel_size
     if facts.distributed_type != "DEEPSPEED" or not ds or not launch.mesh.divides:
         return []
-    a = cfg.training.args
-    per_device, accum = a.get("per_device_train_batch_size", 8), a.get("gradient_accumulation_steps", 1)
+    a = cfg.training.typed
+    per_device, accum = a.per_device_train_batch_size, a.gradient_accumulation_steps
     expected = {
         "train_micro_batch_size_per_gpu": (per_device, "training.per_device_train_batch_size"),
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
@@ -152,7 +152,7 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
                 f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}"
             ),
         ),
-        "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
+        "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (finetune/preflight/precision.py)
     problems = []
     for key, (want, field) in expected.items():

@@ -132,7 +132,7 @@ def run_phases(argv: list[str] | None) -> int:
         teardown.ended_cleanly()
         return end(None, endings.stopped_before_training(e, None, resumed=False))
     run = prepare(
-        cfg, launch, state, teardown, heartbeat, resume=args.resume, overrides=overrides, resumed_config=resumed
+        cfg, launch, state, teardown, heartbeat, resume_from=args.resume, overrides=overrides, resumed_config=resumed
     )
     try:
         code = train_and_record(run)
@@ -190,7 +190,7 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.typed.ddp_timeout))
     strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     teardown = peers.Teardown(state)  # before the interpreter exits
     if setup.cpu_gloo is not None:
@@ -205,20 +205,20 @@ def prepare(
     teardown: Teardown,
     heartbeat: Heartbeat,
     *,
-    resume: str | None,
+    resume_from: str | None,
     overrides: list[str],
     resumed_config: ResumedConfig | None = None,
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     plan = resumed = None
-    if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+    if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
-        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume, overrides))
-        resume_plan.apply(plan, cfg)
+        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides))
+        cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
-    preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
+    preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", launch.setup.describe())

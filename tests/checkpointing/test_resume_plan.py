@@ -17,6 +17,7 @@ from finetune.checkpointing import checkpoints, resume, resume_plan, rng
 from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
 from finetune.checkpointing.resume_plan import Launch, plan
+from finetune.config.sections import TRAINING_DEFAULTS, TrainingArgs
 from finetune.errors import ConfigError, UserError
 from tests.conftest import continue_record, save_record
 
@@ -66,7 +67,7 @@ def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, trai
         method=dict(LORA),
         model=dict(MODEL),
         data={k: DATA[k] for k in ("seed", "data_seed", "sampling", "drop_last", "packing")},
-        training=training or {},
+        training=TrainingArgs.of(training or {}),
     )
     for key, value in kw.items():
         setattr(base, key, value)
@@ -127,17 +128,35 @@ def test_an_explicit_accumulation_that_contradicts_the_effective_batch_is_refuse
 def test_ddp_on_one_process_is_single_and_one_process_on_many_is_ddp():
     p = plan(written("ddp", world=2), launch("single", world=1))
     assert (p.strategy, p.grad_accum, p.reshard) == ("single", 2, "replicated")
-    cfg = _cfg("ddp")
-    resume_plan.apply(p, cfg)
+    cfg = resume_plan.applied(p, _cfg("ddp"))
     assert cfg.run.strategy == "single" and cfg.training.args["gradient_accumulation_steps"] == 2
     p = plan(written("single", world=1, accum=2, files=["optimizer.pt", "rng_state.pth"]), launch("ddp", world=2))
     assert (p.strategy, p.grad_accum) == ("ddp", 1)
-    cfg = _cfg("demo")
-    resume_plan.apply(p, cfg)
+    cfg = resume_plan.applied(p, _cfg("demo"))
     assert cfg.run.strategy == "ddp"
-    cfg = _cfg("zero2")  # a recipe of another family keeps its own strategy (the plan refused a mismatch already)
-    resume_plan.apply(plan(written(), launch()), cfg)
+    # a recipe of another family keeps its own strategy (the plan refused a mismatch already)
+    cfg = resume_plan.applied(plan(written(), launch()), _cfg("zero2"))
     assert cfg.run.strategy == "zero2"
+
+
+def test_the_plan_builds_a_new_configuration_and_leaves_the_one_it_was_given():
+    """The resume plan decides before the configuration this launch runs with is built: applied, it
+    gives a new configuration whose typed training view has the plan's batch layout; the configuration
+    it was given, and the typed view read from it, stay as they were (it used to edit them in place)."""
+    given = _cfg("ddp", ["--training.gradient_accumulation_steps=1"])
+    before = given.training.typed
+    assert (before.per_device_train_batch_size, before.gradient_accumulation_steps) == (
+        given.training.args["per_device_train_batch_size"],
+        1,
+    )
+    p = plan(written("ddp", world=2, per_device=4, accum=1), launch("single", world=1, per_device=4))
+    now = resume_plan.applied(p, given)
+    assert (now.training.typed.per_device_train_batch_size, now.training.typed.gradient_accumulation_steps) == (4, 2)
+    assert now.run.strategy == "single" and now.training.args["gradient_accumulation_steps"] == 2
+    assert given.training.args["gradient_accumulation_steps"] == 1 and given.run.strategy == "ddp"
+    assert given.training.typed is before and before.gradient_accumulation_steps == 1
+    # a field the recipe leaves out reads as its default: ours where we choose one, else transformers'
+    assert TrainingArgs.of({}).ddp_timeout == TRAINING_DEFAULTS["ddp_timeout"] and TrainingArgs.of({}).data_seed is None
 
 
 def test_another_family_method_and_model_are_refused_together_naming_what_differs():
