@@ -16,7 +16,7 @@ MAX_LINES = 600  # a cap on size; cohesion decides where a module's parts live
 # The CLI wires everything; nothing imports it (or the launch script finetune/train.py), except
 # its options, cli/options.py, which the launch script's run and preflight read too.
 LAYERS = [
-    {"finetune.errors", "finetune.noise"},
+    {"finetune.errors", "finetune.held_back"},
     {
         "finetune.units",
         "finetune.strategies",
@@ -35,7 +35,7 @@ LAYERS = [
     {"finetune.compare", "finetune.bench"},
     {"finetune.doctor"},  # runs the others through the CLI; uses compare's page style and comparability rule
     {"finetune.cli"},
-    {"finetune"},  # the package's __init__: installs finetune/noise.py's filters in every process
+    {"finetune"},  # the package's __init__: installs finetune/held_back.py's filters in every process
 ]
 
 

@@ -12,13 +12,13 @@ import torch
 from finetune import mesh as meshes
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 
 
 def plan_for(recipe: str, overrides: list[str], *, world: int, ds: dict | None = None) -> tuple:
     cfg, _ = load_recipe(recipe, overrides)
-    facts = LaunchFacts(source="test", distributed_type="DEEPSPEED", num_processes=world, use_cpu=True)
+    facts = DeclaredLaunch(source="test", distributed_type="DEEPSPEED", num_processes=world, use_cpu=True)
     facts.deepspeed = ds if ds is not None else {"zero_optimization": {"stage": 3}}
     facts.deepspeed_source = "DeepSpeed config test.json"
     return cfg, LaunchPlan.of(cfg, facts)

@@ -47,8 +47,8 @@ ACCELERATOR_ORDER = {
 
 
 @dataclass
-class Launch:
-    """What this launch asks for."""
+class ResumeRequest:
+    """What this launch asks of the checkpoint it resumes (`launch_from`)."""
 
     strategy: str
     offload: str
@@ -103,13 +103,13 @@ class ResumePlan:
         )
 
 
-def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> Launch:
+def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> ResumeRequest:
     from finetune.config.recipe import parse_overrides
 
     par = cfg.parallel
     explicit = parse_overrides(list(overrides))[0].get("training", {})
     a = cfg.training.typed
-    return Launch(
+    return ResumeRequest(
         strategy=strategy,
         offload=offload,
         world_size=world_size,
@@ -135,7 +135,7 @@ def allowed_world_sizes(effective: int, per_device: int) -> list[int]:
     return [m for m in range(1, effective // per_device + 1) if (effective // per_device) % m == 0]
 
 
-def plan(w: Written, launch: Launch) -> ResumePlan:
+def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
     # M, N: processes now and then (states, RNG streams); D: data-parallel ranks now (the batch arithmetic)
     name, M, N, D = Path(w.checkpoint).name, launch.world_size, w.world_size, launch.data_parallel
     problems: list[str] = _mesh_problems(name, w, launch)
@@ -229,7 +229,7 @@ def _ranks(data_parallel: int, processes: int) -> str:
     return f"{data_parallel} data-parallel rank(s) ({processes} processes)"
 
 
-def _mesh_problems(name: str, w: Written, launch: Launch) -> list[str]:
+def _mesh_problems(name: str, w: Written, launch: ResumeRequest) -> list[str]:
     """A checkpoint resumes under the mesh that wrote it, at the world size that wrote it when that
     mesh splits anything: its states are laid out per sequence/tensor-parallel rank, and no resharding
     of Ulysses or AutoTP states is known to work here (DeepSpeed's universal checkpoint is not shown to)."""
@@ -280,7 +280,7 @@ def _identity_problems(name: str, what: str, old: dict | None, new: dict) -> lis
     return [f"{name} was trained with another {what} ({diff}); resume with the {what} it was trained with"]
 
 
-def _order_problems(name: str, w: Written, launch: Launch, layout: bool) -> list[str]:
+def _order_problems(name: str, w: Written, launch: ResumeRequest, layout: bool) -> list[str]:
     problems = []
     data = w.data or {}
     for key, flag in (("seed", "training.seed"), ("data_seed", "training.data_seed")):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune import noise, resources
+from finetune import held_back, resources
 from finetune.errors import EXIT_PREEMPTED, UserError
 
 TRAIN_SCRIPT = resources.PACKAGE_DIR / "train.py"  # the launch script (finetune/train.py)
@@ -98,7 +98,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     from finetune.launch import relay
 
     parsed = accelerate_launch.launch_command_parser().parse_args(launch_args)
-    logging.getLogger("accelerate.commands.launch").addFilter(noise.ZERO_PROCESSES_DEFAULT)
+    logging.getLogger("accelerate.commands.launch").addFilter(held_back.ZERO_PROCESSES_DEFAULT)
     # torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30) after it stops
     # them: give them time to finish a checkpoint (docs/faults.md). A value the user exported wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")

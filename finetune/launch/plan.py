@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from finetune import batch, precision
 from finetune.launch import nodes
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.nodes import RankPlace, SlurmStep
 from finetune.launch.strategy_setup import StrategySetup
 from finetune.mesh import Mesh
@@ -47,7 +47,7 @@ class LaunchPlan:
     """What this launch sets up, its parallel mesh included (sequence, tensor, context parallel sizes:
     finetune/mesh.py); every consumer of the data-parallel size reads it from here."""
 
-    facts: LaunchFacts  # as the launch's accelerate config, its environment or the recipe's row say it
+    facts: DeclaredLaunch  # as the launch's accelerate config, its environment or the recipe's row say it
     setup: StrategySetup | None  # who sets the strategy up; None before a launch (`finetune train`)
     strategy: str  # single | ddp | zero1 | zero2 | zero3 | fsdp (run.strategy's names)
     offload: str  # none | optimizer | params | optimizer+params (run.offload's names)
@@ -88,7 +88,7 @@ class LaunchPlan:
 
     @classmethod
     def of(
-        cls, cfg, facts: LaunchFacts, setup: StrategySetup | None = None, machines: Machines | None = None
+        cls, cfg, facts: DeclaredLaunch, setup: StrategySetup | None = None, machines: Machines | None = None
     ) -> LaunchPlan:
         """The launch `facts` describe, with the precision policy resolved for its device: CUDA when
         this machine has one and neither the launch nor the recipe asks for CPU processes. `machines`:

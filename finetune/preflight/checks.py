@@ -75,7 +75,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
     from finetune import resources
     from finetune.cli.options import parse_train_args
     from finetune.config.recipe import load_recipe
-    from finetune.launch.configs import LaunchFacts, from_config_file
+    from finetune.launch.configs import DeclaredLaunch, from_config_file
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
@@ -93,7 +93,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
             base_dirs=[resources.ROOT],
         )
     else:
-        facts = LaunchFacts(
+        facts = DeclaredLaunch(
             source="accelerate launch without a config file",
             num_processes=parsed.num_processes or 1,
             use_cpu=parsed.cpu,

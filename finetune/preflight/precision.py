@@ -6,7 +6,7 @@ what engaged is proven later from the live objects (finetune/training/precision_
 from __future__ import annotations
 
 from finetune import precision
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 
 
@@ -59,7 +59,7 @@ def policy_problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     return problems
 
 
-def _deepspeed_keys(policy: precision.Policy, label: str, facts: LaunchFacts) -> list[str]:
+def _deepspeed_keys(policy: precision.Policy, label: str, facts: DeclaredLaunch) -> list[str]:
     """Explicit DeepSpeed precision values must be the policy's; "auto" or absent: the policy fills
     them in (TrainingArguments for bf16/fp16.enabled, finetune/training/build.py apply_precision for the rest)."""
     low = policy.deepspeed_low_precision_master

@@ -214,7 +214,9 @@ def prepare(
     plan = resumed = None
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
-        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides))
+        name, planned_dir, plan = run_on_main(
+            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides)
+        )
         cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load

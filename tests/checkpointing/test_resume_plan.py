@@ -16,7 +16,7 @@ import pytest
 from finetune.checkpointing import checkpoints, resume, resume_plan, rng
 from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
-from finetune.checkpointing.resume_plan import Launch, plan
+from finetune.checkpointing.resume_plan import ResumeRequest, plan
 from finetune.config.sections import TRAINING_DEFAULTS, TrainingArgs
 from finetune.errors import ConfigError, UserError
 from tests.conftest import continue_record, save_record
@@ -56,8 +56,8 @@ def written(strategy="zero2", world=2, per_device=4, accum=1, step=3, files=TWO_
     return w
 
 
-def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, training=None, **kw) -> Launch:
-    base = Launch(
+def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, training=None, **kw) -> ResumeRequest:
+    base = ResumeRequest(
         strategy=strategy,
         offload="none",
         world_size=world,
@@ -74,7 +74,7 @@ def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, trai
     return base
 
 
-def refusals(w: Written, la: Launch) -> list[str]:
+def refusals(w: Written, la: ResumeRequest) -> list[str]:
     with pytest.raises(ConfigError) as err:
         plan(w, la)
     assert "nothing was loaded" in err.value.source

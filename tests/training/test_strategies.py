@@ -333,7 +333,7 @@ def _steps(record: dict) -> list[dict]:
 
 
 # What a run printed before issue 27 item 5 (a 3-step ZeRO-3 run on CPU: 22 deprecation warnings, DeepSpeed's
-# CPU notice per process, an 80-line configuration): held back at their source (finetune/noise.py) or fixed.
+# CPU notice per process, an 80-line configuration): held back at their source (finetune/held_back.py) or fixed.
 NOISE = (
     "all_gather_into_tensor` is deprecated",
     "reduce_scatter_tensor` is deprecated",
