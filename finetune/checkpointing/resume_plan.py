@@ -149,34 +149,8 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         )
     problems += _identity_problems(name, "method", w.method, launch.method)
     problems += _identity_problems(name, "model", w.model, launch.model)
-    per_device = launch.explicit.get("per_device_train_batch_size", w.per_device or launch.per_device)
+    per_device, grad_accum = _batch_layout(name, w, launch, problems)
     E = w.effective
-    grad_accum = launch.grad_accum
-    if E is None:  # an old checkpoint: only its own layout is known to work
-        grad_accum = launch.explicit.get("gradient_accumulation_steps", launch.grad_accum)
-        if M != N:
-            problems.append(
-                f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
-                f"world size that wrote it: --num_processes {N}"
-            )
-    elif E % (D * per_device):
-        allowed = allowed_world_sizes(E, per_device)
-        use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
-        problems.append(
-            f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
-            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
-            f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
-            f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
-        )
-    else:
-        grad_accum = E // (D * per_device)
-        given = launch.explicit.get("gradient_accumulation_steps")
-        if given is not None and given != grad_accum:
-            problems.append(
-                f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
-                f"{E}: {D} x {per_device} x {given} = {D * per_device * given}; leave it out (on resume it "
-                f"is recomputed, here {grad_accum}) or make the product {E}"
-            )
     # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
     layout = (M, per_device, grad_accum) != (N, w.per_device or per_device, w.grad_accum or grad_accum)
     problems += _order_problems(name, w, launch, layout)
@@ -221,6 +195,40 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         notes=notes,
         data_parallel=D,
     )
+
+
+def _batch_layout(name: str, w: Written, launch: ResumeRequest, problems: list[str]) -> tuple[int, int]:
+    """(per-device batch, accumulation) that keep the checkpoint's effective batch under this launch;
+    what makes that impossible is added to `problems`."""
+    M, N, D = launch.world_size, w.world_size, launch.data_parallel
+    per_device = launch.explicit.get("per_device_train_batch_size", w.per_device or launch.per_device)
+    E = w.effective
+    if E is None:  # an old checkpoint: only its own layout is known to work
+        if M != N:
+            problems.append(
+                f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
+                f"world size that wrote it: --num_processes {N}"
+            )
+        return per_device, launch.explicit.get("gradient_accumulation_steps", launch.grad_accum)
+    if E % (D * per_device):
+        allowed = allowed_world_sizes(E, per_device)
+        use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
+        problems.append(
+            f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
+            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
+            f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
+            f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
+        )
+        return per_device, launch.grad_accum
+    grad_accum = E // (D * per_device)
+    given = launch.explicit.get("gradient_accumulation_steps")
+    if given is not None and given != grad_accum:
+        problems.append(
+            f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
+            f"{E}: {D} x {per_device} x {given} = {D * per_device * given}; leave it out (on resume it "
+            f"is recomputed, here {grad_accum}) or make the product {E}"
+        )
+    return per_device, grad_accum
 
 
 def _ranks(data_parallel: int, processes: int) -> str:
