@@ -1,42 +1,26 @@
-"""Each rank's heartbeat and watchdog: which ranks are still alive when a collective fails, what each
-rank waits in, and a stuck rank ended cleanly (docs/faults.md "A rank dies or stalls", "Hangs and every
-stop signal").
+"""The other ranks: each rank's heartbeat thread and watchdog, its progress file, what is done once on
+rank 0, and the process group's teardown (docs/faults.md "A rank dies or stalls", "Hangs and every stop
+signal").
 
-A rank whose process dies (its node lost, its task killed) makes the others' next collective fail
-with an error that names a socket, not a rank ("Connection closed by peer [127.0.0.1]:41234"; NCCL
-says even less). To name the lost rank and node, every rank of a multi-process run bumps a counter
-`finetune/peers/beat/<rank>` in the launcher's TCP store (MASTER_ADDR:MASTER_PORT: torchrun's agent
-on node rank 0 hosts it) every BEAT_S seconds from a daemon thread. A rank whose training fails
-says so (`failing/<rank>`), watches the counters for WATCH_S seconds, and names as lost every rank
-whose counter stood still and that did not say it is failing too. If the store itself no longer
-answers, its host, node rank 0, is what was lost. `failure_note` names them with their nodes
-(LaunchPlan.machines) for stderr and run.json.
+A rank that dies makes the others' next collective fail naming a socket, not a rank. So every rank of a
+multi-process run bumps a counter `finetune/peers/beat/<rank>` in the launcher's TCP store (torchrun's
+agent on node rank 0 hosts it) every BEAT_S seconds from a daemon thread, on its own connection with a
+short timeout. A rank whose training fails says so (`failing/<rank>`), watches the counters for WATCH_S
+seconds and names as lost every rank whose counter stood still and that is not failing too; a store
+that no longer answers means node rank 0 was lost (`failure_note`, for stderr and run.json).
 
-Its own client connection with a short timeout: the process group's store waits up to
-training.ddp_timeout. The thread is stopped and joined at exit (a daemon thread still inside a
-store call while the interpreter finalizes can abort the process: `Teardown`).
+The same thread, every BEAT_S, in every process (one alone too): writes this rank's progress file;
+publishes what this rank does (`at/<rank>`) and a stop signal it got (`stop`), so a rank in a phase
+without collectives (the data build) ends it too; and is the watchdog (`watch`): a stop signal no
+agreement acted on within its grace period, or a phase past its limit, ends the process (os._exit: the
+main thread cannot be interrupted inside a collective), what every rank waits in named on stderr and,
+through `watch.on_stuck`, in run.json; nothing is deleted; exit 1.
 
-The same thread, every BEAT_S, in every process (one alone too, without a store):
-
-* writes this rank's progress file for `finetune train` (below);
-* publishes what this rank does now (`at/<rank>`: the phase, or the collective it waits in, since
-  when) and a stop signal this rank received (`stop`), which every other rank's thread reads: a rank
-  in a phase without collectives (the data build) then ends that phase early too;
-* is the watchdog (`watch`): a stop signal that no agreement has acted on within its grace period, or
-  a phase that outlives its limit (a rank held in a collective after training), ends the process:
-  what every rank waits in is named on stderr and, through `watch.on_stuck`, in run.json (`failed`),
-  nothing is deleted (the newest complete checkpoint stays the newest), exit 1. The main thread
-  cannot be interrupted inside a collective, so this thread does it (os._exit).
-
-Progress files, for `finetune train` (docs/faults.md "A rank dies or stalls"): the store above dies
-with the launch, so the wrapper, which only sees exit codes, reads what each rank's thread also writes
-into the launch's state directory (finetune/launch/relay.py): `rank-<R>.json` (pid, host, the last
-optimizer step the rank finished, the time). A rank stopped with SIGSTOP, frozen or swapped out stops
-beating; the ranks waiting for it in a collective keep beating (collectives wait with the GIL
-released) until `training.ddp_timeout` ends them; the wrapper names the one that went silent first
-(`stalled`). Local files: under a multi-node launch each node's wrapper sees its own ranks.
-
-Done once on rank 0 and shared (`run_on_main`), and the process group's teardown at exit (`Teardown`).
+Progress files: the store dies with the launch, so `finetune train`, which only sees exit codes, reads
+`rank-<R>.json` (pid, host, last optimizer step finished, time) in the launch's state directory
+(finetune/launch/relay.py) and names the rank that went silent first (`stalled`): a stopped or frozen
+rank stops beating, the ranks waiting for it keep beating (collectives release the GIL). Local files:
+each node's wrapper sees its own ranks.
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def run_prediction(
 def prediction_with_error(view, host_lifetime_gib: float | None = None) -> dict | None:
     """Once training ends: the relative errors of the prediction against the measured training peaks.
     host_lifetime_gib: rank 0's lifetime peak RSS as the meter kept it (its high-water-mark resets
-    also reset what getrusage reports, finetune/telemetry/memory_peaks.py); getrusage without it."""
+    also reset what getrusage reports, finetune/telemetry/meter.py); getrusage without it."""
     predicted = view.get("predicted_memory")
     if predicted is None:
         return None

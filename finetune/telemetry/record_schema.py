@@ -198,7 +198,7 @@ class Memory(TypedDict):
     per_rank: list[RankMemory]
     max: MemoryPeaks
     loading: LoadingMemory
-    host_peak_method: str  # vmhwm | sampled (finetune/telemetry/memory_peaks.py)
+    host_peak_method: str  # vmhwm | sampled (finetune/telemetry/meter.py)
 
 
 class Throughput(TypedDict, total=False):

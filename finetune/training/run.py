@@ -245,10 +245,7 @@ def prepare(
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
-    run = Run(
-        cfg=cfg, launch=launch, state=state, name=name, dir=run_dir, data_path=data_path, heldout_path=heldout_path,
-        sinks=run_sinks, resume=plan, teardown=teardown, heartbeat=heartbeat,
-    )  # fmt: skip
+    run = Run(cfg, launch, state, name, run_dir, data_path, heldout_path, run_sinks, plan, teardown, heartbeat)
     peers.watch.on_stuck = lambda cause: stuck(run, cause)  # the watchdog's stop, recorded
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from finetune.checkpointing import rng
+from finetune.checkpointing.resume_plan import restore_rng
 from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.data.render import IGNORE_INDEX
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
@@ -167,11 +167,11 @@ class FinetuneTrainer(Trainer):
 
     def _load_rng_state(self, checkpoint):
         """Trainer's own restore at the same world size; across a change, the explicit rule of
-        finetune/checkpointing/rng.py (Trainer would look for files of its own layout and say nothing)."""
+        finetune/checkpointing/resume_plan.py restore_rng (Trainer would look for files of its own layout and say nothing)."""
         old = self.resumed_world_size
         if checkpoint is None or old is None or old == self.args.world_size:
             return super()._load_rng_state(checkpoint)
-        rng.restore(checkpoint, rank=self.args.process_index, old_world_size=old)
+        restore_rng(checkpoint, rank=self.args.process_index, old_world_size=old)
 
     def final_measurements(self) -> dict:
         """record_tail(), then the per-step series summed over ranks and memory peaks (per rank,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpointing import checkpoints, resume, resume_plan, rng
+from finetune.checkpointing import checkpoints, resume, resume_plan
 from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
 from finetune.checkpointing.resume_plan import ResumeRequest, plan
@@ -298,8 +298,8 @@ def test_control_drop_last_loses_the_position_which_is_why_it_is_refused():
 
 
 def test_rng_streams_follow_the_rank_number():
-    assert [rng.source_file(r, 2) for r in range(3)] == ["rng_state_0.pth", "rng_state_1.pth", None]
-    assert [rng.source_file(r, 1) for r in range(2)] == ["rng_state.pth", None]
+    assert [resume_plan.rng_source_file(r, 2) for r in range(3)] == ["rng_state_0.pth", "rng_state_1.pth", None]
+    assert [resume_plan.rng_source_file(r, 1) for r in range(2)] == ["rng_state.pth", None]
     assert (plan(written(world=2), launch(world=1)).rng, plan(written(world=2), launch(world=1)).rng_ranks) == (
         "partial",
         [0],
@@ -321,9 +321,9 @@ def test_rng_restore_continues_the_saved_stream(tmp_path):
     )
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(2), np.random.seed(2), torch.manual_seed(2)
-    assert rng.restore(tmp_path, rank=1, old_world_size=2) == "rng_state_1.pth"
+    assert resume_plan.restore_rng(tmp_path, rank=1, old_world_size=2) == "rng_state_1.pth"
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
-    assert rng.restore(tmp_path, rank=2, old_world_size=2) is None  # no old rank 2: keeps its state
+    assert resume_plan.restore_rng(tmp_path, rank=2, old_world_size=2) is None  # no old rank 2: keeps its state
 
 
 # --- checkpoints moved aside, never deleted ---------------------------------------------------------
