@@ -25,7 +25,7 @@ from typing import Any
 from finetune.telemetry.record_schema import ABSENT, BY_NAME, SCHEMA, SECTIONS
 from finetune.units import GIB
 
-__all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "covers", "declared_paths", "load", "paths_of"]
+__all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "load", "typed_fields", "unwrap"]
 
 
 class RunRecord:
@@ -58,8 +58,8 @@ class RunRecord:
 
     def update(self, section: str, **fields: Any) -> None:
         """Set some fields of an object section (summary, batch, ...), keeping the others."""
-        shape = _unwrap(_section(section).shape)
-        hints = _fields(shape)
+        shape = unwrap(_section(section).shape)
+        hints = typed_fields(shape)
         for key, value in fields.items():
             if hints is not None and key not in hints:
                 raise _undeclared(section, [key])
@@ -206,36 +206,6 @@ def interconnect() -> dict | None:
 
 
 # --- the declared shape --------------------------------------------------------------------
-# Paths name nodes of the record: `memory.per_rank[].rank` (a field of every list entry),
-# `predicted_memory.device.components_gib.*` (any key of a mapping), `config.**` (anything below).
-
-
-def declared_paths() -> set[str]:
-    """Every node the schema declares, in the path notation above (docs/run_record.md uses it)."""
-    out: set[str] = set()
-    for s in SECTIONS:
-        _declare(s.shape, s.name, out)
-    return out
-
-
-def paths_of(record: dict) -> set[str]:
-    """Every node present in a record (null values included, as leaves), in the same notation."""
-    out: set[str] = set()
-
-    def walk(value, path):
-        out.add(path)
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(value, list):
-            for v in value:
-                if isinstance(v, dict):
-                    walk(v, f"{path}[]")
-            out.discard(f"{path}[]")
-
-    for key, value in record.items():
-        walk(value, key)
-    return out
 
 
 def _section(name: str):
@@ -246,7 +216,7 @@ def _section(name: str):
     return BY_NAME[name]
 
 
-def _unwrap(hint):
+def unwrap(hint):
     """X | None -> X (the value may be null; its shape is X's)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         arms = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -254,7 +224,7 @@ def _unwrap(hint):
     return hint
 
 
-def _fields(hint) -> dict | None:
+def typed_fields(hint) -> dict | None:
     """A TypedDict's field -> type hints, or None for anything else."""
     if isinstance(hint, type) and typing.is_typeddict(hint):
         return typing.get_type_hints(hint)
@@ -270,10 +240,10 @@ def _undeclared(where: str, keys) -> ValueError:
 
 def _validate(value, hint, where: str) -> None:
     """Refuse fields the schema does not declare (types are the writers' business)."""
-    hint = _unwrap(hint)
+    hint = unwrap(hint)
     if value is None:
         return
-    fields = _fields(hint)
+    fields = typed_fields(hint)
     if fields is not None and isinstance(value, dict):
         extra = set(value) - set(fields)
         if extra:
@@ -290,31 +260,12 @@ def _validate(value, hint, where: str) -> None:
             _validate(item, args[1], f"{where}.{key}")
 
 
-def _declare(hint, path: str, out: set[str]) -> None:
-    out.add(path)
-    hint = _unwrap(hint)
-    fields = _fields(hint)
-    if fields is not None:
-        for key, sub in fields.items():
-            _declare(sub, f"{path}.{key}", out)
-        return
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is list and args and (_fields(_unwrap(args[0])) is not None):
-        _declare(args[0], f"{path}[]", out)
-        out.discard(f"{path}[]")
-    elif origin is dict and len(args) == 2:
-        if args[1] is Any:
-            out.add(f"{path}.**")
-        else:
-            _declare(args[1], f"{path}.*", out)
-
-
 def _check_path(section: str, keys) -> None:
     hint = _section(section).shape
     where = section
     for key in keys:
-        hint = _unwrap(hint)
-        fields = _fields(hint)
+        hint = unwrap(hint)
+        fields = typed_fields(hint)
         if fields is not None:
             if key not in fields:
                 raise KeyError(f"run.json {where} has no field {key!r} (finetune/telemetry/record_schema.py)")
@@ -326,14 +277,3 @@ def _check_path(section: str, keys) -> None:
         else:
             return
         where = f"{where}.{key}"
-
-
-def covers(pattern: str, path: str) -> bool:
-    """Whether a declared path (with `*` / `**`) names a present node's path."""
-    want, got = pattern.split("."), path.split(".")
-    for i, part in enumerate(want):
-        if part == "**":
-            return len(got) > i
-        if i >= len(got) or (part != "*" and part != got[i]):
-            return False
-    return len(got) == len(want)

@@ -1,13 +1,11 @@
 """Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new
-backend is one more class (rank 0 holds them; docs/run_record.md, docs/architecture.md).
+backend is one more class (rank 0 holds them; docs/run_record.md, docs/architecture.md "The sinks").
 
-Sections are computed elsewhere by pure functions and handed over here (`put`, `merge`): by the run's
-phases (finetune/training/run.py) and its hooks around training (finetune/training/hooks.py). The run
-calls `commit` once its directory is its own, `start` once the record holds what the run set up (before
-step 1), `log` once per log window with that window's steps[] entry, and `close` once it ends, with its
-exit code. Each window also reaches Trainer's own callbacks first (FinetuneTrainer.log): the progress
-bar prints its line there, and transformers' WandbCallback (report_to: wandb) logs it into the W&B run
-this module starts.
+Sections are computed elsewhere by pure functions and handed over here (`put`, `merge`) by the run's
+phases (finetune/training/run.py) and its hooks (finetune/training/hooks.py). The run calls `commit`
+once its directory is its own, `start` once the record holds what the run set up (before step 1),
+`log` once per log window with its steps[] entry (after Trainer's own callbacks: the progress line,
+transformers' WandbCallback into the W&B run started here), and `close` with the exit code.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""What happens around training, in one list: `RunHooks`, whose methods name in order what a run
-records and checks when the Trainer exists, when training begins, in its first forward and when it
-ends (docs/architecture.md). Each reads the live objects into a section with a pure function
-(finetune/training/strategy_evidence.py, precision_evidence.py, finetune/launch/nodes.py), refuses
-what is not the recipe's, and hands the section to the sinks (rank 0; `sinks` is None elsewhere and
-in the benchmark). Every rank runs them: the node figures and the bf16-true share are gathered.
-
-Accelerate can downgrade a launch without a word, so the strategy is checked twice: from its state
-once the Trainer exists, and from the wrapped engine before the first optimizer step. The precision
-is read at on_train_begin (DeepSpeed steps inside backward), then confirmed by a forward hook in
-step 1's first forward (docs/precision.md).
-
-The other callbacks stay mechanisms of their own: the step clock and the progress line measure and
-show every step (finetune/training/trainer.py, the benchmark's trainer too), the resilience callback
-and the collapse watch decide how training stops (finetune/training/resilience.py).
+"""What happens around training, in one list (docs/architecture.md "The hooks"): `RunHooks`, whose
+methods name in order what a run records and checks when the Trainer exists, when training begins, in
+its first forward and when it ends. Each reads the live objects into a section with a pure function
+(strategy_evidence.py, precision_evidence.py, finetune/launch/nodes.py), refuses what is not the
+recipe's, and hands the section to the sinks (rank 0; `sinks` is None elsewhere and in the benchmark).
+Every rank runs them: the node figures and the bf16-true share are gathered.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The run's Trainer: transformers.Trainer that measures each step and keeps the record current
-(the fault handling on top of it: finetune/training/resilience.py).
-
-FinetuneTrainer feeds the meter (finetune/telemetry/meter.py) from inside the step, before
-Trainer hands a log window to its callbacks, so every `report_to` integration receives the extra
-keys.
-
-Ulysses sequence parallelism needs more of Trainer than transformers 5.24 and DeepSpeed 0.19 give it
-(docs/parallelism.md): the step's scored tokens for the token-weighted loss, and a train dataloader
-that takes an epoch and resumes mid-epoch. DeepSpeed's UlyssesSPDataLoaderAdapter (which Trainer puts
-around the train dataloader) has no `set_epoch`, and makes its next epoch's iterator before Trainer
-sets the epoch, so every epoch would repeat the first one's order; and accelerate's
-`skip_first_batches` rebuilds a plain DataLoader from the loader's dataset (the adapter has none), so a
-resumed run would fail, or lose the sequence split (ShardLoader).
+(the fault handling on top of it: finetune/training/resilience.py). FinetuneTrainer feeds the meter
+(finetune/telemetry/meter.py) from inside the step, before Trainer hands a log window to its
+callbacks, so every `report_to` integration receives the extra keys. Ulysses sequence parallelism
+needs more of Trainer than transformers 5.24 and DeepSpeed 0.19 give it (docs/parallelism.md): the
+step's scored tokens for the token-weighted loss, and a train dataloader that takes an epoch and
+resumes mid-epoch (ShardLoader).
 """
 
 from __future__ import annotations
@@ -228,7 +221,7 @@ class CompactProgress(ProgressCallback):
         self.training_bar.write(" | ".join(parts))
 
 
-# --- Ulysses sequence parallelism (see the module docstring) -----------------------------------------
+# --- Ulysses sequence parallelism ---------------------------------------------------------------------
 
 
 def scored_tokens(batches: list[dict], device) -> torch.Tensor:
@@ -255,7 +248,11 @@ def gradient_divisor(engine) -> int:
 
 class ShardLoader:
     """DeepSpeed's adapter (gathers a batch from each sequence-parallel rank, gives each rank its
-    shard of every one) with `set_epoch` and mid-epoch resumption (module docstring)."""
+    shard of every one) with `set_epoch` and mid-epoch resumption. The adapter (UlyssesSPDataLoaderAdapter,
+    which Trainer puts around the train dataloader) has no `set_epoch` and makes its next epoch's
+    iterator before Trainer sets the epoch (every epoch would repeat the first one's order);
+    accelerate's `skip_first_batches` rebuilds a plain DataLoader from the loader's dataset, which the
+    adapter has not (a resumed run would fail, or lose the sequence split)."""
 
     def __init__(self, adapter, drop: int = 0):
         self.adapter = adapter

@@ -11,11 +11,11 @@ import pytest
 from finetune.telemetry import record
 from finetune.telemetry.record import RecordView, RunRecord
 from tests.conftest import save_record
-from tests.telemetry.run_record_doc import documented
+from tests.telemetry.run_record_doc import declared_paths, documented
 
 
 def test_the_doc_and_the_declarations_name_the_same_fields():
-    doc, declared = set(documented()), record.declared_paths()
+    doc, declared = set(documented()), declared_paths()
     assert doc - declared == set(), "documented in docs/run_record.md but not declared in record_schema.py"
     assert declared - doc == set(), "declared in record_schema.py but not documented in docs/run_record.md"
 
