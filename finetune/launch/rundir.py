@@ -95,7 +95,7 @@ MARKER = ".finetune-run"  # written into every run directory finetune makes
 OWNED = (
     "run.json",
     "run.*.json",  # run.before-resume<n>.json, run.damaged<n>.json
-    ".run.json.*",  # an interrupted atomic write (finetune/telemetry/record.py)
+    ".run.json.*",  # an interrupted atomic write (finetune/telemetry/sinks.py RunJson)
     "config.yaml",
     "config.resume*.yaml",
     "trainer_state.json",

@@ -1,32 +1,21 @@
-"""How a run ends, on every rank (docs/faults.md): the steps after its training, and the endings of a run
-that does not complete. Pure where the record is concerned: each returns what run.json's `summary` (and
-its sections) should say, and finetune/training/run.py hands it to the sinks.
+"""How a run ends, on every rank (docs/faults.md "After training", "Hangs and every stop signal"): the
+steps after its training, and the endings of a run that does not complete. Pure where the record is
+concerned: each returns what run.json should say, and finetune/training/run.py hands it to the sinks.
 
 After the last optimizer step, the measurements, the export, the eval loss, exact match and the record
-run as steps of `AfterTraining`; each ends at a boundary where every rank agrees on its outcome
-(finetune/training/signals.py `agree`), so a failure on one rank is known to every rank before any of
-them enters another collective, and all take the same path ("Hangs and every stop signal"):
+run as steps of `AfterTraining`, each ending at a boundary where every rank agrees on its outcome
+(finetune/training/signals.py `agree`), within a limit the watchdog enforces (training.finish_timeout
+without progress; training.ddp_timeout for the steps that write the model):
 
-    with AfterTraining(trainer, model_dir, tokenizer, limits) as after:
-        measured = after.step("the measurements", trainer.final_measurements)
-        after.export()   # run.save_model: a step too
-        ...
-
-* a failure on any rank: every rank raises (its own error, or FailedElsewhere naming the rank and its
-  error); leaving the block, every rank saves the trained weights, agreed the same way, and the error
-  says where: the export, when it completed before the error; else the export is made then (also
-  with run.save_model false: the run failed, and its weights are what is left of it); when that
-  fails too, a complete checkpoint of the final step (Trainer's own save, another code path, and the
-  completion marker), or the final step's checkpoint when the run wrote it already.
+* a failure on any rank: every rank raises; leaving the block, every rank saves the trained weights
+  (agreed the same way) and the error says where: the export, when it completed before the error;
+  else the export is made then (also with run.save_model false); when that fails too, a complete
+  checkpoint of the final step (Trainer's own save and the completion marker), or the one written.
 * a stop signal on any rank: every rank writes the checkpoint of the final step and raises
   signals.Stopped (the run ends preempted, exit 75).
 
-Each step has a limit the watchdog enforces (finetune/launch/peers.py): training.finish_timeout
-without progress, or training.ddp_timeout for the steps that write the model.
-
-A run that does not complete ends preempted (a signal during or after training: a complete
-checkpoint, exit 75), stopped before training (nothing to save, exit 75), diverged (exit 3), failed
-(the record says why, the error goes on) or stuck (the watchdog's stop).
+A run that does not complete ends preempted (a complete checkpoint, exit 75), stopped before training
+(nothing to save, exit 75), diverged (exit 3), failed (the error goes on) or stuck (the watchdog's stop).
 """
 
 from __future__ import annotations

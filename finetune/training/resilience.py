@@ -3,22 +3,18 @@ rank at the same step boundary after a complete checkpoint (ResilienceCallback);
 gradient norm on any rank is agreed before that step's optimizer update, then stops (or skips the
 update); a collapsed model ends the run failed, exit 3 (CollapseWatch).
 
-The ranks' one agreement per optimizer step (docs/speed.md "Per-micro-batch work"): per micro-batch
-nothing leaves the device: `StepFlags.note` folds "this loss is non-finite" (and the first such value)
-into a small tensor on the device. Once per optimizer step, before its update, `StepFlags.agree` writes
-this rank's pending signal number into the same tensor, all-gathers every rank's row (none on one
-process) and reads the rows on the host (one sync): after Trainer's gradient norm under every strategy
-but DeepSpeed, and under DeepSpeed in the step's last micro-batch before its backward (the engine steps
-inside it). A further per-step check adds a slot to SLOTS instead of a collective of its own.
+The ranks agree once per optimizer step (docs/speed.md "Per-micro-batch work"): per micro-batch
+`StepFlags.note` folds "non-finite" (and the first such value) into a small tensor on the device; once
+per step, before its update, `StepFlags.agree` adds this rank's pending signal, all-gathers every
+rank's row and reads it on the host (one sync): after Trainer's gradient norm, or under DeepSpeed in
+the step's last micro-batch before its backward (the engine steps inside it). A further per-step check
+adds a slot to SLOTS, not a collective.
 
-A collapse (docs/faults.md "A collapsed model"): a learning rate far too high can drive a model to a
-fixed point where every gradient is exactly 0 and the loss sits at ln(vocabulary size), a uniform
-prediction (measured: the tiny test model at learning rate 1000, full fine-tuning, from step 7 on). A
-gradient norm of exactly 0 does not happen in a run that learns (a sum of squares of millions of
-floats), so `training.collapse_windows` consecutive log windows with a logged norm of exactly 0 are a
-collapse; `training.on_collapse` `stop` ends Trainer's loop after that log (`stopped()`), `flag` trains
-to the end and exports (`error()`). Only logged values are read (no host sync per step); every rank
-logs the same values, so every rank decides the same without a collective.
+A collapse (docs/faults.md "A collapsed model"): a learning rate far too high can drive every gradient
+to exactly 0, the loss to ln(vocabulary), a uniform prediction; a gradient norm of exactly 0 does not
+happen in a run that learns, so `training.collapse_windows` consecutive logged norms of 0 are a
+collapse (`on_collapse` stop: `stopped()`; flag: `error()` once trained and exported). Only logged
+values are read, the same on every rank: no host sync, no collective.
 """
 
 from __future__ import annotations
