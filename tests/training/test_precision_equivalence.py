@@ -43,7 +43,7 @@ pairs. They exist to catch loss-normalisation errors (factors like 2).
 
 The control: bf16-true full fine-tuning (bf16 parameters and Adam states, no master) rounds each
 update to whole bf16 spacings or loses it; at LR 1e-4 about 12% of the weights lose their updates
-(the rule in finetune/training/precision_live.py). Measured: it differs from bf16-mixed by 6.7e-4,
+(the rule in finetune/training/precision_evidence.py). Measured: it differs from bf16-mixed by 6.7e-4,
 6.7x the tolerance, so the equivalence test would fail a strategy that trained without its master.
 """
 

@@ -273,8 +273,8 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
     assert rec["parameters"]["total"] == rec["parameters"]["trainable"] == sum(p.numel() for p in model.parameters())
     assert "excludes data loading" in tp["scope"]
     assert all(s["data_loading_s"] > 0 and 0 < s["data_loading_share"] < 1 for s in steps), steps
-    from finetune.telemetry import memory_peaks
+    from finetune.telemetry import meter
 
-    if memory_peaks.vmhwm() is not None and memory_peaks.reset_vmhwm():
+    if meter.vmhwm() is not None and meter.reset_vmhwm():
         assert rec["memory"]["host_peak_method"] == "vmhwm"
     assert rec["memory"]["max"]["host_peak_rss_gib"] > 0.1
