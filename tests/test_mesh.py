@@ -289,3 +289,17 @@ def test_finetune_plan_shows_the_mesh_and_only_the_strategies_that_run_it(tiny_m
             ["plan", "--recipe", "zero3", "--model", str(tiny_model_dir), "--gpus", "3", "--parallel.sp_size=2"]
         )
     assert "does not divide the 3 GPU(s) planned" in capsys.readouterr().err
+
+
+def test_the_sizes_offered_for_the_models_heads_run_on_the_launchs_processes(tiny_model_dir):
+    """4 heads, 2 key/value heads: sp_size 2 or 4 fits the model, but on 6 processes only 2 divides the
+    world (4 was offered too, and refused on the next try); on 3 processes none does."""
+    from finetune.preflight import parallel
+
+    over = ["--parallel.sp_size=3", "--data.max_length=48", f"--model.name_or_path={tiny_model_dir}"]
+    for world, offered in (
+        (6, "allowed here: 2"),
+        (3, "allowed here: none on 3 processes (keep it at 1; 2 runs on a multiple of 2 processes)"),
+    ):
+        (problem,) = parallel.problems(*plan_for("zero3", over, world=world), in_process=False)
+        assert "has 4 attention heads and 2 key/value heads" in problem and problem.endswith(offered), problem

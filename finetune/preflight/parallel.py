@@ -103,14 +103,14 @@ def _model_problems(cfg, m: meshes.Mesh) -> list[str]:
             out.append(
                 f"parallel.sp_size {m.sp}: model {name} has {heads} attention heads and {kv} key/value heads; Ulysses "
                 f"gives each rank heads / sp_size of them, so sp_size must divide {heads} and divide or be a multiple "
-                f"of {kv}; allowed here: {_divisors(heads, lambda d: kv % d == 0 or d % kv == 0)}"
+                f"of {kv}; allowed here: {_divisors(heads, lambda d: kv % d == 0 or d % kv == 0, m.world)}"
             )
     if m.tp > 1:
         if heads is not None and (heads % m.tp or kv % m.tp):
             out.append(
                 f"parallel.tp_size {m.tp}: model {name} has {heads} attention heads and {kv} key/value heads; the tp "
                 f"plan splits both across the tensor-parallel ranks, so tp_size must divide both; allowed here: "
-                f"{_divisors(heads, lambda d: kv % d == 0)}"
+                f"{_divisors(heads, lambda d: kv % d == 0, m.world)}"
             )
         if not getattr(text, "base_model_tp_plan", None):
             out.append(
@@ -122,9 +122,14 @@ def _model_problems(cfg, m: meshes.Mesh) -> list[str]:
     return out
 
 
-def _divisors(n: int, keep) -> str:
+def _divisors(n: int, keep, world: int) -> str:
+    """The sizes > 1 the model allows that also divide the `world` processes of this launch."""
     found = [d for d in range(2, n + 1) if n % d == 0 and keep(d)]
-    return ", ".join(map(str, found)) if found else "none (keep it at 1)"
+    here = [d for d in found if world % d == 0]
+    if here:
+        return ", ".join(map(str, here))
+    other = f"; {found[0]} runs on a multiple of {found[0]} processes" if found else ""
+    return f"none on {world} processes (keep it at 1{other})"
 
 
 def _model_config(name_or_path: str):
