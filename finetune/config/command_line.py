@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-TRAIN_EPILOG = """overrides: any recipe value as --section.key=value, e.g.
+from finetune.config.sections import SECTION_CLASSES
+
+TRAIN_EPILOG = f"""overrides: any recipe value as --section.key=value, e.g.
   --training.max_steps=20 --method.name=full --data.path=my.jsonl --run.name=try1
-sections: model, method, data, training (any TrainingArguments field), eval, logging, run"""
+sections: {", ".join(SECTION_CLASSES)} (training: also any TrainingArguments field)"""
 
 
 def _alias(flag: str) -> str | None:

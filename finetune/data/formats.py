@@ -48,10 +48,21 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
         if all(k in keys for k in needed):
             return fmt
     needs = "; ".join(_FORMAT_HELP[f] for f in FORMATS)
-    raise DataError(
-        f"cannot detect the data format: first row has keys {keys}; {needs}. Rename the columns or set data.format",
-        path=path or None,
+    # no format reads these keys, so data.format cannot help: say which renaming would
+    prompt = next((k for k in keys if k.lower() in _PROMPT_LIKE), None)
+    answer = next((k for k in keys if k.lower() in _ANSWER_LIKE), None)
+    rename = (
+        f"rename {prompt} to prompt and {answer} to completion (the prompt_completion format)"
+        if prompt and answer
+        else "rename the columns to one format's keys"
     )
+    raise DataError(
+        f"cannot detect the data format: first row has keys {keys}; {needs}. To use it, {rename}", path=path or None
+    )
+
+
+_PROMPT_LIKE = ("question", "query", "input", "instruction", "prompt", "source")
+_ANSWER_LIKE = ("answer", "response", "output", "target", "completion", "label")
 
 
 class BadRow(Exception):

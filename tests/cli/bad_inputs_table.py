@@ -516,7 +516,7 @@ CASES = [
         "columns of no known format",
         "data.path",
         _data(_jsonl([{"question": "x", "answer": "y"}])),
-        ("train.jsonl", "cannot detect the data format", "['answer', 'question']", "data.format"),
+        ("train.jsonl", "['answer', 'question']", "rename question to prompt and answer to completion"),
     ),
     Case(
         "every output empty (trains only the end-of-turn token)",

@@ -12,6 +12,7 @@ import pytest
 
 import finetune
 from finetune.cli import dispatch
+from finetune.config.sections import SECTION_CLASSES
 from tests.conftest import REPO
 
 
@@ -74,6 +75,9 @@ def test_help_texts_are_whole(capsys):
     assert "--baseline-strategy STRATEGY" in out
     code, out = _exit(["doctor", "--help"], capsys)
     assert code == 0 and "2: a bad option." in " ".join(out.split()) and "--build-cpu-adam" in out
+    code, out = _exit(["train", "--help"], capsys)
+    sections = next(line for line in out.splitlines() if line.startswith("sections: "))
+    assert code == 0 and all(f" {name}" in sections for name in SECTION_CLASSES), sections  # parallel was left out
     assert dispatch.main(["recipes"]) == 0
     listed = " ".join(capsys.readouterr().out.split())
     for purpose in (
