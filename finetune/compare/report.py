@@ -127,6 +127,8 @@ def _footnotes(table: Table) -> list[str]:
     for row in table.rows:
         if row.get("scaling_reference") and (row["devices"] or 0) > 1:
             lines.append(f"scaling efficiency of {row['run']}: against {row['scaling_reference']}")
+            if row["scaling_efficiency"] > 1:  # n devices cannot do more than n x one's work of the same step
+                lines[-1] += f"; {row['scaling_efficiency']:.0%} is above 100%: within run-to-run noise"
     for row in table.rows:
         if row["error"]:
             lines.append(f"{row['run']} {row['status']}: {row['error']}")

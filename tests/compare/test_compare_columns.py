@@ -433,3 +433,14 @@ def _write_file(tmp_path: Path, name: str, text: str) -> Path:
     (tmp_path / name).mkdir()
     (tmp_path / name / "run.json").write_text(text)
     return tmp_path / name / "run.json"
+
+
+def test_a_scaling_efficiency_above_100_percent_is_said_to_be_noise(tmp_path):
+    from finetune.compare import report
+
+    runs = six_runs(tmp_path)
+    ddp = next(r for r in runs if r.label == "demo-ddp")
+    ddp.record["throughput"]["trained_tokens_per_s"] = 3450.0  # 3450 / (2 x 1500) = 115%
+    lines = report.console_table(comparison.build_table(runs)).splitlines()
+    assert "scaling efficiency of demo-ddp: against demo-single; 115% is above 100%: within run-to-run noise" in lines
+    assert "scaling efficiency of demo-zero2: against demo-single" in lines  # 77%: said as it is
