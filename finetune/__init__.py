@@ -1,6 +1,6 @@
 """finetune: fine-tune causal LMs (full, LoRA, QLoRA) under single device, DDP, DeepSpeed ZeRO-2/3 and FSDP2.
 
-The launch script is finetune/train.py; the layout is in README.md ("Layout")."""
+The launch script is finetune/train.py; the layout is in docs/architecture.md ("The package layout")."""
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 

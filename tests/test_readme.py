@@ -48,3 +48,13 @@ def test_every_document_the_repository_cites_is_in_it():
     missing = {(name, m) for name, m in found if not (REPO / m).is_file() and m != "PERFORMANCE.md"}  # nccl-tests'
     assert not missing
     assert ("qlora_baseline.yaml", "docs/compare.md") in found  # control: the recipe's citation is seen
+
+
+def test_the_readme_is_read_in_five_minutes():
+    """What a newcomer needs (what it is, the two commands, the demo's output, the card's command, plan,
+    compare, doctor, multi-node, the docs); the rest lives in docs/ (it was 434 lines)."""
+    assert len(README.splitlines()) <= 200
+    for needed in ("accelerate launch finetune/train.py --recipe zero2", "finetune plan", "finetune compare"):
+        assert needed in README
+    for needed in ("finetune doctor", "## Multi-node", "exact match     0.0% ->", "## Documentation"):
+        assert needed in README

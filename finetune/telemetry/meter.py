@@ -476,7 +476,7 @@ def run_figures(
     }
 
 
-# What throughput figures cover (docs/run_record.md `throughput`, README "What the figures mean").
+# What throughput figures cover (docs/run_record.md `throughput`, docs/usage.md "What every run measures").
 SCOPE = (
     "step clock: start to end of each optimizer step, CUDA-synchronised, rank 0; excludes data loading, "
     "logging, evaluation and checkpoint saves; rates = summed counts / summed step time over the steps "

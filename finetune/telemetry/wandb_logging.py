@@ -128,7 +128,7 @@ def start(record: RecordView, *, project: str, run_dir: Path):
 def run_summary(record: RecordView) -> dict:
     """The whole run's figures, under `run/` and the path they have in run.json (`run/throughput/
     trained_tokens_per_s`): never the name of a per-window key, which W&B also keeps in the summary
-    (its last value; transformers logs them as `train/<key>`). README.md "W&B keys" lists both."""
+    (its last value; transformers logs them as `train/<key>`). docs/usage.md "W&B keys" lists both."""
     summary = {}
     for key, value in record.get("memory", "max", default={}).items():
         if value is not None:

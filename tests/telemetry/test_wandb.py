@@ -15,8 +15,8 @@ from tests.wandb_records import read_records, summarize
 
 
 def readme_keys() -> dict[str, tuple[str, str]]:
-    """README.md "W&B keys": key -> (history | summary, when)."""
-    section = (REPO / "README.md").read_text().split("### W&B keys", 1)[1].split("\n## ", 1)[0]
+    """docs/usage.md "W&B keys": key -> (history | summary, when)."""
+    section = (REPO / "docs" / "usage.md").read_text().split("### W&B keys", 1)[1].split("\n## ", 1)[0]
     out = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -77,7 +77,7 @@ def test_offline_run_logs_the_keys_the_readme_documents_and_stages_its_artifact(
     assert wb["config"]["precision"] == rec["precision"]["policy"] == "32-true"  # the CPU default (auto)
     assert wb["config"]["finetune"]["precision"] == rec["precision"]  # as read from the live run, at the end
 
-    # the keys, against README.md's table (a CPU run: no GPU or MFU keys; exact match on)
+    # the keys, against docs/usage.md's table (a CPU run: no GPU or MFU keys; exact match on)
     documented = readme_keys()
     expected = {where: {k for k, (w, when) in documented.items() if w == where and when in ("always", "exact match")}
                 for where in ("history", "summary")}  # fmt: skip
