@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from finetune import batch
 from finetune import mesh as meshes
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
@@ -303,3 +304,27 @@ def test_the_sizes_offered_for_the_models_heads_run_on_the_launchs_processes(tin
     ):
         (problem,) = parallel.problems(*plan_for("zero3", over, world=world), in_process=False)
         assert "has 4 attention heads and 2 key/value heads" in problem and problem.endswith(offered), problem
+
+
+def test_the_console_names_world_size_mesh_and_data_parallel_size(tmp_path, capsys):
+    """2 processes with sp_size 2: the start line said "world size 1" and the summary "x 1 ranks" (the
+    data-parallel size under the world size's name); the LR scaled for 1 without a word why."""
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.summary import print_summary, start_line
+
+    rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero3_sp", config={"parallel": {"sp_size": 2}})
+    rec.set("batch", {**batch.section(8, 1, 1), "input_tokens_per_step": 10, "trained_tokens_per_step": 5})
+    rec.set("lr", batch.lr_scaling(1e-3, "linear", 8, 8))
+    rec.set("strategy", {"name": "zero3", "distributed_type": "DEEPSPEED", "world_size": 2})
+    rec.set("parameters", {"trainable": 10, "total": 100})
+    rec.set("precision", {"policy": "32-true"})
+    rec.update("summary", status="completed", steps=2, wall_s=3.0, train_s=2.0)
+    sizes = "world size 2 (mesh dp 1 x sp 2 x tp 1 x cp 1), data-parallel size 1"
+    why = "effective batch of data-parallel size 1: world size 2 / (sp x tp x cp)"
+    line = start_line(rec.view)
+    assert line.startswith(sizes + " | per-device batch 8 x accumulation 1 x data-parallel size 1 = effective batch 8")
+    assert why in line
+    print_summary(rec.view, tmp_path, None, "lora")
+    out = capsys.readouterr().out
+    assert "x data-parallel size 1)" in out and f"sizes           {sizes}" in out and why in out, out
+    assert "x 1 ranks" not in out and "world size 1" not in line + out

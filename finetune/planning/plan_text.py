@@ -104,10 +104,6 @@ def _mesh_line(m: dict) -> str:
 
 def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
     """The plan as text; every line but the table's wrapped at `width` (the terminal's)."""
-    import textwrap
-
-    from finetune.strategies import STRATEGIES
-
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
     wl = a["workload"]
     lines = [
@@ -149,8 +145,7 @@ def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
         + f"{'alloc':>8}{'resrvd':>8}{'device':>8}{'host/node':>10}{'comm GB':>9}{'comm s':>8}{'h2d GB':>8}"
         + f"{'step s':>8}  fits"
     )
-    table = len(lines)
-    lines += [head, "-" * len(head)]
+    table = [head, "-" * len(head)]
     for r in plan["rows"]:
         if not all_methods and r["method"] != plan["method"]:
             continue
@@ -159,7 +154,7 @@ def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
         h2d = sum(c["host_device_bytes"].values()) / 1e9
         t = f"{c['collectives_s']:8.3f}" if c["collectives_s"] is not None else f"{'-':>8}"
         fit = "yes" if r["fits"] else ("barely" if r["fits_without_margin"] else "NO")
-        lines.append(
+        table.append(
             f"{r['method']:6} {r['strategy']:18}"
             + "".join(f"{v:7.2f}" for v in _cells(d["components_gib"]))
             + f"{d['allocated_gib']:8.2f}{d['reserved_gib']:8.2f}{d['total_gib']:8.2f}"
@@ -167,11 +162,17 @@ def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
             + (f"{r['step_time']['total_s']:8.2f}" if r.get("step_time") else f"{'-':>8}")
             + f"  {fit}"
         )
-    table = range(table, len(lines))
-    rec = plan["recommendation"]
+    return "\n".join(_wrap(lines, width) + table + _wrap(_recommendation_lines(plan), width))
+
+
+def _recommendation_lines(plan: dict) -> list[str]:
+    """Below the table: the breakdown of the recommended row, the recommendation, the assumptions."""
+    from finetune.strategies import STRATEGIES
+
+    a, rec = plan["assumptions"], plan["recommendation"]
     extra = [s.key for s in STRATEGIES if not s.recipe]
-    lines.append(f"({', '.join(extra)}: for comparison; no recipe or config ships them, so never recommended)")
-    if hw["world_size"] > 1:
+    lines = [f"({', '.join(extra)}: for comparison; no recipe or config ships them, so never recommended)"]
+    if plan["hardware"]["world_size"] > 1:
         lines.append("(single: one GPU of the same kind, for reference; not recommended when more are there)")
     shown = next((r for r in plan["rows"] if r["method"] == rec["method"] and r["strategy"] == rec["strategy"]), None)
     shown = shown or next((r for r in plan["rows"] if r["method"] == plan["method"]), None)
@@ -185,10 +186,16 @@ def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
         lines.append(f"  {name} = {c['value']:g} ({c['kind']}: {c['source']})")
     lines.append("  not modelled: " + "; ".join(a["not_modelled"]))
     lines.append("differs from DeepSpeed's estimators: " + plan["differences_from_deepspeed"])
-    indent = lambda line: " " * (len(line) - len(line.lstrip()) + 4)  # noqa: E731
-    return "\n".join(
-        line
-        if i in table or not line
-        else textwrap.fill(line, width, subsequent_indent=indent(line), break_on_hyphens=False)
-        for i, line in enumerate(lines)
-    )
+    return lines
+
+
+def _wrap(lines: list[str], width: int) -> list[str]:
+    """Each line wrapped at `width`, its continuation indented 4 past the line's own indent."""
+    import textwrap
+
+    return [
+        textwrap.fill(line, width, subsequent_indent=" " * (len(line) - len(line.lstrip()) + 4), break_on_hyphens=False)
+        if line
+        else line
+        for line in lines
+    ]

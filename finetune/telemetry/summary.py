@@ -32,15 +32,33 @@ class Console:
 
 def start_line(record: RecordView) -> str:
     """World size, batch, learning rate, parameters, length and precision, as the run set them up."""
-    b, lr, p = record.get("batch"), record.get("lr"), record.get("parameters")
+    b, p = record.get("batch"), record.get("parameters")
     policy = precision.get(record.get("precision", "policy"))
-    world = b["data_parallel_size"]
     return (
-        f"world size {world} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x {world} = "
-        f"effective batch {b['effective']} | lr {lr['applied']:.3g} ({lr['rule']} scaling, factor "
-        f"{lr['factor']:.3g}) | trainable {p['trainable']:,} of {p['total']:,} parameters | max length "
+        f"{sizes(record)} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x data-parallel "
+        f"size {b['data_parallel_size']} = effective batch {b['effective']} | lr {lr_text(record)} | trainable "
+        f"{p['trainable']:,} of {p['total']:,} parameters | max length "
         f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})"
     )
+
+
+def sizes(record: RecordView) -> str:
+    """World size, mesh and data-parallel size, each by its name (docs/parallelism.md): the effective
+    batch and the LR scaling count data-parallel ranks, world size / (sp x tp x cp)."""
+    mesh = {k: record.get("config", "parallel", f"{k}_size", default=None) or 1 for k in ("sp", "tp", "cp")}
+    dp, world = record.get("batch", "data_parallel_size"), record.get("strategy", "world_size", default=None)
+    return (
+        f"world size {world or dp} (mesh dp {dp} x sp {mesh['sp']} x tp {mesh['tp']} x cp {mesh['cp']}), "
+        f"data-parallel size {dp}"
+    )
+
+
+def lr_text(record: RecordView) -> str:
+    """The learning rate applied; with a mesh, for which data-parallel size and why."""
+    lr, dp = record.get("lr"), record.get("batch", "data_parallel_size")
+    world = record.get("strategy", "world_size", default=None) or dp
+    why = "" if world == dp else f"; effective batch of data-parallel size {dp}: world size {world} / (sp x tp x cp)"
+    return f"{lr['applied']:.3g} ({lr['rule']} scaling, factor {lr['factor']:.3g}{why})"
 
 
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
@@ -66,9 +84,6 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
     def b(key):
         return record.get("batch", key)
 
-    def lr(key):
-        return record.get("lr", key)
-
     tokens = (
         f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
         if s("total_trained_tokens") is not None
@@ -83,15 +98,16 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
         (
             "steps",
             f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
-            f"{b('grad_accum')} accumulation x {b('data_parallel_size')} ranks)",
+            f"{b('grad_accum')} accumulation x data-parallel size {b('data_parallel_size')})",
         ),
+        ("sizes", sizes(record)),
         (
             "strategy",
             f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"
             + _set_up_by(record.get("strategy", "set_up_by", default=None)),
         ),
         ("precision", precision_line(record)),
-        ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
+        ("learning rate", lr_text(record)),
         ("train loss", losses),
         ("trained tokens", tokens),
     ]

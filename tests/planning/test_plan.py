@@ -407,7 +407,7 @@ def test_the_plan_says_first_which_batch_and_sequence_it_planned(capsys):
     each number came from."""
     out = run_plan(capsys, "--recipe", "demo", "--model", "Llama-3.2-1B")
     assert out.returncode == 0, out.stderr
-    first = out.stdout.splitlines()[0]
+    first = " ".join(out.stdout.split("\n\n")[0].split("\nmodel ")[0].split())  # wrapped at the terminal
     assert first.startswith("planned for: 8 sequences x 128 tokens per device per micro-step"), first
     assert "micro-batch from recipe demo, sequence length from recipe demo" in first
     given = run_plan(
