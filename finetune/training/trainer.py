@@ -195,11 +195,19 @@ def batch_share(wrapped, accelerator) -> BatchShare:
 
 
 class CompactProgress(ProgressCallback):
-    """Trainer's progress bar, with one compact line per log step instead of the raw dict."""
+    """Trainer's progress bar, with one compact line per log step instead of the raw dict. Its other
+    dicts are not printed: the end-of-training one (Trainer's own clock and counts; after a resume its
+    train_loss covers the last segment only) and the evaluation's are in run.json and the summary."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not (state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs):
+        if not (state.is_world_process_zero and self.training_bar is not None and logs):
             return super().on_log(args, state, control, logs=logs, **kwargs)
+        if "loss" not in logs:
+            if "eval_loss" in logs:
+                self.training_bar.write(
+                    f"step {state.global_step}/{state.max_steps} | eval loss {logs['eval_loss']:.4f}"
+                )
+            return None
         parts = [
             f"step {state.global_step}/{state.max_steps}",
             f"loss {logs['loss']:.4f}",

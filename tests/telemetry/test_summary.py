@@ -41,3 +41,24 @@ def test_the_precision_row_says_what_the_live_run_held():
     )
     assert precision_line(_view(param_dtype=None)) == "bf16-mixed (not read from the live run: training never began)"
     assert precision_line(RecordView({"precision": None})) == "n/a (no precision section in the record)"
+
+
+def test_the_console_prints_our_log_lines_not_trainers_dicts():
+    """Trainer's end-of-training dict was printed raw (after a resume its train_loss, of the last
+    segment, contradicted the summary's); the evaluation's dict too. One compact line per log step."""
+    from types import SimpleNamespace
+
+    from finetune.training.trainer import CompactProgress
+
+    bar = SimpleNamespace(lines=[])
+    bar.write = bar.lines.append
+    progress = CompactProgress()
+    progress.training_bar = bar
+    state = SimpleNamespace(is_world_process_zero=True, global_step=4, max_steps=4)
+    step = {"loss": 1.5, "learning_rate": 1e-3, "perf/step_s": 2.0, "memory/max_host_peak_rss_gib": 1.0}
+    for logs in (step, {"eval_loss": 1.25, "eval_runtime": 3.0}, {"train_runtime": 9.0, "train_loss": 1.7}):
+        progress.on_log(None, state, None, logs=dict(logs))
+    assert bar.lines == [
+        "step 4/4 | loss 1.5000 | lr 0.001 | 2.00 s/step | host 1.00 GiB",
+        "step 4/4 | eval loss 1.2500",
+    ]
