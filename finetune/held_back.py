@@ -60,6 +60,32 @@ class ZeroProcessesDefault(logging.Filter):
 
 
 ZERO_PROCESSES_DEFAULT = ZeroProcessesDefault()
+# torchrun's agent logs "failed (exitcode: 75) local_rank: 0 (pid: N) of binary: ..." when a rank
+# exits non-zero (torch/distributed/elastic/multiprocessing/api.py), after the rank said why ("exit
+# code 75 (preempted)"); `finetune train` names the failed ranks itself (launch/accelerate.py).
+TORCHRUN_FAILED = HeldBack("failed (exitcode:")
+
+
+def install_launcher() -> None:
+    """Around an accelerate launch run in this process (`finetune train`, bench-comm)."""
+    logging.getLogger("accelerate.commands.launch").addFilter(ZERO_PROCESSES_DEFAULT)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(TORCHRUN_FAILED)
+
+
+def to_log_file(path, rank: int) -> None:
+    """From here on, this rank's third-party warnings (Python's `warnings`: torch's pin_memory notice on
+    a CPU, deprecations) go to the run's log file, kept with their source, instead of the console; and
+    transformers' progress bars (loading weights, writing model shards) are off: the run says what it
+    loads and saves. Our own lines are log records and prints (finetune raises no warnings)."""
+    from transformers.utils import logging as hf_logging
+
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}: %(message)s"))
+    warned = logging.getLogger("py.warnings")
+    warned.addHandler(handler)
+    warned.propagate = False
+    logging.captureWarnings(True)
+    hf_logging.disable_progress_bar()
 
 
 def install() -> None:

@@ -116,3 +116,48 @@ def test_an_in_process_accelerate_launch_without_a_process_count_does_not_say_ze
     )
     assert proc.returncode == 0 and "RAN" in proc.stdout, proc.stderr[-2000:]
     assert "set to a value of `0`" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_third_party_warnings_go_to_the_runs_log_file_and_transformers_bars_are_off(tmp_path, capsys):
+    """torch's pin_memory UserWarning on a CPU and transformers' "Loading weights" / "Writing model shards"
+    bars were on the console among our lines; the warnings are kept in the run's log file instead."""
+    from transformers.utils import logging as hf_logging
+
+    from finetune import held_back
+
+    warned = logging.getLogger("py.warnings")
+    try:
+        held_back.to_log_file(tmp_path / "third_party.log", rank=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn_explicit("'pin_memory' argument is set as true", UserWarning, "dataloader.py", 759)
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        logging.captureWarnings(False)
+        for handler in warned.handlers[:]:
+            handler.close()
+            warned.removeHandler(handler)
+        warned.propagate = True
+        hf_logging.enable_progress_bar()
+    assert "'pin_memory' argument" not in capsys.readouterr().err
+    kept = (tmp_path / "third_party.log").read_text()
+    assert "rank 1: dataloader.py:759: UserWarning: 'pin_memory' argument is set as true" in kept
+
+
+def test_torchruns_failed_line_after_our_own_exit_message_is_held():
+    """A preempted rank says "exit code 75 (preempted)"; torchrun's agent then logged "failed (exitcode:
+    75) ..." as an error. `finetune train` names failed ranks itself (finetune/launch/accelerate.py)."""
+    from finetune import held_back
+
+    held_back.install_launcher()
+    agent, seen = logging.getLogger("torch.distributed.elastic.multiprocessing.api"), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    agent.addHandler(handler)
+    try:
+        agent.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 75, 0, 123, "python")
+        agent.warning("Sending process 124 closing signal SIGTERM")  # control: the others stay
+    finally:
+        agent.removeHandler(handler)
+    assert seen == ["Sending process 124 closing signal SIGTERM"]
+    assert held_back.TORCHRUN_FAILED.held[-1].startswith("failed (exitcode: 75) local_rank: 0")

@@ -4,7 +4,6 @@ ranks inherit, running it in this process, and the report of the ranks that fail
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -108,7 +107,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     from finetune.launch import relay
 
     parsed = accelerate_launch.launch_command_parser().parse_args(launch_args)
-    logging.getLogger("accelerate.commands.launch").addFilter(held_back.ZERO_PROCESSES_DEFAULT)
+    held_back.install_launcher()
     # torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30) after it stops
     # them: give them time to finish a checkpoint (docs/faults.md). A value the user exported wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")

@@ -87,7 +87,8 @@ def inputs(cfg) -> list[tuple[str, str]]:
 
 # What a run that failed before its first step leaves behind (run.json, the resolved config, the
 # demo data it generated, an interrupted atomic write): nothing a retry would lose.
-LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data"}
+LOG_FILE = "third_party.log"  # the ranks' third-party warnings (finetune/held_back.py to_log_file)
+LEFT_BEFORE_FIRST_STEP = {"run.json", "config.yaml", "data", LOG_FILE}
 ENDED = {"failed": "failed", "interrupted": "was interrupted", "running": "died"}
 MARKER = ".finetune-run"  # written into every run directory finetune makes
 # What a run writes at the top of its directory; --overwrite removes these and nothing else. `runs`
@@ -99,6 +100,7 @@ OWNED = (
     "config.yaml",
     "config.resume*.yaml",
     "trainer_state.json",
+    LOG_FILE,
     "checkpoint-*",
     "model",
     "data",

@@ -26,7 +26,7 @@ from typing import Any
 import transformers
 from accelerate import PartialState
 
-from finetune import preflight
+from finetune import held_back, preflight
 from finetune.checkpointing import provenance, resume, resume_config, resume_plan, universal
 from finetune.checkpointing.resume_config import ResumedConfig
 from finetune.checkpointing.resume_plan import ResumePlan
@@ -227,8 +227,9 @@ def prepare(
     name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
+    held_back.to_log_file(run_dir / rundir.LOG_FILE, state.process_index)
     if state.is_main_process:
-        print(f"[finetune] run directory: {run_dir.absolute()}", flush=True)
+        print(f"[finetune] run directory: {run_dir.absolute()} (third-party warnings: {rundir.LOG_FILE})", flush=True)
     run_sinks = None
     if state.is_main_process:
         record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
