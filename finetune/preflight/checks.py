@@ -83,10 +83,11 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None, 
     problems = [] if problems is None else problems
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
+    path = None  # the recipe's file
     if args.resume and resume_config:
         cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume).cfg
     else:
-        cfg, _ = load_recipe(args.recipe, overrides, problems)
+        cfg, path = load_recipe(args.recipe, overrides, problems)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite
     if parsed.config_file:
         facts = from_config_file(
@@ -102,11 +103,11 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None, 
             num_processes=parsed.num_processes or 1,
             use_cpu=parsed.cpu,
         )
-    if problems:
+    if problems:  # the command line's or the recipe's, named by the recipe they are about
         for check in (model_source, model_kind_and_files, dataset, run_directory):
             problems += check(cfg, None, in_process=False)
-        problems += facts.problems
-        raise ConfigError(problems, SOURCE)
+        overridden = " + command-line overrides" if overrides else ""
+        raise ConfigError(problems + facts.problems, f"{path or 'configuration'}{overridden}: {SOURCE}")
     launch = LaunchPlan.of(cfg, facts)
     if args.resume and resume_check:
         found, cfg = resume_check(cfg, launch, args.resume, overrides)
