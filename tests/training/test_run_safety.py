@@ -40,7 +40,12 @@ def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tin
     code, out = _finetune_train(args, tmp_path)
     run_dir = tmp_path / "runs" / NAME
     assert code == 0, out[-4000:]
-    assert out.index(f"[finetune] run directory: {run_dir}\n") < out.index("exact match before training")
+    pointer = f"[finetune] run directory: {run_dir} (third-party warnings: third_party.log)\n"
+    assert out.index(pointer) < out.index("exact match before training")
+    # our lines only: torch's warning kept in the run's log, transformers' bars and Trainer's dict gone
+    for theirs in ("pin_memory", "Loading weights", "Writing model shards", "{'train_runtime'"):
+        assert theirs not in out, theirs
+    assert "UserWarning: 'pin_memory' argument is set as true" in (run_dir / "third_party.log").read_text()
     record = json.loads((run_dir / "run.json").read_text())
     assert record["run_name"] == NAME and record["summary"]["status"] == "completed"
     assert (run_dir / rundir.MARKER).is_file() and (run_dir / "model").is_dir()
