@@ -79,11 +79,12 @@ def to_log_file(path, rank: int) -> None:
     loads and saves. Our own lines are log records and prints (finetune raises no warnings)."""
     from transformers.utils import logging as hf_logging
 
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # made by the first warning only
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}: %(message)s"))
     warned = logging.getLogger("py.warnings")
-    warned.addHandler(handler)
-    warned.propagate = False
+    for earlier in warned.handlers:  # an earlier run in this process (the benchmark, the tests)
+        earlier.close()
+    warned.handlers, warned.propagate = [handler], False
     logging.captureWarnings(True)
     hf_logging.disable_progress_bar()
 

@@ -126,6 +126,7 @@ def test_third_party_warnings_go_to_the_runs_log_file_and_transformers_bars_are_
     from finetune import held_back
 
     warned = logging.getLogger("py.warnings")
+    logging.captureWarnings(False)  # as in a fresh process: an in-process run earlier in the session set it
     try:
         held_back.to_log_file(tmp_path / "third_party.log", rank=1)
         with warnings.catch_warnings():
