@@ -1,12 +1,7 @@
-"""Checkpoint validity, the choice of the checkpoint to resume from, and rotation (docs/faults.md
-"Torn or corrupt checkpoints").
-
-A checkpoint counts only when it holds MARKER, which rank 0 writes last, once every rank has
-written its files; it lists every file with its size and checksum (xxh3-128) and what wrote the
-checkpoint (the `run` block, finetune/checkpointing/provenance.py). Choosing a checkpoint to
-resume from verifies the checksums, so a file damaged in place (same size) is caught; rotation
-checks sizes only (it runs at every save). Rotation happens here, after the new checkpoint is
-complete, not inside Trainer's save.
+"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with
+every file's size and checksum), the choice of the checkpoint to resume from (checksums verified), and
+rotation (sizes only, after the new checkpoint is complete): docs/faults.md "Torn or corrupt
+checkpoints".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""What a training run holds in which dtype, as the memory planner needs it: bytes per element
-of the weights, gradients, optimizer states, master copy and compute, for one precision policy,
-method and strategy. The policies are `finetune/precision.py`'s; this module turns them into the
-live dtypes the memory arithmetic follows, strategy by strategy, because the same policy is carried
-out differently by torch autocast, FSDP2's MixedPrecisionPolicy and DeepSpeed.
-
-`legacy_regime` is what the project did before the policy existed (run records without a
-`precision` section, e.g. the six H200 calibration records of 2026-11-22): the model loaded in
-`model.dtype` (`auto` = bf16 on a CUDA GPU with bf16, fp32 elsewhere) and trained with no
-autocast. Evidence per strategy in docs/planning.md "Which regime a run had"; sources inline.
+"""What a training run holds in which dtype, as the memory planner needs it: bytes per element of the
+weights, gradients, optimizer states, master copy and compute, for one precision policy, method and
+strategy, because the same policy is carried out differently by torch autocast, FSDP2 and DeepSpeed.
+`legacy_regime`: records without a `precision` section. Evidence per strategy: docs/planning.md
+"Which regime a run had"; sources inline.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The meter: what one training process counts and clocks, in one object that owns its counters and
 resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
-micro-batch (on the host, from the CPU batch the collator made: `counting`), the optimizer-step
-clock (CUDA-synchronised), memory peaks per rank; each log window becomes the metrics dict and a
-steps[] entry, the end of training the `memory`, `throughput` and `batch` figures. Every rank must
-call the methods that gather (log_window, final, start_training).
-
-Memory peaks of one process since the last reset: accelerator (torch.cuda.memory_stats) and host,
-by the kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled
-RSS (`sampled`; docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's
-ru_maxrss, so the lifetime peak is kept here.
+micro-batch, the optimizer-step clock, memory peaks per rank (docs/run_record.md `memory`,
+`throughput`, `batch`). Every rank must call the methods that gather (log_window, final,
+start_training).
 """
 
 from __future__ import annotations
