@@ -40,7 +40,7 @@ def _files(ckpt: Path) -> dict[str, int]:
 
 def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = None) -> Path:
     """Rank 0 only, after every rank finished writing `ckpt`: the list of files and sizes, and
-    what wrote it (`run`, see the module docstring)."""
+    what wrote it (`run`, finetune/checkpointing/provenance.py)."""
     ckpt = Path(ckpt)
     files = _files(ckpt)
     if not files:

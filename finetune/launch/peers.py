@@ -120,7 +120,7 @@ def collective_of_main_thread() -> str | None:
 
 
 class Heartbeat:
-    """This rank's heartbeat thread and its view of the others (see the module docstring). `store`
+    """This rank's heartbeat thread and its view of the others (docs/faults.md "A rank dies or stalls"). `store`
     None: one process, or no store to reach; the thread still writes the progress file and watches."""
 
     def __init__(self, store, rank: int, world_size: int):
@@ -286,7 +286,7 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     return note
 
 
-# --- progress files, for `finetune train` (see the module docstring) ----------------------------------
+# --- progress files, for `finetune train` (docs/faults.md) ---------------------------------------------
 
 
 _progress = {"step": 0}

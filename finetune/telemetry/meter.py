@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-# --- memory peaks (see the module docstring) ---------------------------------------------------------
+# --- memory peaks ------------------------------------------------------------------------------------
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -67,7 +67,10 @@ def ru_maxrss_bytes() -> int:
 
 
 class MemoryTracker:
-    """Peaks on this rank since the last reset (see the module docstring for the host method)."""
+    """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host, by the
+    kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled RSS
+    (docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's ru_maxrss, so the
+    lifetime peak is kept here."""
 
     def __init__(self, method: str | None = None):
         self.cuda = torch.cuda.is_available()

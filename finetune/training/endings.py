@@ -37,7 +37,7 @@ class Limits:
 
 
 class AfterTraining:
-    """The steps after the last optimizer step (module docstring)."""
+    """The steps after the last optimizer step (docs/faults.md "After training")."""
 
     def __init__(self, trainer, model_dir: Path, tokenizer, limits: Limits):
         self.trainer = trainer
