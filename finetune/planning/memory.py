@@ -102,9 +102,7 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         dev["frozen_weights"] = sh.params.total * p.frozen / shard_p
     dev["weights" if w.method == "full" else "lora_adapters"] = P * p.param / shard_p
     if fam == "deepspeed":
-        # a separate master partition, always: stage_1_and_2.py clones it; stage3.py
-        # _create_fp32_partitions means to share an fp32 partition but compares a torch.device with
-        # the string self.device, never equal (DeepSpeed 0.19.8)
+        # a separate master partition, always (why: finetune/precision.py trainable_bytes)
         dev["master_weights"] = P * p.master / n
         dev["optimizer_states"] = 2 * P * p.state / n
         if st.zero_stage == 3:
