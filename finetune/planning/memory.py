@@ -414,10 +414,6 @@ class ZeroValues:
     sub_group_size: float
     max_live_parameters: float
     max_reuse_distance: float
-    persistence_threshold: float
-    prefetch_bucket_size: float
-    overlap_comm: bool
-    source: str
 
 
 def fill_auto(zero: dict, hidden: int) -> dict:
@@ -441,26 +437,19 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
     row = by_key(strategy)
     if row.zero_stage is None:
         return None
-    source = "given DeepSpeed config"
     if ds_config is None:
         if row.deepspeed_config is None:  # planner-only rows (zero1, zero3_offload_opt): DeepSpeed's defaults
-            ds_config, source = {}, "DeepSpeed defaults (no shipped config for this row)"
+            ds_config = {}
         else:
             from finetune.resources import resolve
 
-            path = resolve(row.deepspeed_config)
-            ds_config = json.loads(path.read_text(encoding="utf-8"))
-            source = row.deepspeed_config
+            ds_config = json.loads(resolve(row.deepspeed_config).read_text(encoding="utf-8"))
     z = fill_auto(ds_config.get("zero_optimization") or {}, shape.hidden)
     return ZeroValues(
         float(z["reduce_bucket_size"]),
         float(z["sub_group_size"]),
         float(z["stage3_max_live_parameters"]),
         float(z["stage3_max_reuse_distance"]),
-        float(z["stage3_param_persistence_threshold"]),
-        float(z["stage3_prefetch_bucket_size"]),
-        bool(z["overlap_comm"]),
-        source + " (auto filled as HF Trainer does)",
     )
 
 

@@ -18,7 +18,6 @@ class ParamCount:
     lm_head: int  # 0 when tied to the embedding
     per_layer: int
     layers: int
-    largest_layer: int  # the largest single module's parameters (ZeRO-3 gathers one at a time)
 
 
 def count_parameters(config) -> ParamCount:
@@ -33,7 +32,7 @@ def count_parameters(config) -> ParamCount:
         embedding = vocab * h
         total = embedding + config.n_positions * h + layers * per_layer + 2 * h  # + final LayerNorm
         lm_head = 0 if getattr(config, "tie_word_embeddings", True) else vocab * h
-        return ParamCount(total + lm_head, embedding, lm_head, per_layer, layers, max(embedding, h * inner))
+        return ParamCount(total + lm_head, embedding, lm_head, per_layer, layers)
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
         heads = config.num_attention_heads
@@ -50,7 +49,7 @@ def count_parameters(config) -> ParamCount:
         embedding = vocab * h
         lm_head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
         total = embedding + lm_head + layers * per_layer + h  # + final norm
-        return ParamCount(total, embedding, lm_head, per_layer, layers, max(embedding, h * inter))
+        return ParamCount(total, embedding, lm_head, per_layer, layers)
     raise ValueError(f"no parameter arithmetic for model_type {kind!r} (supported: llama, mistral, qwen2, qwen3, gpt2)")
 
 
@@ -156,7 +155,6 @@ class Shape:
             self.params,
             per_layer=self.params.per_layer - saved,
             total=self.params.total - self.layers * saved,
-            largest_layer=max(self.params.embedding, self.hidden * self.intermediate // tp),
         )
         return replace(
             self,
