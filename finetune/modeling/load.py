@@ -1,13 +1,6 @@
 """The model in and out: loading (hub id, local directory or the bundled default; full, LoRA or
-QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export.
-
-    tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, cfg.method, gradient_checkpointing=..., policy=..., deepspeed=...)
-    save_final_model(trainer, run_dir / "model")   # every rank
-
-The precision policy (finetune/precision.py, docs/precision.md) decides every dtype here: the
-checkpoint's load dtype, the trainable parameters' dtype (the fp32 master of torch-native
-strategies), the LoRA adapters' dtype and QLoRA's compute dtype.
+QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export. The precision policy
+(finetune/precision.py, docs/precision.md) decides every dtype here.
 """
 
 from __future__ import annotations
