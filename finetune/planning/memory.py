@@ -456,14 +456,10 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
 def zero3_gathered(
     shape: Shape, z: ZeroValues, n: int, param_bytes: int, frozen_bytes: int, method: str, offload_params: bool = False
 ) -> float:
-    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts.
-    After a module's forward, PartitionedParameterCoordinator.release_sub_module keeps its
-    parameters when their next use (the same module in backward) comes within
-    stage3_max_reuse_distance fetched elements, and at most stage3_max_live_parameters are live
-    (deepspeed/runtime/zero/partitioned_param_coordinator.py). The last layers of the forward are
-    the first of the backward: layer l is reused after 2 (L-1-l) layers + the outside parameters.
-    At N = 1 nothing is gathered (NoGatherHandle: `param.data = ds_tensor.to(device)` aliases the
-    partition), unless the partition lives on the host (offload_param), when it is a device copy.
+    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts, by the
+    reuse-distance rule (docs/planning.md; deepspeed/runtime/zero/partitioned_param_coordinator.py
+    release_sub_module): layer l is reused after 2 (L-1-l) layers + the outside parameters. At N = 1
+    nothing is gathered (NoGatherHandle) unless the partition lives on the host (offload_param).
     Derived from the code; not measured (needs 2 GPUs)."""
     if n == 1 and not offload_params:
         return 0.0
