@@ -54,12 +54,8 @@ def count_parameters(config) -> ParamCount:
 
 
 def zero_model_states_bytes(psi: int, n: int, stage: int, k: int = ADAM_K, fp32_grads: bool = False) -> float:
-    """Per-device bytes of model states for ZeRO stage 0 (DDP) to 3 on N data-parallel devices.
-
-    fp32_grads (stages 2 and 3) counts gradients the way DeepSpeed's estimators do, with a
-    4-byte fp32 gradient per parameter the rank's optimizer owns; with it, stage 2
-    equals estimate_zero2_model_states_mem_needs exactly, and stage 3 equals
-    estimate_zero3_model_states_mem_needs less the largest layer it gathers (4 bytes/param)."""
+    """Per-device bytes of model states for ZeRO stage 0 (DDP) to 3 on N data-parallel devices (ZeRO
+    paper Figure 1; fp32_grads: as DeepSpeed's estimators count gradients, docs/planning.md)."""
     if stage == 0:
         return (2 + 2 + k) * psi
     if stage == 1:

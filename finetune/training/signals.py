@@ -164,11 +164,9 @@ class FailedElsewhere(RuntimeError):
 
 def agree(state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
     """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
-    all-gather of each rank's signal flag (unless the caller does not act on signals) and failure. A
-    failure on any rank raises on every rank before any of them enters another collective: its own
-    error where it failed, FailedElsewhere with the failed ranks' errors on the others (one more
-    gather, which every rank enters since every rank saw the failure). Otherwise every rank's signal
-    flag (all 0: no signal)."""
+    all-gather of each rank's signal flag and failure (docs/faults.md "Hangs and every stop signal").
+    A failure on any rank raises on every rank before any of them enters another collective (its own
+    error, or FailedElsewhere); otherwise every rank's signal flag (all 0: no signal)."""
     with peers.watch.waiting(f"the ranks' agreement ({what})"):
         flags = flags_per_rank(state, (code() if with_signals else 0) + (FAILED if error is not None else 0))
         failed = [r for r, n in enumerate(flags) if n >= FAILED]
