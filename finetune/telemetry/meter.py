@@ -21,18 +21,6 @@ from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.telemetry import formulas
 from finetune.units import GIB
 
-__all__ = [
-    "BatchShare",
-    "Meter",
-    "MemoryTracker",
-    "batch_counts",
-    "counting",
-    "mfu_inputs",
-    "run_figures",
-    "token_counts",
-]
-
-
 # --- memory peaks ------------------------------------------------------------------------------------
 
 STATUS = Path("/proc/self/status")
