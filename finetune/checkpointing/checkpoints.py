@@ -183,9 +183,8 @@ UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkp
 
 
 def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
-    """Rank 0, before a resumed run from `step` trains: rename every checkpoint-K with K > step
-    (and its universal cache) to checkpoint-K.superseded-<n>, the first n not taken. Nothing is
-    deleted. Returns [(old name, new name)], oldest step first."""
+    """Rank 0, before a resumed run from `step` trains: rename every checkpoint-K with K > step (and its
+    universal cache) to checkpoint-K.superseded-<n>; returns [(old name, new name)], oldest first."""
     moved = []
     for ckpt in checkpoints(run_dir):
         if step_of(ckpt) <= step:
