@@ -54,6 +54,11 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
     )
 
 
+def is_row(value: dict) -> bool:
+    """The object has the keys of one of the formats."""
+    return any(all(k in value for k in needed) for needed in _FORMAT_KEYS.values())
+
+
 class BadRow(Exception):
     """A row-level problem; the caller adds file and row number."""
 

@@ -1,4 +1,5 @@
-"""Reading training data: a local .json/.jsonl/.csv/.parquet file or a Hub dataset name -> rows.
+"""Reading training data: a local .json/.jsonl/.csv/.parquet/.arrow file, a `datasets`
+save_to_disk folder or a Hub dataset name -> rows.
 
 Each row keeps its 1-based number so every error can point at it (`DataError` names the file
 and the row); a row that cannot even be read as an object comes back as `Invalid` in its place,
@@ -18,7 +19,7 @@ from typing import Any
 from finetune.data import files
 from finetune.errors import UserError
 
-LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")  # each may end in .gz, .bz2 or .xz too
+LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".arrow")  # each may end in .gz, .bz2 or .xz too
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,10 @@ def _read_json(path: str, *, lines: bool = False) -> list[tuple[int, Any]]:
     if not looks_like_array(data):
         # Not an array: .json files holding JSON lines are common.
         rows = parse_json_lines(data)
+        if len(rows) == 1 and isinstance(rows[0][1], dict):  # one line: a row, or an object holding the rows
+            return listed_rows(rows[0][1], path) or rows
         if rows and isinstance(rows[0][1], Invalid) and "malformed JSON" in rows[0][1].reason:
-            _reject_single_document(data, path)
+            return _single_document(data, path) or rows
         return rows
     text = _decode(data, path)
     try:
@@ -169,19 +172,38 @@ def looks_like_array(data: bytes) -> bool:
     return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _reject_single_document(data: bytes, path: str) -> None:
-    """A pretty-printed single object fails as JSON lines; say what the real problem is."""
+def _single_document(data: bytes, path: str) -> list[tuple[int, Any]] | None:
+    """A pretty-printed single object fails as JSON lines: the rows of the one list it holds, or
+    what the real problem is."""
     try:
         value = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return
-    if isinstance(value, dict):
-        lists = [k for k, v in value.items() if isinstance(v, list)]
-        hint = f" (its list-valued keys: {', '.join(lists)})" if lists else ""
+        return None
+    if not isinstance(value, dict):
+        return None
+    rows = listed_rows(value, path)
+    if rows is None:
+        raise DataError("is a single JSON object; expected an array of row objects or one object per line", path=path)
+    return rows
+
+
+def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
+    """A top-level object that is not a row (no format's keys) but holds ONE list of rows, e.g.
+    {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
+    by name; None when it is a row, or holds no list."""
+    from finetune.data.formats import is_row
+
+    lists = [k for k, v in value.items() if isinstance(v, list)]
+    if is_row(value) or not lists:
+        return None
+    if len(lists) > 1:
         raise DataError(
-            "is a single JSON object; expected an array of row objects or one object per line" + hint,
+            f"is a single JSON object holding several lists ({', '.join(lists)}); expected an array of row "
+            "objects, one object per line, or an object holding one list of rows: keep the one to train on",
             path=path,
         )
+    logger.info("%s: the rows are the list under the top-level key %r (%d rows)", path, lists[0], len(value[lists[0]]))
+    return [(i + 1, _object_or_invalid(v)) for i, v in enumerate(value[lists[0]])]
 
 
 def _read_csv(path: str) -> list[tuple[int, Any]]:
@@ -224,9 +246,37 @@ def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
     return [(i + 1, r) for i, r in enumerate(ds)]
 
 
+def arrow_source(path: str, split: str = "train"):
+    """The `datasets.Dataset` of an Arrow source: a save_to_disk folder (a DatasetDict's `split`) or an
+    .arrow file, memory-mapped; None for any other path (read row by row here)."""
+    import datasets
+
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as e:  # a damaged or partly copied folder
+            raise DataError(
+                f"cannot be read as a datasets save_to_disk folder: {type(e).__name__}: {e}", path=path
+            ) from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"has no split {split!r}; its splits: {', '.join(ds)} (set data.split)", path=path)
+            ds = ds[split]
+        return ds
+    if files.format_name(path).endswith(".arrow") and files.problem(path) is None:
+        try:
+            return datasets.Dataset.from_file(path)
+        except Exception as e:  # not an Arrow stream file
+            raise DataError(f"cannot be read as an Arrow file (datasets' format): {e}", path=path) from None
+    return None
+
+
 def read_numbered(path: str, *, split: str = "train") -> list[tuple[int, Any]]:
     """Rows with their 1-based numbers; unreadable rows come back as ``Invalid``."""
-    if not is_local(path):
+    source = arrow_source(path, split) if is_local(path) else None
+    if source is not None:
+        rows = [(i + 1, r) for i, r in enumerate(source)]
+    elif not is_local(path):
         rows = _read_hub(path, split)
     else:
         name = files.format_name(path)
@@ -277,6 +327,8 @@ def read_head(path: str, max_rows: int, *, split: str = "train") -> tuple[list[t
     rows = parse_json_lines(check_bytes(b"".join(lines), path))
     if not rows:
         raise DataError("contains no rows", path=path)
+    if complete and len(rows) == 1 and isinstance(rows[0][1], dict):  # maybe an object holding the rows
+        return _whole(path, max_rows, split)
     return rows, complete
 
 

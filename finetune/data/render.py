@@ -8,6 +8,7 @@ are exact (IGNORE_INDEX everywhere outside the trained spans).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ logger = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # the label of positions that carry no loss (torch CrossEntropyLoss ignore_index)
 _PROGRESS_MIN_ROWS = 1000
 _TOKENIZE_CHUNK = 1000
+_TEXT_FIELDS = {
+    "text": ("text",),
+    "alpaca": ("instruction", "input", "output"),
+    "prompt_completion": ("prompt", "completion"),
+}
 
 
 @dataclass
@@ -47,6 +53,12 @@ class Renderer:
         self.path = path
         self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
         self.system_prompt = getattr(cfg, "system_prompt", None)
+        specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        specials |= set(tokenizer.all_special_tokens)
+        # longest first, so '<|im_start|>' is named rather than a special token it contains
+        self.specials = (
+            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        )
         use_template = bool(getattr(cfg, "chat_template", True))
         self.plain = fmt == "text" or (fmt in ("alpaca", "prompt_completion") and not use_template)
         if self.plain:
@@ -78,7 +90,29 @@ class Renderer:
         ids = self.tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos = self.tokenizer.bos_token if bos_id is not None and ids[:1] == [bos_id] else ""
 
+    def check_text(self, field: str, text: str) -> None:
+        """A special token typed inside the data would be tokenized as the control token itself (a turn
+        boundary, an end of text): refused with the row (docs/data.md "Special tokens in the text")."""
+        found = self.specials.search(text) if self.specials and text else None
+        if found:
+            raise BadRow(
+                f"{field} contains {found.group()!r}, a special token of tokenizer {tokenizer_name(self.tokenizer)!r}: "
+                "it would be trained as that control token (e.g. a turn boundary), not as text. Remove or rewrite "
+                "it in the data (e.g. with a space inside it), or set data.on_bad_rows: skip to leave such rows out"
+            )
+
     def render(self, row: dict) -> Rendered:
+        rendered = self._render(row)
+        if self.fmt in ("messages", "sharegpt"):
+            key, text_key = ("messages", "content") if self.fmt == "messages" else ("conversations", "value")
+            for i, turn in enumerate(row[key]):
+                self.check_text(f"{key}[{i}].{text_key}", turn[text_key])
+        else:
+            for field in _TEXT_FIELDS[self.fmt]:
+                self.check_text(repr(field), row.get(field) or "")
+        return rendered
+
+    def _render(self, row: dict) -> Rendered:
         if self.fmt == "text":
             text = self.bos + require_str(row, "text", "text", non_empty=True) + self.tokenizer.eos_token
             return Rendered(text, [(0, len(text))])
