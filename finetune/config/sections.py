@@ -97,10 +97,13 @@ class DataConfig:
     # distinct shapes, e.g. for torch.compile); null = no rounding, the measured fastest on CUDA
     # with model.sdpa_backends auto (docs/speed.md). Filler tokens carry no label.
     pad_to_multiple_of: int | None = None
-    # Reuse tokenized examples across runs, keyed by file bytes + tokenizer + data settings
-    # (finetune/data/cache.py); cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
-    cache_tokenized: bool = False
+    # Prepare the data once per machine into Arrow files and reuse them across runs, keyed by file bytes +
+    # tokenizer + data settings (finetune/data/prepare.py); false: every process prepares its own, kept
+    # by none. cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
+    cache_tokenized: bool = True
     cache_dir: str | None = None
+    # Processes that prepare the data (datasets' map num_proc); null: the cores, at most 8, one per 10,000 rows.
+    num_proc: int | None = None
     on_bad_rows: Literal["error", "skip"] = "error"
     # Rows whose every target (output, completion, assistant turn) is empty train only the end-of-turn
     # token: above this share of the usable rows the data is refused, below it they are named in a

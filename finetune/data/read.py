@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,15 @@ from finetune.errors import UserError
 LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".arrow")  # each may end in .gz, .bz2 or .xz too
 
 logger = logging.getLogger(__name__)
+
+# Keys that identify each format (finetune/data/formats.py), in detection priority order.
+FORMAT_KEYS = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
 
 
 class DataError(UserError):
@@ -104,35 +114,35 @@ def _decode(data: bytes, path: str, *, first_row_line: int = 1) -> str:
 
 
 def parse_json_lines(data: bytes) -> list[tuple[int, Any]]:
-    # Decode line by line so that one bad line is one bad (skippable) row.
-    rows: list[tuple[int, Any]] = []
+    return [(number, parse_line(raw, start)) for number, raw, start in json_lines(data.split(b"\n"))]
+
+
+def json_lines(lines) -> Iterator[tuple[int, bytes, int]]:
+    """(1-based line number, the line's bytes, its byte offset) of each non-blank line; one bad line is
+    one bad (skippable) row."""
     offset = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in enumerate(lines, start=1):
+        raw = raw.rstrip(b"\n")
         line_start, offset = offset, offset + len(raw) + 1
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw, line_start = raw[3:], line_start + 3
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            rows.append(
-                (
-                    number,
-                    Invalid(
-                        f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; "
-                        "re-save the file as UTF-8"
-                    ),
-                )
-            )
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            rows.append((number, Invalid(f"malformed JSON: {e.msg} (column {e.colno})")))
-            continue
-        rows.append((number, _object_or_invalid(value)))
-    return rows
+        if raw.strip():
+            yield number, raw, line_start
+
+
+def parse_line(raw: bytes, line_start: int) -> Any:
+    """One line of JSON lines: the row object, or `Invalid` saying why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Invalid(
+            f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; re-save the file as UTF-8"
+        )
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Invalid(f"malformed JSON: {e.msg} (column {e.colno})")
+    return _object_or_invalid(value)
 
 
 def _object_or_invalid(value: Any) -> Any:
@@ -191,10 +201,8 @@ def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
     """A top-level object that is not a row (no format's keys) but holds ONE list of rows, e.g.
     {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
     by name; None when it is a row, or holds no list."""
-    from finetune.data.formats import is_row
-
     lists = [k for k, v in value.items() if isinstance(v, list)]
-    if is_row(value) or not lists:
+    if any(all(k in value for k in keys) for keys in FORMAT_KEYS.values()) or not lists:
         return None
     if len(lists) > 1:
         raise DataError(
@@ -232,18 +240,21 @@ def _read_parquet(path: str) -> list[tuple[int, Any]]:
     return [(i + 1, r) for i, r in enumerate(records)]
 
 
-def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
+def hub_dataset(name: str, split: str):
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, split=split)
     except Exception as e:  # network, auth, missing split, unknown name ...
         raise DataError(
             f"not a local file, and loading it as a Hugging Face Hub dataset (split {split!r}) failed: "
             f"{type(e).__name__}: {e}",
             path=name,
         ) from None
-    return [(i + 1, r) for i, r in enumerate(ds)]
+
+
+def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
+    return [(i + 1, r) for i, r in enumerate(hub_dataset(name, split))]
 
 
 def arrow_source(path: str, split: str = "train"):
@@ -330,6 +341,32 @@ def read_head(path: str, max_rows: int, *, split: str = "train") -> tuple[list[t
     if complete and len(rows) == 1 and isinstance(rows[0][1], dict):  # maybe an object holding the rows
         return _whole(path, max_rows, split)
     return rows, complete
+
+
+class ReadWhole(Exception):
+    """stream_json_lines: the file is not JSON lines after all (an array saved as .jsonl)."""
+
+
+def stream_json_lines(path: str) -> Iterator[tuple[int, bytes, int]]:
+    """`json_lines` of a .jsonl file, streamed: a big file is never held whole. Raises ReadWhole for an
+    array saved as .jsonl (read_numbered reads it), DataError as read_numbered would."""
+    seen = False
+    try:
+        with files.opened(path) as f:
+            for number, raw, start in json_lines(f):
+                if not seen:
+                    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or looks_like_array(raw):
+                        raise ReadWhole
+                    seen = True
+                yield number, raw, start
+    except files.FileProblem as e:
+        raise DataError(str(e), path=path) from None
+    except files.DAMAGED:  # a damaged compressed stream: read it whole, which says what
+        _read_bytes(path)
+        raise
+    if not seen:
+        _read_bytes(path)  # empty, or blank: says which
+        raise DataError("contains no rows", path=path)
 
 
 def _whole(path: str, max_rows: int, split: str) -> tuple[list[tuple[int, Any]], bool]:

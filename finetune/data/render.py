@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from dataclasses import dataclass
 
 from finetune.data.formats import (
@@ -25,7 +24,6 @@ from finetune.data.read import DataError
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # the label of positions that carry no loss (torch CrossEntropyLoss ignore_index)
-_PROGRESS_MIN_ROWS = 1000
 _TOKENIZE_CHUNK = 1000
 _TEXT_FIELDS = {
     "text": ("text",),
@@ -182,9 +180,11 @@ def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int,
 
 
 def tokenize(rendered: list[Rendered], tokenizer, interrupt=None) -> list[Example]:
+    """Each text tokenized once, with offsets, in chunks; `interrupt()` is called per chunk."""
     examples = []
-    chunks = range(0, len(rendered), _TOKENIZE_CHUNK)
-    for lo in progress(chunks, len(rendered), "tokenizing", _TOKENIZE_CHUNK, interrupt=interrupt):
+    for lo in range(0, len(rendered), _TOKENIZE_CHUNK):
+        if interrupt is not None:
+            interrupt()
         chunk = rendered[lo : lo + _TOKENIZE_CHUNK]
         try:
             enc = tokenizer([r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True)
@@ -196,44 +196,3 @@ def tokenize(rendered: list[Rendered], tokenizer, interrupt=None) -> list[Exampl
         for r, ids, offsets in zip(chunk, enc["input_ids"], enc["offset_mapping"]):
             examples.append(Example(list(ids), _mask(ids, offsets, r.spans)))
     return examples
-
-
-def progress(iterable, total_rows: int, desc: str, step: int = 1, interrupt=None):
-    """A tqdm bar for big inputs on a terminal; the plain iterable otherwise. `interrupt()` is called
-    before each item: it raises to end the build early (a stop signal, finetune/training/signals.py)."""
-    if interrupt is not None:
-        iterable = _checked(iterable, interrupt)
-    if total_rows <= _PROGRESS_MIN_ROWS or not sys.stderr.isatty():
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, desc=desc, total=-(-total_rows // step), unit="rows" if step == 1 else f"x{step} rows")
-
-
-def _checked(iterable, interrupt):
-    for item in iterable:
-        interrupt()
-        yield item
-
-
-def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], int, int]:
-    kept, truncated, dropped = [], 0, 0
-    for ex in examples:
-        if len(ex.input_ids) > max_length:
-            truncated += 1
-            ex = Example(ex.input_ids[:max_length], ex.labels[:max_length])
-        if all(label == IGNORE_INDEX for label in ex.labels):
-            dropped += 1
-            continue
-        kept.append(ex)
-    if truncated:
-        logger.warning("%d example(s) were longer than max_length=%d tokens and were cut", truncated, max_length)
-    if dropped:
-        logger.warning(
-            "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
-            dropped,
-            max_length,
-        )
-    return kept, truncated, dropped

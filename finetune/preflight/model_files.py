@@ -245,7 +245,7 @@ def check_vocabulary(model_cfg, tokenizer, bundle) -> None:
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if not isinstance(rows, int):
         return
-    ids = [max(max(r) for r in split["input_ids"]) for split in (bundle.train, bundle.eval) if split is not None]
+    ids = [_highest_id(split) for split in (bundle.train, bundle.eval) if split is not None]
     highest = max([*ids, tokenizer.pad_token_id or 0])
     if highest < rows:
         return
@@ -258,3 +258,10 @@ def check_vocabulary(model_cfg, tokenizer, bundle) -> None:
         f"the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer)), then "
         f"save_pretrained) and fine-tune that"
     )
+
+
+def _highest_id(dataset) -> int:
+    """The highest token id of a memory-mapped dataset, a chunk at a time (no Python list of its rows)."""
+    import numpy as np
+
+    return max(int(np.asarray(c.flatten()).max()) for c in dataset.data.column("input_ids").chunks if len(c.flatten()))
