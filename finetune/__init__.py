@@ -4,6 +4,6 @@ The launch script is finetune/train.py; the layout is in README.md ("Layout").""
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 
-from finetune import noise
+from finetune import held_back
 
-noise.install()  # third-party messages held back at their source, each with its reason (finetune/noise.py)
+held_back.install()  # third-party messages held back at their source, each with its reason

@@ -7,7 +7,7 @@ bug and keeps its traceback. Exit codes, so schedulers can tell outcomes apart:
     0   completed
     1   crashed (a bug, or a rank failed: the failed rank is named on stderr)
     2   user error: bad recipe, data, launch or --resume
-    3   training diverged: non-finite loss or gradient norm (finetune/training/trainer.py)
+    3   training diverged: non-finite loss or gradient norm (finetune/training/resilience.py)
     75  preempted: SIGTERM/SIGINT, complete checkpoint written; rerun with --resume
 """
 

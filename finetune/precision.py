@@ -14,7 +14,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 POLICY_NAMES = ("bf16-mixed", "bf16-true", "16-mixed", "32-true")
 CHOICES = ("auto", *POLICY_NAMES)  # what training.precision accepts
 FAMILIES = ("torch", "fsdp2", "deepspeed")
-# bf16-true warning (finetune/training/precision_live.py vanishing_share): warn when at least this
+# bf16-true warning (finetune/training/precision_evidence.py vanishing_share): warn when at least this
 # share of the trainable weights has a bf16 half-spacing above the learning rate (research
 # note §4.5: 84.5% predicted and measured at LR 1e-5 on the test model, 12% at 1e-4).
 VANISHING_WARN_SHARE = 0.10

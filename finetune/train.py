@@ -18,7 +18,18 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(here.parent))
 
-from finetune.training.run import main  # noqa: E402
+from finetune.console import guard_streams  # noqa: E402
+from finetune.training import signals  # noqa: E402  (no torch: the handlers come before it)
+
+
+def main() -> int:
+    guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
+    signals.install_signal_handlers()  # before torch is imported (seconds): a signal then is recorded too
+    signals.stop_with_parent()
+    from finetune.training.run import main as run  # torch, transformers, accelerate: after the handlers
+
+    return run()
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -235,3 +235,20 @@ class Started:
 def steps_logged(run_dir: Path) -> int:
     """How many steps run.json lists (0 before it exists)."""
     return len(json.loads((run_dir / "run.json").read_text())["steps"])
+
+
+def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
+    """The earlier run.json carried into `rec`, as finetune/training/run.py prepare hands it over."""
+    from finetune.checkpointing import resume
+
+    sections, summary = resume.continued(run_dir, ckpt, plan, created=rec.view.get("created"))
+    for name, value in sections.items():
+        rec.set(name, value)
+    rec.update("summary", **summary)
+
+
+def save_record(rec) -> None:
+    """`rec` into its run.json, as a run's RunJson sink saves it."""
+    from finetune.telemetry.sinks import RunJson
+
+    RunJson(rec).save()

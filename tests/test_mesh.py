@@ -12,13 +12,13 @@ import torch
 from finetune import mesh as meshes
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 
 
 def plan_for(recipe: str, overrides: list[str], *, world: int, ds: dict | None = None) -> tuple:
     cfg, _ = load_recipe(recipe, overrides)
-    facts = LaunchFacts(source="test", distributed_type="DEEPSPEED", num_processes=world, use_cpu=True)
+    facts = DeclaredLaunch(source="test", distributed_type="DEEPSPEED", num_processes=world, use_cpu=True)
     facts.deepspeed = ds if ds is not None else {"zero_optimization": {"stage": 3}}
     facts.deepspeed_source = "DeepSpeed config test.json"
     return cfg, LaunchPlan.of(cfg, facts)
@@ -190,10 +190,10 @@ def test_autotps_split_head_takes_the_standard_loss(tiny_model_dir):
 @pytest.mark.parametrize("stage, reduce_scatter, divisor", [(2, True, 2), (1, False, 2), (3, True, 4), (3, False, 2)])
 def test_the_gradient_divisor_is_read_per_zero_path(stage, reduce_scatter, divisor):
     """4 ranks, sp 2: ZeRO-1/2 and ZeRO-3's contiguous all-reduce divide by world / sp, ZeRO-3's
-    reduce-scatter by the world (the DeepSpeed lines in finetune/training/sequence_parallel.py)."""
+    reduce-scatter by the world (the DeepSpeed lines in finetune/training/trainer.py gradient_divisor)."""
     from types import SimpleNamespace
 
-    from finetune.training.sequence_parallel import gradient_divisor
+    from finetune.training.trainer import gradient_divisor
 
     engine = SimpleNamespace(
         seq_dp_world_size=4,
@@ -205,7 +205,7 @@ def test_the_gradient_divisor_is_read_per_zero_path(stage, reduce_scatter, divis
 
 
 def test_a_live_mesh_other_than_the_recipes_is_refused():
-    from finetune.training.engaged_strategy import check_mesh
+    from finetune.training.strategy_evidence import check_mesh
 
     live = {"sp": 1, "tp": 1, "cp": 1, "dp_replicate": 1, "dp_shard": 2, "source": "DeepSpeed engine groups"}
     check_mesh(live, meshes.Mesh(world=2), "zero3")  # as planned: passes

@@ -82,14 +82,14 @@ def test_a_run_json_the_disk_refuses_mid_run_is_said_once_and_training_goes_on(t
 
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})
     sink = RunJson(rec)
-    real_write, full = rec.write, [True]
+    real_write, full = sink.save, [True]
 
     def write():
         if full[0]:
             raise OSError(errnos.ENOSPC, "No space left on device", str(rec.path))
         real_write()
 
-    rec.write = write
+    sink.save = write
     with caplog.at_level("WARNING", logger="finetune"):
         sink.log({"step": 1, "loss": 2.0})
         sink.log({"step": 2, "loss": 1.5})
@@ -101,7 +101,7 @@ def test_a_run_json_the_disk_refuses_mid_run_is_said_once_and_training_goes_on(t
     full[0] = True
     sink.close(rec.view, 0)
     assert "could not be updated with how the run ended" in capsys.readouterr().err
-    rec.write = lambda: (_ for _ in ()).throw(OSError(errnos.ENOENT, "No such file"))
+    sink.save = lambda: (_ for _ in ()).throw(OSError(errnos.ENOENT, "No such file"))
     with pytest.raises(OSError):
         sink.log({"step": 4, "loss": 0.5})
 

@@ -158,13 +158,13 @@ def measured(spec: dict, trainer, steps: list[float], batches: list) -> dict:
 def live_settings(spec: dict, trainer, ours: bool) -> dict:
     """The side's live TrainingArguments, loss and precision, read back from its objects."""
     from finetune.modeling import loss
-    from finetune.training import precision_live
+    from finetune.training import precision_evidence
 
-    live = precision_live.read_live(trainer)
+    live = precision_evidence.read_live(trainer)
     return {
         "training_args": json.loads(trainer.args.to_json_string()),
         "loss_impl": loss.installed(trainer.model) if ours else LOSSES[spec["side"]],
-        "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_live.py)
+        "precision": {  # the policy asked for, and what the live objects say (finetune/training/precision_evidence.py)
             "policy": spec["precision"],
             **{k: live[k] for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights")},
         },

@@ -76,12 +76,12 @@ def model_identity(model) -> dict:
 
 
 def data_order_settings(cfg) -> dict:
-    a = cfg.training.args
+    a = cfg.training.typed
     return {
-        "seed": a.get("seed", 42),
-        "data_seed": a.get("data_seed"),
-        "sampling": a.get("train_sampling_strategy", "random"),
-        "drop_last": bool(a.get("dataloader_drop_last")),
+        "seed": a.seed,
+        "data_seed": a.data_seed,
+        "sampling": a.train_sampling_strategy,
+        "drop_last": bool(a.dataloader_drop_last),
         "packing": bool(cfg.data.packing),
     }
 

@@ -57,31 +57,28 @@ def finished(run_dir: Path, resume: str = "auto") -> str | None:
     )
 
 
-def first_segment(rec) -> None:
-    """A run that starts from scratch: `resumes` = [segment 0], from the record's strategy and batch."""
-    rec.set("resumes", [{"step": 0, "from": None, "at": rec.view.get("created"), **_layout(rec.view)}])
+def first_segment(view) -> list[dict]:
+    """run.json `resumes` of a run that starts from scratch: [segment 0], from its strategy and batch."""
+    return [{"step": 0, "from": None, "at": view.get("created"), **_layout(view)}]
 
 
 def _layout(view) -> dict:
     return provenance.layout(view.get("strategy", default={}), view.get("batch", default={}))
 
 
-def set_aside_newer(state, run_dir: Path, step: int, rec=None) -> None:
+def set_aside_newer(state, run_dir: Path, step: int) -> list[str]:
     """Checkpoints newer than the one resumed from, moved aside on rank 0 (a resumed run would save
-    into them; checkpoints.move_aside_newer), and noted in the current segment."""
-    from finetune.launch.ranks import run_on_main
+    into them; checkpoints.move_aside_newer); their new names, on every rank."""
+    from finetune.launch.peers import run_on_main
 
-    moved = run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, step))
-    if rec:
-        note_segment(rec, superseded=[new for _, new in moved])
-        rec.write()
+    return [new for _, new in run_on_main(state, lambda: checkpoints.move_aside_newer(run_dir, step))]
 
 
-def note_segment(rec, **fields) -> None:
-    """Add facts to the current (last) segment, e.g. the universal conversion's time."""
-    segments = list(rec.view.get("resumes", default=[]))
+def noted(view, **fields) -> list[dict]:
+    """run.json `resumes` with facts added to the current (last) segment (the universal conversion's time, ...)."""
+    segments = list(view.get("resumes", default=[]))
     segments[-1] = {**segments[-1], **fields}
-    rec.set("resumes", segments)
+    return segments
 
 
 def save_config(run_dir: Path, config: dict) -> Path:
@@ -100,9 +97,10 @@ HISTORY_KEYS = ("from", "step", "at", "previous_status", "steps_discarded")  # s
 LAYOUT_KEYS = ("world_size", "strategy", "offload", "per_device", "grad_accum", "effective", "mesh")
 
 
-def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
-    """Carry the earlier run.json into `rec` (a fresh RunRecord for this process, nothing written)
-    and open this segment. `plan`: the ResumePlan (finetune/checkpointing/resume_plan.py)."""
+def continued(run_dir: Path, ckpt: Path, plan=None, *, created: str | None = None) -> tuple[dict, dict]:
+    """(sections, summary fields) that carry the earlier run.json into this launch's record and open
+    its segment; `created`: this record's, kept when there is no earlier one. `plan`: the ResumePlan
+    (finetune/checkpointing/resume_plan.py)."""
     step = _checkpoint_step(ckpt)
     record, _ = read_record(run_dir)  # a damaged one is set aside by keep_previous_record
     old = RecordView(record) if record is not None else None
@@ -129,26 +127,20 @@ def continue_record(rec, run_dir: Path, ckpt: Path, plan=None) -> None:
             rng_ranks=plan.rng_ranks,
             position=plan.position,
         )
-    segments = []
+    sections, segments = {}, []
     if old is not None:
         steps = old.get("steps", default=[])
         kept = [s for s in steps if s.get("step") is not None and s["step"] <= step]
         entry["previous_status"] = old.get("summary", "status")
         entry["steps_discarded"] = len(steps) - len(kept)
-        rec.set("created", old.get("created", default=rec.view.get("created")))
-        rec.set("steps", kept)
+        sections = {"created": old.get("created", default=created), "steps": kept}
         segments = list(old.get("resumes", default=[])) or _migrated_segments(old)
     segments.append(entry)
-    rec.set("resumes", segments)
     history = [{k: s.get(k) for k in HISTORY_KEYS} for s in segments if s.get("from")]
-    rec.update(
-        "summary",
-        resumed_from=str(ckpt),
-        resumed_at_step=step,
-        resumes=len(history),
-        resume_history=history,
-        steps=step,
+    summary = dict(
+        resumed_from=str(ckpt), resumed_at_step=step, resumes=len(history), resume_history=history, steps=step
     )
+    return {**sections, "resumes": segments}, summary
 
 
 def keep_previous_record(run_dir: Path) -> Path | None:

@@ -150,14 +150,11 @@ def _differences(before: dict, after: dict) -> list[dict]:
     return out
 
 
-def note(record, resumed: ResumedConfig | None) -> None:
-    """Rank 0: what the resumed segment runs with, said and recorded (finetune/checkpointing/resume_config.py)."""
-    from finetune.checkpointing import resume
-
+def said(resumed: ResumedConfig | None) -> dict:
+    """Rank 0: what the resumed segment runs with, said; returned as the facts of its `resumes` entry."""
     log = logging.getLogger("finetune")
     if resumed is None:
-        return
-    resume.note_segment(record, config_from=str(resumed.saved), config_changes=resumed.changes)
+        return {}
     if resumed.changes:
         log.warning(
             "resuming with configuration changes (--allow-config-change; recorded in run.json resumes[]): %s",
@@ -169,3 +166,4 @@ def note(record, resumed: ResumedConfig | None) -> None:
             ", ".join(resumed.recipe_differs),
             resumed.saved,
         )
+    return {"config_from": str(resumed.saved), "config_changes": resumed.changes}

@@ -4,21 +4,26 @@ another number of GPUs").
 
     written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan
-    apply(p, cfg)                              accumulation, per-device batch, run.strategy for this launch
+    cfg = applied(p, cfg)                      a new configuration: accumulation, per-device batch, run.strategy
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.batch import effective_batch
-from finetune.checkpointing import checkpoints, rng
+from finetune.checkpointing import checkpoints
 from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
+from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
 from finetune.strategies import STRATEGIES
+
+log = logging.getLogger("finetune")
 
 FAMILIES = {
     "single": "single/ddp",
@@ -46,8 +51,8 @@ ACCELERATOR_ORDER = {
 
 
 @dataclass
-class Launch:
-    """What this launch asks for."""
+class ResumeRequest:
+    """What this launch asks of the checkpoint it resumes (`launch_from`)."""
 
     strategy: str
     offload: str
@@ -58,7 +63,7 @@ class Launch:
     method: dict
     model: dict
     data: dict  # data_order_settings()
-    training: dict  # cfg.training.args
+    training: TrainingArgs  # cfg.training.typed
     lora_dropout: float = 0.0
     mesh: dict = field(default_factory=lambda: dict(TRIVIAL_MESH))  # {sp, tp, cp} (finetune/mesh.py)
 
@@ -102,23 +107,23 @@ class ResumePlan:
         )
 
 
-def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> Launch:
+def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> ResumeRequest:
     from finetune.config.recipe import parse_overrides
 
     par = cfg.parallel
     explicit = parse_overrides(list(overrides))[0].get("training", {})
-    a = cfg.training.args
-    return Launch(
+    a = cfg.training.typed
+    return ResumeRequest(
         strategy=strategy,
         offload=offload,
         world_size=world_size,
-        per_device=a["per_device_train_batch_size"],
-        grad_accum=a["gradient_accumulation_steps"],
+        per_device=a.per_device_train_batch_size,
+        grad_accum=a.gradient_accumulation_steps,
         explicit=explicit,
         method=method_identity(cfg.method),
         model=model_identity(cfg.model),
         data=data_order_settings(cfg),
-        training=dict(a),
+        training=a,
         lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0),
         mesh={"sp": par.sp_size, "tp": par.tp_size, "cp": par.cp_size},
     )
@@ -134,7 +139,7 @@ def allowed_world_sizes(effective: int, per_device: int) -> list[int]:
     return [m for m in range(1, effective // per_device + 1) if (effective // per_device) % m == 0]
 
 
-def plan(w: Written, launch: Launch) -> ResumePlan:
+def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
     # M, N: processes now and then (states, RNG streams); D: data-parallel ranks now (the batch arithmetic)
     name, M, N, D = Path(w.checkpoint).name, launch.world_size, w.world_size, launch.data_parallel
     problems: list[str] = _mesh_problems(name, w, launch)
@@ -148,46 +153,20 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
         )
     problems += _identity_problems(name, "method", w.method, launch.method)
     problems += _identity_problems(name, "model", w.model, launch.model)
-    per_device = launch.explicit.get("per_device_train_batch_size", w.per_device or launch.per_device)
+    per_device, grad_accum = _batch_layout(name, w, launch, problems)
     E = w.effective
-    grad_accum = launch.grad_accum
-    if E is None:  # an old checkpoint: only its own layout is known to work
-        grad_accum = launch.explicit.get("gradient_accumulation_steps", launch.grad_accum)
-        if M != N:
-            problems.append(
-                f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
-                f"world size that wrote it: --num_processes {N}"
-            )
-    elif E % (D * per_device):
-        allowed = allowed_world_sizes(E, per_device)
-        use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
-        problems.append(
-            f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
-            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
-            f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
-            f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
-        )
-    else:
-        grad_accum = E // (D * per_device)
-        given = launch.explicit.get("gradient_accumulation_steps")
-        if given is not None and given != grad_accum:
-            problems.append(
-                f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
-                f"{E}: {D} x {per_device} x {given} = {D * per_device * given}; leave it out (on resume it "
-                f"is recomputed, here {grad_accum}) or make the product {E}"
-            )
     # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
     layout = (M, per_device, grad_accum) != (N, w.per_device or per_device, w.grad_accum or grad_accum)
     problems += _order_problems(name, w, launch, layout)
     position = None
-    skips = not launch.training.get("ignore_data_skip")  # otherwise Trainer starts the epoch over: no position
+    skips = not launch.training.ignore_data_skip  # otherwise Trainer starts the epoch over: no position
     if not problems and E is not None and w.data and w.data.get("train_rows") and skips:
         position, problem = _position(name, w, D, per_device, grad_accum)
         problems += [problem] if problem else []
     if problems:
         raise ConfigError(problems, f"--resume {w.checkpoint} (nothing was loaded)")
     family = new_family or "single/ddp"
-    ranks = [r for r in range(M) if rng.source_file(r, N) in w.files]
+    ranks = [r for r in range(M) if rng_source_file(r, N) in w.files]
     state = "restored" if M == N and len(ranks) == M else "partial" if ranks else "fresh"
     notes = []
     if M != N and launch.lora_dropout > 0:
@@ -222,13 +201,47 @@ def plan(w: Written, launch: Launch) -> ResumePlan:
     )
 
 
+def _batch_layout(name: str, w: Written, launch: ResumeRequest, problems: list[str]) -> tuple[int, int]:
+    """(per-device batch, accumulation) that keep the checkpoint's effective batch under this launch;
+    what makes that impossible is added to `problems`."""
+    M, N, D = launch.world_size, w.world_size, launch.data_parallel
+    per_device = launch.explicit.get("per_device_train_batch_size", w.per_device or launch.per_device)
+    E = w.effective
+    if E is None:  # an old checkpoint: only its own layout is known to work
+        if M != N:
+            problems.append(
+                f"{name} does not record its batch layout ({w.source}), so it resumes only under the "
+                f"world size that wrote it: --num_processes {N}"
+            )
+        return per_device, launch.explicit.get("gradient_accumulation_steps", launch.grad_accum)
+    if E % (D * per_device):
+        allowed = allowed_world_sizes(E, per_device)
+        use = f"--num_processes {' or '.join(map(str, allowed))}, or set " if allowed else "set "
+        problems.append(
+            f"{name} trained at effective batch {E} = {N} rank(s) x {w.per_device} per device x "
+            f"accumulation {w.grad_accum}; {_ranks(D, M)} x {per_device} per device cannot make {E} "
+            f"({E}/{D * per_device} is not a whole accumulation). Use {use}"
+            f"--training.per_device_train_batch_size so that processes x per-device divides {E}"
+        )
+        return per_device, launch.grad_accum
+    grad_accum = E // (D * per_device)
+    given = launch.explicit.get("gradient_accumulation_steps")
+    if given is not None and given != grad_accum:
+        problems.append(
+            f"--training.gradient_accumulation_steps={given} contradicts {name}'s effective batch "
+            f"{E}: {D} x {per_device} x {given} = {D * per_device * given}; leave it out (on resume it "
+            f"is recomputed, here {grad_accum}) or make the product {E}"
+        )
+    return per_device, grad_accum
+
+
 def _ranks(data_parallel: int, processes: int) -> str:
     if data_parallel == processes:
         return f"{processes} process(es)"
     return f"{data_parallel} data-parallel rank(s) ({processes} processes)"
 
 
-def _mesh_problems(name: str, w: Written, launch: Launch) -> list[str]:
+def _mesh_problems(name: str, w: Written, launch: ResumeRequest) -> list[str]:
     """A checkpoint resumes under the mesh that wrote it, at the world size that wrote it when that
     mesh splits anything: its states are laid out per sequence/tensor-parallel rank, and no resharding
     of Ulysses or AutoTP states is known to work here (DeepSpeed's universal checkpoint is not shown to)."""
@@ -279,7 +292,7 @@ def _identity_problems(name: str, what: str, old: dict | None, new: dict) -> lis
     return [f"{name} was trained with another {what} ({diff}); resume with the {what} it was trained with"]
 
 
-def _order_problems(name: str, w: Written, launch: Launch, layout: bool) -> list[str]:
+def _order_problems(name: str, w: Written, launch: ResumeRequest, layout: bool) -> list[str]:
     problems = []
     data = w.data or {}
     for key, flag in (("seed", "training.seed"), ("data_seed", "training.data_seed")):
@@ -292,21 +305,21 @@ def _order_problems(name: str, w: Written, launch: Launch, layout: bool) -> list
         return problems
     why = f"the layout changes ({w.world_size} -> {launch.world_size} process(es))"
     a = launch.training
-    if a.get("dataloader_drop_last"):
+    if a.dataloader_drop_last:
         problems.append(
             f"training.dataloader_drop_last: true and {why}: the number of steps per epoch depends on "
             f"the world size and per-device batch, so the data position cannot be kept"
         )
-    if a.get("train_sampling_strategy", "random") not in ("random", "sequential"):
+    if a.train_sampling_strategy not in ("random", "sequential"):
         problems.append(
-            f"training.train_sampling_strategy: {a['train_sampling_strategy']} and {why}: its order depends "
+            f"training.train_sampling_strategy: {a.train_sampling_strategy} and {why}: its order depends "
             f"on per-device batch x accumulation (LengthGroupedSampler) or on the ranks "
             f"(BatchRebalanceSampler); resume with the original layout or use random"
         )
     for key in ("auto_find_batch_size", "ignore_data_skip"):
-        if a.get(key):
+        if getattr(a, key):
             problems.append(f"training.{key}: true and {why}: the data position would not be kept")
-    acc = a.get("accelerator_config") if isinstance(a.get("accelerator_config"), dict) else {}
+    acc = a.accelerator_config if isinstance(a.accelerator_config, dict) else {}
     for key, bad in ACCELERATOR_ORDER.items():
         if key in acc and bool(acc[key]) == bad:
             problems.append(
@@ -344,13 +357,15 @@ def _position(name: str, w: Written, M: int, B: int, A: int) -> tuple[dict | Non
     return {"epoch": w.step // per_epoch, "samples_into_epoch": into, "samples_per_epoch": D}, None
 
 
-def apply(p: ResumePlan, cfg) -> None:
-    """The plan into this process's configuration, before TrainingArguments exist."""
-    cfg.training.args["per_device_train_batch_size"] = p.per_device
-    cfg.training.args["gradient_accumulation_steps"] = p.grad_accum
+def applied(p: ResumePlan, cfg):
+    """The configuration this launch runs with: the plan's per-device batch and accumulation (and
+    strategy), a new configuration built before TrainingArguments exist; `cfg` is left as it was."""
+    batch = {"per_device_train_batch_size": p.per_device, "gradient_accumulation_steps": p.grad_accum}
+    cfg = cfg.replaced("training", args={**cfg.training.args, **batch})
     # DDP continued on one process is a single-process run (and one process continued on many, DDP)
     if FAMILIES.get(cfg.run.strategy) == "single/ddp" and FAMILIES.get(p.strategy) == "single/ddp":
-        cfg.run.strategy = p.strategy
+        cfg = cfg.replaced("run", strategy=p.strategy)
+    return cfg
 
 
 def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
@@ -394,17 +409,16 @@ def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tu
     )
 
 
-def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> list[str]:
+def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[list[str], object]:
     """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
-    problems, before any process starts; the plan is applied to `cfg` for the other checks."""
+    problems, before any process starts, and the configuration the other checks see (the plan applied)."""
     try:
         _, _, p = for_launch(cfg, launch, resume, overrides)
     except ConfigError as e:
-        return [f"{e.source}: {problem}" for problem in e.problems]
+        return [f"{e.source}: {problem}" for problem in e.problems], cfg
     except UserError as e:
-        return [str(e)]
-    apply(p, cfg)
-    return []
+        return [str(e)], cfg
+    return [], applied(p, cfg)
 
 
 RESHARD_WORDS = {
@@ -455,3 +469,47 @@ def describe(p: ResumePlan) -> str:
         )
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+# --- RNG streams under another world size: new rank r continues old rank r's stream where there was
+# one, the others keep the seeded state of a fresh start (run.json `resumes[].rng`; docs/faults.md).
+# Per-rank streams cannot follow a world-size change anyway: the micro-batches land on other ranks.
+
+
+def rng_source_file(rank: int, old_world_size: int) -> str | None:
+    """The RNG file of the old run whose stream new rank `rank` continues, or None."""
+    if old_world_size == 1:
+        return "rng_state.pth" if rank == 0 else None
+    return f"rng_state_{rank}.pth" if rank < old_world_size else None
+
+
+def restore_rng(checkpoint: Path, *, rank: int, old_world_size: int) -> str | None:
+    """Load the stream new rank `rank` continues from `checkpoint`; the file used, or None."""
+    import numpy as np
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    name = rng_source_file(rank, old_world_size)
+    path = Path(checkpoint) / name if name else None
+    if path is None or not path.is_file():
+        log.info(
+            "rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
+            rank,
+            checkpoint,
+            old_world_size,
+        )
+        return None
+    with safe_globals():  # numpy's state objects allow-listed, as Trainer loads the file
+        state = torch.load(path, weights_only=True)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and state.get("cuda") is not None:
+        saved = state["cuda"]
+        # A list (DDP: every visible device) or one state; the old rank used device rank % count.
+        device_state = saved[rank % len(saved)] if isinstance(saved, (list, tuple)) else saved
+        try:
+            torch.cuda.set_rng_state(device_state, device=torch.cuda.current_device())
+        except RuntimeError as e:  # never fatal: the losses do not depend on it without dropout
+            log.warning("rank %d: CUDA RNG state from %s not restored: %s", rank, path, e)
+    return name

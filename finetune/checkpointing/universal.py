@@ -2,7 +2,7 @@
 parameter and state, which any world size loads), converted once and cached beside the original
 (docs/faults.md "Resume on another number of GPUs").
 
-    for_resume(state, plan, rec)   every rank: convert on rank 0, the others wait; noted in the record
+    for_resume(state, plan)        every rank: convert on rank 0, the others wait
     convert(ckpt)                  rank 0: <ckpt>.universal/, built once beside the original, reused after
     enable_loading(trainer)        after Trainer(...), before train(): the engine is built loading it
 
@@ -48,30 +48,28 @@ def current(ckpt: Path) -> Path | None:
     return out if info.get("source_completed") == _source_stamp(ckpt) else None
 
 
-def for_resume(state, plan, rec) -> str | None:
+def for_resume(state, plan) -> tuple[str, float | None] | None:
     """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
-    beside the original while the others wait; its directory, on every rank (None when the resume
-    plan needs no resharding through it: finetune/checkpointing/resume_plan.py)."""
+    beside the original while the others wait; (its directory, the seconds the conversion took, None
+    when reused), on every rank; None when the resume plan needs no resharding through it
+    (finetune/checkpointing/resume_plan.py)."""
     if plan is None or plan.reshard != "universal":
         return None
-    from finetune.checkpointing import resume
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
 
     def build():
         out, seconds = convert(Path(plan.checkpoint))
         return str(out), seconds
 
     out, seconds = run_on_main(state, build)
-    if rec:
-        resume.note_segment(rec, universal_cache=out, conversion_s=seconds)
-        rec.write()
+    if state.is_main_process:
         log.warning(
             "  DeepSpeed states resharded through %s (%s; %s unchanged)",
             out,
             "reused" if seconds is None else f"converted in {seconds:.2f} s",
             Path(plan.checkpoint).name,
         )
-    return out
+    return out, seconds
 
 
 def convert(ckpt: Path) -> tuple[Path, float | None]:

@@ -123,8 +123,7 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
             raise UserError(f"--{key}: set by the sweep for each strategy (see `finetune sweep --help`); drop it")
     cfg, _ = load_recipe(recipe, overrides)
     base_world = processes(launch_config(cfg.run.accelerate_config, cpu)) if cfg.run.accelerate_config else 1
-    args = cfg.training.args
-    per_device, accum = args["per_device_train_batch_size"], args["gradient_accumulation_steps"]
+    per_device, accum = cfg.training.typed.per_device_train_batch_size, cfg.training.typed.gradient_accumulation_steps
     effective = effective_batch(per_device, accum, base_world)
     reference = _scaling_reference(strategies, cfg.method.name, cpu)
     planned, problems = [], []

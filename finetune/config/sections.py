@@ -8,6 +8,7 @@ A recipe YAML has the sections below (all optional); `training` additionally pas
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -172,6 +173,65 @@ class RunConfig:
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
 
 
+# Defaults we choose for TrainingArguments where transformers' defaults do not suit
+# fine-tuning small models reproducibly on any machine.
+TRAINING_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 2e-4,
+    "num_train_epochs": 1.0,
+    "lr_scheduler_type": "linear",
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "logging_steps": 5,
+    "save_strategy": "no",
+    "eval_strategy": "no",
+    "seed": 42,
+    "dataloader_num_workers": 0,
+    # Collective timeout in seconds (Trainer's default, given to the process group at start,
+    # finetune/training/run.py): a stalled rank ends the run after this long instead of hanging it.
+    "ddp_timeout": 1800,
+    "disable_tqdm": False,
+}
+
+
+@dataclass(frozen=True)
+class TrainingArgs:
+    """The TrainingArguments fields the project reads itself, typed, each with its default: ours
+    (TRAINING_DEFAULTS) or transformers'. `TrainingConfig.args` keeps every field the recipe gave, for
+    TrainingArguments; the project reads them here (`cfg.training.typed`), built once per configuration
+    and never edited: a resume plan makes a new configuration (finetune/checkpointing/resume_plan.py)."""
+
+    per_device_train_batch_size: int = TRAINING_DEFAULTS["per_device_train_batch_size"]
+    gradient_accumulation_steps: int = TRAINING_DEFAULTS["gradient_accumulation_steps"]
+    learning_rate: float = TRAINING_DEFAULTS["learning_rate"]
+    max_grad_norm: float = TRAINING_DEFAULTS["max_grad_norm"]
+    seed: int = TRAINING_DEFAULTS["seed"]
+    data_seed: int | None = None
+    ddp_timeout: int = TRAINING_DEFAULTS["ddp_timeout"]
+    ddp_find_unused_parameters: bool | None = None  # None: decided from the model (finetune/training/speed.py)
+    use_cpu: bool = False
+    use_liger_kernel: bool = False
+    liger_kernel_config: dict | None = None
+    label_smoothing_factor: float = 0.0
+    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = False  # transformers 5.23's name for gradient_checkpointing: either turns it on
+    optim: str = "adamw_torch_fused"
+    save_total_limit: int | None = None  # rotated by finetune/checkpointing/checkpoints.py, not by Trainer
+    enable_jit_checkpoint: bool = False
+    # what decides which rows each step trains (a resume under another layout refuses some of them)
+    train_sampling_strategy: str = "random"
+    dataloader_drop_last: bool = False
+    auto_find_batch_size: bool = False
+    ignore_data_skip: bool = False
+    accelerator_config: dict | None = None
+
+    @classmethod
+    def of(cls, args: dict) -> TrainingArgs:
+        return cls(**{f.name: args[f.name] for f in dataclasses.fields(cls) if f.name in args})
+
+
 @dataclass
 class TrainingConfig:
     """Our additions to TrainingArguments; every other key passes through to TrainingArguments."""
@@ -187,12 +247,12 @@ class TrainingConfig:
     lr_reference_batch_size: int | None = None  # required by linear/sqrt; with none, unused
     # Optimizer steps left out of throughput figures (start-up: allocator, caches, compilation).
     throughput_warmup_steps: int = 1
-    # A non-finite loss or gradient norm on any rank (finetune/training/trainer.py, docs/faults.md):
+    # A non-finite loss or gradient norm on any rank (finetune/training/resilience.py, docs/faults.md):
     # stop before that step's optimizer update, or skip the update (not under DeepSpeed), at most
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = 10
-    # A collapsed model (finetune/training/collapse.py, docs/faults.md): the logged gradient norm exactly 0
+    # A collapsed model (finetune/training/resilience.py, docs/faults.md): the logged gradient norm exactly 0
     # in this many consecutive log windows (every weight's gradient vanished: nothing trains any more;
     # the loss is then typically stuck at ln(vocabulary), a uniform prediction). "stop": stop there,
     # status failed, exit 3; "flag": train to the end and export, but the run ends failed, exit 3.
@@ -217,28 +277,11 @@ class TrainingConfig:
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).
     args: dict = field(default_factory=dict)
 
+    @functools.cached_property
+    def typed(self) -> TrainingArgs:
+        """The fields of `args` the project reads, typed (TrainingArgs)."""
+        return TrainingArgs.of(self.args)
 
-# Defaults we choose for TrainingArguments where transformers' defaults do not suit
-# fine-tuning small models reproducibly on any machine.
-TRAINING_DEFAULTS: dict[str, Any] = {
-    "per_device_train_batch_size": 8,
-    "gradient_accumulation_steps": 1,
-    "learning_rate": 2e-4,
-    "num_train_epochs": 1.0,
-    "lr_scheduler_type": "linear",
-    "warmup_steps": 0,
-    "weight_decay": 0.0,
-    "max_grad_norm": 1.0,
-    "logging_steps": 5,
-    "save_strategy": "no",
-    "eval_strategy": "no",
-    "seed": 42,
-    "dataloader_num_workers": 0,
-    # Collective timeout in seconds (Trainer's default, given to the process group at start,
-    # finetune/training/run.py): a stalled rank ends the run after this long instead of hanging it.
-    "ddp_timeout": 1800,
-    "disable_tqdm": False,
-}
 
 # TrainingArguments fields owned by other sections or by the run layout.
 TRAINING_RESERVED = {

@@ -143,7 +143,7 @@ def _cross_checks(cfg: Config) -> list[str]:
             f"batch (sequences per optimizer step) at which training.learning_rate was chosen; set it "
             f"(e.g. lr_reference_batch_size: 8), or lr_scaling: none to use learning_rate as it is"
         )
-    if t.args.get("enable_jit_checkpoint"):
+    if t.typed.enable_jit_checkpoint:
         p.append(
             "training.enable_jit_checkpoint: not supported: its SIGTERM handler replaces ours and ends a "
             "preempted run with exit 0; preemption is handled without it (docs/faults.md)"
@@ -229,9 +229,9 @@ def _parallel_checks(cfg: Config) -> list[str]:
                 f"{'sp_size' if sp > 1 else 'cp_size'} > 1: allowed {', '.join(allowed)} (eager builds the "
                 f"4D mask the split attention cannot use{'; ring attention runs over SDPA only' if cp > 1 else ''})"
             )
-    if sp > 1 and cfg.training.args.get("label_smoothing_factor"):
+    if sp > 1 and cfg.training.typed.label_smoothing_factor:
         p.append(
-            f"training.label_smoothing_factor {cfg.training.args['label_smoothing_factor']} with parallel.sp_size "
+            f"training.label_smoothing_factor {cfg.training.typed.label_smoothing_factor} with parallel.sp_size "
             f"{sp}: the sequence-parallel loss is the token-weighted negative log-likelihood summed over the "
             f"shards; set label_smoothing_factor: 0"
         )

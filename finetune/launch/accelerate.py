@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from finetune import noise, resources
+from finetune import held_back, resources
 from finetune.errors import EXIT_PREEMPTED, UserError
 
 TRAIN_SCRIPT = resources.PACKAGE_DIR / "train.py"  # the launch script (finetune/train.py)
@@ -98,7 +98,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     from finetune.launch import relay
 
     parsed = accelerate_launch.launch_command_parser().parse_args(launch_args)
-    logging.getLogger("accelerate.commands.launch").addFilter(noise.ZERO_PROCESSES_DEFAULT)
+    logging.getLogger("accelerate.commands.launch").addFilter(held_back.ZERO_PROCESSES_DEFAULT)
     # torchrun SIGKILLs the ranks TORCH_ELASTIC_SHUTDOWN_TIMEOUT s (default 30) after it stops
     # them: give them time to finish a checkpoint (docs/faults.md). A value the user exported wins.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "300")
@@ -130,13 +130,13 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
 def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
     """Name every rank that failed and return the ranks' common exit code, else 1. A rank that
     stopped making progress (its heartbeats ended long before the others failed: finetune/launch/
-    rank_progress.py) is named first, as the cause; otherwise the first failure is. A rank killed by a
+    peers.py) is named first, as the cause; otherwise the first failure is. A rank killed by a
     signal (exitcode -N) is named with the signal. A preempted launch (every rank 75, or stopped by
     torchrun after one did) is no failure: rank 0 has printed the checkpoint and the resume command,
     so nothing more is said."""
     import signal
 
-    from finetune.launch import rank_progress
+    from finetune.launch import peers
 
     codes = {f.exitcode for f in failures.values()}
     # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
@@ -146,8 +146,8 @@ def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
     consequences_only = len(real) == 1 and codes - real <= {-signal.SIGTERM}
     if consequences_only and real == {EXIT_PREEMPTED}:
         return EXIT_PREEMPTED
-    stalled = rank_progress.stalled(
-        rank_progress.read() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
+    stalled = peers.stalled(
+        peers.read_progress() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
     )
     for rank, why in sorted(stalled.items()):
         print(f"finetune: rank {rank} {why}", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""What a launch sets up, read into a LaunchFacts from one of three sources: the accelerate config
+"""What a launch sets up, read into a DeclaredLaunch from one of three sources: the accelerate config
 (and the DeepSpeed JSON it names) before `finetune train` launches (`from_config_file`), the
 environment `accelerate launch` exported to a process (`from_environment`), or the recipe's
 strategy row the script engages itself (`from_recipe`). Problems met while reading are collected,
@@ -19,7 +19,7 @@ from finetune.strategies import DATA_PARALLEL_TYPES, name_of, offload_device, of
 
 
 @dataclass
-class LaunchFacts:
+class DeclaredLaunch:
     source: str  # where the facts come from, named in every problem
     distributed_type: str = "NO"  # Accelerate's DistributedType value
     num_processes: int = 1  # world size, all machines
@@ -136,9 +136,9 @@ def from_config_file(
     cpu: bool = False,
     deepspeed_config_file: str | None = None,
     base_dirs: list[Path] = (),
-) -> LaunchFacts:
+) -> DeclaredLaunch:
     """What `accelerate launch --config_file PATH [--num_processes N] [--cpu]` will set up."""
-    facts = LaunchFacts(source=f"accelerate config {path}")
+    facts = DeclaredLaunch(source=f"accelerate config {path}")
     try:
         values = read_yaml(path)
     except UserError as e:
@@ -209,14 +209,14 @@ def _deepspeed_from_fields(fields: dict) -> dict:
     return out
 
 
-def from_environment(state, source: str | None = None) -> LaunchFacts:
+def from_environment(state, source: str | None = None) -> DeclaredLaunch:
     """What `accelerate launch` set up for this process (see the module docstring for the names).
     `source` names the launch in problems (finetune/launch/strategy_setup.py knows the config file)."""
     from finetune.launch import cpu_rehearsal
 
     env = os.environ
     config = env.get("FINETUNE_ACCELERATE_CONFIG")
-    facts = LaunchFacts(
+    facts = DeclaredLaunch(
         source=source or (f"accelerate config {config}" if config else "the accelerate launch environment")
     )
     use_ds = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -263,7 +263,7 @@ def from_environment(state, source: str | None = None) -> LaunchFacts:
     return facts
 
 
-def from_recipe(setup, state, root: Path) -> LaunchFacts:
+def from_recipe(setup, state, root: Path) -> DeclaredLaunch:
     """What the script engages itself (setup.set_up_by == "recipe"): the row's DeepSpeed JSON or FSDP
     settings with the processes the launcher gave; DDP and one device as Accelerate set them up."""
     row = setup.row

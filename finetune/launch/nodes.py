@@ -88,7 +88,7 @@ NO_FIGURES = {"params_local": None, "params_full": None, "host_peak_rss_gib": No
 
 
 def section(machines, figures: list[dict] | None = None, partition: str | None = None) -> dict:
-    """run.json `nodes` (finetune/telemetry/record_nodes.py) from LaunchPlan.machines and, per rank,
+    """run.json `nodes` (finetune/telemetry/record_schema.py Nodes) from LaunchPlan.machines and, per rank,
     the live figures read so far (`figures[rank]`: NO_FIGURES' keys; null until read)."""
     ranks = [
         {**{k: v for k, v in dataclasses.asdict(r).items() if k != "node_rank_from"}, **NO_FIGURES}

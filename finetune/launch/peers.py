@@ -1,46 +1,44 @@
-"""Each rank's heartbeat and watchdog: which ranks are still alive when a collective fails, what each
-rank waits in, and a stuck rank ended cleanly (docs/faults.md "A rank dies or stalls", "Hangs and every
-stop signal").
+"""The other ranks: each rank's heartbeat thread and watchdog, its progress file, what is done once on
+rank 0, and the process group's teardown (docs/faults.md "A rank dies or stalls", "Hangs and every stop
+signal").
 
-A rank whose process dies (its node lost, its task killed) makes the others' next collective fail
-with an error that names a socket, not a rank ("Connection closed by peer [127.0.0.1]:41234"; NCCL
-says even less). To name the lost rank and node, every rank of a multi-process run bumps a counter
-`finetune/peers/beat/<rank>` in the launcher's TCP store (MASTER_ADDR:MASTER_PORT: torchrun's agent
-on node rank 0 hosts it) every BEAT_S seconds from a daemon thread. A rank whose training fails
-says so (`failing/<rank>`), watches the counters for WATCH_S seconds, and names as lost every rank
-whose counter stood still and that did not say it is failing too. If the store itself no longer
-answers, its host, node rank 0, is what was lost. `failure_note` names them with their nodes
-(LaunchPlan.machines) for stderr and run.json.
+A rank that dies makes the others' next collective fail naming a socket, not a rank. So every rank of a
+multi-process run bumps a counter `finetune/peers/beat/<rank>` in the launcher's TCP store (torchrun's
+agent on node rank 0 hosts it) every BEAT_S seconds from a daemon thread, on its own connection with a
+short timeout. A rank whose training fails says so (`failing/<rank>`), watches the counters for WATCH_S
+seconds and names as lost every rank whose counter stood still and that is not failing too; a store
+that no longer answers means node rank 0 was lost (`failure_note`, for stderr and run.json).
 
-Its own client connection with a short timeout: the process group's store waits up to
-training.ddp_timeout. The thread is stopped and joined at exit (a daemon thread still inside a
-store call while the interpreter finalizes can abort the process; finetune/launch/ranks.py).
+The same thread, every BEAT_S, in every process (one alone too): writes this rank's progress file;
+publishes what this rank does (`at/<rank>`) and a stop signal it got (`stop`), so a rank in a phase
+without collectives (the data build) ends it too; and is the watchdog (`watch`): a stop signal no
+agreement acted on within its grace period, or a phase past its limit, ends the process (os._exit: the
+main thread cannot be interrupted inside a collective), what every rank waits in named on stderr and,
+through `watch.on_stuck`, in run.json; nothing is deleted; exit 1.
 
-The same thread, every BEAT_S, in every process (one alone too, without a store):
-
-* writes this rank's progress file for `finetune train` (finetune/launch/rank_progress.py);
-* publishes what this rank does now (`at/<rank>`: the phase, or the collective it waits in, since
-  when) and a stop signal this rank received (`stop`), which every other rank's thread reads: a rank
-  in a phase without collectives (the data build) then ends that phase early too;
-* is the watchdog (`watch`): a stop signal that no agreement has acted on within its grace period, or
-  a phase that outlives its limit (a rank held in a collective after training), ends the process:
-  what every rank waits in is named on stderr and, through `watch.on_stuck`, in run.json (`failed`),
-  nothing is deleted (the newest complete checkpoint stays the newest), exit 1. The main thread
-  cannot be interrupted inside a collective, so this thread does it (os._exit).
+Progress files: the store dies with the launch, so `finetune train`, which only sees exit codes, reads
+`rank-<R>.json` (pid, host, last optimizer step finished, time) in the launch's state directory
+(finetune/launch/relay.py) and names the rank that went silent first (`stalled`): a stopped or frozen
+rank stops beating, the ranks waiting for it keep beating (collectives release the GIL). Local files:
+each node's wrapper sees its own ranks.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
-from finetune.launch import rank_progress
+from finetune.errors import UserError
+from finetune.launch import relay
 
 BEAT_S = 0.5  # seconds between heartbeats
 WATCH_S = 3.0  # how long a failing rank watches the counters (6 beats of a live rank)
@@ -48,6 +46,9 @@ STORE_TIMEOUT_S = 5.0  # one store call on the heartbeat connection, at most
 PREFIX = "finetune/peers/"
 EXIT_STUCK = 1  # a failure: the run did not end as planned
 MARGIN_S = 60.0  # the backend's collective timeout is set this far past the watchdog's limits
+# A rank whose last beat is this much older than the moment the others failed (or now) had stopped
+# making progress: well above a beat delayed on a loaded machine, well below any collective timeout.
+STALL_S = 10.0
 
 
 class Watch:
@@ -147,7 +148,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="finetune-heartbeat", daemon=True)
         self.error: str | None = None  # why beating stopped (the store stopped answering)
-        self._progress = rank_progress.writer(rank)  # None without `finetune train`
+        self._progress = progress_writer(rank)  # None without `finetune train`
         self._said: tuple[str | None, str | None] = (None, None)  # (doing, stop) last published
 
     def start(self) -> Heartbeat:
@@ -265,8 +266,6 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     stopped answering, or what another rank's watchdog said when it ended that rank, printed on stderr
     and returned for run.json; None in a one-process run, when every rank is still there, and for an
     interruption or a user error (nothing was lost)."""
-    from finetune.errors import UserError
-
     if (
         heartbeat is None
         or heartbeat.store is None
@@ -305,3 +304,140 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
         flush=True,
     )
     return note
+
+
+# --- progress files, for `finetune train` (see the module docstring) ----------------------------------
+
+
+_progress = {"step": 0}
+
+
+def progress_directory(env=os.environ) -> Path | None:
+    state = env.get(relay.ENV)
+    return Path(state) if state else None
+
+
+def progress_writer(rank: int):
+    """A function that writes this rank's beat (called by its heartbeat thread), or None without
+    `finetune train`."""
+    where = progress_directory()
+    if where is None:
+        return None
+    path = where / f"rank-{rank}.json"
+    note = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+
+    def beat():
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({**note, "step": _progress["step"], "beat": time.time()}))
+            tmp.replace(path)
+        except OSError:
+            pass  # the launch ended and took its directory, or the disk is full: nothing to report to
+
+    return beat
+
+
+def step_done(step: int) -> None:
+    """The last optimizer step this rank finished (its beats carry it)."""
+    _progress["step"] = step
+
+
+def read_progress(where: Path | None = None) -> dict[int, dict]:
+    """Every rank's last beat, by rank."""
+    where = where or progress_directory()
+    beats = {}
+    for path in sorted(where.glob("rank-*.json")) if where and where.is_dir() else []:
+        try:
+            b = json.loads(path.read_text())
+            beats[int(b["rank"])] = b
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return beats
+
+
+def stalled(beats: dict[int, dict], failed_at: dict[int, float]) -> dict[int, str]:
+    """The ranks that stopped making progress, with why: those whose last beat is STALL_S older than
+    the moment another rank failed, and than their own end (pure; `failed_at`: rank -> time its
+    failure was seen)."""
+    out = {}
+    for rank, b in beats.items():
+        others = [t for r, t in failed_at.items() if r != rank]
+        if not others:
+            continue
+        # a rank's beats also end when it exits: only silence before its own end counts
+        silent = min(others + [failed_at.get(rank, float("inf"))]) - b["beat"]
+        if silent >= STALL_S:
+            out[rank] = (
+                f"stopped making progress: its last heartbeat came {silent:.0f} s before the others failed, after "
+                f"step {b['step']} (pid {b['pid']} on {b['host']}); the others waited for it"
+            )
+    return out
+
+
+# --- once on rank 0; teardown; collective timeouts ---------------------------------------------------
+
+
+def run_on_main(state, fn):
+    """Run `fn` on the main process and return its result on every rank. A UserError raised
+    there is raised on every rank, so all processes stop together instead of some hanging."""
+    result, error = None, None
+    if state.is_main_process:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        result, error = broadcast_object_list([result, error], from_process=0)
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+class Teardown:
+    """Destroys the default process group when the interpreter exits (atexit: after main returns,
+    sys.exit or an uncaught error, before C++ teardown), so gloo's teardown cannot abort a finished
+    process (docs/faults.md "Process teardown"). Once every rank is done (`ended_cleanly`), the ranks
+    meet at a barrier first."""
+
+    def __init__(self, state):
+        self.state, self.clean = state, False
+        atexit.register(lambda: close_process_group(self.state, clean=self.clean))
+
+    def ended_cleanly(self) -> None:
+        self.clean = True
+
+
+def close_process_group(state, *, clean: bool) -> None:
+    """What Teardown does at exit: after a clean end a barrier, then destroy; after an error destroy
+    only a group that cannot have NCCL work in flight."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean and state.num_processes > 1:
+        state.wait_for_everyone()  # a barrier on this rank's own device (NCCL) or gloo's
+    if clean or not _may_use_nccl(dist):
+        state.destroy_process_group()
+
+
+def _may_use_nccl(dist) -> bool:
+    """Whether the default group can have NCCL work in flight. By the backend config, not
+    get_backend(): a group Accelerate initialised without a backend reads "undefined" but is gloo."""
+    import torch
+
+    return "nccl" in str(dist.get_backend_config()) and torch.cuda.is_available()
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group's collective timeout (the default group's and DeepSpeed's own), for the
+    phases from here on: after training the watchdog's limits end a stuck rank cleanly, so the backend's own timeout, which raises deep inside a collective
+    (gloo) or aborts the process (NCCL), is set past the longest of them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from finetune import batch, precision
 from finetune.launch import nodes
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.nodes import RankPlace, SlurmStep
-from finetune.launch.strategy_setup import LaunchSetup
+from finetune.launch.strategy_setup import StrategySetup
 from finetune.mesh import Mesh
 from finetune.mesh import of as mesh_of
 
@@ -47,8 +47,8 @@ class LaunchPlan:
     """What this launch sets up, its parallel mesh included (sequence, tensor, context parallel sizes:
     finetune/mesh.py); every consumer of the data-parallel size reads it from here."""
 
-    facts: LaunchFacts  # as the launch's accelerate config, its environment or the recipe's row say it
-    setup: LaunchSetup | None  # who sets the strategy up; None before a launch (`finetune train`)
+    facts: DeclaredLaunch  # as the launch's accelerate config, its environment or the recipe's row say it
+    setup: StrategySetup | None  # who sets the strategy up; None before a launch (`finetune train`)
     strategy: str  # single | ddp | zero1 | zero2 | zero3 | fsdp (run.strategy's names)
     offload: str  # none | optimizer | params | optimizer+params (run.offload's names)
     world_size: int  # processes on all machines
@@ -88,7 +88,7 @@ class LaunchPlan:
 
     @classmethod
     def of(
-        cls, cfg, facts: LaunchFacts, setup: LaunchSetup | None = None, machines: Machines | None = None
+        cls, cfg, facts: DeclaredLaunch, setup: StrategySetup | None = None, machines: Machines | None = None
     ) -> LaunchPlan:
         """The launch `facts` describe, with the precision policy resolved for its device: CUDA when
         this machine has one and neither the launch nor the recipe asks for CPU processes. `machines`:
@@ -98,7 +98,7 @@ class LaunchPlan:
         from finetune.launch import cpu_rehearsal
 
         strategy, offload = facts.strategy()
-        use_cpu = bool(cfg.training.args.get("use_cpu")) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
+        use_cpu = bool(cfg.training.typed.use_cpu) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
         cuda = torch.cuda.is_available() and not use_cpu
         policy = precision.resolve(cfg.training.precision, cuda, cuda and torch.cuda.is_bf16_supported())
         return cls(
@@ -115,7 +115,7 @@ class LaunchPlan:
         )
 
     @classmethod
-    def resolve(cls, cfg, state, setup: LaunchSetup | None = None) -> LaunchPlan:
+    def resolve(cls, cfg, state, setup: StrategySetup | None = None) -> LaunchPlan:
         """This process's launch, once its process group exists: under `recipe` the recipe's row, else
         what the launcher exported (finetune/launch/configs.py); each rank's node gathered (collective:
         every rank resolves it)."""

@@ -95,7 +95,7 @@ MARKER = ".finetune-run"  # written into every run directory finetune makes
 OWNED = (
     "run.json",
     "run.*.json",  # run.before-resume<n>.json, run.damaged<n>.json
-    ".run.json.*",  # an interrupted atomic write (finetune/telemetry/record.py)
+    ".run.json.*",  # an interrupted atomic write (finetune/telemetry/sinks.py RunJson)
     "config.yaml",
     "config.resume*.yaml",
     "trainer_state.json",
@@ -270,11 +270,11 @@ def save_resolved_config(path: Path, config: dict) -> Path:
     return out
 
 
-def written(state, run_dir: Path, what: str, write) -> None:
+def write_on_main(state, run_dir: Path, what: str, write) -> None:
     """Rank 0 writes a run file (`write()`); a full, read-only or forbidden disk is a StorageError on
     every rank (finetune/storage.py), so none waits for rank 0 in a later collective."""
     from finetune import storage
-    from finetune.launch.ranks import run_on_main
+    from finetune.launch.peers import run_on_main
 
     def attempt():
         try:

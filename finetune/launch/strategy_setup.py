@@ -1,13 +1,21 @@
 """Who sets up the distributed strategy of this run: the launcher's config, or the recipe from
 inside the script (docs/preflight.md "Who sets up the strategy": the rule, and what the recipe
 route prepares before the first PartialState).
+
+DeepSpeed's C++ ops that are compiled on first use (JIT, torch.utils.cpp_extension): said before
+the 50-70 s build starts, so a first launch does not look hung. `deepspeed_shm_comm` is built by
+DeepSpeed's CPU communication backend when a DeepSpeed run's processes join on CPU
+(deepspeed/comm/torch.py build_shm_op), `cpu_adam` for an optimizer offloaded to the host
+(DeepSpeedCPUAdam). Each is cached per Python/torch build and reused afterwards.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from finetune.launch.launcher import Launcher
 from finetune.strategies import Strategy, by_recipe, trainer_arguments
@@ -16,7 +24,7 @@ WORLD_OF_ONE = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 @dataclass
-class LaunchSetup:
+class StrategySetup:
     set_up_by: str  # launcher-config | recipe | launcher-processes
     launcher: Launcher
     because: str  # the evidence for set_up_by, one clause
@@ -58,29 +66,29 @@ class LaunchSetup:
         }
 
 
-def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root) -> LaunchSetup:
+def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root) -> StrategySetup:
     """Rules 1-3 of the module docstring (pure: the environment and launcher are given)."""
     for var, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")):
         if env.get(var, "false").lower() == "true":
-            return LaunchSetup("launcher-config", launcher, f"{name} from {_origin(launcher)} ({var}=true)")
+            return StrategySetup("launcher-config", launcher, f"{name} from {_origin(launcher)} ({var}=true)")
     if launcher.config_file:
-        return LaunchSetup("launcher-config", launcher, launcher.describe())
+        return StrategySetup("launcher-config", launcher, launcher.describe())
     if run_strategy == "any":
-        return LaunchSetup("launcher-processes", launcher, f"{launcher.describe()}, no strategy set up")
+        return StrategySetup("launcher-processes", launcher, f"{launcher.describe()}, no strategy set up")
     row = by_recipe(run_strategy, run_offload)
     if row is None:  # the config validator allows only shipped names; a pair without a row is said here
-        return LaunchSetup(
+        return StrategySetup(
             "launcher-processes",
             launcher,
             f"{launcher.describe()}; no shipped strategy row "
             f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}",
         )
-    return LaunchSetup(
+    return StrategySetup(
         "recipe", launcher, f"{launcher.describe()} set up no strategy", row, trainer_arguments(row, root)
     )
 
 
-def detect(cfg, env=os.environ) -> LaunchSetup:
+def detect(cfg, env=os.environ) -> StrategySetup:
     """This process's setup, and the gloo decision (nothing is changed yet: see `prepare`)."""
     from finetune import resources
     from finetune.launch import cpu_rehearsal, launcher
@@ -101,7 +109,7 @@ def detect(cfg, env=os.environ) -> LaunchSetup:
     return setup
 
 
-def prepare(setup: LaunchSetup, env=os.environ) -> None:
+def prepare(setup: StrategySetup, env=os.environ) -> None:
     """The environment changes the recipe route needs before the first PartialState (module docstring)."""
     if setup.world_of_one:
         with socket.socket() as s:  # a free port: parallel runs on one machine must not share one
@@ -119,7 +127,7 @@ def prepare(setup: LaunchSetup, env=os.environ) -> None:
         env.pop("ACCELERATE_USE_CPU")
 
 
-def adopt_deepspeed_comm(setup: LaunchSetup, *, sequence_parallel: bool = False) -> None:
+def adopt_deepspeed_comm(setup: StrategySetup, *, sequence_parallel: bool = False) -> None:
     """DeepSpeed rows engaged in-script, and every Ulysses run (Accelerate registers Ulysses' groups
     before DeepSpeed's engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier):
     deepspeed.comm wraps the torch group PartialState made (deepspeed/comm/comm.py init_distributed:
@@ -138,3 +146,63 @@ def _origin(launcher: Launcher) -> str:
     if launcher.config_file:
         return launcher.describe()
     return f"{launcher.kind}'s flags or environment"
+
+
+# --- DeepSpeed's ops compiled on first use (see the module docstring) -----------------------------------
+
+
+def build_dir(name: str) -> Path:
+    """Where torch caches an extension's build: torch/utils/cpp_extension.py _get_build_directory
+    ($TORCH_EXTENSIONS_DIR, else the default root / py<version>_<cpu|cuXY> / name)."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        cu = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{cu}")
+    return Path(root) / name
+
+
+def unbuilt(names: list[str]) -> list[str]:
+    """The ops among `names` that DeepSpeed has not installed prebuilt and torch has not cached."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return []
+    return [n for n in names if not installed_ops.get(n) and not (build_dir(n) / f"{n}.so").is_file()]
+
+
+def ops_before_processes(setup, env=os.environ) -> list[str]:
+    """Ops the process group's set-up compiles: DeepSpeed's CPU communication op for DeepSpeed
+    (launcher config or recipe) on a machine without CUDA."""
+    import torch
+
+    deepspeed = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or (
+        setup.row is not None and setup.row.zero_stage is not None
+    )
+    return ["deepspeed_shm_comm"] if deepspeed and not torch.cuda.is_available() else []
+
+
+def ops_at_optimizer(launch) -> list[str]:
+    """Ops the engine's optimizer compiles: DeepSpeedCPUAdam for an optimizer offloaded to the host."""
+    return ["cpu_adam"] if launch.family == "deepspeed" and "optimizer" in launch.offload else []
+
+
+def op_builds_line(names: list[str]) -> str | None:
+    """The line that says what is about to be compiled, or None when everything is built."""
+    todo = unbuilt(names)
+    if not todo:
+        return None
+    where = build_dir(todo[0]).parent
+    return (
+        f"DeepSpeed compiles its {' and '.join(todo)} op{'s' if len(todo) > 1 else ''} now (first use on this "
+        f"machine, about a minute each; cached in {where} and reused afterwards)"
+    )
+
+
+def say_op_builds(names: list[str]) -> None:
+    """Rank 0 says which DeepSpeed ops are about to be compiled, if any."""
+    line = op_builds_line(names)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"[finetune] {line}", file=sys.stderr, flush=True)

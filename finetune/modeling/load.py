@@ -91,7 +91,7 @@ def load_model(
     if method.name == "qlora":
         compute = torch_dtype(policy.compute_dtype) if policy else dtype
         kwargs["quantization_config"] = quantization_config(method, compute)
-        from finetune.noise import CPU_4BIT_NOTICE
+        from finetune.held_back import CPU_4BIT_NOTICE
 
         if not torch.cuda.is_available() and CPU_4BIT_NOTICE.held:  # 4-bit matmuls on CPU: it applies here
             log.warning("QLoRA on CPU: %s", CPU_4BIT_NOTICE.held[0])

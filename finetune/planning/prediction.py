@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 
-from finetune.config.sections import TRAINING_DEFAULTS
 from finetune.data.rows import longest_row
 from finetune.modeling import loss_choice
 from finetune.planning import memory
@@ -201,7 +200,7 @@ def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib
 
 def micro_batch_of(cfg) -> int:
     """The recipe's per-device micro-batch (rows), Trainer's default where the recipe has none."""
-    return int(cfg.training.args.get("per_device_train_batch_size", TRAINING_DEFAULTS["per_device_train_batch_size"]))
+    return int(cfg.training.typed.per_device_train_batch_size)
 
 
 def workload_from_config(
@@ -217,9 +216,9 @@ def workload_from_config(
     """The workload of a recipe. `loss_impl`: the resolved loss (a run's speed record); else the
     recipe's training.loss_impl; "auto" is resolved per method and shape as the run resolves it
     (finetune/modeling/loss_choice.py; a head that needs the logits is recorded by the run)."""
-    targs = cfg.training.args
+    targs = cfg.training.typed
     if gradient_checkpointing is None:
-        gradient_checkpointing = bool(targs.get("gradient_checkpointing", False))
+        gradient_checkpointing = bool(targs.gradient_checkpointing)
     m, d, t = cfg.method, cfg.data, cfg.training
     micro_batch = micro_batch_of(cfg)
     # the longest row a batch can have: data.pad_to_multiple_of rounds it up (finetune/data/rows.py)
@@ -227,12 +226,12 @@ def workload_from_config(
     if loss_impl is None:
         loss_impl = getattr(t, "loss_impl", "standard")  # "auto": resolved per method (memory.resolve_loss)
     layout = "padding_free" if getattr(d, "padding_free", False) else ("packed" if d.packing else "padded")
-    optim = str(targs.get("optim", "adamw_torch_fused"))
+    optim = str(targs.optim)
     return Workload(
         method=m.name,
         micro_batch=micro_batch,
         seq_len=seq_len,
-        grad_accum=int(targs.get("gradient_accumulation_steps", 1)),
+        grad_accum=int(targs.gradient_accumulation_steps),
         gradient_checkpointing=gradient_checkpointing,
         precision=precision,
         lora_r=m.lora_r,
@@ -252,23 +251,23 @@ def workload_from_config(
     )
 
 
-def record_prediction(
-    rec, model_config, cfg, *, gradient_checkpointing: bool, precision: str, train_dataset=None
-) -> None:
-    """run.json `predicted_memory` for the strategy in the record's `strategy`, under the resolved
+def run_prediction(
+    view, model_config, cfg, *, gradient_checkpointing: bool, precision: str, train_dataset=None
+) -> dict | None:
+    """run.json `predicted_memory` for the strategy in the record's `strategy` (`view`), under the resolved
     precision policy; null with a logged reason when the architecture has no arithmetic here (training
     goes on: a plan is not a precondition). The sequence length is the longest training example when
     the dataset is given (batches are padded to their longest), and padding is assumed when some
     example is shorter; the loss implementation is the one the run resolved (its `speed` record)."""
-    engaged = rec.view.get("strategy", default={})
+    engaged = view.get("strategy", default={})
     seq_len, masked, source = None, False, "data.max_length"
     if train_dataset is not None and "input_ids" in train_dataset.column_names and len(train_dataset):
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         seq_len = min(max(lengths), cfg.data.max_length)
         masked = min(lengths) < longest_row(micro_batch_of(cfg), seq_len, cfg.data)  # bucketing pads equal lengths too
         source = "longest tokenized training example (data.max_length caps it)"
-    speed = (rec.view.data.get("speed") or {}).get("loss_impl") or {}  # the run's loss section, when present
-    on_gpu = rec.view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
+    speed = (view.data.get("speed") or {}).get("loss_impl") or {}  # the run's `speed` section, when present
+    on_gpu = view.get("hardware", "device_type") == "cuda" and not engaged.get("cpu_distributed")
     sm = None
     if on_gpu:
         import torch
@@ -286,22 +285,19 @@ def record_prediction(
             loss_chunk_tokens=speed.get("chunk_tokens"),
         )
         strategy = planner_key(engaged.get("name"), engaged.get("offload", "none"))
-        rec.set(
-            "predicted_memory",
-            predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm, seq_len_source=source),
-        )
+        return predicted_memory(shape, w, strategy, engaged.get("world_size") or 1, sm=sm, seq_len_source=source)
     except ValueError as e:
         log.warning("no memory prediction in run.json: %s", e)
-        rec.set("predicted_memory", None)
+        return None
 
 
-def record_error(rec, host_lifetime_gib: float | None = None) -> None:
+def prediction_with_error(view, host_lifetime_gib: float | None = None) -> dict | None:
     """Once training ends: the relative errors of the prediction against the measured training peaks.
     host_lifetime_gib: rank 0's lifetime peak RSS as the meter kept it (its high-water-mark resets
-    also reset what getrusage reports, finetune/telemetry/memory_peaks.py); getrusage without it."""
-    predicted = rec.view.get("predicted_memory")
+    also reset what getrusage reports, finetune/telemetry/meter.py); getrusage without it."""
+    predicted = view.get("predicted_memory")
     if predicted is None:
-        return
+        return None
     import resource
     import sys
 
@@ -312,7 +308,7 @@ def record_error(rec, host_lifetime_gib: float | None = None) -> None:
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB,
         4,
     )
-    rec.set("predicted_memory", add_error(predicted, rec.view.get("memory"), lifetime_peak_gib=lifetime))
+    return add_error(predicted, view.get("memory"), lifetime_peak_gib=lifetime)
 
 
 def mesh_runs_under(w: Workload, strategy: str) -> bool:

@@ -8,7 +8,7 @@ checked, and where: docs/preflight.md.
 
 With `--resume`, `check_launch` first runs the resume check the CLI hands in (resume_plan
 preflight_problems): its plan (accumulation recomputed, DDP on one process = single) is what the
-other checks see. What engaged is still proven on the live engine (training/engaged_strategy.py).
+other checks see. What engaged is still proven on the live engine (training/hooks.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune import precision
 from finetune.errors import ConfigError, ReportedElsewhere, UserError
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices, model_files, parallel
 from finetune.strategies import launch_line
@@ -69,14 +69,14 @@ def check_before_loading(
 def check_launch(launch_args: list[str], resume_check=None, resume_config=None) -> None:
     """For `finetune train`: the same checks from the accelerate config it is about to launch.
     With --resume, `resume_config(recipe, overrides, allow_change=) -> ResumedConfig` gives the
-    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> problems`
+    configuration (the run's saved one) and `resume_check(cfg, launch, resume, overrides) -> (problems, cfg)`
     runs first."""
     from accelerate.commands.launch import launch_command_parser
 
     from finetune import resources
     from finetune.config.command_line import parse_train_args
     from finetune.config.recipe import load_recipe
-    from finetune.launch.configs import LaunchFacts, from_config_file
+    from finetune.launch.configs import DeclaredLaunch, from_config_file
 
     parsed = launch_command_parser().parse_args(launch_args)
     args, overrides = parse_train_args(parsed.training_script_args)
@@ -94,13 +94,13 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None) 
             base_dirs=[resources.ROOT],
         )
     else:
-        facts = LaunchFacts(
+        facts = DeclaredLaunch(
             source="accelerate launch without a config file",
             num_processes=parsed.num_processes or 1,
             use_cpu=parsed.cpu,
         )
     launch = LaunchPlan.of(cfg, facts)
-    problems = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else []
+    problems, cfg = resume_check(cfg, launch, args.resume, overrides) if args.resume and resume_check else ([], cfg)
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:
         raise ConfigError(problems, SOURCE)
@@ -141,8 +141,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     facts, ds, dp = launch.facts, launch.facts.deepspeed, launch.data_parallel_size
     if facts.distributed_type != "DEEPSPEED" or not ds or not launch.mesh.divides:
         return []
-    a = cfg.training.args
-    per_device, accum = a.get("per_device_train_batch_size", 8), a.get("gradient_accumulation_steps", 1)
+    a = cfg.training.typed
+    per_device, accum = a.per_device_train_batch_size, a.gradient_accumulation_steps
     expected = {
         "train_micro_batch_size_per_gpu": (per_device, "training.per_device_train_batch_size"),
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
@@ -153,7 +153,7 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
                 f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}"
             ),
         ),
-        "gradient_clipping": (a.get("max_grad_norm", 1.0), "training.max_grad_norm"),
+        "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (policy_problems)
     problems = []
     for key, (want, field) in expected.items():
@@ -355,7 +355,7 @@ def _gather(problems: list[str], state) -> list[str]:
 
 # ---- The precision policy against the launch: combinations it cannot honour, each with the
 # alternative. The policy itself is resolved with the launch (finetune/launch/plan.py); what engaged
-# is proven later from the live objects (finetune/training/precision_live.py).
+# is proven later from the live objects (finetune/training/precision_evidence.py).
 
 
 def policy_problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
@@ -407,9 +407,9 @@ def policy_problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     return problems
 
 
-def _deepspeed_keys(policy: precision.Policy, label: str, facts: LaunchFacts) -> list[str]:
+def _deepspeed_keys(policy: precision.Policy, label: str, facts: DeclaredLaunch) -> list[str]:
     """Explicit DeepSpeed precision values must be the policy's; "auto" or absent: the policy fills
-    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/precision_live.py apply for the rest)."""
+    them in (TrainingArguments for bf16/fp16.enabled, finetune/training/precision_evidence.py apply for the rest)."""
     low = policy.deepspeed_low_precision_master
     wanted = {
         ("bf16", "enabled"): policy.deepspeed_bf16,

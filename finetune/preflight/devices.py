@@ -150,7 +150,7 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
     if (
         facts.distributed_type != "NO"
         or facts.use_cpu
-        or cfg.training.args.get("use_cpu")
+        or cfg.training.typed.use_cpu
         or cpu_rehearsal.requested()
         or not torch.cuda.is_available()
     ):

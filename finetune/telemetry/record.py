@@ -1,35 +1,35 @@
 """The run record, `<output_dir>/run.json`: its one owner. docs/run_record.md is the contract.
 
-Writers (training, the trainer, the engaged-strategy check, the planner, resume) go through
-`RunRecord`: `set(section, value)`, `update(section, **fields)`, `add_step(entry)`, `write()`.
-A field not declared in finetune/telemetry/record_schema.py is refused there and then, so what
-a run writes cannot drift from the declared shape. Readers (compare, W&B, sweep, the end-of-run
+Sections are computed by pure functions and handed to the run's sinks (finetune/telemetry/sinks.py),
+which keep them in a `RunRecord`: `set(section, value)`, `update(section, **fields)`, `add_step(entry)`;
+the RunJson sink alone saves it. A field not declared in finetune/telemetry/record_schema.py is refused
+there and then, so what a run writes cannot drift from the declared shape. Readers (compare, W&B, sweep, the end-of-run
 summary) go through `RecordView.get(section, *keys)`, which treats a null or missing value as
 absent and refuses a path the schema does not declare (a typo is a bug, not a silent None).
 
-Rank 0 writes the record atomically (temporary file + rename) so a reader never sees half a
-record; `summary.status` says whether the run is running, completed, interrupted or failed.
+`summary.status` says whether the run is running, completed, interrupted or failed.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import platform
 import types
 import typing
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from finetune.telemetry.machine import hardware, versions
 from finetune.telemetry.record_schema import ABSENT, BY_NAME, SCHEMA, SECTIONS
+from finetune.units import GIB
 
-__all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "covers", "declared_paths", "load", "paths_of"]
+__all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "load", "typed_fields", "unwrap"]
 
 
 class RunRecord:
-    """Holds the record in memory; `write()` persists it (call on rank 0 only)."""
+    """The record in memory (rank 0), and where it is saved (by the RunJson sink alone)."""
 
     def __init__(self, path: Path, *, run_name: str, recipe: str, config: dict):
         self.path = Path(path)
@@ -58,8 +58,8 @@ class RunRecord:
 
     def update(self, section: str, **fields: Any) -> None:
         """Set some fields of an object section (summary, batch, ...), keeping the others."""
-        shape = _unwrap(_section(section).shape)
-        hints = _fields(shape)
+        shape = unwrap(_section(section).shape)
+        hints = typed_fields(shape)
         for key, value in fields.items():
             if hints is not None and key not in hints:
                 raise _undeclared(section, [key])
@@ -70,19 +70,6 @@ class RunRecord:
         """Append one logged step to `steps`."""
         _validate([entry], _section("steps").shape, "steps")
         self.data["steps"].append(entry)
-
-    def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".run.json.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.data, f, indent=2, default=str)
-                f.write("\n")
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
 
 
 class RecordView:
@@ -143,37 +130,82 @@ def check(record) -> str | None:
     return None
 
 
+# --- the machine a run ran on: run.json `versions` and `hardware` -----------------------------
+
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "datasets", "finetune")
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def hardware() -> dict:
+    import psutil
+    import torch
+
+    host = psutil.virtual_memory().total / GIB
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return {
+            "device_type": "cuda",
+            "device_name": props.name,
+            "devices": torch.cuda.device_count(),
+            "device_memory_gib": round(props.total_memory / GIB, 2),
+            "host_memory_gib": round(host, 2),
+            "interconnect": interconnect(),
+        }
+    return {
+        "device_type": "cpu",
+        "device_name": platform.processor() or platform.machine(),
+        "devices": 1,
+        "device_memory_gib": None,
+        "host_memory_gib": round(host, 2),
+        "interconnect": None,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def interconnect() -> dict | None:
+    """GPU-to-GPU links: NVLink counts per device pair from NVML when nvidia-ml-py is installed,
+    else whether CUDA peer access works (P2P over NVLink or PCIe). None with fewer than 2 GPUs."""
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        return None
+    out = {
+        "peer_access": {
+            f"{i}-{j}": torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i < j
+        },
+        "nvlink_active_links": None,
+    }
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        links = {}
+        for i in range(n):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            active = 0
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+                except pynvml.NVMLError:
+                    break
+            links[str(i)] = active
+        out["nvlink_active_links"] = links
+    except Exception as e:  # NVML absent or unsupported: say so, the P2P answer still stands
+        out["nvml_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 # --- the declared shape --------------------------------------------------------------------
-# Paths name nodes of the record: `memory.per_rank[].rank` (a field of every list entry),
-# `predicted_memory.device.components_gib.*` (any key of a mapping), `config.**` (anything below).
-
-
-def declared_paths() -> set[str]:
-    """Every node the schema declares, in the path notation above (docs/run_record.md uses it)."""
-    out: set[str] = set()
-    for s in SECTIONS:
-        _declare(s.shape, s.name, out)
-    return out
-
-
-def paths_of(record: dict) -> set[str]:
-    """Every node present in a record (null values included, as leaves), in the same notation."""
-    out: set[str] = set()
-
-    def walk(value, path):
-        out.add(path)
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(value, list):
-            for v in value:
-                if isinstance(v, dict):
-                    walk(v, f"{path}[]")
-            out.discard(f"{path}[]")
-
-    for key, value in record.items():
-        walk(value, key)
-    return out
 
 
 def _section(name: str):
@@ -184,7 +216,7 @@ def _section(name: str):
     return BY_NAME[name]
 
 
-def _unwrap(hint):
+def unwrap(hint):
     """X | None -> X (the value may be null; its shape is X's)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         arms = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -192,7 +224,7 @@ def _unwrap(hint):
     return hint
 
 
-def _fields(hint) -> dict | None:
+def typed_fields(hint) -> dict | None:
     """A TypedDict's field -> type hints, or None for anything else."""
     if isinstance(hint, type) and typing.is_typeddict(hint):
         return typing.get_type_hints(hint)
@@ -208,10 +240,10 @@ def _undeclared(where: str, keys) -> ValueError:
 
 def _validate(value, hint, where: str) -> None:
     """Refuse fields the schema does not declare (types are the writers' business)."""
-    hint = _unwrap(hint)
+    hint = unwrap(hint)
     if value is None:
         return
-    fields = _fields(hint)
+    fields = typed_fields(hint)
     if fields is not None and isinstance(value, dict):
         extra = set(value) - set(fields)
         if extra:
@@ -228,31 +260,12 @@ def _validate(value, hint, where: str) -> None:
             _validate(item, args[1], f"{where}.{key}")
 
 
-def _declare(hint, path: str, out: set[str]) -> None:
-    out.add(path)
-    hint = _unwrap(hint)
-    fields = _fields(hint)
-    if fields is not None:
-        for key, sub in fields.items():
-            _declare(sub, f"{path}.{key}", out)
-        return
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is list and args and (_fields(_unwrap(args[0])) is not None):
-        _declare(args[0], f"{path}[]", out)
-        out.discard(f"{path}[]")
-    elif origin is dict and len(args) == 2:
-        if args[1] is Any:
-            out.add(f"{path}.**")
-        else:
-            _declare(args[1], f"{path}.*", out)
-
-
 def _check_path(section: str, keys) -> None:
     hint = _section(section).shape
     where = section
     for key in keys:
-        hint = _unwrap(hint)
-        fields = _fields(hint)
+        hint = unwrap(hint)
+        fields = typed_fields(hint)
         if fields is not None:
             if key not in fields:
                 raise KeyError(f"run.json {where} has no field {key!r} (finetune/telemetry/record_schema.py)")
@@ -264,14 +277,3 @@ def _check_path(section: str, keys) -> None:
         else:
             return
         where = f"{where}.{key}"
-
-
-def covers(pattern: str, path: str) -> bool:
-    """Whether a declared path (with `*` / `**`) names a present node's path."""
-    want, got = pattern.split("."), path.split(".")
-    for i, part in enumerate(want):
-        if part == "**":
-            return len(got) > i
-        if i >= len(got) or (part != "*" and part != got[i]):
-            return False
-    return len(got) == len(want)

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from finetune.data.build import DataStats
-from finetune.telemetry.record_nodes import Nodes
-from finetune.telemetry.record_predicted import PredictedMemory
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
 
@@ -87,7 +85,7 @@ class Setup(TypedDict):
 
 
 class Parallel(TypedDict, total=False):
-    """The live mesh (finetune/training/engaged_strategy.py live_mesh; finetune/mesh.py)."""
+    """The live mesh (finetune/training/strategy_evidence.py live_mesh; finetune/mesh.py)."""
 
     dp_replicate: int  # data-parallel ranks holding whole model states (DDP)
     dp_shard: int  # data-parallel ranks sharding them (ZeRO-1/2/3 states, FSDP2)
@@ -200,7 +198,7 @@ class Memory(TypedDict):
     per_rank: list[RankMemory]
     max: MemoryPeaks
     loading: LoadingMemory
-    host_peak_method: str  # vmhwm | sampled (finetune/telemetry/memory_peaks.py)
+    host_peak_method: str  # vmhwm | sampled (finetune/telemetry/meter.py)
 
 
 class Throughput(TypedDict, total=False):
@@ -409,6 +407,130 @@ class Speed(TypedDict):
 
 
 ABSENT = object()  # a section's initial value when the key appears only once it is first set
+
+
+# --- `nodes`: the machines a run spans, read from the live process group (finetune/launch/nodes.py)
+
+
+class RankPlace(TypedDict):
+    rank: int
+    local_rank: int
+    node: str  # SLURMD_NODENAME under SLURM, else the host name
+    node_rank: int  # the launch's machine rank (torchrun GROUP_RANK), else SLURM_NODEID, else 0
+    hostname: str
+    pid: int
+    params_local: int | None  # parameter elements this rank holds, read when training begins
+    params_full: int | None  # parameter elements of the whole model
+    host_peak_rss_gib: float | None  # this rank's host RSS high-water mark, read when training ends
+
+
+class NodeFigures(TypedDict):
+    node_rank: int
+    node: str
+    ranks: list[int]
+    params_local: int | None  # summed over the node's ranks
+    param_fraction: float | None  # params_local / the model's elements
+    host_peak_rss_gib: float | None  # the ranks' high-water marks summed
+
+
+class SlurmJob(TypedDict):
+    job_id: str
+    job_nodelist: str | None
+    step_nodes: int | None
+    restart_count: int
+
+
+class Nodes(TypedDict):
+    """The machines the run spans, from the live process group (finetune/launch/nodes.py)."""
+
+    world_size: int
+    num_machines: int
+    node_rank_from: str  # GROUP_RANK | SLURM_NODEID | one machine
+    slurm: SlurmJob | None
+    ranks: list[RankPlace]
+    per_node: list[NodeFigures]
+    param_partition: str | None  # how the parameters are split, read from the live engine
+
+
+# --- `predicted_memory`: the planner's prediction for the strategy that engaged and its error
+# against the measured peaks (finetune/planning/prediction.py)
+
+
+class PredictedDevice(TypedDict):
+    components_gib: dict[str, float]  # at the predicted peak: they add up to allocated_gib
+    allocated_gib: float
+    allocator_allowance_gib: float
+    late_unfit_gib: float
+    reserved_gib: float
+    cuda_context_gib: float
+    total_gib: float  # reserved + CUDA context: what the device must hold
+
+
+class PredictedHost(TypedDict):
+    components_gib: dict[str, float]
+    total_gib: float
+
+
+class PredictedPrecision(TypedDict):
+    policy: str
+    note: str
+    param_bytes: int
+    frozen_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    master_bytes: int
+    autocast: bool
+    compute_bytes: int | None
+
+
+class PlannerConstant(TypedDict):
+    value: float
+    kind: str  # derived | fitted | assumed | measured
+    source: str
+
+
+class Assumptions(TypedDict):
+    micro_batch: int
+    seq_len: int
+    seq_len_source: str
+    grad_accum: int
+    gradient_checkpointing: bool
+    layout: str
+    attention_kernel: str
+    loss_impl: str
+    logits_bytes: int
+    optimizer: str
+    nf4_bits_per_param: float
+    constants: dict[str, PlannerConstant]
+    not_modelled: list[str]
+    device_scope: str
+    host_scope: str
+
+
+class PredictionError(TypedDict):
+    predicted_gib: float
+    measured_gib: float
+    relative_error: float
+
+
+class PredictionErrors(TypedDict):
+    device_allocated: PredictionError | None
+    device_reserved: PredictionError | None
+    host: PredictionError | None
+    host_lifetime_peak_rank0: PredictionError | None
+
+
+class PredictedMemory(TypedDict):
+    strategy: str
+    method: str
+    world_size: int
+    precision: PredictedPrecision
+    phase: str  # the moment of the step that holds the predicted peak
+    phases_gib: dict[str, float]
+    device: PredictedDevice | None
+    host: PredictedHost
+    assumptions: Assumptions
+    error: PredictionErrors | None
 
 
 @dataclass(frozen=True)

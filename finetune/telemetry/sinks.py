@@ -1,20 +1,27 @@
 """Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new
-backend is one more class (rank 0 holds them; docs/run_record.md).
+backend is one more class (rank 0 holds them; docs/run_record.md, docs/architecture.md "The sinks").
 
-The run calls `start` once the record holds what the run set up (before step 1), `log` once per log
-window with that window's steps[] entry, and `close` once it ends, with its exit code. Each window also
-reaches Trainer's own callbacks first (FinetuneTrainer.log): the progress bar prints its line there, and
-transformers' WandbCallback (report_to: wandb) logs it into the W&B run this module starts.
+Sections are computed elsewhere by pure functions and handed over here (`put`, `merge`) by the run's
+phases (finetune/training/run.py) and its hooks (finetune/training/hooks.py). The run calls `commit`
+once its directory is its own, `start` once the record holds what the run set up (before step 1),
+`log` once per log window with its steps[] entry (after Trainer's own callbacks: the progress line,
+transformers' WandbCallback into the W&B run started here), and `close` with the exit code.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Protocol
 
+from finetune import storage
+from finetune.telemetry import wandb_logging
 from finetune.telemetry.record import RecordView, RunRecord
+from finetune.telemetry.summary import Console
 
 log = logging.getLogger("finetune")
 
@@ -27,44 +34,36 @@ class Sink(Protocol):
     def close(self, record: RecordView, exit_code: int) -> None: ...
 
 
-class Sinks:
-    """Every backend of a run, called in the order given."""
-
-    def __init__(self, *sinks: Sink):
-        self.sinks = sinks
-
-    def start(self, record: RecordView) -> None:
-        for sink in self.sinks:
-            sink.start(record)
-
-    def log(self, entry: dict) -> None:
-        for sink in self.sinks:
-            sink.log(entry)
-
-    def close(self, record: RecordView, exit_code: int) -> None:
-        for sink in self.sinks:
-            sink.close(record, exit_code)
-
-
 class RunJson:
-    """run.json: written at the start, after each log window (steps[] and summary.steps) and at the end.
-    A disk that refuses it mid-run (full, quota) is said once and training goes on, the record kept in
-    memory and written again at the next window; at the end the failure is said on stderr."""
+    """run.json, and the only code that saves it, atomically (temporary file + rename: a reader never
+    sees half a record). `commit` and `start` save or raise; from the commit on, every section handed
+    over is saved at once, and so is each log window and the end. A disk that refuses it mid-run (full,
+    quota) is said once and the run goes on, the record kept in memory and saved again next time; at
+    the end the failure is said on stderr."""
 
     def __init__(self, record: RunRecord):
         self.record = record
-        self.failing: str | None = None  # why the last write failed, until one succeeds
+        self.committed = False  # saved once: before, nothing is (a resume refused early changes nothing)
+        self.failing: str | None = None  # why the last save failed, until one succeeds
+
+    def commit(self) -> None:
+        self.save()
+        self.committed = True
 
     def start(self, record: RecordView) -> None:
-        self.record.write()
+        self.save()
+
+    def changed(self) -> None:
+        if self.committed:
+            self._save_or_say()
 
     def log(self, entry: dict) -> None:
         self.record.add_step(entry)
         self.record.update("summary", steps=entry["step"])
-        self._write()
+        self._save_or_say()
 
     def close(self, record: RecordView, exit_code: int) -> None:
-        if not self._write():
+        if not self._save_or_say():
             print(
                 f"error: {self.record.path} could not be updated with how the run ended "
                 f"(status {record.status}): {self.failing}",
@@ -72,13 +71,26 @@ class RunJson:
                 flush=True,
             )
 
-    def _write(self) -> bool:
-        from finetune import storage
-
+    def save(self) -> None:
+        path = self.record.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".run.json.", dir=path.parent)
         try:
-            self.record.write()
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.record.data, f, indent=2, default=str)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def _save_or_say(self) -> bool:
+        path = self.record.path
+        try:
+            self.save()
         except OSError as e:
-            failure = storage.error(e, self.record.path, f"writing {self.record.path}")
+            failure = storage.error(e, path, f"writing {path}")
             if failure is None:
                 raise
             if self.failing is None:
@@ -89,12 +101,51 @@ class RunJson:
         return True
 
 
+class Sinks:
+    """Every backend of a run, run.json first, called in the order given; the record they are handed."""
+
+    def __init__(self, run_json: RunJson, *others: Sink):
+        self.run_json = run_json
+        self.sinks: tuple[Sink, ...] = (run_json, *others)
+
+    @property
+    def view(self) -> RecordView:
+        return self.run_json.record.view
+
+    @property
+    def committed(self) -> bool:
+        return self.run_json.committed
+
+    def commit(self) -> None:
+        self.run_json.commit()
+
+    def put(self, **sections) -> None:
+        """Hand over whole sections (replacing what the record held)."""
+        for name, value in sections.items():
+            self.run_json.record.set(name, value)
+        self.run_json.changed()
+
+    def merge(self, section: str, **fields) -> None:
+        """Hand over some fields of an object section (summary, batch, ...), keeping the others."""
+        self.run_json.record.update(section, **fields)
+        self.run_json.changed()
+
+    def start(self) -> None:
+        for sink in self.sinks:
+            sink.start(self.view)
+
+    def log(self, entry: dict) -> None:
+        for sink in self.sinks:
+            sink.log(entry)
+
+    def close(self, exit_code: int) -> None:
+        for sink in self.sinks:
+            sink.close(self.view, exit_code)
+
+
 def for_run(cfg, record: RunRecord, run_dir: Path) -> Sinks:
     """A run's backends (rank 0): run.json, the console, and W&B when logging.report_to names it."""
-    from finetune.telemetry import wandb_logging
-    from finetune.telemetry.summary import Console
-
-    backends = [RunJson(record), Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
+    backends = [Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
     if wandb_logging.enabled(cfg.logging.report_to):
         backends.append(wandb_logging.WandB(cfg.logging.wandb_project, run_dir))
-    return Sinks(*backends)
+    return Sinks(RunJson(record), *backends)

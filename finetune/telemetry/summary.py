@@ -45,6 +45,20 @@ def start_line(record: RecordView) -> str:
 
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
     """The table, from the run record of a completed run (rank 0)."""
+    rows = _training_rows(record, method) + _speed_rows(record) + _evaluation_rows(record)
+    rows.append(
+        ("wall time", f"{record.get('summary', 'wall_s'):.0f} s (training {record.get('summary', 'train_s'):.0f} s)")
+    )
+    rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
+    if model_dir:
+        rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    print("\n".join(["", "=" * 78, *lines, "=" * 78]), flush=True)
+
+
+def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
+    """Steps and batch, strategy, precision, learning rate, losses and tokens."""
 
     def s(key):
         return record.get("summary", key)
@@ -52,13 +66,20 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     def b(key):
         return record.get("batch", key)
 
-    def tp(key):
-        return record.get("throughput", key)
-
     def lr(key):
         return record.get("lr", key)
 
-    rows = [
+    tokens = (
+        f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
+        if s("total_trained_tokens") is not None
+        else "n/a (see run.json throughput.mfu_note)"
+    )
+    if record.get("summary", "resumed_from"):
+        tokens += f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
+    losses = (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a") + (
+        f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else ""
+    )
+    return [
         (
             "steps",
             f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
@@ -71,25 +92,18 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
         ),
         ("precision", precision_line(record)),
         ("learning rate", f"{lr('applied'):.3g} ({lr('rule')} scaling, factor {lr('factor'):.3g})"),
-        (
-            "train loss",
-            (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a")
-            + (f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else ""),
-        ),
-        (
-            "trained tokens",
-            (
-                f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
-                if s("total_trained_tokens") is not None
-                else "n/a (see run.json throughput.mfu_note)"
-            )
-            + (
-                f" (whole run, {s('steps_counted')} of {s('steps')} steps counted)"
-                if record.get("summary", "resumed_from")
-                else ""
-            ),
-        ),
+        ("train loss", losses),
+        ("trained tokens", tokens),
     ]
+
+
+def _speed_rows(record: RecordView) -> list[tuple[str, str]]:
+    """Throughput and MFU (when measured), and the memory peaks."""
+
+    def tp(key):
+        return record.get("throughput", key)
+
+    rows = []
     if tp("trained_tokens_per_s") is not None:
         rows.append(
             (
@@ -100,14 +114,8 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
                 f"step clock only: no data loading, logging, evaluation or saves)",
             )
         )
-        rows.append(
-            (
-                "MFU",
-                f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}"
-                if tp("mfu") is not None
-                else "n/a (" + (tp("mfu_note") or "no peak figure") + ")",
-            )
-        )
+        mfu = f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}" if tp("mfu") is not None else None
+        rows.append(("MFU", mfu or "n/a (" + (tp("mfu_note") or "no peak figure") + ")"))
     device = record.get("memory", "max", "device_peak_allocated_gib")
     rows.append(
         (
@@ -116,39 +124,31 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
             + f"host RSS {record.get('memory', 'max', 'host_peak_rss_gib') or 0:.2f} GiB (max over ranks)",
         )
     )
+    return rows
+
+
+def _evaluation_rows(record: RecordView) -> list[tuple[str, str]]:
+    """Exact match before and after training, per task when there are several."""
     after = record.get("eval", "exact_match_after")
-    if after is not None:
-        before = record.get("eval", "exact_match_before")
-        rows.append(
-            (
-                "exact match",
-                (f"{100 * before:.1f}% -> " if before is not None else "")
-                + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts",
-            )
+    if after is None:
+        return []
+    before = record.get("eval", "exact_match_before")
+    rows = [
+        (
+            "exact match",
+            (f"{100 * before:.1f}% -> " if before is not None else "")
+            + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts",
         )
-        per_task = record.get("eval", "details", "after", "per_task", default={})
-        if len(per_task) > 1:
-            pre = record.get("eval", "details", "before", "per_task", default={})
-            rows.append(
-                (
-                    "  per task",
-                    ", ".join(
-                        f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
-                        for t, v in per_task.items()
-                    ),
-                )
-            )
-    rows.append(("wall time", f"{s('wall_s'):.0f} s (training {s('train_s'):.0f} s)"))
-    rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
-    if model_dir:
-        rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
-    width = max(len(k) for k, _ in rows)
-    lines = (
-        ["", "=" * 78, f"run {record.get('run_name')} completed"]
-        + [f"  {k:<{width}}  {v}" for k, v in rows]
-        + ["=" * 78]
-    )
-    print("\n".join(lines), flush=True)
+    ]
+    per_task = record.get("eval", "details", "after", "per_task", default={})
+    if len(per_task) > 1:
+        pre = record.get("eval", "details", "before", "per_task", default={})
+        shown = (
+            f"{t} {100 * pre[t]:.0f}->{100 * v:.0f}%" if t in pre else f"{t} {100 * v:.0f}%"
+            for t, v in per_task.items()
+        )
+        rows.append(("  per task", ", ".join(shown)))
+    return rows
 
 
 def _set_up_by(value: str | None) -> str:

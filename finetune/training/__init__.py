@@ -1,2 +1,2 @@
-"""One training run: the run itself in phases (run.py), its Trainer (trainer.py), the strategy that
-engaged, the precision read back, speed options, evaluation."""
+"""One training run: the phases (run.py), what is recorded and checked around training (hooks.py), its
+Trainer (trainer.py, resilience.py), how it ends (endings.py); docs/architecture.md."""

@@ -33,13 +33,15 @@ class RunArguments:
     gradient_checkpointing: bool  # applied by finetune/modeling/load.py before the LoRA wrap
 
 
+# Fields the run applies itself instead of Trainer: the rotation (once a checkpoint is complete) and
+# activation checkpointing (finetune/modeling/load.py, before the LoRA wrap).
+OURS_TO_APPLY = ("save_total_limit", "gradient_checkpointing", "activation_checkpointing")
+
+
 def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunArguments:
-    values = dict(cfg.training.args)
-    save_total_limit = values.pop("save_total_limit", None)
-    # transformers 5.23 renamed the option: either name turns it on
-    checkpointing = bool(values.pop("gradient_checkpointing", False)) | bool(
-        values.pop("activation_checkpointing", False)
-    )
+    given = cfg.training.typed
+    values = {k: v for k, v in cfg.training.args.items() if k not in OURS_TO_APPLY}  # the rest goes to Trainer
+    checkpointing = bool(given.gradient_checkpointing or given.activation_checkpointing)
     if launch.cpu_gloo is not None:
         values["use_cpu"] = True  # Trainer's PartialState joins the gloo group (finetune/launch/cpu_rehearsal.py)
     values.update(launch.setup.trainer_arguments if launch.setup is not None else {})  # the recipe's own strategy
@@ -58,7 +60,7 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
     values["learning_rate"] = lr["applied"]  # the optimizer is built from this value
     values.update(mesh_arguments(cfg, launch))
     args = build(output_dir=str(output_dir), run_name=run_name, report_to=cfg.logging.report_to or "none", **values)
-    return RunArguments(args, sizes, lr, save_total_limit, checkpointing)
+    return RunArguments(args, sizes, lr, given.save_total_limit, checkpointing)
 
 
 def mesh_arguments(cfg, launch: LaunchPlan) -> dict:

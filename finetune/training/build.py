@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from finetune.config.sections import Config
     from finetune.launch.plan import LaunchPlan
     from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
 
 def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
@@ -59,15 +59,16 @@ def trainer_for(
     eval_dataset,
     tokenizer,
     sinks=None,
-    record=None,
+    machines=None,
 ) -> ResilientTrainer:
     """ResilientTrainer over the configured batch layout, with the strategy that engaged checked
     against the recipe and the precision policy applied; both are read back from the live objects
-    before step 1. `sinks` and `record`: rank 0 of a run (None in the benchmark)."""
+    before step 1 (finetune/training/hooks.py). `sinks`: rank 0 of a run; `machines`: a run's, every
+    rank (run.json `nodes`); None in the benchmark."""
     from finetune.data import collate
     from finetune.telemetry import meter
-    from finetune.training import engaged_strategy, precision_live
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.hooks import RunHooks
+    from finetune.training.resilience import ResilientTrainer
 
     trainer = ResilientTrainer(
         model=model,
@@ -91,26 +92,27 @@ def trainer_for(
         on_collapse=cfg.training.on_collapse,
         collapse_windows=cfg.training.collapse_windows,
     )
-    engaged = engaged_strategy.engaged(trainer.accelerator.state, method=cfg.method.name, setup=launch.setup)
-    engaged_strategy.check_expected(cfg.run.strategy, engaged, cfg.recipe, cfg.run.offload)
-    engaged_strategy.live_check(
-        trainer,
-        declared=engaged,
-        expected=cfg.run.strategy,
-        expected_offload=cfg.run.offload,
-        recipe=cfg.recipe,
-        record=record,
-        mesh=launch.mesh,
-    )  # the wrapped engine and the live mesh, before the first step
-    precision_live.apply(trainer, launch.policy)  # FSDP2 MixedPrecisionPolicy, DeepSpeed keys: read by prepare
-    precision_live.install(
-        trainer,
-        launch.policy,
-        requested=cfg.training.precision,
-        family=launch.family,
-        method=cfg.method.name,
-        load_dtype=launch.policy.load_dtype(cfg.method.name),
-        learning_rate=arguments.lr["applied"],
-        record=record,
-    )  # before step 1
+    trainer.add_callback(
+        RunHooks(trainer, cfg, launch, learning_rate=arguments.lr["applied"], sinks=sinks, machines=machines)
+    )  # the strategy refused now if it is not the recipe's; the live engine and precision before step 1
+    apply_precision(trainer, launch.policy)
     return trainer
+
+
+def apply_precision(trainer, policy) -> None:
+    """FSDP2's MixedPrecisionPolicy and DeepSpeed's precision keys, read by Accelerator.prepare
+    (accelerate/utils/fsdp_utils.py fsdp2_prepare_model; accelerator.py _prepare_deepspeed)."""
+    from finetune.precision import torch_dtype
+
+    state = trainer.accelerator.state
+    if trainer.accelerator.is_fsdp2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kwargs = policy.fsdp_mixed_precision() or {}
+        state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            **{k: torch_dtype(v) if k.endswith("_dtype") else v for k, v in kwargs.items()}
+        )
+    ds = getattr(state, "deepspeed_plugin", None)
+    if ds is not None:
+        for section, values in policy.deepspeed_keys().items():
+            ds.deepspeed_config.setdefault(section, {}).update(values)

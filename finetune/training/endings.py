@@ -1,117 +1,289 @@
-"""How a run that does not complete ends, on every rank: preempted (a signal during or after
-training: a complete checkpoint, exit 75), stopped before training (nothing to save, exit 75),
-diverged (exit 3), failed (the record says why, the error goes on) or stuck (the watchdog's stop). Rank 0 records it and says
-it once (docs/faults.md). `run` is the phases' Run (finetune/training/run.py)."""
+"""How a run ends, on every rank (docs/faults.md "After training", "Hangs and every stop signal"): the
+steps after its training, and the endings of a run that does not complete. Pure where the record is
+concerned: each returns what run.json should say, and finetune/training/run.py hands it to the sinks.
+
+After the last optimizer step, the measurements, the export, the eval loss, exact match and the record
+run as steps of `AfterTraining`, each ending at a boundary where every rank agrees on its outcome
+(finetune/training/signals.py `agree`), within a limit the watchdog enforces (training.finish_timeout
+without progress; training.ddp_timeout for the steps that write the model):
+
+* a failure on any rank: every rank raises; leaving the block, every rank saves the trained weights
+  (agreed the same way) and the error says where: the export, when it completed before the error;
+  else the export is made then (also with run.save_model false); when that fails too, a complete
+  checkpoint of the final step (Trainer's own save and the completion marker), or the one written.
+* a stop signal on any rank: every rank writes the checkpoint of the final step and raises
+  signals.Stopped (the run ends preempted, exit 75).
+
+A run that does not complete ends preempted (a complete checkpoint, exit 75), stopped before training
+(nothing to save, exit 75), diverged (exit 3), failed (the error goes on) or stuck (the watchdog's stop).
+"""
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from finetune.errors import EXIT_PREEMPTED
+from finetune import storage
+from finetune.checkpointing import checkpoints, resume
+from finetune.errors import EXIT_PREEMPTED, UserError
+from finetune.launch import peers
+from finetune.modeling import load
+from finetune.planning import prediction
+from finetune.telemetry import formulas, meter, model_flops
+from finetune.telemetry.record import RecordView
+from finetune.training import signals
+from finetune.training.resilience import Diverged
 
-if TYPE_CHECKING:
-    from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+log = logging.getLogger("finetune")
 
 
-def preempted(run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
+class TrainedWeightsSaved(RuntimeError):
+    """A failure after training, raised once the trained weights are safe; the message says where."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Seconds the watchdog gives a step after training: without progress, and to write the model."""
+
+    finish_s: float
+    save_s: float
+
+
+class AfterTraining:
+    """The steps after the last optimizer step (module docstring)."""
+
+    def __init__(self, trainer, model_dir: Path, tokenizer, limits: Limits):
+        self.trainer = trainer
+        self.checkpoint: Path | None = None  # the final step's, when the export failed (run.json summary.checkpoint)
+        self.model_dir, self.tokenizer = Path(model_dir), tokenizer
+        self.limits = limits
+        self.attempted = False  # the export was started
+        self.exported: Path | None = None  # ... and completed
+
+    def step(self, what: str, fn, *, saves: bool = False):
+        """fn() on this rank, then the boundary: a failure on any rank raises on every rank; a stop
+        signal on any rank writes the final step's checkpoint and raises signals.Stopped on every rank."""
+        result, flags = self._agreed(what, fn, saves)
+        if any(flags):
+            self.trainer.resilience.stop_after_training(flags)
+            raise signals.Stopped(self.trainer.resilience.preempted, f"after {what}")
+        return result
+
+    def _agreed(self, what: str, fn, saves: bool):
+        """(fn()'s result, every rank's signal flag); a failure on any rank raises on every rank."""
+        error = result = None
+        limit = self.limits.save_s if saves else self.limits.finish_s
+        with peers.watch.during(what, limit):
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - agreed first, then raised on every rank
+                error = e
+            return result, signals.agree(self.trainer.accelerator, what, error)
+
+    def export(self, then=None) -> None:
+        """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, as a
+        step every rank agrees on: complete from then on. `then()` runs after it on this rank (a drill)."""
+
+        def write():
+            self._write_export()
+            if then:
+                then()
+
+        self.step("the export", write, saves=True)
+        self.exported = self.model_dir
+
+    def _write_export(self) -> None:
+        self.attempted = True
+        load.save_final_model(self.trainer, self.model_dir)
+        if self.trainer.accelerator.is_main_process:
+            self.tokenizer.save_pretrained(str(self.model_dir))
+
+    def __enter__(self) -> AfterTraining:
+        return self
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or not isinstance(error, Exception) or isinstance(error, signals.Stopped):
+            return False  # success, or a stop: the checkpoint of the final step is written (docs/faults.md)
+        where = self._save()
+        if isinstance(error, UserError):
+            raise UserError(f"{error}\n{where}") from None
+        if isinstance(error, Diverged):  # a collapsed run that trained to the end (training/resilience.py)
+            raise type(error)(f"{error}; {where}", error.skipped) from error
+        raise TrainedWeightsSaved(f"{type(error).__name__}: {error}\n{where}") from error
+
+    def _save(self) -> str:
+        """On every rank (each step's failure was agreed): the export, else a checkpoint."""
+        done = "the training itself completed: the trained model is exported in {}"
+        if self.exported is not None:
+            return done.format(self.exported)
+        if not self.attempted:
+            log.warning("saving the trained model before reporting the error: %s", self.model_dir)
+            try:
+                self._agreed("the export after the error", self._write_export, saves=True)
+                return done.format(self.model_dir) + " (saved after the error)"
+            except Exception:  # noqa: BLE001 - on every rank (agreed); reported with the first error
+                log.exception("the export after the error failed; saving a checkpoint instead")
+        return self._checkpoint()
+
+    def _checkpoint(self) -> str:
+        trainer = self.trainer
+        step = trainer.state.global_step
+        try:
+            with peers.watch.during("the checkpoint of the final step", self.limits.save_s):
+                ckpt = trainer.resilience.final_checkpoint()
+        except Exception as e:  # noqa: BLE001 - the first error is the one to report; this one is added to it
+            log.exception("the trained weights could not be saved")
+            last = trainer.resilience.last_complete
+            return (
+                f"the trained weights could not be saved ({type(e).__name__}: {e}); the last complete "
+                f"checkpoint is {last if last else 'none written in this run'}"
+            )
+        self.checkpoint = ckpt
+        return (
+            f"the training itself completed: the export failed, and the trained weights are saved in the complete "
+            f"checkpoint {ckpt} (step {step}; its model files load with from_pretrained, --resume continues from it)"
+        )
+
+
+# --- the figures of a run whose training completed ----------------------------------------------------
+
+
+def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> tuple[dict, dict]:
+    """(summary fields, sections) of a run whose training completed: totals, memory, throughput and
+    the prediction's error, whole-run for a resumed run (finetune/telemetry/formulas.py); `view`: the
+    record so far. A figure that cannot be computed is null with the reason in the record; the run
+    stays completed (its training did)."""
+    warmup, summary = cfg.training.throughput_warmup_steps, {}
+    try:
+        starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
+        earlier = formulas.earlier_entries(view.get("steps", default=[]), view.get("summary", "resumed_at_step"))
+        summary, stretches, excluded = formulas.whole_run(
+            earlier,
+            starts,
+            warmup=warmup,
+            steps=len(measured["step_s"]),
+            trained=sum(measured["trained_tokens"]),
+            inputs=sum(measured["input_tokens"]),
+            train_loss=train_loss,
+        )
+        flops, reason = model_flops.from_model(model, cfg.method.name)
+        measured_figures = meter.run_figures(
+            measured,
+            hardware=view.get("hardware"),
+            model_flops=flops,
+            flops_reason=reason,
+            world_size=world,
+            warmup=warmup,
+            earlier=stretches,
+            earlier_excluded=excluded,
+        )
+    except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
+        log.exception("run figures could not be computed; they are null in run.json, with the error")
+        throughput = {
+            **formulas.throughput([], excluded=0),
+            "flops_convention": None,
+            "flops_per_token": None,
+            "peak_device": None,
+            "scope": meter.SCOPE,
+            "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
+        }
+        return {**summary, "train_loss": train_loss, "total_trained_tokens": None}, {
+            "memory": None,
+            "throughput": throughput,
+        }
+    after = {**view.data, "memory": measured_figures["memory"]}  # the prediction's error reads the peaks
+    predicted = prediction.prediction_with_error(
+        RecordView(after), host_lifetime_gib=measured["host_lifetime_peak_gib"]
+    )
+    sections = {"memory": measured_figures["memory"], "throughput": measured_figures["throughput"]}
+    sections["batch"] = {**view.get("batch", default={}), **measured_figures["batch"]}
+    if predicted is not None:
+        sections["predicted_memory"] = predicted
+    return summary, sections
+
+
+# --- a run that does not complete -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a run ends: its exit code, what run.json `summary` says, and what rank 0 prints."""
+
+    code: int
+    summary: dict = field(default_factory=dict)
+    said: str | None = None
+    to_stderr: bool = False
+
+
+def preempted(trainer, effective_batch: int, run_dir: Path) -> Ending:
     """Status `interrupted`, the resume command, and an exit code that says preempted."""
-    from finetune.checkpointing import resume
-    from finetune.training.signals import cause
-
     p, ckpt = trainer.resilience.preempted, trainer.resilience.last_complete
-    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
-    if run.record:
-        run.record.update(
-            "summary",
+    command = resume.resume_command(
+        run_dir, effective=effective_batch, per_device=trainer.args.per_device_train_batch_size
+    )
+    return Ending(
+        EXIT_PREEMPTED,
+        dict(
             status="interrupted",
             steps=trainer.state.global_step,
             checkpoint=str(ckpt),
-            error=f"preempted by {cause(p)} at step {p['step']}",
+            error=f"preempted by {signals.cause(p)} at step {p['step']}",
             nonfinite_skipped=trainer.skipped_steps,
-        )
-        run.sinks.close(run.record.view, EXIT_PREEMPTED)
-        command = resume.resume_command(
-            run.dir, effective=arguments.batch["effective"], per_device=trainer.args.per_device_train_batch_size
-        )
-        print(
-            f"\npreempted: {cause(p)}; stopped after step {p['step']} with a complete checkpoint {ckpt}.\n"
-            f"resume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
-            flush=True,
-        )
-    return EXIT_PREEMPTED
+        ),
+        f"\npreempted: {signals.cause(p)}; stopped after step {p['step']} with a complete checkpoint {ckpt}.\n"
+        f"resume with:\n  {command}\nexit code {EXIT_PREEMPTED} (preempted)",
+    )
 
 
-def stopped_before_training(run, e, ended: list) -> int:
-    """Every rank agreed to stop before training (signals.Stopped): nothing trained, so nothing to
-    checkpoint. The record says `interrupted`; the same command starts the run again (its directory
-    is reused: finetune/launch/rundir.py reusable)."""
-    from finetune.checkpointing import resume
-
-    ended.append(True)
-    if run is not None and run.record and run.committed:
-        run.record.update("summary", status="interrupted", error=f"stopped by {e}, before training")
-        run.sinks.close(run.record.view, EXIT_PREEMPTED)
-    if run is None or run.state.is_main_process:
-        again = (
-            f"resume with:\n  {resume.resume_command(run.dir, effective=None, per_device=None)}"
-            if run is not None and run.resume
-            else "nothing was trained; run the same command again to start it"
-        )
-        print(f"\nstopped: {e}, before training.\n{again}\nexit code {EXIT_PREEMPTED} (preempted)", flush=True)
-    return EXIT_PREEMPTED
+def stopped_before_training(e: signals.Stopped, run_dir: Path | None, resumed: bool) -> Ending:
+    """Every rank agreed to stop before training: nothing trained, so nothing to checkpoint. The record
+    says `interrupted`; the same command starts the run again (its directory is reused:
+    finetune/launch/rundir.py reusable)."""
+    again = (
+        f"resume with:\n  {resume.resume_command(run_dir, effective=None, per_device=None)}"
+        if resumed
+        else "nothing was trained; run the same command again to start it"
+    )
+    return Ending(
+        EXIT_PREEMPTED,
+        dict(status="interrupted", error=f"stopped by {e}, before training"),
+        f"\nstopped: {e}, before training.\n{again}\nexit code {EXIT_PREEMPTED} (preempted)",
+    )
 
 
-def diverged(run, e) -> int:
-    """A non-finite loss or gradient norm, or a collapsed model, every rank agreed on (training/collapse.py):
-    recorded, said without a traceback."""
-    if run.record and run.committed:
-        run.record.update("summary", status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
-        run.sinks.close(run.record.view, e.exit_code)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-    run.ended.append(True)
-    return e.exit_code
+def diverged(e: Diverged) -> Ending:
+    """A non-finite loss or gradient norm, or a collapsed model, every rank agreed on
+    (finetune/training/resilience.py): recorded, said without a traceback."""
+    summary = dict(status="failed", error=f"{type(e).__name__}: {e}", nonfinite_skipped=e.skipped)
+    return Ending(e.exit_code, summary, f"error: {e}", to_stderr=True)
 
 
-def failed(run, e: BaseException) -> BaseException:
-    """Record how the run ended (rank 0) and return what to raise: a StorageError for a full,
-    read-only or forbidden disk (said without a traceback, finetune/storage.py), else `e`. A rank
-    whose collective failed names the ranks (and nodes) that stopped answering (finetune/launch/peers.py):
-    a rank stopped with SIGSTOP stops beating too."""
-    from finetune import storage
-    from finetune.launch import peers
-    from finetune.training import signals
-
-    failure = storage.error(e, run.dir, "writing the run's files") if isinstance(e, Exception) else None
+def failed(e: BaseException, run_dir: Path, heartbeat, machines) -> tuple[Ending, BaseException]:
+    """How a run that failed ends, and what to raise: a StorageError for a full, read-only or
+    forbidden disk (said without a traceback, finetune/storage.py), else `e`. A rank whose collective
+    failed names the ranks (and nodes) that stopped answering (finetune/launch/peers.py): a rank
+    stopped with SIGSTOP stops beating too."""
+    failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
-    lost = None if signals.failures_agreed else peers.failure_note(failure or e, run.heartbeat, run.launch.machines)
-    if run.record and run.committed:
-        interrupted = isinstance(e, KeyboardInterrupt)
-        shown = failure or e
-        run.record.update(
-            "summary",
-            status="interrupted" if interrupted else "failed",
-            error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
-        )
-        if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
-            run.record.update("summary", checkpoint=_newest_complete(run.dir))
-        run.sinks.close(run.record.view, 1)
-    return failure or e
+    lost = None if signals.failures_agreed else peers.failure_note(failure or e, heartbeat, machines)
+    interrupted = isinstance(e, KeyboardInterrupt)
+    shown = failure or e
+    summary = dict(
+        status="interrupted" if interrupted else "failed",
+        error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
+    )
+    if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
+        summary["checkpoint"] = newest_complete(run_dir)
+    return Ending(1, summary), failure or e
 
 
-def stuck(run, cause: str) -> None:
-    """The watchdog ends this rank (finetune/launch/peers.py; its thread, the main thread held in a
-    collective): rank 0 records the run failed with `cause` and the newest complete checkpoint, which
-    stays (nothing is deleted). No sink is closed and no collective entered: either could hang too."""
-    if not (run.record and run.committed):
-        return
-    run.record.update("summary", status="failed", error=cause, checkpoint=_newest_complete(run.dir))
-    run.record.write()
+def stuck(cause: str, run_dir: Path) -> dict:
+    """run.json `summary` when the watchdog ends this rank (finetune/launch/peers.py): failed with
+    `cause`, and the newest complete checkpoint, which stays (nothing is deleted)."""
+    return dict(status="failed", error=cause, checkpoint=newest_complete(run_dir))
 
 
-def _newest_complete(run_dir) -> str | None:
-    from finetune.checkpointing import checkpoints
-
+def newest_complete(run_dir) -> str | None:
     found = checkpoints.checkpoints(run_dir)
     return next((str(c) for c in reversed(found) if checkpoints.problem(c, verify=False) is None), None)

@@ -151,7 +151,7 @@ def at_save(*, rank: int, step: int, ckpt) -> None:
 def fail(what: str, *, rank: int, step: int) -> None:
     """`fail_<what>`: an error at the end of that step after training (export, eval, exact_match,
     record) ended at `step`, on this rank, once its collectives are done (finetune/training/
-    after_training.py: the ranks agree on it). `stray_collective` (eval): this rank enters a barrier."""
+    endings.py: the ranks agree on it). `stray_collective` (eval): this rank enters a barrier."""
     if _active((f"fail_{what}",), rank, step):
         raise RuntimeError(f"[fault injection] {what} fails on rank {rank} (training ended at step {step})")
     if what == "eval" and _active(("stray_collective",), rank, step):

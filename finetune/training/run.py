@@ -1,13 +1,14 @@
 """One training run, as every process started by `accelerate launch finetune/train.py` runs it, in
-phases read top to bottom:
+phases read top to bottom (docs/architecture.md):
 
     start the processes and resolve the launch (each rank's node too) -> prepare the run (resume
     plan, preflight, run directory, record, the ranks' heartbeats) -> TrainingArguments -> speed
-    options -> tokenizer and data -> model -> DDP options -> trainer -> nodes and setup recorded ->
-    train -> finish and record
+    options -> tokenizer and data -> model -> DDP options -> trainer (its hooks: finetune/training/
+    hooks.py) -> setup recorded -> train -> finish and record
 
 `Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume plan,
-the run's name and directory) before the phases that train, and only read after.
+the run's name and directory) before the phases that train, and only read after. The phases and the
+hooks are the only code that hands sections of the record to the sinks (finetune/telemetry/sinks.py).
 """
 
 from __future__ import annotations
@@ -15,36 +16,48 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import transformers
+from accelerate import PartialState
+
+from finetune import preflight
+from finetune.checkpointing import provenance, resume, resume_config, resume_plan, universal
+from finetune.checkpointing.resume_config import ResumedConfig
+from finetune.checkpointing.resume_plan import ResumePlan
 from finetune.config import command_line
+from finetune.config.recipe import load_recipe
+from finetune.config.sections import Config
+from finetune.console import guard_streams
+from finetune.data import demo, read
+from finetune.data.build import DataBundle, build_datasets
 from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
-
-if TYPE_CHECKING:
-    from accelerate import PartialState
-
-    from finetune.checkpointing.resume_config import ResumedConfig
-    from finetune.checkpointing.resume_plan import ResumePlan
-    from finetune.config.sections import Config
-    from finetune.data.build import DataBundle
-    from finetune.launch.peers import Heartbeat
-    from finetune.launch.plan import LaunchPlan
-    from finetune.telemetry.record import RunRecord
-    from finetune.telemetry.sinks import Sinks
-    from finetune.training.arguments import RunArguments
-    from finetune.training.trainer import ResilientTrainer
+from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
+from finetune.launch.peers import Heartbeat, Teardown, run_on_main
+from finetune.launch.plan import LaunchPlan
+from finetune.modeling import attention, loss
+from finetune.modeling.load import full_parameters, load_tokenizer, parameters_section
+from finetune.planning import prediction
+from finetune.preflight import model_files
+from finetune.telemetry import sinks, wandb_logging
+from finetune.telemetry.record import RunRecord
+from finetune.telemetry.sinks import Sinks
+from finetune.training import arguments, build, endings, evaluation, fault_injection, signals, speed
+from finetune.training.arguments import RunArguments
+from finetune.training.endings import AfterTraining, Ending, Limits
+from finetune.training.resilience import Diverged, ResilientTrainer
 
 log = logging.getLogger("finetune")
 
 
 @dataclass
 class Run:
-    """What the phases share. `record` and `sinks` exist on rank 0 only."""
+    """What the phases share. `sinks` (and the record they hold) exist on rank 0 only."""
 
     cfg: Config  # resolved: only read from here on
     launch: LaunchPlan
@@ -53,12 +66,15 @@ class Run:
     dir: Path
     data_path: str  # data.path, or the demo data generated into the run directory
     heldout_path: str | None  # eval.heldout_path, resolved the same way
-    record: RunRecord | None
     sinks: Sinks | None
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
-    ended: list  # appended to once every rank is done (finetune/launch/ranks.py close_process_group_at_exit)
+    teardown: Teardown  # the process group's, at exit (finetune/launch/peers.py)
     heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
-    committed: bool = False  # run.json and the resolved config are written (a refused resume writes neither)
+
+    @property
+    def recording(self) -> bool:
+        """Rank 0, once run.json and the resolved config are written (a refused resume writes neither)."""
+        return self.sinks is not None and self.sinks.committed
 
 
 @dataclass(frozen=True)
@@ -78,12 +94,8 @@ class Trained:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    from finetune.console import guard_streams
-    from finetune.launch import run_lock
-    from finetune.training import signals
-
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
-    signals.install_signal_handlers()  # first: recorded, never fatal (docs/faults.md "Signals")
+    signals.install_signal_handlers()  # recorded, never fatal (docs/faults.md "Signals"); train.py did it first
     signals.stop_with_parent()
     code = None
     try:
@@ -96,16 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_phases(argv: list[str] | None) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
-    from finetune.config.recipe import load_recipe
-    from finetune.launch import peers
-    from finetune.training import endings, signals
-    from finetune.training.collapse import Diverged
-
     args, overrides = command_line.parse_train_args(argv)
     resumed = None
     if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
-        from finetune.checkpointing import resume_config
-
         resumed = resume_config.resolve(
             args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
         )
@@ -118,24 +123,31 @@ def run_phases(argv: list[str] | None) -> int:
         cfg = cfg.replaced("run", overwrite=True)
     signals.keep_only(cfg.training.stop_signals)  # the others get their default action back
     peers.watch.grace_s = cfg.training.stop_grace
-    state, launch, ended = start_processes(cfg)
+    state, launch, teardown = start_processes(cfg)
     # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md)
     heartbeat = peers.start(state.process_index, launch.world_size)
     try:
         signals.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
-        return endings.stopped_before_training(None, e, ended)
-    run = prepare(cfg, launch, state, ended, heartbeat, resume=args.resume, overrides=overrides, resumed_config=resumed)
+        teardown.ended_cleanly()
+        return end(None, endings.stopped_before_training(e, None, resumed=False))
+    run = prepare(
+        cfg, launch, state, teardown, heartbeat, resume_from=args.resume, overrides=overrides, resumed_config=resumed
+    )
     try:
         code = train_and_record(run)
-        run.ended.append(True)  # every rank returns here together (completed or preempted)
+        run.teardown.ended_cleanly()  # every rank returns here together (completed or preempted)
         return code
     except signals.Stopped as e:  # every rank agreed, before training
-        return endings.stopped_before_training(run, e, run.ended)
+        run.teardown.ended_cleanly()
+        return end(run, endings.stopped_before_training(e, run.dir, resumed=run.resume is not None))
     except Diverged as e:  # non-finite or collapsed; every rank agreed; a message, not a traceback (docs/faults.md)
-        return endings.diverged(run, e)
+        code = end(run, endings.diverged(e))
+        run.teardown.ended_cleanly()
+        return code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        failure = endings.failed(run, e)
+        ending, failure = endings.failed(e, run.dir, run.heartbeat, run.launch.machines)
+        end(run, ending)
         if failure is not e:  # a full or read-only disk: said, not a traceback
             raise failure from None
         raise
@@ -144,10 +156,6 @@ def run_phases(argv: list[str] | None) -> int:
 def train_and_record(run: Run) -> int:
     """The phases that train, in order; each returns what the next ones read. A signal before
     training stops every rank at the next phase boundary (signals.Stopped)."""
-    from finetune.checkpointing import resume_plan, universal
-    from finetune.launch import peers
-    from finetune.training import endings, node_figures, signals
-
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
@@ -155,82 +163,64 @@ def train_and_record(run: Run) -> int:
     if run.resume:  # the rows must be the checkpoint's, before the model loads
         resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
         commit(run)  # the continued record replaces run.json from here on
-    universal_dir = universal.for_resume(run.state, run.resume, run.record)  # DeepSpeed under another world size
+    universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
     with peers.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
         model = load_model(run, arguments)
         ddp_record = ddp_options(run, arguments, model, data)
         trainer = build_trainer(run, arguments, model, data, universal_dir)
-    node_figures.install(trainer, run.launch.machines, run.record)  # run.json `nodes`; every rank (it gathers)
     signals.stop_if_received(run.state, "while the model loaded")
-    if run.record:
+    if run.sinks:
         record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
-        run.sinks.start(run.record.view)
+        run.sinks.start()
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
-        return endings.preempted(run, trainer, arguments)
+        return preempted(run, trainer, arguments)
     return finish(run, trainer, model, data, trained, started, arguments)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
 
 
-def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, list]:
+def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
     """The process group, set up by the launcher's config or the recipe (finetune/launch/strategy_setup.py),
     and the launch worked out once it exists."""
-    from datetime import timedelta
-
-    from accelerate import PartialState
-
-    from finetune import preflight
-    from finetune.launch import cpu_rehearsal, op_builds, strategy_setup
-    from finetune.launch.plan import LaunchPlan
-    from finetune.launch.ranks import close_process_group_at_exit
-
     setup = strategy_setup.detect(cfg)
     preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
-    _announce_op_builds(op_builds.before_processes(setup))  # DeepSpeed's CPU comm op compiles in PartialState
+    strategy_setup.say_op_builds(strategy_setup.ops_before_processes(setup))  # compiled in PartialState
     strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
     # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
     # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.args["ddp_timeout"]))
+    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.typed.ddp_timeout))
     strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
-    ended = close_process_group_at_exit(state)  # before the interpreter exits (finetune/launch/ranks.py)
+    teardown = peers.Teardown(state)  # before the interpreter exits
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
-    return state, LaunchPlan.resolve(cfg, state, setup), ended
+    return state, LaunchPlan.resolve(cfg, state, setup), teardown
 
 
 def prepare(
     cfg: Config,
     launch: LaunchPlan,
     state: PartialState,
-    ended: list,
+    teardown: Teardown,
     heartbeat: Heartbeat,
     *,
-    resume: str | None,
+    resume_from: str | None,
     overrides: list[str],
     resumed_config: ResumedConfig | None = None,
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
-    from finetune import preflight
-    from finetune.checkpointing import resume as resuming
-    from finetune.checkpointing import resume_config, resume_plan
-    from finetune.data import demo
-    from finetune.launch import peers, rundir
-    from finetune.launch.ranks import run_on_main
-    from finetune.telemetry import sinks
-    from finetune.telemetry.record import RunRecord
-    from finetune.training import endings
-
     plan = resumed = None
-    if resume:  # before preflight: the plan sets the accumulation and strategy the checks see
+    if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
-        name, planned_dir, plan = run_on_main(state, lambda: resume_plan.for_launch(cfg, launch, resume, overrides))
-        resume_plan.apply(plan, cfg)
+        name, planned_dir, plan = run_on_main(
+            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides)
+        )
+        cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
-    preflight.check_before_loading(cfg, state, resume=resume, launch=launch)
+    preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
     if state.is_main_process:
         log.info("%s", launch.setup.describe())
@@ -239,32 +229,24 @@ def prepare(
     run_dir = Path(path)
     if state.is_main_process:
         print(f"[finetune] run directory: {run_dir.absolute()}", flush=True)
-    record = (
-        RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
-        if state.is_main_process
-        else None
-    )
-    if record and plan:
-        resuming.continue_record(record, run_dir, Path(plan.checkpoint), plan)
-        resume_config.note(record, resumed_config)
+    run_sinks = None
+    if state.is_main_process:
+        record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
+        run_sinks = sinks.for_run(cfg, record, run_dir)
+    if run_sinks and plan:
+        continued, summary = resume.continued(
+            run_dir, Path(plan.checkpoint), plan, created=run_sinks.view.get("created")
+        )
+        run_sinks.put(**continued)
+        run_sinks.merge("summary", **summary)
+        noted = resume_config.said(resumed_config)
+        if noted:
+            run_sinks.put(resumes=resume.noted(run_sinks.view, **noted))
         # said loudly when the layout changes (accumulation recomputed, states resharded)
         (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
-    run = Run(
-        cfg=cfg,
-        launch=launch,
-        state=state,
-        name=name,
-        dir=run_dir,
-        data_path=data_path,
-        heldout_path=heldout_path,
-        record=record,
-        sinks=sinks.for_run(cfg, record, run_dir) if record else None,
-        resume=plan,
-        ended=ended,
-        heartbeat=heartbeat,
-    )
-    peers.watch.on_stuck = lambda cause: endings.stuck(run, cause)  # the watchdog's stop, recorded
+    run = Run(cfg, launch, state, name, run_dir, data_path, heldout_path, run_sinks, plan, teardown, heartbeat)
+    peers.watch.on_stuck = lambda cause: stuck(run, cause)  # the watchdog's stop, recorded
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
     if cfg.data.path == "demo":
@@ -275,13 +257,11 @@ def prepare(
 def commit(run: Run) -> None:
     """Write run.json and the resolved configuration (rank 0). A resumed run commits only once its
     data is checked, so a resume refused before leaves the run directory as it was."""
-    from finetune.checkpointing import resume
-    from finetune.launch import rundir
 
     def write():
         if run.resume:
             resume.keep_previous_record(run.dir)
-        run.record.write()  # first: a directory holding a run.json is one a retry can judge (rundir.reusable)
+        run.sinks.commit()  # first: a directory holding a run.json is one a retry can judge (rundir.reusable)
         saved = (resume.save_config if run.resume else rundir.save_resolved_config)(run.dir, run.cfg.to_dict())
         shown = (
             f", saved to {saved}:\n{saved.read_text(encoding='utf-8').rstrip()}"
@@ -290,8 +270,7 @@ def commit(run: Run) -> None:
         )
         log.info("resolved configuration (defaults < recipe < command line)%s", shown)
 
-    rundir.written(run.state, run.dir, "run.json and config.yaml", write if run.record is not None else lambda: None)
-    run.committed = True
+    rundir.write_on_main(run.state, run.dir, "run.json and config.yaml", write if run.sinks else lambda: None)
 
 
 # --- the phases that train -----------------------------------------------------------------------------
@@ -299,9 +278,6 @@ def commit(run: Run) -> None:
 
 def training_arguments(run: Run) -> RunArguments:
     """TrainingArguments, once, before the model loads (finetune/training/arguments.py)."""
-    from finetune.telemetry import wandb_logging
-    from finetune.training import arguments
-
     if wandb_logging.enabled(run.cfg.logging.report_to):  # before Trainer builds its callbacks: they read it
         wandb_logging.configure_environment(run.cfg.logging.wandb_project, run.dir)
     return arguments.for_run(run.cfg, run.launch, output_dir=run.dir, run_name=run.name)
@@ -310,9 +286,6 @@ def training_arguments(run: Run) -> RunArguments:
 def speed_options(run: Run, arguments: RunArguments) -> dict:
     """Refuse unsafe speed options; set torch's SDPA backends on every rank before the first forward
     (process-global: training, evaluation, generate). Returns what was set, for run.json `speed`."""
-    from finetune.modeling import attention
-    from finetune.training import speed
-
     speed.check(run.cfg)  # packing/padding-free vs attention implementation, Liger on this machine
     model = run.cfg.model
     return attention.apply(model.sdpa_backends, arguments.args.device.type, model.attn_implementation)
@@ -321,15 +294,9 @@ def speed_options(run: Run, arguments: RunArguments) -> dict:
 def load_data(run: Run, arguments: RunArguments) -> Data:
     """Tokenizer, datasets, and the held-out rows; no collective, so a stop signal ends the build at
     the next row (signals.Interrupted)."""
-    from finetune.checkpointing import provenance
-    from finetune.data import build, read
-    from finetune.modeling.load import load_tokenizer
-    from finetune.preflight import model_files
-    from finetune.training import signals
-
     cfg = run.cfg
     tokenizer = load_tokenizer(cfg.model)
-    bundle = build.build_datasets(
+    bundle = build_datasets(
         dataclasses.replace(cfg.data, path=run.data_path),
         tokenizer,
         seed=arguments.args.seed,
@@ -341,10 +308,20 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
     return Data(tokenizer, bundle, fingerprint, heldout)
 
 
+def convert_for_resume(run: Run) -> str | None:
+    """DeepSpeed's universal checkpoint, when the resume plan reshards through it (every rank); noted
+    in the resumed segment."""
+    converted = universal.for_resume(run.state, run.resume)
+    if converted is None:
+        return None
+    out, seconds = converted
+    if run.sinks:
+        run.sinks.put(resumes=resume.noted(run.sinks.view, universal_cache=out, conversion_s=seconds))
+    return out
+
+
 def load_model(run: Run, arguments: RunArguments):
     """The model in the policy's dtypes (LoRA/QLoRA wrapped), with the loss installed before Trainer wraps it."""
-    from finetune.training import build, fault_injection
-
     fault_injection.hold("slow_load", rank=run.state.process_index, step=1, what="the model load")
     return build.model_for(run.cfg, run.launch, arguments)
 
@@ -353,8 +330,6 @@ def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
     """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), set in
     TrainingArguments before Trainer reads it; returns run.json `speed.ddp`. Every rank probes the
     same first example, so every rank decides the same."""
-    from finetune.training import speed
-
     decided = speed.ddp_unused_parameters(
         run.cfg, run.launch, model, data.bundle.train[0]["input_ids"][:64], arguments.args.device
     )
@@ -364,10 +339,7 @@ def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
 
 
 def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
-    """The Trainer (finetune/training/build.py), set to continue a resumed run's checkpoint."""
-    from finetune.checkpointing import universal
-    from finetune.training import build
-
+    """The Trainer (finetune/training/build.py) with its hooks, set to continue a resumed run's checkpoint."""
     trainer = build.trainer_for(
         run.cfg,
         run.launch,
@@ -377,9 +349,9 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         eval_dataset=data.bundle.eval,
         tokenizer=data.tokenizer,
         sinks=run.sinks,
-        record=run.record,
+        machines=run.launch.machines,  # run.json `nodes`; every rank (it gathers)
     )
-    trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # checkpointing/rng.py
+    trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # Trainer._load_rng_state
     if universal_dir:
         universal.enable_loading(trainer)
     return trainer
@@ -394,60 +366,45 @@ def record_setup(
     attention_record: dict,
     ddp_record: dict,
 ) -> None:
-    """What the run set up, into its record (rank 0), each section as its owner builds it."""
-    from finetune.checkpointing import provenance, resume
-    from finetune.modeling import loss
-    from finetune.modeling.load import parameters_section
-    from finetune.planning import prediction
-    from finetune.training import speed
-
-    cfg, record = run.cfg, run.record
-    record.set("batch", arguments.batch)
-    record.set("lr", arguments.lr)
+    """What the run set up, handed to the sinks (rank 0), each section as its owner computes it."""
+    cfg, hand = run.cfg, run.sinks.put
+    hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
-        resume.first_segment(record)
+        hand(resumes=resume.first_segment(run.sinks.view))
     static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
-    trainer.resilience.run_facts = lambda: provenance.run_block_of(record.view, static)  # the marker's `run` block
-    record.set("faults", trainer.faults_section())  # docs/faults.md
-    record.set("data", data.bundle.stats.section())
-    record.set("parameters", parameters_section(model))
-    record.set(
-        "speed",
-        speed.section(
-            cfg,
-            model,
-            trainer,
-            attention_record=attention_record,
-            loss_record=loss.installed(model),
-            ddp_record=ddp_record,
-        ),
+    trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
+    hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
+    loss_record = loss.installed(model)
+    hand(
+        speed=speed.section(
+            cfg, model, trainer, attention_record=attention_record, loss_record=loss_record, ddp_record=ddp_record
+        )
     )
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
-    prediction.record_prediction(
-        record,
+    predicted = prediction.run_prediction(
+        run.sinks.view,
         model.config,
         cfg,
         gradient_checkpointing=arguments.gradient_checkpointing,
         precision=run.launch.policy.name,
         train_dataset=data.bundle.train,
     )
+    hand(predicted_memory=predicted)
 
 
 def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir: str | None) -> Trained | None:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
-    CollapseError when it collapsed (finetune/training/collapse.py)."""
-    from finetune.checkpointing import resume
-    from finetune.launch import op_builds
-    from finetune.training import signals
-
-    _announce_op_builds(op_builds.at_optimizer(run.launch))  # DeepSpeedCPUAdam compiles when training starts
+    CollapseError when it collapsed (finetune/training/resilience.py)."""
+    strategy_setup.say_op_builds(strategy_setup.ops_at_optimizer(run.launch))  # DeepSpeedCPUAdam: at train()
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = exact_match(run, trainer, model, data, "before")
         signals.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
-        resume.set_aside_newer(run.state, run.dir, run.resume.step, run.record)
+        moved = resume.set_aside_newer(run.state, run.dir, run.resume.step)
+        if run.sinks:
+            run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
     signals.set_stage(signals.TRAINING)
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
@@ -465,16 +422,12 @@ def finish(
     run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
     """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. Each
-    step ends at a boundary every rank agrees on (training/after_training.py): a failure on any rank
+    step ends at a boundary every rank agrees on (finetune/training/endings.py): a failure on any rank
     saves the trained weights on every rank and reports where they are; a signal stops every rank
     there with a checkpoint of the final step (exit 75; --resume evaluates)."""
-    from finetune.launch import peers, ranks
-    from finetune.training import endings, fault_injection, signals
-    from finetune.training.after_training import Limits, WeightsKept, record_end
-
     cfg, rank, step = run.cfg, run.state.process_index, trainer.state.global_step
     limits = Limits(finish_s=cfg.training.finish_timeout, save_s=arguments.args.ddp_timeout)
-    ranks.set_collective_timeout(max(limits.finish_s, limits.save_s) + peers.MARGIN_S)  # the watchdog acts first
+    peers.set_collective_timeout(max(limits.finish_s, limits.save_s) + peers.MARGIN_S)  # the watchdog acts first
     results = dict(trained.exact_match)
 
     def measure():
@@ -496,28 +449,94 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits)
     try:
-        with WeightsKept(trainer, run.record, run.dir / "model", data.tokenizer, limits) as kept:
-            measured = kept.step("the measurements", measure)
+        with after:
+            measured = after.step("the measurements", measure)
             if cfg.run.save_model:
                 signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-                kept.export(then=export_drills)
+                after.export(then=export_drills)
                 signals.set_stage(signals.FINISHING)
-            eval_loss = kept.step("the evaluation", evaluate)
+            eval_loss = after.step("the evaluation", evaluate)
             if data.heldout is not None:
-                results["after"] = kept.step("exact match", match)
+                results["after"] = after.step("exact match", match)
             collapsed = trainer.collapse.error(trainer.skipped_steps)  # training.on_collapse: flag
-            kept.step(
-                "the record",
-                lambda: record_end(run, trainer, model, measured, trained, results, eval_loss, started, collapsed),
-            )
+            ended = Ended(measured, trained, results, eval_loss, started, collapsed)
+            after.step("the record", lambda: record_end(run, trainer, model, ended))
             if collapsed:
                 raise collapsed  # main() records the error and exits 3
     except signals.Stopped:  # every rank agreed; the checkpoint of the final step is written
-        return endings.preempted(run, trainer, arguments)
-    if run.record:
-        run.sinks.close(run.record.view, 0)
+        return preempted(run, trainer, arguments)
+    except Exception:
+        if after.checkpoint and run.sinks:  # the export failed: the weights are in this checkpoint
+            run.sinks.merge("summary", checkpoint=str(after.checkpoint))
+        raise
+    if run.sinks:
+        run.sinks.close(0)
     return 0
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What the steps after training measured, for the record."""
+
+    measured: dict
+    trained: Trained
+    exact_match: dict
+    eval_loss: float | None
+    started: float
+    collapsed: Exception | None
+
+
+def record_end(run: Run, trainer: ResilientTrainer, model, ended: Ended) -> None:
+    """The last step after training: the summary, the figures and the evaluation, handed to the sinks."""
+    fault_injection.fail("record", rank=run.state.process_index, step=trainer.state.global_step)
+    if run.sinks is None:
+        return
+    run.sinks.merge(
+        "summary",
+        eval_loss=ended.eval_loss,
+        steps=trainer.state.global_step,
+        train_s=round(ended.trained.train_s, 2),
+        wall_s=round(time.perf_counter() - ended.started, 2),
+        status="failed" if ended.collapsed else "completed",
+        nonfinite_skipped=trainer.skipped_steps,
+    )
+    world, train_loss = run.launch.world_size, ended.trained.train_loss
+    summary, sections = endings.figures(
+        run.sinks.view, ended.measured, model, run.cfg, world=world, train_loss=train_loss
+    )
+    run.sinks.merge("summary", **summary)
+    if ended.exact_match:
+        sections["eval"] = evaluation.section(ended.exact_match, run.heldout_path)
+    run.sinks.put(**sections)
+
+
+# --- how a run ends ------------------------------------------------------------------------------------
+
+
+def preempted(run: Run, trainer: ResilientTrainer, arguments: RunArguments) -> int:
+    """Every rank agreed to stop with a complete checkpoint: the steps since the last log recorded
+    (every rank: it gathers), then the ending."""
+    trainer.record_tail()  # steps[] up to the checkpoint's step: the resumed run totals from it
+    return end(run, endings.preempted(trainer, arguments.batch["effective"], run.dir))
+
+
+def end(run: Run | None, ending: Ending) -> int:
+    """How the run ended, handed to the sinks once the record is committed, and said by rank 0."""
+    if run is not None and run.recording:
+        run.sinks.merge("summary", **ending.summary)
+        run.sinks.close(ending.code)
+    if ending.said and (run is None or run.state.is_main_process):
+        print(ending.said, file=sys.stderr if ending.to_stderr else sys.stdout, flush=True)
+    return ending.code
+
+
+def stuck(run: Run, cause: str) -> None:
+    """The watchdog ends this rank (its thread, the main thread held in a collective): rank 0 records
+    the run failed; no sink is closed and no collective entered, either could hang too."""
+    if run.recording:
+        run.sinks.merge("summary", **endings.stuck(cause, run.dir))
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
@@ -525,20 +544,16 @@ def finish(
 
 def _write_demo_data(run: Run) -> None:
     """The demo recipe's data, generated into the run directory (a resumed run keeps its own)."""
-    from finetune.data import demo
-    from finetune.launch import rundir
-
     train_file = Path(run.data_path)
     if not (run.resume and train_file.is_file()):
         size, heldout = run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size
-        rundir.written(run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout))
+        rundir.write_on_main(
+            run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout)
+        )
 
 
 def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:
     """Exact match on the held-out rows, sharded over the ranks; `before` gathers ZeRO-3 shards first."""
-    from finetune.modeling.load import full_parameters
-    from finetune.training import evaluation
-
     cfg = run.cfg
     with full_parameters(model) if stage == "before" else contextlib.nullcontext():
         result = evaluation.exact_match(
@@ -553,28 +568,12 @@ def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: s
             accelerator=trainer.accelerator,
         )  # reduce() across ranks: an Accelerator, not PartialState
     if run.state.is_main_process:
-        log.info(
-            "exact match %s training: %.1f%% (%d/%d)",
-            stage,
-            100 * result["exact_match"],
-            result["correct"],
-            result["total"],
-        )
+        done = (100 * result["exact_match"], result["correct"], result["total"])
+        log.info("exact match %s training: %.1f%% (%d/%d)", stage, *done)
     return result
 
 
-def _announce_op_builds(ops: list[str]) -> None:
-    """Rank 0 says which DeepSpeed ops are about to be compiled (finetune/launch/op_builds.py)."""
-    from finetune.launch import op_builds
-
-    line = op_builds.announce(ops)
-    if line and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] {line}", file=sys.stderr, flush=True)
-
-
 def _setup_logging(level: str, main_process: bool) -> None:
-    import transformers
-
     logging.basicConfig(
         format="[%(asctime)s %(name)s] %(message)s",
         datefmt="%H:%M:%S",

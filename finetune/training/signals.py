@@ -1,20 +1,16 @@
 """Stop signals recorded instead of raised, and every rank's outcome agreed at fixed points
 (docs/faults.md "Signals", "Hangs and every stop signal").
 
-The handler only records the signal (it never raises, so a second signal cannot interrupt a
-checkpoint being written; it is logged and ignored). It is installed first thing in every
-process, before torch is imported, for SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2; once the
-recipe is read, those left out of training.stop_signals get their default action back. The ranks agree
-(one all-gather) at fixed points: the end of each optimizer step (finetune/training/trainer.py), and
-the boundaries between the phases before and after training (finetune/training/run.py, `agree`),
-where each rank also says whether its phase failed: a failure on one rank is known to every rank
-before any of them enters another collective. So all ranks stop at the same place whichever rank
-was signalled: a step boundary, with a complete checkpoint; before training, with nothing trained;
-after training, with a checkpoint of the final step. A phase without collectives (the data build)
-checks `check_interrupt` per row and ends early; the boundary after it then stops every rank.
-
-A signal relayed by `finetune train` (finetune/launch/relay.py), which already said so on the
-console, is recorded silently: one line per signal, from the process that got it.
+The handler only records the signal (never raising, so a second one cannot interrupt a checkpoint
+being written). It is installed before torch is imported (finetune/train.py), for every name in
+STOP_SIGNALS; those left out of training.stop_signals get their default action back. The ranks agree
+(one all-gather) at the end of each optimizer step (finetune/training/resilience.py) and at the
+boundaries between the phases before and after training (`agree`), where each rank also says whether
+its phase failed. So all ranks stop at the same place whichever rank was signalled: a step boundary
+with a complete checkpoint; before training with nothing trained; after training with a checkpoint
+of the final step. A phase without collectives (the data build) checks `check_interrupt` per row.
+A signal relayed by `finetune train` (finetune/launch/relay.py), which said so already, is recorded
+silently.
 """
 
 from __future__ import annotations

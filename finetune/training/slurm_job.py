@@ -16,7 +16,7 @@ runs again, unchanged, after every requeue (docs/multinode.md):
   starts as the command says (a run directory left with steps but no checkpoint is refused by the
   run, naming --overwrite).
 * `status` is how the script decides to requeue: `interrupted` is written only after every rank
-  stopped at the same step and the checkpoint is complete (finetune/training/trainer.py).
+  stopped at the same step and the checkpoint is complete (finetune/training/resilience.py).
 
 Reads the recipe's `run` section and the overrides without validating them (the run validates
 everything a moment later); nothing heavy is imported, so it costs the batch shell well under 1 s.

@@ -23,7 +23,7 @@ _POSITION_AWARE = ("sdpa", "eager") + FLASH_ATTENTION
 def check(cfg) -> None:
     """Refuse option combinations that would silently mix examples or crash deep inside."""
     problems = []
-    d, m, args = cfg.data, cfg.model, cfg.training.args
+    d, m, args = cfg.data, cfg.model, cfg.training.typed
     concat = [k for k in ("packing", "padding_free") if getattr(d, k, False)]
     if len(concat) == 2:
         problems.append(
@@ -42,7 +42,7 @@ def check(cfg) -> None:
                 f"{what}: not allowed with model.trust_remote_code: remote model code may build its own "
                 "attention mask and ignore the position_ids that keep examples apart"
             )
-        batch = args.get("per_device_train_batch_size", 1)
+        batch = args.per_device_train_batch_size
         if concat == ["packing"] and m.attn_implementation in FLASH_ATTENTION and batch != 1:
             problems.append(
                 f"data.packing with model.attn_implementation {m.attn_implementation}: transformers' "
@@ -54,7 +54,7 @@ def check(cfg) -> None:
     problems += attention.problems(m.sdpa_backends, device)  # a CPU run must keep flash or math
     if problems:
         raise ConfigError(problems, "speed options")
-    if args.get("use_liger_kernel"):
+    if args.use_liger_kernel:
         check_liger()
     if cfg.training.loss_impl == "liger":
         check_liger("training.loss_impl: liger", "use loss_impl: chunked")
@@ -124,7 +124,7 @@ def ddp_unused_parameters(cfg, launch, model, input_ids: list[int], device) -> d
     torch warns on every rank that it found nothing. None where the run is not DDP."""
     if not (launch.distributed_type.startswith("MULTI_") and launch.world_size > 1):
         return {"find_unused_parameters": None, "decided_by": None, "unused_trainable": None, "reason": "not DDP"}
-    given = cfg.training.args.get("ddp_find_unused_parameters")
+    given = cfg.training.typed.ddp_find_unused_parameters
     if given is not None:
         return {
             "find_unused_parameters": bool(given),

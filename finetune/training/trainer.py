@@ -1,37 +1,33 @@
-"""The run's Trainer: transformers.Trainer that measures each step, keeps the record current and
-survives faults (preemption signals, complete checkpoints, non-finite losses; docs/faults.md).
-
-FinetuneTrainer feeds the meter (finetune/telemetry/meter.py) from inside the step, before
-Trainer hands a log window to its callbacks, so every `report_to` integration receives the extra
-keys. ResilientTrainer adds the fault handling: a signal on any rank stops every rank at the same
-step boundary after a complete checkpoint; a non-finite loss or gradient norm on any rank is agreed
-before that step's optimizer update, then stops (or skips the update).
+"""The run's Trainer: transformers.Trainer that measures each step and keeps the record current
+(the fault handling on top of it: finetune/training/resilience.py). FinetuneTrainer feeds the meter
+(finetune/telemetry/meter.py) from inside the step, before Trainer hands a log window to its
+callbacks, so every `report_to` integration receives the extra keys. Ulysses sequence parallelism
+needs more of Trainer than transformers 5.24 and DeepSpeed 0.19 give it (docs/parallelism.md): the
+step's scored tokens for the token-weighted loss, and a train dataloader that takes an epoch and
+resumes mid-epoch (ShardLoader).
 """
 
 from __future__ import annotations
 
-import logging
-import shutil
+import functools
+import hashlib
+import json
+import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from finetune.checkpointing import checkpoints, rng
+from finetune.checkpointing.resume_plan import restore_rng
 from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.data.render import IGNORE_INDEX
-from finetune.launch import peers, rank_progress
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
 from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection, sample_trace, sequence_parallel, signals
-from finetune.training.collapse import CollapseWatch
-from finetune.training.signals import flags_per_rank, install_signal_handlers
-from finetune.training.step_guard import CHECKED, Agreed, NonFiniteError, StepFlags, check_policy
-
-log = logging.getLogger("finetune")
+from finetune.training import fault_injection
 
 
 class _StepClock(TrainerCallback):
@@ -78,14 +74,14 @@ class FinetuneTrainer(Trainer):
         self._logged_share = 1.0  # a rank's share of the logged loss (sequence_parallel_loss)
         if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
             self.loss_is_scaled_for_ga = True
-            sequence_parallel.route_skips()
+            route_skips()
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
-        (finetune/training/sequence_parallel.py: epochs and mid-epoch resumption)."""
+        (epochs and mid-epoch resumption; the module docstring)."""
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.sequence_parallel:
-            loader = sequence_parallel.ShardLoader(loader)
+            loader = ShardLoader(loader)
             self.callback_handler.train_dataloader = loader
         return model, loader
 
@@ -101,7 +97,7 @@ class FinetuneTrainer(Trainer):
         t0 = time.perf_counter()
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.sequence_parallel:
-            items = sequence_parallel.scored_tokens(batches, device)
+            items = scored_tokens(batches, device)
         self.meter.data_loading(time.perf_counter() - t0)
         return batches, items
 
@@ -115,7 +111,7 @@ class FinetuneTrainer(Trainer):
         the token-weighted mean over the whole step (every shard, rank and micro-batch), as without
         sequence parallelism: the shard's summed token losses / the step's scored tokens
         (get_batch_samples), times what DeepSpeed divides the summed gradients by
-        (sequence_parallel.gradient_divisor). DeepSpeed's adapter shifted the labels before the split
+        (gradient_divisor). DeepSpeed's adapter shifted the labels before the split
         (`shift_labels`: the last position of a shard is scored against the next shard's first
         token). transformers' own SP loss (deepspeed_sp_compute_loss) weights each micro-batch
         alone: a mean of means under accumulation or data parallelism."""
@@ -125,13 +121,13 @@ class FinetuneTrainer(Trainer):
             shift[..., -1] = IGNORE_INDEX  # = the shard's own labels shifted after the split (a control)
         # `labels` for the model's own loss, which reads shift_labels when given (ForCausalLMLoss)
         outputs = model(**{**inputs, "shift_labels": shift, "labels": shift}, num_items_in_batch=num_items_in_batch)
-        divisor = sequence_parallel.gradient_divisor(model)
+        divisor = gradient_divisor(model)
         self._logged_share = divisor / self.accelerator.num_processes  # training_step: Trainer logs the mean
         loss = outputs.loss * divisor
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        sample_trace.record(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
+        trace_samples(self, inputs)  # FINETUNE_SAMPLE_TRACE only (tests)
         counts = self.meter.count_batch(inputs)
         if self._pass_scored:
             inputs[SCORED_TOKENS_KWARG] = counts[1]  # trained tokens = the positions the loss scores
@@ -164,11 +160,11 @@ class FinetuneTrainer(Trainer):
 
     def _load_rng_state(self, checkpoint):
         """Trainer's own restore at the same world size; across a change, the explicit rule of
-        finetune/checkpointing/rng.py (Trainer would look for files of its own layout and say nothing)."""
+        finetune/checkpointing/resume_plan.py restore_rng (Trainer would look for files of its own layout and say nothing)."""
         old = self.resumed_world_size
         if checkpoint is None or old is None or old == self.args.world_size:
             return super()._load_rng_state(checkpoint)
-        rng.restore(checkpoint, rank=self.args.process_index, old_world_size=old)
+        restore_rng(checkpoint, rank=self.args.process_index, old_world_size=old)
 
     def final_measurements(self) -> dict:
         """record_tail(), then the per-step series summed over ranks and memory peaks (per rank,
@@ -181,8 +177,6 @@ def batch_share(wrapped, accelerator) -> BatchShare:
     """How this rank's micro-batches relate to the other ranks' (finetune/telemetry/meter.py BatchShare),
     from the live groups: tensor- and context-parallel ranks train on the same batch (the group's
     first rank counts it); Ulysses ranks each hold a shard of it."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return BatchShare()
     counted, sp_group = True, None
@@ -227,263 +221,112 @@ class CompactProgress(ProgressCallback):
         self.training_bar.write(" | ".join(parts))
 
 
-# --- faults: signals, complete checkpoints, non-finite guard -------------------------------------
+# --- Ulysses sequence parallelism ---------------------------------------------------------------------
 
 
-class ResilienceCallback(TrainerCallback):
-    def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
-        self.trainer = trainer
-        self.save_total_limit = save_total_limit
-        self.preempted: dict | None = None  # {step, signal, ranks, relayed_by} once the ranks agreed to stop
-        self.nothing_to_train = False  # resumed from a checkpoint of the last step
-        self.last_complete: Path | None = None
-        self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/checkpointing/provenance.py)
-
-    # --- signals ---------------------------------------------------------------------------
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        # Resumed from a checkpoint of the last step (a run stopped after training): Trainer would
-        # train one step past max_steps before it looks; there is nothing left to train.
-        self.nothing_to_train = state.global_step >= state.max_steps > 0
-        if self.nothing_to_train:
-            log.info("resumed at step %d of %d: nothing left to train", state.global_step, state.max_steps)
-            control.should_training_stop = True
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        rank_progress.progress(state.global_step)
-        flags = self.trainer.agreement_of(state.global_step).signals()  # rode on the step's one agreement
-        if any(flags) and self.preempted is None:
-            self.preempted = {"step": state.global_step, **signals.describe(flags)}
-            control.should_save = True
-            control.should_training_stop = True
-
-    def stop_after_training(self, flags: list[int]) -> None:
-        """Every rank agreed (`flags`: every rank's signal flag, one non-zero) to stop after Trainer.train()
-        returned: a complete checkpoint of the final step, and the run is preempted."""
-        with peers.watch.during("the checkpoint of the final step", self.trainer.args.ddp_timeout):
-            self.final_checkpoint()
-        self.preempted = {"step": self.trainer.state.global_step, **signals.describe(flags)}
-
-    def final_checkpoint(self) -> Path:
-        """A complete checkpoint of the final step, on every rank: the one saved at the last step (or
-        resumed from) when every rank sees it complete, else saved now (agreed: a rank that cannot see
-        it makes every rank save)."""
-        trainer = self.trainer
-        final = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-        missing = checkpoints.problem(final, verify=False) is not None
-        if any(flags_per_rank(trainer.accelerator, int(missing))):
-            log.warning("saving a checkpoint of the final step: %s", final)
-            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-            trainer.control = trainer.callback_handler.on_save(trainer.args, trainer.state, trainer.control)
-        self.last_complete = final
-        return final
-
-    def on_prediction_step(self, args, state, control, **kwargs):
-        peers.watch.progress()  # an evaluation batch done: the watchdog's limit counts from here
-
-    # --- checkpoints -----------------------------------------------------------------------
-
-    def on_save(self, args, state, control, **kwargs):
-        acc = self.trainer.accelerator
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        acc.wait_for_everyone()  # every rank's shards are on disk before the marker says so
-        error = None
-        if acc.is_main_process:
-            try:
-                checkpoints.write_marker(
-                    ckpt,
-                    step=state.global_step,
-                    world_size=acc.num_processes,
-                    run=self.run_facts() if self.run_facts else None,
-                )
-                checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
-                log.info("checkpoint %s complete", ckpt)
-            except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
-                error = e
-        signals.agree(acc, f"the completion marker of {ckpt.name}", error, with_signals=False)  # not a plain barrier
-        self.last_complete = ckpt
+def scored_tokens(batches: list[dict], device) -> torch.Tensor:
+    """Tokens the loss scores in one optimizer step, over every rank: each rank holds distinct
+    shards (sequence parallelism) or rows (data parallelism), so the sum counts each token once."""
+    n = sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches).to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(n)
+    return n
 
 
-class ResilientTrainer(FinetuneTrainer):
-    """FinetuneTrainer with the non-finite guard and the resilience callback installed. The guard
-    keeps its flags on the device (finetune/training/step_guard.py): no host sync and no collective
-    per micro-batch; the ranks agree once per optimizer step, before its update."""
+def gradient_divisor(engine) -> int:
+    """The number DeepSpeed divides the summed gradients by under Ulysses, read from its engine. Not
+    one number: ZeRO-1/2 (stage_1_and_2.py average_tensor) and ZeRO-3's contiguous all-reduce
+    (stage3.py __avg_scatter_contiguous_grads) divide by the sequence-and-data-parallel group's size
+    / sp, the data-parallel size; ZeRO-3's reduce-scatter (stage3.py __avg_scatter_grads ->
+    coalesced_collectives.reduce_scatter_coalesced, the default) by the whole group's size."""
+    ranks, sp = int(engine.seq_dp_world_size), int(engine.sequence_parallel_size)
+    zero = engine.optimizer
+    if int(engine.zero_optimization_stage()) == 3 and getattr(zero, "reduce_scatter", False):
+        return ranks
+    return ranks // sp
 
-    def __init__(
-        self,
-        *args,
-        save_total_limit: int | None = None,
-        on_nonfinite: str = "stop",
-        max_nonfinite_skips: int = 0,
-        on_collapse: str = "stop",
-        collapse_windows: int = 3,
-        **kwargs,
-    ):
-        super().__init__(*args, **kwargs)
-        self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
-        self.add_callback(self.resilience)
-        config = getattr(self.model, "config", None)
-        vocab = getattr(config.get_text_config() if config is not None else None, "vocab_size", None)
-        self.collapse = CollapseWatch(policy=on_collapse, windows=collapse_windows, vocab_size=vocab)
-        self.add_callback(self.collapse)
-        install_signal_handlers()  # normally done by finetune/training/run.py at start; idempotent
-        self.on_nonfinite = on_nonfinite
-        self.max_nonfinite_skips = max_nonfinite_skips
-        self.skipped_steps: list[dict] = []
-        self._skip_update = False
-        check_policy(on_nonfinite, self.accelerator.distributed_type.value)
-        self._deepspeed = self.accelerator.distributed_type.value == "DEEPSPEED"
-        self.flags = StepFlags(self.accelerator.device)
-        self._agreed: tuple[int, Agreed] | None = None  # (step, every rank's row) of the last agreement
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        if self.resilience.nothing_to_train:  # no batch drawn: the step loop ends without a step
-            return [], None
-        return super().get_batch_samples(epoch_iterator, num_batches, device)
+class ShardLoader:
+    """DeepSpeed's adapter (gathers a batch from each sequence-parallel rank, gives each rank its
+    shard of every one) with `set_epoch` and mid-epoch resumption. The adapter (UlyssesSPDataLoaderAdapter,
+    which Trainer puts around the train dataloader) has no `set_epoch` and makes its next epoch's
+    iterator before Trainer sets the epoch (every epoch would repeat the first one's order);
+    accelerate's `skip_first_batches` rebuilds a plain DataLoader from the loader's dataset, which the
+    adapter has not (a resumed run would fail, or lose the sequence split)."""
 
-    def _save_checkpoint(self, model, trial):
-        """Trainer's save, made an agreed outcome: a full disk (or quota, or read-only) on any rank is
-        a StorageError on every rank (rank 0's names the checkpoint, the reason, the free space and
-        the newest complete checkpoint); the incomplete one is removed (it has no marker; removing it
-        frees its space for run.json). Any other error on any rank raises on every rank."""
-        from finetune import storage
+    def __init__(self, adapter, drop: int = 0):
+        self.adapter = adapter
+        self._drop = drop  # micro-batches of the first refill already trained (resumed mid-refill)
 
-        acc = self.accelerator
-        ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        failure = error = None
-        try:
-            with peers.watch.during(f"the save of {ckpt.name}", self.args.ddp_timeout):  # the watchdog's limit
-                super()._save_checkpoint(model, trial)
-                fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
-        except Exception as e:  # noqa: BLE001 - agreed below before any rank goes on
-            failure, error = storage.error(e, ckpt, f"writing checkpoint {ckpt}"), e
-        # every rank's outcome: 0 saved, an errno (a full or read-only disk), -1 any other error
-        codes = flags_per_rank(acc, failure.errno if failure else -1 if error else 0)
-        if not any(codes):
-            return
-        if -1 in codes:  # not the disk: every rank raises (its own error, or one naming the ranks that failed)
-            if error is not None:
-                raise error
-            failed = [r for r, c in enumerate(codes) if c]
-            raise signals.FailedElsewhere(f"writing checkpoint {ckpt} failed on rank(s) {failed}; stopped with them")
-        if acc.is_main_process and ckpt.exists() and checkpoints.problem(ckpt) is not None:
-            shutil.rmtree(ckpt, ignore_errors=True)
-        acc.wait_for_everyone()
-        if not acc.is_main_process:
-            raise storage.StorageError(f"writing checkpoint {ckpt} failed (rank 0 says why)", failure and failure.errno)
-        last = next((c for c in reversed(checkpoints.checkpoints(ckpt.parent)) if checkpoints.problem(c) is None), None)
-        then = f"The incomplete {ckpt.name} was removed; " + (
-            f"the newest complete checkpoint is {last}: free space, then continue with --resume"
-            if last
-            else "no complete checkpoint was written: free space, then run again"
-        )
-        ranks = [r for r, c in enumerate(codes) if c]
-        code = next(c for c in codes if c)
-        failed_at = failure.failed_at if failure else None
-        where = f"writing checkpoint {ckpt}" + (f" on rank(s) {ranks}" if acc.num_processes > 1 else "")
-        raise storage.StorageError(storage.message(code, ckpt, where, then, failed_at=failed_at), code)
+    def __len__(self) -> int:
+        return len(self.adapter)
 
-    def faults_section(self) -> dict:
-        """run.json `faults`: how this run meets a stalled rank, a non-finite step and old checkpoints."""
-        return {
-            "collective_timeout_s": self.args.ddp_timeout,
-            "on_nonfinite": self.on_nonfinite,
-            "max_nonfinite_skips": self.max_nonfinite_skips,
-            "on_collapse": self.collapse.policy,
-            "collapse_windows": self.collapse.windows,
-            "save_total_limit": self.resilience.save_total_limit,
-        }
+    def __iter__(self):
+        it = iter(self.adapter)  # the adapter is its own iterator
+        for _ in range(self._drop):
+            next(it)  # every rank refills together (a collective), then drops the same micro-batches
+        self._drop = 0
+        return it
 
-    def agreement_of(self, step: int) -> Agreed:
-        """The agreement of optimizer step `step`; an error if it did not run (a Trainer whose step no
-        longer passes through the hooks below would otherwise train unguarded)."""
-        if self._agreed is None or self._agreed[0] != step:
-            raise RuntimeError(
-                f"the ranks did not agree on optimizer step {step} before its update: the non-finite "
-                "guard's hooks (compute_loss, _get_grad_norm) were not called as transformers 5.24 calls them"
-            )
-        return self._agreed[1]
+    def set_epoch(self, epoch: int) -> None:
+        inner = self.adapter.dl
+        if hasattr(inner, "set_epoch"):
+            inner.set_epoch(epoch)
+        if not self.adapter.micro_batches:  # its iterator was made before this epoch was set
+            self.adapter.iter = iter(inner)
 
-    def _agree(self) -> None:
-        """The step's one agreement (signals included); then stop, or mark the update skipped."""
-        step = self.state.global_step + 1
-        agreed = self.flags.agree(self.accelerator, signals.code())
-        self._agreed = (step, agreed)
-        if any(agreed.signals()):
-            peers.watch.acted()  # the stop is agreed: the watchdog's grace period ends (checkpoint next)
-        bad = agreed.nonfinite()
-        if bad is None:
-            return
-        slot, ranks = bad
-        what = CHECKED[slot]
-        if self.on_nonfinite == "skip" and len(self.skipped_steps) < self.max_nonfinite_skips:
-            self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
-            log.warning(
-                "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
-                what,
-                step,
-                ranks,
-                len(self.skipped_steps),
-                self.max_nonfinite_skips,
-            )
-            self._skip_update = True
-            return
-        limit = (
-            f"; {len(self.skipped_steps)} step(s) already skipped, training.max_nonfinite_skips="
-            f"{self.max_nonfinite_skips}"
-            if self.on_nonfinite == "skip"
-            else ""
-        )
-        values = ", ".join(f"rank {r}: {agreed.value(slot + '_value', r)}" for r in ranks)
-        last = self.resilience.last_complete
-        raise NonFiniteError(
-            f"non-finite {what} at step {step} on rank(s) {ranks} ({values}); stopped before that step's "
-            f"optimizer update{limit}. Last complete checkpoint: {last if last else 'none written in this run'}",
-            list(self.skipped_steps),
-        )
+    def skipped(self, micro_batches: int) -> ShardLoader:
+        """This loader without its first `micro_batches` (Trainer counts the adapter's micro-batches:
+        each of the inner loader's batches makes sp of them, one per rank's batch)."""
+        from accelerate import skip_first_batches
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if not model.training:  # evaluation also comes through here
-            return out
-        loss = out[0] if return_outputs else out
-        loss = fault_injection.corrupt_loss(loss, rank=self.accelerator.process_index, step=self.state.global_step + 1)
-        self.flags.note("loss", loss)
-        if self._deepspeed and self.accelerator.sync_gradients:
-            self._agree()  # the step's last micro-batch: the engine steps inside its backward
-        return (loss, *out[1:]) if return_outputs else loss
+        a, sp = self.adapter, self.adapter.sp_world_size
+        inner = skip_first_batches(a.dl, micro_batches // sp)
+        fresh = type(a)(inner, sp_rank=a.sp_rank, sp_group=a.sp_group, sp_world_size=sp, device=a.device)
+        return ShardLoader(fresh, drop=micro_batches % sp)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        # A non-finite micro-batch adds 0 to the logged loss (its step is skipped or stops the run):
-        # on the device, so Trainer's own per-micro-batch check (logging_nan_inf_filter) can stay off.
-        return torch.nan_to_num(super().training_step(model, inputs, num_items_in_batch), 0.0, 0.0, 0.0)
 
-    def _get_grad_norm(self, model, grad_norm=None):
-        """Trainer computes the norm here (clipped or not) right before the optimizer step: the
-        agreement point of every strategy but DeepSpeed, whose engine has stepped by now."""
-        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        if not self._deepspeed:
-            if norm is not None:
-                # FSDP2: this rank's part of a DTensor norm; the agreement ORs the ranks (no collective)
-                local = norm.to_local() if hasattr(norm, "to_local") else torch.as_tensor(norm)
-                self.flags.note("grad_norm", local)
-            self._agree()
-        return norm
+@functools.cache
+def route_skips() -> None:
+    """Trainer resumes mid-epoch through the name `skip_first_batches` in its own module: a ShardLoader
+    skips itself, every other loader goes to accelerate's as before. Idempotent."""
+    import transformers.trainer as hf
 
-    def create_optimizer(self, *args, **kwargs):
-        opt = super().create_optimizer(*args, **kwargs)
-        if self.on_nonfinite == "skip" and not getattr(opt, "_finetune_guarded", False):
-            step = opt.step
+    original = hf.skip_first_batches
 
-            def guarded_step(*a, **k):
-                if self._skip_update:
-                    self._skip_update = False
-                    return None  # gradients are zeroed by Trainer right after; no update, on every rank
-                return step(*a, **k)
+    @functools.wraps(original)
+    def skip_first_batches(dataloader, num_batches=0):
+        if isinstance(dataloader, ShardLoader):
+            return dataloader.skipped(num_batches)
+        return original(dataloader, num_batches)
 
-            opt.step = guarded_step
-            opt._finetune_guarded = True
-        return opt
+    hf.skip_first_batches = skip_first_batches
+
+
+# --- test hook: which training rows each optimizer step trained on, per rank (FINETUNE_SAMPLE_TRACE=DIR):
+# a hash of every row of every micro-batch to DIR/rank<r>.jsonl, and rank 0's dataset row hashes to
+# DIR/dataset.json, so a test can recount, independently of the code under test, that a resumed run
+# trains the same rows per step (tests/training/test_strategies.py). Unset, it does nothing.
+
+SAMPLE_TRACE = "FINETUNE_SAMPLE_TRACE"
+
+
+def row_hash(ids) -> str:
+    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def trace_samples(trainer, inputs) -> None:
+    """Called by the trainer for every micro-batch, before it trains on it."""
+    out = os.environ.get(SAMPLE_TRACE)
+    if not out:
+        return
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    rank = trainer.accelerator.process_index
+    if rank == 0 and not (directory / "dataset.json").exists():
+        hashes = [row_hash(r) for r in trainer.train_dataset["input_ids"]]
+        (directory / "dataset.json").write_text(json.dumps(hashes), encoding="utf-8")
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    rows = [row_hash(ids[i][mask[i].bool()] if mask is not None else ids[i]) for i in range(ids.shape[0])]
+    with open(directory / f"rank{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": trainer.state.global_step + 1, "rows": rows}) + "\n")

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpointing import checkpoints, resume, resume_plan, rng
+from finetune.checkpointing import checkpoints, resume, resume_plan
 from finetune.checkpointing import provenance as checkpoint_facts
 from finetune.checkpointing.provenance import Written
-from finetune.checkpointing.resume_plan import Launch, plan
+from finetune.checkpointing.resume_plan import ResumeRequest, plan
+from finetune.config.sections import TRAINING_DEFAULTS, TrainingArgs
 from finetune.errors import ConfigError, UserError
+from tests.conftest import continue_record, save_record
 
 LORA = {"name": "lora", "lora_r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
 MODEL = {"name_or_path": "/models/tiny", "revision": None, "config_sha256": "a" * 64}
@@ -54,8 +56,8 @@ def written(strategy="zero2", world=2, per_device=4, accum=1, step=3, files=TWO_
     return w
 
 
-def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, training=None, **kw) -> Launch:
-    base = Launch(
+def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, training=None, **kw) -> ResumeRequest:
+    base = ResumeRequest(
         strategy=strategy,
         offload="none",
         world_size=world,
@@ -65,14 +67,14 @@ def launch(strategy="zero2", world=1, per_device=4, accum=1, explicit=None, trai
         method=dict(LORA),
         model=dict(MODEL),
         data={k: DATA[k] for k in ("seed", "data_seed", "sampling", "drop_last", "packing")},
-        training=training or {},
+        training=TrainingArgs.of(training or {}),
     )
     for key, value in kw.items():
         setattr(base, key, value)
     return base
 
 
-def refusals(w: Written, la: Launch) -> list[str]:
+def refusals(w: Written, la: ResumeRequest) -> list[str]:
     with pytest.raises(ConfigError) as err:
         plan(w, la)
     assert "nothing was loaded" in err.value.source
@@ -126,17 +128,35 @@ def test_an_explicit_accumulation_that_contradicts_the_effective_batch_is_refuse
 def test_ddp_on_one_process_is_single_and_one_process_on_many_is_ddp():
     p = plan(written("ddp", world=2), launch("single", world=1))
     assert (p.strategy, p.grad_accum, p.reshard) == ("single", 2, "replicated")
-    cfg = _cfg("ddp")
-    resume_plan.apply(p, cfg)
+    cfg = resume_plan.applied(p, _cfg("ddp"))
     assert cfg.run.strategy == "single" and cfg.training.args["gradient_accumulation_steps"] == 2
     p = plan(written("single", world=1, accum=2, files=["optimizer.pt", "rng_state.pth"]), launch("ddp", world=2))
     assert (p.strategy, p.grad_accum) == ("ddp", 1)
-    cfg = _cfg("demo")
-    resume_plan.apply(p, cfg)
+    cfg = resume_plan.applied(p, _cfg("demo"))
     assert cfg.run.strategy == "ddp"
-    cfg = _cfg("zero2")  # a recipe of another family keeps its own strategy (the plan refused a mismatch already)
-    resume_plan.apply(plan(written(), launch()), cfg)
+    # a recipe of another family keeps its own strategy (the plan refused a mismatch already)
+    cfg = resume_plan.applied(plan(written(), launch()), _cfg("zero2"))
     assert cfg.run.strategy == "zero2"
+
+
+def test_the_plan_builds_a_new_configuration_and_leaves_the_one_it_was_given():
+    """The resume plan decides before the configuration this launch runs with is built: applied, it
+    gives a new configuration whose typed training view has the plan's batch layout; the configuration
+    it was given, and the typed view read from it, stay as they were (it used to edit them in place)."""
+    given = _cfg("ddp", ["--training.gradient_accumulation_steps=1"])
+    before = given.training.typed
+    assert (before.per_device_train_batch_size, before.gradient_accumulation_steps) == (
+        given.training.args["per_device_train_batch_size"],
+        1,
+    )
+    p = plan(written("ddp", world=2, per_device=4, accum=1), launch("single", world=1, per_device=4))
+    now = resume_plan.applied(p, given)
+    assert (now.training.typed.per_device_train_batch_size, now.training.typed.gradient_accumulation_steps) == (4, 2)
+    assert now.run.strategy == "single" and now.training.args["gradient_accumulation_steps"] == 2
+    assert given.training.args["gradient_accumulation_steps"] == 1 and given.run.strategy == "ddp"
+    assert given.training.typed is before and before.gradient_accumulation_steps == 1
+    # a field the recipe leaves out reads as its default: ours where we choose one, else transformers'
+    assert TrainingArgs.of({}).ddp_timeout == TRAINING_DEFAULTS["ddp_timeout"] and TrainingArgs.of({}).data_seed is None
 
 
 def test_another_family_method_and_model_are_refused_together_naming_what_differs():
@@ -278,8 +298,8 @@ def test_control_drop_last_loses_the_position_which_is_why_it_is_refused():
 
 
 def test_rng_streams_follow_the_rank_number():
-    assert [rng.source_file(r, 2) for r in range(3)] == ["rng_state_0.pth", "rng_state_1.pth", None]
-    assert [rng.source_file(r, 1) for r in range(2)] == ["rng_state.pth", None]
+    assert [resume_plan.rng_source_file(r, 2) for r in range(3)] == ["rng_state_0.pth", "rng_state_1.pth", None]
+    assert [resume_plan.rng_source_file(r, 1) for r in range(2)] == ["rng_state.pth", None]
     assert (plan(written(world=2), launch(world=1)).rng, plan(written(world=2), launch(world=1)).rng_ranks) == (
         "partial",
         [0],
@@ -301,9 +321,9 @@ def test_rng_restore_continues_the_saved_stream(tmp_path):
     )
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(2), np.random.seed(2), torch.manual_seed(2)
-    assert rng.restore(tmp_path, rank=1, old_world_size=2) == "rng_state_1.pth"
+    assert resume_plan.restore_rng(tmp_path, rank=1, old_world_size=2) == "rng_state_1.pth"
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
-    assert rng.restore(tmp_path, rank=2, old_world_size=2) is None  # no old rank 2: keeps its state
+    assert resume_plan.restore_rng(tmp_path, rank=2, old_world_size=2) is None  # no old rank 2: keeps its state
 
 
 # --- checkpoints moved aside, never deleted ---------------------------------------------------------
@@ -365,12 +385,12 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     )
     old.set("steps", [{"step": s, "loss": 1.0} for s in range(1, 6)])
     old.update("summary", status="interrupted")  # written before `resumes` existed: no such section
-    old.write()
+    save_record(old)
     ckpt = _checkpoint(tmp_path, 3)
     p = plan(written(world=2, step=3), launch(world=1))
     rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
-    resume.continue_record(rec, tmp_path, ckpt, p)
-    resume.note_segment(rec, superseded=["checkpoint-5.superseded-1"])
+    continue_record(rec, tmp_path, ckpt, p)
+    rec.set("resumes", resume.noted(rec.view, superseded=["checkpoint-5.superseded-1"]))
     segments = rec.view.get("resumes")
     assert [(s["step"], s["world_size"], s["grad_accum"], s["from"]) for s in segments] == [
         (0, 2, 1, None),
@@ -381,10 +401,10 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
     assert last["position"] == {"epoch": 0, "samples_into_epoch": 24, "samples_per_epoch": 64}
     assert last["superseded"] == ["checkpoint-5.superseded-1"] and last["steps_discarded"] == 2
     assert rec.view.get("summary", "resume_history") == [{k: last[k] for k in resume.HISTORY_KEYS}]
-    resume.note_segment(rec, universal_cache="c.universal", conversion_s=0.7)
+    rec.set("resumes", resume.noted(rec.view, universal_cache="c.universal", conversion_s=0.7))
     assert rec.view.get("resumes")[-1]["conversion_s"] == 0.7
     assert resume.keep_previous_record(tmp_path).name == "run.before-resume1.json"  # what the resume replaces
-    rec.write()
+    save_record(rec)
     assert [s["step"] for s in json.loads((tmp_path / "run.before-resume1.json").read_text())["steps"]] == [
         1,
         2,
@@ -393,7 +413,7 @@ def test_resumes_has_one_entry_per_segment_and_an_old_record_is_migrated(tmp_pat
         5,
     ]
     again = RunRecord(tmp_path / "run.json", run_name="r", recipe="zero2", config={})
-    resume.continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
+    continue_record(again, tmp_path, ckpt, plan(written(world=1, accum=2, step=3), launch(world=2)))
     assert [s["world_size"] for s in again.view.get("resumes")] == [2, 1, 2]
     assert again.view.get("summary", "resumes") == 2
 

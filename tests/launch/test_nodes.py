@@ -20,7 +20,7 @@ from finetune.errors import UserError
 from finetune.launch import nodes, peers
 from finetune.launch.plan import Machines
 from finetune.training import slurm_job
-from finetune.training.engaged_strategy import held_elements
+from finetune.training.strategy_evidence import held_elements
 from tests.conftest import free_port
 
 
@@ -108,7 +108,7 @@ def test_machines_are_the_distinct_node_ranks_and_the_record_sums_per_node():
 
 
 def test_the_parameter_count_reads_zero3_partitions_and_whole_parameters():
-    """engaged_strategy.held_elements, which the live evidence and run.json `nodes` share, on made-up
+    """strategy_evidence.held_elements, which the live evidence and run.json `nodes` share, on made-up
     ZeRO-3 parameters (a partition `ds_tensor` of `ds_numel` elements, as DeepSpeed sets them)."""
     whole = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
     assert held_elements(whole) == (17, 17, "replicated (every rank holds every parameter)")

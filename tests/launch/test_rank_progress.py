@@ -1,10 +1,10 @@
-"""Naming the rank that stopped making progress (finetune/launch/rank_progress.py, report_failed_ranks)."""
+"""Naming the rank that stopped making progress (finetune/launch/peers.py progress files, report_failed_ranks)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from finetune.launch import rank_progress
+from finetune.launch import peers
 from finetune.launch.accelerate import report_failed_ranks
 
 T = 1_000_000.0  # when rank 0's collective timed out
@@ -22,7 +22,7 @@ def test_a_stopped_rank_is_named_as_the_cause_and_the_rank_that_timed_out_as_a_c
         0: SimpleNamespace(exitcode=1, timestamp=T, local_rank=0, pid=100),
         1: SimpleNamespace(exitcode=-9, timestamp=T + 30, local_rank=1, pid=101),
     }
-    assert rank_progress.stalled(beats, {r: f.timestamp for r, f in failures.items()}).keys() == {1}
+    assert peers.stalled(beats, {r: f.timestamp for r, f in failures.items()}).keys() == {1}
     assert report_failed_ranks(failures, beats) == 1
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("finetune: rank 1 stopped making progress: its last heartbeat came 60 s before")
@@ -40,7 +40,7 @@ def test_a_rank_that_died_is_not_called_stalled(capsys):
         1: SimpleNamespace(exitcode=-9, timestamp=T, local_rank=1, pid=101),
         0: SimpleNamespace(exitcode=1, timestamp=T + 2, local_rank=0, pid=100),
     }
-    assert rank_progress.stalled(beats, {r: f.timestamp for r, f in failures.items()}) == {}
+    assert peers.stalled(beats, {r: f.timestamp for r, f in failures.items()}) == {}
     assert report_failed_ranks(failures, beats) == 1
     err = capsys.readouterr().err
     assert "stopped making progress" not in err
@@ -50,17 +50,17 @@ def test_a_rank_that_died_is_not_called_stalled(capsys):
 def test_heartbeats_are_written_and_read_back(tmp_path, monkeypatch):
     import time
 
-    from finetune.launch import peers, relay
+    from finetune.launch import relay
 
     monkeypatch.setenv(relay.ENV, str(tmp_path))
     beat = peers.Heartbeat(None, 3, 1).start()  # the rank's heartbeat thread writes its file
-    rank_progress.progress(7)
+    peers.step_done(7)
     try:
         deadline = time.monotonic() + 20
-        while rank_progress.read().get(3, {}).get("step") != 7 and time.monotonic() < deadline:
+        while peers.read_progress().get(3, {}).get("step") != 7 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         beat.stop()
-    got = rank_progress.read()[3]
+    got = peers.read_progress()[3]
     assert got["step"] == 7 and got["pid"] > 0 and abs(got["beat"] - time.time()) < 20
-    rank_progress.progress(0)
+    peers.step_done(0)

@@ -1,4 +1,4 @@
-"""The process group's teardown at exit (finetune/launch/ranks.py close_process_group): every group
+"""The process group's teardown at exit (finetune/launch/peers.py close_process_group): every group
 that cannot have NCCL work in flight is destroyed, so its gloo worker threads are joined before
 the interpreter finalizes (a worker still alive then can abort the process: docstring there)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from finetune.launch import ranks
+from finetune.launch import peers
 
 
 def _threads() -> int:
@@ -44,6 +44,6 @@ def test_a_group_initialised_without_a_backend_is_destroyed_after_an_error(group
     assert dist.get_backend() != "gloo" and "gloo" in str(dist.get_backend_config())
     before = _threads()
     state = SimpleNamespace(num_processes=1, destroy_process_group=dist.destroy_process_group)
-    ranks.close_process_group(state, finished=[])  # not finished: the refusal's exit 2
+    peers.close_process_group(state, clean=False)  # not finished: the refusal's exit 2
     assert not dist.is_initialized()
     assert _threads() < before  # gloo's workers joined now, not during finalization

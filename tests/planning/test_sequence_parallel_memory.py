@@ -26,7 +26,10 @@ pytestmark = pytest.mark.integration
 
 SEQ, VOCAB = 2048, 4096
 CASES = {"bf16_true_full": "flash", "fp32_full": "math"}
-EXACT, SHARDED = 0.005, 0.03  # sp 1 as test_step_peak's EXACT; sp 2: Ulysses' own buffers (1.2% and 2.7% seen)
+# sp 1 as test_step_peak's EXACT; sp 2: Ulysses' own buffers, whose lifetimes around the all-to-alls
+# vary between runs: 0.7% to 2.7% seen here, 3.6% on another machine (fp32, rank 0, the peak in the
+# attention's softmax backward)
+EXACT, SHARDED = 0.005, 0.05
 SCRIPT = REPO / "tests" / "planning" / "sequence_parallel_rank.py"
 
 

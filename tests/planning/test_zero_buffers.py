@@ -242,7 +242,7 @@ def test_the_planners_offloaded_states_are_what_the_engine_holds(process_group, 
 
     from finetune.planning import prediction
     from finetune.strategies import by_key, planner_key
-    from finetune.training.engaged_strategy import live_evidence, strategy_from_evidence
+    from finetune.training.strategy_evidence import live_evidence, strategy_from_evidence
 
     accelerator, pins = get_accelerator(), set()
 

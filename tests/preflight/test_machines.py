@@ -9,10 +9,10 @@ import sys
 
 from finetune.config.recipe import load_recipe
 from finetune.launch import nodes
-from finetune.launch.configs import LaunchFacts
+from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.launcher import Launcher, from_parent_argv
 from finetune.launch.plan import LaunchPlan, Machines
-from finetune.launch.strategy_setup import LaunchSetup
+from finetune.launch.strategy_setup import StrategySetup
 from finetune.preflight import devices
 
 DEMO = load_recipe("demo", [])[0]
@@ -22,8 +22,8 @@ STEP_OF_2 = nodes.SlurmStep("7", "node[1-2]", step_nodes=2, restart_count=0)
 def launched(launcher: Launcher, *, num_machines: int, slurm=None) -> LaunchPlan:
     """The plan of one rank of a launch that formed `num_machines` machines of one process each."""
     ranks = tuple(nodes.this_rank(i, 0, {"GROUP_RANK": str(i)}) for i in range(num_machines))
-    facts = LaunchFacts(source="test", num_processes=num_machines, num_machines=num_machines)
-    setup = LaunchSetup("launcher-config", launcher, "test")
+    facts = DeclaredLaunch(source="test", num_processes=num_machines, num_machines=num_machines)
+    setup = StrategySetup("launcher-config", launcher, "test")
     return LaunchPlan.of(DEMO, facts, setup, Machines(num_machines, 1, ranks, slurm))
 
 
@@ -41,7 +41,7 @@ def test_a_slurm_step_on_more_nodes_than_the_launch_formed_is_refused_with_the_f
     assert devices.machines_problem(launched(launcher, num_machines=2, slurm=STEP_OF_2)) is None
     assert devices.machines_problem(launched(launcher, num_machines=1)) is None
     # before a launch nothing is gathered, so there is nothing to compare
-    before = LaunchPlan.of(DEMO, LaunchFacts(source="test"), None)
+    before = LaunchPlan.of(DEMO, DeclaredLaunch(source="test"), None)
     assert before.machines.ranks == () and devices.machines_problem(before) is None
 
 

@@ -5,7 +5,9 @@ on a real run."""
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
 from finetune.telemetry import record
 
@@ -57,4 +59,67 @@ def missing_always_fields(record: dict, doc: dict[str, str]) -> list[str]:
 
 def undocumented(rec: dict, doc: dict[str, str]) -> list[str]:
     """Fields present in the record that no row of the doc names."""
-    return sorted(p for p in record.paths_of(rec) if not any(record.covers(d, p) for d in doc))
+    return sorted(p for p in paths_of(rec) if not any(covers(d, p) for d in doc))
+
+
+# --- the record's paths ---------------------------------------------------------------------------
+# Paths name nodes of the record: `memory.per_rank[].rank` (a field of every list entry),
+# `predicted_memory.device.components_gib.*` (any key of a mapping), `config.**` (anything below).
+
+
+def declared_paths() -> set[str]:
+    """Every node the schema declares, in the path notation above (docs/run_record.md uses it)."""
+    out: set[str] = set()
+    for s in record.SECTIONS:
+        _declare(s.shape, s.name, out)
+    return out
+
+
+def paths_of(record: dict) -> set[str]:
+    """Every node present in a record (null values included, as leaves), in the same notation."""
+    out: set[str] = set()
+
+    def walk(value, path):
+        out.add(path)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(value, list):
+            for v in value:
+                if isinstance(v, dict):
+                    walk(v, f"{path}[]")
+            out.discard(f"{path}[]")
+
+    for key, value in record.items():
+        walk(value, key)
+    return out
+
+
+def _declare(hint, path: str, out: set[str]) -> None:
+    out.add(path)
+    hint = record.unwrap(hint)
+    fields = record.typed_fields(hint)
+    if fields is not None:
+        for key, sub in fields.items():
+            _declare(sub, f"{path}.{key}", out)
+        return
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args and (record.typed_fields(record.unwrap(args[0])) is not None):
+        _declare(args[0], f"{path}[]", out)
+        out.discard(f"{path}[]")
+    elif origin is dict and len(args) == 2:
+        if args[1] is Any:
+            out.add(f"{path}.**")
+        else:
+            _declare(args[1], f"{path}.*", out)
+
+
+def covers(pattern: str, path: str) -> bool:
+    """Whether a declared path (with `*` / `**`) names a present node's path."""
+    want, got = pattern.split("."), path.split(".")
+    for i, part in enumerate(want):
+        if part == "**":
+            return len(got) > i
+        if i >= len(got) or (part != "*" and part != got[i]):
+            return False
+    return len(got) == len(want)

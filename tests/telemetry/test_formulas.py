@@ -1,5 +1,5 @@
 """Throughput and the peak table (finetune/telemetry/formulas.py), host memory peaks
-(finetune/telemetry/memory_peaks.py), against independent computations."""
+(finetune/telemetry/meter.py), against independent computations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from finetune.telemetry import formulas, memory_peaks, meter
+from finetune.telemetry import formulas, meter
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def _touch(mib: int) -> bytearray:
 
 @pytest.mark.parametrize("method", ["vmhwm", "sampled"])
 def test_memory_tracker_sees_a_host_allocation_it_holds(method):
-    if method == "vmhwm" and memory_peaks.vmhwm() is None:
+    if method == "vmhwm" and meter.vmhwm() is None:
         pytest.skip("no /proc/self/status VmHWM on this OS")
     tracker = meter.MemoryTracker(method=method)
     tracker.reset()
@@ -107,7 +107,7 @@ def test_vmhwm_sees_a_peak_freed_between_two_reads_and_sampling_misses_it():
     """Issue 15 item 13: what lives only between two samples (an optimizer step, a checkpoint save)
     is missed by sampling; the kernel's high-water mark, reset at each read, is not. The sampled
     tracker is the control: the same allocation, freed before the read, is invisible to it."""
-    if memory_peaks.vmhwm() is None or not memory_peaks.reset_vmhwm():
+    if meter.vmhwm() is None or not meter.reset_vmhwm():
         pytest.skip("the kernel's high-water mark cannot be read and reset here (not Linux, or clear_refs refused)")
     seen = {}
     for method in ("vmhwm", "sampled"):
@@ -125,11 +125,11 @@ def test_vmhwm_sees_a_peak_freed_between_two_reads_and_sampling_misses_it():
 
 def test_lifetime_peak_survives_the_resets():
     """Resetting the high-water mark also resets getrusage's ru_maxrss; the tracker keeps the lifetime."""
-    if memory_peaks.vmhwm() is None or not memory_peaks.reset_vmhwm():
+    if meter.vmhwm() is None or not meter.reset_vmhwm():
         pytest.skip("no resettable high-water mark here")
     tracker = meter.MemoryTracker(method="vmhwm")
     block = _touch(300)
     del block
     tracker.snapshot()
     tracker.reset()
-    assert tracker.lifetime_host_peak - memory_peaks.ru_maxrss_bytes() > 0.25 * 2**30
+    assert tracker.lifetime_host_peak - meter.ru_maxrss_bytes() > 0.25 * 2**30

@@ -10,11 +10,12 @@ import pytest
 
 from finetune.telemetry import record
 from finetune.telemetry.record import RecordView, RunRecord
-from tests.telemetry.run_record_doc import documented
+from tests.conftest import save_record
+from tests.telemetry.run_record_doc import declared_paths, documented
 
 
 def test_the_doc_and_the_declarations_name_the_same_fields():
-    doc, declared = set(documented()), record.declared_paths()
+    doc, declared = set(documented()), declared_paths()
     assert doc - declared == set(), "documented in docs/run_record.md but not declared in record_schema.py"
     assert declared - doc == set(), "declared in record_schema.py but not documented in docs/run_record.md"
 
@@ -67,7 +68,7 @@ def test_a_new_record_has_the_schema_1_shape(rec):
     )
     rec.set("parameters", {"trainable": 1, "total": 2})
     assert list(rec.data)[-2:] == ["faults", "parameters"]  # appended when first written, as before
-    rec.write()
+    save_record(rec)
     assert json.loads(rec.path.read_text()) == json.loads(json.dumps(rec.data))
 
 

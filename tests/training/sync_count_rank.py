@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: the repository, not tests/trai
 
 from transformers import TrainerCallback  # noqa: E402
 
-from finetune.training import run, trainer  # noqa: E402
+from finetune.training import resilience, run  # noqa: E402
 from tests.training.sync_counter import SyncCounter, TodaysGuard  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main() -> int:
 
     run.train = count_and_train
     if os.environ.get("SYNC_COUNT_CONTROL") == "1":
-        trainer.ResilientTrainer = TodaysGuard  # finetune/training/build.py imports it at call time
+        resilience.ResilientTrainer = TodaysGuard  # finetune/training/build.py imports it at call time
     with counter:
         code = run.main(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))

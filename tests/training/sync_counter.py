@@ -6,7 +6,7 @@ the CPU batch the collator builds, before anything is on a device: `data loader`
 actually waits; the count is of the calls that would on a GPU.
 
 TodaysGuard is the control: the non-finite check as it was before issue 29 (commit 0d64d44,
-finetune/training/trainer.py ResilientTrainer._nonfinite from compute_loss: the loss read on the host
+finetune/training/resilience.py ResilientTrainer._nonfinite from compute_loss: the loss read on the host
 and, on more than one process, all-gathered, for every micro-batch). It stands in for our code, so
 its calls count as `finetune`. Used by tests/training/test_sync_count.py, in-process and in launched
 ranks (tests/training/sync_count_rank.py).
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from finetune.training.trainer import ResilientTrainer
+from finetune.training.resilience import ResilientTrainer
 
 HOST_READS = ("item", "__bool__", "tolist", "cpu", "__float__", "__int__", "numpy", "nonzero")
 COLLECTIVES = (

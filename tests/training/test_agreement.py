@@ -1,4 +1,4 @@
-"""Every rank agrees at each boundary after training (finetune/training/after_training.py, signals.agree;
+"""Every rank agrees at each boundary after training (finetune/training/endings.py, signals.agree;
 docs/faults.md "Hangs and every stop signal").
 
 In-process: two ranks over gloo (torch.multiprocessing, Accelerate's PartialState, no model) run the
@@ -58,7 +58,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
 
     from finetune.launch import peers
     from finetune.modeling import load
-    from finetune.training import endings, fault_injection, run, signals
+    from finetune.training import fault_injection, run, signals
 
     kind, step_name, bad_rank = case
     entered: list[str] = []
@@ -114,7 +114,6 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
         cfg=SimpleNamespace(training=SimpleNamespace(finish_timeout=60), run=SimpleNamespace(save_model=True)),
         state=state,
         dir=run_dir,
-        record=None,
         sinks=None,
         launch=SimpleNamespace(world_size=2),
         heldout_path=None,
@@ -129,16 +128,16 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     signals.received.clear()
     signals.failures_agreed.clear()
     peers.watch = peers.Watch()
-    saved = (load.save_final_model, run.exact_match, endings.preempted)
+    saved = (load.save_final_model, run.exact_match, run.preempted)
     load.save_final_model, run.exact_match = save_final_model, exact_match
-    endings.preempted = lambda the_run, trainer, arguments: 75
+    run.preempted = lambda the_run, trainer, arguments: 75
     try:
         code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args))
         return ("returned", code, entered)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return ("raised", f"{type(e).__name__}: {e}", entered)
     finally:
-        load.save_final_model, run.exact_match, endings.preempted = saved
+        load.save_final_model, run.exact_match, run.preempted = saved
         signals.received.clear()
 
 
@@ -250,10 +249,8 @@ def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(tmp_path, 
     assert code == 1, out[-4000:]
     injected = f"[fault injection] {step_name} fails on rank {bad} (training ended at step 2)"
     other = 1 - bad
-    assert f"[rank{bad}]: finetune.training.after_training.TrainedWeightsSaved: RuntimeError: {injected}" in out, out[
-        -4000:
-    ]
-    said = f"[rank{other}]: finetune.training.after_training.TrainedWeightsSaved: FailedElsewhere: "
+    assert f"[rank{bad}]: finetune.training.endings.TrainedWeightsSaved: RuntimeError: {injected}" in out, out[-4000:]
+    said = f"[rank{other}]: finetune.training.endings.TrainedWeightsSaved: FailedElsewhere: "
     assert said in out and f"failed on rank(s) [{bad}] (rank {bad}: RuntimeError: {injected})" in out, out[-4000:]
     rec = json.loads((run_dir / "run.json").read_text())
     s = rec["summary"]

@@ -1,4 +1,4 @@
-"""The engaged-strategy decision (finetune/training/engaged_strategy.py) from live evidence, and the refusal
+"""The engaged-strategy decision (finetune/training/strategy_evidence.py) from live evidence, and the refusal
 with the launch line, without a launch (the launches: tests/training/test_strategies.py)."""
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def _evidence(**kw) -> dict:
     ],
 )
 def test_strategy_is_decided_by_the_live_evidence(evidence, expected):
-    from finetune.training.engaged_strategy import strategy_from_evidence
+    from finetune.training.strategy_evidence import strategy_from_evidence
 
     assert strategy_from_evidence(evidence) == expected
 
 
 def test_offload_mismatch_is_refused_with_the_launch_line():
     from finetune.errors import UserError
-    from finetune.training.engaged_strategy import check_expected
+    from finetune.training.strategy_evidence import check_expected
 
     engaged = {
         "name": "zero3",

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpointing import checkpoints, resume
+from finetune.checkpointing import checkpoints
 from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.training import fault_injection as faults
-from tests.conftest import REPO, run_process_group
+from tests.conftest import REPO, continue_record, run_process_group, save_record
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 
@@ -103,17 +103,17 @@ def test_resumed_record_keeps_steps_up_to_the_checkpoint(tmp_path):
     old = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
     old.set("steps", [{"step": s, "loss": 10.0 - s} for s in range(1, 6)])
     old.update("summary", status="interrupted")
-    old.write()
+    save_record(old)
     ckpt = _fake_checkpoint(tmp_path, 3)
     for n in (1, 2):
         rec = RunRecord(tmp_path / "run.json", run_name="r", recipe="ddp", config={})
-        resume.continue_record(rec, tmp_path, ckpt)
+        continue_record(rec, tmp_path, ckpt)
         got = rec.view
         assert [s["step"] for s in got.get("steps")] == [1, 2, 3]
         assert got.get("summary", "resumes") == n and got.get("summary", "resumed_from") == str(ckpt)
         assert got.get("summary", "resume_history")[0]["steps_discarded"] == 2
         assert got.get("created") == old.view.get("created")
-        rec.write()
+        save_record(rec)
     from finetune.checkpointing import resume_plan
     from finetune.config.recipe import load_recipe
 

@@ -46,7 +46,7 @@ CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 MESHES = {
     "sp": ("zero3", "accelerate_configs/cpu/zero3.yaml", ["--parallel.sp_size=2"], "sp_late_shift"),
     # ZeRO-1/2 divide the summed gradients by another number than ZeRO-3's reduce-scatter under Ulysses
-    # (finetune/training/sequence_parallel.py gradient_divisor): a wrong one doubles the grad norm here
+    # (finetune/training/trainer.py gradient_divisor): a wrong one doubles the grad norm here
     "sp_zero2": ("zero2", "accelerate_configs/cpu/zero2.yaml", ["--parallel.sp_size=2"], "sp_late_shift"),
     "tp": ("zero2", "accelerate_configs/cpu/zero2.yaml", ["--parallel.tp_size=2"], "tp_partial_sums"),
 }

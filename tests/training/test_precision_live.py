@@ -1,7 +1,7 @@
-"""The live precision reading and its stop (finetune/training/precision_live.py) without a launch:
-the optimizer-state dtype before states exist, the bf16-true rule against bf16 arithmetic itself,
-and the callback on small real modules: it records, refuses a mismatch before step 1 and checks
-the compute dtype in the first forward. The launched runs: tests/training/test_precision_equivalence.py."""
+"""The live precision reading and its stop (finetune/training/precision_evidence.py, the precision
+steps of finetune/training/hooks.py RunHooks) without a launch: the optimizer-state dtype before states
+exist, the bf16-true rule against bf16 arithmetic itself, and the hooks on small real modules: they
+record, refuse a mismatch before step 1 and check the compute dtype in the first forward. The launched runs: tests/training/test_precision_equivalence.py."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ import torch
 from finetune import precision
 from finetune.errors import UserError
 from finetune.telemetry.record import RunRecord
-from finetune.training import precision_live
+from finetune.telemetry.sinks import RunJson, Sinks
+from finetune.training import precision_evidence
+from finetune.training.hooks import RunHooks
 
 
 def test_optimizer_state_dtype_is_known_before_the_states_exist():
     p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     opt = torch.optim.AdamW([p])
     assert not opt.state  # nothing allocated yet: the dtype comes from how AdamW will allocate
-    assert precision_live.optimizer_state_dtype(opt, p.dtype) == torch.bfloat16
+    assert precision_evidence.optimizer_state_dtype(opt, p.dtype) == torch.bfloat16
     p.grad = torch.ones_like(p)
     opt.step()  # control: what AdamW really allocates
     assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16
@@ -30,13 +32,13 @@ def test_optimizer_state_dtype_is_known_before_the_states_exist():
         def __init__(self, fp32_states):
             self.fp32_optimizer_states = fp32_states
 
-    assert precision_live.optimizer_state_dtype(DeepSpeedCPUAdam(True), torch.bfloat16) == torch.float32
-    assert precision_live.optimizer_state_dtype(DeepSpeedCPUAdam(False), torch.bfloat16) == torch.bfloat16
+    assert precision_evidence.optimizer_state_dtype(DeepSpeedCPUAdam(True), torch.bfloat16) == torch.float32
+    assert precision_evidence.optimizer_state_dtype(DeepSpeedCPUAdam(False), torch.bfloat16) == torch.bfloat16
 
     class Lion:  # an optimizer this reader does not know: unknown, not guessed
         pass
 
-    assert precision_live.optimizer_state_dtype(Lion(), torch.float32) is None
+    assert precision_evidence.optimizer_state_dtype(Lion(), torch.float32) is None
 
 
 def _lost_by_bf16_arithmetic(w: torch.Tensor, lr: float) -> float:
@@ -55,7 +57,7 @@ def test_the_bf16_true_rule_predicts_which_updates_bf16_rounds_away(lr):
     w[:100] = 0.0  # LoRA B starts at zero: always movable
     model = torch.nn.Linear(200, 100, bias=False)
     model.weight.data = w.view(100, 200).bfloat16()
-    share, needed, counted = precision_live.vanishing_share(model, lr)
+    share, needed, counted = precision_evidence.vanishing_share(model, lr)
     assert counted == 20_000
     assert share == pytest.approx(_lost_by_bf16_arithmetic(w, lr), abs=1e-4)
     lost_at_needed = _lost_by_bf16_arithmetic(w, needed * 1.0001)
@@ -66,21 +68,21 @@ def test_the_rule_on_hand_made_values():
     m = torch.nn.Linear(3, 1, bias=False)
     m.weight.data = torch.tensor([[1.0, 0.02, 0.0]])
     # half-spacings: 1.0 -> 2^-8 (bf16 keeps 8 significant bits); 0.02 -> 2^-14; 0 -> can always move
-    assert precision_live.vanishing_share(m, 1e-4)[0] == pytest.approx(1 / 3)  # 2^-14 = 6.1e-5 < 1e-4
-    assert precision_live.vanishing_share(m, 1e-5)[0] == pytest.approx(2 / 3)
-    assert precision_live.vanishing_share(m, 2**-7)[0] == 0.0
+    assert precision_evidence.vanishing_share(m, 1e-4)[0] == pytest.approx(1 / 3)  # 2^-14 = 6.1e-5 < 1e-4
+    assert precision_evidence.vanishing_share(m, 1e-5)[0] == pytest.approx(2 / 3)
+    assert precision_evidence.vanishing_share(m, 2**-7)[0] == 0.0
     m.weight.requires_grad_(False)
-    assert precision_live.vanishing_share(m, 1e-5) == (0.0, 0.0, 0)  # frozen weights are not trained
+    assert precision_evidence.vanishing_share(m, 1e-5) == (0.0, 0.0, 0)  # frozen weights are not trained
 
 
 def test_the_warning_only_for_bf16_true_full_fine_tuning_over_the_share():
     args = dict(share=0.85, needed=1.2e-4, lr=1e-5)
-    text = precision_live.bf16_true_warning(**args, policy="bf16-true", method="full")
+    text = precision_evidence.bf16_true_warning(**args, policy="bf16-true", method="full")
     assert text.startswith("bf16-true: 85% of the trainable weights") and "training.precision: bf16-mixed" in text
     assert "0.00012" in text
-    assert precision_live.bf16_true_warning(**args, policy="bf16-mixed", method="full") is None
-    assert precision_live.bf16_true_warning(**args, policy="bf16-true", method="lora") is None
-    assert precision_live.bf16_true_warning(0.05, 1e-5, 1e-5, policy="bf16-true", method="full") is None
+    assert precision_evidence.bf16_true_warning(**args, policy="bf16-mixed", method="full") is None
+    assert precision_evidence.bf16_true_warning(**args, policy="bf16-true", method="lora") is None
+    assert precision_evidence.bf16_true_warning(0.05, 1e-5, 1e-5, policy="bf16-true", method="full") is None
 
 
 def _fake_trainer(model, *, mixed_precision="no"):
@@ -93,7 +95,7 @@ def _fake_trainer(model, *, mixed_precision="no"):
         unwrap_model=lambda m: m,
         scaler=None,
         is_fsdp2=False,
-        state=SimpleNamespace(),
+        state=SimpleNamespace(distributed_type=SimpleNamespace(value="NO"), num_processes=1),
     )
     trainer = SimpleNamespace(
         model_wrapped=model,
@@ -110,21 +112,23 @@ def _record(tmp_path):
 
 
 def _begin(callbacks):
-    (cb,) = callbacks
-    cb.on_train_begin(None, SimpleNamespace(is_world_process_zero=True), None)
+    """RunHooks' precision steps of on_train_begin (the strategy's need a launch: tests/training/test_strategies.py)."""
+    (hooks,) = callbacks
+    expected = hooks.record_live_precision(True)
+    hooks.confirm_in_first_forward(expected)
 
 
 def _install(trainer, policy, rec):
-    precision_live.install(
-        trainer,
-        precision.get(policy),
-        requested="auto",
-        family="torch",
-        method="full",
-        load_dtype="float32",
-        learning_rate=1e-4,
-        record=rec,
+    cfg = SimpleNamespace(
+        run=SimpleNamespace(strategy="any", offload="any"),
+        recipe="demo",
+        method=SimpleNamespace(name="full"),
+        training=SimpleNamespace(precision="auto"),
     )
+    launch = SimpleNamespace(mesh=None, policy=precision.get(policy), family="torch", setup=None)
+    sinks = Sinks(RunJson(rec))
+    sinks.commit()  # a run's record is saved from its commit on
+    trainer.add_callback(RunHooks(trainer, cfg, launch, learning_rate=1e-4, sinks=sinks))
 
 
 def test_a_matching_run_is_recorded_and_its_first_forward_confirms_the_compute_dtype(tmp_path):

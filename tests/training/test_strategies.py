@@ -5,7 +5,7 @@ values: tiny random Llama + LoRA (dropout 0), demo data (40 rows), seed 42, 4 se
 = 8 per optimizer step, 5 steps (one epoch), no warmup, clipping pinned at 1.0, loss logged every step,
 checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export. The single-process reference runs 4 x accumulation 2
 = the same 8 sequences per optimizer step. Every launch records the rows it trained on
-(FINETUNE_SAMPLE_TRACE, finetune/training/sample_trace.py), so resumed runs can be recounted.
+(FINETUNE_SAMPLE_TRACE, finetune/training/trainer.py trace_samples), so resumed runs can be recounted.
 
 Precision: these runs take the CPU default, training.precision auto = 32-true, and every record's
 `precision` section is checked to say so from the live run (assert_32_true). The same comparison in
@@ -333,7 +333,7 @@ def _steps(record: dict) -> list[dict]:
 
 
 # What a run printed before issue 27 item 5 (a 3-step ZeRO-3 run on CPU: 22 deprecation warnings, DeepSpeed's
-# CPU notice per process, an 80-line configuration): held back at their source (finetune/noise.py) or fixed.
+# CPU notice per process, an 80-line configuration): held back at their source (finetune/held_back.py) or fixed.
 NOISE = (
     "all_gather_into_tensor` is deprecated",
     "reduce_scatter_tensor` is deprecated",

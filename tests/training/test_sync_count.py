@@ -44,7 +44,7 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
     from finetune.modeling import loss
     from finetune.modeling.load import load_model, load_tokenizer
     from finetune.training import arguments
-    from finetune.training.trainer import ResilientTrainer
+    from finetune.training.resilience import ResilientTrainer
 
     mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
     model = load_model(mcfg, MethodConfig(name="lora", lora_dropout=0.0))

@@ -153,7 +153,8 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
     assert res.returncode == 0, res.explain()
     assert not (run_dir / "checkpoint-99").exists()  # --overwrite replaced the earlier run's files
     rec = res.record
-    assert rec["run_name"] == "full" and rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
+    # the record is this run's (the earlier one's run.json named "earlier"); the directory is the one asked for
+    assert rec["run_name"] != "earlier" and rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
     assert rec["parameters"]["trainable"] == rec["parameters"]["total"]
     assert (run_dir / "model" / "model.safetensors").is_file()
     out = reload_and_generate(run_dir / "model", adapter=False)
@@ -273,8 +274,8 @@ def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(
     assert rec["parameters"]["total"] == rec["parameters"]["trainable"] == sum(p.numel() for p in model.parameters())
     assert "excludes data loading" in tp["scope"]
     assert all(s["data_loading_s"] > 0 and 0 < s["data_loading_share"] < 1 for s in steps), steps
-    from finetune.telemetry import memory_peaks
+    from finetune.telemetry import meter
 
-    if memory_peaks.vmhwm() is not None and memory_peaks.reset_vmhwm():
+    if meter.vmhwm() is not None and meter.reset_vmhwm():
         assert rec["memory"]["host_peak_method"] == "vmhwm"
     assert rec["memory"]["max"]["host_peak_rss_gib"] > 0.1

@@ -29,7 +29,7 @@ def feed(watch, series: list[tuple[float, float | None]], control=None) -> Simpl
 
 
 def test_zero_gradient_windows_in_a_row_stop_the_run_naming_the_uniform_loss():
-    from finetune.training.collapse import CollapseError, CollapseWatch
+    from finetune.training.resilience import CollapseError, CollapseWatch
 
     watch = CollapseWatch(policy="stop", windows=3, vocab_size=VOCAB)
     uniform = round(math.log(VOCAB), 4)
@@ -47,7 +47,7 @@ def test_zero_gradient_windows_in_a_row_stop_the_run_naming_the_uniform_loss():
 
 def test_a_random_model_at_ln_v_with_gradients_is_not_a_collapse():
     """Control: a fresh random model's loss is about ln(V) too; its gradients are not zero."""
-    from finetune.training.collapse import CollapseWatch
+    from finetune.training.resilience import CollapseWatch
 
     watch = CollapseWatch(policy="stop", windows=2, vocab_size=VOCAB)
     uniform = math.log(VOCAB)
@@ -58,7 +58,7 @@ def test_a_random_model_at_ln_v_with_gradients_is_not_a_collapse():
 
 
 def test_the_flag_policy_trains_on_and_ends_failed():
-    from finetune.training.collapse import CollapseError, CollapseWatch
+    from finetune.training.resilience import CollapseError, CollapseWatch
 
     watch = CollapseWatch(policy="flag", windows=2, vocab_size=VOCAB)
     assert not feed(watch, [(5.0, 0.0), (5.0, 0.0), (5.0, 0.0)]).should_training_stop

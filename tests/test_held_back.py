@@ -1,6 +1,6 @@
-"""Issue 27 item 5: third-party noise held back at its source (finetune/noise.py), each filter matching
+"""Issue 27 item 5: third-party noise held back at its source (finetune/held_back.py), each filter matching
 one message, and DeepSpeed's first-use op builds announced before they start
-(finetune/launch/op_builds.py). A whole run's console: tests/training/test_strategies.py
+(finetune/launch/strategy_setup.py). A whole run's console: tests/training/test_strategies.py
 test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import finetune  # noqa: F401 - installs the filters, as every process does
 
 
 def _shown(message: str, category=FutureWarning, module: str = "torch.distributed.c10d_logger") -> bool:
-    from finetune import noise
+    from finetune import held_back
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # the control's baseline: everything shows ...
-        noise.install()  # ... unless one of our filters (installed after, so first) matches
+        held_back.install()  # ... unless one of our filters (installed after, so first) matches
         warnings.warn_explicit(message, category, "x.py", 1, module=module)
     return bool(seen)
 
@@ -31,9 +31,9 @@ def test_deepspeeds_deprecated_collective_warnings_are_held_back_and_nothing_els
 
 
 def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
-    from finetune import noise
+    from finetune import held_back
 
-    held = noise.DEEPSPEED_CPU_ACCELERATOR
+    held = held_back.DEEPSPEED_CPU_ACCELERATOR
     before = len(held.held)
     logger = logging.getLogger("DeepSpeed")
     records = []
@@ -52,17 +52,17 @@ def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
 
 
 def test_a_first_op_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
-    from finetune.launch import op_builds
+    from finetune.launch import strategy_setup
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    line = op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    line = strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
     assert "deepspeed_shm_comm and cpu_adam ops now (first use on this machine" in line and str(tmp_path) in line
     (tmp_path / "cpu_adam").mkdir()
     (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    assert "cpu_adam" not in op_builds.announce(["deepspeed_shm_comm", "cpu_adam"])
+    assert "cpu_adam" not in strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert op_builds.announce(["deepspeed_shm_comm", "cpu_adam"]) is None
+    assert strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"]) is None
 
 
 ACCELERATE_DEFAULTS = (
@@ -74,16 +74,16 @@ ACCELERATE_DEFAULTS = (
 
 
 def test_accelerates_zero_processes_default_line_is_dropped_and_the_others_kept():
-    from finetune import noise
+    from finetune import held_back
 
     record = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, ACCELERATE_DEFAULTS, None, None)
-    assert noise.ZERO_PROCESSES_DEFAULT.filter(record)
+    assert held_back.ZERO_PROCESSES_DEFAULT.filter(record)
     assert "`--num_processes`" not in record.getMessage() and "`--num_machines` was set" in record.getMessage()
     only = ACCELERATE_DEFAULTS.replace("\t`--num_machines` was set to a value of `1`\n", "")
     record = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, only, None, None)
-    assert not noise.ZERO_PROCESSES_DEFAULT.filter(record)  # nothing left to say
+    assert not held_back.ZERO_PROCESSES_DEFAULT.filter(record)  # nothing left to say
     other = logging.LogRecord("accelerate.commands.launch", logging.WARNING, "x", 1, "something else", None, None)
-    assert noise.ZERO_PROCESSES_DEFAULT.filter(other) and other.getMessage() == "something else"
+    assert held_back.ZERO_PROCESSES_DEFAULT.filter(other) and other.getMessage() == "something else"
 
 
 LAUNCH = """

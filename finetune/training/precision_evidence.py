@@ -1,41 +1,16 @@
-"""The precision policy applied to the Trainer, and proven from the live objects before step 1.
-
-    apply(trainer, policy)                      # FSDP2's MixedPrecisionPolicy, DeepSpeed's bf16/fp16 keys
-    install(trainer, policy, record=..., ...)   # a callback: run.json `precision`, the mismatch stop
-
-The check runs at on_train_begin, because DeepSpeed steps inside backward; a forward hook then
-confirms the compute dtype during step 1's first forward (docs/precision.md).
+"""The precision a run trains in, read from the live objects before step 1 (run.json `precision`,
+docs/precision.md): the declared section, the live one (`live_section`), the bf16-true rule, and the
+Linear whose first forward shows the compute dtype. finetune/training/hooks.py reads them at
+on_train_begin (DeepSpeed steps inside backward) and checks them against the policy
+(finetune/precision.py mismatches).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from finetune import precision
-from finetune.errors import UserError
 from finetune.precision import dtype_name
-
-log = logging.getLogger(__name__)
-
-
-def apply(trainer, policy: precision.Policy) -> None:
-    """FSDP2's MixedPrecisionPolicy and DeepSpeed's precision keys, read by Accelerator.prepare
-    (accelerate/utils/fsdp_utils.py fsdp2_prepare_model; accelerator.py _prepare_deepspeed)."""
-    state = trainer.accelerator.state
-    if trainer.accelerator.is_fsdp2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        kwargs = policy.fsdp_mixed_precision() or {}
-        state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            **{k: precision.torch_dtype(v) if k.endswith("_dtype") else v for k, v in kwargs.items()}
-        )
-    ds = getattr(state, "deepspeed_plugin", None)
-    if ds is not None:
-        for section, values in policy.deepspeed_keys().items():
-            ds.deepspeed_config.setdefault(section, {}).update(values)
-
 
 # --- reading the live objects ------------------------------------------------------------------
 
@@ -231,11 +206,11 @@ def bf16_true_warning(share: float, needed: float, lr: float, *, policy: str, me
     )
 
 
-# --- the record and the callback -------------------------------------------------------------------
+# --- the sections ------------------------------------------------------------------------------------
 
 
 def declared(policy: precision.Policy, *, requested: str, family: str, load_dtype: str) -> dict:
-    """run.json `precision` as the policy declares it; `install` fills the live fields at on_train_begin."""
+    """run.json `precision` as the policy declares it; `live_section` fills the live fields."""
     return {
         "policy": policy.name,
         "requested": requested,
@@ -252,7 +227,7 @@ def declared(policy: precision.Policy, *, requested: str, family: str, load_dtyp
     }
 
 
-def install(
+def live_section(
     trainer,
     policy: precision.Policy,
     *,
@@ -261,72 +236,36 @@ def install(
     method: str,
     load_dtype: str,
     learning_rate: float,
-    record=None,
-) -> None:
-    """Record the live precision at on_train_begin, refuse a mismatch before step 1, confirm the
-    compute dtype in step 1's first forward, and warn under bf16-true (see the module docstring)."""
-    from transformers import TrainerCallback
-
-    if record is not None:
-        record.set("precision", declared(policy, requested=requested, family=family, load_dtype=load_dtype))
-
-    class _PrecisionCheck(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            live = read_live(trainer)
-            section = {
-                **declared(policy, requested=requested, family=family, load_dtype=load_dtype),
-                **{
-                    k: live[k]
-                    for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights", "reduce_dtype")
-                },
-                "evidence": live["evidence"],
-            }
-            if policy.name == "bf16-true":
-                share, needed, _ = vanishing_share(trainer.model_wrapped, learning_rate)
-                section["evidence"].update(bf16_update_loss_share=round(share, 4), bf16_lr_keeping_updates=needed)
-                section["warning"] = bf16_true_warning(share, needed, learning_rate, policy=policy.name, method=method)
-                if section["warning"] and state.is_world_process_zero:
-                    log.warning(section["warning"])
-            if record is not None:
-                record.set("precision", section)
-                record.write()
-            problems = precision.mismatches(policy, family, section)
-            if problems:
-                raise UserError(
-                    f"training.precision {precision.policy_label(policy, requested)} did not engage "
-                    f"(read from the live objects before the first optimizer step; nothing was "
-                    f"trained): " + "; ".join(problems)
-                )
-            _confirm_compute_dtype(trainer, section["compute_dtype"], record)
-
-    trainer.add_callback(_PrecisionCheck())
+) -> dict:
+    """run.json `precision` once the model is wrapped and the optimizer exists (on_train_begin): the
+    declared section with what the live objects show, and under bf16-true the share of updates lost
+    (summed over ranks: every rank must call it) with its warning."""
+    live = read_live(trainer)
+    section = {
+        **declared(policy, requested=requested, family=family, load_dtype=load_dtype),
+        **{
+            k: live[k]
+            for k in ("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights", "reduce_dtype")
+        },
+        "evidence": live["evidence"],
+    }
+    if policy.name == "bf16-true":
+        share, needed, _ = vanishing_share(trainer.model_wrapped, learning_rate)
+        section["evidence"].update(bf16_update_loss_share=round(share, 4), bf16_lr_keeping_updates=needed)
+        section["warning"] = bf16_true_warning(share, needed, learning_rate, policy=policy.name, method=method)
+    return section
 
 
-def _confirm_compute_dtype(trainer, expected: str, record) -> None:
-    """The output dtype of the first Linear with a trainable weight in step 1's first forward (not
-    a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D
-    counts as one, and so do DeepSpeed AutoTP's split linears; an output head whose forward is the
-    chunked loss does not (it returns the loss sum and count, finetune/modeling/loss.py)."""
+def first_observable_linear(model):
+    """The first Linear with a trainable weight, whose output dtype in step 1's first forward is the
+    compute dtype (not a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype).
+    GPT-2's Conv1D counts as one, and so do DeepSpeed AutoTP's split linears; an output head whose
+    forward is the chunked loss does not (it returns the loss sum and count, finetune/modeling/loss.py).
+    None: nothing to observe."""
 
     def observable(m) -> bool:
         # transformers.pytorch_utils Conv1D; deepspeed/module_inject/layers.py LinearLayer, LinearAllreduce
         linear = isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Conv1D", "LinearLayer", "LinearAllreduce")
         return linear and m.weight.requires_grad and not hasattr(m, "finetune_loss_kernel")
 
-    linear = next((m for m in trainer.model_wrapped.modules() if observable(m)), None)
-    if linear is None:
-        return
-
-    def hook(module, inputs, output):
-        handle.remove()
-        seen = dtype_name(output.dtype)
-        if record is not None:
-            record.update("precision", observed_compute_dtype=seen)
-            record.write()
-        if seen != expected:
-            raise UserError(
-                f"the first forward computed in {seen}, but the live objects said {expected} "
-                f"(run.json precision.evidence has the details); nothing was trained"
-            )
-
-    handle = linear.register_forward_hook(hook)
+    return next((m for m in model.modules() if observable(m)), None)

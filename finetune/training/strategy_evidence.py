@@ -1,7 +1,8 @@
-"""Which distributed strategy actually engaged, and the refusal to train anything else. Accelerate
-downgrades some launches without a word, so the run checks twice against the recipe's run.strategy
-and run.offload: from Accelerate's state once Trainer exists (`engaged`), and from the wrapped
-model itself before the first optimizer step (`live_check`: run.json `strategy.evidence`).
+"""Which distributed strategy actually engaged, read from the live objects, and the refusal to train
+anything else. Accelerate downgrades some launches without a word, so the run checks twice against
+the recipe's run.strategy and run.offload: from Accelerate's state once Trainer exists (`engaged`),
+and from the wrapped model itself before the first optimizer step (`live_section`: run.json
+`strategy.evidence` and the live mesh, `strategy.parallel`; finetune/training/hooks.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from finetune.strategies import launch_line, name_of, offload_device, offload_na
 
 def engaged(state, *, method: str, setup=None) -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
-    `live_check` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
+    `live_section` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
     `setup` (finetune/launch/strategy_setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
     dtype = state.distributed_type.value
     out = {
@@ -27,7 +28,7 @@ def engaged(state, *, method: str, setup=None) -> dict:
         "offload": "none",
         "fsdp_version": None,
         "world_size": state.num_processes,
-        "method": method,  # precision: run.json `precision` (finetune/training/precision_live.py)
+        "method": method,  # precision: run.json `precision` (finetune/training/precision_evidence.py)
         "cpu_distributed": cpu_rehearsal.requested() if setup is None else setup.cpu_gloo is not None,
         "set_up_by": setup.set_up_by if setup is not None else None,
         "setup": setup.record() if setup is not None else None,
@@ -278,46 +279,27 @@ def strategy_from_evidence(ev: dict) -> tuple[str, str]:
     return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 
-def live_check(trainer, *, declared: dict, expected: str, expected_offload: str, recipe: str, record=None, mesh=None):
-    """run.json `strategy` as `engaged` declared it, now; then a callback that, once Trainer has wrapped
-    the model and before the first optimizer step, reads the live engine, records it
-    (`strategy.evidence`) and refuses a mismatch."""
-    from transformers import TrainerCallback
-
-    if record is not None:
-        record.set("strategy", declared)
-
-    class _LiveStrategyCheck(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            ev = live_evidence(trainer.model_wrapped)
-            name, offload = strategy_from_evidence(ev)
-            parallel = live_mesh(trainer.model_wrapped, trainer.accelerator)
-            ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
-            live = {
-                "name": name,
-                "offload": offload,
-                "evidence": ev,
-                "world_size": ev["world_size"],
-                "distributed_type": trainer.accelerator.distributed_type.value,
-                "parallel": parallel,
-            }
-            if ev["zero_stage"] is not None:
-                live.update(
-                    zero_stage=ev["zero_stage"],
-                    offload_optimizer=ev["offload_optimizer_device"],
-                    offload_params=ev["offload_param_device"],
-                )
-            if record is not None:
-                from finetune.checkpointing import resume
-
-                record.set("strategy", {**declared, **live})
-                resume.note_segment(record, mesh={k: parallel[k] for k in ("sp", "tp", "cp")})
-                record.write()
-            check_expected(expected, live, recipe, expected_offload)
-            if mesh is not None:
-                check_mesh(parallel, mesh, recipe)
-
-    trainer.add_callback(_LiveStrategyCheck())
+def live_section(wrapped, accelerator, declared: dict) -> dict:
+    """run.json `strategy` once Trainer has wrapped the model: the declared section with what the live
+    engine and process groups show (`evidence`, `parallel`)."""
+    ev = live_evidence(wrapped)
+    name, offload = strategy_from_evidence(ev)
+    ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
+    live = {
+        "name": name,
+        "offload": offload,
+        "evidence": ev,
+        "world_size": ev["world_size"],
+        "distributed_type": accelerator.distributed_type.value,
+        "parallel": live_mesh(wrapped, accelerator),
+    }
+    if ev["zero_stage"] is not None:
+        live.update(
+            zero_stage=ev["zero_stage"],
+            offload_optimizer=ev["offload_optimizer_device"],
+            offload_params=ev["offload_param_device"],
+        )
+    return {**declared, **live}
 
 
 def _fsdp_offloads(cpu_offload) -> bool:
