@@ -154,7 +154,9 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
     assert not (run_dir / "checkpoint-99").exists()  # --overwrite replaced the earlier run's files
     rec = res.record
     # the record is this run's (the earlier one's run.json named "earlier"); the directory is the one asked for
-    assert rec["run_name"] != "earlier" and rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
+    assert (
+        rec["run_name"] != "earlier" and rec["strategy"]["method"] == "full" and rec["summary"]["status"] == "completed"
+    )
     assert rec["parameters"]["trainable"] == rec["parameters"]["total"]
     assert (run_dir / "model" / "model.safetensors").is_file()
     out = reload_and_generate(run_dir / "model", adapter=False)
