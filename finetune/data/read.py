@@ -317,30 +317,17 @@ def read_head(path: str, max_rows: int, *, split: str = "train") -> tuple[list[t
     saved as .jsonl and every other format are read whole."""
     if not (is_local(path) and files.format_name(path).endswith(".jsonl") and files.problem(path) is None):
         return _whole(path, max_rows, split)
-    lines: list[bytes] = []
-    complete, seen = True, 0
+    rows: list[tuple[int, Any]] = []
     try:
-        with files.opened(path) as f:
-            for line in f:
-                if line.strip():
-                    if seen == 0 and looks_like_array(line):
-                        return _whole(path, max_rows, split)
-                    seen += 1
-                    if seen > max_rows:
-                        complete = False
-                        break
-                lines.append(line)
-    except files.FileProblem as e:
-        raise DataError(str(e), path=path) from None
-    except files.DAMAGED:  # a damaged compressed stream: read it whole, which says what
-        _read_bytes(path)
-        raise
-    rows = parse_json_lines(check_bytes(b"".join(lines), path))
-    if not rows:
-        raise DataError("contains no rows", path=path)
-    if complete and len(rows) == 1 and isinstance(rows[0][1], dict):  # maybe an object holding the rows
+        for number, raw, start in stream_json_lines(path):
+            if len(rows) == max_rows:
+                return rows, False
+            rows.append((number, parse_line(raw, start)))
+    except ReadWhole:
         return _whole(path, max_rows, split)
-    return rows, complete
+    if len(rows) == 1 and isinstance(rows[0][1], dict):  # maybe an object holding the rows
+        return _whole(path, max_rows, split)
+    return rows, True
 
 
 class ReadWhole(Exception):

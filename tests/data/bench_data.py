@@ -94,7 +94,9 @@ def run(side: str, data: Path, cache: Path, max_length: int, pythonpath: str, ra
     cmd += ["--cache", str(cache), "--max-length", str(max_length)]
     procs = []
     for rank in range(ranks):
-        env = os.environ | {"PYTHONPATH": pythonpath, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks)}
+        env = os.environ | {"PYTHONPATH": pythonpath}
+        if ranks > 1:  # as a launcher sets them (TRL's Accelerate would set up torch.distributed with them)
+            env |= {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(ranks)}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, cwd=pythonpath, text=True))
     out = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     for line in out:
