@@ -1,5 +1,5 @@
 """Speed options: padding-free and packed batches give the padded path's per-token losses and
-keep examples apart; unsafe combinations are refused; token counts; the tokenization cache.
+keep examples apart; unsafe combinations are refused; token counts.
 
 Tolerance: fp32 tiny model, per-token losses and logits compared at atol 1e-5 (different
 batch shapes reorder float sums; observed differences are ~1e-6)."""
