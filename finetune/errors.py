@@ -1,14 +1,7 @@
-"""User-facing errors and the exit codes of `finetune train` and finetune/train.py.
-
-A problem in what the user gave us (recipe, overrides, data, launch, --resume) is a UserError:
-the CLI and train.py print it without a traceback and exit with EXIT_USAGE. Anything else is a
-bug and keeps its traceback. Exit codes, so schedulers can tell outcomes apart:
-
-    0   completed
-    1   crashed (a bug, or a rank failed: the failed rank is named on stderr)
-    2   user error: bad recipe, data, launch or --resume
-    3   training diverged: non-finite loss or gradient norm (finetune/training/resilience.py)
-    75  preempted: SIGTERM/SIGINT, complete checkpoint written; rerun with --resume
+"""User-facing errors and the exit codes of `finetune train` and finetune/train.py (docs/faults.md
+lists each code and what to do). A problem in what the user gave us (recipe, overrides, data, launch,
+--resume) is a UserError, printed without a traceback, exit EXIT_USAGE; anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The parallel mesh of a run: how its ranks split each training step beyond data parallelism
-(docs/parallelism.md). Pure arithmetic and the engines' names; no torch at import.
-
-    world = dp x sp x tp x cp          dp = data-parallel ranks (each takes its own micro-batches)
-
-sp: Ulysses sequence parallelism (DeepSpeed ALST, ZeRO-1/2/3): each rank holds 1/sp of every
-sequence and attention runs on 1/sp of the heads after an all-to-all. tp: tensor parallelism from
-the model's own tp plan (DeepSpeed AutoTP, ZeRO-1/2). cp: context parallelism (torch ring attention
-under FSDP2, CUDA). Ranks of one sp/tp/cp group train on the same micro-batch.
+"""The parallel mesh of a run: how its ranks split each training step beyond data parallelism,
+world = dp x sp x tp x cp; ranks of one sp/tp/cp group train on the same micro-batch
+(docs/parallelism.md: what each dimension splits and under which engine). Pure arithmetic and the
+engines' names; no torch at import.
 """
 
 from __future__ import annotations

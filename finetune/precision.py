@@ -31,7 +31,6 @@ class Policy:
     optimizer_state_dtype: str  # Adam exp_avg / exp_avg_sq
     master_weights: bool  # an fp32 master of parameters that compute in 16 bits
     adapters_fp32: bool  # peft get_peft_model(autocast_adapter_dtype=...) on torch-native strategies
-    loss_scaling: bool  # fp16: dynamic loss scaling (Accelerate GradScaler, DeepSpeed loss_scale 0)
     torch_autocast: str | None  # autocast dtype of the torch family (Accelerate mixed_precision); None: none
     fsdp_param_dtype: str | None  # FSDP2 MixedPrecisionPolicy.param_dtype; None: no policy (no casts)
     fsdp_reduce_dtype: str | None
@@ -117,7 +116,6 @@ POLICIES: dict[str, Policy] = {
             optimizer_state_dtype="float32",
             master_weights=True,
             adapters_fp32=True,
-            loss_scaling=False,
             torch_autocast="bfloat16",
             fsdp_param_dtype="bfloat16",
             fsdp_reduce_dtype="float32",
@@ -137,7 +135,6 @@ POLICIES: dict[str, Policy] = {
             optimizer_state_dtype="bfloat16",
             master_weights=False,
             adapters_fp32=False,
-            loss_scaling=False,
             torch_autocast=None,
             fsdp_param_dtype=None,
             fsdp_reduce_dtype=None,
@@ -160,7 +157,6 @@ POLICIES: dict[str, Policy] = {
             optimizer_state_dtype="float32",
             master_weights=True,
             adapters_fp32=True,
-            loss_scaling=True,
             torch_autocast="float16",
             fsdp_param_dtype="float16",
             fsdp_reduce_dtype="float32",
@@ -180,7 +176,6 @@ POLICIES: dict[str, Policy] = {
             optimizer_state_dtype="float32",
             master_weights=False,
             adapters_fp32=True,
-            loss_scaling=False,
             torch_autocast=None,
             fsdp_param_dtype=None,
             fsdp_reduce_dtype=None,

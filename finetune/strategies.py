@@ -71,13 +71,6 @@ class Strategy:
     key: str  # planner key, unique
     name: str  # run.strategy: single | ddp | zero1 | zero2 | zero3 | fsdp
     offload: str  # run.offload: none | optimizer | optimizer+params
-    distributed_type: str  # Accelerate DistributedType its configs set (GPU and CPU variant alike)
-    zero_stage: int | None  # DeepSpeed ZeRO stage; None for torch-native strategies
-    shards_params: bool
-    shards_grads: bool
-    shards_optimizer: bool
-    offload_optimizer: bool
-    offload_params: bool
     accelerate_config: str | None  # relative to the resources root; None: no shipped config
     cpu_config: str | None  # the CPU-rehearsal variant (2 processes over gloo); None for one process
     deepspeed_config: str | None
@@ -86,6 +79,36 @@ class Strategy:
     description: str
     why: str
     fsdp: FsdpSettings | None = None  # FSDP rows: the settings both launch routes use
+
+    @property
+    def distributed_type(self) -> str:
+        """The Accelerate DistributedType its configs set (GPU and CPU variant alike)."""
+        return {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}.get(self.name, "DEEPSPEED")
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed ZeRO stage; None for torch-native strategies."""
+        return int(self.name[-1]) if self.name.startswith("zero") else None
+
+    @property
+    def shards_params(self) -> bool:  # ZeRO paper §5: stage 1 shards optimizer states, 2 gradients, 3 parameters
+        return self.name == "fsdp" or self.zero_stage == 3
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.name == "fsdp" or (self.zero_stage or 0) >= 2
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.name == "fsdp" or self.zero_stage is not None
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return self.offload != "none"
+
+    @property
+    def offload_params(self) -> bool:
+        return self.offload == "optimizer+params"
 
     @property
     def launchable(self) -> bool:
@@ -100,13 +123,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "single",
         "single",
         "none",
-        "NO",
-        None,
-        False,
-        False,
-        False,
-        False,
-        False,
         "accelerate_configs/single_gpu.yaml",
         None,
         None,
@@ -119,13 +135,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "ddp",
         "ddp",
         "none",
-        "MULTI_GPU",
-        None,
-        False,
-        False,
-        False,
-        False,
-        False,
         "accelerate_configs/ddp.yaml",
         "accelerate_configs/cpu/ddp.yaml",
         None,
@@ -138,13 +147,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero1",
         "zero1",
         "none",
-        "DEEPSPEED",
-        1,
-        False,
-        False,
-        True,
-        False,
-        False,
         None,
         None,
         None,
@@ -157,13 +159,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero2",
         "zero2",
         "none",
-        "DEEPSPEED",
-        2,
-        False,
-        True,
-        True,
-        False,
-        False,
         "accelerate_configs/zero2.yaml",
         "accelerate_configs/cpu/zero2.yaml",
         "ds_configs/zero2.json",
@@ -176,13 +171,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero2_offload",
         "zero2",
         "optimizer",
-        "DEEPSPEED",
-        2,
-        False,
-        True,
-        True,
-        True,
-        False,
         "accelerate_configs/zero2_offload.yaml",
         "accelerate_configs/cpu/zero2_offload.yaml",
         "ds_configs/zero2_offload.json",
@@ -195,13 +183,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero3",
         "zero3",
         "none",
-        "DEEPSPEED",
-        3,
-        True,
-        True,
-        True,
-        False,
-        False,
         "accelerate_configs/zero3.yaml",
         "accelerate_configs/cpu/zero3.yaml",
         "ds_configs/zero3.json",
@@ -214,13 +195,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero3_offload_opt",
         "zero3",
         "optimizer",
-        "DEEPSPEED",
-        3,
-        True,
-        True,
-        True,
-        True,
-        False,
         None,
         None,
         None,
@@ -233,13 +207,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "zero3_offload",
         "zero3",
         "optimizer+params",
-        "DEEPSPEED",
-        3,
-        True,
-        True,
-        True,
-        True,
-        True,
         "accelerate_configs/zero3_offload.yaml",
         "accelerate_configs/cpu/zero3_offload.yaml",
         "ds_configs/zero3_offload.json",
@@ -252,13 +219,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "fsdp",
         "fsdp",
         "none",
-        "FSDP",
-        None,
-        True,
-        True,
-        True,
-        False,
-        False,
         "accelerate_configs/fsdp.yaml",
         "accelerate_configs/cpu/fsdp.yaml",
         None,
@@ -272,13 +232,6 @@ STRATEGIES: tuple[Strategy, ...] = (
         "fsdp_offload",
         "fsdp",
         "optimizer+params",
-        "FSDP",
-        None,
-        True,
-        True,
-        True,
-        True,
-        True,
         "accelerate_configs/fsdp_offload.yaml",
         "accelerate_configs/cpu/fsdp_offload.yaml",
         None,

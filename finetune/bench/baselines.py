@@ -1,12 +1,5 @@
-"""The baseline sides of `finetune bench`, each with the same model, data order, length, batch,
-precision policy, learning rate, steps, seed, LoRA settings and gradient checkpointing as our side
-(docs/benchmarks.md):
-
-* plain Trainer (`--baseline plain-trainer`): transformers.Trainer as a user writes it without TRL or
-  this project: the model's own loss (full logits), batches padded to their longest example
-  (DataCollatorForSeq2Seq), peft LoRA;
-* TRL: SFTTrainer as a user would write it, plain (TRL's default padded batching, torch's SDPA
-  defaults) or tuned (padding-free or TRL's packing, our SDPA policy).
+"""The baseline sides of `finetune bench` (plain Trainer, TRL plain and tuned), each with the same
+workload, precision policy and settings as our side (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""`finetune bench`'s report: each side's median over rounds per method, and ours / each baseline.
-
-Sides: `finetune` (ResilientTrainer as `finetune train` builds it), `plain_trainer` (transformers.Trainer,
-padded batches, the model's own loss), `trl_plain` (a plain TRL SFTTrainer script: TRL's defaults
-for batching, so padded batches) and `trl_tuned` (TRL's own padding-free or BFD packing, its own
-chunked loss, the same SDPA backend policy as ours); the baselines: finetune/bench/baselines.py.
+"""`finetune bench`'s report: each side's median over rounds per method, and ours / each baseline
+(the sides: docs/benchmarks.md, finetune/bench/baselines.py).
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 
     python -m finetune.bench.worker SPEC.json RESULT.json
 
-Our side is the trainer `finetune train` runs: the run's own process set-up, TrainingArguments,
-model loading and ResilientTrainer (finetune/training/run.py, finetune/training/build.py), from a
-configuration of the benchmark's settings (`config_of`). Every side is measured by the same meter
-(finetune/telemetry/meter.py) through two hooks that change nothing about the training: a callback
-driving its step clock and memory tracker, and a wrapper around the side's collator counting tokens
-and rows per batch (docs/benchmarks.md). Each side's precision is read back from its live objects.
+Every side is measured by the same meter through a callback and a collator wrapper that change
+nothing about the training (docs/benchmarks.md); each side's precision is read from its live objects.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Checkpoint validity, the choice of the checkpoint to resume from, and rotation (docs/faults.md
-"Torn or corrupt checkpoints").
-
-A checkpoint counts only when it holds MARKER, which rank 0 writes last, once every rank has
-written its files; it lists every file with its size and checksum (xxh3-128) and what wrote the
-checkpoint (the `run` block, finetune/checkpointing/provenance.py). Choosing a checkpoint to
-resume from verifies the checksums, so a file damaged in place (same size) is caught; rotation
-checks sizes only (it runs at every save). Rotation happens here, after the new checkpoint is
-complete, not inside Trainer's save.
+"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with
+every file's size and checksum), the choice of the checkpoint to resume from (checksums verified), and
+rotation (sizes only, after the new checkpoint is complete): docs/faults.md "Torn or corrupt
+checkpoints".
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ def _files(ckpt: Path) -> dict[str, int]:
 
 def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = None) -> Path:
     """Rank 0 only, after every rank finished writing `ckpt`: the list of files and sizes, and
-    what wrote it (`run`, see the module docstring)."""
+    what wrote it (`run`, finetune/checkpointing/provenance.py)."""
     ckpt = Path(ckpt)
     files = _files(ckpt)
     if not files:
@@ -188,9 +183,8 @@ UNIVERSAL_SUFFIX = ".universal"  # the DeepSpeed universal cache beside a checkp
 
 
 def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
-    """Rank 0, before a resumed run from `step` trains: rename every checkpoint-K with K > step
-    (and its universal cache) to checkpoint-K.superseded-<n>, the first n not taken. Nothing is
-    deleted. Returns [(old name, new name)], oldest step first."""
+    """Rank 0, before a resumed run from `step` trains: rename every checkpoint-K with K > step (and its
+    universal cache) to checkpoint-K.superseded-<n>; returns [(old name, new name)], oldest first."""
     moved = []
     for ckpt in checkpoints(run_dir):
         if step_of(ckpt) <= step:

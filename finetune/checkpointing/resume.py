@@ -36,10 +36,8 @@ def read_record(run_dir: Path) -> tuple[dict | None, str | None]:
 
 
 def finished(run_dir: Path, resume: str = "auto") -> str | None:
-    """What `--resume` says of a run that completed, or None: a resume that would train nothing never
-    changes a finished run (it would rewrite model/ and append to run.json), so it changes nothing and
-    exits 0. From an earlier checkpoint (named with --resume=PATH, or the newest complete one when the
-    last is torn) it trains again from there."""
+    """What `--resume` says of a run that completed, or None: a resume that would train nothing changes
+    nothing and exits 0 (docs/faults.md "Resume")."""
     record, _ = read_record(run_dir)
     summary = (record or {}).get("summary")
     if not isinstance(summary, dict) or summary.get("status") != "completed":
@@ -144,10 +142,9 @@ def continued(run_dir: Path, ckpt: Path, plan=None, *, created: str | None = Non
 
 
 def keep_previous_record(run_dir: Path) -> Path | None:
-    """run.json as it was before this resume, kept as run.before-resume<n>.json: the continued
-    record drops the steps after the checkpoint, and a resume that fails later (a rank dies while
-    the model loads, say) must not have lost them. A damaged one is renamed run.damaged<n>.json
-    (never deleted). Rank 0, before the continued record is written."""
+    """run.json as it was before this resume, kept as run.before-resume<n>.json (a damaged one renamed
+    run.damaged<n>.json; docs/faults.md "Resume"): a resume that fails later must not have lost the
+    steps after the checkpoint. Rank 0, before the continued record is written."""
     import logging
     import shutil
 

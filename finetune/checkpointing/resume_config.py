@@ -1,12 +1,8 @@
 """The configuration a resumed run continues with: the one the run saved when it started (its
-config.yaml) with the changes earlier resumes were allowed to make (run.json `resumes[].config_changes`),
-not the recipe as it reads today. A command-line override that differs from it is refused, naming
-each difference, unless `--allow-config-change` asks for it: then it is applied and recorded in the
-resumed segment (docs/faults.md "Resume").
-
-Not configuration changes: the run's name and directory (they find the run), and the per-device batch
-and accumulation, which the resume plan sets so that the effective batch is kept under another world
-size (finetune/checkpointing/resume_plan.py).
+config.yaml) with the changes earlier resumes were allowed to make, not the recipe as it reads today
+(docs/faults.md "Resume"). Not configuration changes: the run's name and directory (they find the
+run), and the per-device batch and accumulation, which the resume plan sets
+(finetune/checkpointing/resume_plan.py).
 """
 
 from __future__ import annotations

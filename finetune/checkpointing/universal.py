@@ -1,12 +1,6 @@
-"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint (one file per
-parameter and state, which any world size loads), converted once and cached beside the original
-(docs/faults.md "Resume on another number of GPUs").
-
-    for_resume(state, plan)        every rank: convert on rank 0, the others wait
-    convert(ckpt)                  rank 0: <ckpt>.universal/, built once beside the original, reused after
-    enable_loading(trainer)        after Trainer(...), before train(): the engine is built loading it
-
-For big models convert beforehand: python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
+"""A DeepSpeed checkpoint resumed under another world size: its universal checkpoint, converted once
+and cached beside the original (docs/faults.md "Resume on another number of GPUs"). For big models
+convert beforehand: python -m finetune.checkpointing.universal runs/exp1/checkpoint-200
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """When two runs' losses may be compared: the same model, data and sequence length, precision
-policy, effective batch and applied learning rate (docs/compare.md). A bf16-true run
-against an fp32-master one measures the precision regime, not the strategy (on an H200, pure-bf16
-full fine-tuning at LR 1e-5 barely trained while ZeRO, with its fp32 master, did).
-
-Runs are finetune/compare/table.py `Run`s (anything with `.get(section, *keys, default=)` and
-`.label`). `finetune compare` marks each row against the reference run (the baseline, else the
-first run with a record) and turns every difference into a warning.
+policy, effective batch and applied learning rate (docs/compare.md). Runs are
+finetune/compare/table.py `Run`s (anything with `.get(section, *keys, default=)` and `.label`).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ NOT_COMPARABLE = "not comparable"  # the warnings' prefix and the loss cells' ma
 
 
 def comparison_keys(run) -> dict[str, object]:
-    """The values two runs must share for their losses to be compared (see the module docstring).
+    """The values two runs must share for their losses to be compared (docs/compare.md).
     A record without a `precision` section (written before it existed) has policy None: unknown."""
     out: dict[str, object] = {}
     for section, keys in (("model", MODEL_KEYS), ("data", DATA_KEYS)):

@@ -275,12 +275,7 @@ def write_reports(table: Table, plots: dict[str, Path], out_dir: Path) -> dict[s
     return {"markdown": md, "html": page}
 
 
-# ---- W&B: a run was logged there when its resolved config has `wandb` in logging.report_to. Training
-# runs are grouped by recipe (finetune/telemetry/wandb_logging.py), so the comparison goes into that
-# group: one W&B run per (project, group) among those runs, job_type "comparison", holding the table
-# as a wandb.Table ("comparison/table") and each plot as a wandb.Image ("comparison/<plot>"). Offline
-# without an API key, exactly like training runs (wandb_logging.configure_environment); the files
-# then lie in <out>/wandb and `wandb sync` uploads them.
+# ---- W&B: one comparison run per (project, group) of the runs that logged there (docs/compare.md).
 
 
 def wandb_groups(table: Table) -> dict[tuple[str, str], list[str]]:

@@ -1,11 +1,7 @@
-"""One recipe under several strategies, one run after another, then the comparison.
+"""One recipe under several strategies, one run after another, then the comparison; the runs differ
+only in the strategy (docs/compare.md `finetune sweep`).
 
     finetune sweep --recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides]
-
-The runs differ only in the strategy: model, data, hyperparameters, seed and evaluation are the
-recipe's; each strategy contributes its run.strategy, run.offload and accelerate config (and the
-baseline its quantization keys); the effective batch is kept by setting the per-device batch
-(docs/compare.md `finetune sweep`).
 """
 
 from __future__ import annotations

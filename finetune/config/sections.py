@@ -49,9 +49,7 @@ class ModelConfig:
     # float32 for full fine-tuning, float16 for the LoRA/QLoRA base).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    # Which SDPA backends torch may pick (finetune/modeling/attention.py, docs/speed.md): "auto" = on
-    # CUDA every backend but cuDNN (it re-plans for every new shape); "torch_default" = torch's
-    # flags untouched; or a list of flash, efficient, math, cudnn.
+    # Which SDPA backends torch may pick: auto, torch_default, or a list (docs/speed.md "Attention backends").
     sdpa_backends: Literal["auto", "torch_default"] | list = "auto"
     trust_remote_code: bool = False
     # Overrides the tokenizer's maximum length bookkeeping only; truncation is data.max_length.
@@ -94,9 +92,7 @@ class DataConfig:
     packing: bool = False
     # Concatenate each batch into one row, no padding (docs/speed.md); exclusive with packing.
     padding_free: bool = False
-    # Round every batch's token length up to a multiple of this many tokens (shape bucketing: fewer
-    # distinct shapes, e.g. for torch.compile); null = no rounding, the measured fastest on CUDA
-    # with model.sdpa_backends auto (docs/speed.md). Filler tokens carry no label.
+    # Shape bucketing: round every batch's token length up to a multiple of this (docs/speed.md); null: none.
     pad_to_multiple_of: int | None = None
     # Prepare the data once per machine into Arrow files and reuse them across runs, keyed by file bytes +
     # tokenizer + data settings (finetune/data/prepare.py); false: every process prepares its own, kept
@@ -236,10 +232,8 @@ class TrainingArgs:
 class TrainingConfig:
     """Our additions to TrainingArguments; every other key passes through to TrainingArguments."""
 
-    # Precision policy (Lightning's names; finetune/precision.py, docs/precision.md): bf16-mixed = fp32
-    # master weights and optimizer states, bf16 compute; bf16-true = everything bf16 (memory saver);
-    # 16-mixed = fp16 compute with loss scaling (GPUs without bf16); 32-true. auto: bf16-mixed on CUDA
-    # GPUs with bf16, 16-mixed on other CUDA GPUs, 32-true on CPU. It sets TrainingArguments bf16/fp16.
+    # Precision policy (Lightning's names; finetune/precision.py, docs/precision.md). It sets
+    # TrainingArguments bf16/fp16.
     precision: Literal[PRECISION_CHOICES] = "auto"
 
     # The recipe's learning_rate is the rate at lr_reference_batch_size sequences per step.
@@ -252,10 +246,9 @@ class TrainingConfig:
     # max_nonfinite_skips times in a run, then stop.
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_skips: int = 10
-    # A collapsed model (finetune/training/resilience.py, docs/faults.md): the logged gradient norm exactly 0
-    # in this many consecutive log windows (every weight's gradient vanished: nothing trains any more;
-    # the loss is then typically stuck at ln(vocabulary), a uniform prediction). "stop": stop there,
-    # status failed, exit 3; "flag": train to the end and export, but the run ends failed, exit 3.
+    # A collapsed model: the logged gradient norm exactly 0 in this many consecutive log windows
+    # (docs/faults.md "A collapsed model"). "stop": stop there; "flag": train to the end and export;
+    # either way the run ends failed, exit 3.
     on_collapse: Literal["stop", "flag"] = "stop"
     collapse_windows: int = 3
     # Stop signals (finetune/training/signals.py, docs/faults.md "Signals"): each one named, sent to any
@@ -268,10 +261,8 @@ class TrainingConfig:
     # them) may go without progress before the watchdog ends the run as stuck; the export and
     # checkpoint saves have training.ddp_timeout, the checkpoint's own.
     finish_timeout: int = 300
-    # The loss (finetune/modeling/loss.py, docs/speed.md): "auto" = chunked cross-entropy that never
-    # builds the full (tokens x vocab) logits (liger when use_liger_kernel chose Liger; standard,
-    # with the reason recorded, where the model's head or options need the logits); "standard" =
-    # the model's own; "chunked"; "liger" (CUDA, liger-kernel installed).
+    # The loss (finetune/modeling/loss.py, docs/speed.md "Loss implementations"): "auto" = chunked
+    # cross-entropy without the full (tokens x vocab) logits where the model allows it.
     loss_impl: Literal["auto", "standard", "chunked", "liger"] = "auto"
     loss_chunk_tokens: int | None = None  # tokens per chunk; null = finetune.modeling.loss.chunk_tokens(vocab)
     # TrainingArguments fields given by the recipe (validated against TrainingArguments).

@@ -329,11 +329,9 @@ def _suggest(word: str, candidates) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-# ---- The allowed range of every numeric setting. A value out of range is refused naming the dotted
-# key, the range and the value (`training.max_steps: must be >= 1, or -1 (unset: ...), got -5`),
-# instead of what Trainer or the data pipeline would do with it silently: a negative max_steps trains
-# an epoch, a negative max_grad_norm turns clipping off, a batch of 0 or a learning rate of 0 train
-# nothing. A null value is left to the type check.
+# ---- The allowed range of every numeric setting, refused naming the dotted key, the range and the
+# value instead of what Trainer would do with it silently (a negative max_steps trains an epoch, a
+# negative max_grad_norm turns clipping off). A null value is left to the type check.
 
 
 @dataclasses.dataclass(frozen=True)

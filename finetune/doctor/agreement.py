@@ -1,22 +1,6 @@
-"""What each strategy run proves, read from its run.json (docs/run_record.md): the strategy that
-engaged (strategy.evidence, read from the live engine), its precision (read from the live objects),
+"""What each strategy run proves, read from its run.json: the strategy and precision that engaged,
 its per-step losses against the single-process run, and the planner's predicted peak beside the
-measured one. Pure functions of the records, so every verdict is provoked in tests/doctor/.
-
-Loss tolerances per precision policy, relative, per step (derivations in the test modules named):
-
-* 32-true (the CPU default): 1e-5, tests/training/test_strategies.py. fp32 runs differ only in the
-  order of reductions (all-reduce over ranks vs accumulation in one process, DeepSpeed's flat
-  buffers): ~1e-7 per step; a different LoRA init moves a loss by 8e-5, a missing clip by 1e-3.
-* bf16-mixed (the default on GPUs with bf16): 1e-4, tests/training/test_precision_equivalence.py
-  and docs/precision.md: autocast and the working-copy strategies (FSDP2, DeepSpeed) round at
-  different points, 1.0e-4 absolute per step derived, x10 for the tail and 5 steps of growth. At this
-  doctor's 10 steps, measured on CPU (LoRA): at most 1.6e-5 (ZeRO-2), 6x below it.
-* other policies: no tolerance derived; the losses are shown and not compared.
-
-Grad norms (before clipping): 1e-4 (32-true) and 5e-3 (bf16-mixed: DeepSpeed and FSDP2 reduce bf16
-gradients per rank), from the same modules. Trained and input tokens per step must be equal (the
-same rows). The predicted peak is shown, not judged (docs/planning.md has the planner's checks).
+measured one. Pure functions of the records. The tolerances and their derivations: docs/doctor.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """The GPUs of this machine and the links between them, read from torch and (where installed) NVML.
-
 `probe(cuda=..., nvml=...)` takes torch.cuda-like and pynvml-like objects so that the GPU paths run
-in unit tests with made-up devices (tests/doctor/fakes.py); on a real machine they are torch.cuda
-and pynvml (the nvidia-ml-py package; without it the link type and figure are reported unknown).
-
-The expected link figure is NCCL's own model of the link, per direction, in GB/s (what nccl-tests'
-bus bandwidth is compared with), never a guess:
-
-* NVLink: links between the two GPUs (through NVSwitch: the fewer of the two GPUs' switch links) x
-  NCCL's per-link figure for the GPU's compute capability (NCCL src/graph/topo.h SM*_NVLINK_BW);
-* PCIe: lanes x NCCL's per-lane rate for the link generation (src/graph/topo.cc kvDictPciGen, in
-  100 Mbit/s per lane, / 80 -> GB/s), the slower of the two GPUs, from NVML's maximum link generation
-  and width; unknown for a pair whose path crosses the CPU interconnect (NVML topology SYSTEM).
+in unit tests (tests/doctor/fakes.py). The expected link figure is NCCL's own model of the link
+(docs/doctor.md gives the sources).
 """
 
 from __future__ import annotations

@@ -253,12 +253,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0 if result["ok"] else 1
 
 
-# ---- The links section: `finetune bench-comm` over this machine's processes (NCCL over the GPUs,
-# or gloo over 2 CPU processes), each op's bus bandwidth beside the link's expected figure
-# (devices.py). The figures are shown, not judged: what fraction of NCCL's link figure a collective
-# reaches at these sizes has not been measured on a GPU for this project, so no threshold is
-# derived. A launch that fails, or collectives that return wrong values (bench-comm checks them),
-# are problems.
+# ---- The links section: `finetune bench-comm` over this machine's processes, each op's bus bandwidth
+# beside the link's expected figure, shown, not judged (docs/doctor.md "Links"). A launch that fails,
+# or collectives that return wrong values (bench-comm checks them), are problems.
 LINKS = "links"
 LINKS_TIMEOUT_S = 300
 

@@ -1,15 +1,7 @@
 """The strategy runs: which strategies this machine can run, the `finetune train` line of each, and
-running them one after another on one prepared model and data file.
-
-Every run trains the same thing (the recipe values of tests/training/test_strategies.py, 10 steps):
-a tiny random Llama (2 layers, hidden 64) with the bundled model's real tokenizer, LoRA (dropout 0),
-the demo rows (one epoch: every row once), seed 42, 4 sequences per rank, no warmup, clipping 1.0,
-the loss logged at every step, nothing saved. The single-process reference accumulates as many
-micro-batches as the others have ranks, so every run takes the same 4 x W sequences per step.
-
-Launches: `finetune train --recipe <the row's recipe>` (its shipped accelerate config), with `--cpu`
-on a machine without CUDA (the accelerate_configs/cpu/ variant: 2 processes over gloo) or
-`--num_processes N` on N GPUs. DDP needs 2 ranks, so it is skipped on one GPU.
+running them one after another on one prepared model and data file. Every run trains the same thing
+as tests/training/test_strategies.py (docs/doctor.md); the single-process reference accumulates as
+many micro-batches as the others have ranks, so every run takes the same sequences per step.
 """
 
 from __future__ import annotations

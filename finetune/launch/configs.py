@@ -35,6 +35,14 @@ class DeclaredLaunch:
     default_config: str | None = None  # the launcher read the user's accelerate default config (this path)
     problems: list[str] = field(default_factory=list)
 
+    def read_deepspeed(self, path: Path, named_by: str, source: str) -> None:
+        """The DeepSpeed JSON at `path` as this launch's config, or its problem noted."""
+        try:
+            self.deepspeed = read_deepspeed_json(path, named_by)
+            self.deepspeed_source = source
+        except UserError as e:
+            self.problems.append(str(e))
+
     @property
     def processes_per_machine(self) -> int:
         return max(1, self.num_processes // max(1, self.num_machines))
@@ -180,11 +188,7 @@ def from_config_file(
         if ds_file:
             ds_path = resolve_path(str(ds_file), [*base_dirs, path.parent])
             named_by = "--deepspeed_config_file" if deepspeed_config_file else f"{path} deepspeed_config_file"
-            try:
-                facts.deepspeed = read_deepspeed_json(ds_path, named_by)
-                facts.deepspeed_source = f"DeepSpeed config {ds_path}"
-            except UserError as e:
-                facts.problems.append(str(e))
+            facts.read_deepspeed(ds_path, named_by, f"DeepSpeed config {ds_path}")
         else:
             facts.deepspeed = _deepspeed_from_fields(ds_section)
             facts.deepspeed_source = f"{facts.source} deepspeed_config"
@@ -239,11 +243,7 @@ def from_environment(state, source: str | None = None) -> DeclaredLaunch:
         ds_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if ds_file and ds_file != "None":
             ds_path = resolve_path(ds_file, [])
-            try:
-                facts.deepspeed = read_deepspeed_json(ds_path, "ACCELERATE_DEEPSPEED_CONFIG_FILE")
-                facts.deepspeed_source = f"DeepSpeed config {ds_path}"
-            except UserError as e:
-                facts.problems.append(str(e))
+            facts.read_deepspeed(ds_path, "ACCELERATE_DEEPSPEED_CONFIG_FILE", f"DeepSpeed config {ds_path}")
         else:
             fields = {
                 "zero_stage": env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2),
@@ -278,11 +278,9 @@ def from_recipe(setup, state, root: Path) -> DeclaredLaunch:
     if row.zero_stage is not None:
         facts.distributed_type = "DEEPSPEED"
         path = root / row.deepspeed_config
-        try:
-            facts.deepspeed = read_deepspeed_json(path, f"the strategy row {row.key!r}")
-            facts.deepspeed_source = f"DeepSpeed config {path} (the recipe's row {row.key!r})"
-        except UserError as e:
-            facts.problems.append(str(e))
+        facts.read_deepspeed(
+            path, f"the strategy row {row.key!r}", f"DeepSpeed config {path} (the recipe's row {row.key!r})"
+        )
     elif row.fsdp is not None:
         facts.distributed_type = "FSDP"
         facts.fsdp_offload = row.fsdp.offload_params

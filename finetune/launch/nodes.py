@@ -1,11 +1,6 @@
-"""Where each rank runs, gathered once from the live process group into LaunchPlan.machines
-(finetune/launch/plan.py), and run.json `nodes` built from it (docs/multinode.md).
-
-Each rank says where it runs and the ranks gather it (one all_gather_object once the process group
-exists): its node name (SLURMD_NODENAME under SLURM, where every node of the test cluster shares
-one host name; else the host name), its node rank (torchrun's GROUP_RANK, the launch's
---machine_rank; else SLURM_NODEID; else 0) and its process id. The number of machines is the
-number of distinct node ranks.
+"""Where each rank runs (node name, node rank, pid), gathered once from the live process group into
+LaunchPlan.machines (finetune/launch/plan.py), and run.json `nodes` built from it (docs/multinode.md
+"What the run records": which variables name the node).
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """The other ranks: each rank's heartbeat thread and watchdog, its progress file, what is done once on
-rank 0, and the process group's teardown (docs/faults.md "A rank dies or stalls", "Hangs and every stop
-signal").
-
-A rank that dies makes the others' next collective fail naming a socket, not a rank. So every rank of a
-multi-process run bumps a counter `finetune/peers/beat/<rank>` in the launcher's TCP store (torchrun's
-agent on node rank 0 hosts it) every BEAT_S seconds from a daemon thread, on its own connection with a
-short timeout. A rank whose training fails says so (`failing/<rank>`), watches the counters for WATCH_S
-seconds and names as lost every rank whose counter stood still and that is not failing too; a store
-that no longer answers means node rank 0 was lost (`failure_note`, for stderr and run.json).
-
-The same thread, every BEAT_S, in every process (one alone too): writes this rank's progress file;
-publishes what this rank does (`at/<rank>`) and a stop signal it got (`stop`), so a rank in a phase
-without collectives (the data build) ends it too; and is the watchdog (`watch`): a stop signal no
-agreement acted on within its grace period, or a phase past its limit, ends the process (os._exit: the
-main thread cannot be interrupted inside a collective), what every rank waits in named on stderr and,
-through `watch.on_stuck`, in run.json; nothing is deleted; exit 1.
-
-Progress files: the store dies with the launch, so `finetune train`, which only sees exit codes, reads
-`rank-<R>.json` (pid, host, last optimizer step finished, time) in the launch's state directory
-(finetune/launch/relay.py) and names the rank that went silent first (`stalled`): a stopped or frozen
-rank stops beating, the ranks waiting for it keep beating (collectives release the GIL). Local files:
-each node's wrapper sees its own ranks.
+rank 0, and the process group's teardown. How they work and why: docs/faults.md "A rank dies or
+stalls", "Hangs and every stop signal".
 """
 
 from __future__ import annotations
@@ -140,7 +120,7 @@ def collective_of_main_thread() -> str | None:
 
 
 class Heartbeat:
-    """This rank's heartbeat thread and its view of the others (see the module docstring). `store`
+    """This rank's heartbeat thread and its view of the others (docs/faults.md "A rank dies or stalls"). `store`
     None: one process, or no store to reach; the thread still writes the progress file and watches."""
 
     def __init__(self, store, rank: int, world_size: int):
@@ -306,7 +286,7 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     return note
 
 
-# --- progress files, for `finetune train` (see the module docstring) ----------------------------------
+# --- progress files, for `finetune train` (docs/faults.md) ---------------------------------------------
 
 
 _progress = {"step": 0}

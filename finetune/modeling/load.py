@@ -1,13 +1,6 @@
 """The model in and out: loading (hub id, local directory or the bundled default; full, LoRA or
-QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export.
-
-    tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, cfg.method, gradient_checkpointing=..., policy=..., deepspeed=...)
-    save_final_model(trainer, run_dir / "model")   # every rank
-
-The precision policy (finetune/precision.py, docs/precision.md) decides every dtype here: the
-checkpoint's load dtype, the trainable parameters' dtype (the fp32 master of torch-native
-strategies), the LoRA adapters' dtype and QLoRA's compute dtype.
+QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export. The precision policy
+(finetune/precision.py, docs/precision.md) decides every dtype here.
 """
 
 from __future__ import annotations
@@ -298,15 +291,10 @@ def full_parameters(model):
 
 
 def check_init_dtype(model, requested) -> None:
-    """Refuse a model that ZeRO-3's `zero.Init` created in another dtype than it was loaded in.
-
-    Why: transformers enters `deepspeed.zero.Init` for `from_pretrained` under ZeRO-3
-    (accelerate's zero3_init_flag), and zero.Init creates every float parameter in the dtype of the
-    DeepSpeed config (deepspeed runtime/zero/partition_parameters.py Init._set_dtype: bf16.enabled
-    -> bfloat16, fp16.enabled -> float16, else float32), whatever `dtype=` asked. The shipped JSONs
-    leave bf16.enabled "auto", which Trainer fills from TrainingArguments bf16; left false, a model
-    loaded as bfloat16 silently trains in float32: measured on an H200 (Llama-3.2-1B, full, world
-    size 1) 7x slower than ZeRO-2 with 1.7x its memory (docs/speed.md "DeepSpeed ZeRO-3 settings")."""
+    """Refuse a model that ZeRO-3's `zero.Init` created in another dtype than it was loaded in: zero.Init
+    creates every float parameter in the DeepSpeed config's dtype whatever `dtype=` asked
+    (deepspeed runtime/zero/partition_parameters.py Init._set_dtype), so a bf16 model under a config
+    left at bf16 false silently trains in fp32 (docs/speed.md "DeepSpeed ZeRO-3 settings": 7x slower)."""
     got = {
         p.ds_tensor.dtype
         for p in model.parameters()

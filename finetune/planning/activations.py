@@ -295,25 +295,12 @@ def logits_bytes(w: Workload, p: Regime) -> int:
 
 
 def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
-    """Live bytes of the loss at the end of the forward pass and when backward starts.
-
-    standard (transformers 5.23 loss/loss_utils.py ForCausalLMLoss): logits.float() (a copy when
-    the logits are 16-bit), cross_entropy = log_softmax (output saved) + nll_loss. Forward peak:
-    logits + fp32 copy + log-softmax; backward start (_log_softmax_backward_data): the saved
-    log-softmax, nll_loss's grad and log_softmax's grad, all fp32 T x V; the logits and their fp32
-    copy are gone (Trainer.compute_loss keeps only the loss; nothing saves them).
-
-    chunked (finetune/modeling/loss.py ChunkedLinearCrossEntropy): keeps the head's input
-    and an fp32 log-sum-exp per token; one chunk of `chunk` tokens' logits at a time (forward: the
-    logits made fp32 + logsumexp's fp32 temporary; backward: the recomputed logits made fp32 and
-    their compute-dtype copy), the hidden grad, the head's fp32 weight-grad accumulator when the
-    head trains (cast to the weight's dtype at the end), and the head weight cast to the compute
-    dtype when it is stored otherwise. Checked on CPU: tests/planning/test_loss_memory.py.
-
-    liger (liger_kernel/ops/fused_linear_cross_entropy.py fused_linear_cross_entropy_forward): the
-    input and weight grads are computed in the forward (grad_input T x h, grad_weight in the
-    weight's dtype when it trains), chunks of next_power_of_2(ceil(T / ceil(V / h))) tokens whose
-    logits are overwritten by their grads in place."""
+    """Live bytes of the loss at the end of the forward pass and when backward starts, per loss_impl
+    (the table and its derivation: docs/planning.md "The loss"). Sources: transformers 5.23
+    loss/loss_utils.py ForCausalLMLoss (standard; _log_softmax_backward_data at backward start);
+    finetune/modeling/loss.py ChunkedLinearCrossEntropy (chunked; checked on CPU:
+    tests/planning/test_loss_memory.py); liger_kernel/ops/fused_linear_cross_entropy.py
+    fused_linear_cross_entropy_forward (liger: grads made in the forward, logits overwritten in place)."""
     T, V, h = w.tokens, sh.vocab, sh.hidden
     lb = logits_bytes(w, p)
     head_trains = w.method == "full"

@@ -1,14 +1,10 @@
-"""`finetune bench-comm`: collective bandwidth over the processes of the current launch.
+"""`finetune bench-comm`: collective bandwidth over the processes of the current launch (algbw and
+busbw as nccl-tests define them: docs/planning.md). Each size is timed as the median of `--iters`
+repetitions after `--warmup` untimed ones, all ranks synchronized by a barrier per repetition.
 
     finetune bench-comm --cpu --num-processes 2 --out comm.json      # gloo, 2 CPU processes
     finetune bench-comm --num-processes 2 --out comm.json            # NCCL over 2 GPUs
     accelerate launch --config_file accelerate_configs/ddp.yaml -m finetune.planning.bench_comm --out comm.json
-
-Definitions follow nccl-tests (doc/PERFORMANCE.md): for a buffer of S bytes taking t seconds,
-algbw = S / t; busbw = algbw x 2(n-1)/n for all-reduce and x (n-1)/n for reduce-scatter and
-all-gather, where S is the full (gathered / unreduced) buffer, so busbw compares across ops and
-rank counts and is what the link must carry. Each size is timed as the median of `--iters`
-repetitions after `--warmup` untimed ones, all ranks synchronized by a barrier per repetition.
 """
 
 from __future__ import annotations

@@ -102,9 +102,7 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
         dev["frozen_weights"] = sh.params.total * p.frozen / shard_p
     dev["weights" if w.method == "full" else "lora_adapters"] = P * p.param / shard_p
     if fam == "deepspeed":
-        # a separate master partition, always: stage_1_and_2.py clones it; stage3.py
-        # _create_fp32_partitions means to share an fp32 partition but compares a torch.device with
-        # the string self.device, never equal (DeepSpeed 0.19.8)
+        # a separate master partition, always (why: finetune/precision.py trainable_bytes)
         dev["master_weights"] = P * p.master / n
         dev["optimizer_states"] = 2 * P * p.state / n
         if st.zero_stage == 3:
@@ -416,10 +414,6 @@ class ZeroValues:
     sub_group_size: float
     max_live_parameters: float
     max_reuse_distance: float
-    persistence_threshold: float
-    prefetch_bucket_size: float
-    overlap_comm: bool
-    source: str
 
 
 def fill_auto(zero: dict, hidden: int) -> dict:
@@ -443,40 +437,29 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
     row = by_key(strategy)
     if row.zero_stage is None:
         return None
-    source = "given DeepSpeed config"
     if ds_config is None:
         if row.deepspeed_config is None:  # planner-only rows (zero1, zero3_offload_opt): DeepSpeed's defaults
-            ds_config, source = {}, "DeepSpeed defaults (no shipped config for this row)"
+            ds_config = {}
         else:
             from finetune.resources import resolve
 
-            path = resolve(row.deepspeed_config)
-            ds_config = json.loads(path.read_text(encoding="utf-8"))
-            source = row.deepspeed_config
+            ds_config = json.loads(resolve(row.deepspeed_config).read_text(encoding="utf-8"))
     z = fill_auto(ds_config.get("zero_optimization") or {}, shape.hidden)
     return ZeroValues(
         float(z["reduce_bucket_size"]),
         float(z["sub_group_size"]),
         float(z["stage3_max_live_parameters"]),
         float(z["stage3_max_reuse_distance"]),
-        float(z["stage3_param_persistence_threshold"]),
-        float(z["stage3_prefetch_bucket_size"]),
-        bool(z["overlap_comm"]),
-        source + " (auto filled as HF Trainer does)",
     )
 
 
 def zero3_gathered(
     shape: Shape, z: ZeroValues, n: int, param_bytes: int, frozen_bytes: int, method: str, offload_params: bool = False
 ) -> float:
-    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts.
-    After a module's forward, PartitionedParameterCoordinator.release_sub_module keeps its
-    parameters when their next use (the same module in backward) comes within
-    stage3_max_reuse_distance fetched elements, and at most stage3_max_live_parameters are live
-    (deepspeed/runtime/zero/partitioned_param_coordinator.py). The last layers of the forward are
-    the first of the backward: layer l is reused after 2 (L-1-l) layers + the outside parameters.
-    At N = 1 nothing is gathered (NoGatherHandle: `param.data = ds_tensor.to(device)` aliases the
-    partition), unless the partition lives on the host (offload_param), when it is a device copy.
+    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts, by the
+    reuse-distance rule (docs/planning.md; deepspeed/runtime/zero/partitioned_param_coordinator.py
+    release_sub_module): layer l is reused after 2 (L-1-l) layers + the outside parameters. At N = 1
+    nothing is gathered (NoGatherHandle) unless the partition lives on the host (offload_param).
     Derived from the code; not measured (needs 2 GPUs)."""
     if n == 1 and not offload_params:
         return 0.0

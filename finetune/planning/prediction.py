@@ -355,14 +355,9 @@ def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, stra
     return rows
 
 
-# ---- Host memory (resident set) of one training process. A GPU run's process: the CUDA process base
-# (Python, torch with its CUDA libraries, transformers, accelerate, peft, deepspeed, the CUDA context's
-# host side, cuBLAS/cuDNN/NCCL host state, the heap left after loading) plus what the strategy keeps on
-# the host: offloaded optimizer states, master copies, gradient partitions and parameters. Pinned
-# buffers go through torch's CachingHostAllocator, which rounds every allocation up to a power of two
-# (aten/src/ATen/core/CachingHostAllocator.h allocate: c10::llvm::PowerOf2Ceil), so a 4.6 GiB pinned
-# fp32 master costs 8 GiB. A CPU run's process holds everything: the CPU process base + the step's
-# peak live set (the device arithmetic without cuBLAS workspaces) + host states.
+# ---- Host memory (resident set) of one training process (docs/planning.md "Host memory"). Pinned
+# buffers are rounded up to a power of two (aten/src/ATen/core/CachingHostAllocator.h allocate:
+# c10::llvm::PowerOf2Ceil), so a 4.6 GiB pinned fp32 master costs 8 GiB.
 
 # FITTED: the median training-peak RSS of rank 0 in the six H200 records of 2026-11-22
 # (memory.max.host_peak_rss_gib: 1.81 2.16 2.19 2.20 2.46 2.50 GiB; psutil RSS sampled after every
@@ -373,12 +368,9 @@ HOST_CUDA_PROCESS_BASE_GIB = 2.2
 # accelerate, peft and deepspeed (0.53 GiB, torch 2.13, transformers 5.23).
 HOST_CPU_PROCESS_BASE_GIB = 0.55
 # DeepSpeed offload buffers pinned when `pin_memory: true` (the shipped offload configs): ZeRO-1/2's
-# fp32 master partition and its gradient (stage_1_and_2.py initialize_optimizer_states), its bit16
-# partition and host staging buffer; ZeRO-3's grad_partitions_flat_buffer, each sub-group's fp32
-# gradient and its offloaded parameter partition (stage3.py _unpin_offload_buffers lists them; its
-# fp32 master is a pageable .to("cpu").clone(), _create_fp32_partitions). CPU-Adam's two states are
-# plain zeros_like (pageable). FSDP2 CPUOffloadPolicy(pin_memory=True) pins each parameter shard and
-# gradient separately.
+# buffers (stage_1_and_2.py initialize_optimizer_states; stage3.py _unpin_offload_buffers lists
+# ZeRO-3's); CPU-Adam's states and ZeRO-3's master are pageable. FSDP2 CPUOffloadPolicy(pin_memory=True)
+# pins each parameter shard and gradient.
 PINNED_KEYS = {
     "master_weights",
     "fp32_grad_partition",

@@ -1,13 +1,8 @@
-"""What a training run holds in which dtype, as the memory planner needs it: bytes per element
-of the weights, gradients, optimizer states, master copy and compute, for one precision policy,
-method and strategy. The policies are `finetune/precision.py`'s; this module turns them into the
-live dtypes the memory arithmetic follows, strategy by strategy, because the same policy is carried
-out differently by torch autocast, FSDP2's MixedPrecisionPolicy and DeepSpeed.
-
-`legacy_regime` is what the project did before the policy existed (run records without a
-`precision` section, e.g. the six H200 calibration records of 2026-11-22): the model loaded in
-`model.dtype` (`auto` = bf16 on a CUDA GPU with bf16, fp32 elsewhere) and trained with no
-autocast. Evidence per strategy in docs/planning.md "Which regime a run had"; sources inline.
+"""What a training run holds in which dtype, as the memory planner needs it: bytes per element of the
+weights, gradients, optimizer states, master copy and compute, for one precision policy, method and
+strategy, because the same policy is carried out differently by torch autocast, FSDP2 and DeepSpeed.
+`legacy_regime`: records without a `precision` section. Evidence per strategy: docs/planning.md
+"Which regime a run had"; sources inline.
 """
 
 from __future__ import annotations
@@ -52,14 +47,8 @@ def family(strategy: str) -> str:
 
 def policy_regime(policy: str, method: str, strategy: str) -> Regime:
     """The live dtypes of a resolved policy (finetune/precision.py; not "auto") for a method under a
-    strategy: the table's bytes per trainable parameter (precision.trainable_bytes: the module's
-    copy, gradient, master, AdamW states, FSDP2's unsharded working copies) and frozen base.
-
-    LoRA/QLoRA adapters take the trainable row: fp32 where the policy keeps fp32 adapters (peft
-    autocast_adapter_dtype), the base dtype under DeepSpeed, whose partition is the master
-    (finetune/modeling/load.py). QLoRA's non-quantized frozen weights stay fp32 after
-    prepare_model_for_kbit_training, except where the policy keeps 16-bit adapters outside
-    DeepSpeed (bf16-true), where load_model casts them back to the frozen dtype."""
+    strategy: the table's bytes per trainable parameter and frozen base; LoRA adapters and QLoRA's
+    non-quantized weights as docs/planning.md "Which regime a run had" says."""
     pol = precision.get(policy)
     fam = family(strategy)
     tb = precision.trainable_bytes(pol, strategy)
@@ -87,16 +76,10 @@ def policy_regime(policy: str, method: str, strategy: str) -> Regime:
 
 
 def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_dtype: str = "auto") -> Regime:
-    """What the project did before the precision policy (records without `precision`).
-
-    The model loads in `model.dtype` (auto: bf16 on a CUDA GPU, fp32 on CPU; modeling/load.py
-    resolve_dtype) and trains with no autocast (accelerate configs `mixed_precision: "no"`);
-    torch AdamW keeps its states in the parameter dtype (zeros_like). LoRA adapters are fp32
-    (peft autocast_adapter_dtype=True); QLoRA's non-quantized weights fp32
-    (prepare_model_for_kbit_training). DeepSpeed: TrainingArguments.bf16 was never set, so the
-    config's bf16 "auto" resolved to false and the engine ran in fp32 mode
-    (engine.get_data_types() = fp32): ZeRO-1/2 keep the bf16 module with an fp32 master and fp32
-    gradient accumulation; ZeRO-3's zero.Init re-creates the parameters in fp32 (Init._set_dtype)."""
+    """What the project did before the precision policy (records without `precision`; the rules and
+    their evidence: docs/planning.md "Which regime a run had"). Sources: modeling/load.py
+    resolve_dtype; peft autocast_adapter_dtype; prepare_model_for_kbit_training; DeepSpeed
+    engine.get_data_types() (bf16 "auto" resolved to false) and zero.Init._set_dtype."""
     loaded = B16 if (model_dtype in ("auto", "bfloat16", "float16") and device_type == "cuda") else F32
     if model_dtype == "float32":
         loaded = F32

@@ -18,7 +18,6 @@ class ParamCount:
     lm_head: int  # 0 when tied to the embedding
     per_layer: int
     layers: int
-    largest_layer: int  # the largest single module's parameters (ZeRO-3 gathers one at a time)
 
 
 def count_parameters(config) -> ParamCount:
@@ -33,7 +32,7 @@ def count_parameters(config) -> ParamCount:
         embedding = vocab * h
         total = embedding + config.n_positions * h + layers * per_layer + 2 * h  # + final LayerNorm
         lm_head = 0 if getattr(config, "tie_word_embeddings", True) else vocab * h
-        return ParamCount(total + lm_head, embedding, lm_head, per_layer, layers, max(embedding, h * inner))
+        return ParamCount(total + lm_head, embedding, lm_head, per_layer, layers)
     if kind in ("llama", "mistral", "qwen2", "qwen3"):
         h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
         heads = config.num_attention_heads
@@ -50,17 +49,13 @@ def count_parameters(config) -> ParamCount:
         embedding = vocab * h
         lm_head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
         total = embedding + lm_head + layers * per_layer + h  # + final norm
-        return ParamCount(total, embedding, lm_head, per_layer, layers, max(embedding, h * inter))
+        return ParamCount(total, embedding, lm_head, per_layer, layers)
     raise ValueError(f"no parameter arithmetic for model_type {kind!r} (supported: llama, mistral, qwen2, qwen3, gpt2)")
 
 
 def zero_model_states_bytes(psi: int, n: int, stage: int, k: int = ADAM_K, fp32_grads: bool = False) -> float:
-    """Per-device bytes of model states for ZeRO stage 0 (DDP) to 3 on N data-parallel devices.
-
-    fp32_grads (stages 2 and 3) counts gradients the way DeepSpeed's estimators do, with a
-    4-byte fp32 gradient per parameter the rank's optimizer owns; with it, stage 2
-    equals estimate_zero2_model_states_mem_needs exactly, and stage 3 equals
-    estimate_zero3_model_states_mem_needs less the largest layer it gathers (4 bytes/param)."""
+    """Per-device bytes of model states for ZeRO stage 0 (DDP) to 3 on N data-parallel devices (ZeRO
+    paper Figure 1; fp32_grads: as DeepSpeed's estimators count gradients, docs/planning.md)."""
     if stage == 0:
         return (2 + 2 + k) * psi
     if stage == 1:
@@ -156,7 +151,6 @@ class Shape:
             self.params,
             per_layer=self.params.per_layer - saved,
             total=self.params.total - self.layers * saved,
-            largest_layer=max(self.params.embedding, self.hidden * self.intermediate // tp),
         )
         return replace(
             self,

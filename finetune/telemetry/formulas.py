@@ -1,9 +1,6 @@
-"""The formulas of what runs measure, each once: the peak-FLOPs table, MFU, throughput over
-steps, the maximum over ranks, the whole-run totals of a resumed run (model FLOPs: finetune/telemetry/model_flops.py).
-
-Definitions (docs/run_record.md): throughput over training steps only, the first `warmup`
-optimizer steps excluded and said so; MFU only for devices whose peak is in PEAK_DENSE_FLOPS,
-never a guess. The counters that feed them: finetune/telemetry/meter.py.
+"""The formulas of what runs measure, each once: the peak-FLOPs table, MFU, throughput over steps,
+the maximum over ranks, the whole-run totals of a resumed run (definitions: docs/run_record.md; model
+FLOPs: finetune/telemetry/model_flops.py; the counters that feed them: finetune/telemetry/meter.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The meter: what one training process counts and clocks, in one object that owns its counters and
 resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
-micro-batch (on the host, from the CPU batch the collator made: `counting`), the optimizer-step
-clock (CUDA-synchronised), memory peaks per rank; each log window becomes the metrics dict and a
-steps[] entry, the end of training the `memory`, `throughput` and `batch` figures. Every rank must
-call the methods that gather (log_window, final, start_training).
-
-Memory peaks of one process since the last reset: accelerator (torch.cuda.memory_stats) and host,
-by the kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled
-RSS (`sampled`; docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's
-ru_maxrss, so the lifetime peak is kept here.
+micro-batch, the optimizer-step clock, memory peaks per rank (docs/run_record.md `memory`,
+`throughput`, `batch`). Every rank must call the methods that gather (log_window, final,
+start_training).
 """
 
 from __future__ import annotations
@@ -27,19 +21,7 @@ from finetune.data.collate import COUNTS_KEY, REAL_TOKENS_KEY
 from finetune.telemetry import formulas
 from finetune.units import GIB
 
-__all__ = [
-    "BatchShare",
-    "Meter",
-    "MemoryTracker",
-    "batch_counts",
-    "counting",
-    "mfu_inputs",
-    "run_figures",
-    "token_counts",
-]
-
-
-# --- memory peaks (see the module docstring) ---------------------------------------------------------
+# --- memory peaks ------------------------------------------------------------------------------------
 
 STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -73,7 +55,10 @@ def ru_maxrss_bytes() -> int:
 
 
 class MemoryTracker:
-    """Peaks on this rank since the last reset (see the module docstring for the host method)."""
+    """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host, by the
+    kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled RSS
+    (docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's ru_maxrss, so the
+    lifetime peak is kept here."""
 
     def __init__(self, method: str | None = None):
         self.cuda = torch.cuda.is_available()

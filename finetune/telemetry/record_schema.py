@@ -1,14 +1,9 @@
 """The sections of the run record (run.json) as typed structures: the one declaration of its shape.
-
-Each top-level key of run.json is a row of SECTIONS; a section whose value is an object names
-its fields with a TypedDict (nested objects and list entries too). finetune/telemetry/record.py
-refuses to write a field that is not declared here, and tests check these declarations, the
-contract in docs/run_record.md (units and meanings) and a real run's run.json against each
-other. Adding a section (precision, speed, resumes, ...): a TypedDict and a SECTIONS row here,
-and its rows in docs/run_record.md.
-
-Conventions: GiB = 2^30 bytes; seconds of wall time; token counts are summed over ranks unless
-a field says per rank; null where a value does not apply (device memory on a CPU run).
+Each top-level key of run.json is a row of SECTIONS; a section whose value is an object names its
+fields with a TypedDict (nested objects and list entries too). finetune/telemetry/record.py refuses a
+field not declared here; tests hold these declarations, docs/run_record.md (units, meanings,
+conventions) and a real run's run.json to each other. A new section: a TypedDict and a SECTIONS row
+here, and its rows in docs/run_record.md.
 """
 
 from __future__ import annotations

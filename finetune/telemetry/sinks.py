@@ -1,11 +1,6 @@
 """Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new
-backend is one more class (rank 0 holds them; docs/run_record.md, docs/architecture.md "The sinks").
-
-Sections are computed elsewhere by pure functions and handed over here (`put`, `merge`) by the run's
-phases (finetune/training/run.py) and its hooks (finetune/training/hooks.py). The run calls `commit`
-once its directory is its own, `start` once the record holds what the run set up (before step 1),
-`log` once per log window with its steps[] entry (after Trainer's own callbacks: the progress line,
-transformers' WandbCallback into the W&B run started here), and `close` with the exit code.
+backend is one more class (rank 0 holds them). When each method is called and by whom:
+docs/architecture.md "The sinks".
 """
 
 from __future__ import annotations

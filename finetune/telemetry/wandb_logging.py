@@ -1,9 +1,6 @@
-"""Weights & Biases, when `logging.report_to` includes wandb (rank 0). Offline into the run directory
-without an API key, or when the server cannot be reached within INIT_TIMEOUT_S (one warning naming the
-offline run's directory and the `wandb sync` command); runs grouped by recipe and tagged with strategy
-and method; the record's sections as config, the peaks and throughput as summary, the run record and
-configs as one artifact. Each log window reaches W&B through transformers' WandbCallback, which finds
-our run.
+"""Weights & Biases, when `logging.report_to` includes wandb (rank 0): online, or offline into the run
+directory (README.md "W&B keys" says when, and what goes where). Each log window reaches W&B through
+transformers' WandbCallback, which finds our run.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""How a run ends, on every rank (docs/faults.md "After training", "Hangs and every stop signal"): the
-steps after its training, and the endings of a run that does not complete. Pure where the record is
-concerned: each returns what run.json should say, and finetune/training/run.py hands it to the sinks.
-
-After the last optimizer step, the measurements, the export, the eval loss, exact match and the record
-run as steps of `AfterTraining`, each ending at a boundary where every rank agrees on its outcome
-(finetune/training/signals.py `agree`), within a limit the watchdog enforces (training.finish_timeout
-without progress; training.ddp_timeout for the steps that write the model):
-
-* a failure on any rank: every rank raises; leaving the block, every rank saves the trained weights
-  (agreed the same way) and the error says where: the export, when it completed before the error;
-  else the export is made then (also with run.save_model false); when that fails too, a complete
-  checkpoint of the final step (Trainer's own save and the completion marker), or the one written.
-* a stop signal on any rank: every rank writes the checkpoint of the final step and raises
-  signals.Stopped (the run ends preempted, exit 75).
-
-A run that does not complete ends preempted (a complete checkpoint, exit 75), stopped before training
-(nothing to save, exit 75), diverged (exit 3), failed (the error goes on) or stuck (the watchdog's stop).
+"""How a run ends, on every rank: the steps after its training (`AfterTraining`, each ending at an
+agreed boundary) and the endings of a run that does not complete (docs/faults.md "After training",
+"Hangs and every stop signal"). Each returns what run.json should say; finetune/training/run.py hands
+it to the sinks.
 """
 
 from __future__ import annotations
@@ -51,7 +37,7 @@ class Limits:
 
 
 class AfterTraining:
-    """The steps after the last optimizer step (module docstring)."""
+    """The steps after the last optimizer step (docs/faults.md "After training")."""
 
     def __init__(self, trainer, model_dir: Path, tokenizer, limits: Limits):
         self.trainer = trainer

@@ -1,9 +1,6 @@
-"""Task evaluation: exact match of greedy generations against reference answers.
-
-Held-out rows are alpaca (instruction/input/output) or prompt_completion rows. The prompt is
-rendered exactly as in training (same chat template and system prompt), generation is greedy,
-and a generation counts when, stripped of surrounding white space, it equals the reference.
-Under several processes each rank generates a shard and the counts are summed.
+"""Task evaluation: exact match of greedy generations against reference answers, the prompt rendered
+exactly as in training (docs/run_record.md `eval`). Under several processes each rank generates a
+shard and the counts are summed.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
-"""Fault injection for tests and drills: FINETUNE_FAULT_INJECT makes one rank misbehave at one step
-(docs/faults.md "Drills").
-
-    FINETUNE_FAULT_INJECT="nan_loss@rank1,step3"       rank 1's loss is NaN at optimizer step 3
-    FINETUNE_FAULT_INJECT="sigterm@rank0,step4;kill@rank1,step6"   several, `;`-separated
-    FINETUNE_FAULT_INJECT="disk_full@rank1,step2"     rank 1's save of checkpoint-2 fails with ENOSPC
-    FINETUNE_FAULT_INJECT="slow_load@rank0,step1"     rank 0 holds the model load (before step 1) open
-
-slow_* hold a phase open PAUSE_S (time for a test to signal the run inside it): slow_load the model
-load before step S=1, slow_save the save of checkpoint-S, slow_export and slow_eval the export and
-the evaluation after training ended at step S. fail_<step> raises at the end of that step (its collectives done) after training
-ended at step S, on rank R alone (export, eval, exact_match, record: the ranks must agree on it);
-stray_collective holds rank R in a collective the other ranks never enter, in the evaluation after
-training ended at step S (the watchdog must end the run).
-
-KIND is one of KINDS; steps count from 1 as in run.json's steps[]. Unset, nothing here does
+"""Fault injection for tests and drills: FINETUNE_FAULT_INJECT="KIND@rankR,stepS[;...]" makes one
+rank misbehave at one step (docs/faults.md "Drills" lists the kinds). Unset, nothing here does
 anything; a value that does not parse is an error, so a drill never runs without its fault.
 """
 

@@ -1,9 +1,6 @@
 """What happens around training, in one list (docs/architecture.md "The hooks"): `RunHooks`, whose
-methods name in order what a run records and checks when the Trainer exists, when training begins, in
-its first forward and when it ends. Each reads the live objects into a section with a pure function
-(strategy_evidence.py, precision_evidence.py, finetune/launch/nodes.py), refuses what is not the
-recipe's, and hands the section to the sinks (rank 0; `sinks` is None elsewhere and in the benchmark).
-Every rank runs them: the node figures and the bf16-true share are gathered.
+methods name in order what a run records and checks. Every rank runs them: the node figures and the
+bf16-true share are gathered.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ log = logging.getLogger("finetune")
 
 
 class RunHooks(TrainerCallback):
-    """The run's records and checks around training (module docstring). `machines`: the launch's
+    """The run's records and checks around training (docs/architecture.md "The hooks"). `machines`: the launch's
     (LaunchPlan.machines), for run.json `nodes`; None leaves `nodes` out (the benchmark)."""
 
     def __init__(self, trainer, cfg, launch, *, learning_rate: float, sinks=None, machines=None):

@@ -147,11 +147,10 @@ def read_live(trainer) -> dict:
 
 def vanishing_share(model, lr: float) -> tuple[float, float, int]:
     """(share of trainable elements whose bf16 half-spacing exceeds lr, the smallest learning rate at
-    which that share is below precision.VANISHING_WARN_SHARE, elements counted). Adam's first steps move each weight by about lr (m/sqrt(v) = +-1 at step 1);
-    bf16 (8 significant bits) keeps an update only if it reaches half the spacing at w,
-    2^(floor(log2|w|) - 8) (= 2^(e - 9) with frexp's exponent e). Zeros (LoRA B) can always move.
-    Sharded parameters (ZeRO-3 ds_tensor, FSDP2 DTensor shards) are counted where they live and the
-    exponent histogram is summed over ranks, so the figure is exact for the whole model."""
+    which that share is below precision.VANISHING_WARN_SHARE, elements counted); the derivation:
+    docs/precision.md "bf16-true: the warning". Half-spacing at w = 2^(e - 9) with frexp's exponent e;
+    zeros (LoRA B) can always move. Sharded parameters are counted where they live and the exponent
+    histogram is summed over ranks, so the figure is exact for the whole model."""
     bins = torch.zeros(300, dtype=torch.float64)  # frexp exponents of bf16 (-133..128) shifted by +150
     zeros = 0.0
     sharded = False

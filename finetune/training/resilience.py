@@ -1,20 +1,7 @@
-"""The run's fault handling inside Trainer (docs/faults.md): a stop signal on any rank stops every
-rank at the same step boundary after a complete checkpoint (ResilienceCallback); a non-finite loss or
-gradient norm on any rank is agreed before that step's optimizer update, then stops (or skips the
-update); a collapsed model ends the run failed, exit 3 (CollapseWatch).
-
-The ranks agree once per optimizer step (docs/speed.md "Per-micro-batch work"): per micro-batch
-`StepFlags.note` folds "non-finite" (and the first such value) into a small tensor on the device; once
-per step, before its update, `StepFlags.agree` adds this rank's pending signal, all-gathers every
-rank's row and reads it on the host (one sync): after Trainer's gradient norm, or under DeepSpeed in
-the step's last micro-batch before its backward (the engine steps inside it). A further per-step check
-adds a slot to SLOTS, not a collective.
-
-A collapse (docs/faults.md "A collapsed model"): a learning rate far too high can drive every gradient
-to exactly 0, the loss to ln(vocabulary), a uniform prediction; a gradient norm of exactly 0 does not
-happen in a run that learns, so `training.collapse_windows` consecutive logged norms of 0 are a
-collapse (`on_collapse` stop: `stopped()`; flag: `error()` once trained and exported). Only logged
-values are read, the same on every rank: no host sync, no collective.
+"""The run's fault handling inside Trainer (docs/faults.md): stop signals and non-finite values agreed
+once per optimizer step (ResilienceCallback, StepFlags; docs/speed.md "Per-micro-batch work"), and a
+collapsed model (CollapseWatch; docs/faults.md "A collapsed model"). A further per-step check adds a
+slot to SLOTS, not a collective.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Stop signals recorded instead of raised, and every rank's outcome agreed at fixed points
-(docs/faults.md "Signals", "Hangs and every stop signal").
-
-The handler only records the signal (never raising, so a second one cannot interrupt a checkpoint
-being written). It is installed before torch is imported (finetune/train.py), for every name in
-STOP_SIGNALS; those left out of training.stop_signals get their default action back. The ranks agree
-(one all-gather) at the end of each optimizer step (finetune/training/resilience.py) and at the
-boundaries between the phases before and after training (`agree`), where each rank also says whether
-its phase failed. So all ranks stop at the same place whichever rank was signalled: a step boundary
-with a complete checkpoint; before training with nothing trained; after training with a checkpoint
-of the final step. A phase without collectives (the data build) checks `check_interrupt` per row.
-A signal relayed by `finetune train` (finetune/launch/relay.py), which said so already, is recorded
-silently.
+"""Stop signals recorded instead of raised (so a second one cannot interrupt a checkpoint being
+written), and every rank's outcome agreed at fixed points (docs/faults.md "Signals", "Hangs and every
+stop signal").
 """
 
 from __future__ import annotations
@@ -174,11 +164,9 @@ class FailedElsewhere(RuntimeError):
 
 def agree(state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
     """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
-    all-gather of each rank's signal flag (unless the caller does not act on signals) and failure. A
-    failure on any rank raises on every rank before any of them enters another collective: its own
-    error where it failed, FailedElsewhere with the failed ranks' errors on the others (one more
-    gather, which every rank enters since every rank saw the failure). Otherwise every rank's signal
-    flag (all 0: no signal)."""
+    all-gather of each rank's signal flag and failure (docs/faults.md "Hangs and every stop signal").
+    A failure on any rank raises on every rank before any of them enters another collective (its own
+    error, or FailedElsewhere); otherwise every rank's signal flag (all 0: no signal)."""
     with peers.watch.waiting(f"the ranks' agreement ({what})"):
         flags = flags_per_rank(state, (code() if with_signals else 0) + (FAILED if error is not None else 0))
         failed = [r for r, n in enumerate(flags) if n >= FAILED]

@@ -1,5 +1,5 @@
 """What accelerate_configs/slurm_two_node.sbatch asks before and after each launch of a job, which
-runs again, unchanged, after every requeue (docs/multinode.md):
+runs again, unchanged, after every requeue (docs/multinode.md "Preemption and requeue"):
 
     python -m finetune.training.slurm_job args RECIPE [OVERRIDES...]
         line 1: the run directory; then one extra train.py argument per line
@@ -7,19 +7,7 @@ runs again, unchanged, after every requeue (docs/multinode.md):
         how the run ended (run.json summary.status): completed, interrupted, failed, running, none
         (no record), or unchanged (not written since EPOCH_S)
 
-* The run directory must be the same in every segment of a job: unless the recipe or the command
-  line names the run (run.name, run.output_dir), it is named `<recipe>-slurm<SLURM_JOB_ID>` (a
-  requeue keeps the job id).
-* A requeued job (SLURM_RESTART_COUNT > 0) continues its run: `--resume` is added when the run
-  directory holds a complete checkpoint (newest complete one, as --resume picks it) and the command
-  line has no --resume of its own. Without one there is nothing to continue from, and the run
-  starts as the command says (a run directory left with steps but no checkpoint is refused by the
-  run, naming --overwrite).
-* `status` is how the script decides to requeue: `interrupted` is written only after every rank
-  stopped at the same step and the checkpoint is complete (finetune/training/resilience.py).
-
-Reads the recipe's `run` section and the overrides without validating them (the run validates
-everything a moment later); nothing heavy is imported, so it costs the batch shell well under 1 s.
+Nothing heavy is imported, so it costs the batch shell well under 1 s.
 """
 
 from __future__ import annotations

@@ -116,12 +116,9 @@ def unused_trainable(model, input_ids: list[int]) -> list[str]:
 
 def ddp_unused_parameters(cfg, launch, model, input_ids: list[int], device) -> dict:
     """Whether DDP must look for unused parameters after every forward (`find_unused_parameters`),
-    decided from the model before Trainer wraps it: False where every trainable parameter gets a
-    gradient (one probe forward on the first training example, `unused_trainable`), True where one
-    does not or where a mixture of experts routes tokens by their data; the recipe's own
-    training.ddp_find_unused_parameters wins. Trainer's default is True for every peft model and
-    every model without activation checkpointing: DDP then walks the autograd graph each step, and
-    torch warns on every rank that it found nothing. None where the run is not DDP."""
+    decided from the model before Trainer wraps it (docs/speed.md "DDP: unused parameters"): False
+    where every trainable parameter gets a gradient in one probe forward (`unused_trainable`), True
+    where one does not or for a mixture of experts; the recipe's own value wins. None: not DDP."""
     if not (launch.distributed_type.startswith("MULTI_") and launch.world_size > 1):
         return {"find_unused_parameters": None, "decided_by": None, "unused_trainable": None, "reason": "not DDP"}
     given = cfg.training.typed.ddp_find_unused_parameters

@@ -107,14 +107,10 @@ class FinetuneTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def sequence_parallel_loss(self, model, inputs, return_outputs, num_items_in_batch):
-        """The loss of one sequence shard under Ulysses, such that the step's gradient is the one of
-        the token-weighted mean over the whole step (every shard, rank and micro-batch), as without
-        sequence parallelism: the shard's summed token losses / the step's scored tokens
-        (get_batch_samples), times what DeepSpeed divides the summed gradients by
-        (gradient_divisor). DeepSpeed's adapter shifted the labels before the split
-        (`shift_labels`: the last position of a shard is scored against the next shard's first
-        token). transformers' own SP loss (deepspeed_sp_compute_loss) weights each micro-batch
-        alone: a mean of means under accumulation or data parallelism."""
+        """The loss of one sequence shard under Ulysses such that the step's gradient is the token-weighted
+        mean over the whole step (docs/parallelism.md "The loss"): the shard's summed token losses / the
+        step's scored tokens (get_batch_samples) x gradient_divisor(). DeepSpeed's adapter shifted the
+        labels before the split (`shift_labels`)."""
         shift = inputs["shift_labels"]
         if fault_injection.late_shift(rank=self.accelerator.process_index, step=self.next_step()):
             shift = shift.clone()
@@ -247,12 +243,8 @@ def gradient_divisor(engine) -> int:
 
 
 class ShardLoader:
-    """DeepSpeed's adapter (gathers a batch from each sequence-parallel rank, gives each rank its
-    shard of every one) with `set_epoch` and mid-epoch resumption. The adapter (UlyssesSPDataLoaderAdapter,
-    which Trainer puts around the train dataloader) has no `set_epoch` and makes its next epoch's
-    iterator before Trainer sets the epoch (every epoch would repeat the first one's order);
-    accelerate's `skip_first_batches` rebuilds a plain DataLoader from the loader's dataset, which the
-    adapter has not (a resumed run would fail, or lose the sequence split)."""
+    """DeepSpeed's sequence-parallel dataloader adapter (UlyssesSPDataLoaderAdapter) with `set_epoch`
+    and mid-epoch resumption, which the adapter lacks (docs/parallelism.md "The dataloader")."""
 
     def __init__(self, adapter, drop: int = 0):
         self.adapter = adapter
