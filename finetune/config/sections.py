@@ -94,13 +94,10 @@ class DataConfig:
     padding_free: bool = False
     # Shape bucketing: round every batch's token length up to a multiple of this (docs/speed.md); null: none.
     pad_to_multiple_of: int | None = None
-    # Prepare the data once per machine into Arrow files and reuse them across runs, keyed by file bytes +
-    # tokenizer + data settings (finetune/data/prepare.py); false: every process prepares its own, kept
-    # by none. cache_dir default: $FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized.
+    # The data prepared once per machine and reused across runs (docs/speed.md); false: per process, not kept.
     cache_tokenized: bool = True
     cache_dir: str | None = None
-    # Processes that prepare the data (datasets' map num_proc); null: the cores, at most 8, one per 10,000 rows.
-    num_proc: int | None = None
+    num_proc: int | None = None  # processes preparing the data; null: the cores, at most 8, 1 per 10,000 rows
     on_bad_rows: Literal["error", "skip"] = "error"
     # Rows whose every target (output, completion, assistant turn) is empty train only the end-of-turn
     # token: above this share of the usable rows the data is refused, below it they are named in a
