@@ -372,6 +372,7 @@ RANGES: dict[str, Range] = {
     "data.max_length": at_least(8, " tokens"),
     "data.eval_fraction": fraction(),
     "data.max_samples": at_least(1),
+    "data.num_proc": at_least(1, " processes"),
     "data.demo_train_size": at_least(1),
     "data.demo_heldout_size": at_least(1),
     "data.pad_to_multiple_of": at_least(1, " tokens"),

@@ -3,9 +3,8 @@
     bundle = build_datasets(cfg.data, tokenizer, seed=42)   # DataBundle(train, eval, stats)
 
 `check_head` is preflight's look at the first rows (finetune/preflight/checks.py), with the
-same messages `build_datasets` would give. Tokenized examples can be cached across runs
-(finetune/data/cache.py); the split and packing run after the cache (they depend on the seed
-and are cheap).
+same messages `build_datasets` would give. The datasets are prepared once per machine into Arrow
+files and opened memory-mapped (finetune/data/prepare.py).
 """
 
 from __future__ import annotations
@@ -13,22 +12,14 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from finetune.data import prepare
 from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
-from finetune.data.pack import pack
-from finetune.data.read import DataError, Invalid, is_local, read_head, read_numbered
-from finetune.data.render import (
-    IGNORE_INDEX,
-    Example,
-    Rendered,
-    Renderer,
-    TemplateNotPrefixStable,
-    progress,
-    tokenize,
-    tokenizer_name,
-    truncate,
-)
+from finetune.data.pack import bins, packed_row
+from finetune.data.read import DataError, Invalid, is_local, parse_line, read_head
+from finetune.data.render import Example, Renderer
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +56,6 @@ class DataBundle:
     stats: DataStats
 
 
-def _split(examples: list[Example], eval_fraction: float, seed: int, path: str):
-    if not eval_fraction:
-        return examples, None
-    n = len(examples)
-    _split_problem(n, eval_fraction, path)
-    n_eval = max(1, round(n * eval_fraction))
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    eval_idx, train_idx = sorted(order[:n_eval]), sorted(order[n_eval:])
-    return [examples[i] for i in train_idx], [examples[i] for i in eval_idx]
-
-
 @dataclass
 class _BadRowLog:
     """Applies on_bad_rows: raise on the first bad row, or record it and go on."""
@@ -91,43 +70,10 @@ class _BadRowLog:
         self.skipped.append((row, reason))
 
     def report(self, good: int) -> None:
-        if not self.skipped:
-            return
-        first = "; ".join(f"row {n}: {why}" for n, why in self.skipped[:_LOG_FIRST_N])
-        if not good:
+        """Every row is bad: refused (the bad rows skipped otherwise are logged by `_warn`)."""
+        if self.skipped and not good:
+            first = "; ".join(f"row {n}: {why}" for n, why in self.skipped[:_LOG_FIRST_N])
             raise DataError(f"all {len(self.skipped)} row(s) are bad; first problems: {first}", path=self.path)
-        more = " ..." if len(self.skipped) > _LOG_FIRST_N else ""
-        logger.warning("%s: skipped %d bad row(s): %s%s", self.path, len(self.skipped), first, more)
-
-
-def _render_rows(numbered, renderer: Renderer, log: _BadRowLog, max_samples: int | None, path: str, interrupt=None):
-    """(rendered rows, rows examined, numbers of the rows whose every target is empty)."""
-    rendered: list[Rendered] = []
-    empty: list[int] = []
-    examined = 0
-    for number, row in progress(numbered, len(numbered), "rendering", interrupt=interrupt):
-        if max_samples is not None and len(rendered) >= max_samples:
-            break
-        examined += 1
-        if isinstance(row, Invalid):
-            log.bad(number, row.reason)
-            continue
-        try:
-            rendered.append(renderer.render(row))
-            if empty_target(row, renderer.fmt):
-                empty.append(number)
-        except BadRow as e:
-            log.bad(number, str(e))
-        except TemplateNotPrefixStable as e:
-            raise DataError(
-                f"the chat template of tokenizer {tokenizer_name(renderer.tokenizer)!r} is not prefix-stable "
-                f"(rendering the conversation up to turn {e.turn} is not a prefix of the full rendering), so "
-                "assistant tokens cannot be located exactly; set data.train_on_prompt: true, or "
-                "data.chat_template: false for alpaca/prompt_completion data",
-                path=path,
-                row=number,
-            ) from None
-    return rendered, examined, empty
 
 
 def check_head(cfg, *, max_rows: int = 100) -> list[str]:
@@ -208,103 +154,147 @@ def _split_problem(n: int, eval_fraction: float, path: str) -> None:
         )
 
 
-def _read_and_tokenize(cfg, tokenizer, path: str, on_bad_rows: str, max_length: int, interrupt=None) -> dict:
-    """Read, validate, render, tokenize and truncate; a plain-JSON dict (what the cache stores)."""
-    numbered = read_numbered(path, split=getattr(cfg, "split", "train"))
-    log = _BadRowLog(path, skip=on_bad_rows == "skip")
-
-    # Detect from the first readable row; an unreadable row before it is reported (or
-    # skipped) in order by the render loop below.
-    first = next((row for _, row in numbered if not isinstance(row, Invalid)), None)
-    if first is None:
-        for number, row in numbered:
-            log.bad(number, row.reason)
-        log.report(good=0)
-    fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
-
-    renderer = Renderer(tokenizer, fmt, cfg, path)
-    rendered, examined, empty = _render_rows(
-        numbered, renderer, log, getattr(cfg, "max_samples", None), path, interrupt
-    )
-    log.report(good=len(rendered))
-
-    examples, truncated, dropped = truncate(tokenize(rendered, tokenizer, interrupt), max_length)
-    return {
-        "format": fmt,
-        "examined": examined,
-        "skipped": [list(x) for x in log.skipped],
-        "truncated": truncated,
-        "dropped": dropped,
-        "empty_targets": empty,
-        "examples": [[ex.input_ids, ex.labels] for ex in examples],
-    }
-
-
 def build_datasets(cfg, tokenizer, *, seed: int, interrupt=None) -> DataBundle:
-    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``.
-    ``interrupt()``, called per row rendered and per chunk tokenized, may raise to end the build early
-    (a stop signal: finetune/training/signals.py check_interrupt)."""
-    import datasets
-
-    from finetune.data import cache as token_cache
-
-    path = cfg.path
+    """Read, validate, render, tokenize, truncate, split and (optionally) pack ``cfg.path``, once per
+    machine (finetune/data/prepare.py). ``interrupt()``, checked while the data is prepared or awaited,
+    may raise to end the build early (a stop signal: finetune/training/signals.py check_interrupt)."""
     on_bad_rows = getattr(cfg, "on_bad_rows", "error")
     if on_bad_rows not in ("error", "skip"):
         raise DataError(f"on_bad_rows must be 'error' or 'skip', got {on_bad_rows!r}")
-    max_length = cfg.max_length
-    cache = token_cache.for_data(cfg, tokenizer, path)  # data.cache_tokenized: reuse across runs
-    entry = cache.load() if cache else None
-    if entry is None:
-        entry = _read_and_tokenize(cfg, tokenizer, path, on_bad_rows, max_length, interrupt)
-        if cache:
-            cache.save(entry)
-    elif entry["skipped"]:
-        logger.warning("%s: skipped %d bad row(s) (from the tokenization cache)", path, len(entry["skipped"]))
-    fmt, examined, truncated, dropped = entry["format"], entry["examined"], entry["truncated"], entry["dropped"]
-    skipped = [tuple(x) for x in entry["skipped"]]
-    check_empty_targets(entry["empty_targets"], examined - len(skipped), cfg, path)
-    examples = [Example(ids, labels) for ids, labels in entry["examples"]]
-    if not examples:
-        raise DataError(
-            f"no example has a trained token within max_length={max_length} (every completion "
-            "starts beyond it); raise data.max_length or shorten the prompts",
-            path=path,
-        )
-    train, eval_ = _split(examples, getattr(cfg, "eval_fraction", 0.0), seed, path)
-
-    packing = bool(getattr(cfg, "packing", False))
-    if packing:
-        train_rows = pack(train, max_length, seed)
-    else:
-        train_rows = [{"input_ids": ex.input_ids, "labels": ex.labels} for ex in train]
-    train_ds = datasets.Dataset.from_list(train_rows)
-    eval_ds = None
-    if eval_ is not None:
-        eval_ds = datasets.Dataset.from_list([{"input_ids": ex.input_ids, "labels": ex.labels} for ex in eval_])
-
-    stats = DataStats(
-        format=fmt,
-        rows_read=examined,
-        rows_skipped=skipped,
-        train_examples=len(train),
-        eval_examples=len(eval_) if eval_ is not None else 0,
-        truncated=truncated,
-        packed=packing,
-        train_input_tokens=sum(len(r["input_ids"]) for r in train_rows),
-        # what the shifted loss scores: label 0 of a row never is (finetune/telemetry/meter.py token_counts)
-        train_trained_tokens=sum(sum(1 for x in r["labels"][1:] if x != IGNORE_INDEX) for r in train_rows),
-        dropped_no_labels=dropped,
-        empty_target_rows=[] if getattr(cfg, "train_on_prompt", False) else entry["empty_targets"],
+    train, eval_, facts = prepare.load(
+        cfg, tokenizer, seed, lambda out, source: _prepare(cfg, tokenizer, seed, out, source, interrupt), interrupt
     )
+    stats = DataStats(**facts["stats"])
+    stats.rows_skipped = [tuple(x) for x in stats.rows_skipped]
+    _warn(stats, cfg)
     logger.info(
         "%s: %s data, %d train / %d eval examples, %d train tokens (%d trained)%s",
-        path,
-        fmt,
+        cfg.path,
+        stats.format,
         stats.train_examples,
         stats.eval_examples,
         stats.train_input_tokens,
         stats.train_trained_tokens,
-        f", packed into {len(train_rows)} rows" if packing else "",
+        f", packed into {len(train)} rows" if stats.packed else "",
     )
-    return DataBundle(train=train_ds, eval=eval_ds, stats=stats)
+    return DataBundle(train=train, eval=eval_, stats=stats)
+
+
+def _warn(stats: DataStats, cfg) -> None:
+    """What the data build says on every run, from a new preparation or the machine's prepared one."""
+    path, skipped = cfg.path, stats.rows_skipped
+    if skipped:
+        first = "; ".join(f"row {n}: {why}" for n, why in skipped[:_LOG_FIRST_N])
+        more = " ..." if len(skipped) > _LOG_FIRST_N else ""
+        logger.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), first, more)
+    if stats.truncated:
+        logger.warning(
+            "%d example(s) were longer than max_length=%d tokens and were cut", stats.truncated, cfg.max_length
+        )
+    if stats.dropped_no_labels:
+        logger.warning(
+            "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
+            stats.dropped_no_labels,
+            cfg.max_length,
+        )
+    check_empty_targets(stats.empty_target_rows, stats.rows_read - len(skipped), cfg, path)
+
+
+def _prepare(cfg, tokenizer, seed: int, out: Path, source, interrupt) -> dict:
+    """Prepare into `out` (train.arrow, eval.arrow); the facts prepared.json keeps (DataStats)."""
+    import numpy as np
+
+    path, skip = cfg.path, getattr(cfg, "on_bad_rows", "error") == "skip"
+    raw, first = prepare.raw_rows(path, getattr(cfg, "split", "train"), out / "raw.arrow", source, interrupt)
+    if first is None:  # no readable row to detect the format from: each is reported, in order
+        log = _BadRowLog(path, skip)
+        for r in raw:
+            log.bad(r["n"], r["invalid"] or parse_line(r["raw"], r["start"]).reason)
+        log.report(good=0)
+    fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
+    renderer = Renderer(tokenizer, fmt, cfg, path)
+    max_samples = getattr(cfg, "max_samples", None)
+    tokens = prepare.run_map(
+        raw,
+        renderer,
+        max_length=cfg.max_length,
+        raise_bad=not skip and max_samples is None,  # else the bad rows past max_samples' rows are not errors
+        processes=prepare.num_proc(cfg, len(raw)),
+        out=out,
+        interrupt=interrupt,
+    )
+    table = tokens.data.table
+    kind = table.column("kind").to_numpy()
+    bad, dropped = kind == prepare.KINDS["bad"], kind == prepare.KINDS["dropped"]
+    good = np.flatnonzero(~bad)
+    end = int(good[max_samples - 1]) + 1 if max_samples is not None and len(good) >= max_samples else len(kind)
+    numbers, problems = table.column("n").to_numpy()[:end], table.column("problem")
+    log = _BadRowLog(path, skip)
+    for i in np.flatnonzero(bad[:end]):
+        log.bad(int(numbers[i]), problems[int(i)].as_py())
+    log.report(good=int((~bad[:end]).sum()))
+    examples = np.flatnonzero(kind[:end] == prepare.KINDS["example"])
+    if not len(examples):
+        raise DataError(
+            f"no example has a trained token within max_length={cfg.max_length} (every completion "
+            "starts beyond it); raise data.max_length or shorten the prompts",
+            path=path,
+        )
+    train, eval_ = examples, None
+    eval_fraction = getattr(cfg, "eval_fraction", 0.0)
+    if eval_fraction:
+        _split_problem(len(examples), eval_fraction, path)
+        n_eval = max(1, round(len(examples) * eval_fraction))
+        order = list(range(len(examples)))
+        random.Random(seed).shuffle(order)
+        eval_, train = examples[sorted(order[:n_eval])], examples[sorted(order[n_eval:])]
+    packing = bool(getattr(cfg, "packing", False))
+    lengths = np.concatenate([np.diff(np.asarray(c.offsets)) for c in table.column("input_ids").chunks])
+    _write(table, train, lengths, out / "train.arrow", cfg.max_length if packing else None, seed, interrupt)
+    if eval_ is not None:
+        _write(table, eval_, lengths, out / "eval.arrow", None, seed, interrupt)
+    rendered = ~bad[:end]
+    stats = DataStats(
+        format=fmt,
+        rows_read=end,
+        rows_skipped=log.skipped,
+        train_examples=len(train),
+        eval_examples=len(eval_) if eval_ is not None else 0,
+        truncated=int((table.column("truncated").to_numpy()[:end] & rendered).sum()),
+        packed=packing,
+        train_input_tokens=int(lengths[train].sum()),
+        # what the shifted loss scores: label 0 of a row never is (finetune/telemetry/meter.py token_counts)
+        train_trained_tokens=int(table.column("trained").to_numpy()[train].sum()),
+        dropped_no_labels=int(dropped[:end].sum()),
+        empty_target_rows=[]
+        if getattr(cfg, "train_on_prompt", False)
+        else [int(x) for x in numbers[rendered & table.column("empty").to_numpy(zero_copy_only=False)[:end]]],
+    )
+    for file in out.iterdir():  # the rows read and the map's output: only train and eval stay
+        if file.name not in ("train.arrow", "eval.arrow"):
+            file.unlink()
+    return {"stats": vars(stats), "eval_rows": stats.eval_examples}
+
+
+def _write(table, rows, lengths, path: Path, pack_length: int | None, seed: int, interrupt) -> None:
+    """The examples `rows` of the map's output as an Arrow file, or packed into rows of `pack_length`
+    (best-fit decreasing, finetune/data/pack.py), a chunk at a time: no full copy in memory."""
+    import pyarrow as pa
+
+    columns = table.select(["input_ids", "labels"])
+    names = ("input_ids", "labels") if pack_length is None else ("input_ids", "labels", "position_ids")
+    schema = pa.schema([(k, pa.list_(pa.int32())) for k in names])
+    groups = None if pack_length is None else bins(lengths[rows].tolist(), pack_length, seed)
+    step = 10_000 if groups is None else 2_000
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for lo in range(0, len(rows) if groups is None else len(groups), step):
+            if interrupt is not None:
+                interrupt()
+            if groups is None:
+                writer.write_table(columns.take(rows[lo : lo + step]).cast(schema))
+                continue
+            chunk = groups[lo : lo + step]
+            part = columns.take(rows[[i for group in chunk for i in group]]).to_pydict()
+            pairs = iter(zip(part["input_ids"], part["labels"]))
+            packed = [packed_row([Example(*next(pairs)) for _ in group]) for group in chunk]
+            writer.write_table(pa.Table.from_pylist(packed, schema=schema))

@@ -9,18 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.data.read import DataError, type_name
+from finetune.data.read import FORMAT_KEYS, DataError, type_name
 
 FORMATS = ("alpaca", "prompt_completion", "messages", "sharegpt", "text")
 
-# Keys that identify each format, in detection priority order.
-_FORMAT_KEYS = {
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction", "output"),
-    "prompt_completion": ("prompt", "completion"),
-    "text": ("text",),
-}
 _FORMAT_HELP = {
     "alpaca": "alpaca rows need instruction, output; optional input",
     "prompt_completion": "prompt_completion rows need prompt, completion",
@@ -44,7 +36,7 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
         raise DataError("contains no rows to detect the format from", path=path or None)
     first = rows[0]
     keys = sorted(first) if isinstance(first, dict) else []
-    for fmt, needed in _FORMAT_KEYS.items():
+    for fmt, needed in FORMAT_KEYS.items():
         if all(k in keys for k in needed):
             return fmt
     needs = "; ".join(_FORMAT_HELP[f] for f in FORMATS)

@@ -76,29 +76,35 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack(examples: list[Example], max_length: int, seed: int) -> list[dict]:
     """Whole examples in rows of <= max_length tokens (best-fit decreasing), rows in seeded
-    shuffled order (best-fit emits them longest example first).
+    shuffled order (best-fit emits them longest example first)."""
+    return [
+        packed_row([examples[i] for i in group])
+        for group in bins([len(e.input_ids) for e in examples], max_length, seed)
+    ]
 
-    position_ids restart at 0 for each example; with no attention mask, transformers turns
-    that into a block-diagonal causal mask, so examples in a row do not attend to each other.
-    Labels are shifted inside the model (logits[t] is scored against labels[t + 1]), so the
-    label at the first token of every example after the first would be predicted from the
-    last token of the previous example; it is set to -100 to drop that cross-example target.
-    """
-    groups = best_fit_decreasing([len(ex.input_ids) for ex in examples], max_length)
+
+def bins(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
+    """The packed rows as example indices (best-fit decreasing), in seeded shuffled order."""
+    groups = best_fit_decreasing(lengths, max_length)
     random.Random(seed).shuffle(groups)
-    rows = []
-    for group in groups:
-        row: dict = {"input_ids": [], "labels": [], "position_ids": []}
-        for k, i in enumerate(group):
-            ex = examples[i]
-            labels = list(ex.labels)
-            if k:
-                labels[0] = IGNORE_INDEX
-            row["input_ids"].extend(ex.input_ids)
-            row["labels"].extend(labels)
-            row["position_ids"].extend(range(len(ex.input_ids)))
-        rows.append(row)
-    return rows
+    return groups
+
+
+def packed_row(examples: list[Example]) -> dict:
+    """One packed row. position_ids restart at 0 for each example; with no attention mask,
+    transformers turns that into a block-diagonal causal mask, so examples in a row do not attend to
+    each other. Labels are shifted inside the model (logits[t] is scored against labels[t + 1]), so
+    the label at the first token of every example after the first would be predicted from the last
+    token of the previous example; it is set to -100 to drop that cross-example target."""
+    row: dict = {"input_ids": [], "labels": [], "position_ids": []}
+    for k, ex in enumerate(examples):
+        labels = list(ex.labels)
+        if k:
+            labels[0] = IGNORE_INDEX
+        row["input_ids"].extend(ex.input_ids)
+        row["labels"].extend(labels)
+        row["position_ids"].extend(range(len(ex.input_ids)))
+    return row
 
 
 def padding_share(row_lengths: list[int], max_length: int) -> float:

@@ -1,4 +1,5 @@
-"""Reading training data: a local .json/.jsonl/.csv/.parquet file or a Hub dataset name -> rows.
+"""Reading training data: a local .json/.jsonl/.csv/.parquet/.arrow file, a `datasets`
+save_to_disk folder or a Hub dataset name -> rows.
 
 Each row keeps its 1-based number so every error can point at it (`DataError` names the file
 and the row); a row that cannot even be read as an object comes back as `Invalid` in its place,
@@ -12,15 +13,25 @@ import io
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from finetune.data import files
 from finetune.errors import UserError
 
-LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet")  # each may end in .gz, .bz2 or .xz too
+LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".arrow")  # each may end in .gz, .bz2 or .xz too
 
 logger = logging.getLogger(__name__)
+
+# Keys that identify each format (finetune/data/formats.py), in detection priority order.
+FORMAT_KEYS = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
+}
 
 
 class DataError(UserError):
@@ -103,35 +114,35 @@ def _decode(data: bytes, path: str, *, first_row_line: int = 1) -> str:
 
 
 def parse_json_lines(data: bytes) -> list[tuple[int, Any]]:
-    # Decode line by line so that one bad line is one bad (skippable) row.
-    rows: list[tuple[int, Any]] = []
+    return [(number, parse_line(raw, start)) for number, raw, start in json_lines(data.split(b"\n"))]
+
+
+def json_lines(lines) -> Iterator[tuple[int, bytes, int]]:
+    """(1-based line number, the line's bytes, its byte offset) of each non-blank line; one bad line is
+    one bad (skippable) row."""
     offset = 0
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in enumerate(lines, start=1):
+        raw = raw.rstrip(b"\n")
         line_start, offset = offset, offset + len(raw) + 1
         if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw, line_start = raw[3:], line_start + 3
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            rows.append(
-                (
-                    number,
-                    Invalid(
-                        f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; "
-                        "re-save the file as UTF-8"
-                    ),
-                )
-            )
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            rows.append((number, Invalid(f"malformed JSON: {e.msg} (column {e.colno})")))
-            continue
-        rows.append((number, _object_or_invalid(value)))
-    return rows
+        if raw.strip():
+            yield number, raw, line_start
+
+
+def parse_line(raw: bytes, line_start: int) -> Any:
+    """One line of JSON lines: the row object, or `Invalid` saying why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Invalid(
+            f"not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset {line_start + e.start}; re-save the file as UTF-8"
+        )
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Invalid(f"malformed JSON: {e.msg} (column {e.colno})")
+    return _object_or_invalid(value)
 
 
 def _object_or_invalid(value: Any) -> Any:
@@ -147,8 +158,10 @@ def _read_json(path: str, *, lines: bool = False) -> list[tuple[int, Any]]:
     if not looks_like_array(data):
         # Not an array: .json files holding JSON lines are common.
         rows = parse_json_lines(data)
+        if len(rows) == 1 and isinstance(rows[0][1], dict):  # one line: a row, or an object holding the rows
+            return listed_rows(rows[0][1], path) or rows
         if rows and isinstance(rows[0][1], Invalid) and "malformed JSON" in rows[0][1].reason:
-            _reject_single_document(data, path)
+            return _single_document(data, path) or rows
         return rows
     text = _decode(data, path)
     try:
@@ -169,19 +182,36 @@ def looks_like_array(data: bytes) -> bool:
     return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def _reject_single_document(data: bytes, path: str) -> None:
-    """A pretty-printed single object fails as JSON lines; say what the real problem is."""
+def _single_document(data: bytes, path: str) -> list[tuple[int, Any]] | None:
+    """A pretty-printed single object fails as JSON lines: the rows of the one list it holds, or
+    what the real problem is."""
     try:
         value = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        return
-    if isinstance(value, dict):
-        lists = [k for k, v in value.items() if isinstance(v, list)]
-        hint = f" (its list-valued keys: {', '.join(lists)})" if lists else ""
+        return None
+    if not isinstance(value, dict):
+        return None
+    rows = listed_rows(value, path)
+    if rows is None:
+        raise DataError("is a single JSON object; expected an array of row objects or one object per line", path=path)
+    return rows
+
+
+def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
+    """A top-level object that is not a row (no format's keys) but holds ONE list of rows, e.g.
+    {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
+    by name; None when it is a row, or holds no list."""
+    lists = [k for k, v in value.items() if isinstance(v, list)]
+    if any(all(k in value for k in keys) for keys in FORMAT_KEYS.values()) or not lists:
+        return None
+    if len(lists) > 1:
         raise DataError(
-            "is a single JSON object; expected an array of row objects or one object per line" + hint,
+            f"is a single JSON object holding several lists ({', '.join(lists)}); expected an array of row "
+            "objects, one object per line, or an object holding one list of rows: keep the one to train on",
             path=path,
         )
+    logger.info("%s: the rows are the list under the top-level key %r (%d rows)", path, lists[0], len(value[lists[0]]))
+    return [(i + 1, _object_or_invalid(v)) for i, v in enumerate(value[lists[0]])]
 
 
 def _read_csv(path: str) -> list[tuple[int, Any]]:
@@ -210,23 +240,54 @@ def _read_parquet(path: str) -> list[tuple[int, Any]]:
     return [(i + 1, r) for i, r in enumerate(records)]
 
 
-def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
+def hub_dataset(name: str, split: str):
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, split=split)
     except Exception as e:  # network, auth, missing split, unknown name ...
         raise DataError(
             f"not a local file, and loading it as a Hugging Face Hub dataset (split {split!r}) failed: "
             f"{type(e).__name__}: {e}",
             path=name,
         ) from None
-    return [(i + 1, r) for i, r in enumerate(ds)]
+
+
+def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
+    return [(i + 1, r) for i, r in enumerate(hub_dataset(name, split))]
+
+
+def arrow_source(path: str, split: str = "train"):
+    """The `datasets.Dataset` of an Arrow source: a save_to_disk folder (a DatasetDict's `split`) or an
+    .arrow file, memory-mapped; None for any other path (read row by row here)."""
+    import datasets
+
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as e:  # a damaged or partly copied folder
+            raise DataError(
+                f"cannot be read as a datasets save_to_disk folder: {type(e).__name__}: {e}", path=path
+            ) from None
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"has no split {split!r}; its splits: {', '.join(ds)} (set data.split)", path=path)
+            ds = ds[split]
+        return ds
+    if files.format_name(path).endswith(".arrow") and files.problem(path) is None:
+        try:
+            return datasets.Dataset.from_file(path)
+        except Exception as e:  # not an Arrow stream file
+            raise DataError(f"cannot be read as an Arrow file (datasets' format): {e}", path=path) from None
+    return None
 
 
 def read_numbered(path: str, *, split: str = "train") -> list[tuple[int, Any]]:
     """Rows with their 1-based numbers; unreadable rows come back as ``Invalid``."""
-    if not is_local(path):
+    source = arrow_source(path, split) if is_local(path) else None
+    if source is not None:
+        rows = [(i + 1, r) for i, r in enumerate(source)]
+    elif not is_local(path):
         rows = _read_hub(path, split)
     else:
         name = files.format_name(path)
@@ -256,28 +317,43 @@ def read_head(path: str, max_rows: int, *, split: str = "train") -> tuple[list[t
     saved as .jsonl and every other format are read whole."""
     if not (is_local(path) and files.format_name(path).endswith(".jsonl") and files.problem(path) is None):
         return _whole(path, max_rows, split)
-    lines: list[bytes] = []
-    complete, seen = True, 0
+    rows: list[tuple[int, Any]] = []
+    try:
+        for number, raw, start in stream_json_lines(path):
+            if len(rows) == max_rows:
+                return rows, False
+            rows.append((number, parse_line(raw, start)))
+    except ReadWhole:
+        return _whole(path, max_rows, split)
+    if len(rows) == 1 and isinstance(rows[0][1], dict):  # maybe an object holding the rows
+        return _whole(path, max_rows, split)
+    return rows, True
+
+
+class ReadWhole(Exception):
+    """stream_json_lines: the file is not JSON lines after all (an array saved as .jsonl)."""
+
+
+def stream_json_lines(path: str) -> Iterator[tuple[int, bytes, int]]:
+    """`json_lines` of a .jsonl file, streamed: a big file is never held whole. Raises ReadWhole for an
+    array saved as .jsonl (read_numbered reads it), DataError as read_numbered would."""
+    seen = False
     try:
         with files.opened(path) as f:
-            for line in f:
-                if line.strip():
-                    if seen == 0 and looks_like_array(line):
-                        return _whole(path, max_rows, split)
-                    seen += 1
-                    if seen > max_rows:
-                        complete = False
-                        break
-                lines.append(line)
+            for number, raw, start in json_lines(f):
+                if not seen:
+                    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or looks_like_array(raw):
+                        raise ReadWhole
+                    seen = True
+                yield number, raw, start
     except files.FileProblem as e:
         raise DataError(str(e), path=path) from None
     except files.DAMAGED:  # a damaged compressed stream: read it whole, which says what
         _read_bytes(path)
         raise
-    rows = parse_json_lines(check_bytes(b"".join(lines), path))
-    if not rows:
+    if not seen:
+        _read_bytes(path)  # empty, or blank: says which
         raise DataError("contains no rows", path=path)
-    return rows, complete
 
 
 def _whole(path: str, max_rows: int, split: str) -> tuple[list[tuple[int, Any]], bool]:

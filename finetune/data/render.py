@@ -8,7 +8,7 @@ are exact (IGNORE_INDEX everywhere outside the trained spans).
 from __future__ import annotations
 
 import logging
-import sys
+import re
 from dataclasses import dataclass
 
 from finetune.data.formats import (
@@ -24,8 +24,12 @@ from finetune.data.read import DataError
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # the label of positions that carry no loss (torch CrossEntropyLoss ignore_index)
-_PROGRESS_MIN_ROWS = 1000
 _TOKENIZE_CHUNK = 1000
+_TEXT_FIELDS = {
+    "text": ("text",),
+    "alpaca": ("instruction", "input", "output"),
+    "prompt_completion": ("prompt", "completion"),
+}
 
 
 @dataclass
@@ -47,6 +51,12 @@ class Renderer:
         self.path = path
         self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
         self.system_prompt = getattr(cfg, "system_prompt", None)
+        specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        specials |= set(tokenizer.all_special_tokens)
+        # longest first, so '<|im_start|>' is named rather than a special token it contains
+        self.specials = (
+            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        )
         use_template = bool(getattr(cfg, "chat_template", True))
         self.plain = fmt == "text" or (fmt in ("alpaca", "prompt_completion") and not use_template)
         if self.plain:
@@ -78,7 +88,29 @@ class Renderer:
         ids = self.tokenizer("a", add_special_tokens=True)["input_ids"]
         self.bos = self.tokenizer.bos_token if bos_id is not None and ids[:1] == [bos_id] else ""
 
+    def check_text(self, field: str, text: str) -> None:
+        """A special token typed inside the data would be tokenized as the control token itself (a turn
+        boundary, an end of text): refused with the row (docs/data.md "Special tokens in the text")."""
+        found = self.specials.search(text) if self.specials and text else None
+        if found:
+            raise BadRow(
+                f"{field} contains {found.group()!r}, a special token of tokenizer {tokenizer_name(self.tokenizer)!r}: "
+                "it would be trained as that control token (e.g. a turn boundary), not as text. Remove or rewrite "
+                "it in the data (e.g. with a space inside it), or set data.on_bad_rows: skip to leave such rows out"
+            )
+
     def render(self, row: dict) -> Rendered:
+        rendered = self._render(row)
+        if self.fmt in ("messages", "sharegpt"):
+            key, text_key = ("messages", "content") if self.fmt == "messages" else ("conversations", "value")
+            for i, turn in enumerate(row[key]):
+                self.check_text(f"{key}[{i}].{text_key}", turn[text_key])
+        else:
+            for field in _TEXT_FIELDS[self.fmt]:
+                self.check_text(repr(field), row.get(field) or "")
+        return rendered
+
+    def _render(self, row: dict) -> Rendered:
         if self.fmt == "text":
             text = self.bos + require_str(row, "text", "text", non_empty=True) + self.tokenizer.eos_token
             return Rendered(text, [(0, len(text))])
@@ -148,9 +180,11 @@ def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int,
 
 
 def tokenize(rendered: list[Rendered], tokenizer, interrupt=None) -> list[Example]:
+    """Each text tokenized once, with offsets, in chunks; `interrupt()` is called per chunk."""
     examples = []
-    chunks = range(0, len(rendered), _TOKENIZE_CHUNK)
-    for lo in progress(chunks, len(rendered), "tokenizing", _TOKENIZE_CHUNK, interrupt=interrupt):
+    for lo in range(0, len(rendered), _TOKENIZE_CHUNK):
+        if interrupt is not None:
+            interrupt()
         chunk = rendered[lo : lo + _TOKENIZE_CHUNK]
         try:
             enc = tokenizer([r.text for r in chunk], add_special_tokens=False, return_offsets_mapping=True)
@@ -162,44 +196,3 @@ def tokenize(rendered: list[Rendered], tokenizer, interrupt=None) -> list[Exampl
         for r, ids, offsets in zip(chunk, enc["input_ids"], enc["offset_mapping"]):
             examples.append(Example(list(ids), _mask(ids, offsets, r.spans)))
     return examples
-
-
-def progress(iterable, total_rows: int, desc: str, step: int = 1, interrupt=None):
-    """A tqdm bar for big inputs on a terminal; the plain iterable otherwise. `interrupt()` is called
-    before each item: it raises to end the build early (a stop signal, finetune/training/signals.py)."""
-    if interrupt is not None:
-        iterable = _checked(iterable, interrupt)
-    if total_rows <= _PROGRESS_MIN_ROWS or not sys.stderr.isatty():
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, desc=desc, total=-(-total_rows // step), unit="rows" if step == 1 else f"x{step} rows")
-
-
-def _checked(iterable, interrupt):
-    for item in iterable:
-        interrupt()
-        yield item
-
-
-def truncate(examples: list[Example], max_length: int) -> tuple[list[Example], int, int]:
-    kept, truncated, dropped = [], 0, 0
-    for ex in examples:
-        if len(ex.input_ids) > max_length:
-            truncated += 1
-            ex = Example(ex.input_ids[:max_length], ex.labels[:max_length])
-        if all(label == IGNORE_INDEX for label in ex.labels):
-            dropped += 1
-            continue
-        kept.append(ex)
-    if truncated:
-        logger.warning("%d example(s) were longer than max_length=%d tokens and were cut", truncated, max_length)
-    if dropped:
-        logger.warning(
-            "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
-            dropped,
-            max_length,
-        )
-    return kept, truncated, dropped

@@ -46,7 +46,11 @@ def model_problems(cfg) -> list[str]:
         why = folder and code_problem(folder, model.trust_remote_code)
         problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
     if model.name_or_path == BUNDLED_MODEL:
-        return problems
+        from finetune.modeling import bundled
+
+        folder = bundled.model_dir() if bundled.is_prepared() else None
+        values = _config_values(folder) if folder else None
+        return problems + [p for p in [positions_problem(cfg, values, "the bundled model")] if p]
     folder = local_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
@@ -55,11 +59,37 @@ def model_problems(cfg) -> list[str]:
         values = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return [*problems, f"model.name_or_path: {config}: not a readable JSON file ({e}); {_REFETCH}"]
+    found = [positions_problem(cfg, values, str(config))] if isinstance(values, dict) else []
+    problems += [p for p in found if p]
     code = code_problem(folder, model.trust_remote_code)
     found = [f"{code}; {TRUST}" if code else None]
     found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
     found.append(weights_problem(folder))
     return problems + [f"model.name_or_path: {p}" for p in found if p]
+
+
+def _config_values(folder: Path) -> dict | None:
+    try:
+        values = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def positions_problem(cfg, values: dict | None, source: str) -> str | None:
+    """data.max_length above the model's positions (config.json max_position_embeddings, or its
+    text_config's): positions past them have no trained embedding (or RoPE scaling), so refuse."""
+    if not values:
+        return None
+    positions = (values.get("text_config") or {}).get("max_position_embeddings") or values.get(
+        "max_position_embeddings"
+    )
+    if not isinstance(positions, int) or cfg.data.max_length <= positions:
+        return None
+    return (
+        f"data.max_length: {cfg.data.max_length} is more than the {positions} positions the model has ({source} "
+        f"max_position_embeddings); set data.max_length to {positions} or less, or use a model with a longer context"
+    )
 
 
 def local_folder(name: str, revision: str | None) -> Path | None:
@@ -215,7 +245,7 @@ def check_vocabulary(model_cfg, tokenizer, bundle) -> None:
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if not isinstance(rows, int):
         return
-    ids = [max(max(r) for r in split["input_ids"]) for split in (bundle.train, bundle.eval) if split is not None]
+    ids = [_highest_id(split) for split in (bundle.train, bundle.eval) if split is not None]
     highest = max([*ids, tokenizer.pad_token_id or 0])
     if highest < rows:
         return
@@ -228,3 +258,10 @@ def check_vocabulary(model_cfg, tokenizer, bundle) -> None:
         f"the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer)), then "
         f"save_pretrained) and fine-tune that"
     )
+
+
+def _highest_id(dataset) -> int:
+    """The highest token id of a memory-mapped dataset, a chunk at a time (no Python list of its rows)."""
+    import numpy as np
+
+    return max(int(np.asarray(c.flatten()).max()) for c in dataset.data.column("input_ids").chunks if len(c.flatten()))

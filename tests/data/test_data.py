@@ -7,6 +7,7 @@ from finetune.data), e.g. the end-of-turn text is found by rendering a sentinel 
 import csv
 import json
 import logging
+import re
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -651,13 +652,15 @@ def test_collate_packed_batch_continues_positions_into_padding():
     assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 0, 1, 2]]
 
 
-def test_the_build_checks_for_a_stop_at_every_row_and_ends_there(tokenizer, tmp_path):
-    """build_datasets calls `interrupt()` before each row it renders and each chunk it tokenizes
-    (finetune/training/signals.py check_interrupt raises there once a stop signal arrived): a stop
-    during a long build ends it at the next row instead of after the whole file. Before, a SIGTERM
-    during the build of 60,000 rows took effect only after it (124-144 s)."""
-    path = tmp_path / "rows.jsonl"
-    write_jsonl(path, [{"instruction": f"Add {i} and 1.", "output": str(i + 1)} for i in range(3000)])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stop_ends_the_preparation_and_its_processes_early(tokenizer, tmp_path, caplog, processes):
+    """`interrupt()` (finetune/training/signals.py check_interrupt raises once a stop signal arrived) is
+    checked ten times a second while the data is prepared; once it raises, the map's processes stop at
+    their next rows, nothing is kept and the stop is raised. Before, with a row-by-row loop in one
+    process, the check was per row (a SIGTERM during the build of 60,000 rows once took 124-144 s)."""
+    path = write_jsonl(
+        tmp_path / "rows.jsonl", [{"instruction": f"Add {i} and 1.", "output": str(i + 1)} for i in range(30_000)]
+    )
     calls = []
 
     class Stop(Exception):
@@ -665,12 +668,12 @@ def test_the_build_checks_for_a_stop_at_every_row_and_ends_there(tokenizer, tmp_
 
     def interrupt():
         calls.append(1)
-        if len(calls) == 1500:  # a signal arrived while row 1500 was next
+        if len(calls) == 10:  # a signal arrived about a second into the preparation
             raise Stop
 
-    with pytest.raises(Stop):
-        build_datasets(make_cfg(path), tokenizer, seed=0, interrupt=interrupt)
-    assert len(calls) == 1500
-    calls.clear()
-    bundle = build_datasets(make_cfg(path), tokenizer, seed=0, interrupt=lambda: calls.append(1))
-    assert len(bundle.train) == 3000 and len(calls) == 3000 + 3  # every row rendered, every chunk of 1000 tokenized
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="finetune.data.prepare"), pytest.raises(Stop):
+        build_datasets(make_cfg(path, cache_dir=str(cache), num_proc=processes), tokenizer, seed=0, interrupt=interrupt)
+    stopped = re.search(r"data preparation stopped after (\d+) of 30000 rows", caplog.text)
+    assert stopped and int(stopped.group(1)) < 30_000, caplog.text
+    assert list(cache.iterdir()) == []  # nothing half-prepared is left

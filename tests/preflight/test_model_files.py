@@ -236,3 +236,18 @@ def test_finetune_plan_refuses_a_model_folder_that_needs_its_own_code(tmp_path, 
     with pytest.raises(UserError, match=r"--model: .*config.json: its auto_map asks for .*`finetune plan` runs no"):
         load_model_config(str(model))
     assert not (tmp_path / "code-ran").exists()
+
+
+def test_max_length_above_the_models_positions_is_refused_with_both_numbers(tmp_path):
+    """On main: data.max_length past max_position_embeddings trained silently on positions the model
+    does not have."""
+    from transformers import GPTNeoXConfig
+
+    neox = config_dir(tmp_path, "neox", GPTNeoXConfig(architectures=["GPTNeoXForCausalLM"], max_position_embeddings=64))
+    assert preflight_problems(tmp_path, neox, "--data.max_length=128") == [
+        f"data.max_length: 128 is more than the 64 positions the model has ({neox / 'config.json'} "
+        "max_position_embeddings); set data.max_length to 64 or less, or use a model with a longer context"
+    ]
+    assert preflight_problems(tmp_path, neox, "--data.max_length=64") == []  # control
+    (msg,) = preflight_problems(tmp_path, "bundled:SmolLM2-135M-Instruct", "--data.max_length=9000")
+    assert msg.startswith("data.max_length: 9000 is more than the 8192 positions the model has (the bundled model")

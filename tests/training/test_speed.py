@@ -1,5 +1,5 @@
 """Speed options: padding-free and packed batches give the padded path's per-token losses and
-keep examples apart; unsafe combinations are refused; token counts; the tokenization cache.
+keep examples apart; unsafe combinations are refused; token counts.
 
 Tolerance: fp32 tiny model, per-token losses and logits compared at atol 1e-5 (different
 batch shapes reorder float sums; observed differences are ~1e-6)."""
@@ -7,7 +7,6 @@ batch shapes reorder float sums; observed differences are ~1e-6)."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -233,33 +232,6 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
     assert step[4] == sum(len(e["input_ids"]) ** 2 for e in examples)
     # the batch fetch (Trainer.get_batch_samples, outside the step clock) was timed: data loading
     assert trainer.meter.tail_window(trainer.accelerator, 1)["data_loading_s"] > 0
-
-
-def test_tokenization_cache_hit_miss_and_invalidation(tokenizer, tmp_path, caplog):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    cache_dir = tmp_path / "cache"
-
-    def build(**kw):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="finetune.data.cache"):
-            bundle = build_datasets(
-                _data_cfg(path, cache_tokenized=True, cache_dir=str(cache_dir), **kw), tokenizer, seed=0
-            )
-        return bundle, caplog.text
-
-    first, log1 = build()
-    assert "tokenization cache miss" in log1 and len(list(cache_dir.glob("*.json.gz"))) == 1
-    second, log2 = build()
-    assert "tokenization cache hit" in log2
-    assert second.train.to_list() == first.train.to_list() and vars(second.stats) == vars(first.stats)
-    _, log3 = build(max_length=64)  # a setting that changes the examples: a new entry
-    assert "miss" in log3 and len(list(cache_dir.glob("*.json.gz"))) == 2
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))  # new file bytes
-    changed, log4 = build()
-    assert "miss" in log4 and changed.stats.train_examples == 2
-    uncached = build_datasets(_data_cfg(path), tokenizer, seed=0)
-    assert uncached.train.to_list() == changed.train.to_list()
 
 
 @pytest.mark.parametrize("layout", ["padded", "padding_free", "packing"])

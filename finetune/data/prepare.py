@@ -1,0 +1,353 @@
+"""The data prepared once per machine, on `datasets` (docs/data.md "Preparation").
+
+Rows are read into Arrow (JSON lines streamed line by line; a save_to_disk folder, an .arrow file or
+a Hub dataset as they are), then validated, rendered, tokenized and truncated by
+`Dataset.map(batched=True, num_proc=data.num_proc)`, split and packed, and written as Arrow files
+into one entry under data.cache_dir ($FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized) named
+by its key: a SHA-256 of the source's bytes, the whole tokenizer, the data settings that shape the
+examples and FORMAT_VERSION (bump it when reading, validation, rendering, tokenization or
+truncation produce other examples). The local main process (LOCAL_RANK 0) prepares; the machine's
+other ranks wait for the entry (no collective: a stop signal still ends the wait) and open it
+memory-mapped. `data.cache_tokenized: false`: every process prepares its own and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from finetune.data import read
+from finetune.data.formats import BadRow, empty_target
+from finetune.data.read import DataError, Invalid
+from finetune.data.render import IGNORE_INDEX, TemplateNotPrefixStable, tokenize, tokenizer_name
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 3  # 3: Arrow entries (train/eval split and packing inside them)
+# Settings of the data section that change the prepared examples.
+KEY_FIELDS = ("format", "split", "max_length", "train_on_prompt", "system_prompt", "chat_template", "on_bad_rows")
+KEY_FIELDS += ("max_samples", "eval_fraction", "packing")
+PROGRESS_EVERY_S = 30.0  # a progress line at least this often in a log (a bar on a terminal)
+WAIT_POLL_S = 0.2  # how often the other ranks look for the entry
+_MIN_ROWS_PER_PROCESS = 10_000  # below this, starting a process costs more than it saves
+KINDS = {"example": 0, "bad": 1, "dropped": 2}  # a prepared row: an example, a bad row, no trained token
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "backend": backend.to_str() if backend is not None else None,
+        "vocab": None if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cache_key(data_cfg, tokenizer, path: str, seed: int, source=None) -> str:
+    """The entry's key: the source's bytes (a folder's files, a Hub dataset's fingerprint), the
+    tokenizer, the settings, the seed where a split or packing uses it, FORMAT_VERSION."""
+    h = hashlib.sha256()
+    if source is not None and not os.path.exists(path):
+        h.update(f"hub:{path}:{source._fingerprint}".encode())
+    for file in sorted(Path(path).rglob("*")) if os.path.isdir(path) else [Path(path)] if os.path.exists(path) else []:
+        if file.is_file():
+            h.update(b"\0file:" + str(file.relative_to(path) if file != Path(path) else "").encode())
+            with open(file, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+    h.update(b"\0tokenizer:" + _tokenizer_fingerprint(tokenizer).encode())
+    settings = {k: getattr(data_cfg, k, None) for k in KEY_FIELDS}
+    settings["seed"] = seed if settings["eval_fraction"] or settings["packing"] else None
+    h.update(b"\0settings:" + json.dumps(settings, sort_keys=True).encode())
+    h.update(b"\0format:" + str(FORMAT_VERSION).encode())
+    return h.hexdigest()
+
+
+def num_proc(data_cfg, rows: int) -> int:
+    """data.num_proc, or the machine's cores (at most 8), 1 below 10,000 rows per process."""
+    if getattr(data_cfg, "num_proc", None):
+        return data_cfg.num_proc
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8, rows // _MIN_ROWS_PER_PROCESS))
+
+
+def load(data_cfg, tokenizer, seed: int, build, interrupt=None):
+    """(train, eval or None, the entry's facts): from the entry, or `build(directory)` (which writes
+    train.arrow, eval.arrow and returns the facts) run by the local main process first."""
+    import datasets
+
+    source = None if read.is_local(data_cfg.path) else read.hub_dataset(data_cfg.path, data_cfg.split)
+    root = Path(getattr(data_cfg, "cache_dir", None) or default_dir()).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    key = cache_key(data_cfg, tokenizer, data_cfg.path, seed, source)
+    entry, failed = root / key, root / f".failed-{key}-{os.getppid()}"
+    shared = bool(getattr(data_cfg, "cache_tokenized", True))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if shared else 0
+    if shared and (entry / "prepared.json").is_file():
+        logger.info("prepared data found: %s", entry)
+    elif local_rank == 0:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+        try:
+            facts = build(tmp, source)
+            (tmp / "prepared.json").write_text(json.dumps(facts))
+            if not shared:
+                entry = tmp
+            elif not _publish(tmp, entry):
+                logger.info("prepared data: another process wrote %s first; using it", entry)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if shared and isinstance(e, DataError):  # the machine's other ranks raise it too
+                failed.write_text(str(e))
+            raise
+    else:
+        _wait(entry, failed, interrupt)
+    facts = json.loads((entry / "prepared.json").read_text())
+    train = datasets.Dataset.from_file(str(entry / "train.arrow"))  # memory-mapped
+    eval_ = datasets.Dataset.from_file(str(entry / "eval.arrow")) if facts["eval_rows"] else None
+    if not shared:  # the mapped files stay readable until the process ends
+        shutil.rmtree(entry, ignore_errors=True)
+    return train, eval_, facts
+
+
+def _publish(tmp: Path, entry: Path) -> bool:
+    try:
+        tmp.rename(entry)
+        return True
+    except OSError:  # another process of this machine (another run) renamed its entry first
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+
+
+def _wait(entry: Path, failed: Path, interrupt) -> None:
+    start = last = time.monotonic()
+    while not (entry / "prepared.json").is_file():
+        if failed.is_file():
+            raise DataError(failed.read_text())
+        if interrupt is not None:
+            interrupt()
+        if time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            logger.warning("waiting %.0f s for the local main process to prepare the data (%s)", last - start, entry)
+        time.sleep(WAIT_POLL_S)
+    logger.info("prepared data opened memory-mapped: %s", entry)
+
+
+# --- the rows into Arrow, and the map that prepares them ------------------------------------------------
+
+
+def raw_rows(path: str, split: str, out: Path, source=None, interrupt=None):
+    """The source's rows as a Dataset (an Arrow source as it is; else written to `out`), and its first
+    readable row (None: every row is unreadable, the map says why)."""
+    import datasets
+    import pyarrow as pa
+
+    source = read.arrow_source(path, split) if read.is_local(path) else source
+    if source is not None:
+        if not len(source):
+            raise DataError("contains no rows", path=path)
+        return source, source[0]
+    schema = pa.schema([("n", pa.int64()), ("raw", pa.large_binary()), ("start", pa.int64()), ("invalid", pa.string())])
+    first, count = None, 0
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        batch: list[tuple] = []
+        for n, raw, start, invalid in _numbered_raw(path, split):
+            if first is None and invalid is None:
+                row = read.parse_line(raw, start) if start >= 0 else pickle.loads(raw)
+                first = None if isinstance(row, Invalid) else row
+            batch.append((n, raw, start, invalid))
+            count += 1
+            if len(batch) == 10_000:
+                if interrupt is not None:
+                    interrupt()
+                writer.write_batch(pa.record_batch(list(map(list, zip(*batch))), schema=schema))
+                batch = []
+        if batch:
+            writer.write_batch(pa.record_batch(list(map(list, zip(*batch))), schema=schema))
+    return datasets.Dataset.from_file(str(out)), first
+
+
+def _numbered_raw(path: str, split: str):
+    """(row number, bytes, offset, reason unreadable): JSON lines as their bytes (parsed by the map's
+    processes), other rows pickled (they were read here)."""
+    if read.is_local(path) and read.files.format_name(path).endswith(".jsonl") and read.files.problem(path) is None:
+        try:
+            lines = list(zip(range(2), read.stream_json_lines(path)))
+            if len(lines) > 1:  # one line may be an object holding the rows: read_numbered looks
+                for n, raw, start in read.stream_json_lines(path):
+                    yield n, raw, start, None
+                return
+        except read.ReadWhole:
+            pass
+    for n, row in read.read_numbered(path, split=split):
+        if isinstance(row, Invalid):
+            yield n, None, -1, row.reason
+        else:
+            yield n, pickle.dumps(row), -1, None
+
+
+def prepare_batch(batch: dict, indices: list[int], *, renderer, max_length: int, raise_bad: bool, stop: str) -> dict:
+    """The map's function: each row validated, rendered, tokenized and truncated, in row order: an
+    example, a bad row (its reason) or one left with no trained token; runs in the map's processes."""
+    out = {k: [] for k in ("n", "kind", "problem", "empty", "truncated", "trained", "input_ids", "labels")}
+    rendered = []
+    arrow = "raw" not in batch
+    keys = list(batch)
+    for i, index in enumerate(indices):
+        if i % 64 == 0 and os.path.exists(stop):
+            raise _Stopped
+        if arrow:
+            n, row = index + 1, {k: batch[k][i] for k in keys}
+        else:
+            n, raw, start, invalid = batch["n"][i], batch["raw"][i], batch["start"][i], batch["invalid"][i]
+            row = Invalid(invalid) if invalid else read.parse_line(raw, start) if start >= 0 else pickle.loads(raw)
+        problem, empty = None, False
+        if isinstance(row, Invalid):
+            problem = row.reason
+        else:
+            try:
+                rendered.append(renderer.render(row))
+                empty = empty_target(row, renderer.fmt)
+            except BadRow as e:
+                problem = str(e)
+            except TemplateNotPrefixStable as e:
+                raise DataError(
+                    f"the chat template of tokenizer {tokenizer_name(renderer.tokenizer)!r} is not prefix-stable "
+                    f"(rendering the conversation up to turn {e.turn} is not a prefix of the full rendering), so "
+                    "assistant tokens cannot be located exactly; set data.train_on_prompt: true, or "
+                    "data.chat_template: false for alpaca/prompt_completion data",
+                    path=renderer.path,
+                    row=n,
+                ) from None
+        if problem is not None and raise_bad:
+            raise DataError(problem, path=renderer.path, row=n)
+        out["n"].append(n)
+        out["problem"].append(problem)
+        out["empty"].append(empty)
+    examples = iter(tokenize(rendered, renderer.tokenizer))
+    for problem in out["problem"]:
+        ids, labels, truncated = [], [], False
+        if problem is None:
+            ex = next(examples)
+            truncated = len(ex.input_ids) > max_length
+            ids, labels = ex.input_ids[:max_length], ex.labels[:max_length]
+        trained = sum(1 for x in labels[1:] if x != IGNORE_INDEX)
+        kept = problem is None and any(x != IGNORE_INDEX for x in labels)
+        kind = "bad" if problem is not None else "example" if kept else "dropped"
+        out["kind"].append(KINDS[kind])
+        out["truncated"].append(truncated)
+        out["trained"].append(trained)
+        out["input_ids"].append(ids if kept else [])
+        out["labels"].append(labels if kept else [])
+    return out
+
+
+class _Stopped(Exception):
+    """A stop was asked for (the stop file): the map's processes end early."""
+
+
+def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, out: Path, interrupt=None):
+    """`raw.map(prepare_batch, batched, num_proc)` with a progress line at least every
+    PROGRESS_EVERY_S in a log (a bar on a terminal) and `interrupt()` checked ten times a second: a stop
+    reaches the map's processes through a file they look for."""
+    import datasets
+
+    stop, done = out / "stop", threading.Event()
+    total, start = len(raw), time.monotonic()
+    stopped: list[BaseException] = []
+
+    def watch():
+        last = start
+        while not done.wait(0.1):
+            try:
+                if interrupt is not None:
+                    interrupt()
+            except BaseException as e:  # noqa: BLE001 - raised again in the main thread
+                stopped.append(e)
+                stop.touch()
+                return
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                _progress_line(out, total, last - start)
+
+    features = datasets.Features(
+        {
+            "n": datasets.Value("int64"),
+            "kind": datasets.Value("int8"),
+            "problem": datasets.Value("string"),
+            "empty": datasets.Value("bool"),
+            "truncated": datasets.Value("bool"),
+            "trained": datasets.Value("int32"),
+            "input_ids": datasets.List(datasets.Value("int32")),
+            "labels": datasets.List(datasets.Value("int32")),
+        }
+    )
+    bars = datasets.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        datasets.disable_progress_bars()
+    watcher = threading.Thread(target=watch, name="finetune-data-progress", daemon=True)
+    watcher.start()
+    try:
+        tokens = raw.map(
+            _counted,
+            batched=True,
+            with_indices=True,
+            num_proc=processes if processes > 1 else None,
+            fn_kwargs={"renderer": renderer, "max_length": max_length, "raise_bad": raise_bad, "stop": str(stop)},
+            remove_columns=raw.column_names,
+            cache_file_name=str(out / "tokens.arrow"),
+            features=features,
+            new_fingerprint=out.name,
+            desc="preparing the data",
+        )
+    except _Stopped:
+        tokens = None
+    finally:
+        done.set()
+        watcher.join()
+        if bars:
+            datasets.enable_progress_bars()
+    if stopped:
+        logger.warning("data preparation stopped after %d of %d rows", _rows_done(out), total)
+        raise stopped[0]
+    elapsed = time.monotonic() - start
+    logger.info("prepared %d rows in %.1f s (%.0f rows/s, %d process(es))", total, elapsed, total / elapsed, processes)
+    return tokens
+
+
+def _counted(batch, indices, **kw):
+    out = prepare_batch(batch, indices, **kw)
+    with open(Path(kw["stop"]).parent / f"done-{os.getpid()}", "a") as f:  # the progress line sums these
+        f.write(f"{len(indices)}\n")
+    return out
+
+
+def _rows_done(out: Path) -> int:
+    done = 0
+    for file in out.glob("done-*"):
+        try:
+            done += sum(int(x) for x in file.read_text().split())
+        except (OSError, ValueError):  # being written
+            pass
+    return done
+
+
+def _progress_line(out: Path, total: int, elapsed: float) -> None:
+    done = _rows_done(out)
+    rate = done / elapsed if elapsed else 0.0
+    eta = f"{(total - done) / rate:.0f} s" if rate else "unknown"
+    logger.info("preparing the data: %d of %d rows (%.0f rows/s, ETA %s)", done, total, rate, eta)
