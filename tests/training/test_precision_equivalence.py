@@ -35,8 +35,8 @@ ZeRO vs single) and 1.3e-5 (LoRA, ZeRO-2), 4x headroom.
 Pairs that compute identically by construction (same family, same placement of every rounding: LoRA
 single/DDP/FSDP2, full single/DDP) must agree to SAME_RTOL = 1e-5, the fp32 reduction-order level
 (all-reduce of 2 ranks vs accumulation of 2 micro-batches, and matmul blocking that follows the threads
-each process gets), compounded by Adam over 5 steps; measured 0 on one machine and 1.24e-6 (FSDP2 LoRA,
-step 3) on another. This catches what 1e-4 would not, e.g. a different LoRA initialisation (8e-5).
+each process gets, the gradient norm summed over shards), compounded over 5 steps; measured 0 when
+this bound was set, 1.24e-6 now (FSDP2 LoRA, step 3: the same bits on two machines; its cause not found). This catches what 1e-4 would not, e.g. a different LoRA initialisation (8e-5).
 
 Grad norms (before clipping): 5e-3 across families, whose gradients are bf16 per rank (FSDP2,
 DeepSpeed) where single/DDP sum them in fp32 (measured at most 8.7e-4); SAME_RTOL for the same-placement
