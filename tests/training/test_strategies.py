@@ -909,7 +909,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     assert k == 2, f"stopped at step {k}, not at the end of step 2, which the signal landed in"
     assert checkpoints.newest_valid(run_dir) == run_dir / f"checkpoint-{k}"
     assert "preempted: SIGTERM on rank(s) [1]" in out and f"--run.output_dir={run_dir} --resume" in out, out[-3000:]
-    assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in out, out[-3000:]
+    assert "on another number of GPUs too: add --num-processes M with M in {1, 2}" in out, out[-3000:]  # as typed
     run = launch_train(
         ["--recipe", "ddp", *common_args(tiny_model_dir), "--resume"],
         run_dir=run_dir,
