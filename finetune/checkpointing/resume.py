@@ -205,13 +205,14 @@ def resume_command(run_dir: Path, *, effective: int | None = None, per_device: i
         elif word != "--overwrite":
             argv.append(word)
     argv.append(f"--run.output_dir={run_dir.resolve()}")
-    config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
-    env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
-    launch = f"--config_file {shlex.quote(config)} " if config else "<the same accelerate launch options> "
-    script = shlex.quote(str(Path(sys.argv[0]).resolve()))
-    command = f"{env}accelerate launch {launch}{script} {shlex.join(argv)} --resume"
-    if typed is not None:
+    if typed is not None:  # as the user typed it
         command = shlex.join(["finetune", "train", *argv, "--resume"])
+    else:
+        config = os.environ.get("FINETUNE_ACCELERATE_CONFIG")
+        env = "FINETUNE_CPU_DISTRIBUTED=1 " if os.environ.get("FINETUNE_CPU_DISTRIBUTED") == "1" else ""
+        launch = f"--config_file {shlex.quote(config)} " if config else "<the same accelerate launch options> "
+        script = shlex.quote(str(Path(sys.argv[0]).resolve()))
+        command = f"{env}accelerate launch {launch}{script} {shlex.join(argv)} --resume"
     if effective and per_device:
         from finetune.checkpointing.resume_plan import allowed_world_sizes
 
