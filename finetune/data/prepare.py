@@ -301,7 +301,8 @@ def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, 
         datasets.disable_progress_bars()
     watcher = threading.Thread(target=watch, name="finetune-data-progress", daemon=True)
     watcher.start()
-    try:
+    environ = os.environ  # datasets' map with num_proc rebinds os.environ to a copy; code holding the
+    try:  # original (defaults such as env=os.environ) would stop seeing later changes
         tokens = raw.map(
             _counted,
             batched=True,
@@ -317,6 +318,9 @@ def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, 
     except _Stopped:
         tokens = None
     finally:
+        if os.environ is not environ:
+            environ.update(os.environ)
+            os.environ = environ  # noqa: B003 - the original object back, its contents unchanged
         done.set()
         watcher.join()
         if bars:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 import threading
 
@@ -61,7 +62,9 @@ def test_the_prepared_examples_are_those_of_a_direct_render(tokenizer, tmp_path,
     expected = _direct(rows, fmt, tokenizer, cfg)
     assert build_datasets(cfg, tokenizer, seed=0).train.to_list() == expected
     two = make_cfg(path, cache_dir=str(tmp_path / "cache2"), num_proc=2, **settings)
+    environ = os.environ
     assert build_datasets(two, tokenizer, seed=0).train.to_list() == expected
+    assert os.environ is environ  # datasets' pool rebinds it; defaults bound to the original saw no later change
 
 
 def test_the_prepared_data_is_reused_and_each_key_input_prepares_anew(tokenizer, tmp_path, caplog, monkeypatch):
