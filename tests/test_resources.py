@@ -44,15 +44,6 @@ def _run(cmd, *, cwd, timeout=600):
     return proc.stdout
 
 
-# a tiny random model with the bundled tokenizer, written by the installed environment's python
-TINY = r"""
-from pathlib import Path
-from transformers import AutoTokenizer
-from finetune.modeling.bundled import ensure_bundled_model
-from finetune.modeling.bundled import save_tiny_llama
-save_tiny_llama(Path("DIR"), AutoTokenizer.from_pretrained(ensure_bundled_model()))
-"""
-
 RESOLVE = r"""
 import json, finetune
 from finetune import resources
@@ -63,7 +54,7 @@ print(json.dumps({"package": finetune.__file__, "root": str(resources.ROOT), "ar
 
 
 @pytest.mark.integration
-def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
+def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path, tiny_model_dir):
     src = tmp_path / "src"
     src.mkdir()
     for name in BUILD_INPUTS:
@@ -86,8 +77,12 @@ def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
     assert carried == shipped_files()
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=tmp_path)
-    _run([venv / "bin" / "pip", "install", "--no-deps", "-q", wheel], cwd=tmp_path)
+    # no pip of its own (ensurepip costs seconds): this interpreter's pip installs into it
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], cwd=tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "-q", wheel],
+        cwd=tmp_path,
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     listed = _run([venv / "bin" / "finetune", "recipes"], cwd=elsewhere)
@@ -105,14 +100,12 @@ def test_an_installed_wheel_lists_the_recipes_and_resolves_configs(tmp_path):
     )
     assert planned["model"]["name"] == "Llama-3.2-1B" and planned["model"]["layers"] == 16
     # ... and `accelerate launch -m finetune.train` trains from outside a clone (one process, 2 steps)
-    model = TINY.replace("DIR", str(elsewhere / "tiny"))
-    _run([venv / "bin" / "python", "-c", model], cwd=elsewhere)
     run = elsewhere / "runs" / "m"
     _run(
         [
             venv / "bin" / "python", "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
             "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "finetune.train", "--recipe", "zero2",
-            f"--model.name_or_path={elsewhere / 'tiny'}", "--data.demo_train_size=16", "--eval.exact_match=false",
+            f"--model.name_or_path={tiny_model_dir}", "--data.demo_train_size=16", "--eval.exact_match=false",
             "--training.max_steps=2", f"--run.output_dir={run}",
         ],
         cwd=elsewhere,

@@ -44,17 +44,24 @@ PAUSE = {"FINETUNE_FAULT_INJECT": "pause@rank0,step3"}  # rank 0 holds step 3 op
 @pytest.fixture(scope="module")
 def baseline(jobs, tiny_model_dir, tmp_path_factory):
     """The CPU rehearsal of the shipped script, uninterrupted: 2 nodes, 6 steps, checkpoint-3 kept
-    for the preemption control; the ranks' resident sets sampled from outside while it runs."""
-    run = tmp_path_factory.mktemp("baseline") / "run"
+    for the preemption control; the ranks' resident sets sampled from outside while it runs.
+    Submitted together with a second user's job (4 steps) on the same two nodes, neither setting
+    MASTER_PORT: the pair test_two_jobs_at_once... checks."""
+    base = tmp_path_factory.mktemp("baseline")
+    run, other_run = base / "run", base / "other"
     job = jobs.submit(
         "zero3",
         *job_args(tiny_model_dir),
         f"--run.output_dir={run}",
         "--training.save_strategy=steps",
         "--training.save_steps=3",
+        port=False,
     )
+    other = jobs.submit("zero3", *job_args(tiny_model_dir, steps=4), f"--run.output_dir={other_run}", port=False)
     with RssSampler(job) as sampled:
+        together = both_running(jobs, [job, other])
         info = jobs.wait(job)
+    other_info = jobs.wait(other)
     return SimpleNamespace(
         job=job,
         info=info,
@@ -62,7 +69,23 @@ def baseline(jobs, tiny_model_dir, tmp_path_factory):
         log=jobs.log(job),
         sampled=sampled.peak,
         record=record(run) if (run / "run.json").is_file() else None,
+        together=together,
+        other=SimpleNamespace(job=other, info=other_info, run=other_run, log=jobs.log(other)),
     )
+
+
+def both_running(jobs, ids: list[str], timeout: float = 300) -> list[dict] | None:
+    """None once the jobs are all RUNNING at the same moment, else their last `scontrol show job`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        infos = [jobs.cluster.job(j) for j in ids]
+        states = [i.get("JobState") for i in infos]
+        if states == ["RUNNING"] * len(ids):
+            return None
+        if any(s not in ("PENDING", "RUNNING", "CONFIGURING") for s in states):
+            break
+        time.sleep(0.2)
+    return [jobs.cluster.job(j) for j in ids]
 
 
 def assert_two_node_zero3(rec: dict, *, node_names: list[str]) -> None:
@@ -364,23 +387,16 @@ def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_
     assert max(relative_differences(losses(control), want, [4, 5, 6]).values()) > 10 * TOLERANCE
 
 
-def test_two_jobs_at_once_each_take_a_rendezvous_port_of_their_own_and_complete(jobs, tiny_model_dir, tmp_path):
-    """Two users' jobs on the same two nodes at the same time, neither setting MASTER_PORT: both
-    rendezvous at node1. Before, both asked for port 29500 and the second failed ("another process is
-    utilizing it"), exit 1. Now each takes 10000 + job id % 50000, says which, and both complete."""
-    runs = [tmp_path / "a", tmp_path / "b"]
-    ids = [jobs.submit("zero3", *job_args(tiny_model_dir, steps=4), f"--run.output_dir={r}", port=False) for r in runs]
-    deadline, together = time.monotonic() + 300, False
-    while not together and time.monotonic() < deadline:
-        states = [jobs.cluster.job(j).get("JobState") for j in ids]
-        together = states == ["RUNNING", "RUNNING"]
-        if any(s not in ("PENDING", "RUNNING", "CONFIGURING") for s in states):
-            break
-        time.sleep(0.2)
-    assert together, f"the two jobs never ran at the same time: {[jobs.cluster.job(j) for j in ids]}"
-    for job, run in zip(ids, runs):
-        info = jobs.wait(job)
-        log = jobs.log(job)
+def test_two_jobs_at_once_each_take_a_rendezvous_port_of_their_own_and_complete(baseline):
+    """Two users' jobs on the same two nodes at the same time, neither setting MASTER_PORT (the
+    baseline and a second job, submitted together): both rendezvous at node1. Before, both asked for
+    port 29500 and the second failed ("another process is utilizing it"), exit 1. Now each takes
+    10000 + job id % 50000, says which, and both complete."""
+    assert baseline.together is None, f"the two jobs never ran at the same time: {baseline.together}"
+    for job, info, log, run in (
+        (baseline.job, baseline.info, baseline.log, baseline.run),
+        (baseline.other.job, baseline.other.info, baseline.other.log, baseline.other.run),
+    ):
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
         assert f"rendezvous node1:{10000 + int(job) % 50000} (from job id {job})" in log, log[-4000:]
         rec = record(run)

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -38,11 +39,15 @@ def measured(tmp: str) -> dict:
     """(regime, sp) -> [per-rank step peaks above the states, bytes]."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     args = [str(SEQ), str(VOCAB), tmp, *(f"{r}:{k}" for r, k in CASES.items())]
-    for cmd in (
+    # sp 1 (one thread) and sp 2 (two ranks) at once: three single-threaded processes share the cores;
+    # each measures its own allocator events, which the other processes do not touch
+    commands = (
         [sys.executable, str(SCRIPT), *args],
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT), *args],
-    ):
-        code, out, err = run_process_group(cmd, cwd=REPO, env=env, timeout=600)
+    )
+    with ThreadPoolExecutor(len(commands)) as pool:
+        done = list(pool.map(lambda cmd: run_process_group(cmd, cwd=REPO, env=env, timeout=600), commands))
+    for code, out, err in done:
         assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
     out: dict = {}
     for f in sorted(os.listdir(tmp)):
