@@ -3,7 +3,8 @@ then the run directory, run.json and the exported model checked from the outside
 
 Launches are module-scoped and shared: the LoRA run, and one full fine-tuning run (a GPT-2, padding-free,
 with --overwrite over an earlier run's directory) that both the overwrite/export test and the
-counting test read. Both exports are reloaded in one fresh plain process."""
+counting test read; the two one-process runs are started at once. Both exports are reloaded in one
+fresh plain process."""
 
 from __future__ import annotations
 
@@ -69,31 +70,12 @@ def reload_and_generate(exports: dict[Path, bool]) -> dict[Path, str]:
     return {d: lines[str(d)] for d in exports}
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, tiny_model_dir):
-    base = tmp_path_factory.mktemp("e2e-lora")
-    return launch_train(
-        tiny_args(
-            tiny_model_dir,
-            "--training.lr_scaling=linear",
-            "--training.lr_reference_batch_size=2",
-            "--training.learning_rate=1e-3",
-        ),
-        run_dir=base / "runs" / "lora",
-        cwd=base,
-    )
-
-
-@pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory, tokenizer):
-    """A tiny GPT-2 (Conv1D, n_head/n_embd), fully fine-tuned padding-free with --overwrite into the
-    directory of an earlier run: (the launch, the model as built)."""
+def _build_gpt2(model_dir: Path, tokenizer):
+    """A tiny random GPT-2 (Conv1D, n_head/n_embd) saved with the tokenizer; returns the model as built."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    base = tmp_path_factory.mktemp("e2e-gpt2")
     torch.manual_seed(0)
-    model_dir = base / "tiny-gpt2"
     model = GPT2LMHeadModel(
         GPT2Config(
             vocab_size=len(tokenizer),
@@ -107,31 +89,60 @@ def gpt2_run(tmp_path_factory, tokenizer):
     )
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    run_dir = base / "runs" / "gpt2"
-    (run_dir / "checkpoint-99").mkdir(parents=True)  # an earlier run of this directory (finetune's marker)
-    (run_dir / "checkpoint-99" / "trainer_state.json").write_text("{}")
-    (run_dir / ".finetune-run").touch()
-    (run_dir / "run.json").write_text('{"run_name": "earlier"}')
-    res = launch_train(
-        [
-            "--recipe",
-            "demo",
-            f"--model.name_or_path={model_dir}",
-            "--method.name=full",
-            "--data.padding_free=true",
-            "--data.train_on_prompt=true",
-            "--data.demo_train_size=12",
-            "--eval.exact_match=false",
-            "--training.max_steps=-1",
-            "--training.num_train_epochs=1",
-            "--training.per_device_train_batch_size=4",
-            "--training.logging_steps=2",
-            "--overwrite",
-        ],
-        run_dir=run_dir,
-        cwd=base,
+    return model
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model_dir, tokenizer) -> SimpleNamespace:
+    """The module's two runs, started at once: each is one process (distributed type NO: no port, no
+    process group), which on its own leaves the other core idle while it imports. `lora`: the LoRA
+    run; `gpt2`: the GPT-2 fully fine-tuned padding-free with --overwrite into the directory of an
+    earlier run; `gpt2_model`: that model as built."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = tmp_path_factory.mktemp("e2e")
+    model = _build_gpt2(base / "tiny-gpt2", tokenizer)
+    gpt2_dir = base / "runs" / "gpt2"
+    (gpt2_dir / "checkpoint-99").mkdir(parents=True)  # an earlier run of this directory (finetune's marker)
+    (gpt2_dir / "checkpoint-99" / "trainer_state.json").write_text("{}")
+    (gpt2_dir / ".finetune-run").touch()
+    (gpt2_dir / "run.json").write_text('{"run_name": "earlier"}')
+    lora_args = tiny_args(
+        tiny_model_dir,
+        "--training.lr_scaling=linear",
+        "--training.lr_reference_batch_size=2",
+        "--training.learning_rate=1e-3",
     )
-    return res, model
+    gpt2_args = [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={base / 'tiny-gpt2'}",
+        "--method.name=full",
+        "--data.padding_free=true",
+        "--data.train_on_prompt=true",
+        "--data.demo_train_size=12",
+        "--eval.exact_match=false",
+        "--training.max_steps=-1",
+        "--training.num_train_epochs=1",
+        "--training.per_device_train_batch_size=4",
+        "--training.logging_steps=2",
+        "--overwrite",
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        lora = pool.submit(launch_train, lora_args, run_dir=base / "runs" / "lora", cwd=base)
+        gpt2 = pool.submit(launch_train, gpt2_args, run_dir=gpt2_dir, cwd=base)
+        return SimpleNamespace(lora=lora.result(), gpt2=gpt2.result(), gpt2_model=model)
+
+
+@pytest.fixture(scope="module")
+def lora_run(launched):
+    return launched.lora
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(launched):
+    """(the GPT-2 launch, the model as built)."""
+    return launched.gpt2, launched.gpt2_model
 
 
 @pytest.fixture(scope="module")
