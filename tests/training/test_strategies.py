@@ -517,32 +517,43 @@ import json, sys, torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-base, export, reference = sys.argv[1:4]
-tok = AutoTokenizer.from_pretrained(export)
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), export).eval()
-ids = tok("2 + 3 =", return_tensors="pt")
-out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-got, ref = load_file(f"{export}/adapter_model.safetensors"), load_file(f"{reference}/adapter_model.safetensors")
-print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1], "keys_equal": sorted(got) == sorted(ref),
-                  "max_abs_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
-                  "lora_b_norm": sum(v.norm().item() for k, v in got.items() if "lora_B" in k),
-                  "world": torch.distributed.is_initialized()}))
+base, reference, *exports = sys.argv[1:]
+for export in exports:
+    tok = AutoTokenizer.from_pretrained(export)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), export).eval()
+    ids = tok("2 + 3 =", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    got, ref = load_file(f"{export}/adapter_model.safetensors"), load_file(f"{reference}/adapter_model.safetensors")
+    print(json.dumps({"export": export, "new_tokens": out.shape[1] - ids["input_ids"].shape[1],
+                      "keys_equal": sorted(got) == sorted(ref),
+                      "max_abs_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
+                      "lora_b_norm": sum(v.norm().item() for k, v in got.items() if "lora_B" in k),
+                      "world": torch.distributed.is_initialized()}))
 """
+RELOADED = ("zero3", "fsdp")
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_model_dir):
-    export = runs(name).run_dir / "model"
+@pytest.fixture(scope="module")
+def reloaded(runs, tiny_model_dir) -> dict[str, dict]:
+    """Each of RELOADED's exported adapters loaded on the base model in one fresh plain process (no
+    process group) and compared with the single-process run's: name -> what the process measured."""
+    exports = {str(runs(name).run_dir / "model"): name for name in RELOADED}
     reference = runs("single").run_dir / "model"
     proc = subprocess.run(
-        [sys.executable, "-c", RELOAD, str(tiny_model_dir), str(export), str(reference)],
+        [sys.executable, "-c", RELOAD, str(tiny_model_dir), str(reference), *exports],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"export"')]
+    return {exports[r["export"]]: r for r in results}
+
+
+@pytest.mark.parametrize("name", RELOADED)
+def test_export_reloads_in_a_plain_process_and_matches_single(reloaded, name):
+    result = reloaded[name]
     assert result["new_tokens"] == 4 and result["world"] is False, result
     assert result["keys_equal"], result
     assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)
