@@ -213,69 +213,80 @@ QLORA = {
 }
 
 
+# The one-process launches, in two lanes run side by side: a one-process launch leaves the other core
+# idle while it imports (launcher, then rank), and neither lane can collide with the other: the first's
+# runs have distributed type NO (no port, no process group); the second's run one at a time.
+LANES = (("single", "single_qlora"), tuple(PLAIN))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """strategy -> finished Launch; each strategy launched once per module, on first use."""
+    """strategy -> finished Launch; each strategy launched once per module, on first use (the
+    one-process ones: every launch of LANES then)."""
     done: dict = {}
     base = tmp_path_factory.mktemp("strategies")
 
+    def start(name: str, home: Path | None = None) -> Launch:
+        run_dir = base / name
+        env = {**CPU_ENV, **trace_env(run_dir)}
+        if name in ("single", "single_qlora"):
+            qlora = ["--method.name=qlora"] if name == "single_qlora" else []
+            return launch_train(
+                ["--recipe", "demo", *common_args(tiny_model_dir), *qlora, "--training.gradient_accumulation_steps=2"],
+                run_dir=run_dir,
+                cwd=REPO,
+                config_file="accelerate_configs/single_gpu.yaml",
+                env=trace_env(run_dir),
+                timeout=300,
+            )
+        if name in PLAIN:
+            args = [
+                *common_args(tiny_model_dir),
+                f"--training.max_steps={PLAIN_STEPS}",
+                "--training.gradient_accumulation_steps=2",
+                "--training.save_strategy=no",
+                "--run.save_model=false",
+            ]
+            return plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=home)
+        if name in TORCHRUN:
+            recipe, _, _ = STRATEGIES[name]
+            return torchrun_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env)
+        if name in QLORA:
+            recipe, config = QLORA[name]
+            extra = ["--method.name=qlora"]
+        else:
+            recipe, config, _ = STRATEGIES[name]
+            extra = []
+        return launch_train(
+            ["--recipe", recipe, *common_args(tiny_model_dir), *extra],
+            run_dir=run_dir,
+            cwd=REPO,
+            config_file=config,
+            env=env,
+            timeout=420,
+        )
+
+    def lanes() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        homes = {name: tmp_path_factory.mktemp("hf_home") for name in PLAIN}
+
+        def lane(names):
+            for n in names:
+                if n not in done:
+                    done[n] = start(n, homes.get(n))
+
+        with ThreadPoolExecutor(len(LANES)) as pool:
+            for future in [pool.submit(lane, names) for names in LANES]:
+                future.result()
+
     def get(name: str):
         if name not in done:
-            run_dir = base / name
-            env = {**CPU_ENV, **trace_env(run_dir)}
-            if name in ("single", "single_qlora"):
-                qlora = ["--method.name=qlora"] if name == "single_qlora" else []
-                done[name] = launch_train(
-                    [
-                        "--recipe",
-                        "demo",
-                        *common_args(tiny_model_dir),
-                        *qlora,
-                        "--training.gradient_accumulation_steps=2",
-                    ],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file="accelerate_configs/single_gpu.yaml",
-                    env=trace_env(run_dir),
-                    timeout=300,
-                )
-            elif name in PLAIN:
-                args = [
-                    *common_args(tiny_model_dir),
-                    f"--training.max_steps={PLAIN_STEPS}",
-                    "--training.gradient_accumulation_steps=2",
-                    "--training.save_strategy=no",
-                    "--run.save_model=false",
-                ]
-                done[name] = plain_accelerate_launch(
-                    ["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=tmp_path_factory.mktemp("hf_home")
-                )
-            elif name in TORCHRUN:
-                recipe, _, _ = STRATEGIES[name]
-                done[name] = torchrun_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env
-                )
-            elif name in QLORA:
-                recipe, config = QLORA[name]
-                done[name] = launch_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env=env,
-                    timeout=420,
-                )
+            if any(name in names for names in LANES):
+                lanes()
             else:
-                recipe, config, _ = STRATEGIES[name]
-                done[name] = launch_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir)],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env=env,
-                    timeout=420,
-                )
-            assert done[name].returncode == 0, done[name].explain()
+                done[name] = start(name)
+        assert done[name].returncode == 0, done[name].explain()
         return done[name]
 
     return get
