@@ -3,8 +3,8 @@ then the run directory, run.json and the exported model checked from the outside
 
 Launches are module-scoped and shared: the LoRA run, and one full fine-tuning run (a GPT-2, padding-free,
 with --overwrite over an earlier run's directory) that both the overwrite/export test and the
-counting test read. These and the bad-data run, one process each, are started at once; both exports
-are reloaded in one fresh plain process."""
+counting test read; the two one-process runs are started at once. Both exports are reloaded in one
+fresh plain process."""
 
 from __future__ import annotations
 
@@ -94,10 +94,10 @@ def _build_gpt2(model_dir: Path, tokenizer):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, tiny_model_dir, tokenizer) -> SimpleNamespace:
-    """The module's three runs, started at once: each is one process (distributed type NO: no port, no
+    """The module's two runs, started at once: each is one process (distributed type NO: no port, no
     process group), which on its own leaves the other core idle while it imports. `lora`: the LoRA
     run; `gpt2`: the GPT-2 fully fine-tuned padding-free with --overwrite into the directory of an
-    earlier run; `gpt2_model`: that model as built; `bad`: `finetune train` on a bad data row."""
+    earlier run; `gpt2_model`: that model as built."""
     from concurrent.futures import ThreadPoolExecutor
 
     base = tmp_path_factory.mktemp("e2e")
@@ -128,12 +128,10 @@ def launched(tmp_path_factory, tiny_model_dir, tokenizer) -> SimpleNamespace:
         "--training.logging_steps=2",
         "--overwrite",
     ]
-    (base / "bad").mkdir()
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         lora = pool.submit(launch_train, lora_args, run_dir=base / "runs" / "lora", cwd=base)
         gpt2 = pool.submit(launch_train, gpt2_args, run_dir=gpt2_dir, cwd=base)
-        bad = pool.submit(_bad_data_run, base / "bad", tiny_model_dir)
-        return SimpleNamespace(lora=lora.result(), gpt2=gpt2.result(), gpt2_model=model, bad=bad.result())
+        return SimpleNamespace(lora=lora.result(), gpt2=gpt2.result(), gpt2_model=model)
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +238,13 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(gpt2_run, rel
     assert "NEW_TOKENS 5 " in out and "CLASS GPT2LMHeadModel" in out
 
 
-def _bad_data_run(base: Path, model_dir: Path) -> tuple[subprocess.CompletedProcess, Path]:
-    """`finetune train` on data whose row 121 lacks its output: (the finished command, its run directory)."""
-    data = base / "train.jsonl"
+def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
+    """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
+    is past the first 100, which preflight checks before launching (tests/preflight/test_preflight.py), so
+    it is found by the launched process while reading the data."""
+    data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n' * 120 + '{"instruction": "c"}\n')
-    run_dir = base / "runs" / "bad"
+    run_dir = tmp_path / "runs" / "bad"
     cmd = [
         sys.executable,
         "-m",
@@ -252,19 +252,12 @@ def _bad_data_run(base: Path, model_dir: Path) -> tuple[subprocess.CompletedProc
         "train",
         "--recipe",
         "demo",
-        f"--model.name_or_path={model_dir}",
+        f"--model.name_or_path={tiny_model_dir}",
         f"--data.path={data}",
         "--eval.exact_match=false",
         f"--run.output_dir={run_dir}",
     ]
-    return subprocess.run(cmd, cwd=base, capture_output=True, text=True, timeout=300), run_dir
-
-
-def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(launched):
-    """Through the `finetune train` console entry point (which runs accelerate launch). The bad row
-    is past the first 100, which preflight checks before launching (tests/preflight/test_preflight.py), so
-    it is found by the launched process while reading the data."""
-    proc, run_dir = launched.bad
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "train.jsonl row 121" in proc.stderr and "output" in proc.stderr
     assert "Traceback" not in proc.stderr.split("error:")[-1]
