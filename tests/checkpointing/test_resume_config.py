@@ -6,8 +6,6 @@ The batch layout and where the run is are not configuration changes (resharding 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 import yaml
@@ -15,7 +13,6 @@ import yaml
 from finetune.config.recipe import load_recipe
 from finetune.errors import ConfigError, UserError
 from finetune.launch import rundir
-from tests.conftest import REPO, run_process_group
 
 FIRST = ["--training.max_steps=20", "--eval.exact_match=false", "--training.logging_steps=5"]
 
@@ -166,7 +163,9 @@ def test_allow_config_change_without_resume_is_refused(capsys):
 
 
 @pytest.mark.integration
-def test_a_resume_without_the_first_runs_overrides_continues_that_run(tmp_path, tiny_model_dir, launch):
+def test_a_resume_without_the_first_runs_overrides_continues_that_run(
+    tmp_path, tiny_model_dir, launch, monkeypatch, capsys
+):
     """The issue's case: a run started with overrides (4 steps, no evaluation) and resumed without them
     ran another configuration (the recipe's 80 steps with evaluation). Now it continues to step 4 without
     evaluation; a different max_steps is refused, then applied and recorded with --allow-config-change."""
@@ -191,17 +190,19 @@ def test_a_resume_without_the_first_runs_overrides_continues_that_run(tmp_path, 
     rec = res.record
     assert rec["summary"]["steps"] == 4 and not rec["eval"]  # the run's 4 steps, its evaluation off
     assert rec["resumes"][-1]["config_changes"] == [] and rec["resumes"][-1]["config_from"].endswith("config.yaml")
-    cli = [
-        sys.executable,
-        "-m",
-        "finetune.cli",
-        "train",
-        *again,
-        "--training.max_steps=6",
-        f"--run.output_dir={run_dir}",
-    ]
-    code, _, err = run_process_group(cli, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert code == 2 and "training.max_steps: 4 in the run, 6 given" in err, err[-3000:]  # before any launch
+    # `finetune train` refuses a different max_steps before any launch (in this process: accelerate
+    # launch fails the test if reached)
+    from finetune.cli import dispatch
+    from finetune.launch import accelerate as launcher
+
+    monkeypatch.setattr(launcher, "run_accelerate_launch", lambda args: pytest.fail(f"launched {args}"))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        dispatch.main(["train", *again, "--training.max_steps=6", f"--run.output_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "training.max_steps: 4 in the run, 6 given" in err, err[-3000:]
+    monkeypatch.undo()
     res = launch(
         [*again[:2], f"--resume={run_dir / 'checkpoint-4'}", "--training.max_steps=6", "--allow-config-change"],
         run_dir=run_dir,

@@ -74,6 +74,11 @@ def common_args(model_dir) -> list[str]:
     ]  # and the final export: the shipped default
 
 
+# Launched side by side: the one-process reference (distributed type NO: no port, no process group)
+# leaves a core idle while it imports, and cannot collide with the 2-rank sp launch.
+TOGETHER = ("single", "sp")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
     done: dict = {}
@@ -82,6 +87,18 @@ def runs(tmp_path_factory, tiny_model_dir):
     def get(name: str):
         if name in done:
             return done[name]
+        if name in TOGETHER:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(TOGETHER)) as pool:
+                for future in [pool.submit(launch, n) for n in TOGETHER if n not in done]:
+                    future.result()
+        else:
+            launch(name)
+        assert done[name].returncode == 0, done[name].explain()
+        return done[name]
+
+    def launch(name: str) -> None:
         args, run_dir = ["--recipe", "demo", *common_args(tiny_model_dir)], base / name
         config, env = "accelerate_configs/single_gpu.yaml", {}
         if name in MESHES:
@@ -94,8 +111,6 @@ def runs(tmp_path_factory, tiny_model_dir):
             shutil.copytree(get("sp").run_dir, run_dir)
             shutil.rmtree(run_dir / f"checkpoint-{STEPS}")
         done[name] = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, env=env, timeout=600)
-        assert done[name].returncode == 0, done[name].explain()
-        return done[name]
 
     return get
 

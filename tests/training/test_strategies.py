@@ -213,69 +213,80 @@ QLORA = {
 }
 
 
+# The one-process launches, in two lanes run side by side: a one-process launch leaves the other core
+# idle while it imports (launcher, then rank), and neither lane can collide with the other: the first's
+# runs have distributed type NO (no port, no process group); the second's run one at a time.
+LANES = (("single", "single_qlora"), tuple(PLAIN))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """strategy -> finished Launch; each strategy launched once per module, on first use."""
+    """strategy -> finished Launch; each strategy launched once per module, on first use (the
+    one-process ones: every launch of LANES then)."""
     done: dict = {}
     base = tmp_path_factory.mktemp("strategies")
 
+    def start(name: str, home: Path | None = None) -> Launch:
+        run_dir = base / name
+        env = {**CPU_ENV, **trace_env(run_dir)}
+        if name in ("single", "single_qlora"):
+            qlora = ["--method.name=qlora"] if name == "single_qlora" else []
+            return launch_train(
+                ["--recipe", "demo", *common_args(tiny_model_dir), *qlora, "--training.gradient_accumulation_steps=2"],
+                run_dir=run_dir,
+                cwd=REPO,
+                config_file="accelerate_configs/single_gpu.yaml",
+                env=trace_env(run_dir),
+                timeout=300,
+            )
+        if name in PLAIN:
+            args = [
+                *common_args(tiny_model_dir),
+                f"--training.max_steps={PLAIN_STEPS}",
+                "--training.gradient_accumulation_steps=2",
+                "--training.save_strategy=no",
+                "--run.save_model=false",
+            ]
+            return plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=home)
+        if name in TORCHRUN:
+            recipe, _, _ = STRATEGIES[name]
+            return torchrun_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env)
+        if name in QLORA:
+            recipe, config = QLORA[name]
+            extra = ["--method.name=qlora"]
+        else:
+            recipe, config, _ = STRATEGIES[name]
+            extra = []
+        return launch_train(
+            ["--recipe", recipe, *common_args(tiny_model_dir), *extra],
+            run_dir=run_dir,
+            cwd=REPO,
+            config_file=config,
+            env=env,
+            timeout=420,
+        )
+
+    def lanes() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        homes = {name: tmp_path_factory.mktemp("hf_home") for name in PLAIN}
+
+        def lane(names):
+            for n in names:
+                if n not in done:
+                    done[n] = start(n, homes.get(n))
+
+        with ThreadPoolExecutor(len(LANES)) as pool:
+            for future in [pool.submit(lane, names) for names in LANES]:
+                future.result()
+
     def get(name: str):
         if name not in done:
-            run_dir = base / name
-            env = {**CPU_ENV, **trace_env(run_dir)}
-            if name in ("single", "single_qlora"):
-                qlora = ["--method.name=qlora"] if name == "single_qlora" else []
-                done[name] = launch_train(
-                    [
-                        "--recipe",
-                        "demo",
-                        *common_args(tiny_model_dir),
-                        *qlora,
-                        "--training.gradient_accumulation_steps=2",
-                    ],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file="accelerate_configs/single_gpu.yaml",
-                    env=trace_env(run_dir),
-                    timeout=300,
-                )
-            elif name in PLAIN:
-                args = [
-                    *common_args(tiny_model_dir),
-                    f"--training.max_steps={PLAIN_STEPS}",
-                    "--training.gradient_accumulation_steps=2",
-                    "--training.save_strategy=no",
-                    "--run.save_model=false",
-                ]
-                done[name] = plain_accelerate_launch(
-                    ["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=tmp_path_factory.mktemp("hf_home")
-                )
-            elif name in TORCHRUN:
-                recipe, _, _ = STRATEGIES[name]
-                done[name] = torchrun_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env
-                )
-            elif name in QLORA:
-                recipe, config = QLORA[name]
-                done[name] = launch_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir), "--method.name=qlora"],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env=env,
-                    timeout=420,
-                )
+            if any(name in names for names in LANES):
+                lanes()
             else:
-                recipe, config, _ = STRATEGIES[name]
-                done[name] = launch_train(
-                    ["--recipe", recipe, *common_args(tiny_model_dir)],
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env=env,
-                    timeout=420,
-                )
-            assert done[name].returncode == 0, done[name].explain()
+                done[name] = start(name)
+        assert done[name].returncode == 0, done[name].explain()
         return done[name]
 
     return get
@@ -517,32 +528,43 @@ import json, sys, torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-base, export, reference = sys.argv[1:4]
-tok = AutoTokenizer.from_pretrained(export)
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), export).eval()
-ids = tok("2 + 3 =", return_tensors="pt")
-out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-got, ref = load_file(f"{export}/adapter_model.safetensors"), load_file(f"{reference}/adapter_model.safetensors")
-print(json.dumps({"new_tokens": out.shape[1] - ids["input_ids"].shape[1], "keys_equal": sorted(got) == sorted(ref),
-                  "max_abs_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
-                  "lora_b_norm": sum(v.norm().item() for k, v in got.items() if "lora_B" in k),
-                  "world": torch.distributed.is_initialized()}))
+base, reference, *exports = sys.argv[1:]
+for export in exports:
+    tok = AutoTokenizer.from_pretrained(export)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), export).eval()
+    ids = tok("2 + 3 =", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    got, ref = load_file(f"{export}/adapter_model.safetensors"), load_file(f"{reference}/adapter_model.safetensors")
+    print(json.dumps({"export": export, "new_tokens": out.shape[1] - ids["input_ids"].shape[1],
+                      "keys_equal": sorted(got) == sorted(ref),
+                      "max_abs_diff": max((got[k] - ref[k]).abs().max().item() for k in ref),
+                      "lora_b_norm": sum(v.norm().item() for k, v in got.items() if "lora_B" in k),
+                      "world": torch.distributed.is_initialized()}))
 """
+RELOADED = ("zero3", "fsdp")
 
 
-@pytest.mark.parametrize("name", ["zero3", "fsdp"])
-def test_export_reloads_in_a_plain_process_and_matches_single(runs, name, tiny_model_dir):
-    export = runs(name).run_dir / "model"
+@pytest.fixture(scope="module")
+def reloaded(runs, tiny_model_dir) -> dict[str, dict]:
+    """Each of RELOADED's exported adapters loaded on the base model in one fresh plain process (no
+    process group) and compared with the single-process run's: name -> what the process measured."""
+    exports = {str(runs(name).run_dir / "model"): name for name in RELOADED}
     reference = runs("single").run_dir / "model"
     proc = subprocess.run(
-        [sys.executable, "-c", RELOAD, str(tiny_model_dir), str(export), str(reference)],
+        [sys.executable, "-c", RELOAD, str(tiny_model_dir), str(reference), *exports],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"export"')]
+    return {exports[r["export"]]: r for r in results}
+
+
+@pytest.mark.parametrize("name", RELOADED)
+def test_export_reloads_in_a_plain_process_and_matches_single(reloaded, name):
+    result = reloaded[name]
     assert result["new_tokens"] == 4 and result["world"] is False, result
     assert result["keys_equal"], result
     assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)

@@ -1,5 +1,10 @@
 """End to end: finetune/train.py through `accelerate launch` in a subprocess (tiny model, 3 steps),
-then the run directory, run.json and the exported model checked from the outside."""
+then the run directory, run.json and the exported model checked from the outside.
+
+Launches are module-scoped and shared: the LoRA run, and one full fine-tuning run (a GPT-2, padding-free,
+with --overwrite over an earlier run's directory) that both the overwrite/export test and the
+counting test read; the two one-process runs are started at once. Both exports are reloaded in one
+fresh plain process."""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from tests.conftest import launch_train
 
 REPO = Path(__file__).resolve().parents[2]  # the repository root
 
@@ -38,41 +45,117 @@ def tiny_args(model_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def reload_and_generate(model_dir: Path, adapter: bool) -> str:
-    """Load the exported model in a fresh plain process and generate greedily."""
-    loader = (
-        "from peft import AutoPeftModelForCausalLM as M"
-        if adapter
-        else "from transformers import AutoModelForCausalLM as M"
-    )
-    code = f"""
-{loader}
-from transformers import AutoTokenizer
-tok = AutoTokenizer.from_pretrained({str(model_dir)!r})
-model = M.from_pretrained({str(model_dir)!r})
-ids = tok.apply_chat_template([{{"role": "user", "content": "What is 2 + 3?"}}], add_generation_prompt=True,
-                              return_tensors="pt", return_dict=True)
-out = model.generate(**ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
-print("NEW_TOKENS", out.shape[1] - ids["input_ids"].shape[1])
-print("CLASS", type(model).__name__)
+RELOAD = """
+import sys
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+for model_dir, adapter in zip(sys.argv[1::2], sys.argv[2::2]):
+    M = AutoPeftModelForCausalLM if adapter == "adapter" else AutoModelForCausalLM
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = M.from_pretrained(model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    print(model_dir, "NEW_TOKENS", out.shape[1] - ids["input_ids"].shape[1], "CLASS", type(model).__name__)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def reload_and_generate(exports: dict[Path, bool]) -> dict[Path, str]:
+    """Load each exported model (dir -> is a LoRA adapter) in one fresh plain process and generate
+    greedily; dir -> what it printed."""
+    argv = [x for d, adapter in exports.items() for x in (str(d), "adapter" if adapter else "full")]
+    proc = subprocess.run([sys.executable, "-c", RELOAD, *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    lines = {line.split(" NEW_TOKENS ")[0]: line for line in proc.stdout.splitlines() if " NEW_TOKENS " in line}
+    return {d: lines[str(d)] for d in exports}
 
 
-def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, tiny_model_dir, launch):
-    run_dir = tmp_path / "runs" / "lora"
-    res = launch(
-        tiny_args(
-            tiny_model_dir,
-            "--training.lr_scaling=linear",
-            "--training.lr_reference_batch_size=2",
-            "--training.learning_rate=1e-3",
-        ),
-        run_dir=run_dir,
-        cwd=tmp_path,
+def _build_gpt2(model_dir: Path, tokenizer):
+    """A tiny random GPT-2 (Conv1D, n_head/n_embd) saved with the tokenizer; returns the model as built."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=512,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     )
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model_dir, tokenizer) -> SimpleNamespace:
+    """The module's two runs, started at once: each is one process (distributed type NO: no port, no
+    process group), which on its own leaves the other core idle while it imports. `lora`: the LoRA
+    run; `gpt2`: the GPT-2 fully fine-tuned padding-free with --overwrite into the directory of an
+    earlier run; `gpt2_model`: that model as built."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = tmp_path_factory.mktemp("e2e")
+    model = _build_gpt2(base / "tiny-gpt2", tokenizer)
+    gpt2_dir = base / "runs" / "gpt2"
+    (gpt2_dir / "checkpoint-99").mkdir(parents=True)  # an earlier run of this directory (finetune's marker)
+    (gpt2_dir / "checkpoint-99" / "trainer_state.json").write_text("{}")
+    (gpt2_dir / ".finetune-run").touch()
+    (gpt2_dir / "run.json").write_text('{"run_name": "earlier"}')
+    lora_args = tiny_args(
+        tiny_model_dir,
+        "--training.lr_scaling=linear",
+        "--training.lr_reference_batch_size=2",
+        "--training.learning_rate=1e-3",
+    )
+    gpt2_args = [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={base / 'tiny-gpt2'}",
+        "--method.name=full",
+        "--data.padding_free=true",
+        "--data.train_on_prompt=true",
+        "--data.demo_train_size=12",
+        "--eval.exact_match=false",
+        "--training.max_steps=-1",
+        "--training.num_train_epochs=1",
+        "--training.per_device_train_batch_size=4",
+        "--training.logging_steps=2",
+        "--overwrite",
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        lora = pool.submit(launch_train, lora_args, run_dir=base / "runs" / "lora", cwd=base)
+        gpt2 = pool.submit(launch_train, gpt2_args, run_dir=gpt2_dir, cwd=base)
+        return SimpleNamespace(lora=lora.result(), gpt2=gpt2.result(), gpt2_model=model)
+
+
+@pytest.fixture(scope="module")
+def lora_run(launched):
+    return launched.lora
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(launched):
+    """(the GPT-2 launch, the model as built)."""
+    return launched.gpt2, launched.gpt2_model
+
+
+@pytest.fixture(scope="module")
+def reloaded(lora_run, gpt2_run) -> dict[Path, str]:
+    """Both exports reloaded in one fresh plain process: export dir -> what it printed."""
+    assert lora_run.returncode == 0, lora_run.explain()
+    assert gpt2_run[0].returncode == 0, gpt2_run[0].explain()
+    return reload_and_generate({lora_run.run_dir / "model": True, gpt2_run[0].run_dir / "model": False})
+
+
+def test_lora_run_writes_run_directory_record_and_reloadable_adapter(lora_run, tiny_model_dir, reloaded):
+    res = lora_run
+    run_dir = res.run_dir
     assert res.returncode == 0, res.explain()
     rec = res.record
 
@@ -135,21 +218,13 @@ def test_lora_run_writes_run_directory_record_and_reloadable_adapter(tmp_path, t
     assert "precision 32-true from auto (fp32 params, fp32 states, fp32 compute)" in " ".join(res.stdout.split())
     assert rec["precision"]["policy"] == "32-true" and rec["precision"]["observed_compute_dtype"] == "float32"
 
-    out = reload_and_generate(run_dir / "model", adapter=True)
-    assert "NEW_TOKENS 5" in out and "PeftModel" in out
+    out = reloaded[run_dir / "model"]
+    assert "NEW_TOKENS 5 " in out and "PeftModel" in out
 
 
-def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tiny_model_dir, launch):
-    run_dir = tmp_path / "runs" / "full"
-    (run_dir / "checkpoint-99").mkdir(parents=True)  # an earlier run of this directory (finetune's marker)
-    (run_dir / "checkpoint-99" / "trainer_state.json").write_text("{}")
-    (run_dir / ".finetune-run").touch()
-    (run_dir / "run.json").write_text('{"run_name": "earlier"}')
-    res = launch(
-        tiny_args(tiny_model_dir, "--method.name=full", "--eval.exact_match=false", "--overwrite"),
-        run_dir=run_dir,
-        cwd=tmp_path,
-    )
+def test_full_finetune_with_overwrite_exports_a_model_that_reloads(gpt2_run, reloaded):
+    res, model = gpt2_run
+    run_dir = res.run_dir
     assert res.returncode == 0, res.explain()
     assert not (run_dir / "checkpoint-99").exists()  # --overwrite replaced the earlier run's files
     rec = res.record
@@ -159,8 +234,8 @@ def test_full_finetune_with_overwrite_exports_a_model_that_reloads(tmp_path, tin
     )
     assert rec["parameters"]["trainable"] == rec["parameters"]["total"]
     assert (run_dir / "model" / "model.safetensors").is_file()
-    out = reload_and_generate(run_dir / "model", adapter=False)
-    assert "NEW_TOKENS 5" in out and "LlamaForCausalLM" in out
+    out = reloaded[run_dir / "model"]
+    assert "NEW_TOKENS 5 " in out and "CLASS GPT2LMHeadModel" in out
 
 
 def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, tiny_model_dir):
@@ -191,51 +266,16 @@ def test_bad_data_row_fails_the_run_with_file_and_row_in_the_record(tmp_path, ti
     assert "row 121" in rec["summary"]["error"]
 
 
-def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(tmp_path, tokenizer, launch):
+def test_gpt2_padding_free_full_run_counts_examples_and_flops_of_the_live_model(gpt2_run, tokenizer):
     """Issue 15 items 1, 2, 8, 10, 13 in one launch. A GPT-2 (Conv1D, n_head/n_embd: the old FLOPs
     arithmetic crashed after training and the run was recorded `failed`), padding-free batches
     (one row per batch: examples were counted as rows), first labels trained (train_on_prompt:
     label 0 of a row is never scored), one epoch over 12 examples in 3 steps of 4, logged at step
     2 (step 3 is the tail entry). Expected values from the tokenized examples and the model."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from finetune.data.build import build_datasets
 
-    torch.manual_seed(0)
-    model_dir = tmp_path / "tiny-gpt2"
-    model = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=len(tokenizer),
-            n_positions=512,
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    run_dir = tmp_path / "runs" / "gpt2"
-    res = launch(
-        [
-            "--recipe",
-            "demo",
-            f"--model.name_or_path={model_dir}",
-            "--method.name=full",
-            "--data.padding_free=true",
-            "--data.train_on_prompt=true",
-            "--data.demo_train_size=12",
-            "--eval.exact_match=false",
-            "--training.max_steps=-1",
-            "--training.num_train_epochs=1",
-            "--training.per_device_train_batch_size=4",
-            "--training.logging_steps=2",
-        ],
-        run_dir=run_dir,
-        cwd=tmp_path,
-    )
+    res, model = gpt2_run
+    run_dir = res.run_dir
     assert res.returncode == 0, res.explain()
     rec = res.record
     assert rec["summary"]["status"] == "completed" and rec["summary"]["steps"] == 3, rec["summary"]
