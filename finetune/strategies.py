@@ -1,8 +1,7 @@
-"""The strategy table: every distributed strategy variant this project knows, one row each, so that
-adding one is a new row here plus its shipped files. A row ties its names (planner key,
-run.strategy/run.offload), its shipped files, the planner's flags and its recommendation order
-together, and is the one source of both ways of launching it: the shipped accelerate config
-(`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
+"""The strategy table: every distributed strategy variant this project knows, one row each, so that adding one is a new
+row here plus its shipped files. A row ties its names (planner key, run.strategy/run.offload), its shipped files, the
+planner's flags and its recommendation order together, and is the one source of both ways of launching it: the shipped
+accelerate config (`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
 tests/test_strategies_table.py holds the shipped files to the rows.
 """
 
@@ -270,10 +269,9 @@ def by_recipe(name: str, offload: str) -> Strategy | None:
 
 
 def trainer_arguments(row: Strategy, root: Path) -> dict:
-    """What the script passes to TrainingArguments to engage `row` itself, when no launcher config
-    set a strategy up (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate
-    config names (absolute: `root` is the resources root), or the row's FSDP settings. DDP and a
-    single device need nothing beyond the processes."""
+    """What the script passes to TrainingArguments to engage `row` itself, when no launcher config set a strategy up
+    (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate config names (absolute: `root` is
+    the resources root), or the row's FSDP settings. DDP and a single device need nothing beyond the processes."""
     if row.zero_stage is not None:
         return {"deepspeed": str(root / row.deepspeed_config)}
     if row.fsdp is not None:

@@ -1,7 +1,6 @@
-"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with
-every file's size and checksum), the choice of the checkpoint to resume from (checksums verified), and
-rotation (sizes only, after the new checkpoint is complete): docs/faults.md "Torn or corrupt
-checkpoints".
+"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with every file's size
+and checksum), the choice of the checkpoint to resume from (checksums verified), and rotation (sizes only, after the new
+checkpoint is complete): docs/faults.md "Torn or corrupt checkpoints".
 """
 
 from __future__ import annotations

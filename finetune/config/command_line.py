@@ -1,6 +1,5 @@
-"""The command-line options every entry point shares: the flag style, `--recipe`, the run options of
-`train`, and the launch script's own parser. Read by the `finetune` command, the launch script,
-preflight and the benchmarks.
+"""The command-line options every entry point shares: the flag style, `--recipe`, the run options of `train`, and the
+launch script's own parser. Read by the `finetune` command, the launch script, preflight and the benchmarks.
 
 Flag style: words joined by hyphens (`--gpu-memory`, `--config-file`); every such flag also answers
 to its underscore spelling (`--config_file`, as `accelerate launch` spells it), kept out of the help.

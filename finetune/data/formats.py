@@ -1,8 +1,7 @@
 """The data formats, told apart by the first row's keys, and per-format row validation.
 
-Validators turn a row into a conversation ({role, content} messages) or a (prompt, answer)
-pair and reject wrong types instead of coercing them; a problem is a `BadRow` the caller
-names with file and row.
+Validators turn a row into a conversation ({role, content} messages) or a (prompt, answer) pair and reject wrong types
+instead of coercing them; a problem is a `BadRow` the caller names with file and row.
 """
 
 from __future__ import annotations

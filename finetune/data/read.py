@@ -364,9 +364,8 @@ def _whole(path: str, max_rows: int, split: str) -> tuple[list[tuple[int, Any]],
 def read_rows(path: str, *, split: str = "train") -> list[dict]:
     """Local .json (array of objects, or JSON lines), .jsonl, .parquet, .csv -> list of dict rows.
 
-    Anything else that is not an existing path is loaded with
-    ``datasets.load_dataset(path, split=split)``. Any unreadable row raises ``DataError``
-    naming the file and row; ``build_datasets`` can skip such rows instead.
+    Anything else that is not an existing path is loaded with ``datasets.load_dataset(path, split=split)``. Any
+    unreadable row raises ``DataError`` naming the file and row; ``build_datasets`` can skip such rows instead.
     """
     rows = []
     for number, row in read_numbered(path, split=split):

@@ -1,8 +1,7 @@
-"""What a launch sets up, read into a DeclaredLaunch from one of three sources: the accelerate config
-(and the DeepSpeed JSON it names) before `finetune train` launches (`from_config_file`), the
-environment `accelerate launch` exported to a process (`from_environment`), or the recipe's
-strategy row the script engages itself (`from_recipe`). Problems met while reading are collected,
-not raised, so preflight reports them with the rest (docs/preflight.md).
+"""What a launch sets up, read into a DeclaredLaunch from one of three sources: the accelerate config (and the DeepSpeed
+JSON it names) before `finetune train` launches (`from_config_file`), the environment `accelerate launch` exported to a
+process (`from_environment`), or the recipe's strategy row the script engages itself (`from_recipe`). Problems met while
+reading are collected, not raised, so preflight reports them with the rest (docs/preflight.md).
 """
 
 from __future__ import annotations

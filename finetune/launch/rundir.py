@@ -9,9 +9,8 @@ and written by one run at a time (finetune/launch/run_lock.py: rank 0 locks it b
     runs/<name>/checkpoint-*/   Trainer checkpoints, when training.save_strategy asks for them
     runs/<name>/.finetune-run   the marker: finetune made this directory (MARKER)
 
-Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a
-folder finetune did not make (the user's project, `.`, `~`, a folder holding runs) is refused,
-nothing in it touched.
+Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a folder finetune did not
+make (the user's project, `.`, `~`, a folder holding runs) is refused, nothing in it touched.
 """
 
 from __future__ import annotations

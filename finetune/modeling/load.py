@@ -276,10 +276,9 @@ def _load_problem(what: str, path: str, err: Exception) -> str:
 
 @contextlib.contextmanager
 def full_parameters(model):
-    """Inside: every parameter of a ZeRO-3-partitioned, not yet wrapped model is whole (the exact-match
-    evaluation before training). Gathered read-only (modifier_rank=None) on every rank: the full
-    model's memory on each rank for a moment. A no-op for other strategies, which shard only when
-    Trainer wraps the model."""
+    """Inside: every parameter of a ZeRO-3-partitioned, not yet wrapped model is whole (the exact-match evaluation
+    before training). Gathered read-only (modifier_rank=None) on every rank: the full model's memory on each rank for a
+    moment. A no-op for other strategies, which shard only when Trainer wraps the model."""
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not partitioned:
         yield model

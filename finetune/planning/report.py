@@ -336,9 +336,8 @@ def run(args, overrides: list[str]) -> int:
 # which assumes the communication hides behind the compute; where it takes longer than the compute,
 # the strategy with the least estimated time wins instead (docs/planning.md "Recommendation").
 
-# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100
-# SXM's dense bf16 peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py
-# PEAK_DENSE_FLOPS has the same row).
+# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100 SXM's dense bf16
+# peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py PEAK_DENSE_FLOPS has the same row).
 PEAK_FLOPS = 989.4e12
 # ASSUMED: the model FLOPs utilisation of a tuned fine-tuning step (the target of docs/benchmarks.md;
 # not measured here). Only decides whether communication dominates; a lower MFU makes that rarer.

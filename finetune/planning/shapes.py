@@ -1,8 +1,7 @@
-"""The planner's inputs: the model's shape (from its transformers config, no weights) and the
-workload (from the recipe: method, batch, sequence, layout, precision policy, loss, checkpointing).
-finetune/planning/memory.py turns them into bytes. Parameter counts come from config arithmetic, and
-model-state bytes as the ZeRO paper counts them (Rajbhandari et al. 2020, §3); DeepSpeed's own
-estimators differ deliberately and are called where needed (docs/planning.md)."""
+"""The planner's inputs: the model's shape (from its transformers config, no weights) and the workload (from the recipe:
+method, batch, sequence, layout, precision policy, loss, checkpointing). finetune/planning/memory.py turns them into
+bytes. Parameter counts come from config arithmetic, and model-state bytes as the ZeRO paper counts them (Rajbhandari et
+al. 2020, §3); DeepSpeed's own estimators differ deliberately and are called where needed (docs/planning.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The model's own files, read before any weights load: is it a causal LM, are its weight files
-whole, and would loading it run anything (the folder's own Python code without
-model.trust_remote_code, a pickle that names code)? And, once the tokenizer and the data exist, does
-the model's embedding cover every token id the run will feed it?
+"""The model's own files, read before any weights load: is it a causal LM, are its weight files whole, and would loading
+it run anything (the folder's own Python code without model.trust_remote_code, a pickle that names code)? And, once the
+tokenizer and the data exist, does the model's embedding cover every token id the run will feed it?
 
     model_problems(cfg)                          # preflight: config.json and the weight files' headers
     check_vocabulary(model_cfg, tokenizer, bundle)   # the data phase, before the model loads

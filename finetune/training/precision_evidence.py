@@ -1,8 +1,7 @@
-"""The precision a run trains in, read from the live objects before step 1 (run.json `precision`,
-docs/precision.md): the declared section, the live one (`live_section`), the bf16-true rule, and the
-Linear whose first forward shows the compute dtype. finetune/training/hooks.py reads them at
-on_train_begin (DeepSpeed steps inside backward) and checks them against the policy
-(finetune/precision.py mismatches).
+"""The precision a run trains in, read from the live objects before step 1 (run.json `precision`, docs/precision.md):
+the declared section, the live one (`live_section`), the bf16-true rule, and the Linear whose first forward shows the
+compute dtype. finetune/training/hooks.py reads them at on_train_begin (DeepSpeed steps inside backward) and checks them
+against the policy (finetune/precision.py mismatches).
 """
 
 from __future__ import annotations
@@ -256,11 +255,10 @@ def live_section(
 
 
 def first_observable_linear(model):
-    """The first Linear with a trainable weight, whose output dtype in step 1's first forward is the
-    compute dtype (not a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype).
-    GPT-2's Conv1D counts as one, and so do DeepSpeed AutoTP's split linears; an output head whose
-    forward is the chunked loss does not (it returns the loss sum and count, finetune/modeling/loss.py).
-    None: nothing to observe."""
+    """The first Linear with a trainable weight, whose output dtype in step 1's first forward is the compute dtype (not
+    a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D counts as one, and so
+    do DeepSpeed AutoTP's split linears; an output head whose forward is the chunked loss does not (it returns the loss
+    sum and count, finetune/modeling/loss.py). None: nothing to observe."""
 
     def observable(m) -> bool:
         # transformers.pytorch_utils Conv1D; deepspeed/module_inject/layers.py LinearLayer, LinearAllreduce

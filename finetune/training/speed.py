@@ -1,7 +1,6 @@
-"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's
-`speed` section. Packing and padding-free are allowed only with attention implementations whose
-handling of position_ids was read to keep examples apart (sdpa, eager; FlashAttention with one row
-per batch), never with remote model code (docs/speed.md).
+"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's `speed` section.
+Packing and padding-free are allowed only with attention implementations whose handling of position_ids was read to keep
+examples apart (sdpa, eager; FlashAttention with one row per batch), never with remote model code (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -73,11 +72,10 @@ def check_liger(key: str = "training.use_liger_kernel", instead: str = "set use_
 
 
 def trainer_overrides(targs: dict) -> dict:
-    """TrainingArguments values the speed options imply. With use_liger_kernel, Trainer applies
-    Liger's patches to the model after we load it; its fused linear cross-entropy would replace the
-    causal LM's forward, and with it the loss of training.loss_impl (and read the head's weight
-    directly, a shard under ZeRO-3). Liger's fused loss is ours to install (loss_impl: liger), so
-    Trainer's patch keeps only the layer kernels (RMSNorm, RoPE, SwiGLU)."""
+    """TrainingArguments values the speed options imply. With use_liger_kernel, Trainer applies Liger's patches to the
+    model after we load it; its fused linear cross-entropy would replace the causal LM's forward, and with it the loss
+    of training.loss_impl (and read the head's weight directly, a shard under ZeRO-3). Liger's fused loss is ours to
+    install (loss_impl: liger), so Trainer's patch keeps only the layer kernels (RMSNorm, RoPE, SwiGLU)."""
     if targs.get("use_liger_kernel"):
         config = dict(targs.get("liger_kernel_config") or {})
         config["fused_linear_cross_entropy"] = False
@@ -185,8 +183,7 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
 
 
 def _live_find_unused(trainer, decided: dict) -> bool | None:
-    """DistributedDataParallelKwargs as Trainer built them (what Accelerate gives DDP), checked
-    against the decision."""
+    """DistributedDataParallelKwargs as Trainer built them (what Accelerate gives DDP), checked against the decision."""
     handler = getattr(trainer.accelerator, "ddp_handler", None)
     live = handler.find_unused_parameters if handler is not None and decided["decided_by"] else None
     if live != decided["find_unused_parameters"]:
