@@ -7,7 +7,7 @@ tests/test_strategies_table.py holds the shipped files to the rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Accelerate DistributedType values (accelerate/utils/dataclasses.py DistributedType).
@@ -39,30 +39,16 @@ class FsdpSettings:
     activation_checkpointing: bool = False  # training.gradient_checkpointing instead
 
     def accelerate_config(self) -> dict:
-        """The `fsdp_config` section of an accelerate config YAML (accelerate's names)."""
-        return {
-            "fsdp_version": self.version,
-            "fsdp_auto_wrap_policy": self.auto_wrap_policy,
-            "fsdp_state_dict_type": self.state_dict_type,
-            "fsdp_offload_params": self.offload_params,
-            "fsdp_reshard_after_forward": self.reshard_after_forward,
-            "fsdp_cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-            "fsdp_activation_checkpointing": self.activation_checkpointing,
-        }
+        """The `fsdp_config` section of an accelerate config YAML (accelerate's names: the fields, `fsdp_` first)."""
+        return {f"fsdp_{k}": v for k, v in asdict(self).items()}
 
     def trainer_config(self) -> dict:
         """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
         the `fsdp_` prefix, except offload, which is `cpu_offload` there (`offload_params` would be
         ignored without a word, as any unknown key is)."""
-        return {
-            "version": self.version,
-            "auto_wrap_policy": self.auto_wrap_policy,
-            "state_dict_type": self.state_dict_type,
-            "cpu_offload": self.offload_params,
-            "reshard_after_forward": self.reshard_after_forward,
-            "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-            "activation_checkpointing": self.activation_checkpointing,
-        }
+        out = asdict(self)
+        out["cpu_offload"] = out.pop("offload_params")
+        return out
 
 
 @dataclass(frozen=True)

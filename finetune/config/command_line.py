@@ -112,13 +112,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def train_parser(prog: str = "finetune/train.py") -> argparse.ArgumentParser:
-    p = Parser(prog=prog, description="Fine-tune a causal LM from a recipe.", epilog=TRAIN_EPILOG)
+def parse_train_args(argv: list[str] | None = None):
+    """(known args, override strings); overrides are validated with the recipe."""
+    p = Parser(prog="finetune/train.py", description="Fine-tune a causal LM from a recipe.", epilog=TRAIN_EPILOG)
     add_recipe(p)
     add_run_options(p)
-    return p
-
-
-def parse_train_args(argv: list[str] | None = None, prog: str = "finetune/train.py"):
-    """(known args, override strings); overrides are validated with the recipe."""
-    return train_parser(prog).parse_known_args(argv)
+    return p.parse_known_args(argv)

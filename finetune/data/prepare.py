@@ -41,10 +41,6 @@ _MIN_ROWS_PER_PROCESS = 10_000  # below this, starting a process costs more than
 KINDS = {"example": 0, "bad": 1, "dropped": 2}  # a prepared row: an example, a bad row, no trained token
 
 
-def default_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
-
-
 def _tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     parts = {
@@ -91,7 +87,8 @@ def load(data_cfg, tokenizer, seed: int, build, interrupt=None):
     import datasets
 
     source = None if read.is_local(data_cfg.path) else read.hub_dataset(data_cfg.path, data_cfg.split)
-    root = Path(getattr(data_cfg, "cache_dir", None) or default_dir()).expanduser()
+    default = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
+    root = Path(getattr(data_cfg, "cache_dir", None) or default).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(data_cfg, tokenizer, data_cfg.path, seed, source)
     entry, failed = root / key, root / f".failed-{key}-{os.getppid()}"

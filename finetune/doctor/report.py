@@ -105,13 +105,6 @@ def _table(headers, rows, indent="  ") -> list[str]:
     return out + [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _line_text(line: Line, width: int) -> list[str]:
-    out = [f"  {line.status:8} {line.name.ljust(width)}  {line.detail}"]
-    if line.fix:
-        out.append(f"  {'':8} {''.ljust(width)}  fix: {line.fix}")
-    return out
-
-
 def console(report: dict, all_lines: list[Line]) -> str:
     width = max((len(line.name) for line in all_lines), default=10)
     out = [f"finetune doctor ({report['mode']}): {report['machine']}", ""]
@@ -130,7 +123,9 @@ def console(report: dict, all_lines: list[Line]) -> str:
         else:
             out.append(TITLES[section])
         for line in chosen:
-            out += _line_text(line, width)
+            out.append(f"  {line.status:8} {line.name.ljust(width)}  {line.detail}")
+            if line.fix:
+                out.append(f"  {'':8} {''.ljust(width)}  fix: {line.fix}")
         out.append("")
     out.append(verdict(report))
     return "\n".join(out)

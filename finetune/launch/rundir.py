@@ -132,10 +132,6 @@ def prepare_run_dir(
                 entry.unlink()
         if kept:
             print(f"kept in {path} (not written by finetune): {', '.join(sorted(kept))}", flush=True)
-    _mark(path)
-
-
-def _mark(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER).touch()  # empty: it takes no space on a disk that is full
 

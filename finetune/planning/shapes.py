@@ -203,10 +203,6 @@ def shape_of(config) -> Shape:
     )
 
 
-LAYOUTS = ("padded", "packed", "padding_free")
-LOSS_IMPLS = ("standard", "chunked", "liger")
-
-
 @dataclass
 class Workload:
     """The recipe's side of the arithmetic. Tokens per micro-batch T = micro_batch x seq_len."""

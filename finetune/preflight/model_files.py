@@ -35,7 +35,7 @@ def model_problems(cfg) -> list[str]:
     """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
-    from finetune.modeling.load import code_problem
+    from finetune.modeling.load import code_problem, json_object
 
     model = cfg.model
     tokenizer = model.tokenizer_name_or_path
@@ -48,7 +48,7 @@ def model_problems(cfg) -> list[str]:
         from finetune.modeling import bundled
 
         folder = bundled.model_dir() if bundled.is_prepared() else None
-        values = _config_values(folder) if folder else None
+        values = (json_object(folder / "config.json") or None) if folder else None
         return problems + [p for p in [positions_problem(cfg, values, "the bundled model")] if p]
     folder = local_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
@@ -65,14 +65,6 @@ def model_problems(cfg) -> list[str]:
     found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
     found.append(weights_problem(folder))
     return problems + [f"model.name_or_path: {p}" for p in found if p]
-
-
-def _config_values(folder: Path) -> dict | None:
-    try:
-        values = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return values if isinstance(values, dict) else None
 
 
 def positions_problem(cfg, values: dict | None, source: str) -> str | None:

@@ -29,10 +29,6 @@ def optimizer_state_dtype(optimizer, param_dtype):
     return None
 
 
-def _is_deepspeed(wrapped) -> bool:
-    return any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__)
-
-
 def _deepspeed(eng) -> dict:
     zopt, basic = eng.optimizer, eng.basic_optimizer
     trainable = next((p for p in eng.module.parameters() if p.requires_grad), None)
@@ -132,7 +128,10 @@ def _torch(trainer) -> dict:
 def read_live(trainer) -> dict:
     """The live `precision` fields (dtype names) of a Trainer whose model is wrapped and whose
     optimizer exists (on_train_begin)."""
-    out = _deepspeed(trainer.model_wrapped) if _is_deepspeed(trainer.model_wrapped) else _torch(trainer)
+    wrapped = trainer.model_wrapped
+    out = (
+        _deepspeed(wrapped) if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__) else _torch(trainer)
+    )
     out["master_weights"] = out["param_dtype"] == torch.float32 and out["compute_dtype"] in (
         torch.bfloat16,
         torch.float16,
