@@ -147,9 +147,7 @@ class Shape:
         ]
         saved = self.layer_linear_params - sum(i * o for _, i, o in linears)  # per layer, on other ranks
         params = replace(
-            self.params,
-            per_layer=self.params.per_layer - saved,
-            total=self.params.total - self.layers * saved,
+            self.params, per_layer=self.params.per_layer - saved, total=self.params.total - self.layers * saved
         )
         return replace(
             self,
