@@ -189,11 +189,7 @@ def plan_notes(cfg, w: Workload, policy, shape: Shape, dp: int, overrides: list[
     return {
         "workload": workload_note(cfg, w, overrides),
         "precision": f"{policy.name}{how}: {policy.summary}",
-        "micro_batch": w.micro_batch,
-        "seq_len": w.seq_len,
-        "gradient_checkpointing": w.gradient_checkpointing,
-        "grad_accum": w.grad_accum,
-        "layout": w.layout,
+        **{k: getattr(w, k) for k in ("micro_batch", "seq_len", "gradient_checkpointing", "grad_accum", "layout")},
         "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": dp},
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
