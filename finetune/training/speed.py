@@ -118,33 +118,24 @@ def ddp_unused_parameters(cfg, launch, model, input_ids: list[int], device) -> d
     where every trainable parameter gets a gradient in one probe forward (`unused_trainable`), True
     where one does not or for a mixture of experts; the recipe's own value wins. None: not DDP."""
     if not (launch.distributed_type.startswith("MULTI_") and launch.world_size > 1):
-        return {"find_unused_parameters": None, "decided_by": None, "unused_trainable": None, "reason": "not DDP"}
+        return _decision(None, None, "not DDP")
     given = cfg.training.typed.ddp_find_unused_parameters
     if given is not None:
-        return {
-            "find_unused_parameters": bool(given),
-            "decided_by": "recipe",
-            "unused_trainable": None,
-            "reason": "training.ddp_find_unused_parameters",
-        }
+        return _decision(bool(given), "recipe", "training.ddp_find_unused_parameters")
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     experts = next((k for k in _EXPERT_KEYS if (getattr(text, k, None) or 0) > 1), None)
     if experts:
-        return {
-            "find_unused_parameters": True,
-            "decided_by": "model config",
-            "unused_trainable": None,
-            "reason": f"config.{experts}={getattr(text, experts)}: the router decides per batch which experts train",
-        }
+        why = f"config.{experts}={getattr(text, experts)}: the router decides per batch which experts train"
+        return _decision(True, "model config", why)
     if not getattr(model, "is_loaded_in_4bit", False):  # a 4-bit base is placed by its loader already
         model.to(device)  # where Trainer puts it for DDP anyway: the probe runs at the device's speed
     unused = unused_trainable(model, input_ids)
-    return {
-        "find_unused_parameters": bool(unused),
-        "decided_by": "probe",
-        "unused_trainable": unused[:20],
-        "reason": f"{len(unused)} trainable parameter(s) get no gradient" if unused else None,
-    }
+    why = f"{len(unused)} trainable parameter(s) get no gradient" if unused else None
+    return _decision(bool(unused), "probe", why, unused[:20])
+
+
+def _decision(find: bool | None, decided_by: str | None, reason: str | None, unused: list | None = None) -> dict:
+    return {"find_unused_parameters": find, "decided_by": decided_by, "unused_trainable": unused, "reason": reason}
 
 
 def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, ddp_record: dict) -> dict:
