@@ -244,16 +244,12 @@ def _run_in_process(spec: dict) -> dict:
 
 
 def environment() -> dict:
-    import importlib.metadata as md
-
     import torch
 
-    versions = {}
-    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets", "liger-kernel"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
+    from finetune.telemetry.record import installed_version
+
+    packages = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets", "liger-kernel")
+    versions = {pkg: installed_version(pkg) for pkg in packages}
     device = (
         torch.cuda.get_device_name(0)
         if torch.cuda.is_available()

@@ -132,13 +132,15 @@ PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsand
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {"python": platform.python_version(), **{name: installed_version(name) for name in PACKAGES}}
+
+
+def installed_version(name: str) -> str | None:
+    """The installed distribution's version; None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def hardware() -> dict:

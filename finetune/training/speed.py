@@ -142,14 +142,10 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
     """run.json `speed`, from the live objects: the collator's layout, the installed loss, torch's
     SDPA flags after the policy was applied, Trainer's compile and Liger settings, the DDP wrapper's
     find_unused_parameters as Accelerate will pass it (`ddp_record`: how it was decided)."""
-    import importlib.metadata as md
+    from finetune.telemetry.record import installed_version
 
     d, args = cfg.data, trainer.args
     name = "packing" if d.packing else "padding_free" if d.padding_free else "padded"
-    try:
-        liger_version = md.version("liger-kernel")
-    except md.PackageNotFoundError:
-        liger_version = None
     return {
         "layout": {
             "name": name,
@@ -167,7 +163,7 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
         "liger": {
             "layer_kernels": bool(args.use_liger_kernel),
             "fused_linear_cross_entropy": loss_record["resolved"] == "liger",
-            "version": liger_version,
+            "version": installed_version("liger-kernel"),
         },
         "ddp": ddp_record | {"find_unused_parameters": _live_find_unused(trainer, ddp_record)},
     }
