@@ -30,9 +30,6 @@ class Line:
         if self.status == PROBLEM and not self.fix:
             raise ValueError(f"problem line {self.name!r} has no fix")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def ok(section: str, name: str, detail: str, /, **data) -> Line:
     return Line(section, name, OK, detail, data=data)
@@ -160,8 +157,8 @@ def build(
         "ok": counts[PROBLEM] == 0,
         "counts": counts,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
-        "lines": [line.to_dict() for line in all_lines],
-        "problems": [line.to_dict() for line in all_lines if line.status == PROBLEM],
+        "lines": [asdict(line) for line in all_lines],
+        "problems": [asdict(line) for line in all_lines if line.status == PROBLEM],
         "links": links,
         "strategies": strategies,
     }
