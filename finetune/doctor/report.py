@@ -43,10 +43,6 @@ def skipped(section: str, name: str, why: str, /, **data) -> Line:
     return Line(section, name, SKIPPED, why, data=data)
 
 
-def problems(lines: list[Line]) -> list[Line]:
-    return [line for line in lines if line.status == PROBLEM]
-
-
 SCHEMA = 1
 SECTIONS = ("environment", "links", "strategies")
 TITLES = {"environment": "Environment", "links": "Links", "strategies": "Strategies"}

