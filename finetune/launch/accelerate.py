@@ -119,11 +119,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
         if type(e).__name__ == "SignalException":  # the launcher itself was signalled (no relay: bench-comm);
             # torchrun told the ranks to stop
-            print(
-                f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})")
             return EXIT_PREEMPTED
         if type(e).__name__ != "ChildFailedError":
             raise
@@ -154,7 +150,7 @@ def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
         peers.read_progress() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
     )
     for rank, why in sorted(stalled.items()):
-        print(f"finetune: rank {rank} {why}", file=sys.stderr, flush=True)
+        _say(f"rank {rank} {why}")
     ordered = sorted(failures.items(), key=lambda kv: (kv[0] not in stalled, kv[1].timestamp))
     for i, (rank, f) in enumerate(ordered):
         how = (
@@ -168,12 +164,12 @@ def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
             note = f" (a consequence: it waited for rank(s) {sorted(stalled)})"
         else:
             note = " (first failure)" if i == 0 and len(ordered) > 1 else ""
-        print(
-            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}")
     return real.pop() if consequences_only else 1
+
+
+def _say(text: str) -> None:
+    print(f"finetune: {text}", file=sys.stderr, flush=True)
 
 
 def restores_environment(fn):
