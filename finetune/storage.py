@@ -6,6 +6,7 @@ safetensors wrap the OSError in their own exceptions, so their messages are read
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -142,3 +143,12 @@ def own_directory(path: Path, tool: str, rewrites: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"made by {tool}; {rewrites} are rewritten by it\n")
     return path
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in `path`; {} when it is unreadable or holds no object."""
+    try:
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.storage import json_object
 
 LOCK = ".finetune.lock"
 WAIT_S = 2.0  # a probe holds the lock for microseconds; a holder writes its note right after locking
@@ -90,11 +91,7 @@ def live_run(run_dir: Path) -> str | None:
 
 def holder(run_dir: Path) -> dict:
     """The note the holder wrote (empty until it has)."""
-    try:
-        note = json.loads((Path(run_dir) / LOCK).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return note if isinstance(note, dict) else {}
+    return json_object(Path(run_dir) / LOCK)
 
 
 def in_use_message(run_dir: Path) -> str:

@@ -197,16 +197,13 @@ def reusable(path: Path) -> str | None:
     before its first step writes (no checkpoint, no model), and its run.json says so: failed or
     interrupted with no step, or `running` with no step, which only a run that died before it could
     record its end leaves (a live one holds the directory's lock and is refused before this)."""
-    import json
+    from finetune.storage import json_object
 
     names = {p.name for p in contents(path) if not p.name.startswith(".run.json.")}  # + interrupted writes
     if "run.json" not in names or not names <= LEFT_BEFORE_FIRST_STEP:
         return None
-    try:
-        record = json.loads((path / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    summary = record.get("summary") if isinstance(record, dict) else None
+    record = json_object(path / "run.json")
+    summary = record.get("summary")
     if (
         not isinstance(summary, dict)
         or summary.get("status") not in ("failed", "interrupted", "running")

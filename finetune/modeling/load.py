@@ -6,7 +6,6 @@ QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export. The
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
 from finetune.precision import Policy, dtype_name, torch_dtype
+from finetune.storage import json_object
 
 log = logging.getLogger(__name__)
 
@@ -228,15 +228,6 @@ def code_problem(folder: Path, trust: bool) -> str | None:
         f"{needed[0][0]}: its auto_map asks for the folder's own Python code ({code}), which loading it would run "
         f"(transformers has no class of its own for model_type {model_type!r})"
     )
-
-
-def json_object(path: Path) -> dict:
-    """The JSON object in `path`; {} when it is unreadable or not an object."""
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
 
 
 def _has_class(auto: str, model_type, tokenizer_class) -> bool:

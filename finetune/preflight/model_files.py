@@ -35,7 +35,8 @@ def model_problems(cfg) -> list[str]:
     """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
-    from finetune.modeling.load import code_problem, json_object
+    from finetune.modeling.load import code_problem
+    from finetune.storage import json_object
 
     model = cfg.model
     tokenizer = model.tokenizer_name_or_path
