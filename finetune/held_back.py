@@ -1,7 +1,6 @@
-"""Third-party messages held back at their source, each for a stated reason and matched by its own
-text and logger or module, never by a blanket switch. Installed when `finetune` is imported, so in
-every process (the CLI, each launched rank, the benchmark's workers). What is held back is kept
-(`held`) where a run may still need to say it.
+"""Third-party messages held back at their source, each for a stated reason and matched by its own text and logger or
+module, never by a blanket switch. Installed when `finetune` is imported, so in every process (the CLI, each launched
+rank, the benchmark's workers). What is held back is kept (`held`) where a run may still need to say it.
 """
 
 from __future__ import annotations
@@ -25,20 +24,18 @@ class HeldBack(logging.Filter):
         return True
 
 
-# bitsandbytes is imported by peft whenever peft is imported (peft 0.21 peft/helpers.py imports it
-# unconditionally), and transformers imports peft with TrainingArguments whenever peft is installed
-# (transformers 5.23 trainer_utils.py), so every command that validates a recipe imports it, 4-bit or
-# not; none of the three has a switch. On import, its CPU backend (bitsandbytes/backends/cpu/ops.py)
-# warns that the optional `kernels` package for its 4-bit CPU matmul is missing, on any CPU with
-# AVX512-BF16: noise for every run without 4-bit weights. A QLoRA run on CPU, where it applies, shows
-# it (finetune/modeling/load.py).
+# bitsandbytes is imported by peft whenever peft is imported (peft 0.21 peft/helpers.py imports it unconditionally), and
+# transformers imports peft with TrainingArguments whenever peft is installed (transformers 5.23 trainer_utils.py), so
+# every command that validates a recipe imports it, 4-bit or not; none of the three has a switch. On import, its CPU
+# backend (bitsandbytes/backends/cpu/ops.py) warns that the optional `kernels` package for its 4-bit CPU matmul is
+# missing, on any CPU with AVX512-BF16: noise for every run without 4-bit weights. A QLoRA run on CPU, where it applies,
+# shows it (finetune/modeling/load.py).
 CPU_4BIT_NOTICE = HeldBack("Failed to load CPU gemm_4bit_forward")
-# DeepSpeed picks its accelerator when it is first imported (deepspeed/accelerator/real_accelerator.py)
-# and, finding no CUDA, warns "Setting accelerator to CPU. If you have GPU or other accelerator, we
-# were unable to detect it." in every process of every command that imports it (through accelerate
-# and transformers), also where no DeepSpeed strategy runs. Whether a CUDA device is visible is said by
-# the run itself: the precision line and run.json `hardware`, and preflight refuses a GPU launch on a
-# machine without one.
+# DeepSpeed picks its accelerator when it is first imported (deepspeed/accelerator/real_accelerator.py) and, finding no
+# CUDA, warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." in every
+# process of every command that imports it (through accelerate and transformers), also where no DeepSpeed strategy runs.
+# Whether a CUDA device is visible is said by the run itself: the precision line and run.json `hardware`, and preflight
+# refuses a GPU launch on a machine without one.
 DEEPSPEED_CPU_ACCELERATOR = HeldBack("Setting accelerator to CPU")
 
 
@@ -104,9 +101,8 @@ def install() -> None:
         message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
         category=FutureWarning,
     )
-    # peft 0.21 reads `model.is_gradient_checkpointing` (peft_model.py PeftModel.__init__), which
-    # transformers 5.24 deprecates for `is_activation_checkpointing`: once per rank at every LoRA/QLoRA
-    # model load, about peft's code.
+    # peft 0.21 reads `model.is_gradient_checkpointing` (peft_model.py PeftModel.__init__), which transformers 5.24
+    # deprecates for `is_activation_checkpointing`: once per rank at every LoRA/QLoRA model load, about peft's code.
     warnings.filterwarnings(
         "ignore",
         message=r"`is_gradient_checkpointing` is deprecated",

@@ -1,7 +1,6 @@
-"""The parallel mesh of a run: how its ranks split each training step beyond data parallelism,
-world = dp x sp x tp x cp; ranks of one sp/tp/cp group train on the same micro-batch
-(docs/parallelism.md: what each dimension splits and under which engine). Pure arithmetic and the
-engines' names; no torch at import.
+"""The parallel mesh of a run: how its ranks split each training step beyond data parallelism, world = dp x sp x tp x
+cp; ranks of one sp/tp/cp group train on the same micro-batch (docs/parallelism.md: what each dimension splits and under
+which engine). Pure arithmetic and the engines' names; no torch at import.
 """
 
 from __future__ import annotations

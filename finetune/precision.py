@@ -54,10 +54,9 @@ class Policy:
         return self.compute_dtype if family == "deepspeed" else self.master_dtype
 
     def training_args(self, family: str) -> dict:
-        """TrainingArguments bf16 / fp16. The policy owns them (training.bf16/fp16 are refused).
-        Under DeepSpeed they fill the JSON's "auto" bf16/fp16.enabled
-        (transformers/integrations/deepspeed.py trainer_config_process), so bf16-true sets bf16 there;
-        for the torch families bf16 would switch autocast on, which bf16-true must not."""
+        """TrainingArguments bf16 / fp16. The policy owns them (training.bf16/fp16 are refused). Under DeepSpeed they
+        fill the JSON's "auto" bf16/fp16.enabled (transformers/integrations/deepspeed.py trainer_config_process), so
+        bf16-true sets bf16 there; for the torch families bf16 would switch autocast on, which bf16-true must not."""
         _check_family(family)
         if family == "deepspeed":
             return {"bf16": self.deepspeed_bf16, "fp16": self.deepspeed_fp16}
@@ -198,9 +197,8 @@ def get(name: str) -> Policy:
 
 
 def resolve(name: str, device_has_cuda: bool, cuda_bf16: bool) -> Policy:
-    """`auto` -> bf16-mixed on CUDA with bf16, 16-mixed on CUDA without it, 32-true on CPU
-    (CPU autocast in bf16 is slow and the demo-scale models gain nothing from it); any other
-    name -> its row."""
+    """`auto` -> bf16-mixed on CUDA with bf16, 16-mixed on CUDA without it, 32-true on CPU (CPU autocast in bf16 is slow
+    and the demo-scale models gain nothing from it); any other name -> its row."""
     if name == "auto":
         name = ("bf16-mixed" if cuda_bf16 else "16-mixed") if device_has_cuda else "32-true"
     return get(name)
@@ -241,11 +239,10 @@ def _check_family(family: str) -> None:
 
 @dataclass(frozen=True)
 class ParamBytes:
-    """Bytes per trainable parameter (LoRA: per adapter parameter) under one policy and strategy,
-    before sharding: the planner divides what the strategy shards (finetune/strategies.py flags) by
-    the data-parallel size. Persistent: params, grads, master, optimizer_states. Transient, per
-    parameter of what is being computed (the planner decides how much is live at once):
-    working_params, working_grads, reduce."""
+    """Bytes per trainable parameter (LoRA: per adapter parameter) under one policy and strategy, before sharding: the
+    planner divides what the strategy shards (finetune/strategies.py flags) by the data-parallel size. Persistent:
+    params, grads, master, optimizer_states. Transient, per parameter of what is being computed (the planner decides how
+    much is live at once): working_params, working_grads, reduce."""
 
     params: int  # the module's copy (what forward reads or casts from)
     grads: int  # the gradient kept from backward to the optimizer step
@@ -271,12 +268,11 @@ def trainable_bytes(policy: Policy | str, strategy_key: str) -> ParamBytes:
     b = DTYPE_BYTES
     master, compute, states = b[p.master_dtype], b[p.compute_dtype], 2 * b[p.optimizer_state_dtype]
     if fam == "deepspeed":
-        # The module holds compute-dtype parameters and gradients; the ZeRO optimizer steps a separate
-        # master partition, a clone even when the dtypes match (stage_1_and_2.py; stage3.py below).
-        # stage3.py _create_fp32_partitions means to share the module partition when it already has the
-        # master dtype, but compares the partition's torch.device with self.device, a *string*
-        # (get_accelerator().current_device_name()): never equal, so ZeRO-3 clones it too (DeepSpeed
-        # 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy).
+        # The module holds compute-dtype parameters and gradients; the ZeRO optimizer steps a separate master partition,
+        # a clone even when the dtypes match (stage_1_and_2.py; stage3.py below). stage3.py _create_fp32_partitions
+        # means to share the module partition when it already has the master dtype, but compares the partition's
+        # torch.device with self.device, a *string* (get_accelerator().current_device_name()): never equal, so ZeRO-3
+        # clones it too (DeepSpeed 0.19.8; the H200 ZeRO-3 record of 2026-11-22, fp32 throughout, holds this copy).
         return ParamBytes(
             params=compute,
             grads=compute,

@@ -1,7 +1,6 @@
-"""Where the shipped recipes/, accelerate_configs/ and ds_configs/ are: the repository's top level, or
-the copies a built wheel carries inside the package (finetune/shipped/, setup.py). ROOT is the
-installed copy when there is one, else the repository; paths inside the shipped files stay
-relative to ROOT (`resolve("ds_configs/zero2.json")`).
+"""Where the shipped recipes/, accelerate_configs/ and ds_configs/ are: the repository's top level, or the copies a
+built wheel carries inside the package (finetune/shipped/, setup.py). ROOT is the installed copy when there is one, else
+the repository; paths inside the shipped files stay relative to ROOT (`resolve("ds_configs/zero2.json")`).
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ def model_config(name: str) -> Path | None:
 
 
 def cpu_variant(config: Path) -> Path:
-    """The accelerate_configs/cpu/ config of the same name (2 processes over gloo, for machines
-    without a GPU; finetune/launch/cpu_rehearsal.py), or `config` itself when there is none or it
-    already is one."""
+    """The accelerate_configs/cpu/ config of the same name (2 processes over gloo, for machines without a GPU;
+    finetune/launch/cpu_rehearsal.py), or `config` itself when there is none or it already is one."""
     variant = ACCELERATE_CONFIGS / "cpu" / config.name
     return variant if variant.is_file() and config.parent.name != "cpu" else config
 

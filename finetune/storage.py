@@ -1,12 +1,12 @@
-"""Filesystem failures a user fixes (a full disk, a quota, a read-only or forbidden directory) told
-apart from bugs, and said as one message naming the path and the space left (docs/faults.md
-"Disk full, read-only"). torch.save and safetensors wrap the OSError in their own exceptions, so
-their messages are read too.
+"""Filesystem failures a user fixes (a full disk, a quota, a read-only or forbidden directory) told apart from bugs, and
+said as one message naming the path and the space left (docs/faults.md "Disk full, read-only"). torch.save and
+safetensors wrap the OSError in their own exceptions, so their messages are read too.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -45,9 +45,8 @@ NEARLY_FULL = 64 * MIB  # bytes free below which torch's errno-less "file write 
 
 
 def cause(exc: BaseException, path: Path | None = None) -> int | None:
-    """The storage errno behind `exc` (or one it was raised from), or None for anything else.
-    torch's writer drops the errno ("file write failed"): read as ENOSPC when `path`'s filesystem
-    is (nearly) full."""
+    """The storage errno behind `exc` (or one it was raised from), or None for anything else. torch's writer drops the
+    errno ("file write failed"): read as ENOSPC when `path`'s filesystem is (nearly) full."""
     seen = 0
     while exc is not None and seen < 5:
         if isinstance(exc, OSError) and exc.errno in REASONS:
@@ -144,3 +143,12 @@ def own_directory(path: Path, tool: str, rewrites: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"made by {tool}; {rewrites} are rewritten by it\n")
     return path
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in `path`; {} when it is unreadable or holds no object."""
+    try:
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}

@@ -1,14 +1,13 @@
-"""The strategy table: every distributed strategy variant this project knows, one row each, so that
-adding one is a new row here plus its shipped files. A row ties its names (planner key,
-run.strategy/run.offload), its shipped files, the planner's flags and its recommendation order
-together, and is the one source of both ways of launching it: the shipped accelerate config
-(`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
+"""The strategy table: every distributed strategy variant this project knows, one row each, so that adding one is a new
+row here plus its shipped files. A row ties its names (planner key, run.strategy/run.offload), its shipped files, the
+planner's flags and its recommendation order together, and is the one source of both ways of launching it: the shipped
+accelerate config (`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
 tests/test_strategies_table.py holds the shipped files to the rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Accelerate DistributedType values (accelerate/utils/dataclasses.py DistributedType).
@@ -40,30 +39,16 @@ class FsdpSettings:
     activation_checkpointing: bool = False  # training.gradient_checkpointing instead
 
     def accelerate_config(self) -> dict:
-        """The `fsdp_config` section of an accelerate config YAML (accelerate's names)."""
-        return {
-            "fsdp_version": self.version,
-            "fsdp_auto_wrap_policy": self.auto_wrap_policy,
-            "fsdp_state_dict_type": self.state_dict_type,
-            "fsdp_offload_params": self.offload_params,
-            "fsdp_reshard_after_forward": self.reshard_after_forward,
-            "fsdp_cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-            "fsdp_activation_checkpointing": self.activation_checkpointing,
-        }
+        """The `fsdp_config` section of an accelerate config YAML (accelerate's names: the fields, `fsdp_` first)."""
+        return {f"fsdp_{k}": v for k, v in asdict(self).items()}
 
     def trainer_config(self) -> dict:
         """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
         the `fsdp_` prefix, except offload, which is `cpu_offload` there (`offload_params` would be
         ignored without a word, as any unknown key is)."""
-        return {
-            "version": self.version,
-            "auto_wrap_policy": self.auto_wrap_policy,
-            "state_dict_type": self.state_dict_type,
-            "cpu_offload": self.offload_params,
-            "reshard_after_forward": self.reshard_after_forward,
-            "cpu_ram_efficient_loading": self.cpu_ram_efficient_loading,
-            "activation_checkpointing": self.activation_checkpointing,
-        }
+        out = asdict(self)
+        out["cpu_offload"] = out.pop("offload_params")
+        return out
 
 
 @dataclass(frozen=True)
@@ -270,10 +255,9 @@ def by_recipe(name: str, offload: str) -> Strategy | None:
 
 
 def trainer_arguments(row: Strategy, root: Path) -> dict:
-    """What the script passes to TrainingArguments to engage `row` itself, when no launcher config
-    set a strategy up (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate
-    config names (absolute: `root` is the resources root), or the row's FSDP settings. DDP and a
-    single device need nothing beyond the processes."""
+    """What the script passes to TrainingArguments to engage `row` itself, when no launcher config set a strategy up
+    (finetune/launch/strategy_setup.py): the same DeepSpeed JSON the row's accelerate config names (absolute: `root` is
+    the resources root), or the row's FSDP settings. DDP and a single device need nothing beyond the processes."""
     if row.zero_stage is not None:
         return {"deepspeed": str(root / row.deepspeed_config)}
     if row.fsdp is not None:

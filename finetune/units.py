@@ -1,8 +1,7 @@
 """Units of memory and bandwidth, defined once.
 
-GiB (2^30 bytes) for memory, as torch.cuda.memory_stats reports it; GB (1e9
-bytes) where the convention is decimal: nccl-tests report bandwidth in GB/s of 1e9 bytes/s,
-and the ZeRO paper's model-state figures are 1e9-byte GB.
+GiB (2^30 bytes) for memory, as torch.cuda.memory_stats reports it; GB (1e9 bytes) where the convention is decimal:
+nccl-tests report bandwidth in GB/s of 1e9 bytes/s, and the ZeRO paper's model-state figures are 1e9-byte GB.
 """
 
 from __future__ import annotations

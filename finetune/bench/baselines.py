@@ -69,13 +69,7 @@ def like_ours(args, spec: dict):
 def plain_trainer(spec: dict, dataset, callbacks: list):
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        Trainer,
-        set_seed,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, set_seed
 
     from finetune.training import arguments
 

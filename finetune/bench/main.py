@@ -125,6 +125,13 @@ def run(args) -> int:
     return 0
 
 
+# The command-line options every side's spec carries under their own names.
+SPEC_OPTIONS = (
+    "seq_len batch steps warmup_steps seed learning_rate attn_implementation gradient_checkpointing layout "
+    "torch_compile liger loss_impl sdpa_backends pad_to_multiple_of"
+).split()
+
+
 def common_spec(args, model_dir: Path, data_file: Path, policy: str, out: Path) -> dict:
     """What every side's run is given; our side's options pass the checks a recipe passes first
     (boundary safety, attention, Liger on this machine)."""
@@ -134,21 +141,8 @@ def common_spec(args, model_dir: Path, data_file: Path, policy: str, out: Path) 
     common = {
         "model_dir": str(model_dir),
         "data_file": str(data_file),
-        "seq_len": args.seq_len,
-        "batch": args.batch,
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "seed": args.seed,
-        "learning_rate": args.learning_rate,
         "precision": policy,
-        "attn_implementation": args.attn_implementation,
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "layout": args.layout,
-        "torch_compile": args.torch_compile,
-        "liger": args.liger,
-        "loss_impl": args.loss_impl,
-        "sdpa_backends": args.sdpa_backends,
-        "pad_to_multiple_of": args.pad_to_multiple_of,
+        **{key: getattr(args, key) for key in SPEC_OPTIONS},
     }
     speed.check(worker.config_of({**common, "method": args.methods[0], "output_dir": str(out / "runs")}))
     return common
@@ -250,16 +244,12 @@ def _run_in_process(spec: dict) -> dict:
 
 
 def environment() -> dict:
-    import importlib.metadata as md
-
     import torch
 
-    versions = {}
-    for pkg in ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets", "liger-kernel"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
+    from finetune.telemetry.record import installed_version
+
+    packages = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "datasets", "liger-kernel")
+    versions = {pkg: installed_version(pkg) for pkg in packages}
     device = (
         torch.cuda.get_device_name(0)
         if torch.cuda.is_available()

@@ -120,8 +120,7 @@ def counting_collator(collator, batches: list):
 
 
 def measured(spec: dict, trainer, steps: list[float], batches: list) -> dict:
-    """Step times, counts, throughput, MFU and losses of the side's run (the warm-up steps left out
-    of the rates)."""
+    """Step times, counts, throughput, MFU and losses of the side's run (the warm-up steps left out of the rates)."""
     from finetune.telemetry import formulas, model_flops
 
     trained, inputs, samples, positions, sum_sq = ([b[i] for b in batches] for i in range(5))

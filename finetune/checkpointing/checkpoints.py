@@ -1,7 +1,6 @@
-"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with
-every file's size and checksum), the choice of the checkpoint to resume from (checksums verified), and
-rotation (sizes only, after the new checkpoint is complete): docs/faults.md "Torn or corrupt
-checkpoints".
+"""Checkpoint validity (a checkpoint counts only when it holds MARKER, written last by rank 0, with every file's size
+and checksum), the choice of the checkpoint to resume from (checksums verified), and rotation (sizes only, after the new
+checkpoint is complete): docs/faults.md "Torn or corrupt checkpoints".
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from pathlib import Path
 import xxhash
 
 from finetune.errors import UserError
+from finetune.storage import json_object
 
 log = logging.getLogger("finetune")
 
@@ -72,11 +72,7 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
 
 def read_marker(ckpt: Path) -> dict | None:
     """The completion marker of `ckpt` as a dict, or None when it has none or it does not parse."""
-    try:
-        marker = json.loads((Path(ckpt) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return json_object(Path(ckpt) / MARKER) or None
 
 
 def checksum(path: Path) -> str:

@@ -1,12 +1,11 @@
 """What wrote a checkpoint: the `run` block of its completion marker, and reading it back.
 
-The block (finetune/checkpointing/checkpoints.py write_marker, rank 0, at every save) holds what a
-resume under another launch must know and compare before loading any weights
-(finetune/checkpointing/resume_plan.py): world size, strategy, per-device batch, accumulation and
-effective batch (from run.json's live `strategy` and `batch` sections), the method and model
-identities, and the data: row count, a fingerprint of the rows, and the settings that decide
-their order. Checkpoints written before the block existed are read from the run.json beside
-them when it describes the same world size.
+The block (finetune/checkpointing/checkpoints.py write_marker, rank 0, at every save) holds what a resume under another
+launch must know and compare before loading any weights (finetune/checkpointing/resume_plan.py): world size, strategy,
+per-device batch, accumulation and effective batch (from run.json's live `strategy` and `batch` sections), the method
+and model identities, and the data: row count, a fingerprint of the rows, and the settings that decide their order.
+Checkpoints written before the block existed are read from the run.json beside them when it describes the same world
+size.
 """
 
 from __future__ import annotations

@@ -112,19 +112,8 @@ def continued(run_dir: Path, ckpt: Path, plan=None, *, created: str | None = Non
         "superseded": [],
     }
     if plan is not None:
-        entry.update(
-            world_size=plan.world_size,
-            strategy=plan.strategy,
-            offload=plan.offload,
-            per_device=plan.per_device,
-            grad_accum=plan.grad_accum,
-            effective=plan.effective_now,
-            from_world_size=plan.written["world_size"],
-            reshard=plan.reshard,
-            rng=plan.rng,
-            rng_ranks=plan.rng_ranks,
-            position=plan.position,
-        )
+        entry.update(effective=plan.effective_now, from_world_size=plan.written["world_size"])
+        entry.update({k: getattr(plan, k) for k in (*LAYOUT_KEYS[:5], "reshard", "rng", "rng_ranks", "position")})
     sections, segments = {}, []
     if old is not None:
         steps = old.get("steps", default=[])

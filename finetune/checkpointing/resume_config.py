@@ -1,8 +1,7 @@
-"""The configuration a resumed run continues with: the one the run saved when it started (its
-config.yaml) with the changes earlier resumes were allowed to make, not the recipe as it reads today
-(docs/faults.md "Resume"). Not configuration changes: the run's name and directory (they find the
-run), and the per-device batch and accumulation, which the resume plan sets
-(finetune/checkpointing/resume_plan.py).
+"""The configuration a resumed run continues with: the one the run saved when it started (its config.yaml) with the
+changes earlier resumes were allowed to make, not the recipe as it reads today (docs/faults.md "Resume"). Not
+configuration changes: the run's name and directory (they find the run), and the per-device batch and accumulation,
+which the resume plan sets (finetune/checkpointing/resume_plan.py).
 """
 
 from __future__ import annotations

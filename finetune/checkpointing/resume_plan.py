@@ -1,6 +1,5 @@
-"""Resuming under another launch: what wrote the checkpoint, what this launch sets up, what is
-refused, and how the effective batch and the data position are kept (docs/faults.md "Resume on
-another number of GPUs").
+"""Resuming under another launch: what wrote the checkpoint, what this launch sets up, what is refused, and how the
+effective batch and the data position are kept (docs/faults.md "Resume on another number of GPUs").
 
     written = read(ckpt)                       the marker's `run` block (finetune/checkpointing/provenance.py)
     p = plan(written, launch_from(cfg, ...))   pure: every refusal at once (ConfigError, exit 2), or the plan

@@ -43,10 +43,9 @@ def current(ckpt: Path) -> Path | None:
 
 
 def for_resume(state, plan) -> tuple[str, float | None] | None:
-    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint
-    beside the original while the others wait; (its directory, the seconds the conversion took, None
-    when reused), on every rank; None when the resume plan needs no resharding through it
-    (finetune/checkpointing/resume_plan.py)."""
+    """DeepSpeed under another world size: rank 0 builds (or reuses) the universal checkpoint beside the original while
+    the others wait; (its directory, the seconds the conversion took, None when reused), on every rank; None when the
+    resume plan needs no resharding through it (finetune/checkpointing/resume_plan.py)."""
     if plan is None or plan.reshard != "universal":
         return None
     from finetune.launch.peers import run_on_main
@@ -122,11 +121,10 @@ def convert(ckpt: Path) -> tuple[Path, float | None]:
 
 
 def enable_loading(trainer) -> None:
-    """Make the DeepSpeed engine Trainer is about to build load a universal checkpoint: the key
-    must be in the config dict before `trainer.train()` prepares the engine (a callback is too
-    late: Trainer loads the checkpoint in _prepare_for_training, before on_train_begin). This is
-    the dict HfTrainerDeepSpeedConfig keeps (transformers integrations/deepspeed.py) and
-    accelerate.prepare hands to deepspeed.initialize."""
+    """Make the DeepSpeed engine Trainer is about to build load a universal checkpoint: the key must be in the config
+    dict before `trainer.train()` prepares the engine (a callback is too late: Trainer loads the checkpoint in
+    _prepare_for_training, before on_train_begin). This is the dict HfTrainerDeepSpeedConfig keeps (transformers
+    integrations/deepspeed.py) and accelerate.prepare hands to deepspeed.initialize."""
     plugin = trainer.accelerator.state.deepspeed_plugin
     plugin.deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
 

@@ -14,9 +14,8 @@ from finetune.compare.table import Table, loss_curve
 from finetune.planning.plan_text import COLUMNS as COMPONENT_GROUPS
 
 DPI = 110
-LOSS_RTOL = (
-    1e-5  # fp32 reduction-order differences between backends stay below this (tests/training/test_strategies.py)
-)
+# fp32 reduction-order differences between backends stay below this (tests/training/test_strategies.py)
+LOSS_RTOL = 1e-5
 
 
 def _pyplot():
@@ -32,10 +31,16 @@ def write_plots(table: Table, out_dir: Path) -> dict[str, Path]:
     """name -> PNG path, for every plot."""
     out_dir.mkdir(parents=True, exist_ok=True)
     return {
-        "loss": loss_plot(table, out_dir / "loss_vs_tokens.png"),
-        "throughput": throughput_plot(table, out_dir / "throughput.png"),
+        "loss": _save(loss_figure(table), out_dir / "loss_vs_tokens.png"),
+        "throughput": _save(throughput_figure(table), out_dir / "throughput.png"),
         "memory": memory_plot(table, out_dir / "memory.png"),
     }
+
+
+def _save(fig, path: Path, **how) -> Path:
+    fig.savefig(path, dpi=DPI, **how)
+    _pyplot().close(fig)
+    return path
 
 
 # The predicted components in the plan's groups (finetune/planning/plan_text.py COLUMNS): a legend of a
@@ -66,14 +71,6 @@ def grouped(components: dict[str, float]) -> dict[str, float]:
 
 def _labels(table: Table) -> list[str]:
     return [row["run"] for row in table.rows]
-
-
-def loss_plot(table: Table, path: Path) -> Path:
-    plt = _pyplot()
-    fig = loss_figure(table)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
 
 
 def loss_figure(table: Table):
@@ -120,7 +117,7 @@ def loss_figure(table: Table):
     return fig
 
 
-def throughput_plot(table: Table, path: Path) -> Path:
+def throughput_figure(table: Table):
     plt = _pyplot()
     labels = _labels(table)
     total = [row["tokens_per_s"] or 0 for row in table.rows]
@@ -143,17 +140,11 @@ def throughput_plot(table: Table, path: Path) -> Path:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def memory_plot(table: Table, path: Path) -> Path:
-    plt = _pyplot()
-    fig = memory_figure(table)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # the legend sits outside the axes
-    plt.close(fig)
-    return path
+    return _save(memory_figure(table), path, bbox_inches="tight")  # the legend sits outside the axes
 
 
 def memory_figure(table: Table):

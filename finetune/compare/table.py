@@ -103,10 +103,6 @@ def _unique_labels(runs: list[Run]) -> None:
 # --- baseline and comparability --------------------------------------------------------------
 
 
-def is_baseline_candidate(run: Run) -> bool:
-    return run.get("strategy", "name") == "single" and run.get("strategy", "method") == "qlora"
-
-
 def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | None, str]:
     """(baseline run or None, how it was chosen / why there is none)."""
     if baseline is not None:
@@ -118,7 +114,11 @@ def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | N
                     raise CompareInputError([f"--baseline {baseline}: that run failed before writing a record"])
                 return run, f"--baseline {baseline}"
         raise CompareInputError([f"--baseline {baseline}: not among the runs compared; give it as a RUN_DIR too"])
-    candidates = [r for r in runs if r.record is not None and is_baseline_candidate(r)]
+    candidates = [
+        r
+        for r in runs
+        if r.record is not None and r.get("strategy", "name") == "single" and r.get("strategy", "method") == "qlora"
+    ]
     completed = [r for r in candidates if r.status == "completed"]
     chosen = (completed or candidates or [None])[0]
     if chosen is None:

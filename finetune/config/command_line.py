@@ -1,6 +1,5 @@
-"""The command-line options every entry point shares: the flag style, `--recipe`, the run options of
-`train`, and the launch script's own parser. Read by the `finetune` command, the launch script,
-preflight and the benchmarks.
+"""The command-line options every entry point shares: the flag style, `--recipe`, the run options of `train`, and the
+launch script's own parser. Read by the `finetune` command, the launch script, preflight and the benchmarks.
 
 Flag style: words joined by hyphens (`--gpu-memory`, `--config-file`); every such flag also answers
 to its underscore spelling (`--config_file`, as `accelerate launch` spells it), kept out of the help.
@@ -113,13 +112,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def train_parser(prog: str = "finetune/train.py") -> argparse.ArgumentParser:
-    p = Parser(prog=prog, description="Fine-tune a causal LM from a recipe.", epilog=TRAIN_EPILOG)
+def parse_train_args(argv: list[str] | None = None):
+    """(known args, override strings); overrides are validated with the recipe."""
+    p = Parser(prog="finetune/train.py", description="Fine-tune a causal LM from a recipe.", epilog=TRAIN_EPILOG)
     add_recipe(p)
     add_run_options(p)
-    return p
-
-
-def parse_train_args(argv: list[str] | None = None, prog: str = "finetune/train.py"):
-    """(known args, override strings); overrides are validated with the recipe."""
-    return train_parser(prog).parse_known_args(argv)
+    return p.parse_known_args(argv)

@@ -135,11 +135,10 @@ def read_recipe_file(path: Path) -> dict:
 
 
 def parse_overrides(args: list[str], *, typed: bool = True, flags: list[str] = ()) -> tuple[dict, list[str]]:
-    """`--section.key=value` or `--section.key value` -> nested dict; returns (overrides, problems).
-    Each value is what was typed, read as the type the schema gives its key (typed_value): never as
-    YAML, whose comment (` #`) and mapping (`: `) rules would cut or change a string. `typed=False`:
-    the strings as they are (no schema, nothing heavy imported). `flags`: the command's own flags,
-    suggested for a mistyped one."""
+    """`--section.key=value` or `--section.key value` -> nested dict; returns (overrides, problems). Each value is what
+    was typed, read as the type the schema gives its key (typed_value): never as YAML, whose comment (` #`) and mapping
+    (`: `) rules would cut or change a string. `typed=False`: the strings as they are (no schema, nothing heavy
+    imported). `flags`: the command's own flags, suggested for a mistyped one."""
     out: dict = {}
     problems: list[str] = []
     i = 0

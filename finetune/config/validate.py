@@ -287,18 +287,9 @@ def check_type(value: Any, hint: Any, lenient: bool = False) -> str | None:
         return f"got {_kind(value)} {value!r}; expected one of: {', '.join(_name(a) for a in non_none)}"
     if hint is bool:
         return None if isinstance(value, bool) else f"expected true/false, got {_kind(value)} {value!r}"
-    if hint is int:
-        return (
-            None
-            if isinstance(value, int) and not isinstance(value, bool)
-            else f"expected an integer, got {_kind(value)} {value!r}"
-        )
-    if hint is float:
-        return (
-            None
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
-            else f"expected a number, got {_kind(value)} {value!r}"
-        )
+    if hint in (int, float):  # a bool is an int to Python, not to a recipe
+        ok = isinstance(value, (int, hint)) and not isinstance(value, bool)
+        return None if ok else f"expected {'an integer' if hint is int else 'a number'}, got {_kind(value)} {value!r}"
     if hint is str:
         return None if isinstance(value, str) else f"expected a string, got {_kind(value)} {value!r}"
     if hint in (list, dict) or origin in (list, dict):

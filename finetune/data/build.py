@@ -77,12 +77,11 @@ class _BadRowLog:
 
 
 def check_head(cfg, *, max_rows: int = 100) -> list[str]:
-    """Preflight for ``cfg.path`` before any weights load: the path is a readable file, and its first
-    ``max_rows`` rows read and validate as the detected (or declared) format, with the messages
-    ``build_datasets`` would give (finetune/data/read.py read_head: the same readers). When those
-    rows are the whole file, the eval split and the share of rows with nothing to train on are
-    checked too. Returns the problems (empty: none found). Hub datasets are not checked here (that
-    needs the network); the chat template and lengths need the tokenizer, so ``build_datasets``
+    """Preflight for ``cfg.path`` before any weights load: the path is a readable file, and its first ``max_rows`` rows
+    read and validate as the detected (or declared) format, with the messages ``build_datasets`` would give
+    (finetune/data/read.py read_head: the same readers). When those rows are the whole file, the eval split and the
+    share of rows with nothing to train on are checked too. Returns the problems (empty: none found). Hub datasets are
+    not checked here (that needs the network); the chat template and lengths need the tokenizer, so ``build_datasets``
     checks those."""
     path = cfg.path
     if not is_local(path):

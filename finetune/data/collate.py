@@ -36,11 +36,10 @@ COUNTS_KEY = "finetune_batch_counts"
 def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a batch: input_ids with pad_token_id, labels with -100.
 
-    Unpacked batches get attention_mask (1 real, 0 padding). Packed batches (features have
-    position_ids) get no attention_mask: transformers then derives a block-diagonal causal
-    mask from position_ids. Padding continues 0, 1, 2, ... so it forms its own pseudo-sequence
-    that no real token attends to. The model must run without a KV cache (use_cache=False,
-    as Trainer does) or transformers ignores position_ids for masking.
+    Unpacked batches get attention_mask (1 real, 0 padding). Packed batches (features have position_ids) get no
+    attention_mask: transformers then derives a block-diagonal causal mask from position_ids. Padding continues 0, 1, 2,
+    ... so it forms its own pseudo-sequence that no real token attends to. The model must run without a KV cache
+    (use_cache=False, as Trainer does) or transformers ignores position_ids for masking.
     """
     if not features:
         raise ValueError("collate() got an empty batch")
@@ -95,9 +94,8 @@ def make_collator(
             filler = round_up(real, multiple) - real
             if not filler:
                 return flat(features)
-            # The filler extends the last example (positions continue, labels -100): causal
-            # attention keeps every real token blind to it, the example count is unchanged, and
-            # the stated count keeps it out of the input tokens.
+            # The filler extends the last example (positions continue, labels -100): causal attention keeps every real
+            # token blind to it, the example count is unchanged, and the stated count keeps it out of the input tokens.
             last = features[-1]
             padded = [
                 *features[:-1],
@@ -141,10 +139,9 @@ class SequenceShards:
 
 
 def sharded_batch(features: list[dict], pad_token_id: int, multiple: int | None, shards: SequenceShards) -> dict:
-    """A padded batch for sequence parallelism: its length a multiple of sp (or `shards.length`),
-    position_ids (Ulysses gathers them to rebuild the causal order; it drops the attention mask), and
-    at least `shards.rows` rows: a short last batch gets filler rows (pad tokens, labels -100, mask 0),
-    which add no loss and no counted token."""
+    """A padded batch for sequence parallelism: its length a multiple of sp (or `shards.length`), position_ids (Ulysses
+    gathers them to rebuild the causal order; it drops the attention mask), and at least `shards.rows` rows: a short
+    last batch gets filler rows (pad tokens, labels -100, mask 0), which add no loss and no counted token."""
     filler = {"input_ids": [pad_token_id], "labels": [IGNORE_INDEX], "filler": True}
     rows = list(features) + [filler] * max(0, shards.rows - len(features))
     longest = max(len(f["input_ids"]) for f in rows)

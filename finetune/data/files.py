@@ -1,10 +1,9 @@
 """Local data files as users have them: what the path is before anything opens it, and its bytes.
 
-A path that is not a regular file is refused by name before it is opened (a named pipe would be
-drained by the check before training and block the run that reopens it; a device may never end); a
-symbolic link loop, a dangling link, a directory and a permission problem are named too.
-Compressed files are read through: gzip, bzip2 and xz (by their magic bytes, whatever the name
-says); zstd and zip are named, with the command that unpacks them.
+A path that is not a regular file is refused by name before it is opened (a named pipe would be drained by the check
+before training and block the run that reopens it; a device may never end); a symbolic link loop, a dangling link, a
+directory and a permission problem are named too. Compressed files are read through: gzip, bzip2 and xz (by their magic
+bytes, whatever the name says); zstd and zip are named, with the command that unpacks them.
 """
 
 from __future__ import annotations

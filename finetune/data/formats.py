@@ -1,8 +1,7 @@
 """The data formats, told apart by the first row's keys, and per-format row validation.
 
-Validators turn a row into a conversation ({role, content} messages) or a (prompt, answer)
-pair and reject wrong types instead of coercing them; a problem is a `BadRow` the caller
-names with file and row.
+Validators turn a row into a conversation ({role, content} messages) or a (prompt, answer) pair and reject wrong types
+instead of coercing them; a problem is a `BadRow` the caller names with file and row.
 """
 
 from __future__ import annotations
@@ -72,15 +71,6 @@ def require_str(row: dict, key: str, fmt: str, *, non_empty: bool = False) -> st
     return value
 
 
-def _optional_str(row: dict, key: str) -> str:
-    value = row.get(key)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise BadRow(f"{key!r} must be a string, got {type_name(value)} {_short(value)}")
-    return value
-
-
 def _short(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -88,7 +78,7 @@ def _short(value: Any, limit: int = 40) -> str:
 
 def alpaca_prompt(row: dict) -> tuple[str, str]:
     instruction = require_str(row, "instruction", "alpaca", non_empty=True)
-    extra = _optional_str(row, "input")
+    extra = "" if row.get("input") is None else require_str(row, "input", "alpaca")
     output = require_str(row, "output", "alpaca")
     prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     return prompt, output
@@ -160,14 +150,10 @@ def sharegpt_conversation(row: dict) -> list[dict]:
 def target_texts(row: dict, fmt: str) -> list[str]:
     """What a valid row of `fmt` trains on without data.train_on_prompt: the output, the completion,
     the assistant turns; a text row trains on all of its text."""
-    if fmt == "alpaca":
-        return [alpaca_prompt(row)[1]]
-    if fmt == "prompt_completion":
-        return [prompt_completion_pair(row)[1]]
-    if fmt in ("messages", "sharegpt"):
-        turns = messages_conversation(row) if fmt == "messages" else sharegpt_conversation(row)
-        return [m["content"] for m in turns if m["role"] == "assistant"]
-    return [row["text"]]
+    if fmt == "text":
+        return [row["text"]]
+    valid = ROW_VALIDATORS[fmt](row)  # (prompt, answer), or the conversation
+    return [valid[1]] if isinstance(valid, tuple) else [m["content"] for m in valid if m["role"] == "assistant"]
 
 
 def empty_target(row: dict, fmt: str) -> bool:

@@ -1,12 +1,11 @@
 """Packing: whole examples concatenated into rows of at most max_length tokens (data.packing).
 
-Best-fit decreasing: examples sorted longest first, each put into the open row whose free space is
-the SMALLEST that still holds it, else into a new row. On the benchmark's log-normal lengths
-(2,000 examples, rows of 2,048) it leaves 0.33% of row positions empty, where the next-fit packing
-this replaced (seeded shuffle, a row closed as soon as the next example did not fit) left 13.6%
-(docs/speed.md "Packing"; tests/data/test_pack.py checks < 2% on such lengths). "Smallest
-free space >= n" is a search in a max-segment-tree over the free-space values 1..max_length, so
-packing is O(n log n + n log max_length): 200,000 lengths at 2,048 in under 2 s.
+Best-fit decreasing: examples sorted longest first, each put into the open row whose free space is the SMALLEST that
+still holds it, else into a new row. On the benchmark's log-normal lengths (2,000 examples, rows of 2,048) it leaves
+0.33% of row positions empty, where the next-fit packing this replaced (seeded shuffle, a row closed as soon as the next
+example did not fit) left 13.6% (docs/speed.md "Packing"; tests/data/test_pack.py checks < 2% on such lengths).
+"Smallest free space >= n" is a search in a max-segment-tree over the free-space values 1..max_length, so packing is O(n
+log n + n log max_length): 200,000 lengths at 2,048 in under 2 s.
 """
 
 from __future__ import annotations
@@ -91,11 +90,10 @@ def bins(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
 
 
 def packed_row(examples: list[Example]) -> dict:
-    """One packed row. position_ids restart at 0 for each example; with no attention mask,
-    transformers turns that into a block-diagonal causal mask, so examples in a row do not attend to
-    each other. Labels are shifted inside the model (logits[t] is scored against labels[t + 1]), so
-    the label at the first token of every example after the first would be predicted from the last
-    token of the previous example; it is set to -100 to drop that cross-example target."""
+    """One packed row. position_ids restart at 0 for each example; with no attention mask, transformers turns that into
+    a block-diagonal causal mask, so examples in a row do not attend to each other. Labels are shifted inside the model
+    (logits[t] is scored against labels[t + 1]), so the label at the first token of every example after the first would
+    be predicted from the last token of the previous example; it is set to -100 to drop that cross-example target."""
     row: dict = {"input_ids": [], "labels": [], "position_ids": []}
     for k, ex in enumerate(examples):
         labels = list(ex.labels)

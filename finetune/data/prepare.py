@@ -1,14 +1,13 @@
 """The data prepared once per machine, on `datasets` (docs/data.md "Preparation").
 
-Rows are read into Arrow (JSON lines streamed line by line; a save_to_disk folder, an .arrow file or
-a Hub dataset as they are), then validated, rendered, tokenized and truncated by
-`Dataset.map(batched=True, num_proc=data.num_proc)`, split and packed, and written as Arrow files
-into one entry under data.cache_dir ($FINETUNE_CACHE/tokenized or ~/.cache/finetune/tokenized) named
-by its key: a SHA-256 of the source's bytes, the whole tokenizer, the data settings that shape the
-examples and FORMAT_VERSION (bump it when reading, validation, rendering, tokenization or
-truncation produce other examples). The local main process (LOCAL_RANK 0) prepares; the machine's
-other ranks wait for the entry (no collective: a stop signal still ends the wait) and open it
-memory-mapped. `data.cache_tokenized: false`: every process prepares its own and keeps nothing.
+Rows are read into Arrow (JSON lines streamed line by line; a save_to_disk folder, an .arrow file or a Hub dataset as
+they are), then validated, rendered, tokenized and truncated by `Dataset.map(batched=True, num_proc=data.num_proc)`,
+split and packed, and written as Arrow files into one entry under data.cache_dir ($FINETUNE_CACHE/tokenized or
+~/.cache/finetune/tokenized) named by its key: a SHA-256 of the source's bytes, the whole tokenizer, the data settings
+that shape the examples and FORMAT_VERSION (bump it when reading, validation, rendering, tokenization or truncation
+produce other examples). The local main process (LOCAL_RANK 0) prepares; the machine's other ranks wait for the entry
+(no collective: a stop signal still ends the wait) and open it memory-mapped. `data.cache_tokenized: false`: every
+process prepares its own and keeps nothing.
 """
 
 from __future__ import annotations
@@ -40,10 +39,6 @@ PROGRESS_EVERY_S = 30.0  # a progress line at least this often in a log (a bar o
 WAIT_POLL_S = 0.2  # how often the other ranks look for the entry
 _MIN_ROWS_PER_PROCESS = 10_000  # below this, starting a process costs more than it saves
 KINDS = {"example": 0, "bad": 1, "dropped": 2}  # a prepared row: an example, a bad row, no trained token
-
-
-def default_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
@@ -92,7 +87,8 @@ def load(data_cfg, tokenizer, seed: int, build, interrupt=None):
     import datasets
 
     source = None if read.is_local(data_cfg.path) else read.hub_dataset(data_cfg.path, data_cfg.split)
-    root = Path(getattr(data_cfg, "cache_dir", None) or default_dir()).expanduser()
+    default = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
+    root = Path(getattr(data_cfg, "cache_dir", None) or default).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(data_cfg, tokenizer, data_cfg.path, seed, source)
     entry, failed = root / key, root / f".failed-{key}-{os.getppid()}"

@@ -253,10 +253,6 @@ def hub_dataset(name: str, split: str):
         ) from None
 
 
-def _read_hub(name: str, split: str) -> list[tuple[int, Any]]:
-    return [(i + 1, r) for i, r in enumerate(hub_dataset(name, split))]
-
-
 def arrow_source(path: str, split: str = "train"):
     """The `datasets.Dataset` of an Arrow source: a save_to_disk folder (a DatasetDict's `split`) or an
     .arrow file, memory-mapped; None for any other path (read row by row here)."""
@@ -284,11 +280,9 @@ def arrow_source(path: str, split: str = "train"):
 
 def read_numbered(path: str, *, split: str = "train") -> list[tuple[int, Any]]:
     """Rows with their 1-based numbers; unreadable rows come back as ``Invalid``."""
-    source = arrow_source(path, split) if is_local(path) else None
+    source = arrow_source(path, split) if is_local(path) else hub_dataset(path, split)
     if source is not None:
         rows = [(i + 1, r) for i, r in enumerate(source)]
-    elif not is_local(path):
-        rows = _read_hub(path, split)
     else:
         name = files.format_name(path)
         if name.endswith((".jsonl", ".json")):
@@ -364,9 +358,8 @@ def _whole(path: str, max_rows: int, split: str) -> tuple[list[tuple[int, Any]],
 def read_rows(path: str, *, split: str = "train") -> list[dict]:
     """Local .json (array of objects, or JSON lines), .jsonl, .parquet, .csv -> list of dict rows.
 
-    Anything else that is not an existing path is loaded with
-    ``datasets.load_dataset(path, split=split)``. Any unreadable row raises ``DataError``
-    naming the file and row; ``build_datasets`` can skip such rows instead.
+    Anything else that is not an existing path is loaded with ``datasets.load_dataset(path, split=split)``. Any
+    unreadable row raises ``DataError`` naming the file and row; ``build_datasets`` can skip such rows instead.
     """
     rows = []
     for number, row in read_numbered(path, split=split):

@@ -11,14 +11,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from finetune.data.formats import (
-    BadRow,
-    alpaca_prompt,
-    messages_conversation,
-    prompt_completion_pair,
-    require_str,
-    sharegpt_conversation,
-)
+from finetune.data.formats import ROW_VALIDATORS, BadRow, require_str
 from finetune.data.read import DataError
 
 logger = logging.getLogger(__name__)
@@ -115,7 +108,7 @@ class Renderer:
             text = self.bos + require_str(row, "text", "text", non_empty=True) + self.tokenizer.eos_token
             return Rendered(text, [(0, len(text))])
         if self.fmt in ("alpaca", "prompt_completion"):
-            prompt, completion = alpaca_prompt(row) if self.fmt == "alpaca" else prompt_completion_pair(row)
+            prompt, completion = ROW_VALIDATORS[self.fmt](row)
             if self.plain:
                 head = self.bos + prompt
                 text = head + completion + self.tokenizer.eos_token
@@ -123,7 +116,7 @@ class Renderer:
                 return Rendered(text, [(start, len(text))])
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         else:
-            messages = messages_conversation(row) if self.fmt == "messages" else sharegpt_conversation(row)
+            messages = ROW_VALIDATORS[self.fmt](row)
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return self._render_chat(messages)

@@ -1,7 +1,6 @@
-"""The GPUs of this machine and the links between them, read from torch and (where installed) NVML.
-`probe(cuda=..., nvml=...)` takes torch.cuda-like and pynvml-like objects so that the GPU paths run
-in unit tests (tests/doctor/fakes.py). The expected link figure is NCCL's own model of the link
-(docs/doctor.md gives the sources).
+"""The GPUs of this machine and the links between them, read from torch and (where installed) NVML. `probe(cuda=...,
+nvml=...)` takes torch.cuda-like and pynvml-like objects so that the GPU paths run in unit tests
+(tests/doctor/fakes.py). The expected link figure is NCCL's own model of the link (docs/doctor.md gives the sources).
 """
 
 from __future__ import annotations

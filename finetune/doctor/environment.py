@@ -50,23 +50,12 @@ def versions(importer=importlib.import_module) -> list[report.Line]:
             module = importer(name)
         except Exception as e:  # not installed, or installed and broken (e.g. a CUDA mismatch at import)
             what = "not installed" if isinstance(e, ModuleNotFoundError) else "does not import"
-            out.append(
-                report.problem(
-                    S,
-                    name,
-                    f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                    f'pip install "{requirement(name)}" (or pip install -e . in the repository)',
-                )
-            )
+            detail = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            fix = f'pip install "{requirement(name)}" (or pip install -e . in the repository)'
+            out.append(report.problem(S, name, detail, fix))
             continue
-        out.append(
-            report.ok(
-                S,
-                name,
-                str(getattr(module, "__version__", "unknown version")),
-                version=getattr(module, "__version__", None),
-            )
-        )
+        version = getattr(module, "__version__", None)
+        out.append(report.ok(S, name, str(getattr(module, "__version__", "unknown version")), version=version))
     return out
 
 

@@ -30,9 +30,6 @@ class Line:
         if self.status == PROBLEM and not self.fix:
             raise ValueError(f"problem line {self.name!r} has no fix")
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def ok(section: str, name: str, detail: str, /, **data) -> Line:
     return Line(section, name, OK, detail, data=data)
@@ -44,10 +41,6 @@ def problem(section: str, name: str, detail: str, fix: str, /, **data) -> Line:
 
 def skipped(section: str, name: str, why: str, /, **data) -> Line:
     return Line(section, name, SKIPPED, why, data=data)
-
-
-def problems(lines: list[Line]) -> list[Line]:
-    return [line for line in lines if line.status == PROBLEM]
 
 
 SCHEMA = 1
@@ -105,13 +98,6 @@ def _table(headers, rows, indent="  ") -> list[str]:
     return out + [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _line_text(line: Line, width: int) -> list[str]:
-    out = [f"  {line.status:8} {line.name.ljust(width)}  {line.detail}"]
-    if line.fix:
-        out.append(f"  {'':8} {''.ljust(width)}  fix: {line.fix}")
-    return out
-
-
 def console(report: dict, all_lines: list[Line]) -> str:
     width = max((len(line.name) for line in all_lines), default=10)
     out = [f"finetune doctor ({report['mode']}): {report['machine']}", ""]
@@ -130,7 +116,9 @@ def console(report: dict, all_lines: list[Line]) -> str:
         else:
             out.append(TITLES[section])
         for line in chosen:
-            out += _line_text(line, width)
+            out.append(f"  {line.status:8} {line.name.ljust(width)}  {line.detail}")
+            if line.fix:
+                out.append(f"  {'':8} {''.ljust(width)}  fix: {line.fix}")
         out.append("")
     out.append(verdict(report))
     return "\n".join(out)
@@ -165,8 +153,8 @@ def build(
         "ok": counts[PROBLEM] == 0,
         "counts": counts,
         "seconds": {k: round(v, 1) for k, v in seconds.items()},
-        "lines": [line.to_dict() for line in all_lines],
-        "problems": [line.to_dict() for line in all_lines if line.status == PROBLEM],
+        "lines": [asdict(line) for line in all_lines],
+        "problems": [asdict(line) for line in all_lines if line.status == PROBLEM],
         "links": links,
         "strategies": strategies,
     }

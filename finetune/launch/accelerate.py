@@ -27,12 +27,11 @@ def launch_command(
     cfg=None,
     problems: list[str] | None = None,
 ) -> list[str]:
-    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given.
-    With cpu, a multi-process config is swapped for its accelerate_configs/cpu/ variant (2
-    processes over gloo, see finetune/launch/cpu_rehearsal.py) and a single-process one gets --cpu.
-    Pure: the environment those launches need comes from launch_environment(). `cfg`: the recipe
-    as loaded already; `problems`: a list to add an accelerate config that is not found to (for
-    preflight to report with the rest) instead of raising."""
+    """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given. With cpu, a
+    multi-process config is swapped for its accelerate_configs/cpu/ variant (2 processes over gloo, see
+    finetune/launch/cpu_rehearsal.py) and a single-process one gets --cpu. Pure: the environment those launches need
+    comes from launch_environment(). `cfg`: the recipe as loaded already; `problems`: a list to add an accelerate config
+    that is not found to (for preflight to report with the rest) instead of raising."""
     from finetune.config.recipe import load_recipe
 
     cfg = cfg or load_recipe(recipe, rest)[0]  # fail here, before any process starts, on a bad recipe
@@ -84,9 +83,8 @@ def _accelerate_config_path(config_file: str | None, recipe_config: str | None, 
 
 
 def _absolute_deepspeed_config(config: Path) -> list[str]:
-    """Configs name their DeepSpeed JSON relative to the resources root (the repository's top
-    level); pass it absolute so `finetune train` works from any directory (accelerate's command
-    line beats the file)."""
+    """Configs name their DeepSpeed JSON relative to the resources root (the repository's top level); pass it absolute
+    so `finetune train` works from any directory (accelerate's command line beats the file)."""
     from finetune.launch.configs import read_yaml
 
     ds = read_yaml(config).get("deepspeed_config") or {}
@@ -97,11 +95,10 @@ def _absolute_deepspeed_config(config: Path) -> list[str]:
 
 
 def run_accelerate_launch(launch_args: list[str]) -> int:
-    """Run `accelerate launch` in this process and return the training script's exit code.
-    Accelerate reports a failed child with a traceback of its own launcher; the child has
-    already printed the real error, so we pass its exit code on instead (2 = user error).
-    Under `finetune train` (a relay installed, finetune/launch/relay.py) the one-process launch
-    runs its process in its own session, as torchrun does for many."""
+    """Run `accelerate launch` in this process and return the training script's exit code. Accelerate reports a failed
+    child with a traceback of its own launcher; the child has already printed the real error, so we pass its exit code
+    on instead (2 = user error). Under `finetune train` (a relay installed, finetune/launch/relay.py) the one-process
+    launch runs its process in its own session, as torchrun does for many."""
     import accelerate.commands.launch as accelerate_launch
 
     from finetune.launch import relay
@@ -122,11 +119,7 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
         if type(e).__name__ == "SignalException":  # the launcher itself was signalled (no relay: bench-comm);
             # torchrun told the ranks to stop
-            print(
-                f"finetune: launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})",
-                file=sys.stderr,
-                flush=True,
-            )
+            _say(f"launcher received {e.sigval.name}: preempted (exit {EXIT_PREEMPTED})")
             return EXIT_PREEMPTED
         if type(e).__name__ != "ChildFailedError":
             raise
@@ -137,20 +130,18 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
 
 
 def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
-    """Name every rank that failed and return the ranks' common exit code, else 1. A rank that
-    stopped making progress (its heartbeats ended long before the others failed: finetune/launch/
-    peers.py) is named first, as the cause; otherwise the first failure is. A rank killed by a
-    signal (exitcode -N) is named with the signal. A preempted launch (every rank 75, or stopped by
-    torchrun after one did) is no failure: rank 0 has printed the checkpoint and the resume command,
-    so nothing more is said."""
+    """Name every rank that failed and return the ranks' common exit code, else 1. A rank that stopped making progress
+    (its heartbeats ended long before the others failed: finetune/launch/ peers.py) is named first, as the cause;
+    otherwise the first failure is. A rank killed by a signal (exitcode -N) is named with the signal. A preempted launch
+    (every rank 75, or stopped by torchrun after one did) is no failure: rank 0 has printed the checkpoint and the
+    resume command, so nothing more is said."""
     import signal
 
     from finetune.launch import peers
 
     codes = {f.exitcode for f in failures.values()}
-    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a
-    # single real exit code among them is the run's (3 non-finite, 75 preempted, 2 user error),
-    # whichever rank happened to exit first.
+    # Once one rank exits, torchrun SIGTERMs the ranks still running: those are consequences, so a single real exit code
+    # among them is the run's (3 non-finite, 75 preempted, 2 user error), whichever rank happened to exit first.
     real = {c for c in codes if c > 0}
     consequences_only = len(real) == 1 and codes - real <= {-signal.SIGTERM}
     if consequences_only and real == {EXIT_PREEMPTED}:
@@ -159,7 +150,7 @@ def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
         peers.read_progress() if beats is None else beats, {r: f.timestamp for r, f in failures.items()}
     )
     for rank, why in sorted(stalled.items()):
-        print(f"finetune: rank {rank} {why}", file=sys.stderr, flush=True)
+        _say(f"rank {rank} {why}")
     ordered = sorted(failures.items(), key=lambda kv: (kv[0] not in stalled, kv[1].timestamp))
     for i, (rank, f) in enumerate(ordered):
         how = (
@@ -173,19 +164,18 @@ def report_failed_ranks(failures: dict, beats: dict | None = None) -> int:
             note = f" (a consequence: it waited for rank(s) {sorted(stalled)})"
         else:
             note = " (first failure)" if i == 0 and len(ordered) > 1 else ""
-        print(
-            f"finetune: rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"rank {rank} (local rank {f.local_rank}, pid {f.pid}) failed: {how}{note}")
     return real.pop() if consequences_only else 1
 
 
+def _say(text: str) -> None:
+    print(f"finetune: {text}", file=sys.stderr, flush=True)
+
+
 def restores_environment(fn):
-    """accelerate launch runs in this process and hands os.environ to the ranks, so launches set
-    their variables there (FINETUNE_CPU_DISTRIBUTED, FINETUNE_ACCELERATE_CONFIG, ...). Put the
-    environment back afterwards: a caller that runs main() twice (a sweep, a test) must not see
-    the first launch's CPU opt-in leak into the second."""
+    """accelerate launch runs in this process and hands os.environ to the ranks, so launches set their variables there
+    (FINETUNE_CPU_DISTRIBUTED, FINETUNE_ACCELERATE_CONFIG, ...). Put the environment back afterwards: a caller that runs
+    main() twice (a sweep, a test) must not see the first launch's CPU opt-in leak into the second."""
     import functools
 
     @functools.wraps(fn)

@@ -1,8 +1,7 @@
-"""What a launch sets up, read into a DeclaredLaunch from one of three sources: the accelerate config
-(and the DeepSpeed JSON it names) before `finetune train` launches (`from_config_file`), the
-environment `accelerate launch` exported to a process (`from_environment`), or the recipe's
-strategy row the script engages itself (`from_recipe`). Problems met while reading are collected,
-not raised, so preflight reports them with the rest (docs/preflight.md).
+"""What a launch sets up, read into a DeclaredLaunch from one of three sources: the accelerate config (and the DeepSpeed
+JSON it names) before `finetune train` launches (`from_config_file`), the environment `accelerate launch` exported to a
+process (`from_environment`), or the recipe's strategy row the script engages itself (`from_recipe`). Problems met while
+reading are collected, not raised, so preflight reports them with the rest (docs/preflight.md).
 """
 
 from __future__ import annotations
@@ -131,12 +130,6 @@ def resolve_path(name: str, base_dirs: list[Path]) -> Path:
     return Path.cwd() / path
 
 
-def _distributed_types() -> list[str]:
-    from accelerate.utils import DistributedType
-
-    return [d.value for d in DistributedType]
-
-
 def from_config_file(
     path: Path,
     *,
@@ -146,6 +139,8 @@ def from_config_file(
     base_dirs: list[Path] = (),
 ) -> DeclaredLaunch:
     """What `accelerate launch --config_file PATH [--num_processes N] [--cpu]` will set up."""
+    from accelerate.utils import DistributedType
+
     facts = DeclaredLaunch(source=f"accelerate config {path}")
     try:
         values = read_yaml(path)
@@ -153,7 +148,7 @@ def from_config_file(
         facts.problems.append(str(e))
         return facts
     dtype = str(values.get("distributed_type", "NO"))
-    allowed = _distributed_types()
+    allowed = [d.value for d in DistributedType]
     if dtype not in allowed:
         facts.problems.append(
             f"{facts.source}: distributed_type {dtype!r} is not one Accelerate knows; allowed: {', '.join(allowed)}"

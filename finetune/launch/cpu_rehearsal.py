@@ -1,7 +1,6 @@
-"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU: two processes over
-gloo, opted in with FINETUNE_CPU_DISTRIBUTED=1 and one of accelerate_configs/cpu/*.yaml (or
-`finetune train --cpu`). On CPU, Accelerate would otherwise run lone processes, or FSDP as DDP
-(docs/preflight.md "CPU rehearsal").
+"""Running DDP, DeepSpeed ZeRO and FSDP2 for real on a machine without a GPU: two processes over gloo, opted in with
+FINETUNE_CPU_DISTRIBUTED=1 and one of accelerate_configs/cpu/*.yaml (or `finetune train --cpu`). On CPU, Accelerate
+would otherwise run lone processes, or FSDP as DDP (docs/preflight.md "CPU rehearsal").
 """
 
 from __future__ import annotations

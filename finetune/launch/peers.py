@@ -1,6 +1,5 @@
-"""The other ranks: each rank's heartbeat thread and watchdog, its progress file, what is done once on
-rank 0, and the process group's teardown. How they work and why: docs/faults.md "A rank dies or
-stalls", "Hangs and every stop signal".
+"""The other ranks: each rank's heartbeat thread and watchdog, its progress file, what is done once on rank 0, and the
+process group's teardown. How they work and why: docs/faults.md "A rank dies or stalls", "Hangs and every stop signal".
 """
 
 from __future__ import annotations
@@ -298,8 +297,7 @@ def progress_directory(env=os.environ) -> Path | None:
 
 
 def progress_writer(rank: int):
-    """A function that writes this rank's beat (called by its heartbeat thread), or None without
-    `finetune train`."""
+    """A function that writes this rank's beat (called by its heartbeat thread), or None without `finetune train`."""
     where = progress_directory()
     if where is None:
         return None
@@ -336,9 +334,8 @@ def read_progress(where: Path | None = None) -> dict[int, dict]:
 
 
 def stalled(beats: dict[int, dict], failed_at: dict[int, float]) -> dict[int, str]:
-    """The ranks that stopped making progress, with why: those whose last beat is STALL_S older than
-    the moment another rank failed, and than their own end (pure; `failed_at`: rank -> time its
-    failure was seen)."""
+    """The ranks that stopped making progress, with why: those whose last beat is STALL_S older than the moment another
+    rank failed, and than their own end (pure; `failed_at`: rank -> time its failure was seen)."""
     out = {}
     for rank, b in beats.items():
         others = [t for r, t in failed_at.items() if r != rank]
@@ -376,10 +373,9 @@ def run_on_main(state, fn):
 
 
 class Teardown:
-    """Destroys the default process group when the interpreter exits (atexit: after main returns,
-    sys.exit or an uncaught error, before C++ teardown), so gloo's teardown cannot abort a finished
-    process (docs/faults.md "Process teardown"). Once every rank is done (`ended_cleanly`), the ranks
-    meet at a barrier first."""
+    """Destroys the default process group when the interpreter exits (atexit: after main returns, sys.exit or an
+    uncaught error, before C++ teardown), so gloo's teardown cannot abort a finished process (docs/faults.md "Process
+    teardown"). Once every rank is done (`ended_cleanly`), the ranks meet at a barrier first."""
 
     def __init__(self, state):
         self.state, self.clean = state, False

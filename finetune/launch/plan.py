@@ -20,9 +20,8 @@ from finetune.mesh import of as mesh_of
 
 @dataclass(frozen=True)
 class Machines:
-    """How the processes are spread over machines. A launched process gathers each rank's node from
-    its live process group (`gathered`; finetune/launch/nodes.py); before a launch only the counts
-    its config gives are known."""
+    """How the processes are spread over machines. A launched process gathers each rank's node from its live process
+    group (`gathered`; finetune/launch/nodes.py); before a launch only the counts its config gives are known."""
 
     num_machines: int
     processes_per_machine: int
@@ -116,9 +115,8 @@ class LaunchPlan:
 
     @classmethod
     def resolve(cls, cfg, state, setup: StrategySetup | None = None) -> LaunchPlan:
-        """This process's launch, once its process group exists: under `recipe` the recipe's row, else
-        what the launcher exported (finetune/launch/configs.py); each rank's node gathered (collective:
-        every rank resolves it)."""
+        """This process's launch, once its process group exists: under `recipe` the recipe's row, else what the launcher
+        exported (finetune/launch/configs.py); each rank's node gathered (collective: every rank resolves it)."""
         from finetune import resources
         from finetune.launch.configs import from_environment, from_recipe
 

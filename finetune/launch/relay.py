@@ -1,11 +1,10 @@
-"""`finetune train` keeps charge of the processes it launched until they end (docs/faults.md
-"Signals"). SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to it (docker stop, Kubernetes, `kill PID`,
-`timeout`, Ctrl-C, a closed terminal or ssh session, SLURM's `--signal=B:USR1@N`; training.stop_signals
-chooses which) are relayed to every rank, once, and it waits for them:
-they finish the optimizer step, write one complete checkpoint and exit 75, which it passes on. A
-second signal is ignored while they write. The ranks run in their own sessions (torchrun starts
-them so; the one-process launch here does the same), so a terminal's Ctrl-C reaches the wrapper
-alone and each rank gets exactly one relayed copy.
+"""`finetune train` keeps charge of the processes it launched until they end (docs/faults.md "Signals"). SIGTERM,
+SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to it (docker stop, Kubernetes, `kill PID`, `timeout`, Ctrl-C, a closed
+terminal or ssh session, SLURM's `--signal=B:USR1@N`; training.stop_signals chooses which) are relayed to every rank,
+once, and it waits for them: they finish the optimizer step, write one complete checkpoint and exit 75, which it passes
+on. A second signal is ignored while they write. The ranks run in their own sessions (torchrun starts them so; the
+one-process launch here does the same), so a terminal's Ctrl-C reaches the wrapper alone and each rank gets exactly one
+relayed copy.
 
 A rank is sent the signal only once it catches it (its SigCgt mask in /proc), so a rank still
 starting up is not killed by a signal meant to stop it cleanly; one started after the signal gets

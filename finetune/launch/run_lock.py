@@ -1,7 +1,6 @@
-"""One writer per run directory: an exclusive flock on LOCK inside it, taken by rank 0 before it
-changes anything there and held until the process exits; the kernel releases it however the process
-dies (docs/faults.md "One writer per run directory"). The lock file holds the holder's pid, host,
-start time and command line (JSON), for the message.
+"""One writer per run directory: an exclusive flock on LOCK inside it, taken by rank 0 before it changes anything there
+and held until the process exits; the kernel releases it however the process dies (docs/faults.md "One writer per run
+directory"). The lock file holds the holder's pid, host, start time and command line (JSON), for the message.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.storage import json_object
 
 LOCK = ".finetune.lock"
 WAIT_S = 2.0  # a probe holds the lock for microseconds; a holder writes its note right after locking
@@ -51,10 +51,9 @@ def acquire(run_dir: Path) -> None:
 
 
 def release(run_dir: Path) -> None:
-    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so
-    a refused --resume leaves nothing behind; a crash leaves the file, unlocked). Unlinked while
-    still locked: a process waiting for it then finds the file gone and takes a new one (acquire's
-    check that the locked file is the one at the path)."""
+    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so a refused --resume
+    leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting for it
+    then finds the file gone and takes a new one (acquire's check that the locked file is the one at the path)."""
     key = str(Path(run_dir).absolute())
     fd = _held.pop(key, None)
     if fd is None:
@@ -92,11 +91,7 @@ def live_run(run_dir: Path) -> str | None:
 
 def holder(run_dir: Path) -> dict:
     """The note the holder wrote (empty until it has)."""
-    try:
-        note = json.loads((Path(run_dir) / LOCK).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return note if isinstance(note, dict) else {}
+    return json_object(Path(run_dir) / LOCK)
 
 
 def in_use_message(run_dir: Path) -> str:

@@ -9,9 +9,8 @@ and written by one run at a time (finetune/launch/run_lock.py: rank 0 locks it b
     runs/<name>/checkpoint-*/   Trainer checkpoints, when training.save_strategy asks for them
     runs/<name>/.finetune-run   the marker: finetune made this directory (MARKER)
 
-Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a
-folder finetune did not make (the user's project, `.`, `~`, a folder holding runs) is refused,
-nothing in it touched.
+Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a folder finetune did not
+make (the user's project, `.`, `~`, a folder holding runs) is refused, nothing in it touched.
 """
 
 from __future__ import annotations
@@ -133,10 +132,6 @@ def prepare_run_dir(
                 entry.unlink()
         if kept:
             print(f"kept in {path} (not written by finetune): {', '.join(sorted(kept))}", flush=True)
-    _mark(path)
-
-
-def _mark(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER).touch()  # empty: it takes no space on a disk that is full
 
@@ -202,16 +197,13 @@ def reusable(path: Path) -> str | None:
     before its first step writes (no checkpoint, no model), and its run.json says so: failed or
     interrupted with no step, or `running` with no step, which only a run that died before it could
     record its end leaves (a live one holds the directory's lock and is refused before this)."""
-    import json
+    from finetune.storage import json_object
 
     names = {p.name for p in contents(path) if not p.name.startswith(".run.json.")}  # + interrupted writes
     if "run.json" not in names or not names <= LEFT_BEFORE_FIRST_STEP:
         return None
-    try:
-        record = json.loads((path / "run.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    summary = record.get("summary") if isinstance(record, dict) else None
+    record = json_object(path / "run.json")
+    summary = record.get("summary")
     if (
         not isinstance(summary, dict)
         or summary.get("status") not in ("failed", "interrupted", "running")

@@ -2,11 +2,10 @@
 inside the script (docs/preflight.md "Who sets up the strategy": the rule, and what the recipe
 route prepares before the first PartialState).
 
-DeepSpeed's C++ ops that are compiled on first use (JIT, torch.utils.cpp_extension): said before
-the 50-70 s build starts, so a first launch does not look hung. `deepspeed_shm_comm` is built by
-DeepSpeed's CPU communication backend when a DeepSpeed run's processes join on CPU
-(deepspeed/comm/torch.py build_shm_op), `cpu_adam` for an optimizer offloaded to the host
-(DeepSpeedCPUAdam). Each is cached per Python/torch build and reused afterwards.
+DeepSpeed's C++ ops that are compiled on first use (JIT, torch.utils.cpp_extension): said before the 50-70 s build
+starts, so a first launch does not look hung. `deepspeed_shm_comm` is built by DeepSpeed's CPU communication backend
+when a DeepSpeed run's processes join on CPU (deepspeed/comm/torch.py build_shm_op), `cpu_adam` for an optimizer
+offloaded to the host (DeepSpeedCPUAdam). Each is cached per Python/torch build and reused afterwards.
 """
 
 from __future__ import annotations
@@ -126,10 +125,9 @@ def prepare(setup: StrategySetup, env=os.environ) -> None:
 
 
 def adopt_deepspeed_comm(setup: StrategySetup, *, sequence_parallel: bool = False) -> None:
-    """DeepSpeed rows engaged in-script, and every Ulysses run (Accelerate registers Ulysses' groups
-    before DeepSpeed's engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier):
-    deepspeed.comm wraps the torch group PartialState made (deepspeed/comm/comm.py init_distributed:
-    "The user initialized torch.dist themselves")."""
+    """DeepSpeed rows engaged in-script, and every Ulysses run (Accelerate registers Ulysses' groups before DeepSpeed's
+    engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier): deepspeed.comm wraps the torch group
+    PartialState made (deepspeed/comm/comm.py init_distributed: "The user initialized torch.dist themselves")."""
     import torch.distributed as dist
 
     in_script = setup.set_up_by == "recipe" and setup.row.zero_stage is not None

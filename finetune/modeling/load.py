@@ -6,7 +6,6 @@ QLoRA), a ZeRO-3-partitioned model outside the engine, and the final export. The
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
 from finetune.precision import Policy, dtype_name, torch_dtype
+from finetune.storage import json_object
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,10 @@ def load_model(
             # bf16-mixed: the checkpoint is loaded in bf16, as DeepSpeed's master starts from its bf16
             # module, so every strategy starts from the same weights (measured: an fp32 start
             # moved ZeRO's losses 1.8e-4 from DDP's); the fp32 copies below are the master weights.
-            cast_trainable(model, torch_dtype(policy.master_dtype))
+            master = torch_dtype(policy.master_dtype)
+            for p in model.parameters():  # in place: the optimizer is built later
+                if p.requires_grad and p.is_floating_point() and p.dtype != master:
+                    p.data = p.data.to(master)
         if gradient_checkpointing:
             # transformers 5.23 renamed gradient_checkpointing_enable (deprecated, removed in v6).
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -115,13 +118,6 @@ def load_model(
             if not p.requires_grad and p.is_floating_point() and p.__class__.__name__ != "Params4bit":
                 p.data = p.data.to(torch_dtype(policy.frozen_dtype))
     return model
-
-
-def cast_trainable(model, dtype: torch.dtype) -> None:
-    """Trainable floating-point parameters -> `dtype` (in place: the optimizer is built later)."""
-    for p in model.parameters():
-        if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
 
 
 def quantization_config(method: MethodConfig, dtype: torch.dtype):
@@ -210,7 +206,7 @@ def code_problem(folder: Path, trust: bool) -> str | None:
     would have to run it. (A known model_type loads transformers' own class; nothing runs then.)"""
     if trust:
         return None
-    files = {name: _json(folder / name) for name in ("config.json", "tokenizer_config.json")}
+    files = {name: json_object(folder / name) for name in ("config.json", "tokenizer_config.json")}
     model_type = files["config.json"].get("model_type")
     needed = []
     for name, values in files.items():
@@ -232,14 +228,6 @@ def code_problem(folder: Path, trust: bool) -> str | None:
         f"{needed[0][0]}: its auto_map asks for the folder's own Python code ({code}), which loading it would run "
         f"(transformers has no class of its own for model_type {model_type!r})"
     )
-
-
-def _json(path: Path) -> dict:
-    try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return values if isinstance(values, dict) else {}
 
 
 def _has_class(auto: str, model_type, tokenizer_class) -> bool:
@@ -276,10 +264,9 @@ def _load_problem(what: str, path: str, err: Exception) -> str:
 
 @contextlib.contextmanager
 def full_parameters(model):
-    """Inside: every parameter of a ZeRO-3-partitioned, not yet wrapped model is whole (the exact-match
-    evaluation before training). Gathered read-only (modifier_rank=None) on every rank: the full
-    model's memory on each rank for a moment. A no-op for other strategies, which shard only when
-    Trainer wraps the model."""
+    """Inside: every parameter of a ZeRO-3-partitioned, not yet wrapped model is whole (the exact-match evaluation
+    before training). Gathered read-only (modifier_rank=None) on every rank: the full model's memory on each rank for a
+    moment. A no-op for other strategies, which shard only when Trainer wraps the model."""
     partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not partitioned:
         yield model

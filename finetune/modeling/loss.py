@@ -246,12 +246,11 @@ def resolve(
     chunk: int | None = None,
     tensor_parallel: int = 1,
 ) -> tuple[str, str | None]:
-    """(the implementation to install, why `auto` fell back to standard or None). Explicit
-    choices that cannot be honoured raise: ConfigError for the model/options, UserError for the
-    machine. `auto` = chunked; liger when training.use_liger_kernel chose Liger; standard (with
-    the reason) where the chunked loss cannot stand in, or where it would hold more memory than the
-    standard loss for micro-batches of `tokens` tokens (loss_choice.auto_choice: a trainable head's
-    fp32 weight-gradient accumulator against the logits; `tokens` None: not weighed, chunked)."""
+    """(the implementation to install, why `auto` fell back to standard or None). Explicit choices that cannot be
+    honoured raise: ConfigError for the model/options, UserError for the machine. `auto` = chunked; liger when
+    training.use_liger_kernel chose Liger; standard (with the reason) where the chunked loss cannot stand in, or where
+    it would hold more memory than the standard loss for micro-batches of `tokens` tokens (loss_choice.auto_choice: a
+    trainable head's fp32 weight-gradient accumulator against the logits; `tokens` None: not weighed, chunked)."""
     if requested not in LOSS_IMPLS:
         raise ConfigError([f"training.loss_impl: got {requested!r}; allowed: {', '.join(LOSS_IMPLS)}"])
     if requested == "standard":

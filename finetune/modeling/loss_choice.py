@@ -6,13 +6,12 @@ outweighs the logits it saves for short micro-batches (docs/planning.md, docs/sp
 
 from __future__ import annotations
 
-# One chunk's fp32 logits stay within this many bytes. Why 256 MiB: it bounds the loss's working
-# memory whatever the vocabulary (forward: the chunk's logits in the compute dtype and in fp32;
-# backward: the recomputed fp32 softmax and its compute-dtype copy; so about chunk x V x (a + 4)
-# bytes live at once, a = compute dtype bytes: <= 384 MiB in bf16), under 1% of a 40 GB device,
-# while a chunk keeps >= 256 tokens for any vocabulary up to 262,144, enough rows for a full-speed
-# GEMM (chunk x H x V). Measured on CPU (profiler allocator events, V 49,152, 8,192 tokens): loss
-# peak 6,735 MiB standard, 977 MiB chunked (docs/speed.md "Loss implementations").
+# One chunk's fp32 logits stay within this many bytes. Why 256 MiB: it bounds the loss's working memory whatever the
+# vocabulary (forward: the chunk's logits in the compute dtype and in fp32; backward: the recomputed fp32 softmax and
+# its compute-dtype copy; so about chunk x V x (a + 4) bytes live at once, a = compute dtype bytes: <= 384 MiB in bf16),
+# under 1% of a 40 GB device, while a chunk keeps >= 256 tokens for any vocabulary up to 262,144, enough rows for a
+# full-speed GEMM (chunk x H x V). Measured on CPU (profiler allocator events, V 49,152, 8,192 tokens): loss peak 6,735
+# MiB standard, 977 MiB chunked (docs/speed.md "Loss implementations").
 CHUNK_LOGITS_BYTES = 256 * 2**20
 MIN_CHUNK_TOKENS = 16
 F32 = 4

@@ -1,12 +1,11 @@
 """What autograd keeps for backward in one training step, op by op: the decoder blocks' saved
 tensors, the loss's buffers, and the dtype each has under a precision regime.
 
-Units: bytes. T = tokens per micro-batch, h hidden, q = heads x head_dim, kv = kv_heads x head_dim,
-i intermediate, V vocabulary, a = bytes per element of the tensor at hand. Every term is a
-tensor that transformers 5.23 / torch / peft 0.21 / bitsandbytes 0.50 allocate and autograd
-saves (library file:function in the comments). tests/planning/test_activations.py counts the
-saved storages with torch.autograd.graph.saved_tensors_hooks and checks these formulas to the
-byte for each regime; tests/planning/test_step_peak.py checks the whole step's peak with the
+Units: bytes. T = tokens per micro-batch, h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate, V
+vocabulary, a = bytes per element of the tensor at hand. Every term is a tensor that transformers 5.23 / torch / peft
+0.21 / bitsandbytes 0.50 allocate and autograd saves (library file:function in the comments).
+tests/planning/test_activations.py counts the saved storages with torch.autograd.graph.saved_tensors_hooks and checks
+these formulas to the byte for each regime; tests/planning/test_step_peak.py checks the whole step's peak with the
 allocator events torch.profiler records.
 """
 
@@ -151,9 +150,8 @@ class BlockSaves:
         return len(tgt) * f.adapter * T * n, False  # one cast copy per adapter (peft _cast_input_dtype)
 
     def norm(self, width: int, rows_per_token: int) -> int:
-        """transformers LlamaRMSNorm.forward: hidden.to(fp32) (saved by pow and mul; a copy when
-        16-bit), rsqrt (fp32, one per row), and weight * xn.to(input dtype) saves xn only when the
-        weight trains."""
+        """transformers LlamaRMSNorm.forward: hidden.to(fp32) (saved by pow and mul; a copy when 16-bit), rsqrt (fp32,
+        one per row), and weight * xn.to(input dtype) saves xn only when the weight trains."""
         T = self.T
         return F32 * T * width + F32 * T * rows_per_token + (self.f.stream * T * width if self.full else 0)
 
@@ -295,11 +293,10 @@ def logits_bytes(w: Workload, p: Regime) -> int:
 
 
 def loss_buffers(sh: Shape, w: Workload, p: Regime, chunk: int) -> dict:
-    """Live bytes of the loss at the end of the forward pass and when backward starts, per loss_impl
-    (the table and its derivation: docs/planning.md "The loss"). Sources: transformers 5.23
-    loss/loss_utils.py ForCausalLMLoss (standard; _log_softmax_backward_data at backward start);
-    finetune/modeling/loss.py ChunkedLinearCrossEntropy (chunked; checked on CPU:
-    tests/planning/test_loss_memory.py); liger_kernel/ops/fused_linear_cross_entropy.py
+    """Live bytes of the loss at the end of the forward pass and when backward starts, per loss_impl (the table and its
+    derivation: docs/planning.md "The loss"). Sources: transformers 5.23 loss/loss_utils.py ForCausalLMLoss (standard;
+    _log_softmax_backward_data at backward start); finetune/modeling/loss.py ChunkedLinearCrossEntropy (chunked; checked
+    on CPU: tests/planning/test_loss_memory.py); liger_kernel/ops/fused_linear_cross_entropy.py
     fused_linear_cross_entropy_forward (liger: grads made in the forward, logits overwritten in place)."""
     T, V, h = w.tokens, sh.vocab, sh.hidden
     lb = logits_bytes(w, p)

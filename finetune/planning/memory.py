@@ -22,17 +22,15 @@ from finetune.units import GIB
 # ":4096:8" = 32 MiB on sm90, ":4096:2:16:8" = 8 MiB + 128 KiB elsewhere; cuBLASLt shares it).
 CUBLAS_WORKSPACE_SM90 = 4096 * 1024 * 8
 CUBLAS_WORKSPACE_OTHER = 4096 * 1024 * 2 + 16 * 1024 * 8
-# Handles are per thread: the forward runs on the Python thread, the backward on autograd's device
-# thread, so a training step has two (derived; the six H200 records each leave 0.2-2.3 MiB
-# unexplained after counting these 64 MiB).
+# Handles are per thread: the forward runs on the Python thread, the backward on autograd's device thread, so a training
+# step has two (derived; the six H200 records each leave 0.2-2.3 MiB unexplained after counting these 64 MiB).
 CUBLAS_HANDLES = 2
 # Caching-allocator fragmentation: reserved / allocated - 1 of the steady state. FITTED: the mean
 # over the five H200 records of 2026-11-22 whose step allocates no buffer larger than a block freed
 # before it (single 4.4%, FSDP2 11.7%, ZeRO-3 3.7%, LoRA 7.5%, QLoRA 1.0%).
 ALLOCATOR_FRAGMENTATION = 0.057
-# CUDA context + module images, outside torch's counters (nvidia-smi sees it, memory_stats does
-# not): ASSUMED, a typical H100 figure, not in the records. Counts toward "fits", not toward the
-# allocated/reserved predictions.
+# CUDA context + module images, outside torch's counters (nvidia-smi sees it, memory_stats does not): ASSUMED, a typical
+# H100 figure, not in the records. Counts toward "fits", not toward the allocated/reserved predictions.
 CUDA_CONTEXT_GIB = 0.5
 NF4_BITS = {True: 4 + 8 / 64 + 32 / (64 * 256), False: 4 + 32 / 64}  # QLoRA paper §3; tests: bitsandbytes
 
@@ -68,9 +66,8 @@ def cublas_bytes(sm: int | None) -> int:
 
 
 def batch_bytes(w: Workload) -> int:
-    """The micro-batch on the device while it trains: int64 input_ids and labels, plus the attention
-    mask (padded layout) or position_ids (packed, padding-free) (finetune/data/collate.py); the
-    embedding saves input_ids itself."""
+    """The micro-batch on the device while it trains: int64 input_ids and labels, plus the attention mask (padded
+    layout) or position_ids (packed, padding-free) (finetune/data/collate.py); the embedding saves input_ids itself."""
     return 8 * w.tokens * 3
 
 
@@ -203,11 +200,10 @@ def forward_phases(sh: Shape, w: Workload, p: Regime, A: dict) -> dict:
 
 
 def backward_phases(sh: Shape, w: Workload, A: dict, grads: DeviceGradients, common: dict) -> dict:
-    """The final norm's backward, then the blocks' from the last to the first. At block l: the saved
-    tensors of blocks 0..l (with checkpointing: their inputs, plus block l recomputed), the gradients
-    of the blocks above (full fine-tuning), the head's gradient, the gradient flowing in, and the
-    block's own backward temporaries (`common`). The live set is linear in l, so its maximum is at one
-    end: the last block (first to run) or the first block."""
+    """The final norm's backward, then the blocks' from the last to the first. At block l: the saved tensors of blocks
+    0..l (with checkpointing: their inputs, plus block l recomputed), the gradients of the blocks above (full
+    fine-tuning), the head's gradient, the gradient flowing in, and the block's own backward temporaries (`common`). The
+    live set is linear in l, so its maximum is at one end: the last block (first to run) or the first block."""
     T, h = w.tokens, sh.hidden
     block_casts = (sh.layers - 1) * A["weight_casts_layer"] + A["weight_casts_first"]
     # the final norm's backward, before any block's, at its pow's backward: every block's saved tensors,
@@ -327,12 +323,11 @@ def late_unfit(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: Zero
 def peak(
     sh: Shape, w: Workload, p: Regime, strategy: str, n: int = 1, *, sm: int | None = 9, ds_config: dict | None = None
 ) -> dict:
-    """The predicted peak of one device: the phase that holds it, allocated and reserved bytes, the
-    persistent and per-phase components, and what lives on the host. `sm`: the GPU's compute
-    capability major (cuBLAS workspace size), None for a CPU run. `ds_config`: a DeepSpeed config
-    (dict) to use instead of the strategy's shipped file. `n` is the world size; under tensor
-    parallelism (w.tp) every rank holds its tensor-parallel share of the blocks and ZeRO/FSDP shard
-    over the n / tp ranks of its data- (and sequence-) parallel group."""
+    """The predicted peak of one device: the phase that holds it, allocated and reserved bytes, the persistent and
+    per-phase components, and what lives on the host. `sm`: the GPU's compute capability major (cuBLAS workspace size),
+    None for a CPU run. `ds_config`: a DeepSpeed config (dict) to use instead of the strategy's shipped file. `n` is the
+    world size; under tensor parallelism (w.tp) every rank holds its tensor-parallel share of the blocks and ZeRO/FSDP
+    shard over the n / tp ranks of its data- (and sequence-) parallel group."""
     sh, n = sh.tp_local(w.tp), max(1, n // w.tp)
     w = resolve_loss(sh, w)
     z = zero_values(strategy, sh, ds_config)
@@ -390,10 +385,9 @@ def fits_total(reserved: float, on_gpu: bool = True) -> float:
 # HF Trainer fills in for "auto" (transformers/integrations/deepspeed.py trainer_config_finalize), and
 # ZeRO-3's rule for which gathered parameters stay on the device between forward and backward.
 
-# DeepSpeed's own defaults where a config leaves a key out (deepspeed/runtime/zero/config.py
-# DeepSpeedZeroConfig: reduce_bucket_size 5e8, sub_group_size 1e9, stage3_max_live_parameters
-# 1e9, stage3_max_reuse_distance 1e9, stage3_param_persistence_threshold 1e5,
-# stage3_prefetch_bucket_size 5e7).
+# DeepSpeed's own defaults where a config leaves a key out (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig:
+# reduce_bucket_size 5e8, sub_group_size 1e9, stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
+# stage3_param_persistence_threshold 1e5, stage3_prefetch_bucket_size 5e7).
 DEEPSPEED_DEFAULTS = {
     "reduce_bucket_size": 5e8,
     "allgather_bucket_size": 5e8,
@@ -431,9 +425,8 @@ def fill_auto(zero: dict, hidden: int) -> dict:
 
 
 def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> ZeroValues | None:
-    """The ZeRO values of a strategy: `ds_config` (a DeepSpeed JSON as a dict) when given, else the
-    shipped ds_configs file of the strategy's row in finetune/strategies.py; None for strategies
-    that are not DeepSpeed."""
+    """The ZeRO values of a strategy: `ds_config` (a DeepSpeed JSON as a dict) when given, else the shipped ds_configs
+    file of the strategy's row in finetune/strategies.py; None for strategies that are not DeepSpeed."""
     row = by_key(strategy)
     if row.zero_stage is None:
         return None
@@ -456,11 +449,10 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
 def zero3_gathered(
     shape: Shape, z: ZeroValues, n: int, param_bytes: int, frozen_bytes: int, method: str, offload_params: bool = False
 ) -> float:
-    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts, by the
-    reuse-distance rule (docs/planning.md; deepspeed/runtime/zero/partitioned_param_coordinator.py
-    release_sub_module): layer l is reused after 2 (L-1-l) layers + the outside parameters. At N = 1
-    nothing is gathered (NoGatherHandle) unless the partition lives on the host (offload_param).
-    Derived from the code; not measured (needs 2 GPUs)."""
+    """ZeRO-3, N > 1: bytes of gathered parameters still on the device when backward starts, by the reuse-distance rule
+    (docs/planning.md; deepspeed/runtime/zero/partitioned_param_coordinator.py release_sub_module): layer l is reused
+    after 2 (L-1-l) layers + the outside parameters. At N = 1 nothing is gathered (NoGatherHandle) unless the partition
+    lives on the host (offload_param). Derived from the code; not measured (needs 2 GPUs)."""
     if n == 1 and not offload_params:
         return 0.0
     per_layer = shape.params.per_layer

@@ -1,7 +1,6 @@
-"""A run's memory prediction (run.json `predicted_memory`) and its error against what it measured,
-and the plan's rows: the phase model of finetune/planning/memory.py turned into GiB per component,
-allocated and reserved, and the host memory of one process, with every assumption and constant
-stated (docs/planning.md)."""
+"""A run's memory prediction (run.json `predicted_memory`) and its error against what it measured, and the plan's rows:
+the phase model of finetune/planning/memory.py turned into GiB per component, allocated and reserved, and the host
+memory of one process, with every assumption and constant stated (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -359,18 +358,16 @@ def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, stra
 # buffers are rounded up to a power of two (aten/src/ATen/core/CachingHostAllocator.h allocate:
 # c10::llvm::PowerOf2Ceil), so a 4.6 GiB pinned fp32 master costs 8 GiB.
 
-# FITTED: the median training-peak RSS of rank 0 in the six H200 records of 2026-11-22
-# (memory.max.host_peak_rss_gib: 1.81 2.16 2.19 2.20 2.46 2.50 GiB; psutil RSS sampled after every
-# micro-step). One constant for every GPU run; its parts are not measured separately (the GPU
-# check in docs/planning.md decomposes it).
+# FITTED: the median training-peak RSS of rank 0 in the six H200 records of 2026-11-22 (memory.max.host_peak_rss_gib:
+# 1.81 2.16 2.19 2.20 2.46 2.50 GiB; psutil RSS sampled after every micro-step). One constant for every GPU run; its
+# parts are not measured separately (the GPU check in docs/planning.md decomposes it).
 HOST_CUDA_PROCESS_BASE_GIB = 2.2
 # MEASURED here: psutil RSS of a Python process after importing torch (CPU build), transformers,
 # accelerate, peft and deepspeed (0.53 GiB, torch 2.13, transformers 5.23).
 HOST_CPU_PROCESS_BASE_GIB = 0.55
-# DeepSpeed offload buffers pinned when `pin_memory: true` (the shipped offload configs): ZeRO-1/2's
-# buffers (stage_1_and_2.py initialize_optimizer_states; stage3.py _unpin_offload_buffers lists
-# ZeRO-3's); CPU-Adam's states and ZeRO-3's master are pageable. FSDP2 CPUOffloadPolicy(pin_memory=True)
-# pins each parameter shard and gradient.
+# DeepSpeed offload buffers pinned when `pin_memory: true` (the shipped offload configs): ZeRO-1/2's buffers
+# (stage_1_and_2.py initialize_optimizer_states; stage3.py _unpin_offload_buffers lists ZeRO-3's); CPU-Adam's states and
+# ZeRO-3's master are pageable. FSDP2 CPUOffloadPolicy(pin_memory=True) pins each parameter shard and gradient.
 PINNED_KEYS = {
     "master_weights",
     "fp32_grad_partition",

@@ -1,8 +1,7 @@
-"""What a training run holds in which dtype, as the memory planner needs it: bytes per element of the
-weights, gradients, optimizer states, master copy and compute, for one precision policy, method and
-strategy, because the same policy is carried out differently by torch autocast, FSDP2 and DeepSpeed.
-`legacy_regime`: records without a `precision` section. Evidence per strategy: docs/planning.md
-"Which regime a run had"; sources inline.
+"""What a training run holds in which dtype, as the memory planner needs it: bytes per element of the weights,
+gradients, optimizer states, master copy and compute, for one precision policy, method and strategy, because the same
+policy is carried out differently by torch autocast, FSDP2 and DeepSpeed. `legacy_regime`: records without a `precision`
+section. Evidence per strategy: docs/planning.md "Which regime a run had"; sources inline.
 """
 
 from __future__ import annotations

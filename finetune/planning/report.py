@@ -189,11 +189,7 @@ def plan_notes(cfg, w: Workload, policy, shape: Shape, dp: int, overrides: list[
     return {
         "workload": workload_note(cfg, w, overrides),
         "precision": f"{policy.name}{how}: {policy.summary}",
-        "micro_batch": w.micro_batch,
-        "seq_len": w.seq_len,
-        "gradient_checkpointing": w.gradient_checkpointing,
-        "grad_accum": w.grad_accum,
-        "layout": w.layout,
+        **{k: getattr(w, k) for k in ("micro_batch", "seq_len", "gradient_checkpointing", "grad_accum", "layout")},
         "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": dp},
         "loss_impl": loss_text(w, shape),
         "optimizer": f"AdamW ({w.optimizer})",
@@ -336,9 +332,8 @@ def run(args, overrides: list[str]) -> int:
 # which assumes the communication hides behind the compute; where it takes longer than the compute,
 # the strategy with the least estimated time wins instead (docs/planning.md "Recommendation").
 
-# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100
-# SXM's dense bf16 peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py
-# PEAK_DENSE_FLOPS has the same row).
+# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100 SXM's dense bf16
+# peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py PEAK_DENSE_FLOPS has the same row).
 PEAK_FLOPS = 989.4e12
 # ASSUMED: the model FLOPs utilisation of a tuned fine-tuning step (the target of docs/benchmarks.md;
 # not measured here). Only decides whether communication dominates; a lower MFU makes that rarer.

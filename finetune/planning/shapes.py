@@ -1,8 +1,7 @@
-"""The planner's inputs: the model's shape (from its transformers config, no weights) and the
-workload (from the recipe: method, batch, sequence, layout, precision policy, loss, checkpointing).
-finetune/planning/memory.py turns them into bytes. Parameter counts come from config arithmetic, and
-model-state bytes as the ZeRO paper counts them (Rajbhandari et al. 2020, §3); DeepSpeed's own
-estimators differ deliberately and are called where needed (docs/planning.md)."""
+"""The planner's inputs: the model's shape (from its transformers config, no weights) and the workload (from the recipe:
+method, batch, sequence, layout, precision policy, loss, checkpointing). finetune/planning/memory.py turns them into
+bytes. Parameter counts come from config arithmetic, and model-state bytes as the ZeRO paper counts them (Rajbhandari et
+al. 2020, §3); DeepSpeed's own estimators differ deliberately and are called where needed (docs/planning.md)."""
 
 from __future__ import annotations
 
@@ -148,9 +147,7 @@ class Shape:
         ]
         saved = self.layer_linear_params - sum(i * o for _, i, o in linears)  # per layer, on other ranks
         params = replace(
-            self.params,
-            per_layer=self.params.per_layer - saved,
-            total=self.params.total - self.layers * saved,
+            self.params, per_layer=self.params.per_layer - saved, total=self.params.total - self.layers * saved
         )
         return replace(
             self,
@@ -202,10 +199,6 @@ def shape_of(config) -> Shape:
     return Shape(
         config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size, linears
     )
-
-
-LAYOUTS = ("padded", "packed", "padding_free")
-LOSS_IMPLS = ("standard", "chunked", "liger")
 
 
 @dataclass

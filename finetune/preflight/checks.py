@@ -1,6 +1,5 @@
-"""Preflight's entry points and the checks of the configs themselves: every problem the configs
-show, found before any weights load and raised together as one ConfigError (exit 2). What is
-checked, and where: docs/preflight.md.
+"""Preflight's entry points and the checks of the configs themselves: every problem the configs show, found before any
+weights load and raised together as one ConfigError (exit 2). What is checked, and where: docs/preflight.md.
 
     check_before_processes(cfg, setup)   # each launched process, before its process group
     check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group

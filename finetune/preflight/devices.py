@@ -17,11 +17,10 @@ from finetune.strategies import ACCELERATOR_TYPES, by_recipe, launch_line
 
 
 def lone_processes_problem(cfg, setup, env=os.environ, cuda: bool | None = None) -> str | None:
-    """Before any process group: several processes launched on a machine without CUDA, without the
-    CPU opt-in, are each set up by Accelerate as a run of their own (each would train alone, and
-    DeepSpeed would first build its CPU ops in each). Every rank finds this from its environment
-    alone, so all of them stop at once, before any collective could wait for another. `cuda`: whether
-    a CUDA device is visible (read from torch when not given)."""
+    """Before any process group: several processes launched on a machine without CUDA, without the CPU opt-in, are each
+    set up by Accelerate as a run of their own (each would train alone, and DeepSpeed would first build its CPU ops in
+    each). Every rank finds this from its environment alone, so all of them stop at once, before any collective could
+    wait for another. `cuda`: whether a CUDA device is visible (read from torch when not given)."""
     launched = int(env.get("WORLD_SIZE", "1"))
     if launched < 2 or setup.cpu_gloo is not None or env.get("ACCELERATE_USE_CPU", "false").lower() == "true":
         return None
@@ -38,9 +37,8 @@ def lone_processes_problem(cfg, setup, env=os.environ, cuda: bool | None = None)
 
 
 def world_size_problem(state, cfg, setup) -> str | None:
-    """The launcher's world size must equal the processes Accelerate set up (a 2-process launch
-    without use_cpu on a machine without a GPU gives two lone runs; most such launches are refused
-    before, by lone_processes_problem)."""
+    """The launcher's world size must equal the processes Accelerate set up (a 2-process launch without use_cpu on a
+    machine without a GPU gives two lone runs; most such launches are refused before, by lone_processes_problem)."""
     launcher = int(os.environ.get("WORLD_SIZE", "1"))
     if launcher == state.num_processes:
         return None
@@ -81,10 +79,9 @@ def cpu_launch_fix(cfg, setup, processes: int) -> str:
 
 
 def launcher_processes_problem(setup, cfg) -> str | None:
-    """`accelerate launch --num_processes N` that started fewer: with at most one GPU visible and
-    no config file, accelerate's simple launcher starts ONE process (accelerate 1.15
-    commands/launch.py _validate_launch_command: multi_gpu only when cuda.device_count() > 1),
-    which would train alone at another batch size than asked for."""
+    """`accelerate launch --num_processes N` that started fewer: with at most one GPU visible and no config file,
+    accelerate's simple launcher starts ONE process (accelerate 1.15 commands/launch.py _validate_launch_command:
+    multi_gpu only when cuda.device_count() > 1), which would train alone at another batch size than asked for."""
     from finetune.launch import launcher
 
     if setup is None or setup.launcher.kind != "accelerate launch" or not setup.launcher.num_processes:

@@ -1,7 +1,6 @@
-"""The model's own files, read before any weights load: is it a causal LM, are its weight files
-whole, and would loading it run anything (the folder's own Python code without
-model.trust_remote_code, a pickle that names code)? And, once the tokenizer and the data exist, does
-the model's embedding cover every token id the run will feed it?
+"""The model's own files, read before any weights load: is it a causal LM, are its weight files whole, and would loading
+it run anything (the folder's own Python code without model.trust_remote_code, a pickle that names code)? And, once the
+tokenizer and the data exist, does the model's embedding cover every token id the run will feed it?
 
     model_problems(cfg)                          # preflight: config.json and the weight files' headers
     check_vocabulary(model_cfg, tokenizer, bundle)   # the data phase, before the model loads
@@ -37,6 +36,7 @@ def model_problems(cfg) -> list[str]:
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
     from finetune.modeling.load import code_problem
+    from finetune.storage import json_object
 
     model = cfg.model
     tokenizer = model.tokenizer_name_or_path
@@ -49,7 +49,7 @@ def model_problems(cfg) -> list[str]:
         from finetune.modeling import bundled
 
         folder = bundled.model_dir() if bundled.is_prepared() else None
-        values = _config_values(folder) if folder else None
+        values = (json_object(folder / "config.json") or None) if folder else None
         return problems + [p for p in [positions_problem(cfg, values, "the bundled model")] if p]
     folder = local_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
@@ -66,14 +66,6 @@ def model_problems(cfg) -> list[str]:
     found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
     found.append(weights_problem(folder))
     return problems + [f"model.name_or_path: {p}" for p in found if p]
-
-
-def _config_values(folder: Path) -> dict | None:
-    try:
-        values = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return values if isinstance(values, dict) else None
 
 
 def positions_problem(cfg, values: dict | None, source: str) -> str | None:

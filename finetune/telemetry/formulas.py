@@ -9,11 +9,10 @@ import re
 import statistics
 from dataclasses import dataclass
 
-# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s per device, from the vendor's documents
-# (figures "with sparsity" halved). T4 has no bf16: its fp16 (mixed precision) figure.
-# (regex on torch.cuda.get_device_name(), label, FLOP/s, source); the first pattern that matches
-# wins, so the PCIe/NVL variants come before their SXM row. A figure that could not be checked
-# against a datasheet is not in the table: no MFU is better than a guess.
+# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s per device, from the vendor's documents (figures "with sparsity"
+# halved). T4 has no bf16: its fp16 (mixed precision) figure. (regex on torch.cuda.get_device_name(), label, FLOP/s,
+# source); the first pattern that matches wins, so the PCIe/NVL variants come before their SXM row. A figure that could
+# not be checked against a datasheet is not in the table: no MFU is better than a guess.
 PEAK_DENSE_FLOPS: list[tuple[str, str, float, str]] = [
     (
         r"\bH100\b.*\bPCIe\b",
@@ -125,10 +124,9 @@ def max_over_ranks(per_rank: list[dict]) -> dict:
 
 
 def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *, warmup: int) -> dict:
-    """Unrounded per-second figures over per-optimizer-step times and counts. The first `warmup`
-    steps are excluded (kept when the run has no more steps than that, and then said so):
-    {excluded, steps, seconds, trained_tokens_per_s, input_tokens_per_s, samples_per_s, median_step_s},
-    the per-second ones None when the measured steps took no time."""
+    """Unrounded per-second figures over per-optimizer-step times and counts. The first `warmup` steps are excluded
+    (kept when the run has no more steps than that, and then said so): {excluded, steps, seconds, trained_tokens_per_s,
+    input_tokens_per_s, samples_per_s, median_step_s}, the per-second ones None when the measured steps took no time."""
     excluded = warmup if len(step_s) > warmup else 0
     times = step_s[excluded:]
     total = sum(times)
@@ -159,11 +157,10 @@ class Stretch:
 
 
 def throughput(stretches: list[Stretch], *, excluded: int) -> dict:
-    """The run record's `throughput` rates over measured stretches (warm-up already left out;
-    `excluded` says how many steps were), rounded as recorded: tokens and examples / summed step
-    time; per device / summed (step time x devices); median step time over the steps (a window
-    of an earlier segment contributes its mean step time once per step); MFU = model FLOPs /
-    (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
+    """The run record's `throughput` rates over measured stretches (warm-up already left out; `excluded` says how many
+    steps were), rounded as recorded: tokens and examples / summed step time; per device / summed (step time x devices);
+    median step time over the steps (a window of an earlier segment contributes its mean step time once per step); MFU =
+    model FLOPs / (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
     seconds = sum(s.seconds for s in stretches)
     empty = {
         "trained_tokens_per_s": None,
@@ -206,9 +203,8 @@ def earlier_entries(steps: list[dict], resumed_at_step: int | None) -> list[dict
 
 
 def windows(entries: list[dict], segment_starts: list[int]) -> list[tuple[dict, int, int]]:
-    """(entry, optimizer steps it covers, its segment's first step - 1) for each entry, in order.
-    Entries written before window_steps was recorded get the distance to the previous entry of
-    their segment."""
+    """(entry, optimizer steps it covers, its segment's first step - 1) for each entry, in order. Entries written before
+    window_steps was recorded get the distance to the previous entry of their segment."""
     out, prev = [], None
     for e in sorted(entries, key=lambda e: e["step"]):
         start = max((s for s in segment_starts if s < e["step"]), default=0)
@@ -229,9 +225,8 @@ def whole_run(
     inputs: int,
     train_loss: float | None,
 ) -> tuple[dict, list[Stretch], int]:
-    """(summary fields, throughput stretches of the earlier segments, their steps left out as
-    warm-up), from the earlier segments' entries and this launch's `steps`, token sums and
-    Trainer mean loss."""
+    """(summary fields, throughput stretches of the earlier segments, their steps left out as warm-up), from the earlier
+    segments' entries and this launch's `steps`, token sums and Trainer mean loss."""
     loss_sum, loss_steps = (train_loss * steps, steps) if train_loss is not None and steps else (0.0, 0)
     counted, stretches, excluded = steps, [], 0
     for e, n, start in windows(entries, segment_starts):

@@ -1,8 +1,7 @@
-"""The meter: what one training process counts and clocks, in one object that owns its counters and
-resets them after each log (torchtitan's MetricsProcessor is the model): tokens and rows per
-micro-batch, the optimizer-step clock, memory peaks per rank (docs/run_record.md `memory`,
-`throughput`, `batch`). Every rank must call the methods that gather (log_window, final,
-start_training).
+"""The meter: what one training process counts and clocks, in one object that owns its counters and resets them after
+each log (torchtitan's MetricsProcessor is the model): tokens and rows per micro-batch, the optimizer-step clock, memory
+peaks per rank (docs/run_record.md `memory`, `throughput`, `batch`). Every rank must call the methods that gather
+(log_window, final, start_training).
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def ru_maxrss_bytes() -> int:
 
 
 class MemoryTracker:
-    """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host, by the
-    kernel's resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled RSS
-    (docs/run_record.md `memory.host_peak_method`). The reset also resets getrusage's ru_maxrss, so the
-    lifetime peak is kept here."""
+    """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host, by the kernel's
+    resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled RSS (docs/run_record.md
+    `memory.host_peak_method`). The reset also resets getrusage's ru_maxrss, so the lifetime peak is kept here."""
 
     def __init__(self, method: str | None = None):
         self.cuda = torch.cuda.is_available()
@@ -117,11 +115,10 @@ class MemoryTracker:
 
 @dataclass(frozen=True)
 class BatchShare:
-    """How one rank's micro-batches relate to the other ranks' (finetune/mesh.py), so that the counts
-    summed over ranks count each token and example once: tensor- and context-parallel ranks train on
-    the same batch (only `counted` ranks count it); sequence-parallel ranks each hold 1/sp of every
-    row's positions (tokens count where they are; rows and lengths from the lengths summed over
-    `sp_group`, on the group's first rank)."""
+    """How one rank's micro-batches relate to the other ranks' (finetune/mesh.py), so that the counts summed over ranks
+    count each token and example once: tensor- and context-parallel ranks train on the same batch (only `counted` ranks
+    count it); sequence-parallel ranks each hold 1/sp of every row's positions (tokens count where they are; rows and
+    lengths from the lengths summed over `sp_group`, on the group's first rank)."""
 
     counted: bool = True
     sp_group: object = None  # torch process group of the Ulysses ranks; None: no sequence parallelism
@@ -130,14 +127,13 @@ class BatchShare:
 def token_counts(
     input_ids: torch.Tensor, attention_mask, labels, real, shift_labels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input tokens, trained tokens) of one batch, as tensors on the batch's device (read them
-    once per step: int() here would stall the GPU queue at every micro-batch). `real` is what a
-    packed batch states under REAL_TOKENS_KEY (its real tokens per row; it has no mask to tell
-    its padding apart). No mask and no stated count: a padding-free batch, where every position
-    is a real token. Trained tokens are what the shifted causal-LM loss scores: labels[..., 1:]
-    that are not -100 (position t is scored against label t + 1, so label 0 of a row never is;
-    transformers' ForCausalLMLoss and Trainer's num_items_in_batch count the same); a sequence shard
-    carries `shift_labels` instead, shifted before the split: every one not -100 is scored."""
+    """(input tokens, trained tokens) of one batch, as tensors on the batch's device (read them once per step: int()
+    here would stall the GPU queue at every micro-batch). `real` is what a packed batch states under REAL_TOKENS_KEY
+    (its real tokens per row; it has no mask to tell its padding apart). No mask and no stated count: a padding-free
+    batch, where every position is a real token. Trained tokens are what the shifted causal-LM loss scores: labels[...,
+    1:] that are not -100 (position t is scored against label t + 1, so label 0 of a row never is; transformers'
+    ForCausalLMLoss and Trainer's num_items_in_batch count the same); a sequence shard carries `shift_labels` instead,
+    shifted before the split: every one not -100 is scored."""
     n_input = (
         attention_mask.sum()
         if attention_mask is not None
@@ -153,16 +149,14 @@ def token_counts(
 
 
 def batch_counts(inputs: dict, share: BatchShare | None = None) -> torch.Tensor:
-    """[input tokens, trained tokens, examples, sum of squared example lengths] of one batch, a
-    long tensor on the batch's device (no host sync). Examples are found from the sequence
-    boundaries, as the attention mask sees them: a padded batch has one example per row (its
-    attention-mask ones); a packed or padding-free batch starts a new example wherever
-    position_ids do not continue by +1 (transformers' find_packed_sequence_indices), counted on
-    real tokens only (a packed row's padding is no example); cu_seq_lens_q when position_ids are
-    absent (FlashAttention kwargs). The squared lengths give the attention FLOPs
-    (finetune/telemetry/model_flops.py). `share`: how this rank's batch relates to the others'.
-    A sequence shard (Ulysses: padded rows with a mask) counts its rows and their lengths from the
-    whole rows, summed over its group, once on the group's first rank."""
+    """[input tokens, trained tokens, examples, sum of squared example lengths] of one batch, a long tensor on the
+    batch's device (no host sync). Examples are found from the sequence boundaries, as the attention mask sees them: a
+    padded batch has one example per row (its attention-mask ones); a packed or padding-free batch starts a new example
+    wherever position_ids do not continue by +1 (transformers' find_packed_sequence_indices), counted on real tokens
+    only (a packed row's padding is no example); cu_seq_lens_q when position_ids are absent (FlashAttention kwargs). The
+    squared lengths give the attention FLOPs (finetune/telemetry/model_flops.py). `share`: how this rank's batch relates
+    to the others'. A sequence shard (Ulysses: padded rows with a mask) counts its rows and their lengths from the whole
+    rows, summed over its group, once on the group's first rank."""
     ids = inputs["input_ids"]
     real = inputs.get(REAL_TOKENS_KEY)
     n_input, n_trained = token_counts(
@@ -404,11 +398,10 @@ def run_figures(
     earlier: list | None = None,
     earlier_excluded: int = 0,
 ) -> dict:
-    """run.json's `memory` and `throughput` sections and the `batch` tokens per step, from
-    Meter.final() of this launch and, for a resumed run, `earlier`: the stretches of the earlier
-    segments, `earlier_excluded` of their steps left out as warm-up (finetune/telemetry/formulas.py).
-    MFU against the peak of the recorded device (CUDA only; none on a MIG slice or off the
-    table, with the reason)."""
+    """run.json's `memory` and `throughput` sections and the `batch` tokens per step, from Meter.final() of this launch
+    and, for a resumed run, `earlier`: the stretches of the earlier segments, `earlier_excluded` of their steps left out
+    as warm-up (finetune/telemetry/formulas.py). MFU against the peak of the recorded device (CUDA only; none on a MIG
+    slice or off the table, with the reason)."""
     import os
 
     steps = len(measured["step_s"])

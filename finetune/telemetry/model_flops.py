@@ -15,8 +15,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """FLOPs of a training step: weight_factor·N per input token + attention_coeff per squared
-    example length."""
+    """FLOPs of a training step: weight_factor·N per input token + attention_coeff per squared example length."""
 
     matmul_params: int  # N (MoE: active experts only)
     weight_factor: int  # 6 full fine-tuning, 4 frozen base (LoRA/QLoRA)
@@ -24,8 +23,7 @@ class ModelFlops:
     convention: str
 
     def flops(self, input_tokens: float, sum_sq_lengths: float) -> float:
-        """Model FLOPs of tokens in examples of lengths T_i: sum T_i = input_tokens,
-        sum T_i^2 = sum_sq_lengths."""
+        """Model FLOPs of tokens in examples of lengths T_i: sum T_i = input_tokens, sum T_i^2 = sum_sq_lengths."""
         return self.weight_factor * self.matmul_params * input_tokens + self.attention_coeff * sum_sq_lengths
 
 

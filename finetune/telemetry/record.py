@@ -1,10 +1,9 @@
 """The run record, `<output_dir>/run.json`: its one owner. docs/run_record.md is the contract.
 
-Sections are computed by pure functions and handed to the run's sinks (finetune/telemetry/sinks.py),
-which keep them in a `RunRecord`; the RunJson sink alone saves it. A field not declared in
-finetune/telemetry/record_schema.py is refused there and then. Readers go through
-`RecordView.get(section, *keys)`, which treats a null or missing value as absent and refuses a path
-the schema does not declare (a typo is a bug, not a silent None).
+Sections are computed by pure functions and handed to the run's sinks (finetune/telemetry/sinks.py), which keep them in
+a `RunRecord`; the RunJson sink alone saves it. A field not declared in finetune/telemetry/record_schema.py is refused
+there and then. Readers go through `RecordView.get(section, *keys)`, which treats a null or missing value as absent and
+refuses a path the schema does not declare (a typo is a bug, not a silent None).
 """
 
 from __future__ import annotations
@@ -133,13 +132,15 @@ PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsand
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {"python": platform.python_version(), **{name: installed_version(name) for name in PACKAGES}}
+
+
+def installed_version(name: str) -> str | None:
+    """The installed distribution's version; None when it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def hardware() -> dict:

@@ -1,9 +1,8 @@
-"""The sections of the run record (run.json) as typed structures: the one declaration of its shape.
-Each top-level key of run.json is a row of SECTIONS; a section whose value is an object names its
-fields with a TypedDict (nested objects and list entries too). finetune/telemetry/record.py refuses a
-field not declared here; tests hold these declarations, docs/run_record.md (units, meanings,
-conventions) and a real run's run.json to each other. A new section: a TypedDict and a SECTIONS row
-here, and its rows in docs/run_record.md.
+"""The sections of the run record (run.json) as typed structures: the one declaration of its shape. Each top-level key
+of run.json is a row of SECTIONS; a section whose value is an object names its fields with a TypedDict (nested objects
+and list entries too). finetune/telemetry/record.py refuses a field not declared here; tests hold these declarations,
+docs/run_record.md (units, meanings, conventions) and a real run's run.json to each other. A new section: a TypedDict
+and a SECTIONS row here, and its rows in docs/run_record.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new
-backend is one more class (rank 0 holds them). When each method is called and by whom:
-docs/architecture.md "The sinks".
+"""Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new backend is one
+more class (rank 0 holds them). When each method is called and by whom: docs/architecture.md "The sinks".
 """
 
 from __future__ import annotations
@@ -30,11 +29,10 @@ class Sink(Protocol):
 
 
 class RunJson:
-    """run.json, and the only code that saves it, atomically (temporary file + rename: a reader never
-    sees half a record). `commit` and `start` save or raise; from the commit on, every section handed
-    over is saved at once, and so is each log window and the end. A disk that refuses it mid-run (full,
-    quota) is said once and the run goes on, the record kept in memory and saved again next time; at
-    the end the failure is said on stderr."""
+    """run.json, and the only code that saves it, atomically (temporary file + rename: a reader never sees half a
+    record). `commit` and `start` save or raise; from the commit on, every section handed over is saved at once, and so
+    is each log window and the end. A disk that refuses it mid-run (full, quota) is said once and the run goes on, the
+    record kept in memory and saved again next time; at the end the failure is said on stderr."""
 
     def __init__(self, record: RunRecord):
         self.record = record

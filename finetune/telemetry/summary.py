@@ -4,6 +4,7 @@ how fast, how much memory, what it changed). Rank 0."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 from finetune import precision
@@ -77,13 +78,7 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
 
 def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
     """Steps and batch, strategy, precision, learning rate, losses and tokens."""
-
-    def s(key):
-        return record.get("summary", key)
-
-    def b(key):
-        return record.get("batch", key)
-
+    s, b = partial(record.get, "summary"), partial(record.get, "batch")
     tokens = (
         f"{s('total_trained_tokens'):,} of {s('total_input_tokens'):,} input tokens"
         if s("total_trained_tokens") is not None
@@ -115,10 +110,7 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
 
 def _speed_rows(record: RecordView) -> list[tuple[str, str]]:
     """Throughput and MFU (when measured), and the memory peaks."""
-
-    def tp(key):
-        return record.get("throughput", key)
-
+    tp = partial(record.get, "throughput")
     rows = []
     if tp("trained_tokens_per_s") is not None:
         rows.append(
@@ -179,10 +171,7 @@ def _set_up_by(value: str | None) -> str:
 
 def precision_line(record: RecordView) -> str:
     """'bf16-mixed (fp32 master + states, bf16 compute, reduce fp32)', from what the live run showed."""
-
-    def p(key):
-        return record.get("precision", key)
-
+    p = partial(record.get, "precision")
     if p("policy") is None:
         return "n/a (no precision section in the record)"
     if p("param_dtype") is None:

@@ -64,11 +64,10 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
 
 
 def mesh_arguments(cfg, launch: LaunchPlan) -> dict:
-    """What engages the mesh (finetune/mesh.py, docs/parallelism.md): Accelerate's ParallelismConfig for
-    sequence and context parallelism, every size given (unset ones would be read from
-    PARALLELISM_CONFIG_* variables); for tensor parallelism the launch's DeepSpeed config with
-    tensor_parallel.autotp_size and zero_optimization.gather_16bit_weights_on_model_save (without it
-    Trainer.save_model writes no weights)."""
+    """What engages the mesh (finetune/mesh.py, docs/parallelism.md): Accelerate's ParallelismConfig for sequence and
+    context parallelism, every size given (unset ones would be read from PARALLELISM_CONFIG_* variables); for tensor
+    parallelism the launch's DeepSpeed config with tensor_parallel.autotp_size and
+    zero_optimization.gather_16bit_weights_on_model_save (without it Trainer.save_model writes no weights)."""
     m = launch.mesh
     out: dict = {}
     if m.sp > 1 or m.cp > 1:

@@ -61,10 +61,9 @@ def trainer_for(
     sinks=None,
     machines=None,
 ) -> ResilientTrainer:
-    """ResilientTrainer over the configured batch layout, with the strategy that engaged checked
-    against the recipe and the precision policy applied; both are read back from the live objects
-    before step 1 (finetune/training/hooks.py). `sinks`: rank 0 of a run; `machines`: a run's, every
-    rank (run.json `nodes`); None in the benchmark."""
+    """ResilientTrainer over the configured batch layout, with the strategy that engaged checked against the recipe and
+    the precision policy applied; both are read back from the live objects before step 1 (finetune/training/hooks.py).
+    `sinks`: rank 0 of a run; `machines`: a run's, every rank (run.json `nodes`); None in the benchmark."""
     from finetune.data import collate
     from finetune.telemetry import meter
     from finetune.training.hooks import RunHooks

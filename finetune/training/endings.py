@@ -1,7 +1,6 @@
-"""How a run ends, on every rank: the steps after its training (`AfterTraining`, each ending at an
-agreed boundary) and the endings of a run that does not complete (docs/faults.md "After training",
-"Hangs and every stop signal"). Each returns what run.json should say; finetune/training/run.py hands
-it to the sinks.
+"""How a run ends, on every rank: the steps after its training (`AfterTraining`, each ending at an agreed boundary) and
+the endings of a run that does not complete (docs/faults.md "After training", "Hangs and every stop signal"). Each
+returns what run.json should say; finetune/training/run.py hands it to the sinks.
 """
 
 from __future__ import annotations
@@ -136,10 +135,9 @@ class AfterTraining:
 
 
 def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float | None) -> tuple[dict, dict]:
-    """(summary fields, sections) of a run whose training completed: totals, memory, throughput and
-    the prediction's error, whole-run for a resumed run (finetune/telemetry/formulas.py); `view`: the
-    record so far. A figure that cannot be computed is null with the reason in the record; the run
-    stays completed (its training did)."""
+    """(summary fields, sections) of a run whose training completed: totals, memory, throughput and the prediction's
+    error, whole-run for a resumed run (finetune/telemetry/formulas.py); `view`: the record so far. A figure that cannot
+    be computed is null with the reason in the record; the run stays completed (its training did)."""
     warmup, summary = cfg.training.throughput_warmup_steps, {}
     try:
         starts = [0] + [h["step"] for h in view.get("summary", "resume_history", default=[])]
@@ -223,9 +221,9 @@ def preempted(trainer, effective_batch: int, run_dir: Path) -> Ending:
 
 
 def stopped_before_training(e: signals.Stopped, run_dir: Path | None, resumed: bool) -> Ending:
-    """Every rank agreed to stop before training: nothing trained, so nothing to checkpoint. The record
-    says `interrupted`; the same command starts the run again (its directory is reused:
-    finetune/launch/rundir.py reusable)."""
+    """Every rank agreed to stop before training: nothing trained, so nothing to checkpoint. The record says
+    `interrupted`; the same command starts the run again (its directory is reused: finetune/launch/rundir.py reusable).
+    """
     again = (
         f"resume with:\n  {resume.resume_command(run_dir, effective=None, per_device=None)}"
         if resumed
@@ -246,10 +244,9 @@ def diverged(e: Diverged) -> Ending:
 
 
 def failed(e: BaseException, run_dir: Path, heartbeat, machines) -> tuple[Ending, BaseException]:
-    """How a run that failed ends, and what to raise: a StorageError for a full, read-only or
-    forbidden disk (said without a traceback, finetune/storage.py), else `e`. A rank whose collective
-    failed names the ranks (and nodes) that stopped answering (finetune/launch/peers.py): a rank
-    stopped with SIGSTOP stops beating too."""
+    """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
+    without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
+    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too."""
     failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
     lost = None if signals.failures_agreed else peers.failure_note(failure or e, heartbeat, machines)

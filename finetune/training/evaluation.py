@@ -1,6 +1,5 @@
-"""Task evaluation: exact match of greedy generations against reference answers, the prompt rendered
-exactly as in training (docs/run_record.md `eval`). Under several processes each rank generates a
-shard and the counts are summed.
+"""Task evaluation: exact match of greedy generations against reference answers, the prompt rendered exactly as in
+training (docs/run_record.md `eval`). Under several processes each rank generates a shard and the counts are summed.
 """
 
 from __future__ import annotations

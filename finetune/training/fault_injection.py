@@ -123,9 +123,8 @@ def hold(kind: str, *, rank: int, step: int, what: str) -> None:
 
 
 def at_save(*, rank: int, step: int, ckpt) -> None:
-    """In a checkpoint's save, after Trainer wrote its files and before the completion marker:
-    `slow_save` holds it open, `disk_full` fails it as a full disk does (OSError ENOSPC naming a
-    file of the checkpoint)."""
+    """In a checkpoint's save, after Trainer wrote its files and before the completion marker: `slow_save` holds it
+    open, `disk_full` fails it as a full disk does (OSError ENOSPC naming a file of the checkpoint)."""
     import errno
 
     hold("slow_save", rank=rank, step=step, what=f"the save of {ckpt}")

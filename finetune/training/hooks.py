@@ -1,6 +1,5 @@
-"""What happens around training, in one list (docs/architecture.md "The hooks"): `RunHooks`, whose
-methods name in order what a run records and checks. Every rank runs them: the node figures and the
-bf16-true share are gathered.
+"""What happens around training, in one list (docs/architecture.md "The hooks"): `RunHooks`, whose methods name in order
+what a run records and checks. Every rank runs them: the node figures and the bf16-true share are gathered.
 """
 
 from __future__ import annotations

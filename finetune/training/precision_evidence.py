@@ -1,8 +1,7 @@
-"""The precision a run trains in, read from the live objects before step 1 (run.json `precision`,
-docs/precision.md): the declared section, the live one (`live_section`), the bf16-true rule, and the
-Linear whose first forward shows the compute dtype. finetune/training/hooks.py reads them at
-on_train_begin (DeepSpeed steps inside backward) and checks them against the policy
-(finetune/precision.py mismatches).
+"""The precision a run trains in, read from the live objects before step 1 (run.json `precision`, docs/precision.md):
+the declared section, the live one (`live_section`), the bf16-true rule, and the Linear whose first forward shows the
+compute dtype. finetune/training/hooks.py reads them at on_train_begin (DeepSpeed steps inside backward) and checks them
+against the policy (finetune/precision.py mismatches).
 """
 
 from __future__ import annotations
@@ -28,10 +27,6 @@ def optimizer_state_dtype(optimizer, param_dtype):
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
         return param_dtype
     return None
-
-
-def _is_deepspeed(wrapped) -> bool:
-    return any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__)
 
 
 def _deepspeed(eng) -> dict:
@@ -133,7 +128,10 @@ def _torch(trainer) -> dict:
 def read_live(trainer) -> dict:
     """The live `precision` fields (dtype names) of a Trainer whose model is wrapped and whose
     optimizer exists (on_train_begin)."""
-    out = _deepspeed(trainer.model_wrapped) if _is_deepspeed(trainer.model_wrapped) else _torch(trainer)
+    wrapped = trainer.model_wrapped
+    out = (
+        _deepspeed(wrapped) if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__) else _torch(trainer)
+    )
     out["master_weights"] = out["param_dtype"] == torch.float32 and out["compute_dtype"] in (
         torch.bfloat16,
         torch.float16,
@@ -256,11 +254,10 @@ def live_section(
 
 
 def first_observable_linear(model):
-    """The first Linear with a trainable weight, whose output dtype in step 1's first forward is the
-    compute dtype (not a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype).
-    GPT-2's Conv1D counts as one, and so do DeepSpeed AutoTP's split linears; an output head whose
-    forward is the chunked loss does not (it returns the loss sum and count, finetune/modeling/loss.py).
-    None: nothing to observe."""
+    """The first Linear with a trainable weight, whose output dtype in step 1's first forward is the compute dtype (not
+    a frozen bitsandbytes Linear4bit: it casts its output back to the input dtype). GPT-2's Conv1D counts as one, and so
+    do DeepSpeed AutoTP's split linears; an output head whose forward is the chunked loss does not (it returns the loss
+    sum and count, finetune/modeling/loss.py). None: nothing to observe."""
 
     def observable(m) -> bool:
         # transformers.pytorch_utils Conv1D; deepspeed/module_inject/layers.py LinearLayer, LinearAllreduce

@@ -1,7 +1,6 @@
-"""The run's fault handling inside Trainer (docs/faults.md): stop signals and non-finite values agreed
-once per optimizer step (ResilienceCallback, StepFlags; docs/speed.md "Per-micro-batch work"), and a
-collapsed model (CollapseWatch; docs/faults.md "A collapsed model"). A further per-step check adds a
-slot to SLOTS, not a collective.
+"""The run's fault handling inside Trainer (docs/faults.md): stop signals and non-finite values agreed once per
+optimizer step (ResilienceCallback, StepFlags; docs/speed.md "Per-micro-batch work"), and a collapsed model
+(CollapseWatch; docs/faults.md "A collapsed model"). A further per-step check adds a slot to SLOTS, not a collective.
 """
 
 from __future__ import annotations
@@ -201,9 +200,8 @@ class ResilienceCallback(TrainerCallback):
         self.preempted = {"step": self.trainer.state.global_step, **signals.describe(flags)}
 
     def final_checkpoint(self) -> Path:
-        """A complete checkpoint of the final step, on every rank: the one saved at the last step (or
-        resumed from) when every rank sees it complete, else saved now (agreed: a rank that cannot see
-        it makes every rank save)."""
+        """A complete checkpoint of the final step, on every rank: the one saved at the last step (or resumed from) when
+        every rank sees it complete, else saved now (agreed: a rank that cannot see it makes every rank save)."""
         trainer = self.trainer
         final = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
         missing = checkpoints.problem(final, verify=False) is not None

@@ -1,6 +1,5 @@
-"""Stop signals recorded instead of raised (so a second one cannot interrupt a checkpoint being
-written), and every rank's outcome agreed at fixed points (docs/faults.md "Signals", "Hangs and every
-stop signal").
+"""Stop signals recorded instead of raised (so a second one cannot interrupt a checkpoint being written), and every
+rank's outcome agreed at fixed points (docs/faults.md "Signals", "Hangs and every stop signal").
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ def _handler(signum, frame):
 
 
 def install_signal_handlers() -> None:
-    """Record the stop signals instead of dying, from process start (ranks reach the trainer at
-    different times; one still loading the model when the signal comes must not just die while the
-    others wait for it in a collective)."""
+    """Record the stop signals instead of dying, from process start (ranks reach the trainer at different times; one
+    still loading the model when the signal comes must not just die while the others wait for it in a collective)."""
     if threading.current_thread() is threading.main_thread():
         for sig in _wanted:
             _previous.setdefault(sig, signal.signal(sig, _handler))
@@ -86,10 +84,9 @@ def restore_signal_handlers() -> None:
 
 
 def stop_with_parent(env=os.environ) -> None:
-    """Linux: SIGTERM this process when the launcher that started it dies (killed with SIGKILL, or
-    gone without relaying): handled as a preemption, so an orphaned rank checkpoints and stops
-    instead of training on alone. Only in a launched process (torchrun, accelerate launch, finetune
-    train), not in one that called main() itself."""
+    """Linux: SIGTERM this process when the launcher that started it dies (killed with SIGKILL, or gone without
+    relaying): handled as a preemption, so an orphaned rank checkpoints and stops instead of training on alone. Only in
+    a launched process (torchrun, accelerate launch, finetune train), not in one that called main() itself."""
     if not any(k in env for k in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", relay.ENV)):
         return
     try:

@@ -1,7 +1,6 @@
-"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's
-`speed` section. Packing and padding-free are allowed only with attention implementations whose
-handling of position_ids was read to keep examples apart (sdpa, eager; FlashAttention with one row
-per batch), never with remote model code (docs/speed.md).
+"""Speed options: which combinations are safe, what they imply for TrainingArguments, and run.json's `speed` section.
+Packing and padding-free are allowed only with attention implementations whose handling of position_ids was read to keep
+examples apart (sdpa, eager; FlashAttention with one row per batch), never with remote model code (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -73,11 +72,10 @@ def check_liger(key: str = "training.use_liger_kernel", instead: str = "set use_
 
 
 def trainer_overrides(targs: dict) -> dict:
-    """TrainingArguments values the speed options imply. With use_liger_kernel, Trainer applies
-    Liger's patches to the model after we load it; its fused linear cross-entropy would replace the
-    causal LM's forward, and with it the loss of training.loss_impl (and read the head's weight
-    directly, a shard under ZeRO-3). Liger's fused loss is ours to install (loss_impl: liger), so
-    Trainer's patch keeps only the layer kernels (RMSNorm, RoPE, SwiGLU)."""
+    """TrainingArguments values the speed options imply. With use_liger_kernel, Trainer applies Liger's patches to the
+    model after we load it; its fused linear cross-entropy would replace the causal LM's forward, and with it the loss
+    of training.loss_impl (and read the head's weight directly, a shard under ZeRO-3). Liger's fused loss is ours to
+    install (loss_impl: liger), so Trainer's patch keeps only the layer kernels (RMSNorm, RoPE, SwiGLU)."""
     if targs.get("use_liger_kernel"):
         config = dict(targs.get("liger_kernel_config") or {})
         config["fused_linear_cross_entropy"] = False
@@ -120,47 +118,34 @@ def ddp_unused_parameters(cfg, launch, model, input_ids: list[int], device) -> d
     where every trainable parameter gets a gradient in one probe forward (`unused_trainable`), True
     where one does not or for a mixture of experts; the recipe's own value wins. None: not DDP."""
     if not (launch.distributed_type.startswith("MULTI_") and launch.world_size > 1):
-        return {"find_unused_parameters": None, "decided_by": None, "unused_trainable": None, "reason": "not DDP"}
+        return _decision(None, None, "not DDP")
     given = cfg.training.typed.ddp_find_unused_parameters
     if given is not None:
-        return {
-            "find_unused_parameters": bool(given),
-            "decided_by": "recipe",
-            "unused_trainable": None,
-            "reason": "training.ddp_find_unused_parameters",
-        }
+        return _decision(bool(given), "recipe", "training.ddp_find_unused_parameters")
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     experts = next((k for k in _EXPERT_KEYS if (getattr(text, k, None) or 0) > 1), None)
     if experts:
-        return {
-            "find_unused_parameters": True,
-            "decided_by": "model config",
-            "unused_trainable": None,
-            "reason": f"config.{experts}={getattr(text, experts)}: the router decides per batch which experts train",
-        }
+        why = f"config.{experts}={getattr(text, experts)}: the router decides per batch which experts train"
+        return _decision(True, "model config", why)
     if not getattr(model, "is_loaded_in_4bit", False):  # a 4-bit base is placed by its loader already
         model.to(device)  # where Trainer puts it for DDP anyway: the probe runs at the device's speed
     unused = unused_trainable(model, input_ids)
-    return {
-        "find_unused_parameters": bool(unused),
-        "decided_by": "probe",
-        "unused_trainable": unused[:20],
-        "reason": f"{len(unused)} trainable parameter(s) get no gradient" if unused else None,
-    }
+    why = f"{len(unused)} trainable parameter(s) get no gradient" if unused else None
+    return _decision(bool(unused), "probe", why, unused[:20])
+
+
+def _decision(find: bool | None, decided_by: str | None, reason: str | None, unused: list | None = None) -> dict:
+    return {"find_unused_parameters": find, "decided_by": decided_by, "unused_trainable": unused, "reason": reason}
 
 
 def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, ddp_record: dict) -> dict:
     """run.json `speed`, from the live objects: the collator's layout, the installed loss, torch's
     SDPA flags after the policy was applied, Trainer's compile and Liger settings, the DDP wrapper's
     find_unused_parameters as Accelerate will pass it (`ddp_record`: how it was decided)."""
-    import importlib.metadata as md
+    from finetune.telemetry.record import installed_version
 
     d, args = cfg.data, trainer.args
     name = "packing" if d.packing else "padding_free" if d.padding_free else "padded"
-    try:
-        liger_version = md.version("liger-kernel")
-    except md.PackageNotFoundError:
-        liger_version = None
     return {
         "layout": {
             "name": name,
@@ -178,15 +163,14 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
         "liger": {
             "layer_kernels": bool(args.use_liger_kernel),
             "fused_linear_cross_entropy": loss_record["resolved"] == "liger",
-            "version": liger_version,
+            "version": installed_version("liger-kernel"),
         },
         "ddp": ddp_record | {"find_unused_parameters": _live_find_unused(trainer, ddp_record)},
     }
 
 
 def _live_find_unused(trainer, decided: dict) -> bool | None:
-    """DistributedDataParallelKwargs as Trainer built them (what Accelerate gives DDP), checked
-    against the decision."""
+    """DistributedDataParallelKwargs as Trainer built them (what Accelerate gives DDP), checked against the decision."""
     handler = getattr(trainer.accelerator, "ddp_handler", None)
     live = handler.find_unused_parameters if handler is not None and decided["decided_by"] else None
     if live != decided["find_unused_parameters"]:
