@@ -95,6 +95,11 @@ def in_lanes(request, tmp_path_factory, lanes: list[list]) -> dict:
     return outcomes
 
 
+# A module's runs all happen in the setup of its first test: more than the suite's 900 s per test; every
+# launch keeps its own timeout, after which its process group is killed.
+LANES_TIMEOUT = pytest.mark.timeout(1800)
+
+
 def outcome_of(outcomes: dict, request) -> None:
     """The scenario of this test passed, or what it raised is raised here."""
     error = outcomes[request.node.name]
@@ -561,26 +566,31 @@ def runs(request, tmp_path_factory, tiny_model_dir):
     return {**in_lanes(request, tmp_path_factory, alone), **in_lanes(request, tmp_path_factory, lanes)}
 
 
+@LANES_TIMEOUT
 @pytest.mark.integration
 def test_a_killed_rank_ends_the_job_naming_it(runs, request):
     outcome_of(runs, request)  # _killed_rank
 
 
+@LANES_TIMEOUT
 @pytest.mark.integration
 def test_a_stopped_rank_is_named_as_the_one_that_stalled(runs, request):
     outcome_of(runs, request)  # _stopped_rank
 
 
+@LANES_TIMEOUT
 @pytest.mark.integration
 def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(runs, request):
     outcome_of(runs, request)  # _nonfinite_skipped
 
 
+@LANES_TIMEOUT
 @pytest.mark.integration
 def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(runs, request):
     outcome_of(runs, request)  # _nonfinite_deepspeed
 
 
+@LANES_TIMEOUT
 @pytest.mark.integration
 def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(runs, request):
     outcome_of(runs, request)  # _watchdog

@@ -26,7 +26,15 @@ from finetune.errors import EXIT_PREEMPTED
 from finetune.launch import rundir
 from finetune.training import fault_injection as faults
 from tests.conftest import REPO, Started, steps_logged
-from tests.training.test_faults import CPU_ENV, cli_train, in_lanes, launched, outcome_of, tiny_args
+from tests.training.test_faults import (
+    CPU_ENV,
+    LANES_TIMEOUT,
+    cli_train,
+    in_lanes,
+    launched,
+    outcome_of,
+    tiny_args,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -256,26 +264,32 @@ def runs(request, tmp_path_factory, tiny_model_dir):
     return in_lanes(request, tmp_path_factory, lanes)
 
 
+@LANES_TIMEOUT
 def test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75(runs, request):
     outcome_of(runs, request)  # _docker_stop
 
 
+@LANES_TIMEOUT
 def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(runs, request):
     outcome_of(runs, request)  # _ctrl_c_twice
 
 
+@LANES_TIMEOUT
 def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable(runs, request):
     outcome_of(runs, request)  # _sighup_while_loading
 
 
+@LANES_TIMEOUT
 def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(runs, request):
     outcome_of(runs, request)  # _sigterm_in_final_evaluation
 
 
+@LANES_TIMEOUT
 @pytest.mark.parametrize("target", ["every process", "the wrapper alone"])
 def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(runs, request, target):
     outcome_of(runs, request)  # _sigusr1_as_slurm
 
 
+@LANES_TIMEOUT
 def test_sigterm_during_the_build_of_60000_rows_stops_the_build(runs, request):
     outcome_of(runs, request)  # _sigterm_during_build
