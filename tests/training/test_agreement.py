@@ -27,7 +27,6 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import free_port
-from tests.training.test_faults import LANES_TIMEOUT
 
 STEP = 3  # the step training ended at
 STEPS = ("export", "eval", "exact_match", "record")
@@ -285,7 +284,7 @@ def launched_runs(request, tmp_path_factory, tiny_model_dir):
     return in_lanes(request, tmp_path_factory, [[at("zero2"), at("zero3")], [at("ddp"), at("fsdp"), at("tp")]])
 
 
-@LANES_TIMEOUT
+@pytest.mark.timeout(1800)  # test_faults.LANES_TIMEOUT, not imported: the ranks spawned above import this module
 @pytest.mark.integration
 @pytest.mark.parametrize("name", list(LAUNCHED))
 def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(launched_runs, request, name):
