@@ -75,7 +75,12 @@ def in_lanes(request, tmp_path_factory, lanes: list[list]) -> dict:
     and the lanes at once: a launch spends much of its time in one process (imports, the launcher)
     or waiting (a held phase, a timeout), so two fill a 2-core machine. Only the scenarios of tests
     this session runs; each outcome (None, or what the scenario raised) for its test to raise again."""
-    wanted = {item.name for item in request.session.items if item.module is request.module}
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    wanted = {name for lane in lanes for name, _ in lane} & selected
+    started = request.module.__dict__.setdefault("_in_lanes_started", set())
+    if started & wanted:  # pytest sets the fixture up again after a failed setup (its timeout): no second copy
+        pytest.fail(f"the runs of {request.module.__name__} were interrupted in an earlier test's setup")
+    started |= wanted
     outcomes: dict = {}
 
     def run(lane):
