@@ -219,9 +219,7 @@ LAUNCHED = {
 }
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("name", list(LAUNCHED))
-def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(tmp_path, tiny_model_dir, name):
+def _failure_after_training(tmp_path, tiny_model_dir, name):
     """`finetune train` with the shipped recipe's defaults (export on), 2 ranks over gloo, 2 steps; one
     rank fails at the end of one step after training (fault injection). Both ranks stop at that
     boundary: each says the failure (its own error, or the failed rank's), both save the same weights
@@ -270,3 +268,26 @@ def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(tmp_path, 
         assert f"the trained model is exported in {run_dir / 'model'}" in s["error"], s
         assert any((run_dir / "model" / f).is_file() for f in ("adapter_model.safetensors", "model.safetensors"))
         assert checkpoints.checkpoints(run_dir) == []
+
+
+TEST = "test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank"
+
+
+@pytest.fixture(scope="module")
+def launched_runs(request, tmp_path_factory, tiny_model_dir):
+    """The five launches, two at a time (tests/training/test_faults.py in_lanes)."""
+    from tests.training.test_faults import in_lanes
+
+    def at(name):
+        return (f"{TEST}[{name}]", lambda d: _failure_after_training(d, tiny_model_dir, name))
+
+    return in_lanes(request, tmp_path_factory, [[at("zero2"), at("zero3")], [at("ddp"), at("fsdp"), at("tp")]])
+
+
+@pytest.mark.timeout(1800)  # test_faults.LANES_TIMEOUT, not imported: the ranks spawned above import this module
+@pytest.mark.integration
+@pytest.mark.parametrize("name", list(LAUNCHED))
+def test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank(launched_runs, request, name):
+    from tests.training.test_faults import outcome_of
+
+    outcome_of(launched_runs, request)  # _failure_after_training

@@ -4,14 +4,20 @@ Resume equality under every strategy and SIGTERM preemption are in tests/trainin
 (they compare against that module's uninterrupted runs). The launches here go through
 `finetune train` (finetune/cli/dispatch.py), the command users run, so the exit codes are the ones a
 scheduler sees. Fault injection: finetune/training/fault_injection.py.
+The launched runs go two at a time (in_lanes, below; the other launched fault tests use it too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,18 +25,91 @@ import pytest
 from finetune.checkpointing import checkpoints
 from finetune.errors import EXIT_NONFINITE, UserError
 from finetune.training import fault_injection as faults
-from tests.conftest import REPO, continue_record, run_process_group, save_record
+from tests.conftest import REPO, Started, continue_record, save_record
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
+_LAUNCHING = threading.Lock()
+
+
+@contextlib.contextmanager
+def launched(cmd: list[str], *, env: dict, out: Path, cwd: Path = REPO):
+    """`Started`, one launch at a time until its ranks exist: two launches at once would both find
+    accelerate's default rendezvous port (29500) free and then both bind it."""
+    with Started(cmd, cwd=cwd, env=env, out=out) as job:
+        with _LAUNCHING:
+            deadline = time.monotonic() + 300
+            while job.proc.poll() is None and time.monotonic() < deadline and not _ranks_started(job):
+                time.sleep(0.2)
+        yield job
+
+
+def _ranks_started(job: Started) -> bool:
+    import psutil
+
+    try:  # a rank runs finetune/train.py; `finetune train` binds the port before it starts one
+        cmdlines = [p.cmdline() for p in job.processes()[1:]]
+    except psutil.Error:
+        return False
+    return any(any(a.endswith("train.py") for a in c) and "accelerate.commands.launch" not in c for c in cmdlines)
 
 
 def cli_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420) -> tuple[int, str, Path]:
     """`python -m finetune.cli train ARGS --run.output_dir=RUN_DIR` in its own process group; on
     timeout the group is killed and the test fails; a launcher killed by a signal fails it too."""
     cmd = [sys.executable, "-m", "finetune.cli", "train", *args, f"--run.output_dir={run_dir}"]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    code, out, _ = run_process_group(cmd, cwd=REPO, env=full_env, timeout=timeout, merge_stderr=True)
+    fd, out_file = tempfile.mkstemp(suffix=".out.txt")
+    os.close(fd)
+    try:
+        with launched(cmd, env=env, out=Path(out_file)) as job:
+            code = job.finish(timeout=timeout)
+            out = job.output
+    finally:
+        os.unlink(out_file)
+    if code < 0:
+        pytest.fail(f"launcher killed by signal {-code}: {' '.join(cmd)}\n{out[-3000:]}")
     return code, out, run_dir
+
+
+def in_lanes(request, tmp_path_factory, lanes: list[list]) -> dict:
+    """A module's launched scenarios (test name -> function of a fresh directory), each lane in order
+    and the lanes at once: a launch spends much of its time in one process (imports, the launcher)
+    or waiting (a held phase, a timeout), so two fill a 2-core machine. Only the scenarios of tests
+    this session runs; each outcome (None, or what the scenario raised) for its test to raise again."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    wanted = {name for lane in lanes for name, _ in lane} & selected
+    started = request.module.__dict__.setdefault("_in_lanes_started", set())
+    if started & wanted:  # pytest sets the fixture up again after a failed setup (its timeout): no second copy
+        pytest.fail(f"the runs of {request.module.__name__} were interrupted in an earlier test's setup")
+    started |= wanted
+    outcomes: dict = {}
+
+    def run(lane):
+        for name, scenario in lane:
+            if name in wanted:
+                try:
+                    scenario(tmp_path_factory.mktemp(re.sub(r"\W+", "_", name)[:40]))
+                    outcomes[name] = None
+                except BaseException as e:  # noqa: BLE001 - raised again by the scenario's test
+                    outcomes[name] = e
+
+    threads = [threading.Thread(target=run, args=(lane,)) for lane in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcomes
+
+
+# A module's runs all happen in the setup of its first test: more than the suite's 900 s per test; every
+# launch keeps its own timeout, after which its process group is killed.
+LANES_TIMEOUT = pytest.mark.timeout(1800)
+
+
+def outcome_of(outcomes: dict, request) -> None:
+    """The scenario of this test passed, or what it raised is raised here."""
+    error = outcomes[request.node.name]
+    if error is not None:
+        raise error
 
 
 def tiny_args(tiny_model_dir, steps: int) -> list[str]:
@@ -153,8 +232,7 @@ def test_a_pause_holds_only_its_rank_and_step_open_then_returns(monkeypatch):
 # --- launched runs -------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
-def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
+def _killed_rank(tmp_path, tiny_model_dir):
     """Rank 1 SIGKILLs itself at step 2: the job ends (well inside the harness timeout) non-zero,
     the failed rank named by the launcher; the surviving rank's record says failed."""
     code, out, run_dir = cli_train(
@@ -178,19 +256,18 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, tiny_model_dir):
     assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
 
 
-@pytest.mark.integration
-def test_a_stopped_rank_is_named_as_the_one_that_stalled(tmp_path, tiny_model_dir):
+def _stopped_rank(tmp_path, tiny_model_dir):
     """SIGSTOP to rank 1 after step 1 (rank 0 holds step 2 open meanwhile): rank 0's collective
     times out after training.ddp_timeout. Before: rank 0 was reported as the first failure and rank
     1 only as killed by SIGKILL. Now rank 1 is named as the rank that stopped making progress (its
     heartbeats ended), rank 0's failure as a consequence, and rank 0's record names rank 1."""
-    from tests.conftest import Started, steps_logged
+    from tests.conftest import steps_logged
     from tests.training.test_interrupts import _rank, train_command
 
     run_dir = tmp_path / "run"
     cmd = train_command(tiny_model_dir, run_dir, 4, "--training.ddp_timeout=30", ranks=2)
     env = {**CPU_ENV, faults.ENV: "pause@rank0,step2"}
-    with Started(cmd, cwd=REPO, env=env, out=tmp_path / "out.txt") as job:
+    with launched(cmd, env=env, out=tmp_path / "out.txt") as job:
         job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
         _rank(job, 1).send_signal(signal.SIGSTOP)
         code = job.finish(timeout=400)
@@ -209,8 +286,7 @@ def _adapter(ckpt: Path) -> dict:
     return load_file(str(ckpt / "adapter_model.safetensors"))
 
 
-@pytest.mark.integration
-def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, tiny_model_dir):
+def _nonfinite_skipped(tmp_path, tiny_model_dir):
     """DDP, a checkpoint every step, on_nonfinite=skip with a limit of 1: rank 1's NaN loss at step 2
     is skipped on both ranks (the step-2 weights equal the step-1 weights), step 3 trains, rank 0's
     NaN at step 4 is over the limit: both ranks stop before step 4's update, exit 3, record
@@ -245,8 +321,7 @@ def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(tmp_path, t
     assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
 
 
-@pytest.mark.integration
-def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(tmp_path, tiny_model_dir):
+def _nonfinite_deepspeed(tmp_path, tiny_model_dir):
     """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
     it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""
     code, out, run_dir = cli_train(
@@ -437,8 +512,7 @@ def test_launcher_exit_code_is_the_ranks_real_one_not_torchruns_shutdown(codes, 
         assert all(f"rank {rank} (local rank {rank}, pid {100 + rank}) failed" in err for rank in codes)
 
 
-@pytest.mark.integration
-def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(tmp_path, tiny_model_dir):
+def _watchdog(tmp_path, tiny_model_dir):
     """Rank 1 enters a barrier no other rank enters during the evaluation after training (fault
     injection: the kind of bug that hung tensor parallelism's export), so rank 0 waits in the agreement
     after it: no progress. Before, both waited until training.ddp_timeout (30 min by default; the
@@ -472,3 +546,56 @@ def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(tmp
     assert s["checkpoint"] == str(run_dir / "checkpoint-2") and checkpoints.problem(run_dir / "checkpoint-2") is None
     assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1", "checkpoint-2"]
     assert "finetune: stuck: rank" in out, out[-4000:]
+
+
+# --- the launched runs, two at a time (in_lanes); each test raises its run's outcome ------------------
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_model_dir):
+    def at(scenario):
+        return lambda d: scenario(d, tiny_model_dir)
+
+    # the stall alone: a rank's heartbeats, starved by another launch's ranks, would look stalled too
+    alone = [[("test_a_stopped_rank_is_named_as_the_one_that_stalled", at(_stopped_rank))]]
+    lanes = [
+        [
+            ("test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog", at(_watchdog)),
+            ("test_a_killed_rank_ends_the_job_naming_it", at(_killed_rank)),
+        ],
+        [
+            ("test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps", at(_nonfinite_deepspeed)),
+            ("test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks", at(_nonfinite_skipped)),
+        ],
+    ]
+    return {**in_lanes(request, tmp_path_factory, alone), **in_lanes(request, tmp_path_factory, lanes)}
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_killed_rank_ends_the_job_naming_it(runs, request):
+    outcome_of(runs, request)  # _killed_rank
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_stopped_rank_is_named_as_the_one_that_stalled(runs, request):
+    outcome_of(runs, request)  # _stopped_rank
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks(runs, request):
+    outcome_of(runs, request)  # _nonfinite_skipped
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(runs, request):
+    outcome_of(runs, request)  # _nonfinite_deepspeed
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(runs, request):
+    outcome_of(runs, request)  # _watchdog

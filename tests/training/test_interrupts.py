@@ -5,6 +5,8 @@ final evaluation.
 Each run is the tiny model through `finetune train`, a few steps; a fault injection holds a phase
 open (finetune/training/fault_injection.py) so the signal lands inside it however slow the machine.
 A signal to one rank of two: tests/training/test_strategies.py::test_sigterm_on_one_rank_....
+The runs go two at a time (tests/training/test_faults.py in_lanes): one module fixture runs them, each
+test raises its own run's outcome.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from finetune.errors import EXIT_PREEMPTED
 from finetune.launch import rundir
 from finetune.training import fault_injection as faults
 from tests.conftest import REPO, Started, steps_logged
-from tests.training.test_faults import CPU_ENV, cli_train, tiny_args
+from tests.training.test_faults import (
+    CPU_ENV,
+    LANES_TIMEOUT,
+    cli_train,
+    in_lanes,
+    launched,
+    outcome_of,
+    tiny_args,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +76,7 @@ def _complete(run_dir: Path) -> list[str]:
     return [c.name for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c) is None]
 
 
-def test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75(tmp_path, tiny_model_dir):
+def _docker_stop(tmp_path, tiny_model_dir):
     """`docker stop`: SIGTERM to the container's PID 1, `finetune train` (as root: in a new PID
     namespace, where PID 1 gets no signal it has no handler for; else a plain process). Before:
     the wrapper died at once and the rank trained on alone, orphaned. Now: one console line, every
@@ -91,7 +101,7 @@ def test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75
     assert _complete(run_dir) == ["checkpoint-2"] and checkpoints.checkpoints(run_dir)[-1].name == "checkpoint-2"
 
 
-def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(tmp_path, tiny_model_dir):
+def _ctrl_c_twice(tmp_path, tiny_model_dir):
     """`finetune train ... 2>&1 | tee log` on two ranks, Ctrl-C: the terminal sends SIGINT to the
     whole pipeline, so tee dies and the console is gone; Ctrl-C again while checkpoint-2 is being
     written (held open by a fault), and SIGINT to rank 0 itself then too. Before: KeyboardInterrupt
@@ -101,7 +111,7 @@ def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(tmp_pa
     line = shlex.join(train_command(tiny_model_dir, run_dir, 4, ranks=2)) + f" 2>&1 | tee {log}"
     script = f"trap : INT; {line}; exit ${{PIPESTATUS[0]}}"  # a shell that reports the wrapper's code
     env = {**CPU_ENV, faults.ENV: "pause@rank0,step2;slow_save@rank0,step2"}
-    with Started(["bash", "-c", script], cwd=REPO, env=env, out=tmp_path / "out.txt") as job:
+    with launched(["bash", "-c", script], env=env, out=tmp_path / "out.txt") as job:
         job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
         tee = next(p for p in job.processes() if p.name() == "tee")
         rank0 = _rank(job, 0)
@@ -120,7 +130,7 @@ def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(tmp_pa
     assert "preempted:" not in log.read_text()  # the console was gone when the run ended
 
 
-def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable(tmp_path, tiny_model_dir):
+def _sighup_while_loading(tmp_path, tiny_model_dir):
     """The terminal closed (SIGHUP to `finetune train`) while the model loads: before, SIGHUP killed
     every process; now the ranks stop before training (nothing to save), exit 75, the record says
     `interrupted` before training, and the same command may start again in the same directory."""
@@ -140,9 +150,7 @@ def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is
     assert "was interrupted before its first step" in rundir.reusable(run_dir)
 
 
-def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(
-    tmp_path, tiny_model_dir
-):
+def _sigterm_in_final_evaluation(tmp_path, tiny_model_dir):
     """Training is done, the evaluation after it is running (held open): SIGTERM to the rank only
     (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of the final
     step and exit 75 from `finetune train`, one line, the export already written; --resume trains
@@ -171,8 +179,7 @@ def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resum
     assert rec["eval"]["details"]["after"]["total"] == 4 and (run_dir / "model" / "adapter_model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("target", ["every process", "the wrapper alone"])
-def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(tmp_path, tiny_model_dir, target):
+def _sigusr1_as_slurm(tmp_path, tiny_model_dir, target):
     """SLURM's warning before the time limit: `sbatch --signal=USR1@N` signals every process of the job
     step (here `finetune train` and both ranks), `--signal=B:USR1@N` the batch shell alone, which
     runs `finetune train` (here the wrapper alone, one rank). Before: SIGUSR1's default action killed
@@ -181,7 +188,7 @@ def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(tmp_path, tiny_model
     run_dir = tmp_path / "run"
     ranks = 2 if target == "every process" else 1
     env = {**(CPU_ENV if ranks == 2 else {}), faults.ENV: "pause@rank0,step2"}
-    with Started(train_command(tiny_model_dir, run_dir, 4, ranks=ranks), cwd=REPO, env=env, out=tmp_path / "o") as job:
+    with launched(train_command(tiny_model_dir, run_dir, 4, ranks=ranks), env=env, out=tmp_path / "o") as job:
         job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged (rank 0 then holds step 2 open)")
         wrapper = _wrapper(job)
         for p in job.processes() if target == "every process" else [wrapper]:
@@ -197,7 +204,7 @@ def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(tmp_path, tiny_model
     assert checkpoints.read_marker(run_dir / "checkpoint-2")["world_size"] == ranks
 
 
-def test_sigterm_during_the_build_of_60000_rows_stops_the_build(tmp_path, tiny_model_dir):
+def _sigterm_during_build(tmp_path, tiny_model_dir):
     """SIGTERM to `finetune train` while a 60,000-row file is rendered and tokenized: before, it took
     effect only once the whole build had run (124-144 s after the signal here); now the build checks
     the stop at every row and the run stops before training: exit 75, nothing trained, the build
@@ -223,3 +230,66 @@ def test_sigterm_during_the_build_of_60000_rows_stops_the_build(tmp_path, tiny_m
     summary = _record(run_dir)["summary"]
     assert summary["status"] == "interrupted" and "while the data was prepared" in summary["error"], summary
     assert checkpoints.checkpoints(run_dir) == []
+
+
+# --- the runs, two at a time (tests/training/test_faults.py in_lanes); each test raises its run's outcome --
+
+USR1 = "test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75"
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_model_dir):
+    def at(scenario, *args):
+        return lambda d: scenario(d, tiny_model_dir, *args)
+
+    lanes = [
+        [
+            (
+                "test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates",
+                at(_sigterm_in_final_evaluation),
+            ),
+            ("test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint", at(_ctrl_c_twice)),
+            (
+                "test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable",
+                at(_sighup_while_loading),
+            ),
+        ],
+        [
+            (f"{USR1}[every process]", at(_sigusr1_as_slurm, "every process")),
+            ("test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75", at(_docker_stop)),
+            (f"{USR1}[the wrapper alone]", at(_sigusr1_as_slurm, "the wrapper alone")),
+            ("test_sigterm_during_the_build_of_60000_rows_stops_the_build", at(_sigterm_during_build)),
+        ],
+    ]
+    return in_lanes(request, tmp_path_factory, lanes)
+
+
+@LANES_TIMEOUT
+def test_docker_stop_sigterm_to_finetune_train_as_pid_1_checkpoints_and_exits_75(runs, request):
+    outcome_of(runs, request)  # _docker_stop
+
+
+@LANES_TIMEOUT
+def test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint(runs, request):
+    outcome_of(runs, request)  # _ctrl_c_twice
+
+
+@LANES_TIMEOUT
+def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is_reusable(runs, request):
+    outcome_of(runs, request)  # _sighup_while_loading
+
+
+@LANES_TIMEOUT
+def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(runs, request):
+    outcome_of(runs, request)  # _sigterm_in_final_evaluation
+
+
+@LANES_TIMEOUT
+@pytest.mark.parametrize("target", ["every process", "the wrapper alone"])
+def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(runs, request, target):
+    outcome_of(runs, request)  # _sigusr1_as_slurm
+
+
+@LANES_TIMEOUT
+def test_sigterm_during_the_build_of_60000_rows_stops_the_build(runs, request):
+    outcome_of(runs, request)  # _sigterm_during_build

@@ -6,6 +6,7 @@ resumable, the record `failed` with the reason, and the retry works."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from finetune.checkpointing import checkpoints
 from finetune.launch import run_lock
 from finetune.training import fault_injection as faults
 from tests.conftest import REPO, Started
-from tests.training.test_faults import CPU_ENV, cli_train
+from tests.training.test_faults import CPU_ENV, LANES_TIMEOUT, cli_train, in_lanes, outcome_of
 from tests.training.test_interrupts import train_command
 
 pytestmark = pytest.mark.integration
@@ -36,7 +37,7 @@ def _complete(run_dir: Path, name: str) -> bool:
     return checkpoints.problem(run_dir / name) is None
 
 
-def test_a_resume_against_a_live_run_is_refused_naming_it_and_changes_nothing(tmp_path, tiny_model_dir):
+def _resume_of_a_live_run(tmp_path, tiny_model_dir):
     """Run A saves every step and stalls at step 3 (alive, holding its directory). `finetune train
     --resume` of it: before, accepted (it moved A's newest checkpoint aside and both wrote the same
     files); now exit 2 naming A's pid and host, every file of A byte for byte the same. A killed
@@ -58,7 +59,7 @@ def test_a_resume_against_a_live_run_is_refused_naming_it_and_changes_nothing(tm
     assert run_lock.live_run(run_dir) is None  # the kernel released it with the process
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def small_disk(tmp_path):
     """A 64 MiB tmpfs (root only), unmounted afterwards, also when the test failed."""
     if os.geteuid() != 0:
@@ -72,7 +73,12 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(tmp_path, tiny_model_dir, small_disk):
+def _disk_fills(tmp_path, tiny_model_dir):
+    with small_disk(tmp_path) as disk:
+        _disk_fills_on(disk, tmp_path, tiny_model_dir)
+
+
+def _disk_fills_on(small_disk, tmp_path, tiny_model_dir):
     """A real full filesystem: checkpoint-1 written, then the disk filled to 200 KiB free while
     step 2 runs, so checkpoint-2 (3.9 MB) cannot be written. Before: two chained tracebacks, no
     directory named, run.json left `running`. Now: exit 2, one message with the checkpoint, the free
@@ -106,7 +112,7 @@ def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(t
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["resumed_at_step"] == 1, summary
 
 
-def test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named(tmp_path, tiny_model_dir):
+def _full_disk_on_one_rank(tmp_path, tiny_model_dir):
     """Rank 1's save of checkpoint-2 fails with ENOSPC (injected after its files are written): the
     ranks agree, both stop with exit 2 instead of rank 0 waiting for rank 1 until the collective
     timeout; the incomplete checkpoint-2 is removed, checkpoint-1 stays complete."""
@@ -131,3 +137,36 @@ def test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named(tm
     assert summary["status"] == "failed" and error in summary["error"], summary
     assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-1"]
     assert _complete(run_dir, "checkpoint-1")
+
+
+# --- the runs, two at a time (tests/training/test_faults.py in_lanes); each test raises its run's outcome --
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_model_dir):
+    def at(scenario):
+        return lambda d: scenario(d, tiny_model_dir)
+
+    lanes = [
+        [("test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing", at(_disk_fills))],
+        [
+            ("test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named", at(_full_disk_on_one_rank)),
+            ("test_a_resume_against_a_live_run_is_refused_naming_it_and_changes_nothing", at(_resume_of_a_live_run)),
+        ],
+    ]
+    return in_lanes(request, tmp_path_factory, lanes)
+
+
+@LANES_TIMEOUT
+def test_a_resume_against_a_live_run_is_refused_naming_it_and_changes_nothing(runs, request):
+    outcome_of(runs, request)  # _resume_of_a_live_run
+
+
+@LANES_TIMEOUT
+def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(runs, request):
+    outcome_of(runs, request)  # _disk_fills
+
+
+@LANES_TIMEOUT
+def test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named(runs, request):
+    outcome_of(runs, request)  # _full_disk_on_one_rank

@@ -14,7 +14,7 @@ import pytest
 from finetune.checkpointing import checkpoints
 from finetune.errors import EXIT_NONFINITE
 from finetune.training import fault_injection as faults
-from tests.training.test_faults import cli_train
+from tests.training.test_faults import LANES_TIMEOUT, cli_train, in_lanes, outcome_of
 
 VOCAB = 49152
 
@@ -80,8 +80,7 @@ TINY = [
 ]
 
 
-@pytest.mark.integration
-def test_a_learning_rate_that_collapses_the_model_ends_failed_not_completed(tmp_path, tiny_model_dir):
+def _collapse(tmp_path, tiny_model_dir):
     """Full fine-tuning of the tiny model at learning rate 1000: from about step 7 the gradient norm is
     exactly 0 and the loss ln(49152) = 10.8027 (measured). On main: `completed`, exit 0."""
     code, out, run_dir = cli_train(
@@ -108,10 +107,7 @@ def test_a_learning_rate_that_collapses_the_model_ends_failed_not_completed(tmp_
     assert not (run_dir / "model").exists()  # nothing exported as if it had worked
 
 
-@pytest.mark.integration
-def test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoint_is_passed_over(
-    tmp_path, tiny_model_dir
-):
+def _error_after_training(tmp_path, tiny_model_dir):
     """Run 1 (LoRA, 4 steps, a checkpoint every 2, run.save_model false): an error after the last step
     (fault injection) -> the trained adapter is exported anyway and the error names it; on main the
     run ended with nothing saved after step 4. Then checkpoint-4 is damaged in place (same size) and
@@ -161,3 +157,35 @@ def test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoin
     assert f"the trained weights are saved in the complete checkpoint {run_dir / 'checkpoint-7'} (step 7" in s["error"]
     assert checkpoints.problem(run_dir / "checkpoint-7") is None
     assert (run_dir / "checkpoint-7" / "adapter_model.safetensors").is_file()
+
+
+# --- the two launched tests at once (tests/training/test_faults.py in_lanes) -----------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_model_dir):
+    def at(scenario):
+        return lambda d: scenario(d, tiny_model_dir)
+
+    lanes = [
+        [
+            (
+                "test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoint_is_passed_over",
+                at(_error_after_training),
+            )
+        ],
+        [("test_a_learning_rate_that_collapses_the_model_ends_failed_not_completed", at(_collapse))],
+    ]
+    return in_lanes(request, tmp_path_factory, lanes)
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_learning_rate_that_collapses_the_model_ends_failed_not_completed(runs, request):
+    outcome_of(runs, request)  # _collapse
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_an_error_after_training_saves_the_weights_first_and_a_damaged_checkpoint_is_passed_over(runs, request):
+    outcome_of(runs, request)  # _error_after_training
