@@ -182,9 +182,9 @@ def _schema(section: str, body: dict) -> dict:
     cls = SECTION_CLASSES.get(section)
     hints = typing.get_type_hints(cls) if cls else {}
     if cls is TrainingConfig and set(body) - set(hints):
-        from transformers import TrainingArguments
+        from finetune.config.validate import training_arguments_hints
 
-        hints = {**typing.get_type_hints(TrainingArguments), **hints}
+        hints = {**training_arguments_hints(), **hints}
     return hints
 
 

@@ -6,12 +6,16 @@ once as a `ConfigError` naming each dotted key and what is allowed (with a did-y
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import importlib.util
 import os
 import types
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, Union
 
 from finetune import precision
@@ -96,11 +100,8 @@ def _build_section(section: str, cls, body: dict, problems: list[str]):
 
 
 def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
-    from transformers import TrainingArguments  # heavy import, only when building a config
-
     own = {f.name for f in dataclasses.fields(TrainingConfig) if f.name != "args"}
-    ta_fields = {f.name: f for f in dataclasses.fields(TrainingArguments) if f.init}
-    ta_hints = typing.get_type_hints(TrainingArguments)
+    ta_hints = training_arguments_hints()
     ours = {k: v for k, v in body.items() if k in own}
     cfg = _build_section("training", TrainingConfig, ours, problems)
     args = dict(TRAINING_DEFAULTS)
@@ -114,19 +115,58 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
         if key in TRAINING_PRECISION_FLAGS:
             problems.append(_precision_flag_problem(dotted, key, value))
             continue
-        if key not in ta_fields:
+        if key not in ta_hints:
             problems.append(
-                f"{dotted}: unknown key{_suggest(key, set(ta_fields) | own)}; allowed: "
+                f"{dotted}: unknown key{_suggest(key, set(ta_hints) | own)}; allowed: "
                 f"{', '.join(sorted(own))} or any transformers.TrainingArguments field"
             )
             continue
-        problem = check_type(value, ta_hints.get(key, Any), lenient=True)
+        problem = check_type(value, ta_hints[key], lenient=True)
         if problem:
             problems.append(f"{dotted}: {problem}")
             continue
         args[key] = value
     cfg.args = args
     return cfg
+
+
+@functools.cache
+def training_arguments_hints() -> dict[str, Any]:
+    """TrainingArguments' init fields and their types, read from transformers' training_args.py rather than
+    imported: the import brings torch, peft and bitsandbytes (11-15 s on 2 cores) into the launcher, whose
+    preflight needs only the names and types. A type the file takes from elsewhere (its enums,
+    ParallelismConfig) reads as Any here; TrainingArguments checks those values itself, in each rank.
+    tests/config/test_validate.py holds this against the imported class."""
+    package = importlib.util.find_spec("transformers").submodule_search_locations[0]
+    tree = ast.parse(Path(package, "training_args.py").read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments"]
+    known = {"Any": Any, "Literal": Literal, "Union": Union, "None": None}
+    known |= {t.__name__: t for t in (bool, int, float, str, list, dict, tuple)}
+    hints = {}
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        field_call = node.value if isinstance(node.value, ast.Call) else None
+        if field_call and any(k.arg == "init" and getattr(k.value, "value", True) is False for k in field_call.keywords):
+            continue
+        hints[node.target.id] = _annotation(node.annotation, known)
+    return hints
+
+
+def _annotation(node: ast.expr, known: dict[str, Any]) -> Any:
+    """A type annotation's AST as the typing object it spells; a name not in `known` is Any."""
+    if isinstance(node, ast.Name):
+        return known.get(node.id, Any)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return Union[_annotation(node.left, known), _annotation(node.right, known)]
+    if isinstance(node, ast.Subscript):
+        base = _annotation(node.value, known)
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        args = tuple(_annotation(p, known) for p in parts)
+        return Any if base is Any else base[args if len(args) > 1 else args[0]]
+    return Any
 
 
 def _cross_checks(cfg: Config) -> list[str]:

@@ -413,3 +413,41 @@ def test_a_valid_run_name_with_spaces_hashes_colons_or_unicode_survives_save_and
     values, _ = resume_config.saved_values(run_dir)
     values.pop("recipe")
     assert values["run"]["name"] == name and build_config(values).run.name == name
+
+
+def test_training_arguments_fields_read_from_source_match_the_imported_class():
+    """The launcher validates TrainingArguments keys from transformers' source (no torch import); the
+    names must be the class's init fields, and each type the class's own, with the types the file takes
+    from elsewhere (its enums, ParallelismConfig) read as Any."""
+    import dataclasses
+    import typing
+
+    from transformers import TrainingArguments
+
+    from finetune.config.validate import training_arguments_hints
+
+    ours, real = training_arguments_hints(), typing.get_type_hints(TrainingArguments)
+    assert set(ours) == {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    differ = {k for k in ours if ours[k] != real[k]}
+    foreign = {k for k in ours if "transformers." in str(real[k]) or "accelerate." in str(real[k])}
+    assert differ == foreign and {"optim", "lr_scheduler_type"} <= foreign
+    assert typing.Any in typing.get_args(ours["optim"]) and str in typing.get_args(ours["optim"])
+
+
+def test_a_recipe_with_training_arguments_keys_validates_without_importing_torch():
+    """Preflight of `finetune train` (the launcher process) answers a typo without torch's 10+ s import."""
+    code = (
+        "import sys\n"
+        "from finetune.config.recipe import load_recipe\n"
+        "problems = []\n"
+        "load_recipe('demo', ['--training.lr_scheduler_type=cosine', '--training.warmup_step=1',"
+        " '--training.max_grad_norm=big'], problems)\n"
+        "print(problems)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    problems, torch_imported = out.strip().splitlines()
+    assert "training.warmup_step: unknown key (did you mean 'warmup_steps'?)" in problems
+    assert "training.max_grad_norm: expected a number, got string 'big'" in problems
+    assert "lr_scheduler_type" not in problems
+    assert torch_imported == "False"
