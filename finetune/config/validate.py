@@ -146,8 +146,8 @@ def training_arguments_hints() -> dict[str, Any]:
     for node in cls.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
-        field_call = node.value if isinstance(node.value, ast.Call) else None
-        if field_call and any(k.arg == "init" and getattr(k.value, "value", True) is False for k in field_call.keywords):
+        keywords = node.value.keywords if isinstance(node.value, ast.Call) else []  # field(init=False, ...)
+        if any(k.arg == "init" and getattr(k.value, "value", True) is False for k in keywords):
             continue
         hints[node.target.id] = _annotation(node.annotation, known)
     return hints
@@ -160,7 +160,7 @@ def _annotation(node: ast.expr, known: dict[str, Any]) -> Any:
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        return Union[_annotation(node.left, known), _annotation(node.right, known)]
+        return Union[_annotation(node.left, known), _annotation(node.right, known)]  # noqa: UP007 - either side may be None
     if isinstance(node, ast.Subscript):
         base = _annotation(node.value, known)
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
