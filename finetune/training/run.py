@@ -229,7 +229,9 @@ def prepare(
     run_dir = Path(path)
     held_back.to_log_file(run_dir / rundir.LOG_FILE, state.process_index)
     if state.is_main_process:
-        print(f"[finetune] run directory: {run_dir.absolute()} (third-party warnings: {rundir.LOG_FILE})", flush=True)
+        print(
+            f"[finetune] run directory: {run_dir.absolute()} (any third-party warnings: {rundir.LOG_FILE})", flush=True
+        )
     run_sinks = None
     if state.is_main_process:
         record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())

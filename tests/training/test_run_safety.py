@@ -40,7 +40,7 @@ def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tin
     code, out = _finetune_train(args, tmp_path)
     run_dir = tmp_path / "runs" / NAME
     assert code == 0, out[-4000:]
-    pointer = f"[finetune] run directory: {run_dir} (third-party warnings: third_party.log)\n"
+    pointer = f"[finetune] run directory: {run_dir} (any third-party warnings: third_party.log)\n"
     assert out.index(pointer) < out.index("exact match before training")
     # our lines only: torch's warning kept in the run's log, transformers' bars and Trainer's dict gone
     for theirs in ("pin_memory", "Loading weights", "Writing model shards", "{'train_runtime'"):
