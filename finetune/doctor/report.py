@@ -4,6 +4,7 @@ and doctor.html, a self-contained page in the style of `finetune compare`'s repo
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
@@ -41,6 +42,13 @@ def problem(section: str, name: str, detail: str, fix: str, /, **data) -> Line:
 
 def skipped(section: str, name: str, why: str, /, **data) -> Line:
     return Line(section, name, SKIPPED, why, data=data)
+
+
+class Section:
+    """ok, problem and skipped with the section filled in."""
+
+    def __init__(self, name: str):
+        self.ok, self.problem, self.skipped = (functools.partial(f, name) for f in (ok, problem, skipped))
 
 
 SCHEMA = 1

@@ -5,53 +5,29 @@ process), the recommendation and the assumptions with every constant's source.""
 from __future__ import annotations
 
 # Columns of the table: components by what they are (finetune/planning/memory.py names them).
-COLUMNS = (
-    (
-        "params",
+COLUMNS = tuple(
+    (column, tuple(names.split()))
+    for column, names in (
         (
-            "weights",
-            "frozen_weights",
-            "nf4_weights",
-            "unquantized_weights",
-            "lora_adapters",
-            "fsdp_unsharded_root",
-            "zero3_gathered_params",
-            "fsdp_unsharded_blocks",
+            "params",
+            "weights frozen_weights nf4_weights unquantized_weights lora_adapters fsdp_unsharded_root "
+            "zero3_gathered_params fsdp_unsharded_blocks",
         ),
-    ),
-    ("master", ("master_weights",)),
-    ("optim", ("optimizer_states",)),
-    (
-        "grads",
+        ("master", "master_weights"),
+        ("optim", "optimizer_states"),
         (
-            "ddp_grad_buckets",
-            "grad_partition_buffer",
-            "ipg_bucket",
-            "accumulated_grads",
-            "accumulated_grad_partition",
-            "gradients",
-            "tied_embedding_grad_parts",
-            "head_grad",
-            "upper_block_gradients",
-            "fp32_grad_partition",
-            "offload_grad_staging",
-            "grads_in_partition",
-            "fp32_subgroup_grad",
+            "grads",
+            "ddp_grad_buckets grad_partition_buffer ipg_bucket accumulated_grads accumulated_grad_partition "
+            "gradients tied_embedding_grad_parts head_grad upper_block_gradients fp32_grad_partition "
+            "offload_grad_staging grads_in_partition fp32_subgroup_grad",
         ),
-    ),
-    (
-        "activ",
         (
-            "activations",
-            "autocast_weight_copies",
-            "recomputed_block",
-            "rotary_and_targets",
-            "forward_temporaries",
-            "block_backward_temporaries",
-            "norm_backward_temporaries",
+            "activ",
+            "activations autocast_weight_copies recomputed_block rotary_and_targets forward_temporaries "
+            "block_backward_temporaries norm_backward_temporaries",
         ),
-    ),
-    ("loss", ("loss_buffers",)),
+        ("loss", "loss_buffers"),
+    )
 )
 NAMED = {name for _, names in COLUMNS for name in names}
 
