@@ -147,11 +147,9 @@ def markdown_table(summary: list[dict], *, precision: str | None = None, ours: s
     )
     head += "\n" if head else ""
     lines = [
-        (
-            "| method | side | precision (param/compute) | trained tok/s, median (min-max) | MFU | device peak GiB | "
-            "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
-            "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
-        ),
+        "| method | side | precision (param/compute) | trained tok/s, median (min-max) | MFU | device peak GiB | "
+        "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
+        "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:

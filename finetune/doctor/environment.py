@@ -324,9 +324,7 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
         compatible = builder.is_compatible()
     except Exception as e:
         return S.problem(
-            name,
-            f"the op builder does not load: {type(e).__name__}: {e}",
-            f'pip install "{requirement("deepspeed")}"',
+            name, f"the op builder does not load: {type(e).__name__}: {e}", f'pip install "{requirement("deepspeed")}"'
         )
     if not compatible:
         return S.problem(

@@ -176,10 +176,8 @@ def render(report: dict) -> str:
     impl = ", ".join(f"{k}: {v} (native, verified)" for k, v in report["implementation"].items())
     lines = [
         f"ops: {impl}",
-        (
-            f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
-            f"algbw = bytes/time, busbw = algbw x factor)"
-        ),
+        f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
+        f"algbw = bytes/time, busbw = algbw x factor)",
         f"{'op':15}{'bytes':>14}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}{'factor':>8}",
     ]
     for r in report["results"]:

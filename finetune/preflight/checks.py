@@ -158,10 +158,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
         "train_batch_size": (
             launch.effective_batch(per_device, accum),
-            (
-                f"training.per_device_train_batch_size x gradient_accumulation_steps x "
-                f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}"
-            ),
+            f"training.per_device_train_batch_size x gradient_accumulation_steps x "
+            f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}",
         ),
         "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (policy_problems)
