@@ -235,15 +235,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         all_lines += strategy_lines
         seconds["strategies"] = time.monotonic() - t
     seconds["total"] = time.monotonic() - started
-    result = report.build(
-        "quick" if args.quick else "full",
-        machine_text(dev),
-        all_lines,
-        strategies,
-        links_report,
-        seconds,
-        ["finetune", "doctor", *argv],
-    )
+    mode, command = "quick" if args.quick else "full", ["finetune", "doctor", *argv]
+    result = report.build(mode, machine_text(dev), all_lines, strategies, links_report, seconds, command)
     print("\n" + report.console(result, all_lines), flush=True)
     paths = report.write(result, all_lines, out)
     print(f"wrote {paths['json']} and {paths['html']}", flush=True)
@@ -306,22 +299,13 @@ def describe_links(comm: dict, dev: devices.Devices) -> list[report.Line]:
             else f"expected unknown ({how})"
         )
         detail = f"busbw GB/s {sizes}; {versus} ({comm['backend']}, {comm['world_size']} ranks)"
-        data = {
-            "busbw_gbs": {str(r["bytes"]): r["busbw_gbs"] for r in rows},
-            "expected_gbs": expected,
-            "expected_from": how,
-        }
-        if not comm["verified"].get(op):
-            out.append(
-                LINKS.problem(
-                    op,
-                    f"{op} returned wrong values on {comm['backend']}",
-                    "reinstall torch (its collectives are broken here) and rerun `finetune doctor`",
-                    **data,
-                )
-            )
-        else:
+        busbw = {str(r["bytes"]): r["busbw_gbs"] for r in rows}
+        data = {"busbw_gbs": busbw, "expected_gbs": expected, "expected_from": how}
+        if comm["verified"].get(op):
             out.append(LINKS.ok(op, detail, **data))
+            continue
+        fix = "reinstall torch (its collectives are broken here) and rerun `finetune doctor`"
+        out.append(LINKS.problem(op, f"{op} returned wrong values on {comm['backend']}", fix, **data))
     return out
 
 

@@ -140,13 +140,8 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
     from finetune.launch import cpu_rehearsal
 
     facts = launch.facts
-    if (
-        facts.distributed_type != "NO"
-        or facts.use_cpu
-        or cfg.training.typed.use_cpu
-        or cpu_rehearsal.requested()
-        or not torch.cuda.is_available()
-    ):
+    on_cpu = facts.use_cpu or cfg.training.typed.use_cpu or cpu_rehearsal.requested() or not torch.cuda.is_available()
+    if facts.distributed_type != "NO" or on_cpu:
         return []
     visible = torch.cuda.device_count()
     ids = facts.gpu_ids
