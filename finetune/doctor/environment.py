@@ -109,14 +109,8 @@ def cuda(dev: Devices) -> list[report.Line]:
             f"{gpu.name}, {gpu.memory_gib:.1f} GiB, {gpu.sm}, bf16 {'yes' if gpu.bf16 else 'no (auto precision: 16-mixed)'}"
             f", MIG {mig}"
         )
-        data = {
-            "name": gpu.name,
-            "memory_gib": gpu.memory_gib,
-            "capability": list(gpu.capability),
-            "bf16": gpu.bf16,
-            "mig": gpu.mig,
-            "pcie": list(gpu.pcie) if gpu.pcie else None,
-        }
+        data = {"name": gpu.name, "memory_gib": gpu.memory_gib, "capability": list(gpu.capability), "bf16": gpu.bf16}
+        data.update(mig=gpu.mig, pcie=list(gpu.pcie) if gpu.pcie else None)
         if has_kernels(dev.arch_list, gpu.capability):
             out.append(S.ok(f"GPU {gpu.index}", detail, **data))
         else:

@@ -76,12 +76,10 @@ def strategy_rows(report: dict) -> list[list[str]]:
             versus = "reference"
         elif cmp.get("max_loss_rel") is None:
             versus = "n/a"
+        elif cmp.get("tolerance"):
+            versus = f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})"
         else:
-            versus = (
-                f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})"
-                if cmp.get("tolerance")
-                else f"{cmp['max_loss_rel']:.1e} (not judged)"
-            )
+            versus = f"{cmp['max_loss_rel']:.1e} (not judged)"
         out.append(
             [
                 run["name"],

@@ -436,12 +436,8 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
 
             ds_config = json.loads(resolve(row.deepspeed_config).read_text(encoding="utf-8"))
     z = fill_auto(ds_config.get("zero_optimization") or {}, shape.hidden)
-    return ZeroValues(
-        float(z["reduce_bucket_size"]),
-        float(z["sub_group_size"]),
-        float(z["stage3_max_live_parameters"]),
-        float(z["stage3_max_reuse_distance"]),
-    )
+    keys = ("reduce_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+    return ZeroValues(*(float(z[k]) for k in keys))
 
 
 def zero3_gathered(
