@@ -20,19 +20,18 @@ from finetune.bench.options import BASELINES, SHAPES, parse_args
 from finetune.errors import UserError
 
 
-def make_examples(
-    n: int, seq_len: int, vocab: int, *, seed: int, prompt_median: float, response_median: float, special: set[int]
-) -> list[dict]:
-    """Pre-tokenized rows {input_ids, labels}: random token ids, loss on the response only."""
+def make_examples(n: int, args, vocab: int, special: set[int]) -> list[dict]:
+    """n pre-tokenized rows {input_ids, labels} of --seq-len, --seed and the length medians: random
+    token ids, loss on the response only."""
     import random
 
     from finetune.bench.shapes import draw_lengths
 
-    rng = random.Random(seed)
+    rng = random.Random(args.seed)
     ids = [i for i in range(vocab) if i not in special]
     rows = []
     for _ in range(n):
-        prompt, response = draw_lengths(rng, seq_len, prompt_median, response_median)
+        prompt, response = draw_lengths(rng, args.seq_len, args.prompt_median, args.response_median)
         tokens = [rng.choice(ids) for _ in range(prompt + response)]
         rows.append({"input_ids": tokens, "labels": [-100] * prompt + tokens[prompt:]})
     return rows
@@ -193,22 +192,11 @@ OURS = "ResilientTrainer as finetune train builds it (finetune/training/build.py
 def bench_examples(args, vocab: int, special: set[int]) -> list[dict]:
     """steps x batch examples; with --layout packing enough for steps x batch full rows (+5%), so no
     epoch wraps around and no partial last row is timed."""
-
-    def make(n):
-        return make_examples(
-            n,
-            args.seq_len,
-            vocab,
-            seed=args.seed,
-            prompt_median=args.prompt_median,
-            response_median=args.response_median,
-            special=special,
-        )
-
-    rows = make(args.steps * args.batch)
+    rows = make_examples(args.steps * args.batch, args, vocab, special)
     if args.layout == "packing":
         mean = sum(len(r["input_ids"]) for r in rows) / len(rows)
-        rows = make(math.ceil(args.steps * args.batch * args.seq_len / mean * 1.05))  # same seed: a longer prefix
+        count = math.ceil(args.steps * args.batch * args.seq_len / mean * 1.05)
+        rows = make_examples(count, args, vocab, special)  # same seed: a longer prefix
     return rows
 
 

@@ -21,39 +21,17 @@ the workload, the shapes, the sides and the figures).
 LOSS_IMPLS = typing.get_args(typing.get_type_hints(TrainingConfig)["loss_impl"])
 
 # Real architectures' configurations (Qwen2.5 config.json on the Hub), random weights here.
-SHAPES = {
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": None,
-    },
-    "small": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "intermediate_size": 1024,
-        "vocab_size": None,
-    },
-    "qwen2.5-0.5b": {
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-    },
-    "qwen2.5-1.5b": {
-        "hidden_size": 1536,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "intermediate_size": 8960,
-        "vocab_size": 151936,
-    },
+_SHAPE_KEYS = (
+    "hidden_size num_hidden_layers num_attention_heads num_key_value_heads intermediate_size vocab_size".split()
+)
+SHAPES = {  # vocab_size None: the tokenizer's
+    name: dict(zip(_SHAPE_KEYS, values))
+    for name, values in (
+        ("tiny", (64, 2, 4, 2, 128, None)),
+        ("small", (256, 4, 8, 2, 1024, None)),
+        ("qwen2.5-0.5b", (896, 24, 14, 2, 4864, 151936)),
+        ("qwen2.5-1.5b", (1536, 28, 12, 2, 8960, 151936)),
+    )
 }
 METHODS = ("qlora", "lora", "full")
 LAYOUTS = ("padding_free", "packing", "padded")

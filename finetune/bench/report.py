@@ -84,13 +84,9 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
             if not runs:
                 continue
 
-            def med(key, runs=runs):
+            def med(key, runs=runs, how=statistics.median):
                 values = [r[key] for r in runs if r[key] is not None]
-                return statistics.median(values) if values else None
-
-            def peak(key, runs=runs):
-                values = [r[key] for r in runs if r[key] is not None]
-                return max(values) if values else None
+                return how(values) if values else None
 
             sides[side] = {
                 "runs": len(runs),
@@ -104,9 +100,9 @@ def summarize(results: list[dict], methods: list[str]) -> list[dict]:
                 "input_tokens_per_s": med("input_tokens_per_s"),
                 "mfu": med("mfu"),
                 "median_step_s": med("median_step_s"),
-                "device_peak_allocated_gib": peak("device_peak_allocated_gib"),
+                "device_peak_allocated_gib": med("device_peak_allocated_gib", how=max),
                 "device_peak_source": runs[0].get("device_peak_source"),
-                "host_peak_rss_gib": peak("host_peak_rss_gib"),
+                "host_peak_rss_gib": med("host_peak_rss_gib", how=max),
                 "padding_fraction": med("padding_fraction"),
                 "trained_tokens_per_step": statistics.mean(
                     t for r in runs for t in r["trained_tokens"][r["warmup_steps_excluded"] :] or [0]
@@ -151,11 +147,9 @@ def markdown_table(summary: list[dict], *, precision: str | None = None, ours: s
     )
     head += "\n" if head else ""
     lines = [
-        (
-            "| method | side | precision (param/compute) | trained tok/s, median (min-max) | MFU | device peak GiB | "
-            "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
-            "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |"
-        ),
+        "| method | side | precision (param/compute) | trained tok/s, median (min-max) | MFU | device peak GiB | "
+        "host peak GiB | median step s | padding | ours/plain Trainer tok/s | ours/TRL plain tok/s | "
+        "ours/TRL tuned tok/s | ours/TRL tuned MFU | ours/TRL tuned device mem |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary:
@@ -164,35 +158,22 @@ def markdown_table(summary: list[dict], *, precision: str | None = None, ours: s
             s = row[side]
             if s is None:
                 continue
-            ours = side == "finetune"
-            p = s.get("precision") or {}
-            lines.append(
-                " | ".join(
-                    [
-                        f"| {row['method']}",
-                        LABELS[side],
-                        f"{p.get('param_dtype')}/{p.get('compute_dtype')}" if p else "n/a",
-                        _with_range(s["trained_tokens_per_s"], s.get("trained_tokens_per_s_range"), s["runs"]),
-                        "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%",
-                        f(s["device_peak_allocated_gib"], ".2f"),
-                        f(s["host_peak_rss_gib"], ".2f"),
-                        f(s["median_step_s"], ".3f"),
-                        "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.1f}%",
-                        *(
-                            [
-                                _ratio_cell(ratios["plain_trainer"]),
-                                _ratio_cell(ratios["trl_plain"]),
-                                _ratio_cell(ratios["trl_tuned"]),
-                                f(ratios["trl_tuned"]["mfu"], ".2f"),
-                                f(ratios["trl_tuned"]["device_peak_allocated_gib"], ".2f"),
-                            ]
-                            if ours
-                            else [""] * 5
-                        ),
-                    ]
-                )
-                + " |"
-            )
+            p, tuned = s.get("precision") or {}, ratios["trl_tuned"]
+            versus = [_ratio_cell(ratios[b]) for b in BASELINE_SIDES]
+            versus += [f(tuned["mfu"], ".2f"), f(tuned["device_peak_allocated_gib"], ".2f")]
+            cells = [
+                row["method"],
+                LABELS[side],
+                f"{p.get('param_dtype')}/{p.get('compute_dtype')}" if p else "n/a",
+                _with_range(s["trained_tokens_per_s"], s.get("trained_tokens_per_s_range"), s["runs"]),
+                "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%",
+                f(s["device_peak_allocated_gib"], ".2f"),
+                f(s["host_peak_rss_gib"], ".2f"),
+                f(s["median_step_s"], ".3f"),
+                "n/a" if s.get("padding_fraction") is None else f"{100 * s['padding_fraction']:.1f}%",
+                *(versus if side == "finetune" else [""] * len(versus)),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     legend = (
         "\n\nA ratio: ours / the baseline, of the medians; in brackets the min-max over rounds of each "
         f"round's own ratio (the sides of a round ran back to back); not significant: that range crosses 1.0; "

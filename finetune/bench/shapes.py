@@ -52,14 +52,8 @@ def run(args, model_dir: Path, out: Path, environment: dict) -> int:
             continue
         results.append(measure_row(args, model, opt, name, policy, variable, bucket))
         print(f"[shape-overhead] {name:36s} median {results[-1]['median_ms']:9.2f} ms", flush=True)
-    report = {
-        "shape": args.shape,
-        "seq_len": args.seq_len,
-        "steps": args.steps,
-        "warmup_steps": args.warmup_steps,
-        "environment": environment,
-        "rows": results,
-    }
+    report = {k: getattr(args, k) for k in ("shape", "seq_len", "steps", "warmup_steps")}
+    report.update(environment=environment, rows=results)
     (out / "shapes.json").write_text(json.dumps(report, indent=1))
     lines = ["| row | median ms/step | first ms | min ms |", "|---|---|---|---|"]
     for r in results:

@@ -1,13 +1,6 @@
 """The `finetune` command: one parser for every subcommand (flag style: finetune/config/command_line.py),
 then each subcommand's work. Parsing, and refusing a bad flag, imports no torch; the work does.
-
-finetune train --recipe demo [--config-file F] [--num-processes N] [--section.key=value ...] finetune prepare-model
-finetune recipes finetune compare RUN_DIR... [--baseline RUN_DIR] [--out DIR] [--gpu-hour-price USD] finetune sweep
---recipe demo --strategies qlora_baseline,ddp,zero2,fsdp [--cpu] [--out DIR] [overrides] finetune plan --recipe demo
-[--model ID_OR_DIR_OR_NAME] [--gpus N] [--gpu-memory 24GiB] [--bandwidth GB/s|FILE] [--json] finetune bench-comm [--cpu]
-[--num-processes N] [--sizes 1MiB 64MiB] [--out FILE.json] finetune bench [--shape S] [--methods M ...] [...] finetune
-doctor [--quick] [--offload] [--out DIR] [...]
-"""
+The subcommands and their options: `finetune --help`, `finetune COMMAND --help`, README.md."""
 
 from __future__ import annotations
 

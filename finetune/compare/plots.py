@@ -104,15 +104,8 @@ def loss_figure(table: Table):
     if ax.lines:
         ax.legend(fontsize=8)
     if missing:
-        ax.text(
-            0.01,
-            0.01,
-            "no logged steps: " + ", ".join(missing),
-            transform=ax.transAxes,
-            fontsize=8,
-            va="bottom",
-            color="firebrick",
-        )
+        note = "no logged steps: " + ", ".join(missing)
+        ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=8, va="bottom", color="firebrick")
     fig.tight_layout()
     return fig
 
@@ -164,13 +157,9 @@ def memory_figure(table: Table):
         key = "device_peak_allocated_gib" if kind == "device" else "host_peak_rss_gib"
         measured = [(r.get("memory", "max", key) if r.record is not None else None) for r in table.runs]
         x = list(range(len(labels)))
-        ax.bar(
-            [i - width / 2 for i in x],
-            [m or 0 for m in measured],
-            width,
-            color="dimgray",  # no component has a grey
-            label="measured peak" + (" allocated" if kind == "device" else " RSS"),
-        )
+        label = "measured peak" + (" allocated" if kind == "device" else " RSS")
+        # dimgray: no component has a grey
+        ax.bar([i - width / 2 for i in x], [m or 0 for m in measured], width, color="dimgray", label=label)
         # tab10 without its blue (the other plots' first run) and its grey (7: the measured bar's)
         colors = iter(c for n, c in enumerate(plt.get_cmap("tab10").colors) if n not in (0, 7))
         component_colors: dict[str, tuple] = {}
@@ -184,14 +173,8 @@ def memory_figure(table: Table):
                 first = name not in component_colors  # one legend entry per component
                 if first:
                     component_colors[name] = next(colors)
-                ax.bar(
-                    i + width / 2,
-                    gib,
-                    width,
-                    bottom=bottom,
-                    color=component_colors[name],
-                    label=f"predicted: {name}" if first else None,
-                )
+                label = f"predicted: {name}" if first else None
+                ax.bar(i + width / 2, gib, width, bottom=bottom, color=component_colors[name], label=label)
                 bottom += gib
                 any_prediction = True
             if not side:

@@ -107,23 +107,14 @@ def _shorten(text: str, width: int) -> str:
 
 def _footnotes(table: Table) -> list[str]:
     lines = [f"baseline: {table.baseline.label + ' — ' if table.baseline else ''}{table.baseline_note}"]
-    lines.append(
-        "cost per 1M trained tokens: "
-        + (
-            f"{table.gpu_hour_price} USD per device-hour x devices x training time (summary.train_s)"
-            if table.gpu_hour_price is not None
-            else "n/a, no --gpu-hour-price given"
-        )
-    )
+    cost = "n/a, no --gpu-hour-price given"
+    if table.gpu_hour_price is not None:
+        cost = f"{table.gpu_hour_price} USD per device-hour x devices x training time (summary.train_s)"
+    lines.append(f"cost per 1M trained tokens: {cost}")
     bases = {row["memory_basis"] for row in table.rows if row["memory_basis"]}
+    basis = {"device": "peak device memory allocated (device)", "host": "host peak RSS (host)"}
     if bases:
-        lines.append(
-            "memory ratio: "
-            + " and ".join(
-                {"device": "peak device memory allocated (device)", "host": "host peak RSS (host)"}[b]
-                for b in sorted(bases)
-            )
-        )
+        lines.append("memory ratio: " + " and ".join(basis[b] for b in sorted(bases)))
     for row in table.rows:
         if row.get("scaling_reference") and (row["devices"] or 0) > 1:
             lines.append(f"scaling efficiency of {row['run']}: against {row['scaling_reference']}")

@@ -39,16 +39,8 @@ class PlannedRun:
     added: str | None = None  # why the sweep added this run itself (not in --strategies)
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "finetune.cli",
-            "train",
-            "--recipe",
-            self.recipe,
-            *(["--cpu"] if self.cpu else []),
-            *self.args,
-        ]
+        cpu = ["--cpu"] if self.cpu else []
+        return [sys.executable, "-m", "finetune.cli", "train", "--recipe", self.recipe, *cpu, *self.args]
 
 
 def strategy_names() -> list[str]:

@@ -12,7 +12,7 @@ from finetune.compare import comparable
 from finetune.doctor import report
 from finetune.telemetry.record import RecordView
 
-S = "strategies"
+S = report.Section("strategies")
 TOLERANCES = {
     "32-true": {"loss": 1e-5, "grad_norm": 1e-4, "source": "tests/training/test_strategies.py"},
     "bf16-mixed": {"loss": 1e-4, "grad_norm": 5e-3, "source": "tests/training/test_precision_equivalence.py"},
@@ -177,16 +177,14 @@ def agreement_line(
     tol = TOLERANCES.get(policy)
     data = {k: v for k, v in cmp.items() if k != "loss"}
     if cmp.get("missing_steps"):
-        return report.problem(
-            S,
+        return S.problem(
             f"{name} losses",
             f"the records do not both log steps 1..N (got {cmp['steps']})",
             "rerun the doctor; if it repeats, compare the two run.json files' steps",
             **data,
         )
     if tol is None:
-        return report.skipped(
-            S,
+        return S.skipped(
             f"{name} losses",
             f"no tolerance derived for {policy}; largest relative difference "
             f"{cmp['max_loss_rel']:.1e} shown only (compare at 32-true: --precision 32-true)",
@@ -206,8 +204,7 @@ def agreement_line(
     if why:
         settings = f"; the records differ in {', '.join(cmp['differs'])}" if cmp["differs"] else ""
         asked = f" (misconfigured on purpose by --override: {', '.join(overrides)})" if overrides else ""
-        return report.problem(
-            S,
+        return S.problem(
             f"{name} losses",
             "; ".join(why) + settings + asked,
             f"{name} trained differently from one process on the same data: finetune compare "
@@ -215,8 +212,7 @@ def agreement_line(
             f"nothing differs, report it with doctor.json",
             **data,
         )
-    return report.ok(
-        S,
+    return S.ok(
         f"{name} losses",
         f"within {tol['loss']:g} of {ref_name} at every step (largest "
         f"{cmp['max_loss_rel']:.1e} at step {cmp['worst_step']})",

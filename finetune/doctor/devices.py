@@ -5,6 +5,7 @@ nvml=...)` takes torch.cuda-like and pynvml-like objects so that the GPU paths r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,15 +129,8 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
         n = cuda.device_count()
         for i in range(n):
             props = cuda.get_device_properties(i)
-            gpus.append(
-                Gpu(
-                    i,
-                    props.name,
-                    round(props.total_memory / GIB, 2),
-                    (props.major, props.minor),
-                    mig=True if " MIG " in f" {props.name} " else None,
-                )
-            )
+            mig = True if " MIG " in f" {props.name} " else None
+            gpus.append(Gpu(i, props.name, round(props.total_memory / GIB, 2), (props.major, props.minor), mig=mig))
         nvml = load_nvml() if nvml is None else nvml
         handles, nvml_note = _nvml_handles(cuda, nvml, n)
         nvml = nvml if not isinstance(nvml, str) else None
@@ -145,19 +139,8 @@ def probe(cuda=None, nvml=None, torch_module=None, proc: Path = NVIDIA_PROC) -> 
         pairs = [_pair(cuda, nvml, handles, gpus[a], gpus[b]) for a in range(n) for b in range(a + 1, n)]
     arch_list = list(cuda.get_arch_list()) if available else []
     driver_gpus = len(list(proc.iterdir())) if proc.is_dir() else 0
-    return Devices(
-        torch.__version__,
-        build,
-        available,
-        error,
-        arch_list,
-        nccl_version,
-        nccl_available,
-        gpus,
-        pairs,
-        nvml_note,
-        driver_gpus,
-    )
+    facts = (arch_list, nccl_version, nccl_available, gpus, pairs, nvml_note, driver_gpus)
+    return Devices(torch.__version__, build, available, error, *facts)
 
 
 def load_nvml():
@@ -246,12 +229,13 @@ def _read_nvml(nvml, handle, gpu: Gpu, handles: dict) -> None:
 
 def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
     peer = bool(cuda.can_device_access_peer(a.index, b.index) and cuda.can_device_access_peer(b.index, a.index))
+    pair = functools.partial(Pair, a.index, b.index, peer)
     if nvml is None or a.index not in handles or b.index not in handles:
         why = "NVML not available" if nvml is None else "no NVML handle for one of the GPUs"
-        return Pair(a.index, b.index, peer, None, f"unknown ({why})", None, why)
+        return pair(None, f"unknown ({why})", None, why)
     if a.nvlinks.get("unresolved") or b.nvlinks.get("unresolved"):
         why = "an active NVLink whose other end NVML did not name"
-        return Pair(a.index, b.index, peer, None, f"unknown ({why})", None, why)
+        return pair(None, f"unknown ({why})", None, why)
     direct = a.nvlinks.get(b.index, 0)
     switched = min(a.nvlinks.get("switch", 0), b.nvlinks.get("switch", 0))
     links = direct + switched
@@ -259,34 +243,20 @@ def _pair(cuda, nvml, handles: dict, a: Gpu, b: Gpu) -> Pair:
         link = f"NVLink x{links}" + (" (NVSwitch)" if switched else "")
         per_link = NCCL_NVLINK_GBS.get(a.capability)
         if per_link is None:
-            return Pair(a.index, b.index, peer, links, link, None, f"no NCCL per-link figure for {a.sm}")
-        return Pair(
-            a.index,
-            b.index,
-            peer,
-            links,
-            link,
-            round(links * per_link, 1),
-            f"{links} x {per_link} GB/s per link ({a.sm}, NCCL's model)",
+            return pair(links, link, None, f"no NCCL per-link figure for {a.sm}")
+        return pair(
+            links, link, round(links * per_link, 1), f"{links} x {per_link} GB/s per link ({a.sm}, NCCL's model)"
         )
     try:
         level = nvml.nvmlDeviceGetTopologyCommonAncestor(handles[a.index], handles[b.index])
     except Exception as e:
-        return Pair(a.index, b.index, peer, 0, "PCIe (topology not read)", None, f"NVML topology: {type(e).__name__}")
+        return pair(0, "PCIe (topology not read)", None, f"NVML topology: {type(e).__name__}")
     where = TOPOLOGY.get(level, f"level {level}")
     gens = [g.pcie for g in (a, b)]
     label = f"PCIe Gen{gens[0][0]} x{gens[0][1]} ({where})" if gens[0] else f"PCIe ({where})"
     if level >= TOPOLOGY_SYSTEM:
-        return Pair(
-            a.index,
-            b.index,
-            peer,
-            0,
-            label,
-            None,
-            "the path crosses the CPU interconnect, whose bandwidth NVML does not give",
-        )
+        return pair(0, label, None, "the path crosses the CPU interconnect, whose bandwidth NVML does not give")
     figures = [g.pcie_gbs() for g in (a, b)]
     if None in figures:
-        return Pair(a.index, b.index, peer, 0, label, None, "PCIe generation/width not read from NVML")
-    return Pair(a.index, b.index, peer, 0, label, min(figures), "lanes x NCCL's per-lane PCIe rate, the slower GPU")
+        return pair(0, label, None, "PCIe generation/width not read from NVML")
+    return pair(0, label, min(figures), "lanes x NCCL's per-lane PCIe rate, the slower GPU")

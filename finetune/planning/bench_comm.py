@@ -176,10 +176,8 @@ def render(report: dict) -> str:
     impl = ", ".join(f"{k}: {v} (native, verified)" for k, v in report["implementation"].items())
     lines = [
         f"ops: {impl}",
-        (
-            f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
-            f"algbw = bytes/time, busbw = algbw x factor)"
-        ),
+        f"{report['backend']} over {report['world_size']} ranks (nccl-tests definitions: "
+        f"algbw = bytes/time, busbw = algbw x factor)",
         f"{'op':15}{'bytes':>14}{'time ms':>10}{'algbw GB/s':>12}{'busbw GB/s':>12}{'factor':>8}",
     ]
     for r in report["results"]:
@@ -220,17 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if use_nccl else "gloo")
     try:
         report = measure(sizes, args.iters, args.warmup)
-        report["host_device"] = (
-            host_device_copy()
-            if use_nccl
-            else {
-                "h2d_gbs": None,
-                "d2h_gbs": None,
-                "note": "no GPU: host<->device copy not measured"
-                if not torch.cuda.is_available()
-                else "CPU launch: host<->device copy not measured",
-            }
-        )
+        why = "no GPU" if not torch.cuda.is_available() else "CPU launch"
+        unmeasured = {"h2d_gbs": None, "d2h_gbs": None, "note": f"{why}: host<->device copy not measured"}
+        report["host_device"] = host_device_copy() if use_nccl else unmeasured
         report["sizes_requested"] = args.sizes
         if report["rank"] == 0:
             print(render(report), flush=True)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.planning.bench_comm import BUS_FACTORS
 from finetune.planning.memory import NF4_BITS
 from finetune.planning.regimes import Regime
 from finetune.planning.shapes import Shape, Workload
@@ -17,13 +18,7 @@ from finetune.units import GB  # nccl-tests report GB/s as 1e9 bytes/s
 
 def ring_factor(op: str, n: int) -> float:
     """Bytes per rank / buffer bytes for a ring collective (nccl-tests PERFORMANCE.md busbw factors)."""
-    if n < 2:
-        return 0.0
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather"):
-        return (n - 1) / n
-    raise ValueError(f"unknown collective {op!r}")
+    return BUS_FACTORS[op](n) if n >= 2 else 0.0
 
 
 def step_traffic(shape: Shape, w: Workload, strategy: str, n: int, regime: Regime) -> dict:

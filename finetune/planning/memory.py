@@ -385,9 +385,7 @@ def fits_total(reserved: float, on_gpu: bool = True) -> float:
 # HF Trainer fills in for "auto" (transformers/integrations/deepspeed.py trainer_config_finalize), and
 # ZeRO-3's rule for which gathered parameters stay on the device between forward and backward.
 
-# DeepSpeed's own defaults where a config leaves a key out (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig:
-# reduce_bucket_size 5e8, sub_group_size 1e9, stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
-# stage3_param_persistence_threshold 1e5, stage3_prefetch_bucket_size 5e7).
+# DeepSpeed's own defaults where a config leaves a key out (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig).
 DEEPSPEED_DEFAULTS = {
     "reduce_bucket_size": 5e8,
     "allgather_bucket_size": 5e8,
@@ -438,12 +436,8 @@ def zero_values(strategy: str, shape: Shape, ds_config: dict | None = None) -> Z
 
             ds_config = json.loads(resolve(row.deepspeed_config).read_text(encoding="utf-8"))
     z = fill_auto(ds_config.get("zero_optimization") or {}, shape.hidden)
-    return ZeroValues(
-        float(z["reduce_bucket_size"]),
-        float(z["sub_group_size"]),
-        float(z["stage3_max_live_parameters"]),
-        float(z["stage3_max_reuse_distance"]),
-    )
+    keys = ("reduce_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance")
+    return ZeroValues(*(float(z[k]) for k in keys))
 
 
 def zero3_gathered(

@@ -5,53 +5,20 @@ process), the recommendation and the assumptions with every constant's source.""
 from __future__ import annotations
 
 # Columns of the table: components by what they are (finetune/planning/memory.py names them).
-COLUMNS = (
-    (
-        "params",
-        (
-            "weights",
-            "frozen_weights",
-            "nf4_weights",
-            "unquantized_weights",
-            "lora_adapters",
-            "fsdp_unsharded_root",
-            "zero3_gathered_params",
-            "fsdp_unsharded_blocks",
-        ),
-    ),
-    ("master", ("master_weights",)),
-    ("optim", ("optimizer_states",)),
-    (
-        "grads",
-        (
-            "ddp_grad_buckets",
-            "grad_partition_buffer",
-            "ipg_bucket",
-            "accumulated_grads",
-            "accumulated_grad_partition",
-            "gradients",
-            "tied_embedding_grad_parts",
-            "head_grad",
-            "upper_block_gradients",
-            "fp32_grad_partition",
-            "offload_grad_staging",
-            "grads_in_partition",
-            "fp32_subgroup_grad",
-        ),
-    ),
-    (
-        "activ",
-        (
-            "activations",
-            "autocast_weight_copies",
-            "recomputed_block",
-            "rotary_and_targets",
-            "forward_temporaries",
-            "block_backward_temporaries",
-            "norm_backward_temporaries",
-        ),
-    ),
-    ("loss", ("loss_buffers",)),
+COLUMNS = tuple(
+    (column, tuple(names.split()))
+    for column, names in {
+        "params": "weights frozen_weights nf4_weights unquantized_weights lora_adapters fsdp_unsharded_root "
+        "zero3_gathered_params fsdp_unsharded_blocks",
+        "master": "master_weights",
+        "optim": "optimizer_states",
+        "grads": "ddp_grad_buckets grad_partition_buffer ipg_bucket accumulated_grads accumulated_grad_partition "
+        "gradients tied_embedding_grad_parts head_grad upper_block_gradients fp32_grad_partition "
+        "offload_grad_staging grads_in_partition fp32_subgroup_grad",
+        "activ": "activations autocast_weight_copies recomputed_block rotary_and_targets forward_temporaries "
+        "block_backward_temporaries norm_backward_temporaries",
+        "loss": "loss_buffers",
+    }.items()
 )
 NAMED = {name for _, names in COLUMNS for name in names}
 
@@ -107,27 +74,19 @@ def render(plan: dict, all_methods: bool = True, width: int = 100) -> str:
     m, hw, a = plan["model"], plan["hardware"], plan["assumptions"]
     wl = a["workload"]
     lines = [
-        (
-            f"planned for: {wl['micro_batch']} sequences x {wl['seq_len']} tokens per device per micro-step "
-            f"({wl['tokens_per_micro_step']:,} tokens; micro-batch from {wl['micro_batch_from']}, sequence length "
-            f"from {wl['seq_len_from']}), accumulation {wl['grad_accum']}; other sizes: "
-            f"--training.per_device_train_batch_size=N --data.max_length=N"
-        ),
-        (
-            f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
-            f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
-            f"LoRA adds {m['lora_parameters']:,}"
-        ),
-        (
-            f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
-            f"host {hw['host_memory_gib']:.0f} GiB per node; fits = reserved + CUDA context <= "
-            f"{hw['margin']:.0%} of each"
-        ),
-        (
-            f"recipe {plan['recipe']}: method {plan['method']}, precision {a['precision']}, micro-batch "
-            f"{a['micro_batch']} x accumulation {a['grad_accum']}, sequence {a['seq_len']} ({a['layout']}), loss "
-            f"{a['loss_impl']}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}"
-        ),
+        f"planned for: {wl['micro_batch']} sequences x {wl['seq_len']} tokens per device per micro-step "
+        f"({wl['tokens_per_micro_step']:,} tokens; micro-batch from {wl['micro_batch_from']}, sequence length "
+        f"from {wl['seq_len_from']}), accumulation {wl['grad_accum']}; other sizes: "
+        f"--training.per_device_train_batch_size=N --data.max_length=N",
+        f"model {m['name']}: {m['model_type']}, {m['parameters'] / 1e9:.3f}B parameters, {m['layers']} layers, "
+        f"hidden {m['hidden']}, vocab {m['vocab']}, {'tied' if m['tied_embeddings'] else 'untied'} embeddings; "
+        f"LoRA adds {m['lora_parameters']:,}",
+        f"hardware: {hw['nodes']} node(s) x {hw['gpus_per_node']} GPU(s) of {hw['gpu_memory_gib']:.0f} GiB, "
+        f"host {hw['host_memory_gib']:.0f} GiB per node; fits = reserved + CUDA context <= "
+        f"{hw['margin']:.0%} of each",
+        f"recipe {plan['recipe']}: method {plan['method']}, precision {a['precision']}, micro-batch "
+        f"{a['micro_batch']} x accumulation {a['grad_accum']}, sequence {a['seq_len']} ({a['layout']}), loss "
+        f"{a['loss_impl']}, gradient checkpointing {'on' if a['gradient_checkpointing'] else 'off'}",
         _mesh_line(a["mesh"]),
         "GiB per device (2^30 bytes) at each row's predicted peak; comm = GB (1e9) sent per rank per optimizer step"
         + (

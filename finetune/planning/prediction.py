@@ -368,19 +368,10 @@ HOST_CPU_PROCESS_BASE_GIB = 0.55
 # DeepSpeed offload buffers pinned when `pin_memory: true` (the shipped offload configs): ZeRO-1/2's buffers
 # (stage_1_and_2.py initialize_optimizer_states; stage3.py _unpin_offload_buffers lists ZeRO-3's); CPU-Adam's states and
 # ZeRO-3's master are pageable. FSDP2 CPUOffloadPolicy(pin_memory=True) pins each parameter shard and gradient.
-PINNED_KEYS = {
-    "master_weights",
-    "fp32_grad_partition",
-    "bit16_partition_buffer",
-    "offload_grad_staging",
-    "grad_partition_buffer",
-    "weights",
-    "lora_adapters",
-    "frozen_weights",
-    "nf4_weights",
-    "unquantized_weights",
-    "gradients",
-}
+PINNED_KEYS = set(
+    "master_weights fp32_grad_partition bit16_partition_buffer offload_grad_staging grad_partition_buffer weights "
+    "lora_adapters frozen_weights nf4_weights unquantized_weights gradients".split()
+)
 
 
 def pinned(key: str, strategy: str) -> bool:

@@ -85,36 +85,20 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
     fam = family(strategy)
     label = f"legacy (before training.precision): model loaded in {'bf16' if loaded == B16 else 'fp32'}, no autocast"
     if method == "full":
+        if fam == "deepspeed" and strategy.startswith("zero3"):
+            note = "DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master"
+            return Regime(label + "; ZeRO-3 zero.Init in fp32", F32, F32, F32, F32, master=F32, note=note)
         if fam == "deepspeed":
-            if strategy.startswith("zero3"):
-                return Regime(
-                    label + "; ZeRO-3 zero.Init in fp32",
-                    F32,
-                    F32,
-                    F32,
-                    F32,
-                    master=F32,
-                    note="DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master",
-                )
-            return Regime(
-                label + "; DeepSpeed fp32 mode",
-                loaded,
-                loaded,
-                F32,
-                F32,
-                master=F32,
-                note="DeepSpeed fp32 mode: 16-bit flat module, fp32 master, fp32 gradient partition",
-            )
-        return Regime(
-            label, loaded, loaded, loaded, loaded, note="weights, gradients and AdamW states in the load dtype"
-        )
+            note = "DeepSpeed fp32 mode: 16-bit flat module, fp32 master, fp32 gradient partition"
+            return Regime(label + "; DeepSpeed fp32 mode", loaded, loaded, F32, F32, master=F32, note=note)
+        note = "weights, gradients and AdamW states in the load dtype"
+        return Regime(label, loaded, loaded, loaded, loaded, note=note)
     frozen = F32 if method == "qlora" else loaded
     if fam == "deepspeed" and strategy.startswith("zero3") and method != "qlora":
         frozen = F32  # zero.Init re-creates the frozen base in fp32 as well
     master = F32 if fam == "deepspeed" else 0
-    return Regime(
-        label, F32, frozen, F32, F32, master=master, note="fp32 adapters (peft), frozen base in the load dtype"
-    )
+    note = "fp32 adapters (peft), frozen base in the load dtype"
+    return Regime(label, F32, frozen, F32, F32, master=master, note=note)
 
 
 def regime_of_record(record: dict, method: str, strategy: str) -> Regime:

@@ -171,18 +171,8 @@ def shape_of(config) -> Shape:
     if config.model_type == "gpt2":
         h, inner = config.n_embd, config.n_inner or 4 * config.n_embd
         linears = [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, inner), ("mlp.c_proj", inner, h)]
-        return Shape(
-            "gpt2",
-            count,
-            h,
-            config.n_layer,
-            config.n_head,
-            config.n_head,
-            h // config.n_head,
-            inner,
-            config.vocab_size,
-            linears,
-        )
+        heads = config.n_head  # no grouped-query attention: kv heads = heads
+        return Shape("gpt2", count, h, config.n_layer, heads, heads, h // heads, inner, config.vocab_size, linears)
     h, heads = config.hidden_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or h // heads

@@ -158,10 +158,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
         "gradient_accumulation_steps": (accum, "training.gradient_accumulation_steps"),
         "train_batch_size": (
             launch.effective_batch(per_device, accum),
-            (
-                f"training.per_device_train_batch_size x gradient_accumulation_steps x "
-                f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}"
-            ),
+            f"training.per_device_train_batch_size x gradient_accumulation_steps x "
+            f"{dp} data-parallel ranks = {per_device} x {accum} x {dp}",
         ),
         "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (policy_problems)
@@ -199,12 +197,10 @@ def strategy_matches_recipe(cfg, launch: LaunchPlan, *, in_process: bool) -> lis
         )
     )
     return [
-        (
-            f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
-            f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
-            f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
-            f"(and run.offload: any) to accept whatever the launch gives"
-        )
+        f"recipe {cfg.recipe!r} is meant for strategy {want!r} with offload {want_offload!r} (run.strategy, "
+        f"run.offload) but {where} sets up {got!r} with offload {got_offload!r} ({facts.distributed_type}, "
+        f"{facts.num_processes} process(es)). Launch it with:\n{line}{aside}\n  or set run.strategy: any "
+        f"(and run.offload: any) to accept whatever the launch gives"
     ]
 
 
@@ -218,11 +214,9 @@ def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     if m.quant_storage in ("auto", compute_name):
         return []
     return [
-        (
-            f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
-            f"parameters of one dtype, so QLoRA's 4-bit weights must be stored as the compute dtype "
-            f"({compute_name} here, from training.precision); set method.quant_storage: auto"
-        )
+        f"method.quant_storage: {m.quant_storage!r} under {strategy}: ZeRO-3 and FSDP shard only float "
+        f"parameters of one dtype, so QLoRA's 4-bit weights must be stored as the compute dtype "
+        f"({compute_name} here, from training.precision); set method.quant_storage: auto"
     ]
 
 

@@ -111,11 +111,9 @@ def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list
         if in_process or per_machine < 2:  # in a process, world_size_problem already says it
             return []
         return [
-            (
-                f"{facts.source}: {facts.distributed_type} with {per_machine} processes per machine, but no CUDA "
-                f"GPU is visible here: each process would train alone. Rehearse on CPU with "
-                f"`finetune train --recipe {cfg.recipe} --cpu` (2 processes over gloo), or launch on a GPU machine"
-            )
+            f"{facts.source}: {facts.distributed_type} with {per_machine} processes per machine, but no CUDA "
+            f"GPU is visible here: each process would train alone. Rehearse on CPU with "
+            f"`finetune train --recipe {cfg.recipe} --cpu` (2 processes over gloo), or launch on a GPU machine"
         ]
     visible = torch.cuda.device_count()
     ids = facts.gpu_ids
@@ -129,10 +127,8 @@ def one_device_per_process(cfg, launch: LaunchPlan, *, in_process: bool) -> list
     if per_machine <= visible:
         return []
     return [
-        (
-            f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
-            f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible"
-        )
+        f"{facts.source}: {per_machine} processes per machine but only {visible} CUDA device(s) ({where}); "
+        f"set num_processes to at most {visible} (--num_processes {visible}) or make more GPUs visible"
     ]
 
 
@@ -144,13 +140,8 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
     from finetune.launch import cpu_rehearsal
 
     facts = launch.facts
-    if (
-        facts.distributed_type != "NO"
-        or facts.use_cpu
-        or cfg.training.typed.use_cpu
-        or cpu_rehearsal.requested()
-        or not torch.cuda.is_available()
-    ):
+    on_cpu = facts.use_cpu or cfg.training.typed.use_cpu or cpu_rehearsal.requested() or not torch.cuda.is_available()
+    if facts.distributed_type != "NO" or on_cpu:
         return []
     visible = torch.cuda.device_count()
     ids = facts.gpu_ids
@@ -159,13 +150,11 @@ def one_process_many_devices(cfg, launch: LaunchPlan, *, in_process: bool) -> li
     if visible <= 1:
         return []
     return [
-        (
-            f"{facts.source}: one process (distributed type NO) with {visible} CUDA devices visible "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): Trainer would wrap the model "
-            f"in torch.nn.DataParallel over all {visible} and train {visible}x the batch while the record says "
-            f"'single'. Pin one device: CUDA_VISIBLE_DEVICES=0 (or gpu_ids: \"0\" in the accelerate config, as "
-            f"accelerate_configs/single_gpu.yaml has), or train on all of them with DDP:\n{launch_line('ddp', 'none', cfg.recipe)}"
-        )
+        f"{facts.source}: one process (distributed type NO) with {visible} CUDA devices visible "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): Trainer would wrap the model "
+        f"in torch.nn.DataParallel over all {visible} and train {visible}x the batch while the record says "
+        f"'single'. Pin one device: CUDA_VISIBLE_DEVICES=0 (or gpu_ids: \"0\" in the accelerate config, as "
+        f"accelerate_configs/single_gpu.yaml has), or train on all of them with DDP:\n{launch_line('ddp', 'none', cfg.recipe)}"
     ]
 
 
