@@ -132,25 +132,18 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
 
 @functools.cache
 def training_arguments_hints() -> dict[str, Any]:
-    """TrainingArguments' init fields and their types, read from transformers' training_args.py rather than
-    imported: the import brings torch, peft and bitsandbytes (11-15 s on 2 cores) into the launcher, whose
-    preflight needs only the names and types. A type the file takes from elsewhere (its enums,
-    ParallelismConfig) reads as Any here; TrainingArguments checks those values itself, in each rank.
-    tests/config/test_validate.py holds this against the imported class."""
+    """TrainingArguments' init fields and their types, read from transformers' training_args.py: importing
+    it brings torch, peft and bitsandbytes (11-15 s on 2 cores) into the launcher, whose preflight needs only
+    these. Types the file takes from elsewhere (its enums, ParallelismConfig) read as Any; TrainingArguments
+    checks those in each rank. tests/config/test_config.py holds this against the imported class."""
     package = importlib.util.find_spec("transformers").submodule_search_locations[0]
     tree = ast.parse(Path(package, "training_args.py").read_text(encoding="utf-8"))
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments"]
     known = {"Any": Any, "Literal": Literal, "Union": Union, "None": None}
     known |= {t.__name__: t for t in (bool, int, float, str, list, dict, tuple)}
-    hints = {}
-    for node in cls.body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        keywords = node.value.keywords if isinstance(node.value, ast.Call) else []  # field(init=False, ...)
-        if any(k.arg == "init" and getattr(k.value, "value", True) is False for k in keywords):
-            continue
-        hints[node.target.id] = _annotation(node.annotation, known)
-    return hints
+    fields = [n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    no_init = {n.target.id for n in fields if "init=False" in ast.unparse(n.value or ast.Constant(None))}
+    return {n.target.id: _annotation(n.annotation, known) for n in fields if n.target.id not in no_init}
 
 
 def _annotation(node: ast.expr, known: dict[str, Any]) -> Any:
