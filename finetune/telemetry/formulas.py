@@ -162,16 +162,8 @@ def throughput(stretches: list[Stretch], *, excluded: int) -> dict:
     median step time over the steps (a window of an earlier segment contributes its mean step time once per step); MFU =
     model FLOPs / (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
     seconds = sum(s.seconds for s in stretches)
-    empty = {
-        "trained_tokens_per_s": None,
-        "trained_tokens_per_s_per_device": None,
-        "input_tokens_per_s": None,
-        "samples_per_s": None,
-        "median_step_s": None,
-        "mfu": None,
-        "warmup_steps_excluded": excluded,
-        "steps_measured": 0,
-    }
+    rates = ("trained_tokens_per_s", "trained_tokens_per_s_per_device", "input_tokens_per_s", "samples_per_s")
+    empty = {**dict.fromkeys((*rates, "median_step_s", "mfu")), "warmup_steps_excluded": excluded, "steps_measured": 0}
     if not stretches or seconds <= 0:
         return empty
     device_seconds = sum(s.seconds * s.devices for s in stretches)
