@@ -156,9 +156,8 @@ def said(resumed: ResumedConfig | None) -> dict:
             "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in resumed.changes),
         )
     if resumed.recipe_differs:
+        differs = ", ".join(resumed.recipe_differs)
         log.info(
-            "the recipe now reads otherwise in %s; the run continues with its saved values (%s)",
-            ", ".join(resumed.recipe_differs),
-            resumed.saved,
+            f"the recipe now reads otherwise in {differs}; the run continues with its saved values ({resumed.saved})"
         )
     return {"config_from": str(resumed.saved), "config_changes": resumed.changes}

@@ -112,12 +112,8 @@ def start(record: RecordView, *, project: str, run_dir: Path):
         os.environ["WANDB_MODE"] = "offline"
         run = wandb.init(**arguments, mode="offline")
         log.warning(
-            "W&B: the server could not be reached (%s: %s); logging offline to %s instead. Upload it later with "
-            "`wandb sync %s`",
-            type(e).__name__,
-            str(e).splitlines()[0][:200],
-            run.settings.sync_dir,
-            run.settings.sync_dir,
+            f"W&B: the server could not be reached ({type(e).__name__}: {str(e).splitlines()[0][:200]}); logging "
+            f"offline to {run.settings.sync_dir} instead. Upload it later with `wandb sync {run.settings.sync_dir}`"
         )
         return run
 
