@@ -368,12 +368,8 @@ def record_setup(
     static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
     trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
-    loss_record = loss.installed(model)
-    hand(
-        speed=speed.section(
-            cfg, model, trainer, attention_record=attention_record, loss_record=loss_record, ddp_record=ddp_record
-        )
-    )
+    records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
+    hand(speed=speed.section(cfg, model, trainer, **records))
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
     predicted = prediction.run_prediction(
         run.sinks.view,
