@@ -18,12 +18,8 @@ from finetune.config.validate import build_config
 from finetune.errors import ConfigError, UserError
 
 # keys that may differ on every resume without being a change of the run's configuration
-NOT_CHANGES = (
-    "run.name",
-    "run.output_dir",
-    "run.overwrite",
-    "training.per_device_train_batch_size",
-    "training.gradient_accumulation_steps",
+NOT_CHANGES = tuple(
+    "run.name run.output_dir run.overwrite training.per_device_train_batch_size training.gradient_accumulation_steps".split()
 )
 
 

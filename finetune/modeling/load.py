@@ -302,12 +302,8 @@ def check_init_dtype(model, requested) -> None:
 # full_state_dict=True, cpu_offload=True)`, a collective every rank joins. ZeRO-3 gathers 16-bit
 # weights inside `save_model` (stage3_gather_16bit_weights_on_model_save in ds_configs/zero3*.json).
 # The export is then checked for weights, so a strategy that silently saves nothing fails the run.
-WEIGHT_FILES = (
-    "adapter_model.safetensors",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "adapter_model.bin",
-    "pytorch_model.bin",
+WEIGHT_FILES = tuple(
+    "adapter_model.safetensors model.safetensors model.safetensors.index.json adapter_model.bin pytorch_model.bin".split()
 )
 
 
