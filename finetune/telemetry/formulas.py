@@ -115,12 +115,8 @@ def mfu(model_flops: float | None, seconds: float, peak: float | None, devices: 
 
 
 def max_over_ranks(per_rank: list[dict]) -> dict:
-    keys = [k for k in per_rank[0] if k != "rank"]
-    out = {}
-    for k in keys:
-        values = [r[k] for r in per_rank if r.get(k) is not None]
-        out[k] = max(values) if values else None
-    return out
+    values = {k: [r[k] for r in per_rank if r.get(k) is not None] for k in per_rank[0] if k != "rank"}
+    return {k: max(v) if v else None for k, v in values.items()}
 
 
 def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *, warmup: int) -> dict:
