@@ -58,12 +58,8 @@ def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | N
             position_ids[i, n:] = torch.arange(longest - n, dtype=torch.long)
         else:
             attention_mask[i, :n] = 1
-    out = {"input_ids": input_ids, "labels": labels}
-    if all(packed):
-        out["position_ids"] = position_ids
-    else:
-        out["attention_mask"] = attention_mask
-    return out
+    layout = {"position_ids": position_ids} if all(packed) else {"attention_mask": attention_mask}
+    return {"input_ids": input_ids, "labels": labels, **layout}
 
 
 def make_collator(
