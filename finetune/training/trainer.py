@@ -75,7 +75,7 @@ class FinetuneTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
-        (epochs and mid-epoch resumption; the module docstring)."""
+        (epochs and mid-epoch resumption; docs/parallelism.md "The dataloader")."""
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.sequence_parallel:
             loader = ShardLoader(loader)
