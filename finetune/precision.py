@@ -102,89 +102,35 @@ class Policy:
         return (self.master_dtype,)
 
 
+# The table by field: each field's value under POLICY_NAMES, in that order (bf16-mixed, bf16-true, 16-mixed, 32-true).
+_BY_FIELD = {
+    "summary": (
+        "fp32 master weights and optimizer states, bf16 compute",
+        "everything in bf16: parameters, gradients, optimizer states, compute (no master copy)",
+        "fp32 master weights and optimizer states, fp16 compute with dynamic loss scaling",
+        "everything in fp32",
+    ),
+    # 16-mixed: fp32 for full fine-tuning, as a bf16 checkpoint loaded in fp16 can leave fp16's range
+    "full_load_dtype": ("bfloat16", "bfloat16", "float32", "float32"),
+    "frozen_dtype": ("bfloat16", "bfloat16", "float16", "float32"),
+    "master_dtype": ("float32", "bfloat16", "float32", "float32"),
+    "compute_dtype": ("bfloat16", "bfloat16", "float16", "float32"),
+    "optimizer_state_dtype": ("float32", "bfloat16", "float32", "float32"),
+    "master_weights": (True, False, True, False),
+    "adapters_fp32": (True, False, True, True),
+    "torch_autocast": ("bfloat16", None, "float16", None),
+    "fsdp_param_dtype": ("bfloat16", None, "float16", None),
+    "fsdp_reduce_dtype": ("float32", None, "float32", None),
+    "deepspeed_bf16": (True, True, False, False),
+    "deepspeed_fp16": (False, False, True, False),
+    "deepspeed_low_precision_master": (False, True, False, False),
+    # bf16-true: Accelerate's map_pytorch_optim_to_deepspeed builds DeepSpeedCPUAdam without
+    # fp32_optimizer_states=False, which ZeRO-Offload then asserts on.
+    "deepspeed_offload_ok": (True, False, True, True),
+    "needs_cuda": (False, False, True, False),
+}
 POLICIES: dict[str, Policy] = {
-    p.name: p
-    for p in (
-        Policy(
-            "bf16-mixed",
-            "fp32 master weights and optimizer states, bf16 compute",
-            full_load_dtype="bfloat16",
-            frozen_dtype="bfloat16",
-            master_dtype="float32",
-            compute_dtype="bfloat16",
-            optimizer_state_dtype="float32",
-            master_weights=True,
-            adapters_fp32=True,
-            torch_autocast="bfloat16",
-            fsdp_param_dtype="bfloat16",
-            fsdp_reduce_dtype="float32",
-            deepspeed_bf16=True,
-            deepspeed_fp16=False,
-            deepspeed_low_precision_master=False,
-            deepspeed_offload_ok=True,
-            needs_cuda=False,
-        ),
-        Policy(
-            "bf16-true",
-            "everything in bf16: parameters, gradients, optimizer states, compute (no master copy)",
-            full_load_dtype="bfloat16",
-            frozen_dtype="bfloat16",
-            master_dtype="bfloat16",
-            compute_dtype="bfloat16",
-            optimizer_state_dtype="bfloat16",
-            master_weights=False,
-            adapters_fp32=False,
-            torch_autocast=None,
-            fsdp_param_dtype=None,
-            fsdp_reduce_dtype=None,
-            deepspeed_bf16=True,
-            deepspeed_fp16=False,
-            deepspeed_low_precision_master=True,
-            # Accelerate's map_pytorch_optim_to_deepspeed builds DeepSpeedCPUAdam without
-            # fp32_optimizer_states=False, which ZeRO-Offload then asserts on.
-            deepspeed_offload_ok=False,
-            needs_cuda=False,
-        ),
-        Policy(
-            "16-mixed",
-            "fp32 master weights and optimizer states, fp16 compute with dynamic loss scaling",
-            # fp32 for full fine-tuning: a bf16 checkpoint loaded in fp16 can leave fp16's range.
-            full_load_dtype="float32",
-            frozen_dtype="float16",
-            master_dtype="float32",
-            compute_dtype="float16",
-            optimizer_state_dtype="float32",
-            master_weights=True,
-            adapters_fp32=True,
-            torch_autocast="float16",
-            fsdp_param_dtype="float16",
-            fsdp_reduce_dtype="float32",
-            deepspeed_bf16=False,
-            deepspeed_fp16=True,
-            deepspeed_low_precision_master=False,
-            deepspeed_offload_ok=True,
-            needs_cuda=True,
-        ),
-        Policy(
-            "32-true",
-            "everything in fp32",
-            full_load_dtype="float32",
-            frozen_dtype="float32",
-            master_dtype="float32",
-            compute_dtype="float32",
-            optimizer_state_dtype="float32",
-            master_weights=False,
-            adapters_fp32=True,
-            torch_autocast=None,
-            fsdp_param_dtype=None,
-            fsdp_reduce_dtype=None,
-            deepspeed_bf16=False,
-            deepspeed_fp16=False,
-            deepspeed_low_precision_master=False,
-            deepspeed_offload_ok=True,
-            needs_cuda=False,
-        ),
-    )
+    name: Policy(name, **{k: column[i] for k, column in _BY_FIELD.items()}) for i, name in enumerate(POLICY_NAMES)
 }
 
 

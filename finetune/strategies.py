@@ -56,13 +56,13 @@ class Strategy:
     key: str  # planner key, unique
     name: str  # run.strategy: single | ddp | zero1 | zero2 | zero3 | fsdp
     offload: str  # run.offload: none | optimizer | optimizer+params
-    accelerate_config: str | None  # relative to the resources root; None: no shipped config
-    cpu_config: str | None  # the CPU-rehearsal variant (2 processes over gloo); None for one process
-    deepspeed_config: str | None
-    recipe: str | None  # the shipped strategy recipe (recipes/<recipe>.yaml)
     speed_rank: int  # 0 = fastest (see the module docstring)
     description: str
     why: str
+    accelerate_config: str | None = None  # relative to the resources root; None: no shipped config
+    cpu_config: str | None = None  # the CPU-rehearsal variant (2 processes over gloo); None for one process
+    deepspeed_config: str | None = None
+    recipe: str | None = None  # the shipped strategy recipe (recipes/<recipe>.yaml)
     fsdp: FsdpSettings | None = None  # FSDP rows: the settings both launch routes use
 
     @property
@@ -101,132 +101,42 @@ class Strategy:
         return self.accelerate_config is not None
 
 
+def _shipped(key: str, name: str, offload: str, speed_rank: int, description: str, why: str, **kw) -> Strategy:
+    """A multi-process row whose shipped files are named after its key: accelerate_configs/<key>.yaml and its cpu/
+    variant, recipes/<key>.yaml, and for DeepSpeed rows ds_configs/<key>.json."""
+    files = {"accelerate_config": f"accelerate_configs/{key}.yaml", "cpu_config": f"accelerate_configs/cpu/{key}.yaml"}
+    ds = f"ds_configs/{key}.json" if name.startswith("zero") else None
+    return Strategy(key, name, offload, speed_rank, description, why, **files, deepspeed_config=ds, recipe=key, **kw)
+
+
 _SHARDS_PARAMS = "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)"
 
+# fmt: off
+# A table, one row (two lines) a strategy: key, run.strategy, run.offload, speed rank, description, why.
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy(
-        "single",
-        "single",
-        "none",
-        "accelerate_configs/single_gpu.yaml",
-        None,
-        None,
-        "qlora_baseline",
-        0,
-        "one device, no data parallelism",
-        "one device, no communication at all",
-    ),
-    Strategy(
-        "ddp",
-        "ddp",
-        "none",
-        "accelerate_configs/ddp.yaml",
-        "accelerate_configs/cpu/ddp.yaml",
-        None,
-        "ddp",
-        1,
-        "DDP: every rank holds everything",
-        "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded",
-    ),
-    Strategy(
-        "zero1",
-        "zero1",
-        "none",
-        None,
-        None,
-        None,
-        None,
-        2,
-        "ZeRO-1: optimizer states sharded",
-        "shards only the optimizer states; same traffic as DDP",
-    ),
-    Strategy(
-        "zero2",
-        "zero2",
-        "none",
-        "accelerate_configs/zero2.yaml",
-        "accelerate_configs/cpu/zero2.yaml",
-        "ds_configs/zero2.json",
-        "zero2",
-        3,
-        "ZeRO-2: + gradients sharded",
-        "shards optimizer states and gradients; same traffic as DDP",
-    ),
-    Strategy(
-        "zero2_offload",
-        "zero2",
-        "optimizer",
-        "accelerate_configs/zero2_offload.yaml",
-        "accelerate_configs/cpu/zero2_offload.yaml",
-        "ds_configs/zero2_offload.json",
-        "zero2_offload",
-        6,
-        "ZeRO-2, optimizer states + step on the host",
-        "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step",
-    ),
-    Strategy(
-        "zero3",
-        "zero3",
-        "none",
-        "accelerate_configs/zero3.yaml",
-        "accelerate_configs/cpu/zero3.yaml",
-        "ds_configs/zero3.json",
-        "zero3",
-        5,
-        "ZeRO-3: + parameters sharded",
-        _SHARDS_PARAMS,
-    ),
-    Strategy(
-        "zero3_offload_opt",
-        "zero3",
-        "optimizer",
-        None,
-        None,
-        None,
-        None,
-        7,
-        "ZeRO-3, optimizer offloaded to the host",
-        "ZeRO-3 with the optimizer on the host",
-    ),
-    Strategy(
-        "zero3_offload",
-        "zero3",
-        "optimizer+params",
-        "accelerate_configs/zero3_offload.yaml",
-        "accelerate_configs/cpu/zero3_offload.yaml",
-        "ds_configs/zero3_offload.json",
-        "zero3_offload",
-        9,
-        "ZeRO-3, optimizer and parameters offloaded to the host",
-        "parameters and optimizer on the host: the least device memory, the slowest",
-    ),
-    Strategy(
-        "fsdp",
-        "fsdp",
-        "none",
-        "accelerate_configs/fsdp.yaml",
-        "accelerate_configs/cpu/fsdp.yaml",
-        None,
-        "fsdp",
-        4,
-        "FSDP2: parameters, grads, optimizer sharded",
-        _SHARDS_PARAMS,
-        fsdp=FsdpSettings(),
-    ),
-    Strategy(
-        "fsdp_offload",
-        "fsdp",
-        "optimizer+params",
-        "accelerate_configs/fsdp_offload.yaml",
-        "accelerate_configs/cpu/fsdp_offload.yaml",
-        None,
-        "fsdp_offload",
-        8,
-        "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
-        "parameters, gradients and optimizer on the host: the least device memory, the slowest",
-        fsdp=FsdpSettings(offload_params=True),
-    ),
+    Strategy("single", "single", "none", 0, "one device, no data parallelism", "one device, no communication at all",
+             accelerate_config="accelerate_configs/single_gpu.yaml", recipe="qlora_baseline"),
+    _shipped("ddp", "ddp", "none", 1, "DDP: every rank holds everything",
+             "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded"),
+    Strategy("zero1", "zero1", "none", 2, "ZeRO-1: optimizer states sharded",
+             "shards only the optimizer states; same traffic as DDP"),
+    _shipped("zero2", "zero2", "none", 3, "ZeRO-2: + gradients sharded",
+             "shards optimizer states and gradients; same traffic as DDP"),
+    _shipped("zero2_offload", "zero2", "optimizer", 6, "ZeRO-2, optimizer states + step on the host",
+             "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step"),
+    _shipped("zero3", "zero3", "none", 5, "ZeRO-3: + parameters sharded",
+             _SHARDS_PARAMS),
+    Strategy("zero3_offload_opt", "zero3", "optimizer", 7, "ZeRO-3, optimizer offloaded to the host",
+             "ZeRO-3 with the optimizer on the host"),
+    _shipped("zero3_offload", "zero3", "optimizer+params", 9, "ZeRO-3, optimizer and parameters offloaded to the host",
+             "parameters and optimizer on the host: the least device memory, the slowest"),
+    _shipped("fsdp", "fsdp", "none", 4, "FSDP2: parameters, grads, optimizer sharded",
+             _SHARDS_PARAMS, fsdp=FsdpSettings()),
+    _shipped("fsdp_offload", "fsdp", "optimizer+params", 8, "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
+             "parameters, gradients and optimizer on the host: the least device memory, the slowest",
+             fsdp=FsdpSettings(offload_params=True)),
 )
+# fmt: on
 
 KEYS = tuple(s.key for s in STRATEGIES)
 # Fastest first: the order in which the recommendation tries them (finetune/planning/report.py).

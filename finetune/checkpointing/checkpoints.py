@@ -49,13 +49,8 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
     tmp = ckpt / (MARKER + ".tmp")
     started = time.perf_counter()
     sums = {name: checksum(ckpt / name) for name in files}
-    log.info(
-        "checkpoint %s: %d files, %.1f MB checksummed in %.2f s",
-        ckpt.name,
-        len(files),
-        sum(files.values()) / 1e6,
-        time.perf_counter() - started,
-    )
+    seconds, mb = time.perf_counter() - started, sum(files.values()) / 1e6
+    log.info(f"checkpoint {ckpt.name}: {len(files)} files, {mb:.1f} MB checksummed in {seconds:.2f} s")
     body = {
         "step": step,
         "world_size": world_size,
@@ -194,10 +189,7 @@ def move_aside_newer(run_dir: Path, step: int) -> list[tuple[str, str]]:
         if cache.exists():
             cache.rename(cache.with_name(f"{cache.name}.superseded-{n}"))
         log.warning(
-            "set aside %s -> %s (newer than the checkpoint resumed from, step %d; kept, not deleted)",
-            ckpt,
-            new.name,
-            step,
+            f"set aside {ckpt} -> {new.name} (newer than the checkpoint resumed from, step {step}; kept, not deleted)"
         )
         moved.append((ckpt.name, new.name))
     return moved

@@ -18,12 +18,8 @@ from finetune.config.validate import build_config
 from finetune.errors import ConfigError, UserError
 
 # keys that may differ on every resume without being a change of the run's configuration
-NOT_CHANGES = (
-    "run.name",
-    "run.output_dir",
-    "run.overwrite",
-    "training.per_device_train_batch_size",
-    "training.gradient_accumulation_steps",
+NOT_CHANGES = tuple(
+    "run.name run.output_dir run.overwrite training.per_device_train_batch_size training.gradient_accumulation_steps".split()
 )
 
 
@@ -156,9 +152,8 @@ def said(resumed: ResumedConfig | None) -> dict:
             "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in resumed.changes),
         )
     if resumed.recipe_differs:
+        differs = ", ".join(resumed.recipe_differs)
         log.info(
-            "the recipe now reads otherwise in %s; the run continues with its saved values (%s)",
-            ", ".join(resumed.recipe_differs),
-            resumed.saved,
+            f"the recipe now reads otherwise in {differs}; the run continues with its saved values ({resumed.saved})"
         )
     return {"config_from": str(resumed.saved), "config_changes": resumed.changes}

@@ -24,29 +24,17 @@ from finetune.strategies import STRATEGIES
 
 log = logging.getLogger("finetune")
 
-FAMILIES = {
-    "single": "single/ddp",
-    "ddp": "single/ddp",
-    "zero1": "zero1",
-    "zero2": "zero2",
-    "zero3": "zero3",
-    "fsdp": "fsdp",
-}
+FAMILIES = {"single": "single/ddp", "ddp": "single/ddp", **{s: s for s in ("zero1", "zero2", "zero3", "fsdp")}}
 TRIVIAL_MESH = {"sp": 1, "tp": 1, "cp": 1}
-RESHARD = {
-    "single/ddp": "replicated",
-    "zero1": "universal",
-    "zero2": "universal",
-    "zero3": "universal",
-    "fsdp": "dcp",
-}  # how states move to another world size
-# Data-loader settings under which the rows of a step depend on the layout (see the module docstring).
+# how states move to another world size
+RESHARD = {"single/ddp": "replicated", "fsdp": "dcp", **dict.fromkeys(("zero1", "zero2", "zero3"), "universal")}
+# Data-loader settings under which the rows of a step depend on the layout: the value that breaks it.
 ACCELERATOR_ORDER = {
     "split_batches": True,
     "dispatch_batches": True,
     "even_batches": False,
     "use_seedable_sampler": False,
-}  # value that breaks it
+}
 
 
 @dataclass
@@ -98,12 +86,8 @@ class ResumePlan:
 
     @property
     def layout_changed(self) -> bool:
-        w = self.written
-        return (self.world_size, self.per_device, self.grad_accum) != (
-            w["world_size"],
-            w["per_device"],
-            w["grad_accum"],
-        )
+        keys = ("world_size", "per_device", "grad_accum")
+        return tuple(getattr(self, k) for k in keys) != tuple(self.written[k] for k in keys)
 
 
 def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> ResumeRequest:
@@ -176,14 +160,14 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
     return ResumePlan(
         checkpoint=w.checkpoint,
         step=w.step,
-        written={
-            "world_size": N,
-            "strategy": w.strategy,
-            "offload": w.offload,
-            "per_device": w.per_device,
-            "grad_accum": w.grad_accum,
-            "effective": E,
-        },
+        written=dict(
+            world_size=N,
+            strategy=w.strategy,
+            offload=w.offload,
+            per_device=w.per_device,
+            grad_accum=w.grad_accum,
+            effective=E,
+        ),
         world_size=M,
         strategy=launch.strategy,
         offload=launch.offload,
@@ -396,16 +380,8 @@ def locate(cfg, resume: str) -> tuple[str, Path, Path]:
 def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
     """Locate the checkpoint and plan for `launch` (finetune/launch/plan.py)."""
     name, run_dir, ckpt = locate(cfg, resume)
-    return (
-        name,
-        run_dir,
-        plan(
-            read(ckpt),
-            launch_from(
-                cfg, strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size, overrides=overrides
-            ),
-        ),
-    )
+    sets_up = dict(strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size)
+    return name, run_dir, plan(read(ckpt), launch_from(cfg, **sets_up, overrides=overrides))
 
 
 def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[list[str], object]:
@@ -428,26 +404,20 @@ RESHARD_WORDS = {
 }
 
 
-def _data_parallel_words(p: ResumePlan) -> str:
-    dp = p.data_parallel or p.world_size
-    return f" ({dp} data-parallel)" if dp != p.world_size else ""
-
-
 def describe(p: ResumePlan) -> str:
     """The console lines (rank 0, before the model loads)."""
     w = p.written
-    old = (
-        f"{w['world_size']} rank(s) x {w['per_device']} per device x accumulation {w['grad_accum']} = effective "
-        f"batch {w['effective']}"
+    old = f"{w['world_size']} rank(s) " + (
+        f"x {w['per_device']} per device x accumulation {w['grad_accum']} = effective batch {w['effective']}"
         if w["effective"]
-        else f"{w['world_size']} rank(s) (batch layout not recorded)"
+        else "(batch layout not recorded)"
     )
-    kept = "kept" if p.effective else "as configured"
+    dp = p.data_parallel or p.world_size
     lines = [
         f"resuming {p.checkpoint} (step {p.step}): written by {old} ({w['strategy'] or 'strategy not recorded'})",
-        f"  now {p.world_size} process(es){_data_parallel_words(p)} x {p.per_device} per device x accumulation "
-        f"{p.grad_accum} = effective "
-        f"batch {p.effective_now} ({kept}), {p.strategy}",
+        f"  now {p.world_size} process(es){f' ({dp} data-parallel)' if dp != p.world_size else ''} x {p.per_device} "
+        f"per device x accumulation {p.grad_accum} = effective batch {p.effective_now} "
+        f"({'kept' if p.effective else 'as configured'}), {p.strategy}",
         f"  states: {RESHARD_WORDS[p.reshard]}",
     ]
     if p.position:
@@ -492,10 +462,7 @@ def restore_rng(checkpoint: Path, *, rank: int, old_world_size: int) -> str | No
     path = Path(checkpoint) / name if name else None
     if path is None or not path.is_file():
         log.info(
-            "rank %d: no RNG stream to continue in %s (old world size %d); keeps the seeded state",
-            rank,
-            checkpoint,
-            old_world_size,
+            f"rank {rank}: no RNG stream to continue in {checkpoint} (old world size {old_world_size}); keeps the seeded state"
         )
         return None
     with safe_globals():  # numpy's state objects allow-listed, as Trainer loads the file

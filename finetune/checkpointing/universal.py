@@ -56,12 +56,8 @@ def for_resume(state, plan) -> tuple[str, float | None] | None:
 
     out, seconds = run_on_main(state, build)
     if state.is_main_process:
-        log.warning(
-            "  DeepSpeed states resharded through %s (%s; %s unchanged)",
-            out,
-            "reused" if seconds is None else f"converted in {seconds:.2f} s",
-            Path(plan.checkpoint).name,
-        )
+        how = "reused" if seconds is None else f"converted in {seconds:.2f} s"
+        log.warning(f"  DeepSpeed states resharded through {out} ({how}; {Path(plan.checkpoint).name} unchanged)")
     return out, seconds
 
 

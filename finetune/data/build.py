@@ -166,15 +166,10 @@ def build_datasets(cfg, tokenizer, *, seed: int, interrupt=None) -> DataBundle:
     stats = DataStats(**facts["stats"])
     stats.rows_skipped = [tuple(x) for x in stats.rows_skipped]
     _warn(stats, cfg)
+    packed = f", packed into {len(train)} rows" if stats.packed else ""
     logger.info(
-        "%s: %s data, %d train / %d eval examples, %d train tokens (%d trained)%s",
-        cfg.path,
-        stats.format,
-        stats.train_examples,
-        stats.eval_examples,
-        stats.train_input_tokens,
-        stats.train_trained_tokens,
-        f", packed into {len(train)} rows" if stats.packed else "",
+        f"{cfg.path}: {stats.format} data, {stats.train_examples} train / {stats.eval_examples} eval examples, "
+        f"{stats.train_input_tokens} train tokens ({stats.train_trained_tokens} trained){packed}"
     )
     return DataBundle(train=train, eval=eval_, stats=stats)
 
@@ -187,14 +182,11 @@ def _warn(stats: DataStats, cfg) -> None:
         more = " ..." if len(skipped) > _LOG_FIRST_N else ""
         logger.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), first, more)
     if stats.truncated:
-        logger.warning(
-            "%d example(s) were longer than max_length=%d tokens and were cut", stats.truncated, cfg.max_length
-        )
+        logger.warning(f"{stats.truncated} example(s) were longer than max_length={cfg.max_length} tokens and were cut")
     if stats.dropped_no_labels:
         logger.warning(
-            "%d example(s) had no trained tokens left (completion cut off by max_length=%d) and were dropped",
-            stats.dropped_no_labels,
-            cfg.max_length,
+            f"{stats.dropped_no_labels} example(s) had no trained tokens left (completion cut off by "
+            f"max_length={cfg.max_length}) and were dropped"
         )
     check_empty_targets(stats.empty_target_rows, stats.rows_read - len(skipped), cfg, path)
 

@@ -1,14 +1,7 @@
-"""Batches for the trainer, in the configured layout (docs/speed.md).
-
-* padded (default): each batch right-padded to its longest example, with an attention mask.
-* ``data.packing``: examples concatenated into rows of <= max_length at build time
-  (finetune/data/pack.py), position_ids restarting per example, no attention mask; the
-  collator states the real token count (REAL_TOKENS_KEY).
-* ``data.padding_free``: each batch's examples concatenated into ONE row with no padding at
-  all (transformers' ``DataCollatorWithFlattening``): position_ids restart per example and the
-  first label of every example is -100, so no example is scored from its predecessor.
-
-Which layouts are safe with which attention implementation: finetune/training/speed.py.
+"""Batches for the trainer, in the configured layout (docs/speed.md "Batch layouts"): padded (default), packed at build
+time (finetune/data/pack.py; the collator states the real token count, REAL_TOKENS_KEY) or padding-free
+(transformers' DataCollatorWithFlattening). Which layouts are safe with which attention implementation:
+finetune/training/speed.py.
 """
 
 from __future__ import annotations
@@ -65,12 +58,8 @@ def collate(features: list[dict], pad_token_id: int, pad_to_multiple_of: int | N
             position_ids[i, n:] = torch.arange(longest - n, dtype=torch.long)
         else:
             attention_mask[i, :n] = 1
-    out = {"input_ids": input_ids, "labels": labels}
-    if all(packed):
-        out["position_ids"] = position_ids
-    else:
-        out["attention_mask"] = attention_mask
-    return out
+    layout = {"position_ids": position_ids} if all(packed) else {"attention_mask": attention_mask}
+    return {"input_ids": input_ids, "labels": labels, **layout}
 
 
 def make_collator(

@@ -1,9 +1,7 @@
 """Packing: whole examples concatenated into rows of at most max_length tokens (data.packing).
 
 Best-fit decreasing: examples sorted longest first, each put into the open row whose free space is the SMALLEST that
-still holds it, else into a new row. On the benchmark's log-normal lengths (2,000 examples, rows of 2,048) it leaves
-0.33% of row positions empty, where the next-fit packing this replaced (seeded shuffle, a row closed as soon as the next
-example did not fit) left 13.6% (docs/speed.md "Packing"; tests/data/test_pack.py checks < 2% on such lengths).
+still holds it, else into a new row (docs/speed.md "Packing": 0.33% of positions empty where next-fit left 13.6%).
 "Smallest free space >= n" is a search in a max-segment-tree over the free-space values 1..max_length, so packing is O(n
 log n + n log max_length): 200,000 lengths at 2,048 in under 2 s.
 """

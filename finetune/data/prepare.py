@@ -1,13 +1,8 @@
-"""The data prepared once per machine, on `datasets` (docs/data.md "Preparation").
-
-Rows are read into Arrow (JSON lines streamed line by line; a save_to_disk folder, an .arrow file or a Hub dataset as
-they are), then validated, rendered, tokenized and truncated by `Dataset.map(batched=True, num_proc=data.num_proc)`,
-split and packed, and written as Arrow files into one entry under data.cache_dir ($FINETUNE_CACHE/tokenized or
-~/.cache/finetune/tokenized) named by its key: a SHA-256 of the source's bytes, the whole tokenizer, the data settings
-that shape the examples and FORMAT_VERSION (bump it when reading, validation, rendering, tokenization or truncation
-produce other examples). The local main process (LOCAL_RANK 0) prepares; the machine's other ranks wait for the entry
-(no collective: a stop signal still ends the wait) and open it memory-mapped. `data.cache_tokenized: false`: every
-process prepares its own and keeps nothing.
+"""The data prepared once per machine, on `datasets` (docs/speed.md "Data prepared once per machine": the steps, the
+cache entry and what its key hashes; docs/data.md "Preparation"). Bump FORMAT_VERSION when reading, validation,
+rendering, tokenization or truncation produce other examples. The local main process prepares; the machine's other
+ranks wait without a collective (a stop signal still ends the wait). `data.cache_tokenized: false`: every process
+prepares its own and keeps nothing.
 """
 
 from __future__ import annotations

@@ -39,9 +39,7 @@ class Renderer:
     """Turns validated rows of one format into text with trained spans."""
 
     def __init__(self, tokenizer, fmt: str, cfg, path: str):
-        self.tokenizer = tokenizer
-        self.fmt = fmt
-        self.path = path
+        self.tokenizer, self.fmt, self.path = tokenizer, fmt, path
         self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
         self.system_prompt = getattr(cfg, "system_prompt", None)
         specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}

@@ -6,6 +6,7 @@ reading are collected, not raised, so preflight reports them with the rest (docs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -284,10 +285,7 @@ def from_recipe(setup, state, root: Path) -> DeclaredLaunch:
 
 
 def _number(text: str):
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return text

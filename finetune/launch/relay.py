@@ -1,15 +1,9 @@
-"""`finetune train` keeps charge of the processes it launched until they end (docs/faults.md "Signals"). SIGTERM,
-SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 sent to it (docker stop, Kubernetes, `kill PID`, `timeout`, Ctrl-C, a closed
-terminal or ssh session, SLURM's `--signal=B:USR1@N`; training.stop_signals chooses which) are relayed to every rank,
-once, and it waits for them: they finish the optimizer step, write one complete checkpoint and exit 75, which it passes
-on. A second signal is ignored while they write. The ranks run in their own sessions (torchrun starts them so; the
-one-process launch here does the same), so a terminal's Ctrl-C reaches the wrapper alone and each rank gets exactly one
-relayed copy.
-
-A rank is sent the signal only once it catches it (its SigCgt mask in /proc), so a rank still
-starting up is not killed by a signal meant to stop it cleanly; one started after the signal gets
-it as soon as it catches it. The ranks read the launch's state directory (ENV) to tell a relayed
-signal from one sent to them directly (one console line in all, from the process signalled).
+"""`finetune train` keeps charge of the processes it launched until they end (docs/faults.md "Signals": which signals,
+from where, and what the ranks do). A stop signal sent to it is relayed to every rank once, and it waits for them and
+passes their exit code on; a second one is ignored while they write. The ranks run in their own sessions, so a
+terminal's Ctrl-C reaches the wrapper alone. A rank is sent the signal only once it catches it (its SigCgt mask in
+/proc), so a rank still starting up is not killed by it; the ranks read the launch's state directory (ENV) to tell a
+relayed signal from one sent to them directly.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The run directory, `runs/<run_name>/` by default: created once, never silently replaced (a
-directory left by a run that failed before its first step is reused, and the console says so),
-and written by one run at a time (finetune/launch/run_lock.py: rank 0 locks it before changing it).
-
-    runs/<name>/config.yaml     the resolved configuration (defaults < recipe < overrides)
-    runs/<name>/run.json        the run record (finetune/telemetry/record.py)
-    runs/<name>/data/           generated data (the demo recipe)
-    runs/<name>/model/          the adapter (LoRA, QLoRA) or full model, with the tokenizer
-    runs/<name>/checkpoint-*/   Trainer checkpoints, when training.save_strategy asks for them
-    runs/<name>/.finetune-run   the marker: finetune made this directory (MARKER)
-
-Only a run directory is ever emptied (--overwrite), and only of what a run writes (owned()); a folder finetune did not
-make (the user's project, `.`, `~`, a folder holding runs) is refused, nothing in it touched.
+"""The run directory, `runs/<run_name>/` by default (its files: docs/usage.md "Outputs"): created once, never silently
+replaced (a directory left by a run that failed before its first step is reused, and the console says so), and written
+by one run at a time (finetune/launch/run_lock.py: rank 0 locks it before changing it). Only a run directory is ever
+emptied (--overwrite), and only of what a run writes (owned()); a folder finetune did not make (no MARKER) is refused,
+nothing in it touched.
 """
 
 from __future__ import annotations

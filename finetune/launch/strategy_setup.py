@@ -74,12 +74,8 @@ def decide(env, launcher: Launcher, run_strategy: str, run_offload: str, *, root
         return StrategySetup("launcher-processes", launcher, f"{launcher.describe()}, no strategy set up")
     row = by_recipe(run_strategy, run_offload)
     if row is None:  # the config validator allows only shipped names; a pair without a row is said here
-        return StrategySetup(
-            "launcher-processes",
-            launcher,
-            f"{launcher.describe()}; no shipped strategy row "
-            f"for run.strategy {run_strategy!r} with run.offload {run_offload!r}",
-        )
+        why = f"no shipped strategy row for run.strategy {run_strategy!r} with run.offload {run_offload!r}"
+        return StrategySetup("launcher-processes", launcher, f"{launcher.describe()}; {why}")
     return StrategySetup(
         "recipe", launcher, f"{launcher.describe()} set up no strategy", row, trainer_arguments(row, root)
     )

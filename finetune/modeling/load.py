@@ -126,11 +126,7 @@ def quantization_config(method: MethodConfig, dtype: torch.dtype):
     compute = dtype if method.compute_dtype == "auto" else _DTYPES[method.compute_dtype]
     # A float storage dtype equal to the compute dtype lets FSDP and ZeRO-3 shard the packed
     # 4-bit weights together with the rest (they only flatten tensors of one float dtype).
-    storage = (
-        compute
-        if method.quant_storage == "auto"
-        else (torch.uint8 if method.quant_storage == "uint8" else _DTYPES[method.quant_storage])
-    )
+    storage = (_DTYPES | {"auto": compute, "uint8": torch.uint8})[method.quant_storage]
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=method.quant_type,
@@ -306,12 +302,8 @@ def check_init_dtype(model, requested) -> None:
 # full_state_dict=True, cpu_offload=True)`, a collective every rank joins. ZeRO-3 gathers 16-bit
 # weights inside `save_model` (stage3_gather_16bit_weights_on_model_save in ds_configs/zero3*.json).
 # The export is then checked for weights, so a strategy that silently saves nothing fails the run.
-WEIGHT_FILES = (
-    "adapter_model.safetensors",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "adapter_model.bin",
-    "pytorch_model.bin",
+WEIGHT_FILES = tuple(
+    "adapter_model.safetensors model.safetensors model.safetensors.index.json adapter_model.bin pytorch_model.bin".split()
 )
 
 

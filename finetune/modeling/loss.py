@@ -156,34 +156,24 @@ def _make_forward(cls_forward):
         scored_tokens = kwargs.pop(SCORED_TOKENS_KWARG, None)  # counts labels[..., 1:] (not shift_labels)
         if shift_labels is not None:
             scored_tokens = None
-        if past_key_values is not None:  # passed on only when given: transformers 5.24 deprecates the name
-            kwargs["past_key_values"] = past_key_values  # (a FutureWarning per call, even for None)
-        if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
-            if shift_labels is not None:
-                kwargs["shift_labels"] = shift_labels
-            return type(self).forward(
-                self,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                inputs_embeds=inputs_embeds,
-                labels=labels,
-                use_cache=use_cache,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            )
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        num_items = kwargs.pop("num_items_in_batch", None)
-        return_dict = kwargs.pop("return_dict", None)
-        out = getattr(self, self.base_model_prefix)(
+        inputs = dict(  # what the backbone gets as given
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            **kwargs,
         )
+        if past_key_values is not None:  # passed on only when given: transformers 5.24 deprecates the name
+            kwargs["past_key_values"] = past_key_values  # (a FutureWarning per call, even for None)
+        if (labels is None and shift_labels is None) or logits_to_keep not in (0, None):
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            return type(self).forward(self, **inputs, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        num_items = kwargs.pop("num_items_in_batch", None)
+        return_dict = kwargs.pop("return_dict", None)
+        out = getattr(self, self.base_model_prefix)(**inputs, **kwargs)
         if shift_labels is None:  # as transformers' ForCausalLMLoss: position t is scored against label t + 1
             shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
         total, count = self.get_output_embeddings()(
@@ -297,29 +287,11 @@ def resolve(
     return requested, None
 
 
-def install(
-    model,
-    requested: str = "auto",
-    *,
-    chunk: int | None = None,
-    label_smoothing: float = 0.0,
-    use_liger_kernel: bool = False,
-    device_type: str = "cpu",
-    tokens: int | None = None,
-    tensor_parallel: int = 1,
-) -> dict:
-    """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it.
-    Returns run.json `speed.loss_impl`."""
-    resolved, reason = resolve(
-        requested,
-        model,
-        label_smoothing=label_smoothing,
-        use_liger_kernel=use_liger_kernel,
-        device_type=device_type,
-        tokens=tokens,
-        chunk=chunk,
-        tensor_parallel=tensor_parallel,
-    )
+def install(model, requested: str = "auto", **options) -> dict:
+    """Install the loss on the loaded (possibly LoRA-wrapped) model, before Trainer wraps it; `options` are resolve()'s
+    (`chunk` also sets the chunk size). Returns run.json `speed.loss_impl`."""
+    resolved, reason = resolve(requested, model, **options)
+    chunk = options.get("chunk")
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     info = {

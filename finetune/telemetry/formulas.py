@@ -115,12 +115,8 @@ def mfu(model_flops: float | None, seconds: float, peak: float | None, devices: 
 
 
 def max_over_ranks(per_rank: list[dict]) -> dict:
-    keys = [k for k in per_rank[0] if k != "rank"]
-    out = {}
-    for k in keys:
-        values = [r[k] for r in per_rank if r.get(k) is not None]
-        out[k] = max(values) if values else None
-    return out
+    values = {k: [r[k] for r in per_rank if r.get(k) is not None] for k in per_rank[0] if k != "rank"}
+    return {k: max(v) if v else None for k, v in values.items()}
 
 
 def rates(step_s: list[float], trained: list[int], inputs: list[int], samples: list[int], *, warmup: int) -> dict:
@@ -162,16 +158,8 @@ def throughput(stretches: list[Stretch], *, excluded: int) -> dict:
     median step time over the steps (a window of an earlier segment contributes its mean step time once per step); MFU =
     model FLOPs / (peak x devices x time) summed, null unless every stretch has a FLOPs and peak figure."""
     seconds = sum(s.seconds for s in stretches)
-    empty = {
-        "trained_tokens_per_s": None,
-        "trained_tokens_per_s_per_device": None,
-        "input_tokens_per_s": None,
-        "samples_per_s": None,
-        "median_step_s": None,
-        "mfu": None,
-        "warmup_steps_excluded": excluded,
-        "steps_measured": 0,
-    }
+    rates = ("trained_tokens_per_s", "trained_tokens_per_s_per_device", "input_tokens_per_s", "samples_per_s")
+    empty = {**dict.fromkeys((*rates, "median_step_s", "mfu")), "warmup_steps_excluded": excluded, "steps_measured": 0}
     if not stretches or seconds <= 0:
         return empty
     device_seconds = sum(s.seconds * s.devices for s in stretches)

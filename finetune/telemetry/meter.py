@@ -53,6 +53,9 @@ def ru_maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+PEAKS = ("allocated", "reserved", "active")  # torch.cuda.memory_stats() <kind>_bytes.all.peak
+
+
 class MemoryTracker:
     """Peaks on this rank since the last reset: accelerator (torch.cuda.memory_stats) and host, by the kernel's
     resident-set high-water mark where it can be reset (`vmhwm`, Linux), else sampled RSS (docs/run_record.md
@@ -93,23 +96,14 @@ class MemoryTracker:
         self.host_peak = host_rss()
 
     def snapshot(self) -> dict:
+        s = torch.cuda.memory_stats() if self.cuda else None  # None: no device figures
         out = {
-            "device_peak_allocated_gib": None,
-            "device_peak_reserved_gib": None,
-            "device_peak_active_gib": None,
-            "host_peak_rss_gib": round(self.host_peak_now() / GIB, 4),
-            "alloc_retries": None,
-            "ooms": None,
+            f"device_peak_{k}_gib": None if s is None else round(s.get(f"{k}_bytes.all.peak", 0) / GIB, 4)
+            for k in PEAKS
         }
-        if self.cuda:
-            s = torch.cuda.memory_stats()
-            out.update(
-                device_peak_allocated_gib=round(s.get("allocated_bytes.all.peak", 0) / GIB, 4),
-                device_peak_reserved_gib=round(s.get("reserved_bytes.all.peak", 0) / GIB, 4),
-                device_peak_active_gib=round(s.get("active_bytes.all.peak", 0) / GIB, 4),
-                alloc_retries=s.get("num_alloc_retries", 0),
-                ooms=s.get("num_ooms", 0),
-            )
+        out["host_peak_rss_gib"] = round(self.host_peak_now() / GIB, 4)
+        for key, stat in (("alloc_retries", "num_alloc_retries"), ("ooms", "num_ooms")):
+            out[key] = None if s is None else s.get(stat, 0)
         return out
 
 

@@ -536,6 +536,9 @@ class Section:
     kind: str = "value"  # what `check` enforces on a required section: object | object|null | list | value
 
 
+FRESH_SUMMARY = dict(
+    train_loss=None, eval_loss=None, total_trained_tokens=None, wall_s=None, steps=0, status="running", error=None
+)
 SECTIONS: tuple[Section, ...] = (
     Section("schema", int, lambda: SCHEMA, True),
     Section("run_name", str, ABSENT, True),  # the run's identity, given when the record is made
@@ -554,21 +557,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("throughput", Throughput | None, lambda: None, True, "object|null"),
     Section("data", DataSummary | None, lambda: None, False),
     Section("steps", list[Step], list, True, "list"),
-    Section(
-        "summary",
-        Summary,
-        lambda: {
-            "train_loss": None,
-            "eval_loss": None,
-            "total_trained_tokens": None,
-            "wall_s": None,
-            "steps": 0,
-            "status": "running",
-            "error": None,
-        },
-        True,
-        "object",
-    ),
+    Section("summary", Summary, lambda: dict(FRESH_SUMMARY), True, "object"),
     Section("eval", Eval, dict, False),
     Section("faults", Faults, ABSENT, False),
     Section("resumes", list[Segment], ABSENT, False),

@@ -89,18 +89,16 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
     losses = (f"{s('train_loss'):.4f}" if s("train_loss") is not None else "n/a") + (
         f", eval loss {s('eval_loss'):.4f}" if s("eval_loss") else ""
     )
+    steps = (
+        f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
+        f"{b('grad_accum')} accumulation x data-parallel size {b('data_parallel_size')})"
+    )
+    st = partial(record.get, "strategy")
+    engaged = f"{st('name')} ({st('distributed_type')}), {method}{_set_up_by(st('set_up_by', default=None))}"
     return [
-        (
-            "steps",
-            f"{s('steps')} (effective batch {b('effective')} = {b('per_device')} per device x "
-            f"{b('grad_accum')} accumulation x data-parallel size {b('data_parallel_size')})",
-        ),
+        ("steps", steps),
         ("sizes", sizes(record)),
-        (
-            "strategy",
-            f"{record.get('strategy', 'name')} ({record.get('strategy', 'distributed_type')}), {method}"
-            + _set_up_by(record.get("strategy", "set_up_by", default=None)),
-        ),
+        ("strategy", engaged),
         ("precision", precision_line(record)),
         ("learning rate", lr_text(record)),
         ("train loss", losses),
@@ -124,14 +122,9 @@ def _speed_rows(record: RecordView) -> list[tuple[str, str]]:
         )
         mfu = f"{100 * tp('mfu'):.1f}% of {tp('peak_device')}" if tp("mfu") is not None else None
         rows.append(("MFU", mfu or "n/a (" + (tp("mfu_note") or "no peak figure") + ")"))
-    device = record.get("memory", "max", "device_peak_allocated_gib")
-    rows.append(
-        (
-            "peak memory",
-            (f"device {device:.2f} GiB allocated, " if device is not None else "")
-            + f"host RSS {record.get('memory', 'max', 'host_peak_rss_gib') or 0:.2f} GiB (max over ranks)",
-        )
-    )
+    device, host = (record.get("memory", "max", k) for k in ("device_peak_allocated_gib", "host_peak_rss_gib"))
+    device = f"device {device:.2f} GiB allocated, " if device is not None else ""
+    rows.append(("peak memory", f"{device}host RSS {host or 0:.2f} GiB (max over ranks)"))
     return rows
 
 
@@ -141,11 +134,11 @@ def _evaluation_rows(record: RecordView) -> list[tuple[str, str]]:
     if after is None:
         return []
     before = record.get("eval", "exact_match_before")
+    was = f"{100 * before:.1f}% -> " if before is not None else ""
     rows = [
         (
             "exact match",
-            (f"{100 * before:.1f}% -> " if before is not None else "")
-            + f"{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts",
+            f"{was}{100 * after:.1f}% on {record.get('eval', 'details', 'after', 'total')} held-out prompts",
         )
     ]
     per_task = record.get("eval", "details", "after", "per_task", default={})

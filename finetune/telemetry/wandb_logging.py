@@ -73,15 +73,8 @@ def start(record: RecordView, *, project: str, run_dir: Path):
     import wandb
 
     strategy = record.get("strategy", default={})
-    tags = [
-        t
-        for t in (
-            strategy.get("name"),
-            strategy.get("method"),
-            f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None,
-        )
-        if t
-    ]
+    offload = f"offload:{strategy['offload']}" if strategy.get("offload") not in (None, "none") else None
+    tags = [t for t in (strategy.get("name"), strategy.get("method"), offload) if t]
     arguments = dict(
         project=os.environ.get("WANDB_PROJECT", project),
         name=record.get("run_name"),
@@ -112,12 +105,8 @@ def start(record: RecordView, *, project: str, run_dir: Path):
         os.environ["WANDB_MODE"] = "offline"
         run = wandb.init(**arguments, mode="offline")
         log.warning(
-            "W&B: the server could not be reached (%s: %s); logging offline to %s instead. Upload it later with "
-            "`wandb sync %s`",
-            type(e).__name__,
-            str(e).splitlines()[0][:200],
-            run.settings.sync_dir,
-            run.settings.sync_dir,
+            f"W&B: the server could not be reached ({type(e).__name__}: {str(e).splitlines()[0][:200]}); logging "
+            f"offline to {run.settings.sync_dir} instead. Upload it later with `wandb sync {run.settings.sync_dir}`"
         )
         return run
 
@@ -130,12 +119,10 @@ def run_summary(record: RecordView) -> dict:
     for key, value in record.get("memory", "max", default={}).items():
         if value is not None:
             summary[f"run/memory/max/{key}"] = value
-    for key, value in record.get("throughput", default={}).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            summary[f"run/throughput/{key}"] = value
-    for key, value in record.get("eval", default={}).items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            summary[f"run/eval/{key}"] = value
+    for section in ("throughput", "eval"):
+        for key, value in record.get(section, default={}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                summary[f"run/{section}/{key}"] = value
     summary["run/status"] = record.get("summary", "status")
     return summary
 

@@ -166,16 +166,12 @@ def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float |
         log.exception("run figures could not be computed; they are null in run.json, with the error")
         throughput = {
             **formulas.throughput([], excluded=0),
-            "flops_convention": None,
-            "flops_per_token": None,
-            "peak_device": None,
+            **dict.fromkeys(("flops_convention", "flops_per_token", "peak_device")),
             "scope": meter.SCOPE,
             "mfu_note": f"figures not computed: {type(e).__name__}: {e}",
         }
-        return {**summary, "train_loss": train_loss, "total_trained_tokens": None}, {
-            "memory": None,
-            "throughput": throughput,
-        }
+        summary = {**summary, "train_loss": train_loss, "total_trained_tokens": None}
+        return summary, {"memory": None, "throughput": throughput}
     after = {**view.data, "memory": measured_figures["memory"]}  # the prediction's error reads the peaks
     predicted = prediction.prediction_with_error(
         RecordView(after), host_lifetime_gib=measured["host_lifetime_peak_gib"]

@@ -14,25 +14,9 @@ from functools import cache
 from finetune.errors import UserError
 
 ENV = "FINETUNE_FAULT_INJECT"
-KINDS = (
-    "nan_loss",
-    "inf_loss",
-    "kill",
-    "hang",
-    "pause",
-    "sigterm",
-    "slow_load",
-    "slow_save",
-    "slow_eval",
-    "slow_export",
-    "disk_full",
-    "fail_export",
-    "fail_eval",
-    "fail_exact_match",
-    "fail_record",
-    "stray_collective",
-    "sp_late_shift",
-    "tp_partial_sums",
+KINDS = tuple(
+    "nan_loss inf_loss kill hang pause sigterm slow_load slow_save slow_eval slow_export disk_full fail_export "
+    "fail_eval fail_exact_match fail_record stray_collective sp_late_shift tp_partial_sums".split()
 )
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run

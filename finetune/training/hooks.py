@@ -48,7 +48,8 @@ class RunHooks(TrainerCallback):
 
     def record_declared_precision(self) -> None:
         if self.sinks:
-            self.sinks.put(precision=self._declared_precision())
+            declared = dict(requested=self.requested, family=self.family, load_dtype=self.load_dtype)
+            self.sinks.put(precision=precision_evidence.declared(self.policy, **declared))
 
     def record_declared_nodes(self) -> None:
         if self.sinks and self.machines:
@@ -141,11 +142,6 @@ class RunHooks(TrainerCallback):
             self._record_node_figures({"host_peak_rss_gib": round(memory.lifetime_host_peak / GIB, 4)})
 
     # ----------------------------------------------------------------------------------------------------
-
-    def _declared_precision(self) -> dict:
-        return precision_evidence.declared(
-            self.policy, requested=self.requested, family=self.family, load_dtype=self.load_dtype
-        )
 
     def _record_node_figures(self, mine: dict) -> None:
         for entry, values in zip(self.figures, nodes.all_gather(mine)):

@@ -213,14 +213,8 @@ def declared(policy: precision.Policy, *, requested: str, family: str, load_dtyp
         "requested": requested,
         "family": family,
         "load_dtype": load_dtype,
-        "param_dtype": None,
-        "compute_dtype": None,
-        "optimizer_state_dtype": None,
-        "master_weights": None,
-        "reduce_dtype": None,
-        "observed_compute_dtype": None,
-        "warning": None,
-        "evidence": None,
+        **dict.fromkeys(("param_dtype", "compute_dtype", "optimizer_state_dtype", "master_weights", "reduce_dtype")),
+        **dict.fromkeys(("observed_compute_dtype", "warning", "evidence")),
     }
 
 

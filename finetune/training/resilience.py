@@ -224,12 +224,8 @@ class ResilienceCallback(TrainerCallback):
         error = None
         if acc.is_main_process:
             try:
-                checkpoints.write_marker(
-                    ckpt,
-                    step=state.global_step,
-                    world_size=acc.num_processes,
-                    run=self.run_facts() if self.run_facts else None,
-                )
+                run = self.run_facts() if self.run_facts else None
+                checkpoints.write_marker(ckpt, step=state.global_step, world_size=acc.num_processes, run=run)
                 checkpoints.rotate(Path(args.output_dir), self.save_total_limit, ckpt)
                 log.info("checkpoint %s complete", ckpt)
             except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
@@ -353,12 +349,8 @@ class ResilientTrainer(FinetuneTrainer):
         if self.on_nonfinite == "skip" and len(self.skipped_steps) < self.max_nonfinite_skips:
             self.skipped_steps.append({"step": step, "what": what, "ranks": ranks})
             log.warning(
-                "non-finite %s at step %d on rank(s) %s: skipping this step's optimizer update (%d of at most %d)",
-                what,
-                step,
-                ranks,
-                len(self.skipped_steps),
-                self.max_nonfinite_skips,
+                f"non-finite {what} at step {step} on rank(s) {ranks}: skipping this step's optimizer update "
+                f"({len(self.skipped_steps)} of at most {self.max_nonfinite_skips})"
             )
             self._skip_update = True
             return

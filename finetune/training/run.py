@@ -1,14 +1,7 @@
-"""One training run, as every process started by `accelerate launch finetune/train.py` runs it, in
-phases read top to bottom (docs/architecture.md):
-
-    start the processes and resolve the launch (each rank's node too) -> prepare the run (resume
-    plan, preflight, run directory, record, the ranks' heartbeats) -> TrainingArguments -> speed
-    options -> tokenizer and data -> model -> DDP options -> trainer (its hooks: finetune/training/
-    hooks.py) -> setup recorded -> train -> finish and record
-
-`Run` carries what the phases share. The configuration is resolved once (--overwrite, a resume plan,
-the run's name and directory) before the phases that train, and only read after. The phases and the
-hooks are the only code that hands sections of the record to the sinks (finetune/telemetry/sinks.py).
+"""One training run, as every process started by `accelerate launch finetune/train.py` runs it, in phases read top to
+bottom (docs/architecture.md "The phases"). `Run` carries what the phases share. The configuration is resolved once
+(--overwrite, a resume plan, the run's name and directory) before the phases that train, and only read after. The
+phases and the hooks are the only code that hands sections of the record to the sinks (finetune/telemetry/sinks.py).
 """
 
 from __future__ import annotations
@@ -377,12 +370,8 @@ def record_setup(
     static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
     trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
-    loss_record = loss.installed(model)
-    hand(
-        speed=speed.section(
-            cfg, model, trainer, attention_record=attention_record, loss_record=loss_record, ddp_record=ddp_record
-        )
-    )
+    records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
+    hand(speed=speed.section(cfg, model, trainer, **records))
     # memory prediction for the engaged strategy (finetune/planning/prediction.py); its error is filled at the end
     predicted = prediction.run_prediction(
         run.sinks.view,

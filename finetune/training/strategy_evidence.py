@@ -92,17 +92,10 @@ def live_evidence(wrapped) -> dict:
 
     ev = {
         "engine_class": type(wrapped).__name__,
-        "zero_stage": None,
-        "zero_optimizer_class": None,
-        "basic_optimizer_class": None,
-        "offload_optimizer_device": None,
-        "offload_param_device": None,
-        "gradient_clipping": None,
-        "fsdp_modules": 0,
-        "dtensor_params": 0,
-        "params": 0,
-        "local_param_fraction": None,
-        "fsdp_offload_policy": None,
+        **dict.fromkeys(("zero_stage", "zero_optimizer_class", "basic_optimizer_class", "offload_optimizer_device")),
+        **dict.fromkeys(("offload_param_device", "gradient_clipping")),
+        **dict.fromkeys(("fsdp_modules", "dtensor_params", "params"), 0),
+        **dict.fromkeys(("local_param_fraction", "fsdp_offload_policy")),
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
     }
     if any(c.__name__ == "DeepSpeedEngine" for c in type(wrapped).__mro__):

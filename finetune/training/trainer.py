@@ -1,10 +1,7 @@
-"""The run's Trainer: transformers.Trainer that measures each step and keeps the record current
-(the fault handling on top of it: finetune/training/resilience.py). FinetuneTrainer feeds the meter
-(finetune/telemetry/meter.py) from inside the step, before Trainer hands a log window to its
-callbacks, so every `report_to` integration receives the extra keys. Ulysses sequence parallelism
-needs more of Trainer than transformers 5.24 and DeepSpeed 0.19 give it (docs/parallelism.md): the
-step's scored tokens for the token-weighted loss, and a train dataloader that takes an epoch and
-resumes mid-epoch (ShardLoader).
+"""The run's Trainer: transformers.Trainer that measures each step and keeps the record current (the fault handling on
+top of it: finetune/training/resilience.py). FinetuneTrainer feeds the meter (finetune/telemetry/meter.py) from inside
+the step, before Trainer hands a log window to its callbacks, so every `report_to` integration receives the extra keys.
+What Ulysses sequence parallelism needs of it (the loss, ShardLoader): docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ class FinetuneTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
-        (epochs and mid-epoch resumption; the module docstring)."""
+        (epochs and mid-epoch resumption; docs/parallelism.md "The dataloader")."""
         model, loader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.sequence_parallel:
             loader = ShardLoader(loader)
