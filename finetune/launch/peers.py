@@ -16,6 +16,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
+
 from finetune.errors import UserError
 from finetune.launch import relay
 
@@ -194,6 +196,8 @@ class Heartbeat:
             if watch.on_stuck:
                 watch.on_stuck(f"stuck: {text}")
         finally:
+            for child in psutil.Process().children(recursive=True):  # a data-map pool, DataLoader workers:
+                child.kill()  # os._exit skips the cleanup that would end them, and they would outlive the run
             os._exit(EXIT_STUCK)
 
     def stuck(self) -> str | None:

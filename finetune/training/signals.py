@@ -67,6 +67,18 @@ def install_signal_handlers() -> None:
             _previous.setdefault(sig, signal.signal(sig, _handler))
 
 
+def _previous_in_forked_child() -> None:
+    """A process forked from a rank (datasets' map pool and its manager, DataLoader workers) dies of SIGTERM
+    again: multiprocessing's Pool.terminate() SIGTERMs its workers and then joins them, so a worker that only
+    recorded the signal kept the rank waiting forever (seen at the end of a 2-process data build)."""
+    for sig, previous in _previous.items():
+        signal.signal(sig, previous)
+    _previous.clear()
+
+
+os.register_at_fork(after_in_child=_previous_in_forked_child)
+
+
 def keep_only(names) -> None:
     """training.stop_signals: the signals not named get back what they had before (their default
     action), also when the handlers are installed again (the trainer does)."""

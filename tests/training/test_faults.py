@@ -383,6 +383,31 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
     assert signal.getsignal(signal.SIGINT) is before  # restored, whatever it was
 
 
+def test_a_process_forked_from_a_rank_dies_of_sigterm_while_the_rank_records_it():
+    """datasets' map pool, its manager and DataLoader workers are forked from a rank: multiprocessing's
+    Pool.terminate() SIGTERMs the workers and joins them, so a worker that kept the rank's recording handler
+    held the rank forever (a pool worker of a suite run was found alive, catching SIGTERM, 27 min after its
+    rank had been ended by the watchdog). The rank itself still records the signal (the control)."""
+    import time
+
+    from finetune.training import signals
+
+    signals.restore_signal_handlers()
+    signals.install_signal_handlers()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: SIGTERM must end it before it reaches _exit(0)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(2)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        assert signal.getsignal(signal.SIGTERM) is signals._handler  # the rank still records it
+    finally:
+        signals.restore_signal_handlers()
+        signals.received.clear()
+
+
 def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
     """training.stop_signals: SIGUSR1 and SIGUSR2 (a scheduler's warning) are stops by default; a
     recipe that leaves them out gets their previous (default) action back, in the ranks and in the
