@@ -1,2 +1,1 @@
-"""Checkpoints and resuming: complete checkpoints, what wrote them, and continuing a run from one,
-under the same launch or another (docs/faults.md)."""
+"""Checkpoints, what wrote them, and resuming a run from one under the same launch or another (docs/faults.md)."""

@@ -1,5 +1,4 @@
-"""The `finetune` command (console script `finetune = finetune.cli:main`): dispatch.py parses and
-dispatches, compare.py holds the compare and sweep subcommands."""
+"""The `finetune` command (`finetune.cli:main`): dispatch.py parses and dispatches; compare.py: compare, sweep."""
 
 from finetune.cli.dispatch import main
 

@@ -1,2 +1,1 @@
-"""Training data: read -> formats -> render (tokens, labels) -> build (split, pack) -> collate; the token cache
-and the demo dataset."""
+"""Training data: read -> formats -> render -> build (split, pack) -> collate; the cache; the demo data."""

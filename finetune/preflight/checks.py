@@ -1,14 +1,5 @@
 """Preflight's entry points and the checks of the configs themselves: every problem the configs show, found before any
-weights load and raised together as one ConfigError (exit 2). What is checked, and where: docs/preflight.md.
-
-    check_before_processes(cfg, setup)   # each launched process, before its process group
-    check_before_loading(cfg, state, launch=launch)   # each launched process, right after its process group
-    check_launch(launch_args, resume_check)   # `finetune train`, before `accelerate launch` starts anything
-
-With `--resume`, `check_launch` first runs the resume check the CLI hands in (resume_plan
-preflight_problems): its plan (accumulation recomputed, DDP on one process = single) is what the
-other checks see. What engaged is still proven on the live engine (training/hooks.py).
-"""
+weights load and raised together as one ConfigError (exit 2). What is checked, and where: docs/preflight.md."""
 
 from __future__ import annotations
 

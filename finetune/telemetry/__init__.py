@@ -1,2 +1,1 @@
-"""What a run measures and records: the meter, the formulas, the run record (record.py, docs/run_record.md)
-and its sinks (run.json, the console, W&B)."""
+"""What a run measures and records: the meter, the formulas, the run record and its sinks (docs/run_record.md)."""

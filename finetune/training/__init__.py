@@ -1,2 +1,1 @@
-"""One training run: the phases (run.py), what is recorded and checked around training (hooks.py), its
-Trainer (trainer.py, resilience.py), how it ends (endings.py); docs/architecture.md."""
+"""One training run: the phases (run.py), its hooks, Trainer and endings (docs/architecture.md)."""

@@ -68,9 +68,8 @@ def install_signal_handlers() -> None:
 
 
 def _previous_in_forked_child() -> None:
-    """A process forked from a rank (datasets' map pool and its manager, DataLoader workers) dies of SIGTERM
-    again: multiprocessing's Pool.terminate() SIGTERMs its workers and then joins them, so a worker that only
-    recorded the signal kept the rank waiting forever (seen at the end of a 2-process data build)."""
+    """A process forked from a rank (datasets' map pool, DataLoader workers) dies of SIGTERM again: Pool.terminate()
+    SIGTERMs its workers, then joins them; a worker that only recorded it would hold the rank forever."""
     for sig, previous in _previous.items():
         signal.signal(sig, previous)
     _previous.clear()
