@@ -197,7 +197,8 @@ class Heartbeat:
                 watch.on_stuck(f"stuck: {text}")
         finally:
             for child in psutil.Process().children(recursive=True):  # a data-map pool, DataLoader workers:
-                child.kill()  # os._exit skips the cleanup that would end them, and they would outlive the run
+                with contextlib.suppress(psutil.Error):  # os._exit skips the cleanup that would end them
+                    child.kill()  # (one already gone must not stop the exit)
             os._exit(EXIT_STUCK)
 
     def stuck(self) -> str | None:
