@@ -5,6 +5,7 @@ seconds until the datasets are ready (and since the process started) and peak RS
 processes).
 
     python -m tests.data.bench_data --rows 100000 --out /tmp/bench-data [--before /tmp/ref] [--trl]
+    [--only ranks2,cached,trl]  (a subset, in that order; "cached" then reads the first cold run's cache)
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--before", help="a checkout of older code, measured on the same file")
     p.add_argument("--trl", action="store_true", help="also TRL's SFTTrainer preparation")
+    p.add_argument("--only", help="comma-separated subset of cold,cached,ranks2,before,trl")
     p.add_argument("--worker")
     p.add_argument("--data")
     p.add_argument("--cache")
@@ -118,6 +120,16 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(a.worker, a.data, a.cache, a.max_length)))
         return
+    wanted = (
+        a.only.split(",") if a.only else ["cold", "cached", "ranks2"] + ["before"] * bool(a.before) + ["trl"] * a.trl
+    )
+    unknown = set(wanted) - {"cold", "cached", "ranks2", "before", "trl"}
+    if unknown:
+        p.error(f"--only: unknown {sorted(unknown)}; allowed: cold, cached, ranks2, before, trl")
+    if "cached" in wanted and not {"cold", "ranks2"} & set(wanted[: wanted.index("cached")]):
+        p.error("--only: cached needs cold or ranks2 before it")
+    if "before" in wanted and not a.before:
+        p.error("--only before needs --before CHECKOUT")
     a.out.mkdir(parents=True, exist_ok=True)
     data = a.out / f"chat-{a.rows}.jsonl"
     if not data.exists():
@@ -125,13 +137,20 @@ def main() -> None:
     here = str(Path(__file__).resolve().parents[2])
     results = {"rows": a.rows, "bytes": data.stat().st_size, "load_before": os.getloadavg()[0], "runs": []}
     stamp = str(time.time_ns())
-    results["runs"] += run("ours", data, a.out / f"cache-1-{stamp}", a.max_length, here)  # cold
-    results["runs"] += run("ours", data, a.out / f"cache-1-{stamp}", a.max_length, here)  # cached
-    results["runs"] += run("ours", data, a.out / f"cache-2-{stamp}", a.max_length, here, ranks=2)  # cold, 2 ranks
-    if a.before:
-        results["runs"] += run("before", data, a.out / f"cache-b-{stamp}", a.max_length, a.before)
-    if a.trl:
-        results["runs"] += run("trl", data, a.out / f"cache-trl-{stamp}", a.max_length, here)
+    cold = None  # the cache folder of the first cold run of ours, which "cached" reads again
+    for name in wanted:
+        if name in ("cold", "ranks2"):
+            ranks = 2 if name == "ranks2" else 1
+            cache = a.out / f"cache-{ranks}-{stamp}"
+            cold = cold or cache
+            results["runs"] += run("ours", data, cache, a.max_length, here, ranks=ranks)
+        elif name == "cached":
+            results["runs"] += run("ours", data, cold, a.max_length, here)
+            results["runs"] += run("ours", data, cold, a.max_length, here, ranks=2)
+        elif name == "before":
+            results["runs"] += run("before", data, a.out / f"cache-b-{stamp}", a.max_length, a.before)
+        else:
+            results["runs"] += run("trl", data, a.out / f"cache-trl-{stamp}", a.max_length, here)
     results["load_after"] = os.getloadavg()[0]
     (a.out / f"results-{a.rows}.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
