@@ -5,7 +5,8 @@ seconds until the datasets are ready (and since the process started) and peak RS
 processes).
 
     python -m tests.data.bench_data --rows 100000 --out /tmp/bench-data [--before /tmp/ref] [--trl]
-    [--only ranks2,cached,trl]  (a subset, in that order; "cached" then reads the first cold run's cache)
+    [--only ranks2,cached,trl,first-step] [--reuse-cache DIR]  (a subset, in that order; "cached" and
+    "first-step", a real training run to its first step, read the first cold run's cache or DIR)
 """
 
 from __future__ import annotations
@@ -58,15 +59,17 @@ def worker(side: str, data: str, cache: str, max_length: int) -> dict:
     model = str(
         Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache/finetune") / "models/SmolLM2-135M-Instruct"
     )
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    # Every side holds the model, as a rank does while it trains (SFTTrainer needs it); loaded before
+    # the clock: only the data is timed.
+    loaded = AutoModelForCausalLM.from_pretrained(model)
+    sampler = RssSampler()
     if side == "trl":
         import datasets
-        from transformers import AutoModelForCausalLM
         from trl import SFTConfig, SFTTrainer
 
-        loaded = AutoModelForCausalLM.from_pretrained(model)  # before the clock: only the data is timed
         clock = time.monotonic()
         ds = datasets.load_dataset("json", data_files=data, split="train", cache_dir=cache)
         args = SFTConfig(output_dir=cache + "/out", max_length=max_length, report_to=[], use_cpu=True)
@@ -79,6 +82,8 @@ def worker(side: str, data: str, cache: str, max_length: int) -> dict:
         clock = time.monotonic()
         rows = len(build_datasets(cfg, tokenizer, seed=0).train)
     data_s = time.monotonic() - clock
+    sampler.stop()
+    del loaded
     return {
         "side": side,
         "local_rank": os.environ.get("LOCAL_RANK", "0"),
@@ -87,7 +92,36 @@ def worker(side: str, data: str, cache: str, max_length: int) -> dict:
         "rows": rows,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "children_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,
+        # sampled every 0.2 s: private memory, and pages of mapped files (Arrow), which count in RSS
+        # but are the page cache's to drop
+        "peak_rss_anon_mb": sampler.peak["RssAnon"] // 1024,
+        "peak_rss_file_mb": sampler.peak["RssFile"] // 1024,
     }
+
+
+class RssSampler:
+    """Peaks of /proc/self/status RssAnon and RssFile (kB), sampled by a thread."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in self.peak:
+                    self.peak[key] = max(self.peak[key], int(value.split()[0]))
+            if self._done.wait(0.2):
+                return
+
+    def stop(self):
+        self._done.set()
+        self._thread.join()
 
 
 def run(side: str, data: Path, cache: Path, max_length: int, pythonpath: str, ranks: int = 1) -> list[dict]:
@@ -105,6 +139,44 @@ def run(side: str, data: Path, cache: Path, max_length: int, pythonpath: str, ra
     return out
 
 
+def first_step(data: Path, cache: Path, max_length: int, here: str, ranks: int, out: Path) -> dict:
+    """Seconds from the launch to the first optimizer step's line ("step 1/1 |"), a real training run:
+    the demo recipe (1 process) or the ddp recipe (2 processes over gloo, torchrun), on the file, with
+    the entry an earlier run left in `cache` (the log must say "prepared data found"); exact match
+    off, else its before-training evaluation would come first. Each rank's peak RSS from run.json."""
+    run_dir = out / f"first-step-{ranks}-{time.time_ns()}"
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1"]
+        cmd += ["finetune/train.py", "--recipe", "demo"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+        cmd += ["finetune/train.py", "--recipe", "ddp"]
+    cmd += [f"--data.path={data}", f"--data.max_length={max_length}", f"--data.cache_dir={cache}"]
+    cmd += ["--training.max_steps=1", "--training.logging_steps=1", "--eval.exact_match=false"]
+    cmd += [f"--run.output_dir={run_dir}"]
+    env = os.environ | {"PYTHONPATH": here, "PYTHONUNBUFFERED": "1", "FINETUNE_CPU_DISTRIBUTED": str(int(ranks > 1))}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=here, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds, log = None, []
+    for line in proc.stdout:
+        log.append(line)
+        if seconds is None and "step 1/1 |" in line:
+            seconds = round(time.monotonic() - start, 1)
+    text = "".join(log)
+    if proc.wait() != 0 or seconds is None or "prepared data found" not in text:
+        sys.exit(
+            f"the first-step run with {ranks} process(es) did not reuse the entry or did not step:\n{text[-3000:]}"
+        )
+    record = json.loads((run_dir / "run.json").read_text())
+    return {
+        "side": "ours, first step",
+        "ranks": ranks,
+        "first_step_seconds": seconds,  # launch to the step line, imports and the model load included
+        "host_peak_rss_gib": [r["host_peak_rss_gib"] for r in record["memory"]["per_rank"]],
+        "run_dir": str(run_dir),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=100_000)
@@ -112,7 +184,8 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--before", help="a checkout of older code, measured on the same file")
     p.add_argument("--trl", action="store_true", help="also TRL's SFTTrainer preparation")
-    p.add_argument("--only", help="comma-separated subset of cold,cached,ranks2,before,trl")
+    p.add_argument("--only", help="comma-separated subset of cold,cached,ranks2,before,trl,first-step")
+    p.add_argument("--reuse-cache", type=Path, help="a cache folder an earlier cold run of this file left")
     p.add_argument("--worker")
     p.add_argument("--data")
     p.add_argument("--cache")
@@ -123,11 +196,12 @@ def main() -> None:
     wanted = (
         a.only.split(",") if a.only else ["cold", "cached", "ranks2"] + ["before"] * bool(a.before) + ["trl"] * a.trl
     )
-    unknown = set(wanted) - {"cold", "cached", "ranks2", "before", "trl"}
+    unknown = set(wanted) - {"cold", "cached", "ranks2", "before", "trl", "first-step"}
     if unknown:
-        p.error(f"--only: unknown {sorted(unknown)}; allowed: cold, cached, ranks2, before, trl")
-    if "cached" in wanted and not {"cold", "ranks2"} & set(wanted[: wanted.index("cached")]):
-        p.error("--only: cached needs cold or ranks2 before it")
+        p.error(f"--only: unknown {sorted(unknown)}; allowed: cold, cached, ranks2, before, trl, first-step")
+    for name in ("cached", "first-step"):
+        if name in wanted and not a.reuse_cache and not {"cold", "ranks2"} & set(wanted[: wanted.index(name)]):
+            p.error(f"--only: {name} needs cold or ranks2 before it, or --reuse-cache")
     if "before" in wanted and not a.before:
         p.error("--only before needs --before CHECKOUT")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +211,7 @@ def main() -> None:
     here = str(Path(__file__).resolve().parents[2])
     results = {"rows": a.rows, "bytes": data.stat().st_size, "load_before": os.getloadavg()[0], "runs": []}
     stamp = str(time.time_ns())
-    cold = None  # the cache folder of the first cold run of ours, which "cached" reads again
+    cold = a.reuse_cache  # the cache folder of the first cold run of ours, which "cached" reads again
     for name in wanted:
         if name in ("cold", "ranks2"):
             ranks = 2 if name == "ranks2" else 1
@@ -149,6 +223,10 @@ def main() -> None:
             results["runs"] += run("ours", data, cold, a.max_length, here, ranks=2)
         elif name == "before":
             results["runs"] += run("before", data, a.out / f"cache-b-{stamp}", a.max_length, a.before)
+        elif name == "first-step":
+            for ranks in (1, 2):
+                results["runs"].append(first_step(data, cold, a.max_length, here, ranks, a.out))
+                print(json.dumps(results["runs"][-1]), flush=True)
         else:
             results["runs"] += run("trl", data, a.out / f"cache-trl-{stamp}", a.max_length, here)
     results["load_after"] = os.getloadavg()[0]
