@@ -152,7 +152,9 @@ def train_and_record(run: Run) -> int:
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = signals.phase(run.state, "while the data was prepared", lambda: load_data(run, arguments))
+    data = signals.phase(
+        run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
+    )
     if run.resume:  # the rows must be the checkpoint's, before the model loads
         resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
         commit(run)  # the continued record replaces run.json from here on

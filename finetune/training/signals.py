@@ -207,13 +207,14 @@ def stop_if_received(state, where: str, error: BaseException | None = None) -> N
         raise Stopped(describe(flags), where)
 
 
-def phase(state, where: str, fn):
-    """A phase before training, then its boundary (stop_if_received): a failure on any rank raises on
-    every rank, a stop signal on any rank stops every rank. A phase without collectives (the data
-    build) ends early on a stop signal (Interrupted)."""
+def phase(state, where: str, fn, label: str):
+    """A phase before training (the watchdog names a rank in it by `label`), then its boundary
+    (stop_if_received): a failure on any rank raises on every rank, a stop signal on any rank stops
+    every rank. A phase without collectives (the data build) ends early on a stop signal (Interrupted)."""
     result = error = interrupted = None
     try:
-        result = fn()
+        with peers.watch.during(label):
+            result = fn()
     except Interrupted as e:
         interrupted = e
     except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank

@@ -292,3 +292,20 @@ def test_a_stop_signal_on_one_rank_reaches_the_others_through_the_store(store, m
     with pytest.raises(signals.Interrupted, match="SIGTERM on rank 0"):
         signals.check_interrupt()
     assert store.get(f"{peers.PREFIX}at/1").decode().startswith("is in the start")  # what rank 1 does, said
+
+
+def test_a_rank_in_a_phase_before_training_is_named_by_it_then_the_label_is_restored(monkeypatch):
+    """A rank stuck in the data build was reported as "in the start": signals.phase names its phase to
+    the watchdog (what the heartbeat publishes for the others) while it runs, and only then."""
+    from finetune.training import signals
+
+    monkeypatch.setattr(peers, "watch", peers.Watch())
+    seen = []
+    result = signals.phase(
+        SimpleNamespace(num_processes=1),
+        "while the data was prepared",
+        lambda: seen.append(peers.watch.doing(time.monotonic())) or "rows",
+        "the data preparation",
+    )
+    assert result == "rows" and seen[0].startswith("is in the data preparation ("), seen
+    assert peers.watch.doing(time.monotonic()).startswith("is in the start (")
