@@ -191,9 +191,12 @@ def _numbered_raw(path: str, split: str):
             yield n, pickle.dumps(row), -1, None
 
 
-def prepare_batch(batch: dict, indices: list[int], *, renderer, max_length: int, raise_bad: bool, stop: str) -> dict:
+def prepare_batch(
+    batch: dict, indices: list[int], *, renderer, max_length: int, raise_bad: bool, stop: str, shares: int
+) -> dict:
     """The map's function: each row validated, rendered, tokenized and truncated, in row order: an
-    example, a bad row (its reason) or one left with no trained token; runs in the map's processes."""
+    example, a bad row (its reason) or one left with no trained token; runs in the map's `shares`
+    processes, each a contiguous share of the rows."""
     out = {k: [] for k in ("n", "kind", "problem", "empty", "truncated", "trained", "input_ids", "labels")}
     rendered = []
     arrow = "raw" not in batch
@@ -225,6 +228,11 @@ def prepare_batch(batch: dict, indices: list[int], *, renderer, max_length: int,
                     row=n,
                 ) from None
         if problem is not None and raise_bad:
+            if shares > 1:  # the share that meets a bad row first stops the map: an earlier share may hold one
+                problem += (
+                    f" (the first bad row of one of the {shares} shares of the file prepared in parallel; an "
+                    "earlier row may be bad too: data.num_proc: 1 names the file's first)"
+                )
             raise DataError(problem, path=renderer.path, row=n)
         out["n"].append(n)
         out["problem"].append(problem)
@@ -299,7 +307,8 @@ def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, 
             batched=True,
             with_indices=True,
             num_proc=processes if processes > 1 else None,
-            fn_kwargs={"renderer": renderer, "max_length": max_length, "raise_bad": raise_bad, "stop": str(stop)},
+            fn_kwargs={"renderer": renderer, "max_length": max_length, "raise_bad": raise_bad, "stop": str(stop)}
+            | {"shares": processes},
             remove_columns=raw.column_names,
             cache_file_name=str(out / "tokens.arrow"),
             features=features,
