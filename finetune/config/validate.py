@@ -131,14 +131,23 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
 
 
 @functools.cache
-def training_arguments_hints() -> dict[str, Any]:
-    """TrainingArguments' init fields and their types, read from transformers' training_args.py: importing
-    it brings torch, peft and bitsandbytes (11-15 s on 2 cores) into the launcher, whose preflight needs only
-    these. Types the file takes from elsewhere (its enums, ParallelismConfig) read as Any; TrainingArguments
-    checks those in each rank. tests/config/test_config.py holds this against the imported class."""
-    package = importlib.util.find_spec("transformers").submodule_search_locations[0]
-    tree = ast.parse(Path(package, "training_args.py").read_text(encoding="utf-8"))
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments"]
+def training_arguments_hints(source: Path | None = None) -> dict[str, Any]:
+    """TrainingArguments' init fields and their types, read from `source` (default: transformers'
+    training_args.py): importing it brings torch, peft and bitsandbytes (11-15 s on 2 cores) into the
+    launcher, whose preflight needs only these. Types the file takes from elsewhere (its enums,
+    ParallelismConfig) read as Any; TrainingArguments checks those in each rank. A file without the class
+    (a release that moved it) gives the imported class's fields: the same answer, slower.
+    tests/config/test_config.py holds both against the imported class."""
+    if source is None:
+        source = Path(importlib.util.find_spec("transformers").submodule_search_locations[0], "training_args.py")
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments"]
+    except (OSError, SyntaxError, ValueError):
+        from transformers import TrainingArguments
+
+        hints = typing.get_type_hints(TrainingArguments)
+        return {f.name: hints[f.name] for f in dataclasses.fields(TrainingArguments) if f.init}
     known = {"Any": Any, "Literal": Literal, "Union": Union, "None": None}
     known |= {t.__name__: t for t in (bool, int, float, str, list, dict, tuple)}
     fields = [n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]

@@ -434,6 +434,25 @@ def test_training_arguments_fields_read_from_source_match_the_imported_class():
     assert typing.Any in typing.get_args(ours["optim"]) and str in typing.get_args(ours["optim"])
 
 
+def test_training_arguments_moved_out_of_their_file_are_read_from_the_imported_class(tmp_path):
+    """A transformers release that moves TrainingArguments out of training_args.py: before, the launcher's
+    validation failed with a bare "not enough values to unpack"; now the imported class's fields answer."""
+    import dataclasses
+    import typing
+
+    from transformers import TrainingArguments
+
+    from finetune.config.validate import training_arguments_hints
+
+    real = typing.get_type_hints(TrainingArguments)
+    expected = {f.name: real[f.name] for f in dataclasses.fields(TrainingArguments) if f.init}
+    moved = tmp_path / "training_args.py"
+    moved.write_text("from .args import TrainingArguments  # moved\n")
+    assert training_arguments_hints(moved) == expected
+    assert training_arguments_hints(tmp_path / "absent.py") == expected
+    assert training_arguments_hints() != expected  # the control: the installed file is read, not imported
+
+
 def test_a_recipe_with_training_arguments_keys_validates_without_importing_torch():
     """Preflight of `finetune train` (the launcher process) answers a typo without torch's 10+ s import."""
     code = (
