@@ -101,8 +101,3 @@ def packed_row(examples: list[Example]) -> dict:
         row["labels"].extend(labels)
         row["position_ids"].extend(range(len(ex.input_ids)))
     return row
-
-
-def padding_share(row_lengths: list[int], max_length: int) -> float:
-    """1 - real tokens / (rows x max_length): the share of row positions that hold no token."""
-    return 1 - sum(row_lengths) / (len(row_lengths) * max_length) if row_lengths else 0.0

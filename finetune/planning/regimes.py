@@ -99,15 +99,3 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
     master = F32 if fam == "deepspeed" else 0
     note = "fp32 adapters (peft), frozen base in the load dtype"
     return Regime(label, F32, frozen, F32, F32, master=master, note=note)
-
-
-def regime_of_record(record: dict, method: str, strategy: str) -> Regime:
-    """The regime a recorded run (a parsed run.json) had: its `precision.policy` when the record
-    has one (read from the live run, which stops when it differs from the policy),
-    else the legacy rules for the record's device type and model.dtype."""
-    policy = (record.get("precision") or {}).get("policy")
-    if policy:
-        return policy_regime(policy, method, strategy)
-    device = (record.get("hardware") or {}).get("device_type") or "cuda"
-    dtype = ((record.get("config") or {}).get("model") or {}).get("dtype") or "auto"
-    return legacy_regime(method, strategy, device, dtype)

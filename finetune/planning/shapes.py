@@ -52,20 +52,6 @@ def count_parameters(config) -> ParamCount:
     raise ValueError(f"no parameter arithmetic for model_type {kind!r} (supported: llama, mistral, qwen2, qwen3, gpt2)")
 
 
-def zero_model_states_bytes(psi: int, n: int, stage: int, k: int = ADAM_K, fp32_grads: bool = False) -> float:
-    """Per-device bytes of model states for ZeRO stage 0 (DDP) to 3 on N data-parallel devices (ZeRO
-    paper Figure 1; fp32_grads: as DeepSpeed's estimators count gradients, docs/planning.md)."""
-    if stage == 0:
-        return (2 + 2 + k) * psi
-    if stage == 1:
-        return 4 * psi + k * psi / n
-    if stage == 2:  # DeepSpeed keeps the 16-bit gradient partition and an fp32 copy of it
-        return 2 * psi + (2 + (4 if fp32_grads else 0) + k) * psi / n
-    if stage == 3:  # DeepSpeed's sharded gradient is the fp32 one (4 bytes instead of 2)
-        return (2 + (4 if fp32_grads else 2) + k) * psi / n
-    raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
-
-
 # Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary,
 # SDPA, gated MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms).
 BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3")

@@ -82,11 +82,19 @@ def predict(name: str, regime: regimes.Regime):
     return rec, prediction.add_error(out, rec["memory"])
 
 
+def recorded_regime(record: dict, strategy: str) -> regimes.Regime:
+    """The regime of a record that predates the precision policy: the legacy rules for its device
+    type and model.dtype."""
+    device = (record.get("hardware") or {}).get("device_type") or "cuda"
+    dtype = ((record.get("config") or {}).get("model") or {}).get("dtype") or "auto"
+    return regimes.legacy_regime(record["config"]["method"]["name"], strategy, device, dtype)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_the_legacy_rules_give_the_regime_each_record_ran(name):
     rec = load(name)
     assert "precision" not in rec  # these runs predate the policy
-    got = regimes.regime_of_record(rec, rec["config"]["method"]["name"], STATED[name]["strategy"])
+    got = recorded_regime(rec, STATED[name]["strategy"])
     stated = STATED[name]["regime"]
     assert {k: getattr(got, k) for k in stated} == stated, STATED[name]["evidence"]
 
@@ -94,7 +102,7 @@ def test_the_legacy_rules_give_the_regime_each_record_ran(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_each_record_within_the_issue_tolerance(name):
     rec = load(name)
-    got = regimes.regime_of_record(rec, rec["config"]["method"]["name"], STATED[name]["strategy"])
+    got = recorded_regime(rec, STATED[name]["strategy"])
     _, pred = predict(name, got)
     err = pred["error"]
     assert pred["phase"] == "backward_start"  # the standard loss's three fp32 T x V buffers

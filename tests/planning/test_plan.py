@@ -16,6 +16,7 @@ import torch
 from finetune.errors import UserError
 from finetune.planning import comm, memory, prediction, report, shapes
 from tests.conftest import REPO, launch_train
+from tests.planning.test_planner import zero_model_states_bytes
 
 GIB = 2**30
 CONFIGS = REPO / "finetune" / "model_configs"
@@ -57,7 +58,7 @@ def test_zero2_states_at_the_step_are_deepspeeds_estimate_and_the_papers(n):
     shape = shapes.shape_of(tiny_llama_config())
     psi = shape.params.total
     persistent, step = states_at_step(shape, workload(precision="bf16-mixed"), "zero2", n)
-    assert persistent + step["grads_in_partition"] == pytest.approx(shapes.zero_model_states_bytes(psi, n, 2))
+    assert persistent + step["grads_in_partition"] == pytest.approx(zero_model_states_bytes(psi, n, 2))
     _, ds = estimate_zero2_model_states_mem_needs(psi, n, 1, cpu_offload=False)
     assert persistent + step["grads_in_partition"] + step["fp32_grad_partition"] == pytest.approx(ds, abs=1)
 
@@ -68,7 +69,7 @@ def test_zero3_persistent_states_are_the_papers(n):
     partition DeepSpeed allocates at init (grad_partitions_flat_buffer) = (2 + 2 + 12)Ψ/N."""
     shape = shapes.shape_of(tiny_llama_config())
     persistent, _ = states_at_step(shape, workload(precision="bf16-mixed"), "zero3", n)
-    assert persistent == pytest.approx(shapes.zero_model_states_bytes(shape.params.total, n, 3))
+    assert persistent == pytest.approx(zero_model_states_bytes(shape.params.total, n, 3))
 
 
 def test_torch_native_strategies_follow_the_policy():
