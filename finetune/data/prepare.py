@@ -307,8 +307,9 @@ def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, 
             batched=True,
             with_indices=True,
             num_proc=processes if processes > 1 else None,
-            fn_kwargs={"renderer": renderer, "max_length": max_length, "raise_bad": raise_bad, "stop": str(stop)}
-            | {"shares": processes},
+            fn_kwargs=dict(
+                renderer=renderer, max_length=max_length, raise_bad=raise_bad, stop=str(stop), shares=processes
+            ),
             remove_columns=raw.column_names,
             cache_file_name=str(out / "tokens.arrow"),
             features=features,

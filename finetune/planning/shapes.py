@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-ADAM_K = 12  # bytes/parameter of mixed-precision Adam states: fp32 master copy, momentum, variance
-
 
 @dataclass
 class ParamCount:

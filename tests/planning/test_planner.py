@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from finetune.planning import shapes
-from finetune.planning.shapes import ADAM_K
+
+ADAM_K = 12  # bytes/parameter of mixed-precision Adam states: fp32 master copy, momentum, variance
 
 
 def zero_model_states_bytes(psi: int, n: int, stage: int, k: int = ADAM_K, fp32_grads: bool = False) -> float:
