@@ -1,0 +1,124 @@
+"""Start-up benchmark (docs/speed.md "Start-up"): seconds from the command to the first step line, and
+import times of the commands that do not train. Not a test: `python -m tests.bench.bench_startup --out DIR`.
+
+Each case runs `--repeat` times on the machine as it is; report the median with the machine's load.
+The first step line is the progress line `step 1/N` our console prints (finetune/training/trainer.py);
+"first step" is therefore the end of optimizer step 1, so one tiny step's compute is included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FIRST_STEP = re.compile(r"\bstep 1/\d+")
+
+
+def timed(cmd: list[str], env: dict, cwd: Path, until: re.Pattern | None = None) -> dict:
+    """Wall seconds to the first line matching `until` (None: to the exit), and to the exit."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    first = None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if first is None and until is not None and until.search(line):
+            first = time.perf_counter() - start
+    code = proc.wait()
+    total = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"exit {code}: {' '.join(cmd)}\n{''.join(lines[-40:])}")
+    return {"to_first_step_s": first, "total_s": total, "console_lines": lines}
+
+
+def tiny_model(where: Path) -> Path:
+    from transformers import AutoTokenizer
+
+    from finetune.modeling.bundled import ensure_bundled_model, save_tiny_llama
+
+    return save_tiny_llama(where, AutoTokenizer.from_pretrained(ensure_bundled_model()))
+
+
+def train_cases(model: Path, work: Path) -> dict[str, list[str]]:
+    common = [
+        f"--model.name_or_path={model}",
+        "--data.demo_train_size=64",
+        "--eval.exact_match=false",
+        "--training.max_steps=2",
+        "--training.logging_steps=1",
+        "--overwrite",
+    ]
+    py = sys.executable
+    return {
+        "single (demo recipe, 1 process)": [
+            py, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            str(REPO / "finetune/train.py"), "--recipe", "demo", *common, f"--run.output_dir={work}/single",
+        ],
+        "ddp (2 ranks, gloo)": [
+            py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/ddp.yaml"),
+            str(REPO / "finetune/train.py"), "--recipe", "ddp", *common, f"--run.output_dir={work}/ddp",
+        ],
+        "zero2 (2 ranks, gloo)": [
+            py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/zero2.yaml"),
+            str(REPO / "finetune/train.py"), "--recipe", "zero2", *common, f"--run.output_dir={work}/zero2",
+        ],
+    }  # fmt: skip
+
+
+COMMANDS = {
+    "--help": ["--help"],
+    "recipes": ["recipes"],
+    "plan (README)": ["plan", "--recipe", "zero2", "--model", "Llama-3.1-8B", "--gpus", "2", "--gpu-memory", "24GiB"],
+    "doctor --quick": ["doctor", "--quick"],
+}
+IMPORTS = {"import torch, transformers.trainer, peft": "import torch, transformers.trainer, peft"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated case names (substring match)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "FINETUNE_CPU_DISTRIBUTED": "1"}
+    results = {"load_before": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M:%S"), "cases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        cases = {name: ([sys.executable, "-c", code], None) for name, code in IMPORTS.items()}
+        cases |= {f"finetune {n}": ([sys.executable, "-m", "finetune.cli", *a], None) for n, a in COMMANDS.items()}
+        if not args.only or any(k in args.only for k in ("single", "ddp", "zero2")):
+            model = tiny_model(work / "tiny")
+            cases |= {name: (cmd, FIRST_STEP) for name, cmd in train_cases(model, work).items()}
+        wanted = [w for w in args.only.split(",") if w]
+        for name, (cmd, until) in cases.items():
+            if wanted and not any(w in name for w in wanted):
+                continue
+            runs = [timed(cmd, env, REPO, until) for _ in range(args.repeat)]
+            key = "to_first_step_s" if until else "total_s"
+            values = [r[key] for r in runs]
+            results["cases"][name] = {
+                "measure": key,
+                "median_s": round(statistics.median(values), 2),
+                "runs_s": [round(v, 2) for v in values],
+                "console_lines_last_run": runs[-1]["console_lines"],
+            }
+            print(f"{name:45s} {key:16s} median {statistics.median(values):6.2f} s  {values}", flush=True)
+    results["load_after"] = os.getloadavg()
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
