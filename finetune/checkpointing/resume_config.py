@@ -31,6 +31,21 @@ class ResumedConfig:
     recipe_differs: list[str] = field(default_factory=list)  # keys where the recipe now reads otherwise (not used)
 
 
+def of_command_line(argv: list[str] | None) -> tuple:
+    """A run's command line read as the run reads it: (its options, its overrides, the configuration, the
+    ResumedConfig of --resume or None). The recipe with its overrides, or with --resume the run's saved one."""
+    from finetune.config import command_line
+
+    args, overrides = command_line.parse_train_args(argv)
+    if args.resume:  # the run's saved configuration, with any change the user allowed
+        resumed = resolve(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume)
+        return args, overrides, resumed.cfg, resumed
+    if args.allow_config_change:
+        raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    return args, overrides, cfg, None
+
+
 def run_dir_of(recipe: str, overrides: list[str]) -> Path:
     """The run directory `--resume` continues: run.name / run.output_dir from the command line, else
     the recipe file's (resume_plan.locate finds the checkpoint in it). Nothing else of the recipe is
