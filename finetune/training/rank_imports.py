@@ -26,6 +26,8 @@ build: rank 0 says so then, with the time it takes.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import threading
@@ -95,8 +97,10 @@ def keep_out(argv: list[str] | None) -> list[str]:
     """Before the run imports transformers: the optional packages its command line does not use are kept out of
     this process (module docstring). A command line that does not read is left to the run, which says why: then
     nothing is kept out. Returns the names kept out."""
-    try:
-        _, _, cfg, _ = resume_config.of_command_line(argv)
+    quiet = io.StringIO()
+    try:  # silently: the run reads its command line again and says what there is to say (a damaged run.json)
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            _, _, cfg, _ = resume_config.of_command_line(argv)
         names = [name for name in unused(cfg) if name not in sys.modules]
     except (Exception, SystemExit):  # argparse exits on a bad flag; the run parses again and says so
         return []

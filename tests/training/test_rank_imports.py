@@ -76,15 +76,17 @@ def test_a_lora_run_imports_no_bitsandbytes_and_a_qlora_run_does():
     assert qlora["kept_out"] == ["deepspeed"] and "bitsandbytes" in qlora["loaded"], qlora
 
 
-def test_a_command_line_the_run_will_refuse_keeps_nothing_out():
+def test_a_command_line_the_run_will_refuse_keeps_nothing_out(capsys):
     def kept_out():
         return {name for name, module in sys.modules.items() if module is None}
 
     before = kept_out()
+    assert rank_imports.keep_out(["--recipe"]) == []  # argparse prints its usage and exits
     assert rank_imports.keep_out(["--recipe", "demo", "--no-such-flag"]) == []
     assert rank_imports.keep_out(["--recipe", "no-such-recipe"]) == []
     assert rank_imports.keep_out(["--recipe", "demo", "--method.name=lorra"]) == []
     assert kept_out() == before
+    assert capsys.readouterr() == ("", "")  # the run says what is wrong, once
 
 
 class SlowBuilder:
