@@ -361,6 +361,9 @@ def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
 
 @pytest.mark.integration
 def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_model_dir):
+    """A CPU run of the demo with `auto` micro-batch and checkpointing (issue 47): the plan resolves them against
+    the host memory, the run trains with them and records the plan; predicted against measured memory and step
+    time. The planner's device on CPU is the host: predicted_memory is one process's RSS."""
     run = launch_train(
         [
             "--recipe",
@@ -370,6 +373,8 @@ def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_mod
             "--eval.exact_match=false",
             "--training.max_steps=2",
             "--training.logging_steps=1",
+            "--training.per_device_train_batch_size=auto",
+            "--training.gradient_checkpointing=auto",
         ],
         run_dir=tmp_path / "run",
         cwd=REPO,
@@ -392,6 +397,25 @@ def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_mod
     assert pred["error"]["device_allocated"] is None and pred["error"]["device_reserved"] is None
     frozen = sum(p.numel() for p in _load(tiny_model_dir).parameters()) * 4 / GIB  # fp32 on CPU
     assert comps["frozen_weights"] == pytest.approx(frozen, abs=1e-4)
+    plan = rec["plan"]
+    levers = plan["levers"]
+    assert plan["auto"] == ["per_device_train_batch_size", "gradient_checkpointing"]
+    assert levers["per_device_train_batch_size"]["given"] == levers["gradient_checkpointing"]["given"] == "auto"
+    b, a = levers["per_device_train_batch_size"]["planned"], levers["gradient_accumulation_steps"]["planned"]
+    ckpt = levers["gradient_checkpointing"]["planned"]
+    assert b * a == plan["sequences_per_device_step"] == 8  # the default micro-batch 8 x the demo's accumulation 1
+    assert (rec["batch"]["per_device"], rec["batch"]["grad_accum"]) == (b, a)  # what trained is what was planned
+    assert rec["config"]["training"]["per_device_train_batch_size"] == b  # the saved configuration: numbers
+    assert pred["assumptions"]["gradient_checkpointing"] is ckpt  # as applied to the model
+    assert "CPU run" in plan["memory_basis"] and 0 < plan["limit_gib"] <= rec["hardware"]["host_memory_gib"]
+    chosen = {"micro_batch": b, "grad_accum": a, "gradient_checkpointing": ckpt, "fits": True}
+    assert any(chosen.items() <= t.items() for t in plan["tried"])
+    assert plan["predicted_gib"] <= 0.9 * plan["limit_gib"] and plan["fraction"] <= 0.9
+    said = run.stdout + run.stderr
+    assert f"auto (per_device_train_batch_size, gradient_checkpointing): micro-batch {b} x accumulation {a}" in said
+    # the step time: none predicted on a CPU (no peak FLOP/s), the measured one beside it
+    assert plan["step_s_predicted"] is None and "CPU" in plan["step_s_basis"]
+    assert plan["step_s_measured"] == rec["throughput"]["median_step_s"] > 0
 
 
 def _load(path: Path):
