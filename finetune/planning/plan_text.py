@@ -52,7 +52,7 @@ def answer_lines(plan: dict) -> list[str]:
     why = f"  why: {a['reason']}"
     if faster:
         shown = ", ".join(
-            f"{o['strategy']} b{o['micro_batch']}{' ckpt' if o['gradient_checkpointing'] else ''} "
+            f"{o['strategy']} {o['micro_batch']}x{o['grad_accum']} {'on' if o['gradient_checkpointing'] else 'off'} "
             f"({o['device_gib']:.1f} GiB, {o['device_fraction']:.0%})"
             for o in faster[:4]
         )

@@ -189,9 +189,8 @@ def answer(plan: dict, cfg, sequences: int, shards: int) -> dict:
         "command": command(cfg, best),
     }
     out["reason"] = (
-        f"the fastest of {len(options)} options that fits with a {1 - MARGIN:.0%} margin (step time estimated: "
-        f"compute with checkpointing's recompute, + communication at --bandwidth when given; ties: the speed "
-        f"order, then the larger micro-batch)"
+        f"the fastest of {len(options)} options (strategy x micro-batch x checkpointing) that fits with a "
+        f'{1 - MARGIN:.0%} margin, by the estimated step time (docs/planning.md "The answer")'
     )
     return out
 
@@ -214,6 +213,7 @@ def short(row: dict) -> dict:
     return {
         "strategy": row["strategy"],
         "micro_batch": row["micro_batch"],
+        "grad_accum": row["grad_accum"],
         "gradient_checkpointing": row["gradient_checkpointing"],
         "device_gib": row["device"]["total_gib"],
         "device_fraction": row["device_fraction"],

@@ -40,6 +40,7 @@ def resolve(cfg, launch, state):
 def plan_section(cfg, launch, given: dict, auto: list[str]) -> dict | None:
     try:
         shape = shape_of(model_source.read_config(cfg.model.name_or_path, cfg.model.revision))
+        shape.check_block_mechanism()  # the activation arithmetic covers this architecture
     except (UserError, ValueError) as e:
         if auto:
             raise UserError(f"training.{' and training.'.join(auto)}: auto needs the planner: {e}") from None
