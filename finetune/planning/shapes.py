@@ -89,6 +89,13 @@ def decoder_linears(config) -> list[tuple[str, int, int]]:
 # Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary,
 # SDPA, gated MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms).
 BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3")
+# The shipped table's other families: what their blocks save that the Llama block does not (phi3: saved-tensor
+# hooks on CPU, bf16, one layer: 2q + kv more bytes x 2 per token than the Llama formula).
+NOT_YET = {
+    "phi3": "v is a view of the fused qkv output, which it keeps alive whole, and o_proj saves a copy of its input",
+    "gemma2": "four norms per block (Gemma's RMSNorm), logit soft-capping, sliding-window masks",
+    "gemma3_text": "four norms per block and q/k norms (Gemma's RMSNorm), sliding-window masks",
+}
 
 
 @dataclass
@@ -181,9 +188,11 @@ class Shape:
 
     def check_block_mechanism(self) -> None:
         if self.model_type not in BLOCK_MECHANISM:
+            why = NOT_YET.get(self.model_type)
+            known = f"; its {self.params.total:,} parameters are counted, its block is not: {why}" if why else ""
             raise ValueError(
                 f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
-                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op)"
+                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op){known}"
             )
 
 

@@ -223,3 +223,18 @@ def test_plan_imports_no_torch(tmp_path):
         check=True,
     )
     assert "torch" in imported(control.stderr)
+
+
+@pytest.mark.parametrize("name", ["phi-4", "gemma-2-9b", "gemma-3-4b-it"])
+def test_a_table_model_whose_block_is_not_modelled_is_refused_saying_what_differs(name, capsys):
+    """Phi-3/4 and Gemma 2/3 are in the table with exact parameter counts, but the activation arithmetic
+    follows the Llama block only: the plan refuses them by name with what their blocks do differently
+    (for phi3, measured: v's view keeps the fused qkv output, o_proj saves a copy) instead of guessing."""
+    from finetune.cli.dispatch import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["plan", "--recipe", "demo", "--model", name])
+    err = " ".join(capsys.readouterr().err.split())
+    kind = model_source.read_config(name).model_type
+    assert ended.value.code == 2 and f"no activation arithmetic for model_type {kind!r}" in err
+    assert shapes.NOT_YET[kind] in err and "parameters are counted" in err
