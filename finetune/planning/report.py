@@ -150,7 +150,7 @@ def plan_row(shape: Shape, w: Workload, row: dict, n: int, where: dict) -> dict:
 
 def answer(plan: dict, cfg, sequences: int, shards: int) -> dict:
     """The fastest option that fits, how it runs, and why nothing faster does: run.json-like facts the first line
-    of the text says (plan_text.answer_line)."""
+    of the text says (plan_text.answer_lines)."""
     hw, options = plan["hardware"], plan["options"]
     best = search.fastest(options)
     gpu_memory, host_memory = hw["gpu_memory_gib"], hw["host_memory_gib"]
