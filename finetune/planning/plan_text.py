@@ -7,20 +7,24 @@ from __future__ import annotations
 
 from finetune.planning.search import fastest
 
-# Columns of the table: components by what they are (finetune/planning/memory.py names them).
+# The components by what they are (finetune/planning/memory.py names them), also finetune/compare/plots.py's legend
+# groups; the table shows the first four together as "states".
 COLUMNS = tuple(
     (column, tuple(names.split()))
     for column, names in {
-        "states": "weights frozen_weights nf4_weights unquantized_weights lora_adapters fsdp_unsharded_root "
-        "zero3_gathered_params fsdp_unsharded_blocks master_weights optimizer_states ddp_grad_buckets "
-        "grad_partition_buffer ipg_bucket accumulated_grads accumulated_grad_partition gradients "
-        "tied_embedding_grad_parts head_grad upper_block_gradients fp32_grad_partition offload_grad_staging "
-        "grads_in_partition fp32_subgroup_grad",
+        "params": "weights frozen_weights nf4_weights unquantized_weights lora_adapters fsdp_unsharded_root "
+        "zero3_gathered_params fsdp_unsharded_blocks",
+        "master": "master_weights",
+        "optim": "optimizer_states",
+        "grads": "ddp_grad_buckets grad_partition_buffer ipg_bucket accumulated_grads accumulated_grad_partition "
+        "gradients tied_embedding_grad_parts head_grad upper_block_gradients fp32_grad_partition "
+        "offload_grad_staging grads_in_partition fp32_subgroup_grad",
         "activ": "activations autocast_weight_copies recomputed_block rotary_and_targets forward_temporaries "
         "block_backward_temporaries norm_backward_temporaries",
         "loss": "loss_buffers",
     }.items()
 )
+STATES = ("params", "master", "optim", "grads")
 HEAD = (
     f"{'strategy':18}{'b x a':>6}{'ckpt':>5}{'states':>8}{'activ':>7}{'loss':>6}{'device':>8}{'use':>6}"
     f"{'host':>7}{'comm GB':>8}{'step s':>7}{'fits':>6}"
@@ -28,7 +32,9 @@ HEAD = (
 
 
 def _cells(comp: dict) -> list[float]:
-    return [sum(comp.get(k, 0.0) for k in keys) for _, keys in COLUMNS]
+    """(states, activ, loss) GiB of one row's components."""
+    group = {column: sum(comp.get(k, 0.0) for k in keys) for column, keys in COLUMNS}
+    return [sum(group[c] for c in STATES), group["activ"], group["loss"]]
 
 
 def answer_lines(plan: dict) -> list[str]:
