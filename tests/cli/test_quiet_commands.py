@@ -1,5 +1,5 @@
 """The commands that do not train, each in one process as users run them: what they import (issue 43: `--help`,
-`recipes` and `compare` no torch; `doctor --quick` torch, accelerate, DeepSpeed's op builder and bitsandbytes for its
+`recipes`, `plan` and `compare` no torch; `doctor --quick` torch, accelerate, DeepSpeed's op builder and bitsandbytes for its
 checks, not transformers or peft), and bitsandbytes' CPU-kernel notice (issue 15 item 12: "Failed to load CPU
 gemm_4bit_forward from kernels-community: No module named 'kernels'", printed on import on a CPU with AVX512-BF16)
 held back wherever a command imports bitsandbytes (finetune/held_back.py)."""
@@ -46,7 +46,7 @@ for argv in {commands!r}:
 
 @pytest.fixture(scope="module")
 def commands(tmp_path_factory) -> tuple[dict, str]:
-    """--help, compare --help, recipes, a comparison, then doctor --quick, one after another in one process, in
+    """--help, compare --help, recipes, plan, a comparison, then doctor --quick, one after another in one process, in
     that order (each command's imports stay for the next): command -> what was imported after it, and the output."""
     tmp_path = tmp_path_factory.mktemp("commands")
     dirs = []
@@ -61,6 +61,7 @@ def commands(tmp_path_factory) -> tuple[dict, str]:
         ["--help"],
         ["compare", "--help"],
         ["recipes"],
+        ["plan", "--recipe", "demo", "--method.name=lora"],
         ["compare", *dirs, "--out", str(tmp_path / "report")],
         ["doctor", "--quick", "--out", str(tmp_path / "doctor")],
     ]
@@ -72,12 +73,13 @@ def commands(tmp_path_factory) -> tuple[dict, str]:
 
 def test_commands_that_do_not_train_import_no_torch(commands):
     after, out = commands
-    assert [a["exit"] for a in after] == [0, 0, 0, 0, 0], out[-3000:]
-    assert [a["loaded"] for a in after[:3]] == [[], [], []], after  # --help, compare --help, recipes
-    assert after[3]["loaded"] == ["matplotlib"], after  # the comparison draws its figures
+    assert [a["exit"] for a in after] == [0, 0, 0, 0, 0, 0], out[-3000:]
+    # --help, compare --help, recipes, plan (it reads the model's config.json itself, issue 47)
+    assert [a["loaded"] for a in after[:4]] == [[], [], [], []], after
+    assert after[4]["loaded"] == ["matplotlib"], after  # the comparison draws its figures
     # doctor --quick: torch for the CUDA/GPU lines and the 4-bit round trip (with bitsandbytes), DeepSpeed's op
     # builder for CPU Adam; versions from the packages' metadata (before: transformers and peft imported for them)
-    assert after[4]["loaded"] == ["torch", "bitsandbytes", "deepspeed", "matplotlib"], after
+    assert after[5]["loaded"] == ["torch", "bitsandbytes", "deepspeed", "matplotlib"], after
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def notice_shows_here():
 def test_commands_print_no_bitsandbytes_notice(notice_shows_here, commands):
     """doctor --quick imports bitsandbytes (its 4-bit round trip): the notice was printed then, and is held back."""
     after, out = commands
-    assert "bitsandbytes" in after[4]["loaded"], after  # the control: the import that prints it happened
+    assert "bitsandbytes" in after[5]["loaded"], after  # the control: the import that prints it happened
     assert NOTICE not in out, out[-3000:]
 
 
