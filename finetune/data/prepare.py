@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -185,36 +186,47 @@ def _set_aside(entry: Path) -> None:
 def cache_location(data_cfg) -> Path:
     """The prepared-data cache folder, made if missing; a location that cannot be used is named with the setting that
     chose it and the fix (UserError)."""
+    root, setting = _cache_root(data_cfg)
     why = cache_problem(data_cfg)
-    if why:
-        raise UserError(why)
-    return _cache_root(data_cfg)[0]
+    if why is None:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            Path(tempfile.mkdtemp(prefix=".probe-", dir=root)).rmdir()
+            return root
+        except OSError as e:  # ACLs, a root-squashed share: what access() did not show
+            why = _unusable(root, setting, storage.REASONS.get(e.errno) or e.strerror or str(e))
+    raise UserError(why)
 
 
 def _cache_root(data_cfg) -> tuple[Path, str]:
     if getattr(data_cfg, "cache_dir", None):
         return Path(data_cfg.cache_dir).expanduser(), "data.cache_dir"
-    setting = "FINETUNE_CACHE" if os.environ.get("FINETUNE_CACHE") else "the default (FINETUNE_CACHE unset)"
+    setting = "FINETUNE_CACHE" if os.environ.get("FINETUNE_CACHE") else "the default; FINETUNE_CACHE is unset"
     return fingerprints.cache_root() / "tokenized", setting
 
 
 def cache_problem(data_cfg) -> str | None:
-    """Why the prepared-data cache folder cannot be used (a file, no permission, a read-only disk), with the fix;
-    None when it can (it is made if missing). Preflight asks before any weights load."""
+    """Why the prepared-data cache folder cannot be used (a file on its path, no permission, a read-only disk), with
+    the fix; None when it can. Nothing is made or written: preflight asks before any weights load."""
     root, setting = _cache_root(data_cfg)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = Path(tempfile.mkdtemp(prefix=".probe-", dir=root))
-        probe.rmdir()
-        return None
-    except (FileExistsError, NotADirectoryError):
-        blocker = next((p for p in [root, *root.parents] if p.exists() and not p.is_dir()), root)
-        why = f"{blocker} is a file, not a folder"
-    except OSError as e:
-        why = storage.REASONS.get(e.errno) or e.strerror or str(e)
+    there = next(p for p in [root, *root.parents] if os.path.lexists(p))
+    if not there.is_dir():
+        return _unusable(root, setting, f"{there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        read_only = os.statvfs(there).f_flag & os.ST_RDONLY
+        return _unusable(root, setting, f"{there} is on a read-only file system" if read_only else _denied(there))
+    return None
+
+
+def _denied(folder: Path) -> str:
+    st = folder.stat()
+    return f"permission denied: {folder} has mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}, this process uid {os.geteuid()}"
+
+
+def _unusable(root: Path, setting: str, why: str) -> str:
     return (
-        f"the prepared-data cache {root} (from {setting}) cannot be used: {why}; set data.cache_dir (or "
-        "FINETUNE_CACHE) to a folder you can write"
+        f"the prepared-data cache {root} (from {setting}) cannot be used: {why}; set data.cache_dir (or FINETUNE_CACHE) "
+        "to a folder you can write"
     )
 
 

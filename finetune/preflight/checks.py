@@ -278,9 +278,10 @@ def dataset(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """The data file and the held-out file read as the run reads them: the training file's first rows
     (finetune/data/build.py check_head), and the exact-match rows the evaluation will use, each
     validated as evaluation reads it (before training and after it)."""
-    from finetune.data import build
+    from finetune.data import build, prepare
 
     problems = [] if cfg.data.path == "demo" else build.check_head(cfg.data)
+    problems += [p for p in [prepare.cache_problem(cfg.data)] if p]  # the prepared data's cache folder
     if cfg.eval.exact_match and cfg.eval.heldout_path not in (None, "demo"):
         problem = heldout_problem(cfg.eval.heldout_path, cfg.eval.samples)
         if problem:
