@@ -12,6 +12,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 import xxhash
 
@@ -21,6 +22,29 @@ _MAX_ENTRIES = 20_000  # the oldest entries are dropped beyond this (a cache, no
 
 log = logging.getLogger(__name__)
 _unwritable: set[str] = set()  # caches already said to be unusable in this process
+
+
+class Inputs(TypedDict):
+    """What the run is made from: content fingerprints (finetune/checkpointing/provenance.py inputs):
+    run.json `inputs`, and the checkpoint marker's run block."""
+
+    algorithm: str  # xxh3_128
+    weights: str | None  # the base model's config.json and weight files together; null: not on this machine
+    weight_files: dict[str, str]  # file (relative to the model folder) -> fingerprint
+    tokenizer: str | None  # the tokenizer's files, tokenizer_config.json without its chat_template
+    tokenizer_files: dict[str, str]
+    chat_template: str | None  # its files and tokenizer_config.json's chat_template; null: none, or not used
+    chat_template_files: dict[str, str]  # file, or tokenizer_config.json:chat_template -> fingerprint
+    data: str | None  # the data files together; null: a Hub dataset
+    data_files: dict[str, str]  # file (relative to their common folder; "" for one file) -> fingerprint
+    settings: str  # the configuration that decides what is trained (provenance.settings)
+    read_bytes: int  # bytes read to fingerprint them (0: every file's fingerprint was cached)
+    seconds: float  # time taken to fingerprint them
+
+
+class InputChange(TypedDict):
+    input: str  # weights | tokenizer | chat_template | data | settings
+    said: str  # what changed, in words: the fingerprints and the files
 
 
 def cache_root() -> Path:

@@ -34,6 +34,27 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def model_folder(name: str, revision: str | None = None) -> Path | None:
+    """The directory holding a model's files on this machine: the bundled model's (once converted), a local directory,
+    or a hub id's cached snapshot; None when they are not here."""
+    if name == BUNDLED_MODEL:
+        from finetune.modeling import bundled
+
+        return bundled.model_dir() if bundled.is_prepared() else None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """model.dtype where no precision policy applies (the benchmark's workers): 'auto' = bfloat16
     where the accelerator supports it, else float32. Training runs load in the policy's dtype."""

@@ -100,7 +100,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None, 
         raise ConfigError(problems + facts.problems, f"{path or 'configuration'}{overridden}: {SOURCE}")
     launch = LaunchPlan.of(cfg, facts)
     if args.resume and resume_check:
-        found, cfg = resume_check(cfg, launch, args.resume, overrides)
+        found, cfg = resume_check(cfg, launch, args.resume, overrides, allow_input_change=args.allow_input_change)
         problems += found
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:

@@ -35,14 +35,14 @@ def model_problems(cfg) -> list[str]:
     """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
-    from finetune.modeling.load import code_problem
+    from finetune.modeling.load import code_problem, model_folder
     from finetune.storage import json_object
 
     model = cfg.model
     tokenizer = model.tokenizer_name_or_path
     problems = []
     if tokenizer and tokenizer != model.name_or_path and tokenizer != BUNDLED_MODEL:
-        folder = local_folder(tokenizer, model.revision)
+        folder = model_folder(tokenizer, model.revision)
         why = folder and code_problem(folder, model.trust_remote_code)
         problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
     if model.name_or_path == BUNDLED_MODEL:
@@ -51,7 +51,7 @@ def model_problems(cfg) -> list[str]:
         folder = bundled.model_dir() if bundled.is_prepared() else None
         values = (json_object(folder / "config.json") or None) if folder else None
         return problems + [p for p in [positions_problem(cfg, values, "the bundled model")] if p]
-    folder = local_folder(model.name_or_path, model.revision)
+    folder = model_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
         return problems
@@ -82,22 +82,6 @@ def positions_problem(cfg, values: dict | None, source: str) -> str | None:
         f"data.max_length: {cfg.data.max_length} is more than the {positions} positions the model has ({source} "
         f"max_position_embeddings); set data.max_length to {positions} or less, or use a model with a longer context"
     )
-
-
-def local_folder(name: str, revision: str | None) -> Path | None:
-    """The directory holding the model's files: the local directory, or the cached hub snapshot."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(name, "config.json", revision=revision)
-    except ValueError:
-        return None
-    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def causal_lm_problem(config: dict, source: Path) -> str | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from finetune.data.build import DataStats
+from finetune.fingerprints import InputChange, Inputs
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
 
@@ -289,6 +290,7 @@ Segment = TypedDict(
         "conversion_s": float | None,
         "config_from": str,
         "config_changes": list[ConfigChange],
+        "input_changes": list[InputChange],
     },
     total=False,
 )
@@ -563,5 +565,6 @@ SECTIONS: tuple[Section, ...] = (
     Section("resumes", list[Segment], ABSENT, False),
     Section("parameters", Parameters, ABSENT, False),
     Section("speed", Speed, ABSENT, False),
+    Section("inputs", Inputs, ABSENT, False),
 )
 BY_NAME = {s.name: s for s in SECTIONS}

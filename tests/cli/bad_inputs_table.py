@@ -222,16 +222,22 @@ def _resume(
     world: int = 2,
     fingerprint: str | None = None,
     mesh: dict | None = None,
+    change=None,
 ):
     """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
-    `--resume` of it."""
+    `--resume` of it. `change(model_dir)`: the run trained a copy of the tiny model in the workspace,
+    its inputs recorded in the checkpoint, and `change` alters that copy before the resume."""
 
     def setup(ws: Path) -> list[str]:
         from finetune.checkpointing import checkpoints
         from finetune.checkpointing.provenance import model_identity
 
-        model = os.environ["FINETUNE_TABLE_MODEL"]
+        model, args = os.environ["FINETUNE_TABLE_MODEL"], list(launch)
+        if change is not None:
+            shutil.copytree(model, ws / "model")
+            model = str(ws / "model")
+            args.append(f"--model.name_or_path={model}")
         identity = model_identity(type("M", (), {"name_or_path": model, "revision": None})())
         ckpt = ws / "runs" / "prev" / "checkpoint-3"
         for name in (
@@ -264,9 +270,14 @@ def _resume(
         }
         if mesh is not None:
             run["mesh"] = mesh
+        cfg = _saved_config(ws, args)
+        if change is not None:  # the inputs it was trained on, then one of them changed
+            from finetune.checkpointing.provenance import inputs
+
+            run["inputs"] = inputs(cfg, cfg.data.path)
+            change(Path(model))
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
-        _saved_config(ws, launch)
-        return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
+        return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *args]
 
     return setup
 
@@ -280,8 +291,24 @@ def _saved_config(ws: Path, launch: list[str]) -> None:
 
     recipe = launch[launch.index("--recipe") + 1] if "--recipe" in launch else "demo"
     base = [a for a in base_args(ws, Path(os.environ["FINETUNE_TABLE_MODEL"])) if a.startswith("--") and "=" in a]
-    cfg, _ = load_recipe(recipe, [*base, "--run.name=prev"])
+    given = [a for a in launch if a.startswith("--model.")]
+    cfg, _ = load_recipe(recipe, [*base, *given, "--run.name=prev"])
     _write(ws / "runs" / "prev" / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return cfg
+
+
+def _edit_template(model: Path) -> None:
+    """The chat template edited after the run started (a system line added)."""
+    template = model / "chat_template.jinja"
+    template.write_text("{{ 'You are brief.' }}\n" + template.read_text())
+
+
+def _other_weights(model: Path) -> None:
+    """Other weights saved over the model in place (a re-download, a colleague's fixed copy): config.json unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
 
 
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
@@ -914,6 +941,19 @@ CASES = [
         "--resume / model.name_or_path",
         _resume(ZERO3_CPU, model_sha="0" * 64),
         ("checkpoint-3 was trained with another model", "config_sha256"),
+    ),
+    Case(
+        "resume after the chat template was edited",
+        "--resume / the model's chat template",
+        _resume([], strategy="single", world=1, change=_edit_template),
+        ("checkpoint-3 was trained on other inputs: the chat template changed", "chat_template.jinja differs"),
+        entry="train.py",
+    ),
+    Case(
+        "resume after the base weights were replaced in place (same config.json, other weights)",
+        "--resume / the model's weights",
+        _resume(ZERO3_CPU, change=_other_weights),
+        ("checkpoint-3 was trained on other inputs: the base weights changed", "model.safetensors differs"),
     ),
     Case(
         "resume on another process count with dataloader_drop_last",
