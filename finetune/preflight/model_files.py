@@ -45,6 +45,7 @@ def model_problems(cfg) -> list[str]:
         folder = model_folder(tokenizer, model.revision)
         why = folder and code_problem(folder, model.trust_remote_code)
         problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
+        problems += [f"model.tokenizer_name_or_path: {p}" for p in own_files_problems(folder)] if folder else []
     if model.name_or_path == BUNDLED_MODEL:
         from finetune.modeling import bundled
 
@@ -65,7 +66,64 @@ def model_problems(cfg) -> list[str]:
     found = [f"{code}; {TRUST}" if code else None]
     found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
     found.append(weights_problem(folder))
+    found += own_files_problems(folder)
     return problems + [f"model.name_or_path: {p}" for p in found if p]
+
+
+# The folder's own JSON files transformers reads beside config.json. A broken generation_config.json is ignored by
+# from_pretrained without a word (generation then runs with the model config's defaults, other stop tokens); a broken
+# tokenizer_config.json fails the load with a JSONDecodeError that does not name the file.
+_OWN_FILES = (
+    *("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"),
+    *("added_tokens.json", "chat_template.json"),
+)
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def own_files_problems(folder: Path) -> list[str]:
+    """Each of the folder's own JSON files that does not read as the object transformers expects, named."""
+    out = []
+    for name in _OWN_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            out.append(f"{path}: not UTF-8 text (byte {e.start}); {_REFETCH}")
+            continue
+        except (OSError, json.JSONDecodeError) as e:
+            out.append(f"{path}: not a readable JSON file ({e}); {_REFETCH}")
+            continue
+        if not isinstance(values, dict):
+            out.append(f"{path}: a JSON {type(values).__name__}, where transformers reads an object; {_REFETCH}")
+        elif name == "generation_config.json":
+            out += [f"{path}: {p}" for p in _generation_problems(values)]
+    return out
+
+
+def _generation_problems(values: dict) -> list[str]:
+    """generation_config.json's token ids and the values transformers' own validation refuses."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    def token_id(key, v) -> bool:
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        return ok or (key == "eos_token_id" and isinstance(v, list) and all(token_id(key, x) for x in v) and bool(v))
+
+    bad = [
+        f"{k} {values[k]!r} is not a token id (an integer >= 0; eos_token_id may be a list of them)"
+        for k in _TOKEN_IDS
+        if values.get(k) is not None and not token_id(k, values[k])
+    ]
+    try:
+        with warnings.catch_warnings():  # its minor remarks are warnings: not ours to repeat
+            warnings.simplefilter("ignore")
+            GenerationConfig.from_dict(dict(values)).validate()
+    except (ValueError, TypeError) as e:
+        bad.append(f"transformers refuses its values ({e})")
+    return bad
 
 
 def positions_problem(cfg, values: dict | None, source: str) -> str | None:

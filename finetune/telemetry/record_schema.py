@@ -372,6 +372,8 @@ class SpeedAttention(TypedDict):
     sdpa_backends_policy: str | list[str]  # model.sdpa_backends
     sdpa_backends_enabled: list[str] | None  # torch's flags after the policy; null when not sdpa
     sdpa_priority: list[str] | None  # the order torch tries them in
+    requested: str  # model.attn_implementation
+    fallback: str | None  # why the implementation is not the requested one (a family without SDPA)
 
 
 class SpeedCompile(TypedDict):

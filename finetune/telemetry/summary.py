@@ -35,11 +35,13 @@ def start_line(record: RecordView) -> str:
     """World size, batch, learning rate, parameters, length and precision, as the run set them up."""
     b, p = record.get("batch"), record.get("parameters")
     policy = precision.get(record.get("precision", "policy"))
+    fallback = record.get("speed", "attention", "fallback", default=None)
     return (
         f"{sizes(record)} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x data-parallel "
         f"size {b['data_parallel_size']} = effective batch {b['effective']} | lr {lr_text(record)} | trainable "
         f"{p['trainable']:,} of {p['total']:,} parameters | max length "
         f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})"
+        + (f" | attention: {fallback}" if fallback else "")
     )
 
 
