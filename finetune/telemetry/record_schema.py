@@ -291,6 +291,9 @@ Segment = TypedDict(
         "config_from": str,
         "config_changes": list[ConfigChange],
         "input_changes": list[InputChange],
+        "ended": str,
+        "wall_s": float | None,
+        "steps_trained": int,
     },
     total=False,
 )
@@ -313,6 +316,7 @@ class Summary(TypedDict, total=False):
     resumed_at_step: int
     resumes: int
     resume_history: list[ResumeEntry]
+    run_wall_s: float | None  # every segment's wall time (resumes[].wall_s), summed
 
 
 class EvalExample(TypedDict):

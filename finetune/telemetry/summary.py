@@ -67,9 +67,7 @@ def lr_text(record: RecordView) -> str:
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
     """The table, from the run record of a completed run (rank 0)."""
     rows = _training_rows(record, method) + _speed_rows(record) + _evaluation_rows(record)
-    rows.append(
-        ("wall time", f"{record.get('summary', 'wall_s'):.0f} s (training {record.get('summary', 'train_s'):.0f} s)")
-    )
+    rows += _time_rows(record)
     rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
         rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
@@ -105,6 +103,21 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
         ("learning rate", lr_text(record)),
         ("train loss", losses),
         ("trained tokens", tokens),
+    ]
+
+
+def _time_rows(record: RecordView) -> list[tuple[str, str]]:
+    """The wall time, and for a resumed run the whole run's over its segments and how it resumed."""
+    s = partial(record.get, "summary")
+    this = f"{s('wall_s'):.0f} s (training {s('train_s'):.0f} s)"
+    segments = record.get("resumes", default=[])
+    if not s("resumed_from", default=None):
+        return [("wall time", this)]
+    whole = f"{s('run_wall_s'):.0f} s" if s("run_wall_s", default=None) is not None else "n/a (segments not timed)"
+    trained = s("steps") - s("resumed_at_step")
+    return [
+        ("resumed", f"{s('resumes')} time(s), last from {s('resumed_from')} at step {s('resumed_at_step')}"),
+        ("wall time", f"{whole} over {len(segments)} segments; this launch {this}, steps {trained} of {s('steps')}"),
     ]
 
 

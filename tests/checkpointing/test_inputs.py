@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from datetime import datetime
 
 import pytest
 import xxhash
@@ -129,3 +130,11 @@ def test_a_resume_names_what_changed_and_allow_input_change_records_it(tmp_path,
     assert record["inputs"]["weight_files"]["model.safetensors"] == _checksum(model / "model.safetensors")
     assert record["summary"]["status"] == "completed" and record["summary"]["resumed_at_step"] == 1
     assert "inputs changed (--allow-input-change" in out, out[-4000:]
+    # the summary covers the whole run: both segments' wall time (each from its start to its end), and says it resumed
+    segments = record["resumes"]
+    assert [s["steps_trained"] for s in segments] == [2, 1], segments
+    walls = [(datetime.fromisoformat(s["ended"]) - datetime.fromisoformat(s["at"])).total_seconds() for s in segments]
+    assert record["summary"]["run_wall_s"] == pytest.approx(sum(walls), abs=0.05), (record["summary"], walls)
+    lines = [" ".join(line.split()) for line in out.splitlines()]  # the table's columns padded: one space
+    assert f"resumed 1 time(s), last from {run_dir}/checkpoint-1 at step 1" in lines, out[-3000:]
+    assert any(line.startswith(f"wall time {sum(walls):.0f} s over 2 segments; this launch") for line in lines)
