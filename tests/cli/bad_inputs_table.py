@@ -187,6 +187,34 @@ def _truncated_weights(ws: Path) -> list[str]:
     return [f"--model.name_or_path={model}"]
 
 
+def _broken_model_file(name: str):
+    """A copy of the tiny model whose `name` (generation_config.json, tokenizer_config.json) is cut in half."""
+
+    def setup(ws: Path) -> list[str]:
+        model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "model-with-a-cut-file")
+        text = (model / name).read_text()
+        (model / name).write_text(text[: len(text) // 2])
+        return [f"--model.name_or_path={model}"]
+
+    return setup
+
+
+def _shards(files: dict[str, str | bytes], path: str = "shards"):
+    """Data kept as several files in the workspace; `path` (a folder or a glob, relative to it) names them."""
+
+    def setup(ws: Path) -> list[str]:
+        for name, content in files.items():
+            _write(ws / name, content)
+        return [f"--data.path={ws / path}"]
+
+    return setup
+
+
+def _cache_in_a_file(ws: Path) -> list[str]:
+    _write(ws / "cache", "a file where the cache folder should be")
+    return [f"--data.cache_dir={ws / 'cache' / 'tokenized'}"]
+
+
 def _small_embedding(ws: Path) -> list[str]:
     """A tiny Llama with 1,000 embedding rows, saved with the table model's 49,152-token tokenizer."""
     import torch
@@ -582,6 +610,76 @@ CASES = [
         ("train.jsonl", "is zstd-compressed", "zstd -d FILE", "gzip, bzip2 or xz"),
     ),
     Case(
+        "glob of shards that matches no file",
+        "data.path",
+        _shards({"shards/part-0.jsonl": _jsonl(GOOD_ROWS)}, "shards/*.json"),
+        ("shards/*.json: no file matches this pattern", "its folder", "holds part-0.jsonl"),
+    ),
+    Case(
+        "folder of the Hub's shards with one missing",
+        "data.path",
+        _shards(
+            {
+                "data/train-00000-of-00003.jsonl": _jsonl(GOOD_ROWS),
+                "data/train-00002-of-00003.jsonl": _jsonl(GOOD_ROWS),
+            },
+            "data",
+        ),
+        ("data: the folder: 1 of the 3 'train' shards are missing (train-00001-of-00003)", "download them again"),
+    ),
+    Case(
+        "glob of shards: one in UTF-16, one with a bad row (both named, by file and row)",
+        "data.path",
+        _shards(
+            {
+                "shards/a.jsonl": _jsonl(GOOD_ROWS).encode("utf-16"),
+                "shards/b.jsonl": _jsonl([*GOOD_ROWS, {"instruction": "Add 3 and 3."}]),
+            },
+            "shards/*.jsonl",
+        ),
+        ("shards/a.jsonl: is UTF-16", "shards/b.jsonl row 3: missing key 'output'"),
+    ),
+    Case(
+        "a key given twice in a row (one of the two values would train silently)",
+        "data.path",
+        _data('{"instruction": "Add 2 and 3.", "output": "5", "output": "6"}\n' + _jsonl(GOOD_ROWS)),
+        ("train.jsonl row 1: the key 'output' appears 2 times in one object", 'values "5" and "6"', "keep one"),
+    ),
+    Case(
+        "a CSV column named twice",
+        "data.path",
+        _data("instruction,output,output\nAdd 2 and 3.,5,6\n", "train.csv"),
+        ("train.csv: the column(s) 'output' at columns 2, 3 appear more than once",),
+    ),
+    Case(
+        "lines that end in CR only (classic Mac OS)",
+        "data.path",
+        _data(_jsonl(GOOD_ROWS).replace("\n", "\r")),
+        ("train.jsonl: its lines end in CR only", "convert them to LF"),
+    ),
+    Case(
+        "the data format changes mid-file (messages rows after alpaca rows)",
+        "data.path",
+        _data(
+            _jsonl(
+                [*GOOD_ROWS, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+            )
+        ),
+        ("train.jsonl row 3: missing key 'instruction'", "has the keys of messages rows", "the format changes here"),
+    ),
+    Case(
+        'rows nested one level down ({"example": {...}})',
+        "data.path",
+        _data(_jsonl([{"example": r} for r in GOOD_ROWS])),
+        ("the rows are nested one level down", "under the key 'example'", "jq -c '.example'"),
+    ),
+    Case(
+        "prepared-data cache location that is a file",
+        "data.cache_dir",
+        _cache_in_a_file,
+        ("the prepared-data cache", "(from data.cache_dir) cannot be used", "cache is a file, not a folder"),
+    ),
+    Case(
         "every row longer than max_length (completion cut off)",
         "data.path",
         lambda ws: [
@@ -852,6 +950,18 @@ CASES = [
         "model.name_or_path",
         _truncated_weights,
         ("half-copied-model/model.safetensors", "cut short (truncated)", "copy or download the model again"),
+    ),
+    Case(
+        "model folder with a cut generation_config.json (transformers would ignore it without a word)",
+        "model.name_or_path",
+        _broken_model_file("generation_config.json"),
+        ("model-with-a-cut-file/generation_config.json: not a readable JSON file", "copy or download the model again"),
+    ),
+    Case(
+        "model folder with a cut tokenizer_config.json",
+        "model.name_or_path",
+        _broken_model_file("tokenizer_config.json"),
+        ("model-with-a-cut-file/tokenizer_config.json: not a readable JSON file", "copy or download the model again"),
     ),
     Case(
         "model folder asking for its own code (auto_map) without model.trust_remote_code",
