@@ -1,4 +1,5 @@
-"""What wrote a checkpoint: the `run` block of its completion marker, and reading it back.
+"""What wrote a checkpoint: the `run` block of its completion marker, and reading it back; and what a run is made from:
+the content fingerprints of its inputs (run.json `inputs`, kept in the block too, compared on --resume).
 
 The block (finetune/checkpointing/checkpoints.py write_marker, rank 0, at every save) holds what a resume under another
 launch must know and compare before loading any weights (finetune/checkpointing/resume_plan.py): world size, strategy,

@@ -598,10 +598,10 @@ CASES = [
         ("train.jsonl.pipe", "is a named pipe (FIFO), not a regular file", "write the data to a file"),
     ),
     Case(
-        "directory as the data file",
+        "folder without data files as the data (a model folder, say)",
         "data.path",
-        lambda ws: [f"--data.path={_write(ws / 'dataset' / 'train.jsonl', _jsonl(GOOD_ROWS)).parent}"],
-        ("dataset", "is a directory, not a data file", "it holds train.jsonl"),
+        _shards({"dataset/notes.txt": "x", "dataset/weights.bin": b"\x00"}, "dataset"),
+        ("dataset: the folder: no data file (.jsonl, .json, .csv, .parquet, .arrow", "it holds weights.bin"),
     ),
     Case(
         "zstd-compressed data file",
@@ -1216,6 +1216,32 @@ CASES = [
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
 # here with the test that covers them, so the table is complete.
 NOT_ERRORS = [
+    (
+        "data kept as shards: a glob (`shards/*.jsonl`) or a folder of .jsonl, .json, .csv, .parquet or .arrow "
+        "files, the Hub's `train-00000-of-00010` names (data.split's shards)",
+        "data.path",
+        (
+            "not an error: read in name order by preflight and the run alike, each shard's rows named by file and "
+            "row (tests/data/test_data_as_kept.py::test_a_folder_and_a_glob_of_shards_are_read_in_name_order)"
+        ),
+    ),
+    (
+        "a model family without SDPA attention in transformers (BLOOM, GPT-Neo, MPT, ...)",
+        "model.name_or_path",
+        (
+            "not an error: trained with eager attention, said in the start line and run.json "
+            "speed.attention.fallback (tests/modeling/test_model_families.py::"
+            "test_a_family_without_sdpa_trains_with_eager_attention_and_says_so)"
+        ),
+    ),
+    (
+        "a prepared-data cache entry damaged, cut short or partly deleted",
+        "data.cache_dir",
+        (
+            "not an error: said and prepared again (tests/data/test_cache_heals.py::"
+            "test_a_damaged_or_partly_deleted_entry_is_said_and_prepared_again)"
+        ),
+    ),
     (
         "data files as users save them: a JSON array (pretty-printed or not) in a .jsonl file, a first row over "
         "1 MiB, a UTF-8 byte-order mark, CRLF line ends, trailing blank lines, gzip/bzip2/xz compression (by "
