@@ -8,7 +8,6 @@ definitions). Each derived value is None with a reason when it cannot be had.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from finetune.compare import comparable
 from finetune.compare.comparable import NOT_COMPARABLE
 from finetune.errors import UserError
+from finetune.storage import read_json
 from finetune.telemetry.record import RecordView, check
 
 
@@ -74,13 +74,9 @@ def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
                 f"`finetune train` writes <output_dir>/run.json)"
             )
             continue
-        try:
-            record = json.loads(file.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            problems.append(f"{file}: not UTF-8 text (byte {e.start})")
-            continue
-        except json.JSONDecodeError as e:
-            problems.append(f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+        record, why = read_json(file)
+        if why:
+            problems.append(f"{file}: {why}")
             continue
         problem = check(record)
         if problem:

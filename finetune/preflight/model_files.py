@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.storage import read_json
 
 # What from_pretrained reads, in its order of preference: the index (shards) or the single file.
 _WEIGHTS = (
@@ -88,14 +89,12 @@ def own_files_problems(folder: Path) -> list[str]:
         if not path.is_file():
             continue
         try:
-            values = json.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            out.append(f"{path}: not UTF-8 text (byte {e.start}); {_REFETCH}")
-            continue
-        except (OSError, json.JSONDecodeError) as e:
-            out.append(f"{path}: not a readable JSON file ({e}); {_REFETCH}")
-            continue
-        if not isinstance(values, dict):
+            values, why = read_json(path)
+        except OSError as e:
+            values, why = None, f"cannot be read ({e.strerror or e})"
+        if why:
+            out.append(f"{path}: {why}; {_REFETCH}")
+        elif not isinstance(values, dict):
             out.append(f"{path}: a JSON {type(values).__name__}, where transformers reads an object; {_REFETCH}")
         elif name == "generation_config.json":
             out += [f"{path}: {p}" for p in _generation_problems(values)]

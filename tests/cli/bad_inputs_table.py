@@ -955,13 +955,13 @@ CASES = [
         "model folder with a cut generation_config.json (transformers would ignore it without a word)",
         "model.name_or_path",
         _broken_model_file("generation_config.json"),
-        ("model-with-a-cut-file/generation_config.json: not a readable JSON file", "copy or download the model again"),
+        ("model-with-a-cut-file/generation_config.json: not valid JSON (line", "copy or download the model again"),
     ),
     Case(
         "model folder with a cut tokenizer_config.json",
         "model.name_or_path",
         _broken_model_file("tokenizer_config.json"),
-        ("model-with-a-cut-file/tokenizer_config.json: not a readable JSON file", "copy or download the model again"),
+        ("model-with-a-cut-file/tokenizer_config.json: not valid JSON (line", "copy or download the model again"),
     ),
     Case(
         "model folder asking for its own code (auto_map) without model.trust_remote_code",

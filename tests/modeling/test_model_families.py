@@ -60,8 +60,8 @@ def test_a_family_without_sdpa_trains_with_eager_attention_and_says_so(tmp_path,
 
 
 BROKEN = {
-    "generation_config.json": (lambda t: t[: len(t) // 2], "not a readable JSON file"),
-    "tokenizer_config.json": (lambda t: t.replace("{", "[", 1), "not a readable JSON file"),
+    "generation_config.json": (lambda t: t[: len(t) // 2], "not valid JSON (line"),
+    "tokenizer_config.json": (lambda t: t.replace("{", "[", 1), "not valid JSON (line"),
 }
 
 
