@@ -145,7 +145,7 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
             try:
                 ROW_VALIDATORS[fmt](row)
                 if empty_target(row, fmt):
-                    empty.append(number)
+                    empty.append(number if len(heads) == 1 else f"{where} row {number}")
             except BadRow as e:
                 reason = with_format_note(str(e), row, fmt)
         if reason is not None:
@@ -153,7 +153,7 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
     # with on_bad_rows: skip, bad rows only stop training when every row of the data is bad
     if bad and (not skip or (complete and len(bad) == len(rows))):
         return bad
-    if complete and len(heads) == 1:
+    if complete:
         good = len(rows) - len(bad)
         check_empty_targets(empty, good, cfg, cfg.path, warn=False)  # the data build warns, once
         used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
@@ -161,7 +161,7 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
     return []
 
 
-def check_empty_targets(rows: list[int], good: int, cfg, path: str, *, warn: bool = True) -> None:
+def check_empty_targets(rows: list, good: int, cfg, path: str, *, warn: bool = True) -> None:
     """Rows whose every target is empty train only the template's end-of-turn tokens: above
     data.max_empty_target_share of the usable rows the data is refused, below it they are named in a
     warning (and counted in run.json data.empty_target_rows). With train_on_prompt every row trains."""
@@ -302,7 +302,7 @@ def _prepare(cfg, tokenizer, seed: int, out: Path, source, interrupt) -> dict:
     for file in out.iterdir():  # the rows read and the map's output: only train and eval stay
         if file.name not in ("train.arrow", "eval.arrow"):
             file.unlink()
-    return {"stats": vars(stats), "eval_rows": stats.eval_examples, "train_rows": len(train)}
+    return {"stats": vars(stats), "eval_rows": stats.eval_examples}
 
 
 def _write(table, rows, lengths, path: Path, pack_length: int | None, seed: int, interrupt) -> None:
