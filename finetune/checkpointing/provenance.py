@@ -167,6 +167,8 @@ def input_changes(old: dict | None, new: dict | None) -> list[dict]:
 
 def _file_changes(old: dict, new: dict) -> list[str]:
     names = sorted(set(old) | set(new))
+    if names == [""]:  # one data file: its content is the data (its name is not)
+        return []
     said = [f"{n} differs" for n in names if n in old and n in new and old[n] != new[n]]
     said += [f"{n} is new" for n in names if n not in old] + [f"{n} is gone" for n in names if n not in new]
     return said[:6] + ([f"{len(said) - 6} more"] if len(said) > 6 else [])

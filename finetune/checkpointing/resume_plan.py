@@ -388,12 +388,15 @@ def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
     if any(c["input"] != "settings" for c in p.input_changes):  # allowed: the position may not be the same rows
         log.warning(f"--resume {p.checkpoint}: the training rows differ ({was}), as --allow-input-change allowed")
         return
-    cause = (
-        "its data files, tokenizer and chat template are the ones it was trained on, so the tokenizing itself "
-        "changed (another transformers or tokenizers version, or finetune's rendering)"
-        if p.inputs_compared
-        else "the training data differs from the data it was trained on"
-    )
+    if any(c["input"] == "settings" for c in p.input_changes):
+        cause = "the settings --allow-config-change applied change the training rows"
+    elif p.inputs_compared:
+        cause = (
+            "its data files, tokenizer and chat template are the ones it was trained on, so the tokenizing itself "
+            "changed (another transformers or tokenizers version, or finetune's rendering)"
+        )
+    else:
+        cause = "the training data differs from the data it was trained on"
     raise UserError(
         f"--resume {p.checkpoint}: {cause} ({was}): the position resumed at would be meaningless. Resume with the same "
         f"data and data settings, or start a new run"

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from datetime import datetime
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -138,3 +140,25 @@ def test_a_resume_names_what_changed_and_allow_input_change_records_it(tmp_path,
     lines = [" ".join(line.split()) for line in out.splitlines()]  # the table's columns padded: one space
     assert f"resumed 1 time(s), last from {run_dir}/checkpoint-1 at step 1" in lines, out[-3000:]
     assert any(line.startswith(f"wall time {sum(walls):.0f} s over 2 segments; this launch") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "changes,compared,said",
+    [
+        ([], False, "the training data differs from the data it was trained on"),  # a checkpoint without `inputs`
+        ([], True, "its data files, tokenizer and chat template are the ones it was trained on, so the tokenizing"),
+        ([{"input": "settings", "said": "the settings changed"}], True, "the settings --allow-config-change applied"),
+    ],
+)
+def test_rows_that_differ_are_blamed_on_their_actual_cause(changes, compared, said):
+    """Once the data is built: other rows with the same inputs are the tokenizing's doing, not the data's (before,
+    every difference was "the training data differs"); other rows after --allow-input-change are said, not refused."""
+    from finetune.checkpointing import resume_plan
+    from finetune.errors import UserError
+
+    plan = SimpleNamespace(checkpoint="runs/x/checkpoint-3", data={"train_rows": 8, "fingerprint": "a" * 64})
+    plan.input_changes, plan.inputs_compared = changes, compared
+    with pytest.raises(UserError, match=re.escape(said)):
+        resume_plan.check_data(plan, rows=8, fingerprint="b" * 64)
+    plan.input_changes = [{"input": "chat_template", "said": "the chat template changed"}]  # allowed
+    resume_plan.check_data(plan, rows=8, fingerprint="b" * 64)
