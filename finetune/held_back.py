@@ -64,8 +64,14 @@ TORCHRUN_FAILED = HeldBack("failed (exitcode:")
 
 
 class _LogFile(logging.FileHandler):
-    """The run's log file. A write that fails (the disk that failed the run is full) is dropped quietly: the run's
-    message says what failed, and logging's own traceback would be a second one."""
+    """The run's log file. A write that fails (the disk that failed the run is full, the run directory gone) is
+    dropped quietly: the run's message says what failed, and logging's own traceback would be a second one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opens the file on the first record (delay): not inside logging's own guard
+        except OSError:
+            pass
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         pass
