@@ -372,7 +372,7 @@ def _recorded_cells(run: Run, base: Run | None) -> dict:
         "eval_loss": run.get("summary", "eval_loss"),
         "task_metric": _task_metric(run),
         "task_short": _task_metric(run, short=True),
-        "wall_s": run.get("summary", "run_wall_s") or run.get("summary", "wall_s"),  # a resumed run: all segments
+        "wall_s": _wall_s(run),
         "train_s": run.get("summary", "train_s"),
         "cost_per_mtok": None,
         "speedup": None,
@@ -461,6 +461,12 @@ def _fill_scaling(row: dict, run: Run, runs: list[Run], base: Run | None, why: d
     else:
         row["scaling_efficiency"] = tps / (n * single.get("throughput", "trained_tokens_per_s"))
         row["scaling_reference"] = single.label
+
+
+def _wall_s(run: Run) -> float | None:
+    """summary.wall_s; a resumed run's every segment's (summary.run_wall_s) when its segments were timed."""
+    whole = run.get("summary", "run_wall_s") if run.get("summary", "resumed_from") else None
+    return whole if whole is not None else run.get("summary", "wall_s")
 
 
 def _task_metric(run: Run, *, short: bool = False) -> str | None:
