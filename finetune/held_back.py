@@ -87,6 +87,27 @@ TORCHRUN_OMP_NOTICE = HeldBack("\n*****************************************\nSet
 DEEPSPEED_OP_LOADED = HeldBack("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
 
 
+class _LogFile(logging.FileHandler):
+    """The run's log file. A write that fails (the disk that failed the run is full, the run directory gone) is
+    dropped quietly: the run's message says what failed, and logging's own traceback would be a second one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opens the file on the first record (delay): not inside logging's own guard
+        except OSError:
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
+# The tracebacks of errors the run handles and says in one line (an export on a full disk, a figure that could not be
+# computed): kept in the run's log file, which the line names, never on the console.
+TRACEBACKS = logging.getLogger("finetune.tracebacks")
+TRACEBACKS.addHandler(logging.NullHandler())  # before the run directory exists: nowhere (not logging's last resort)
+TRACEBACKS.propagate = False
+
+
 def install_launcher() -> None:
     """Around an accelerate launch run in this process (`finetune train`, bench-comm)."""
     logging.getLogger("accelerate.commands.launch").addFilter(ZERO_PROCESSES_DEFAULT)
@@ -137,18 +158,20 @@ def printed_lines_held(*held: HeldBack):
 
 def to_log_file(path, rank: int) -> None:
     """From here on, this rank's third-party warnings (Python's `warnings`: torch's pin_memory notice on
-    a CPU, deprecations) go to the run's log file, kept with their source, instead of the console, and so
-    do the messages held back at their source (this module), those held earlier too; and transformers'
-    progress bars (loading weights, writing model shards) are off: the run says what it loads and saves.
-    Our own lines are log records and prints (finetune raises no warnings)."""
+    a CPU, deprecations), the tracebacks of handled errors (TRACEBACKS) and the messages held back at their
+    source (this module, those held before too) go to the run's log file, kept with their source, instead
+    of the console; and transformers' progress bars (loading weights, writing model shards) are off: the
+    run says what it loads and saves. Our own lines are log records and prints (finetune raises no
+    warnings)."""
     from transformers.utils import logging as hf_logging
 
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # made by the first warning only
+    handler = _LogFile(path, encoding="utf-8", delay=True)  # made by the first warning only
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}: %(message)s"))
     for logger in (logging.getLogger("py.warnings"), KEPT):
         for earlier in logger.handlers:  # an earlier run in this process (the benchmark, the tests)
             earlier.close()
         logger.handlers, logger.propagate = [handler], False
+    TRACEBACKS.handlers = [handler]
     logging.captureWarnings(True)
     hf_logging.disable_progress_bar()
     for held in (CPU_4BIT_NOTICE, DEEPSPEED_CPU_ACCELERATOR, DEEPSPEED_OP_LOADED):  # those held before it existed

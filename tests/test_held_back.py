@@ -222,6 +222,7 @@ def test_messages_held_back_in_a_rank_are_kept_in_the_runs_log(tmp_path):
     logger = logging.getLogger("DeepSpeed")
     with held_back.printed_lines_held(held_back.DEEPSPEED_OP_LOADED):
         print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    saved_tracebacks = list(held_back.TRACEBACKS.handlers)
     try:
         held_back.to_log_file(tmp_path / "third_party.log", rank=1)
         logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
@@ -232,9 +233,40 @@ def test_messages_held_back_in_a_rank_are_kept_in_the_runs_log(tmp_path):
                 handler.close()
                 logging.getLogger(name).removeHandler(handler)
         logging.getLogger("py.warnings").propagate = True
+        held_back.TRACEBACKS.handlers = saved_tracebacks
         from transformers.utils import logging as hf_logging
 
         hf_logging.enable_progress_bar()
     kept = (tmp_path / "third_party.log").read_text()
     assert "rank 1: held back from the console: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built" in kept
     assert "rank 1: held back from the console: Setting accelerator to CPU." in kept
+
+
+def test_handled_errors_tracebacks_go_to_the_run_log_and_a_log_that_cannot_be_written_is_quiet(tmp_path, capsys):
+    """Issue 46 item 5: a handled error's library traceback is kept in the run's log file, never on the console; when
+    that file cannot be written (the full disk that failed the run, its directory gone) nothing is raised or printed.
+    Before: a warning or record after the run directory went raised FileNotFoundError from logging's handler."""
+    from finetune import held_back
+
+    warned = logging.getLogger("py.warnings")
+    saved = (list(warned.handlers), warned.propagate, list(held_back.TRACEBACKS.handlers))
+    try:
+        held_back.to_log_file(tmp_path / "run" / "third_party.log", 0)
+        (tmp_path / "run").mkdir()
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            held_back.TRACEBACKS.error("the export failed", exc_info=e)
+        kept = (tmp_path / "run" / "third_party.log").read_text()
+        assert "the export failed" in kept and "OSError: [Errno 28] No space left on device" in kept, kept
+        held_back.to_log_file(tmp_path / "gone" / "third_party.log", 0)  # a directory that is not there
+        held_back.TRACEBACKS.error("the export failed", exc_info=OSError(28, "No space left on device"))
+        warnings.warn("a library's warning", UserWarning, stacklevel=1)
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err and "No space" not in out + err, out + err
+    finally:
+        for handler in warned.handlers:
+            handler.close()
+        logging.captureWarnings(False)
+        warned.handlers, warned.propagate = saved[0], saved[1]
+        held_back.TRACEBACKS.handlers = saved[2]

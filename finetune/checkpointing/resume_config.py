@@ -29,6 +29,7 @@ class ResumedConfig:
     saved: Path  # the configuration file it is based on
     changes: list[dict] = field(default_factory=list)  # [{key, was, now}] applied with --allow-config-change
     recipe_differs: list[str] = field(default_factory=list)  # keys where the recipe now reads otherwise (not used)
+    allow_input_change: bool = False  # --allow-input-change (finetune/checkpointing/resume_plan.py compares inputs)
 
 
 def of_command_line(argv: list[str] | None) -> tuple:
@@ -39,9 +40,10 @@ def of_command_line(argv: list[str] | None) -> tuple:
     args, overrides = command_line.parse_train_args(argv)
     if args.resume:  # the run's saved configuration, with any change the user allowed
         resumed = resolve(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume)
+        resumed.allow_input_change = args.allow_input_change
         return args, overrides, resumed.cfg, resumed
-    if args.allow_config_change:
-        raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+    if args.allow_config_change or args.allow_input_change:
+        raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     return args, overrides, cfg, None
 

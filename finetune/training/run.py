@@ -208,10 +208,11 @@ def prepare(
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     plan = resumed = None
+    allowed = bool(resumed_config and resumed_config.allow_input_change)
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(
-            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides)
+            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides, allow_input_change=allowed)
         )
         cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
@@ -372,7 +373,10 @@ def record_setup(
     hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
-    static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    hand(inputs=provenance.inputs(cfg, run.data_path))  # what the run is made from; the marker's too (on --resume)
+    static = provenance.static_facts(
+        cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint, inputs=run.sinks.view.get("inputs")
+    )
     trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
