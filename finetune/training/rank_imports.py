@@ -34,7 +34,6 @@ import threading
 from pathlib import Path
 
 from finetune.checkpointing import resume_config
-from finetune.preflight.model_files import local_folder
 
 QUANTIZING_METHODS = ("qlora",)
 # TrainingArguments optimizers transformers builds from torch alone (transformers/trainer_optimizer.py); for any
@@ -80,17 +79,15 @@ def uses_deepspeed(cfg, env=os.environ) -> bool:
 def quantized_checkpoint(model_cfg) -> bool:
     """The model's config.json carries a quantization_config (a checkpoint saved quantized: transformers loads it
     with its quantizer, bitsandbytes' among them). A model whose files are not on this machine counts as one."""
-    import json
-
     if model_cfg.name_or_path.startswith("bundled:"):
         return False  # converted to float by finetune/modeling/bundled.py
-    folder = local_folder(model_cfg.name_or_path, model_cfg.revision)
+    from finetune.modeling.load import model_folder  # torch: after the signal handlers (finetune/train.py)
+    from finetune.storage import json_object
+
+    folder = model_folder(model_cfg.name_or_path, model_cfg.revision)
     if folder is None or not (folder / "config.json").is_file():
         return True
-    try:
-        return "quantization_config" in json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return True
+    return "quantization_config" in json_object(folder / "config.json")  # unreadable: {}, and preflight names it
 
 
 def keep_out(argv: list[str] | None) -> list[str]:
