@@ -28,7 +28,7 @@ class HeldBack(logging.Filter):
         if not text.startswith(self.prefix):
             return False
         self.held.append(text)
-        if KEPT.handlers:
+        if KEPT.handlers:  # a rank's run directory exists (to_log_file); written once it trains (keep_held)
             KEPT.warning("held back from the console: %s", text)
         return True
 
@@ -158,11 +158,11 @@ def printed_lines_held(*held: HeldBack):
 
 def to_log_file(path, rank: int) -> None:
     """From here on, this rank's third-party warnings (Python's `warnings`: torch's pin_memory notice on
-    a CPU, deprecations), the tracebacks of handled errors (TRACEBACKS) and the messages held back at their
-    source (this module, those held before too) go to the run's log file, kept with their source, instead
-    of the console; and transformers' progress bars (loading weights, writing model shards) are off: the
-    run says what it loads and saves. Our own lines are log records and prints (finetune raises no
-    warnings)."""
+    a CPU, deprecations) and the tracebacks of handled errors (TRACEBACKS) go to the run's log file, kept
+    with their source, instead of the console, and so do the messages held back at their source (this
+    module) once the run trains (keep_held); and transformers' progress bars (loading weights, writing
+    model shards) are off: the run says what it loads and saves. Our own lines are log records and
+    prints (finetune raises no warnings)."""
     from transformers.utils import logging as hf_logging
 
     handler = _LogFile(path, encoding="utf-8", delay=True)  # made by the first warning only
@@ -171,10 +171,17 @@ def to_log_file(path, rank: int) -> None:
         for earlier in logger.handlers:  # an earlier run in this process (the benchmark, the tests)
             earlier.close()
         logger.handlers, logger.propagate = [handler], False
+    KEPT.disabled = True  # until keep_held(): held notices alone never make the file
     TRACEBACKS.handlers = [handler]
     logging.captureWarnings(True)
     hf_logging.disable_progress_bar()
-    for held in (CPU_4BIT_NOTICE, DEEPSPEED_CPU_ACCELERATOR, DEEPSPEED_OP_LOADED):  # those held before it existed
+
+
+def keep_held() -> None:
+    """Once the run trains: the messages this rank held back, those held before too, go to the run's log file from
+    here on. Not earlier: a run that fails before (a disk full at the start) leaves nothing but what it must."""
+    KEPT.disabled = False
+    for held in (CPU_4BIT_NOTICE, DEEPSPEED_CPU_ACCELERATOR, DEEPSPEED_OP_LOADED):
         for text in held.held:
             KEPT.warning("held back from the console: %s", text)
 

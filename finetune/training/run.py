@@ -407,6 +407,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
         if run.sinks:
             run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
     signals.set_stage(signals.TRAINING)
+    held_back.keep_held()  # the notices held back so far, into the run's third_party.log
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
