@@ -31,8 +31,9 @@ LAYERS = [
     },
     {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
     {"finetune.precision"},  # the policy table: reads the strategy table
+    {"finetune.data"},  # the data formats (config reads their table), reading, rendering
     {"finetune.config"},
-    {"finetune.data", "finetune.modeling"},
+    {"finetune.modeling"},
     {"finetune.launch", "finetune.telemetry", "finetune.planning"},
     {"finetune.preflight", "finetune.checkpointing"},
     {"finetune.training"},

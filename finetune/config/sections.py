@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from finetune.data import formats
 from finetune.precision import CHOICES as PRECISION_CHOICES
 from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 
@@ -81,7 +82,7 @@ class DataConfig:
     # Local .jsonl/.json/.parquet/.csv, a hub dataset name, or "demo" (the project's
     # generated, exactly checkable instructions; see finetune/data/demo.py).
     path: str = "demo"
-    format: Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text"] = "auto"
+    format: Literal[("auto", *formats.names())] = "auto"  # finetune/data/formats.py TABLE
     split: str = "train"
     max_length: int = 512  # tokens per example (and per packed row)
     eval_fraction: float = 0.0  # fraction of rows held out for eval loss, shuffled by seed

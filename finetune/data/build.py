@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data import prepare
-from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
+from finetune.data import formats, prepare
+from finetune.data.formats import BadRow, detect_format, empty_target
 from finetune.data.pack import bins, packed_row
-from finetune.data.read import DataError, Invalid, is_local, parse_line, read_head
+from finetune.data.read import Invalid, is_local, parse_line, read_head
 from finetune.data.render import Example, Renderer
+from finetune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
             reason = row.reason if isinstance(row, Invalid) else None
             if reason is None:
                 try:
-                    ROW_VALIDATORS[fmt](row)
+                    formats.by_name(fmt).validate(row)
                     if empty_target(row, fmt):
                         empty.append(number)
                 except BadRow as e:

@@ -1,24 +1,56 @@
-"""The data formats, told apart by the first row's keys, and per-format row validation.
+"""The data formats, one record each (`DataFormat`, in `TABLE`): how a file's first row is told to be one, what its
+rows need, the row validator and the way it renders; the recipe's data.format values, the readers' row test and the
+renderer all read the table (docs/architecture.md "Adding a data format").
 
-Validators turn a row into a conversation ({role, content} messages) or a (prompt, answer) pair and reject wrong types
-instead of coercing them; a problem is a `BadRow` the caller names with file and row.
+Validators turn a row into its text, a (prompt, answer) pair or a conversation ({role, content} messages) and reject
+wrong types instead of coercing them; a problem is a `BadRow` the caller names with file and row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from finetune.data.read import FORMAT_KEYS, DataError, type_name
+from finetune.errors import DataError
 
-FORMATS = ("alpaca", "prompt_completion", "messages", "sharegpt", "text")
 
-_FORMAT_HELP = {
-    "alpaca": "alpaca rows need instruction, output; optional input",
-    "prompt_completion": "prompt_completion rows need prompt, completion",
-    "messages": "messages rows need messages: a list of {role, content}",
-    "sharegpt": "sharegpt rows need conversations: a list of {from, value}",
-    "text": "text rows need text",
-}
+@dataclass(frozen=True)
+class DataFormat:
+    name: str  # data.format
+    keys: tuple[str, ...]  # a first row holding every one is this format (conversations are tried first)
+    help: str  # what its rows need, said with each problem
+    validate: Callable[[dict], Any]  # row -> what `renders` names; raises BadRow
+    # How it renders (finetune/data/render.py Renderer), and what `validate` returns: "text" (a string), "pair"
+    # ((prompt, answer)) or "conversation" ([{role, content}, ...]).
+    renders: str
+    texts: Callable[[dict], list[tuple[str, str]]]  # (where, text) of a valid row, checked for special tokens
+
+
+def fields(*names: str) -> Callable[[dict], list[tuple[str, str]]]:
+    """The texts of a format whose rows hold them in flat fields (absent or null: empty)."""
+    return lambda row: [(repr(name), row.get(name) or "") for name in names]
+
+
+def turn_texts(key: str, text_key: str) -> Callable[[dict], list[tuple[str, str]]]:
+    """The texts of a conversation held as a list of turn objects under `key`."""
+    return lambda row: [(f"{key}[{i}].{text_key}", turn[text_key]) for i, turn in enumerate(row[key])]
+
+
+def by_name(name: str) -> DataFormat:
+    return next(f for f in TABLE if f.name == name)
+
+
+def names() -> tuple[str, ...]:
+    """The formats in the table's order (how messages list them); data.format allows these and `auto`."""
+    return tuple(f.name for f in TABLE)
+
+
+def is_row(value: dict) -> bool:
+    """Whether an object holds some format's keys (a row, not a container of rows)."""
+    return any(all(k in value for k in f.keys) for f in TABLE)
+
+
 _MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -26,19 +58,19 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -> str:
     """Return the declared format, or for 'auto' the one whose keys the first row has."""
     if declared != "auto":
-        if declared not in FORMATS:
+        if declared not in names():
             raise DataError(
-                f"unknown data format {declared!r}; use auto or one of {', '.join(FORMATS)}", path=path or None
+                f"unknown data format {declared!r}; use auto or one of {', '.join(names())}", path=path or None
             )
         return declared
     if not rows:
         raise DataError("contains no rows to detect the format from", path=path or None)
     first = rows[0]
     keys = sorted(first) if isinstance(first, dict) else []
-    for fmt, needed in FORMAT_KEYS.items():
-        if all(k in keys for k in needed):
-            return fmt
-    needs = "; ".join(_FORMAT_HELP[f] for f in FORMATS)
+    for fmt in sorted(TABLE, key=lambda f: f.renders != "conversation"):  # a conversation's list key decides
+        if all(k in keys for k in fmt.keys):
+            return fmt.name
+    needs = "; ".join(f.help for f in TABLE)
     # no format reads these keys, so data.format cannot help: say which renaming would
     prompt = next((k for k in keys if k.lower() in _PROMPT_LIKE), None)
     answer = next((k for k in keys if k.lower() in _ANSWER_LIKE), None)
@@ -62,13 +94,29 @@ class BadRow(Exception):
 
 def require_str(row: dict, key: str, fmt: str, *, non_empty: bool = False) -> str:
     if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({_FORMAT_HELP[fmt]})")
+        raise BadRow(f"missing key {key!r} ({by_name(fmt).help})")
     value = row[key]
     if not isinstance(value, str):
         raise BadRow(f"{key!r} must be a string, got {type_name(value)} {_short(value)}")
     if non_empty and not value.strip():
         raise BadRow(f"{key!r} is empty")
     return value
+
+
+def type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
 
 
 def _short(value: Any, limit: int = 40) -> str:
@@ -89,22 +137,24 @@ def prompt_completion_pair(row: dict) -> tuple[str, str]:
 
 
 def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
-    """(user prompt, reference answer) of an alpaca or prompt_completion row, built exactly as
-    training builds it, so evaluation prompts match the trained ones. `where` names the row."""
+    """(user prompt, reference answer) of a row of a pair format (alpaca, prompt_completion), built exactly as
+    training builds it, so evaluation prompts match the trained ones; the format is the one whose first key the
+    row has. `where` names the row."""
+    pairs = [f for f in TABLE if f.renders == "pair"]
     try:
-        if "instruction" in row:
-            return alpaca_prompt(row)
-        if "prompt" in row:
-            return prompt_completion_pair(row)
+        fmt = next((f for f in pairs if f.keys[0] in row), None)
+        if fmt is not None:
+            return fmt.validate(row)
     except BadRow as e:
         raise DataError(f"{where}: {e}") from None
-    raise DataError(f"{where}: exact-match rows need instruction/output or prompt/completion keys, found {sorted(row)}")
+    needed = " or ".join("/".join(f.keys) for f in pairs)
+    raise DataError(f"{where}: exact-match rows need {needed} keys, found {sorted(row)}")
 
 
 def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], fmt: str) -> list[dict]:
     """Validate a list of turn objects and return clean {role, content} messages."""
     if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({_FORMAT_HELP[fmt]})")
+        raise BadRow(f"missing key {key!r} ({by_name(fmt).help})")
     turns = row[key]
     if not isinstance(turns, (list, tuple)):
         raise BadRow(f"{key!r} must be a list of {{{role_key}, {text_key}}} objects, got {type_name(turns)}")
@@ -150,10 +200,11 @@ def sharegpt_conversation(row: dict) -> list[dict]:
 def target_texts(row: dict, fmt: str) -> list[str]:
     """What a valid row of `fmt` trains on without data.train_on_prompt: the output, the completion,
     the assistant turns; a text row trains on all of its text."""
-    if fmt == "text":
-        return [row["text"]]
-    valid = ROW_VALIDATORS[fmt](row)  # (prompt, answer), or the conversation
-    return [valid[1]] if isinstance(valid, tuple) else [m["content"] for m in valid if m["role"] == "assistant"]
+    record = by_name(fmt)
+    valid = record.validate(row)
+    if record.renders == "text":
+        return [valid]
+    return [valid[1]] if record.renders == "pair" else [m["content"] for m in valid if m["role"] == "assistant"]
 
 
 def empty_target(row: dict, fmt: str) -> bool:
@@ -161,10 +212,45 @@ def empty_target(row: dict, fmt: str) -> bool:
     return not any(text.strip() for text in target_texts(row, fmt))
 
 
-ROW_VALIDATORS = {
-    "text": lambda row: require_str(row, "text", "text", non_empty=True),
-    "alpaca": alpaca_prompt,
-    "prompt_completion": prompt_completion_pair,
-    "messages": messages_conversation,
-    "sharegpt": sharegpt_conversation,
-}
+TABLE: tuple[DataFormat, ...] = (
+    DataFormat(
+        "alpaca",
+        ("instruction", "output"),
+        "alpaca rows need instruction, output; optional input",
+        alpaca_prompt,
+        "pair",
+        fields("instruction", "input", "output"),
+    ),
+    DataFormat(
+        "prompt_completion",
+        ("prompt", "completion"),
+        "prompt_completion rows need prompt, completion",
+        prompt_completion_pair,
+        "pair",
+        fields("prompt", "completion"),
+    ),
+    DataFormat(
+        "messages",
+        ("messages",),
+        "messages rows need messages: a list of {role, content}",
+        messages_conversation,
+        "conversation",
+        turn_texts("messages", "content"),
+    ),
+    DataFormat(
+        "sharegpt",
+        ("conversations",),
+        "sharegpt rows need conversations: a list of {from, value}",
+        sharegpt_conversation,
+        "conversation",
+        turn_texts("conversations", "value"),
+    ),
+    DataFormat(
+        "text",
+        ("text",),
+        "text rows need text",
+        lambda row: require_str(row, "text", "text", non_empty=True),
+        "text",
+        fields("text"),
+    ),
+)

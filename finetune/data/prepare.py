@@ -21,8 +21,9 @@ from pathlib import Path
 
 from finetune.data import read
 from finetune.data.formats import BadRow, empty_target
-from finetune.data.read import DataError, Invalid
+from finetune.data.read import Invalid
 from finetune.data.render import IGNORE_INDEX, TemplateNotPrefixStable, tokenize, tokenizer_name
+from finetune.errors import DataError
 
 logger = logging.getLogger(__name__)
 

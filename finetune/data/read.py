@@ -18,36 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data import files
-from finetune.errors import UserError
+from finetune.data.formats import is_row, type_name
+from finetune.errors import DataError
 
 LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".arrow")  # each may end in .gz, .bz2 or .xz too
 
 logger = logging.getLogger(__name__)
-
-# Keys that identify each format (finetune/data/formats.py), in detection priority order.
-FORMAT_KEYS = {
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction", "output"),
-    "prompt_completion": ("prompt", "completion"),
-    "text": ("text",),
-}
-
-
-class DataError(UserError):
-    """User-facing data problem; the message names the file, the 1-based row and what is wrong.
-
-    Subclasses ``finetune.errors.UserError`` so the CLI prints it without a traceback.
-    """
-
-    def __init__(self, message: str, *, path: str | None = None, row: int | None = None):
-        self.detail = message
-        self.path = path
-        self.row = row
-        where = path or ""
-        if row is not None:
-            where = f"{where} row {row}" if where else f"row {row}"
-        super().__init__(f"{where}: {message}" if where else message)
 
 
 @dataclass
@@ -55,22 +31,6 @@ class Invalid:
     """A row that could not even be read as an object; kept in place so numbering survives."""
 
     reason: str
-
-
-def type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
 
 
 def is_local(path: str) -> bool:
@@ -202,7 +162,7 @@ def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
     {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
     by name; None when it is a row, or holds no list."""
     lists = [k for k, v in value.items() if isinstance(v, list)]
-    if any(all(k in value for k in keys) for keys in FORMAT_KEYS.values()) or not lists:
+    if is_row(value) or not lists:
         return None
     if len(lists) > 1:
         raise DataError(

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from finetune import precision
-from finetune.errors import ConfigError, ReportedElsewhere, UserError
+from finetune.errors import ConfigError, DataError, ReportedElsewhere, UserError
 from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices, model_files, parallel
@@ -298,7 +298,7 @@ def heldout_problem(path: str, samples: int) -> str | None:
     try:
         for i, row in enumerate(read.read_rows(path)[:samples], start=1):
             prompt_and_answer(row, f"{path} row {i}")
-    except read.DataError as e:
+    except DataError as e:
         return str(e)
     return None
 
