@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 
 class FileProblem(Exception):
-    """The reason a data file cannot be read (the caller names the file: finetune/data/read.py DataError)."""
+    """The reason a data file cannot be read (the caller names the file: finetune/errors.py DataError)."""
 
 
 # magic bytes -> (name, opener of a binary stream; None: named, not read)
