@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import strategies
 from finetune.telemetry.meter import Meter, batch_counts
 
 
@@ -209,7 +210,7 @@ def config_of(spec: dict):
                 "loss_impl": spec["loss_impl"],
                 "throughput_warmup_steps": spec["warmup_steps"],
             },
-            "run": {"strategy": "single", "output_dir": spec["output_dir"], "save_model": False},
+            "run": {"strategy": strategies.one_process().name, "output_dir": spec["output_dir"], "save_model": False},
         },
         recipe="bench",
         source="finetune bench options",

@@ -102,7 +102,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
         "requested_precision": args.precision,
         "world_size": world,
         "steps": runs.STEPS,
-        "reference": "single",
+        "reference": runs.reference(),
         "tolerance": agreement.TOLERANCES.get(policy),
         "skipped": {},
         "runs": [],
@@ -124,7 +124,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
     summary["skipped"] = skipped
     out_lines = [agreement.S.skipped(name, why) for name, why in skipped.items()]
     done = [runs.execute(p, out) for p in planned]
-    reference = next((d for d in done if d.planned.name == "single"), None)
+    reference = next((d for d in done if d.planned.name == runs.reference()), None)
     ref_ok = reference is not None and _completed(reference)
     for d in done:
         entry, run_lines = judge(d, reference if ref_ok else None, policy)
@@ -200,7 +200,7 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
         )
     else:
         out.append(S.ok(f"{p.name} engaged", described))
-    if p.name == "single":
+    if p.name == runs.reference():
         return entry, out
     if reference is None:
         out.append(S.skipped(f"{p.name} losses", "the single-process reference did not complete"))

@@ -13,7 +13,7 @@ from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
 from finetune.planning.prediction import NOT_MODELLED, constants, plan_rows, workload_from_config
 from finetune.planning.shapes import Shape, Workload, shape_of
-from finetune.strategies import SPEED_ORDER, by_key
+from finetune.strategies import by_key
 from finetune.units import GIB, gib, parse_size
 
 MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for fragmentation spikes
@@ -217,9 +217,11 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
         (
             r
             for r in rows
-            if r["method"] == method and (world == 1 or r["strategy"] != "single") and by_key(r["strategy"]).recipe
+            if r["method"] == method
+            and (world == 1 or by_key(r["strategy"]).multi_process)
+            and by_key(r["strategy"]).recipe
         ),  # only what ships a recipe and its configs (the planner-only rows are for comparison)
-        key=lambda r: SPEED_ORDER.index(r["strategy"]),
+        key=lambda r: by_key(r["strategy"]).speed_rank,
     )
     choice = next((r for r in mine if r["fits"]), None)
     short = []
@@ -248,7 +250,7 @@ def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: flo
             f"checkpointing, a shorter sequence, {lighter}or more/larger GPUs"
         )
         return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
-    faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
+    faster = [s["strategy"] for s in short if by_key(s["strategy"]).speed_rank < by_key(choice["strategy"]).speed_rank]
     first, choice = choice, _least_step_time(choice, [r for r in mine if r["fits"]])
     reason = (
         f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
@@ -274,7 +276,7 @@ def _least_step_time(first: dict, fitting: list[dict]) -> dict:
     if not first.get("step_time") or not first["step_time"]["communication_dominates"]:
         return first
     timed = [r for r in fitting if r.get("step_time")]
-    best = min(timed, key=lambda r: (r["step_time"]["total_s"], SPEED_ORDER.index(r["strategy"])))
+    best = min(timed, key=lambda r: (r["step_time"]["total_s"], by_key(r["strategy"]).speed_rank))
     return best if best["step_time"]["total_s"] < first["step_time"]["total_s"] else first
 
 
@@ -328,7 +330,7 @@ def run(args, overrides: list[str]) -> int:
 
 # Time per optimizer step, for the recommendation when a bandwidth is known: compute at an assumed
 # fraction of an assumed GPU's peak, plus the communication at the bus bandwidth and the host<->device
-# copies (finetune/planning/comm.py), with no overlap. Strategies are tried fastest first (SPEED_ORDER),
+# copies (finetune/planning/comm.py), with no overlap. Strategies are tried fastest first (their speed_rank),
 # which assumes the communication hides behind the compute; where it takes longer than the compute,
 # the strategy with the least estimated time wins instead (docs/planning.md "Recommendation").
 

@@ -40,8 +40,8 @@ class RunHooks(TrainerCallback):
     def record_declared_strategy(self, setup) -> None:
         """The strategy Accelerate's state says, refused now if it is not the recipe's."""
         state = self.trainer.accelerator.state
-        self.declared = strategy_evidence.engaged(state, method=self.method, setup=setup)
         strategy, offload, recipe, _ = self.expected
+        self.declared = strategy_evidence.engaged(state, method=self.method, setup=setup, expected=strategy)
         strategy_evidence.check_expected(strategy, self.declared, recipe, offload)
         if self.sinks:
             self.sinks.put(strategy=self.declared)
