@@ -219,9 +219,13 @@ def config_of(spec: dict):
 
 def _our_trainer(spec: dict, dataset, callbacks: list):
     """ResilientTrainer as `finetune train` builds it: the run's process set-up and launch, its
-    TrainingArguments, model and trainer builders; the benchmark's rows instead of a data file."""
+    TrainingArguments, model and trainer builders; the benchmark's rows instead of a data file. Its record is
+    kept in memory only, as a run's ranks other than 0 keep theirs."""
+    from finetune.checkpointing import resume
     from finetune.modeling.load import load_tokenizer
-    from finetune.training import arguments, build, run
+    from finetune.telemetry import sinks
+    from finetune.telemetry.record import RunRecord
+    from finetune.training import arguments, build, run, signals
 
     cfg = config_of(spec)
     _, launch, _ = run.start_processes(cfg)
@@ -234,9 +238,22 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = build.model_for(cfg, launch, args)
-    trainer = build.trainer_for(
-        cfg, launch, args, model, train_dataset=dataset, eval_dataset=None, tokenizer=load_tokenizer(cfg.model)
+    out = Path(spec["output_dir"])
+    kept = sinks.for_run(
+        cfg, RunRecord(out / "run.json", run_name=out.name, recipe="bench", config={}), out, main=False
     )
+    trainer = build.trainer_for(
+        cfg,
+        launch,
+        args,
+        model,
+        train_dataset=dataset,
+        eval_dataset=None,
+        tokenizer=load_tokenizer(cfg.model),
+        sinks=kept,
+        stops=signals.Stops(),
+    )
+    kept.put(resumes=resume.first_segment(kept.view))  # the segment the hooks note the live mesh in
     for callback in callbacks:
         trainer.add_callback(callback)
     return trainer

@@ -19,15 +19,31 @@ from finetune.storage import json_object
 
 LOCK = ".finetune.lock"
 WAIT_S = 2.0  # a probe holds the lock for microseconds; a holder writes its note right after locking
-_held: dict[str, int] = {}  # run directory -> the locked file descriptor, for the life of the process
 
 
-def acquire(run_dir: Path) -> None:
-    """Rank 0: lock `run_dir` (created if missing) for the life of this process, or UserError
-    naming the live run that holds it. Idempotent."""
+class Locks:
+    """The run directories this process holds (rank 0 of a run: finetune/training/run.py main makes one and lets
+    go of them as it returns)."""
+
+    def __init__(self):
+        self.held: dict[str, int] = {}  # run directory -> the locked file descriptor
+
+    def acquire(self, run_dir: Path) -> None:
+        """Lock `run_dir` (created if missing) until released, or UserError naming the live run that holds it.
+        Again: no change."""
+        key = str(Path(run_dir).absolute())
+        if key not in self.held:
+            self.held[key] = acquire(Path(key))
+
+    def release_all(self) -> None:
+        for key in list(self.held):
+            release(Path(key), self.held.pop(key))
+
+
+def acquire(run_dir: Path) -> int:
+    """Lock `run_dir` (created if missing) for as long as the returned file descriptor is open (`release`), or
+    UserError naming the live run that holds it."""
     run_dir = Path(run_dir).absolute()
-    if str(run_dir) in _held:
-        return
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     deadline = time.monotonic() + WAIT_S
@@ -47,18 +63,14 @@ def acquire(run_dir: Path) -> None:
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(note).encode(), 0)
-    _held[str(run_dir)] = fd
+    return fd
 
 
-def release(run_dir: Path) -> None:
-    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so a refused --resume
+def release(run_dir: Path, fd: int) -> None:
+    """Let go of the lock `acquire` returned, removing its file (a run does it as main() returns, so a refused --resume
     leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting for it
     then finds the file gone and takes a new one (acquire's check that the locked file is the one at the path)."""
-    key = str(Path(run_dir).absolute())
-    fd = _held.pop(key, None)
-    if fd is None:
-        return
-    path = Path(key) / LOCK
+    path = Path(run_dir).absolute() / LOCK
     if _same_file(fd, path):
         try:
             path.unlink()
@@ -67,16 +79,11 @@ def release(run_dir: Path) -> None:
     os.close(fd)
 
 
-def release_all() -> None:
-    for key in list(_held):
-        release(Path(key))
-
-
 def live_run(run_dir: Path) -> str | None:
     """The refusal when another process holds `run_dir`'s lock, else None. Changes nothing: the
     lock file is only opened when it exists, read-only, and a shared lock tried and dropped."""
     run_dir = Path(run_dir)
-    if str(run_dir.absolute()) in _held:
+    if ours(run_dir):
         return None
     try:
         fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
@@ -87,6 +94,12 @@ def live_run(run_dir: Path) -> str | None:
     finally:
         os.close(fd)  # drops the shared lock, if taken
     return None if free else in_use_message(run_dir)
+
+
+def ours(run_dir: Path) -> bool:
+    """This process holds the lock: its note names this process (written before `acquire` returns)."""
+    note = holder(run_dir)
+    return note.get("pid") == os.getpid() and note.get("host") == socket.gethostname()
 
 
 def holder(run_dir: Path) -> dict:

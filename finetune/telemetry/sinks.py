@@ -94,6 +94,14 @@ class RunJson:
         return True
 
 
+class Kept(RunJson):
+    """The record kept in memory as rank 0 keeps it, never saved: every other rank's (and the benchmark's), so each
+    computes the sections rank 0 computes and none of the code that hands them over asks which rank it is on."""
+
+    def save(self) -> None:
+        pass
+
+
 class Sinks:
     """Every backend of a run, run.json first, called in the order given; the record they are handed."""
 
@@ -136,8 +144,11 @@ class Sinks:
             sink.close(self.view, exit_code)
 
 
-def for_run(cfg, record: RunRecord, run_dir: Path) -> Sinks:
-    """A run's backends (rank 0): run.json, the console, and W&B when logging.report_to names it."""
+def for_run(cfg, record: RunRecord, run_dir: Path, *, main: bool) -> Sinks:
+    """A run's backends: on rank 0 (`main`) run.json, the console, and W&B when logging.report_to names it; on every
+    other rank the record kept in memory only (`Kept`): a sink set that writes and shows nothing."""
+    if not main:
+        return Sinks(Kept(record))
     backends = [Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
     if wandb_logging.enabled(cfg.logging.report_to):
         backends.append(wandb_logging.WandB(cfg.logging.wandb_project, run_dir))

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from finetune.config.sections import Config
     from finetune.launch.plan import LaunchPlan
+    from finetune.telemetry.sinks import Sinks
     from finetune.training.arguments import RunArguments
     from finetune.training.resilience import ResilientTrainer
+    from finetune.training.signals import Stops
 
 
 def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
@@ -58,12 +60,20 @@ def trainer_for(
     train_dataset,
     eval_dataset,
     tokenizer,
-    sinks=None,
+    sinks: Sinks,
+    stops: Stops,
     machines=None,
+    resumed_world_size: int | None = None,
+    find_unused_parameters: bool | None = None,
+    run_facts=None,
+    universal: bool = False,
 ) -> ResilientTrainer:
     """ResilientTrainer over the configured batch layout, with the strategy that engaged checked against the recipe and
     the precision policy applied; both are read back from the live objects before step 1 (finetune/training/hooks.py).
-    `sinks`: rank 0 of a run; `machines`: a run's, every rank (run.json `nodes`); None in the benchmark."""
+    Handed over as the trainer is built: `sinks` (finetune/telemetry/sinks.py) and `stops` (the process's stop signals
+    and watchdog); `machines`: a run's (run.json `nodes`; None in the benchmark); when resuming, the world size that
+    wrote the checkpoint and whether DeepSpeed loads it as a `universal` one (finetune/checkpointing/universal.py);
+    DDP's `find_unused_parameters` as decided from the model; `run_facts`: () -> the completion marker's `run` block."""
     from finetune.data import collate
     from finetune.telemetry import meter
     from finetune.training.hooks import RunHooks
@@ -84,6 +94,10 @@ def trainer_for(
         ),
         processing_class=tokenizer,
         sinks=sinks,
+        stops=stops,
+        resumed_world_size=resumed_world_size,
+        find_unused_parameters=find_unused_parameters,
+        run_facts=run_facts,
         **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,
@@ -95,6 +109,10 @@ def trainer_for(
         RunHooks(trainer, cfg, launch, learning_rate=arguments.lr["applied"], sinks=sinks, machines=machines)
     )  # the strategy refused now if it is not the recipe's; the live engine and precision before step 1
     apply_precision(trainer, launch.policy)
+    if universal:
+        from finetune.checkpointing import universal as universal_checkpoint
+
+        universal_checkpoint.enable_loading(trainer)
     return trainer
 
 

@@ -39,10 +39,11 @@ def exact_match(
     max_new_tokens: int,
     batch_size: int,
     source: str,
+    watch: peers.Watch,
     accelerator=None,
     progress: bool = True,
 ) -> dict:
-    """{'exact_match': fraction, 'correct', 'total', 'per_task': {...}, 'examples': [...]}."""
+    """{'exact_match': fraction, 'correct', 'total', 'per_task': {...}, 'examples': [...]}; `watch`: the run's."""
     from tqdm.auto import tqdm
 
     prompts, answers = render_prompts(
@@ -76,10 +77,15 @@ def exact_match(
             for i, text in zip(idx, texts):
                 if i in mine:
                     generated[i] = text
-            peers.watch.progress()  # a batch done: the watchdog's limit counts from here
+            watch.progress()  # a batch done: the watchdog's limit counts from here
     finally:
         tokenizer.padding_side = old_side
         model.train(was_training)
+    return _tally(generated, answers, rows, source, accelerator if world > 1 else None)
+
+
+def _tally(generated: dict[int, str], answers: list[str], rows: list[dict], source: str, accelerator) -> dict:
+    """exact_match's result from this rank's generated answers, summed over the ranks (`accelerator`: more than one)."""
     correct = Counter()
     total = Counter()
     examples = []
@@ -99,7 +105,7 @@ def exact_match(
             )
     tasks = sorted(set(r.get("task", "all") for r in rows))
     counts = torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.long)
-    if world > 1:
+    if accelerator is not None:
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     c, n = int(counts[:, 0].sum()), int(counts[:, 1].sum())
     return {
