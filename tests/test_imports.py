@@ -7,6 +7,7 @@ crafted case."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,18 @@ def test_no_state_is_kept_at_module_level():
     assert module_state(rebound, "m") == ["m: `global step`"]
     handed = "def run(watch, cfg):\n    watch.grace_s = cfg.grace\n    seen = []\n    seen.append(1)\n"
     assert module_state(handed, "m") == []  # a parameter's and a local's: not module state
+
+
+def documented_layers(text: str) -> list[set[str]]:
+    """The numbered list of docs/architecture.md "The layers": each item's backticked names before its colon."""
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    items = re.findall(r"^\d+\. (.+?): ", section, flags=re.MULTILINE)
+    return [{f"finetune.{n}" if n != "finetune" else n for n in re.findall(r"`([^`]+)`", item)} for item in items]
+
+
+def test_the_documented_layers_are_the_checked_ones():
+    """The layers are written once (LAYERS above); docs/architecture.md's list is held to it, name by name and in order."""
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert documented_layers(text) == LAYERS
+    swapped = text.replace("4. `precision`:", "4. `data`:").replace("5. `data`:", "5. `precision`:")  # control
+    assert documented_layers(swapped) != LAYERS
