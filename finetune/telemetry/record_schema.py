@@ -564,4 +564,3 @@ SECTIONS: tuple[Section, ...] = (
     Section("parameters", Parameters, ABSENT, False),
     Section("speed", Speed, ABSENT, False),
 )
-BY_NAME = {s.name: s for s in SECTIONS}

@@ -1,5 +1,7 @@
 """Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new backend is one
-more class (rank 0 holds them). When each method is called and by whom: docs/architecture.md "The sinks".
+more class. When each method is called and by whom: docs/architecture.md "The sinks". The per-step stream goes to
+run.json (its steps[]) and to the trackers, which take it from Trainer's log (`TRACKERS`; docs/architecture.md
+"Adding a tracker"): a sink sees the record when the run starts and when it ends, never a step.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from finetune.telemetry.summary import Console
 log = logging.getLogger("finetune")
 
 
+# Trackers transformers does not integrate: a logging.report_to name -> the TrainerCallback that takes each log window
+# (its on_log, after FinetuneTrainer added the meter's keys). The names transformers integrates (wandb, tensorboard,
+# mlflow, ...) need no row: TrainingArguments.report_to gets them (finetune/training/arguments.py).
+TRACKERS: tuple[tuple[str, type], ...] = ()
+
+
 class Sink(Protocol):
     def start(self, record: RecordView) -> None: ...
-
-    def log(self, entry: dict) -> None: ...
 
     def close(self, record: RecordView, exit_code: int) -> None: ...
 
@@ -136,8 +142,8 @@ class Sinks:
             sink.start(self.view)
 
     def log(self, entry: dict) -> None:
-        for sink in self.sinks:
-            sink.log(entry)
+        """A log window's entry, into run.json's steps[] (the trackers have it from Trainer's log)."""
+        self.run_json.log(entry)
 
     def close(self, exit_code: int) -> None:
         for sink in self.sinks:

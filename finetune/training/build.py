@@ -76,6 +76,7 @@ def trainer_for(
     DDP's `find_unused_parameters` as decided from the model; `run_facts`: () -> the completion marker's `run` block."""
     from finetune.data import collate
     from finetune.telemetry import meter
+    from finetune.telemetry.sinks import TRACKERS
     from finetune.training.hooks import RunHooks
     from finetune.training.resilience import ResilientTrainer
 
@@ -93,6 +94,7 @@ def trainer_for(
             ),
         ),
         processing_class=tokenizer,
+        callbacks=[tracker() for name, tracker in TRACKERS if name in cfg.logging.report_to],  # logging.report_to
         sinks=sinks,
         stops=stops,
         resumed_world_size=resumed_world_size,
