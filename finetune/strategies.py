@@ -2,9 +2,9 @@
 row here plus its shipped files (docs/architecture.md "Adding a strategy"). A row ties its names (planner key,
 run.strategy/run.offload), its engine (Accelerate's distributed type, the ZeRO stage), its shipped files and its
 recommendation order together; what the code does under a strategy is read from the row's properties (what it shards,
-how its checkpoints reshard, which mesh dimensions run under it), never from its name. It is the one source of both
-ways of launching it: the shipped accelerate config (`accelerate_config`) and what the script passes to
-TrainingArguments (`trainer_arguments`). tests/test_strategies_table.py holds the shipped files to the rows.
+how its checkpoints reshard, which mesh dimensions run under it), never from its name. Both ways of launching it come
+from the row: its shipped accelerate config (tests/test_strategies_table.py generates each file's content from the row
+and holds the file to it) and what the script passes to TrainingArguments (`trainer_arguments`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ SHIPPED_PROCESSES = 2
 
 @dataclass(frozen=True)
 class FsdpSettings:
-    """A row's FSDP2 settings: the one source of the shipped accelerate configs' `fsdp_config` and of
-    what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
-    checks both, and that the two build the same FullyShardedDataParallelPlugin)."""
+    """A row's FSDP2 settings: the shipped accelerate configs' `fsdp_config` (accelerate's names: the fields, `fsdp_`
+    first) and what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
+    holds the files to them, and checks that the two build the same FullyShardedDataParallelPlugin)."""
 
     offload_params: bool = False  # CPUOffloadPolicy: parameters, gradients and the optimizer step on the host
     version: int = 2
@@ -40,10 +40,6 @@ class FsdpSettings:
     # from_pretrained (transformers is_fsdp_enabled()), which the in-script route cannot do: keep False.
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False  # training.gradient_checkpointing instead
-
-    def accelerate_config(self) -> dict:
-        """The `fsdp_config` section of an accelerate config YAML (accelerate's names: the fields, `fsdp_` first)."""
-        return {f"fsdp_{k}": v for k, v in asdict(self).items()}
 
     def trainer_config(self) -> dict:
         """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
@@ -128,17 +124,20 @@ class Strategy:
         return self.accelerate_config is not None
 
 
-def _shipped(key: str, name: str, offload: str, speed_rank: int, description: str, why: str, **kw) -> Strategy:
+def _shipped(key: str, name: str, offload: str, speed_rank: int, description: str, why: str, *engine, **kw) -> Strategy:
     """A multi-process row whose shipped files are named after its key: accelerate_configs/<key>.yaml and its cpu/
     variant, recipes/<key>.yaml, and for DeepSpeed rows ds_configs/<key>.json."""
     files = {"accelerate_config": f"accelerate_configs/{key}.yaml", "cpu_config": f"accelerate_configs/cpu/{key}.yaml"}
-    ds = f"ds_configs/{key}.json" if kw.get("zero_stage") is not None else None
-    return Strategy(key, name, offload, speed_rank, description, why, **files, deepspeed_config=ds, recipe=key, **kw)
+    ds = f"ds_configs/{key}.json" if engine[0] == "DEEPSPEED" else None
+    return Strategy(
+        key, name, offload, speed_rank, description, why, *engine, **files, deepspeed_config=ds, recipe=key, **kw
+    )
 
 
 _SHARDS_PARAMS = "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)"
 
-# One row a strategy: key, run.strategy, run.offload, speed rank, description, why, then its engine and files.
+# One row a strategy: key, run.strategy, run.offload, speed rank, description, why, its engine (distributed type, ZeRO
+# stage), then its files.
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy(
         "single",
@@ -147,7 +146,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         0,
         "one device, no data parallelism",
         "one device, no communication at all",
-        distributed_type="NO",
+        "NO",
         accelerate_config="accelerate_configs/single_gpu.yaml",
         recipe="qlora_baseline",
     ),
@@ -158,7 +157,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         1,
         "DDP: every rank holds everything",
         "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded",
-        distributed_type="MULTI_GPU",
+        "MULTI_GPU",
     ),
     Strategy(
         "zero1",
@@ -167,8 +166,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         2,
         "ZeRO-1: optimizer states sharded",
         "shards only the optimizer states; same traffic as DDP",
-        distributed_type="DEEPSPEED",
-        zero_stage=1,
+        "DEEPSPEED",
+        1,
     ),
     _shipped(
         "zero2",
@@ -177,8 +176,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         3,
         "ZeRO-2: + gradients sharded",
         "shards optimizer states and gradients; same traffic as DDP",
-        distributed_type="DEEPSPEED",
-        zero_stage=2,
+        "DEEPSPEED",
+        2,
     ),
     _shipped(
         "zero2_offload",
@@ -187,8 +186,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         6,
         "ZeRO-2, optimizer states + step on the host",
         "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step",
-        distributed_type="DEEPSPEED",
-        zero_stage=2,
+        "DEEPSPEED",
+        2,
     ),
     _shipped(
         "zero3",
@@ -197,8 +196,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         5,
         "ZeRO-3: + parameters sharded",
         _SHARDS_PARAMS,
-        distributed_type="DEEPSPEED",
-        zero_stage=3,
+        "DEEPSPEED",
+        3,
     ),
     Strategy(
         "zero3_offload_opt",
@@ -207,8 +206,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         7,
         "ZeRO-3, optimizer offloaded to the host",
         "ZeRO-3 with the optimizer on the host",
-        distributed_type="DEEPSPEED",
-        zero_stage=3,
+        "DEEPSPEED",
+        3,
     ),
     _shipped(
         "zero3_offload",
@@ -217,8 +216,8 @@ STRATEGIES: tuple[Strategy, ...] = (
         9,
         "ZeRO-3, optimizer and parameters offloaded to the host",
         "parameters and optimizer on the host: the least device memory, the slowest",
-        distributed_type="DEEPSPEED",
-        zero_stage=3,
+        "DEEPSPEED",
+        3,
     ),
     _shipped(
         "fsdp",
@@ -227,7 +226,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         4,
         "FSDP2: parameters, grads, optimizer sharded",
         _SHARDS_PARAMS,
-        distributed_type="FSDP",
+        "FSDP",
         fsdp=FsdpSettings(),
     ),
     _shipped(
@@ -237,7 +236,7 @@ STRATEGIES: tuple[Strategy, ...] = (
         8,
         "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
         "parameters, gradients and optimizer on the host: the least device memory, the slowest",
-        distributed_type="FSDP",
+        "FSDP",
         fsdp=FsdpSettings(offload_params=True),
     ),
 )
@@ -247,11 +246,6 @@ def names(where: Callable[[Strategy], bool] = lambda s: s.launchable) -> tuple[s
     """run.strategy names of the rows `where` holds, in the table's order, each once; by default the launchable
     rows' (what recipes may name: config RunConfig.strategy, besides "any": whatever the launch gives)."""
     return tuple(dict.fromkeys(s.name for s in STRATEGIES if where(s)))
-
-
-def offloads() -> tuple[str, ...]:
-    """run.offload values of the launchable rows (config RunConfig.offload, besides "any")."""
-    return tuple(dict.fromkeys(s.offload for s in STRATEGIES if s.launchable))
 
 
 def by_name(name: str | None) -> Strategy | None:
@@ -290,48 +284,6 @@ def trainer_arguments(row: Strategy, root: Path) -> dict:
     if row.fsdp is not None:
         return {"fsdp": True, "fsdp_config": row.fsdp.trainer_config()}
     return {}
-
-
-def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
-    """The content (comments aside) of the row's shipped accelerate config, or of its
-    accelerate_configs/cpu/ variant: tests/test_strategies_table.py holds every shipped YAML to it."""
-    if not row.multi_process:
-        if cpu:
-            raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
-        return {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "NO",
-            "num_machines": 1,
-            "num_processes": 1,
-            "machine_rank": 0,
-            "mixed_precision": "no",
-            "use_cpu": False,
-            "gpu_ids": "0",
-        }  # one GPU visible: never nn.DataParallel (finetune/preflight/devices.py)
-    out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
-    if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
-        out["deepspeed_config"] = {
-            "deepspeed_config_file": row.deepspeed_config,
-            "deepspeed_multinode_launcher": "standard",
-            # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
-            "zero3_init_flag": row.zero_stage == 3,
-        }
-    else:
-        out["mixed_precision"] = "no"
-    if row.fsdp is not None:
-        out["fsdp_config"] = row.fsdp.accelerate_config()
-    out.update(
-        num_machines=1,
-        num_processes=SHIPPED_PROCESSES,
-        machine_rank=0,
-        main_training_function="main",
-        rdzv_backend="static",
-        same_network=True,
-        use_cpu=cpu,
-    )
-    if not cpu:
-        out["gpu_ids"] = "all"
-    return out
 
 
 def planner_key(name: str | None, offload: str = "none") -> str:
@@ -395,10 +347,7 @@ def launch_line(name: str, offload: str, recipe: str) -> str:
     """The accelerate launch line(s) for a recipe meant for (name, offload): its shipped config
     (the plain one when no row offloads that way) and, for multi-process strategies, the CPU
     rehearsal. Paths are relative to the repository root, where users launch from."""
-    shipped = [s for s in STRATEGIES if s.launchable and s.name == name]
-    row = next((s for s in shipped if s.offload == offload), None) or next(
-        (s for s in shipped if s.offload == "none"), None
-    )
+    row = by_recipe(name, offload) or by_recipe(name, "none")
     config = row.accelerate_config if row else f"accelerate_configs/{name}.yaml"
     cpu = row.cpu_config if row else config.replace("accelerate_configs/", "accelerate_configs/cpu/")
     if cpu is None:  # one process runs on a CPU as it is

@@ -20,7 +20,7 @@ from finetune.checkpointing.provenance import Written, data_order_settings, meth
 from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.strategies import STRATEGIES, by_name
+from finetune.strategies import by_name, by_recipe
 
 log = logging.getLogger("finetune")
 
@@ -261,7 +261,7 @@ def _reshard(strategy: str, world_changes: bool, old_offload: str | None, new_of
 
 
 def _config_of(strategy: str) -> str:
-    row = next((s for s in STRATEGIES if s.name == strategy and s.launchable and s.offload == "none"), None)
+    row = by_recipe(strategy, "none")
     return row.accelerate_config if row else f"the {strategy} accelerate config"
 
 

@@ -82,7 +82,7 @@ class DataConfig:
     # Local .jsonl/.json/.parquet/.csv, a hub dataset name, or "demo" (the project's
     # generated, exactly checkable instructions; see finetune/data/demo.py).
     path: str = "demo"
-    format: Literal[("auto", *formats.names())] = "auto"  # finetune/data/formats.py TABLE
+    format: Literal[("auto", *formats.TABLE)] = "auto"  # finetune/data/formats.py TABLE
     split: str = "train"
     max_length: int = 512  # tokens per example (and per packed row)
     eval_fraction: float = 0.0  # fraction of rows held out for eval loss, shuffled by seed
@@ -160,7 +160,7 @@ class RunConfig:
     strategy: Literal[("any", *strategies.names())] = "any"
     # What the strategy offloads to host memory; checked against the live engine like `strategy`.
     # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
-    offload: Literal[("any", *strategies.offloads())] = "any"
+    offload: Literal[("any", *dict.fromkeys(s.offload for s in strategies.STRATEGIES if s.launchable))] = "any"
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
     accelerate_config: str | None = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end

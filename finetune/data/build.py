@@ -101,7 +101,7 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
             reason = row.reason if isinstance(row, Invalid) else None
             if reason is None:
                 try:
-                    formats.by_name(fmt).validate(row)
+                    formats.TABLE[fmt].validate(row)
                     if empty_target(row, fmt):
                         empty.append(number)
                 except BadRow as e:

@@ -1,6 +1,6 @@
-"""The data formats, one record each (`DataFormat`, in `TABLE`): how a file's first row is told to be one, what its
-rows need, the row validator and the way it renders; the recipe's data.format values, the readers' row test and the
-renderer all read the table (docs/architecture.md "Adding a data format").
+"""The data formats, one record each (`DataFormat`, in `TABLE` under its data.format name): how a file's first row is
+told to be one, what its rows need, the row validator and the way it renders; the recipe's data.format values, the
+readers' row test and the renderer all read the table (docs/architecture.md "Adding a data format").
 
 Validators turn a row into its text, a (prompt, answer) pair or a conversation ({role, content} messages) and reject
 wrong types instead of coercing them; a problem is a `BadRow` the caller names with file and row.
@@ -17,38 +17,15 @@ from finetune.errors import DataError
 
 @dataclass(frozen=True)
 class DataFormat:
-    name: str  # data.format
     keys: tuple[str, ...]  # a first row holding every one is this format (conversations are tried first)
     help: str  # what its rows need, said with each problem
     validate: Callable[[dict], Any]  # row -> what `renders` names; raises BadRow
     # How it renders (finetune/data/render.py Renderer), and what `validate` returns: "text" (a string), "pair"
     # ((prompt, answer)) or "conversation" ([{role, content}, ...]).
     renders: str
-    texts: Callable[[dict], list[tuple[str, str]]]  # (where, text) of a valid row, checked for special tokens
-
-
-def fields(*names: str) -> Callable[[dict], list[tuple[str, str]]]:
-    """The texts of a format whose rows hold them in flat fields (absent or null: empty)."""
-    return lambda row: [(repr(name), row.get(name) or "") for name in names]
-
-
-def turn_texts(key: str, text_key: str) -> Callable[[dict], list[tuple[str, str]]]:
-    """The texts of a conversation held as a list of turn objects under `key`."""
-    return lambda row: [(f"{key}[{i}].{text_key}", turn[text_key]) for i, turn in enumerate(row[key])]
-
-
-def by_name(name: str) -> DataFormat:
-    return next(f for f in TABLE if f.name == name)
-
-
-def names() -> tuple[str, ...]:
-    """The formats in the table's order (how messages list them); data.format allows these and `auto`."""
-    return tuple(f.name for f in TABLE)
-
-
-def is_row(value: dict) -> bool:
-    """Whether an object holds some format's keys (a row, not a container of rows)."""
-    return any(all(k in value for k in f.keys) for f in TABLE)
+    # The texts a valid row renders from, checked for special tokens: field names, or `key[].field` for that field of
+    # every turn object in the list under `key`.
+    texts: tuple[str, ...]
 
 
 _MESSAGE_ROLES = ("system", "user", "assistant", "tool")
@@ -58,19 +35,20 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -> str:
     """Return the declared format, or for 'auto' the one whose keys the first row has."""
     if declared != "auto":
-        if declared not in names():
+        if declared not in TABLE:
             raise DataError(
-                f"unknown data format {declared!r}; use auto or one of {', '.join(names())}", path=path or None
+                f"unknown data format {declared!r}; use auto or one of {', '.join(TABLE)}", path=path or None
             )
         return declared
     if not rows:
         raise DataError("contains no rows to detect the format from", path=path or None)
     first = rows[0]
     keys = sorted(first) if isinstance(first, dict) else []
-    for fmt in sorted(TABLE, key=lambda f: f.renders != "conversation"):  # a conversation's list key decides
+    # conversations first: their one list key decides even when a row carries other columns too
+    for name, fmt in sorted(TABLE.items(), key=lambda item: item[1].renders != "conversation"):
         if all(k in keys for k in fmt.keys):
-            return fmt.name
-    needs = "; ".join(f.help for f in TABLE)
+            return name
+    needs = "; ".join(f.help for f in TABLE.values())
     # no format reads these keys, so data.format cannot help: say which renaming would
     prompt = next((k for k in keys if k.lower() in _PROMPT_LIKE), None)
     answer = next((k for k in keys if k.lower() in _ANSWER_LIKE), None)
@@ -94,7 +72,7 @@ class BadRow(Exception):
 
 def require_str(row: dict, key: str, fmt: str, *, non_empty: bool = False) -> str:
     if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({by_name(fmt).help})")
+        raise BadRow(f"missing key {key!r} ({TABLE[fmt].help})")
     value = row[key]
     if not isinstance(value, str):
         raise BadRow(f"{key!r} must be a string, got {type_name(value)} {_short(value)}")
@@ -132,15 +110,11 @@ def alpaca_prompt(row: dict) -> tuple[str, str]:
     return prompt, output
 
 
-def prompt_completion_pair(row: dict) -> tuple[str, str]:
-    return require_str(row, "prompt", "prompt_completion"), require_str(row, "completion", "prompt_completion")
-
-
 def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
     """(user prompt, reference answer) of a row of a pair format (alpaca, prompt_completion), built exactly as
     training builds it, so evaluation prompts match the trained ones; the format is the one whose first key the
     row has. `where` names the row."""
-    pairs = [f for f in TABLE if f.renders == "pair"]
+    pairs = [f for f in TABLE.values() if f.renders == "pair"]
     try:
         fmt = next((f for f in pairs if f.keys[0] in row), None)
         if fmt is not None:
@@ -154,7 +128,7 @@ def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
 def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], fmt: str) -> list[dict]:
     """Validate a list of turn objects and return clean {role, content} messages."""
     if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({by_name(fmt).help})")
+        raise BadRow(f"missing key {key!r} ({TABLE[fmt].help})")
     turns = row[key]
     if not isinstance(turns, (list, tuple)):
         raise BadRow(f"{key!r} must be a list of {{{role_key}, {text_key}}} objects, got {type_name(turns)}")
@@ -189,18 +163,10 @@ def _check_assistant_turns(messages: list[dict], key: str) -> None:
         raise BadRow(f"{key}[{first}] is an assistant turn with no user turn before it")
 
 
-def messages_conversation(row: dict) -> list[dict]:
-    return _turns(row, "messages", "role", "content", {r: r for r in _MESSAGE_ROLES}, "messages")
-
-
-def sharegpt_conversation(row: dict) -> list[dict]:
-    return _turns(row, "conversations", "from", "value", _SHAREGPT_ROLES, "sharegpt")
-
-
 def target_texts(row: dict, fmt: str) -> list[str]:
     """What a valid row of `fmt` trains on without data.train_on_prompt: the output, the completion,
     the assistant turns; a text row trains on all of its text."""
-    record = by_name(fmt)
+    record = TABLE[fmt]
     valid = record.validate(row)
     if record.renders == "text":
         return [valid]
@@ -212,45 +178,44 @@ def empty_target(row: dict, fmt: str) -> bool:
     return not any(text.strip() for text in target_texts(row, fmt))
 
 
-TABLE: tuple[DataFormat, ...] = (
-    DataFormat(
-        "alpaca",
+# data.format -> its record, in the order messages list them
+TABLE: dict[str, DataFormat] = {
+    "alpaca": DataFormat(
         ("instruction", "output"),
         "alpaca rows need instruction, output; optional input",
         alpaca_prompt,
         "pair",
-        fields("instruction", "input", "output"),
+        ("instruction", "input", "output"),
     ),
-    DataFormat(
-        "prompt_completion",
+    "prompt_completion": DataFormat(
         ("prompt", "completion"),
         "prompt_completion rows need prompt, completion",
-        prompt_completion_pair,
+        lambda row: (
+            require_str(row, "prompt", "prompt_completion"),
+            require_str(row, "completion", "prompt_completion"),
+        ),
         "pair",
-        fields("prompt", "completion"),
+        ("prompt", "completion"),
     ),
-    DataFormat(
-        "messages",
+    "messages": DataFormat(
         ("messages",),
         "messages rows need messages: a list of {role, content}",
-        messages_conversation,
+        lambda row: _turns(row, "messages", "role", "content", {r: r for r in _MESSAGE_ROLES}, "messages"),
         "conversation",
-        turn_texts("messages", "content"),
+        ("messages[].content",),
     ),
-    DataFormat(
-        "sharegpt",
+    "sharegpt": DataFormat(
         ("conversations",),
         "sharegpt rows need conversations: a list of {from, value}",
-        sharegpt_conversation,
+        lambda row: _turns(row, "conversations", "from", "value", _SHAREGPT_ROLES, "sharegpt"),
         "conversation",
-        turn_texts("conversations", "value"),
+        ("conversations[].value",),
     ),
-    DataFormat(
-        "text",
+    "text": DataFormat(
         ("text",),
         "text rows need text",
         lambda row: require_str(row, "text", "text", non_empty=True),
         "text",
-        fields("text"),
+        ("text",),
     ),
-)
+}

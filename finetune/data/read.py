@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data import files
-from finetune.data.formats import is_row, type_name
+from finetune.data import files, formats
+from finetune.data.formats import type_name
 from finetune.errors import DataError
 
 LOCAL_EXTENSIONS = (".jsonl", ".json", ".csv", ".parquet", ".arrow")  # each may end in .gz, .bz2 or .xz too
@@ -162,7 +162,7 @@ def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
     {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
     by name; None when it is a row, or holds no list."""
     lists = [k for k, v in value.items() if isinstance(v, list)]
-    if is_row(value) or not lists:
+    if any(all(k in value for k in f.keys) for f in formats.TABLE.values()) or not lists:  # a row of some format
         return None
     if len(lists) > 1:
         raise DataError(

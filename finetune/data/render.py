@@ -38,7 +38,7 @@ class Renderer:
 
     def __init__(self, tokenizer, fmt: str, cfg, path: str):
         self.tokenizer, self.fmt, self.path = tokenizer, fmt, path
-        self.format = formats.by_name(fmt)
+        self.format = formats.TABLE[fmt]
         renders = self.format.renders
         self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
         self.system_prompt = getattr(cfg, "system_prompt", None)
@@ -92,8 +92,13 @@ class Renderer:
 
     def render(self, row: dict) -> Rendered:
         rendered = self._render(row)
-        for where, text in self.format.texts(row):
-            self.check_text(where, text)
+        for text in self.format.texts:
+            key, _, field = text.partition("[].")
+            if field:  # that field of every turn in the list
+                for i, turn in enumerate(row[key]):
+                    self.check_text(f"{key}[{i}].{field}", turn[field])
+            else:
+                self.check_text(repr(key), row.get(key) or "")
         return rendered
 
     def _render(self, row: dict) -> Rendered:

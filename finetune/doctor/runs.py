@@ -34,11 +34,6 @@ def rows(offload: bool) -> list[strategies.Strategy]:
     return [s for s in strategies.STRATEGIES if s.launchable and (offload or s.offload == "none")]
 
 
-def reference() -> str:
-    """The one-device row's key: the run every other run is compared with."""
-    return strategies.one_process().key
-
-
 def names(offload: bool) -> list[str]:
     return [s.key for s in rows(offload)]
 
@@ -136,7 +131,8 @@ def selected(only: list[str] | None, overrides: dict[str, list[str]], *, offload
     for key in overrides:
         if key not in wanted:
             raise UserError(f"--override {key}:...: {key} is not among the strategies run ({', '.join(wanted)})")
-    return wanted if reference() in wanted else [reference(), *wanted]  # the reference every other run is compared with
+    reference = strategies.one_process().key  # the run every other run is compared with
+    return wanted if reference in wanted else [reference, *wanted]
 
 
 def parse_overrides(values: list[str]) -> dict[str, list[str]]:

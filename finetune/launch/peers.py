@@ -63,9 +63,6 @@ class Watch:
         finally:
             self.phase = before
 
-    def step_done(self, step: int) -> None:
-        self.step = step
-
     def progress(self) -> None:
         """The phase made progress (an evaluation batch): its limit counts from now."""
         label, _, limit = self.phase

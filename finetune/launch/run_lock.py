@@ -31,59 +31,52 @@ class Locks:
     def acquire(self, run_dir: Path) -> None:
         """Lock `run_dir` (created if missing) until released, or UserError naming the live run that holds it.
         Again: no change."""
-        key = str(Path(run_dir).absolute())
-        if key not in self.held:
-            self.held[key] = acquire(Path(key))
+        run_dir = Path(run_dir).absolute()
+        if str(run_dir) in self.held:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+                break
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise UserError(in_use_message(run_dir))
+            time.sleep(0.05)
+        note = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)[:500],
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(note).encode(), 0)
+        self.held[str(run_dir)] = fd
 
     def release_all(self) -> None:
-        for key in list(self.held):
-            release(Path(key), self.held.pop(key))
-
-
-def acquire(run_dir: Path) -> int:
-    """Lock `run_dir` (created if missing) for as long as the returned file descriptor is open (`release`), or
-    UserError naming the live run that holds it."""
-    run_dir = Path(run_dir).absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
-            break
-        os.close(fd)
-        if time.monotonic() > deadline:
-            raise UserError(in_use_message(run_dir))
-        time.sleep(0.05)
-    note = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv)[:500],
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(note).encode(), 0)
-    return fd
-
-
-def release(run_dir: Path, fd: int) -> None:
-    """Let go of the lock `acquire` returned, removing its file (a run does it as main() returns, so a refused --resume
-    leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting for it
-    then finds the file gone and takes a new one (acquire's check that the locked file is the one at the path)."""
-    path = Path(run_dir).absolute() / LOCK
-    if _same_file(fd, path):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    os.close(fd)
+        """Let go of every lock held, removing its file (a run does it as main() returns, so a refused --resume
+        leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting
+        for it then finds the file gone and takes a new one (acquire's check that the locked file is the one at
+        the path)."""
+        for key, fd in self.held.items():
+            path = Path(key) / LOCK
+            if _same_file(fd, path):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+            os.close(fd)
+        self.held.clear()
 
 
 def live_run(run_dir: Path) -> str | None:
     """The refusal when another process holds `run_dir`'s lock, else None. Changes nothing: the
     lock file is only opened when it exists, read-only, and a shared lock tried and dropped."""
     run_dir = Path(run_dir)
-    if ours(run_dir):
+    note = holder(run_dir)  # this process's own lock names it (written before `acquire` returns)
+    if note.get("pid") == os.getpid() and note.get("host") == socket.gethostname():
         return None
     try:
         fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)
@@ -94,12 +87,6 @@ def live_run(run_dir: Path) -> str | None:
     finally:
         os.close(fd)  # drops the shared lock, if taken
     return None if free else in_use_message(run_dir)
-
-
-def ours(run_dir: Path) -> bool:
-    """This process holds the lock: its note names this process (written before `acquire` returns)."""
-    note = holder(run_dir)
-    return note.get("pid") == os.getpid() and note.get("host") == socket.gethostname()
 
 
 def holder(run_dir: Path) -> dict:

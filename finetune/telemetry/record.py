@@ -207,11 +207,12 @@ def interconnect() -> dict | None:
 
 
 def _section(name: str):
-    found = next((s for s in SECTIONS if s.name == name), None)
-    if found is None:
-        declared = ", ".join(s.name for s in SECTIONS)
-        raise KeyError(f"run.json has no section {name!r} (declared: {declared}; finetune/telemetry/record_schema.py)")
-    return found
+    by_name = {s.name: s for s in SECTIONS}
+    if name not in by_name:
+        raise KeyError(
+            f"run.json has no section {name!r} (declared: {', '.join(by_name)}; finetune/telemetry/record_schema.py)"
+        )
+    return by_name[name]
 
 
 def unwrap(hint):

@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from finetune.config.sections import Config
     from finetune.launch.plan import LaunchPlan
-    from finetune.telemetry.sinks import Sinks
     from finetune.training.arguments import RunArguments
     from finetune.training.resilience import ResilientTrainer
-    from finetune.training.signals import Stops
 
 
 def model_for(cfg: Config, launch: LaunchPlan, arguments: RunArguments):
@@ -60,20 +58,18 @@ def trainer_for(
     train_dataset,
     eval_dataset,
     tokenizer,
-    sinks: Sinks,
-    stops: Stops,
+    sinks,
     machines=None,
-    resumed_world_size: int | None = None,
-    find_unused_parameters: bool | None = None,
-    run_facts=None,
     universal: bool = False,
+    **handed,
 ) -> ResilientTrainer:
     """ResilientTrainer over the configured batch layout, with the strategy that engaged checked against the recipe and
     the precision policy applied; both are read back from the live objects before step 1 (finetune/training/hooks.py).
-    Handed over as the trainer is built: `sinks` (finetune/telemetry/sinks.py) and `stops` (the process's stop signals
-    and watchdog); `machines`: a run's (run.json `nodes`; None in the benchmark); when resuming, the world size that
-    wrote the checkpoint and whether DeepSpeed loads it as a `universal` one (finetune/checkpointing/universal.py);
-    DDP's `find_unused_parameters` as decided from the model; `run_facts`: () -> the completion marker's `run` block."""
+    Handed over as the trainer is built: `sinks` (finetune/telemetry/sinks.py); `machines`: a run's (run.json `nodes`;
+    None in the benchmark); `universal`: DeepSpeed loads the checkpoint resumed from as a universal one
+    (finetune/checkpointing/universal.py); `handed`: what else ResilientTrainer takes: `stops` (the process's stop
+    signals and watchdog), and from a run the world size that wrote that checkpoint, DDP's find_unused_parameters as
+    decided from the model, the completion marker's run facts."""
     from finetune.data import collate
     from finetune.telemetry import meter
     from finetune.telemetry.sinks import TRACKERS
@@ -96,10 +92,7 @@ def trainer_for(
         processing_class=tokenizer,
         callbacks=[tracker() for name, tracker in TRACKERS if name in cfg.logging.report_to],  # logging.report_to
         sinks=sinks,
-        stops=stops,
-        resumed_world_size=resumed_world_size,
-        find_unused_parameters=find_unused_parameters,
-        run_facts=run_facts,
+        **handed,
         **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,

@@ -41,7 +41,6 @@ def exact_match(
     source: str,
     watch: peers.Watch,
     accelerator=None,
-    progress: bool = True,
 ) -> dict:
     """{'exact_match': fraction, 'correct', 'total', 'per_task': {...}, 'examples': [...]}; `watch`: the run's."""
     from tqdm.auto import tqdm
@@ -61,7 +60,7 @@ def exact_match(
     device = next(model.parameters()).device
     generated: dict[int, str] = {}
     try:
-        for b in tqdm(range(n_batches), desc="exact match", disable=not progress or rank != 0):
+        for b in tqdm(range(n_batches), desc="exact match", disable=rank != 0):
             idx = mine[b * batch_size : (b + 1) * batch_size] or mine[:1] or [0]  # pad idle ranks
             batch = tokenizer(
                 [prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
@@ -81,11 +80,6 @@ def exact_match(
     finally:
         tokenizer.padding_side = old_side
         model.train(was_training)
-    return _tally(generated, answers, rows, source, accelerator if world > 1 else None)
-
-
-def _tally(generated: dict[int, str], answers: list[str], rows: list[dict], source: str, accelerator) -> dict:
-    """exact_match's result from this rank's generated answers, summed over the ranks (`accelerator`: more than one)."""
     correct = Counter()
     total = Counter()
     examples = []
@@ -105,7 +99,7 @@ def _tally(generated: dict[int, str], answers: list[str], rows: list[dict], sour
             )
     tasks = sorted(set(r.get("task", "all") for r in rows))
     counts = torch.tensor([[correct[t], total[t]] for t in tasks], dtype=torch.long)
-    if accelerator is not None:
+    if world > 1:
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     c, n = int(counts[:, 0].sum()), int(counts[:, 1].sum())
     return {

@@ -184,7 +184,7 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.stops.watch.step_done(state.global_step)
+        self.stops.watch.step = state.global_step  # the last step done: the progress file carries it
         flags = self.trainer.agreement_of(state.global_step).signals()  # rode on the step's one agreement
         if any(flags) and self.preempted is None:
             self.preempted = {"step": state.global_step, **self.stops.describe(flags)}

@@ -128,8 +128,18 @@ def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Loc
     except signals.Stopped as e:  # nothing created yet
         teardown.ended_cleanly()
         return end(None, endings.stopped_before_training(e, None, resumed=False))
-    process = Process(state, teardown, heartbeat, stops, locks)
-    run = prepare(cfg, launch, process, resume_from=args.resume, overrides=overrides, resumed_config=resumed)
+    run = prepare(
+        cfg,
+        launch,
+        state,
+        teardown,
+        heartbeat,
+        stops,
+        locks,
+        resume_from=args.resume,
+        overrides=overrides,
+        resumed_config=resumed,
+    )
     try:
         code = train_and_record(run)
         run.teardown.ended_cleanly()  # every rank returns here together (completed or preempted)
@@ -195,21 +205,14 @@ def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
     return state, LaunchPlan.resolve(cfg, state, setup), teardown
 
 
-@dataclass(frozen=True)
-class Process:
-    """What this process set up before the run's directory exists, for `prepare` to hand to the Run."""
-
-    state: PartialState
-    teardown: Teardown
-    heartbeat: Heartbeat
-    stops: signals.Stops
-    locks: run_lock.Locks  # the run directories this process holds (rank 0)
-
-
 def prepare(
     cfg: Config,
     launch: LaunchPlan,
-    process: Process,
+    state: PartialState,
+    teardown: Teardown,
+    heartbeat: Heartbeat,
+    stops: signals.Stops,
+    locks: run_lock.Locks,  # the run directories this process holds (rank 0)
     *,
     resume_from: str | None,
     overrides: list[str],
@@ -217,7 +220,6 @@ def prepare(
 ) -> Run:
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
-    state, locks = process.state, process.locks
     plan = resumed = None
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg, locks))  # a live run's directory: refused, untouched
@@ -263,9 +265,9 @@ def prepare(
         heldout_path,
         run_sinks,
         plan,
-        process.teardown,
-        process.heartbeat,
-        process.stops,
+        teardown,
+        heartbeat,
+        stops,
     )
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
@@ -358,7 +360,6 @@ def build_trainer(
 ) -> ResilientTrainer:
     """The Trainer (finetune/training/build.py) with its hooks, set to continue a resumed run's checkpoint."""
     static = provenance.static_facts(run.cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
-    decided = ddp_record["decided_by"] in ("probe", "model config")  # else the recipe's, in TrainingArguments
     return build.trainer_for(
         run.cfg,
         run.launch,
@@ -371,7 +372,7 @@ def build_trainer(
         stops=run.stops,
         machines=run.launch.machines,  # run.json `nodes`; every rank (it gathers)
         resumed_world_size=run.resume.written["world_size"] if run.resume else None,  # Trainer._load_rng_state
-        find_unused_parameters=ddp_record["find_unused_parameters"] if decided else None,
+        find_unused_parameters=ddp_record["find_unused_parameters"],  # None: not DDP
         run_facts=lambda: provenance.run_block_of(run.sinks.view, static),  # the completion marker's `run`
         universal=universal_dir is not None,
     )

@@ -32,15 +32,15 @@ class Stops:
     imported: finetune/train.py), what they recorded, the phase boundaries where the ranks agree on them, and
     the watchdog they start (`watch`, finetune/launch/peers.py). One per process, handed to every phase."""
 
-    def __init__(self, watch: peers.Watch | None = None):
-        self.watch = watch or peers.Watch()
+    def __init__(self):
+        self.watch = peers.Watch()
         self.received: list[int] = []  # signals received since install()
         self.failures_agreed: list[str] = []  # the phases whose failure every rank agreed on (no rank was lost)
         self.relayed: list[dict] = []  # the relay's note ({"signal", "pid"}) when the first one was relayed
         self.stage = STARTING
         self.previous: dict = {}  # signal -> the handler it had before install()
         self.wanted = list(SIGNALS)  # training.stop_signals
-        self._restores_forks = False
+        os.register_at_fork(after_in_child=self.restore)
 
     def set_stage(self, stage: str) -> None:
         """What a signal does from now on (one of WHAT_NOW's keys); the watchdog names the phase so."""
@@ -70,14 +70,11 @@ class Stops:
         if threading.current_thread() is threading.main_thread():
             for sig in self.wanted:
                 self.previous.setdefault(sig, signal.signal(sig, self.handler))
-        if not self._restores_forks:
-            os.register_at_fork(after_in_child=self.restore)
-            self._restores_forks = True
 
     def keep_only(self, names, grace_s: float | None = None) -> None:
         """training.stop_signals: the signals not named get back what they had before (their default action), also
         when the handlers are installed again; training.stop_grace: how long the watchdog waits for a stop to act."""
-        self.wanted[:] = [sig for sig in SIGNALS if sig.name in names]
+        self.wanted = [sig for sig in SIGNALS if sig.name in names]
         for sig in SIGNALS:
             if sig not in self.wanted and sig in self.previous:
                 signal.signal(sig, self.previous.pop(sig))

@@ -42,7 +42,6 @@ def engaged(state, *, method: str, setup=None, expected: str = "any") -> dict:
         opt = (ds.get("offload_optimizer") or {}).get("device", "none") or "none"
         par = (ds.get("offload_param") or {}).get("device", "none") or "none"
         out.update(
-            name=name_of(dtype, zero_stage=stage, expected=expected),
             zero_stage=stage,
             offload_optimizer=opt,
             offload_params=par,
@@ -52,14 +51,13 @@ def engaged(state, *, method: str, setup=None, expected: str = "any") -> dict:
         plugin = state.fsdp_plugin
         offload = _fsdp_offloads(plugin.cpu_offload)
         out.update(
-            name=name_of(dtype, expected=expected),
             fsdp_version=getattr(plugin, "fsdp_version", 1),
             offload_optimizer="cpu" if offload else "none",
             offload_params="cpu" if offload else "none",
             offload="optimizer+params" if offload else "none",
         )
-    else:  # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
-        out["name"] = name_of(dtype, num_processes=state.num_processes, expected=expected)
+    # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
+    out["name"] = name_of(dtype, zero_stage=out["zero_stage"], num_processes=state.num_processes, expected=expected)
     return out
 
 

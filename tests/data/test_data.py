@@ -17,7 +17,7 @@ import torch
 
 from finetune.data.build import build_datasets
 from finetune.data.collate import collate
-from finetune.data.formats import detect_format, names
+from finetune.data.formats import TABLE, detect_format
 from finetune.data.read import DataError, read_rows
 
 IGNORE = -100
@@ -295,7 +295,7 @@ def test_detect_format_auto(row, expected):
 
 def test_detect_format_declared_is_returned_as_is():
     assert detect_format([{"whatever": 1}], "text") == "text"
-    assert set(names()) == {"alpaca", "prompt_completion", "messages", "sharegpt", "text"}
+    assert set(TABLE) == {"alpaca", "prompt_completion", "messages", "sharegpt", "text"}
 
 
 def test_detect_format_unknown_keys_lists_found_and_needed_keys():

@@ -55,7 +55,7 @@ def test_heartbeats_are_written_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv(relay.ENV, str(tmp_path))
     watch = peers.Watch()
     beat = peers.Heartbeat(None, 3, 1, watch).start()  # the rank's heartbeat thread writes its file
-    watch.step_done(7)
+    watch.step = 7
     try:
         deadline = time.monotonic() + 20
         while peers.read_progress().get(3, {}).get("step") != 7 and time.monotonic() < deadline:

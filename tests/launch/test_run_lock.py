@@ -31,7 +31,7 @@ HOLDER = textwrap.dedent(
     while not start.exists():  # every contender starts here at once
         time.sleep(0.01)
     try:
-        run_lock.acquire(Path(sys.argv[2]))
+        run_lock.Locks().acquire(Path(sys.argv[2]))
     except UserError as e:
         print("refused:", e, flush=True)
         sys.exit(2)

@@ -118,8 +118,8 @@ def test_a_data_format_added_as_a_record_trains_and_evaluates(tmp_path, tiny_mod
         def qa_pair(row):
             return formats.require_str(row, "q", "qa", non_empty=True), formats.require_str(row, "a", "qa")
 
-        toy = formats.DataFormat("qa", ("q", "a"), "qa rows need q, a", qa_pair, "pair", formats.fields("q", "a"))
-        formats.TABLE = (*formats.TABLE, toy)
+        toy = formats.DataFormat(("q", "a"), "qa rows need q, a", qa_pair, "pair", ("q", "a"))
+        formats.TABLE = {**formats.TABLE, "qa": toy}
         """,
     )
     rows = [{"q": f"What is {i} plus {i}?", "a": str(2 * i)} for i in range(16)]
