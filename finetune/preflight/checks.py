@@ -154,6 +154,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
         ),
         "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (policy_problems)
+    if per_device == "auto":  # the run plans the batch layout, then checks again (finetune/training/planned.py)
+        expected = {"gradient_clipping": expected["gradient_clipping"]}
     problems = []
     for key, (want, field) in expected.items():
         section, _, leaf = key.rpartition(".")

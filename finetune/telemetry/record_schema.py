@@ -527,6 +527,38 @@ class PredictedMemory(TypedDict):
     error: PredictionErrors | None
 
 
+# --- `plan`: the planner's answer for this run, `auto` resolved (finetune/training/planned.py)
+
+
+class PlannedLever(TypedDict):
+    given: Any  # the configuration's value: a number, true/false, or "auto"
+    planned: Any  # what the run trains with
+
+
+class PlanTried(TypedDict):
+    micro_batch: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    predicted_gib: float
+    fraction: float
+    fits: bool
+
+
+class Plan(TypedDict):
+    levers: dict[str, PlannedLever]  # per_device_train_batch_size, gradient_accumulation_steps, gradient_checkpointing
+    auto: list[str]
+    sequences_per_device_step: int  # kept: micro-batch x accumulation
+    memory_basis: str
+    limit_gib: float
+    predicted_gib: float
+    fraction: float
+    tried: list[PlanTried]
+    step_s_predicted: float | None
+    step_s_basis: str  # what the prediction rests on, or why there is none
+    step_s_measured: float | None
+    step_s_relative_error: float | None
+
+
 @dataclass(frozen=True)
 class Section:
     name: str
@@ -554,6 +586,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("lr", LearningRate | None, lambda: None, True, "object|null"),
     Section("memory", Memory | None, lambda: None, True, "object|null"),
     Section("predicted_memory", PredictedMemory | None, lambda: None, False),
+    Section("plan", Plan | None, ABSENT, False),
     Section("throughput", Throughput | None, lambda: None, True, "object|null"),
     Section("data", DataSummary | None, lambda: None, False),
     Section("steps", list[Step], list, True, "list"),

@@ -37,6 +37,21 @@ def start_line(record: RecordView) -> str:
         f"size {b['data_parallel_size']} = effective batch {b['effective']} | lr {lr_text(record)} | trainable "
         f"{p['trainable']:,} of {p['total']:,} parameters | max length "
         f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})"
+        + auto_text(record.get("plan", default=None))
+    )
+
+
+def auto_text(plan: dict | None) -> str:
+    """What `auto` chose (run.json `plan`, finetune/training/planned.py) and against what memory; "" without auto."""
+    if not plan or not plan["auto"]:
+        return ""
+    levers = plan["levers"]
+    b, a = levers["per_device_train_batch_size"], levers["gradient_accumulation_steps"]
+    return (
+        f" | auto ({', '.join(plan['auto'])}): micro-batch {b['planned']} x accumulation {a['planned']} = "
+        f"{plan['sequences_per_device_step']} sequences per device per step (kept), gradient checkpointing "
+        f"{'on' if levers['gradient_checkpointing']['planned'] else 'off'}, {plan['predicted_gib']:.2f} GiB "
+        f"planned = {plan['fraction']:.0%} of {plan['memory_basis']}"
     )
 
 

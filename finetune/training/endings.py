@@ -17,7 +17,7 @@ from finetune.modeling import load
 from finetune.planning import prediction
 from finetune.telemetry import formulas, meter, model_flops
 from finetune.telemetry.record import RecordView
-from finetune.training import signals
+from finetune.training import planned, signals
 from finetune.training.resilience import Diverged
 
 log = logging.getLogger("finetune")
@@ -180,6 +180,9 @@ def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float |
     sections["batch"] = {**view.get("batch", default={}), **measured_figures["batch"]}
     if predicted is not None:
         sections["predicted_memory"] = predicted
+    plan = planned.with_measured(view.get("plan", default=None), measured_figures["throughput"])
+    if plan is not None:
+        sections["plan"] = plan  # the predicted optimizer-step time beside the measured one
     return summary, sections
 
 

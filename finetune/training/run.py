@@ -40,7 +40,7 @@ from finetune.preflight import model_files
 from finetune.telemetry import sinks, wandb_logging
 from finetune.telemetry.record import RunRecord
 from finetune.telemetry.sinks import Sinks
-from finetune.training import arguments, build, endings, evaluation, fault_injection, signals, speed
+from finetune.training import arguments, build, endings, evaluation, fault_injection, planned, signals, speed
 from finetune.training.arguments import RunArguments
 from finetune.training.endings import AfterTraining, Ending, Limits
 from finetune.training.resilience import Diverged, ResilientTrainer
@@ -228,6 +228,7 @@ def prepare(
         )
         cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
+    cfg, planned_section = planned.resolve(cfg, launch, state)  # `auto` levers: a new configuration, and run.json plan
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
@@ -242,6 +243,7 @@ def prepare(
         )
     record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
     run_sinks = sinks.for_run(cfg, record, run_dir, main=state.is_main_process)
+    run_sinks.put(plan=planned_section)
     if plan:  # the earlier run.json, read on rank 0, carried into every rank's record
         created = run_sinks.view.get("created")
         continued, summary = run_on_main(

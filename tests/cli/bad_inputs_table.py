@@ -345,8 +345,14 @@ def _heads(ws: Path) -> list[str]:
     return [*ZERO3_CPU, f"--model.name_or_path={path}", "--parallel.sp_size=2"]
 
 
+def _gpt2_like(ws: Path) -> Path:
+    return _config_dir(
+        ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64
+    )
+
+
 def _no_tp_plan(ws: Path) -> list[str]:
-    path = _config_dir(ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512)
+    path = _gpt2_like(ws)
     return ["--recipe", "zero2", "--cpu", f"--model.name_or_path={path}", "--method.name=full", "--parallel.tp_size=2"]
 
 
@@ -784,6 +790,22 @@ CASES = [
         "parallel.tp_size / model",
         _no_tp_plan,
         ("gpt2-like (GPT2Config, model_type 'gpt2') has no tensor-parallel plan", "base_model_tp_plan", "sp_size"),
+    ),
+    Case(
+        "auto micro-batch for a model the planner has no arithmetic for",
+        "training.per_device_train_batch_size",
+        lambda ws: [
+            f"--model.name_or_path={_gpt2_like(ws)}",
+            "--training.per_device_train_batch_size=auto",
+        ],
+        ("training.per_device_train_batch_size: auto needs the planner", "no activation arithmetic", "'gpt2'"),
+        entry="train.py",
+    ),
+    Case(
+        "auto for a training field that takes a number only",
+        "training.gradient_accumulation_steps",
+        lambda ws: ["--training.gradient_accumulation_steps=auto"],
+        ("training.gradient_accumulation_steps", "expected an integer", "'auto'"),
     ),
     Case(
         "DeepSpeed config's autotp_size contradicting parallel.tp_size",
