@@ -60,7 +60,7 @@ def trainer_for(
     tokenizer,
     sinks,
     machines=None,
-    universal: bool = False,
+    universal=False,
     **handed,
 ) -> ResilientTrainer:
     """ResilientTrainer over the configured batch layout, with the strategy that engaged checked against the recipe and

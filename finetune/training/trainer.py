@@ -60,8 +60,8 @@ class FinetuneTrainer(Trainer):
         sinks: Sinks,
         model_flops=None,
         peak_flops=None,
-        resumed_world_size: int | None = None,
-        find_unused_parameters: bool | None = None,
+        resumed_world_size=None,
+        find_unused_parameters=None,
         **kwargs,
     ):
         self.find_unused_parameters = find_unused_parameters  # read by Trainer.__init__ (_build_accelerator_args)
