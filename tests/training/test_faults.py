@@ -388,6 +388,9 @@ def test_a_process_forked_from_a_rank_dies_of_sigterm_while_the_rank_records_it(
 
     from finetune.training import signals
 
+    # as a rank starts: SIGTERM's default action (a trainer an earlier test built here left its recording handler,
+    # which this process's fork hooks would hand the child otherwise)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     stops = signals.Stops()
     stops.install()
     recording = signal.getsignal(signal.SIGTERM)
@@ -403,6 +406,7 @@ def test_a_process_forked_from_a_rank_dies_of_sigterm_while_the_rank_records_it(
         assert signal.getsignal(signal.SIGTERM) is recording  # the rank still records it
     finally:
         stops.restore()
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_stop_signals_left_out_of_the_setting_keep_their_default_action():

@@ -84,8 +84,11 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
             counter.mark()
 
     trainer.add_callback(Spans())
-    with counter:
-        trainer.train()
+    try:
+        with counter:
+            trainer.train()
+    finally:
+        trainer.stops.restore()  # the stop-signal handlers the trainer installed: this process's again
     assert len(counter.spans) == STEPS
     # the last step's agreement: one rank, nothing non-finite, no signal; another step's is refused
     assert trainer.agreement_of(STEPS).rows == [[0.0] * 5]
