@@ -75,6 +75,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     # windows): its meter resets torch's peak counters and the kernel's VmHWM at every log, so
     # this worker's tracker would see only the steps after the last one. TRL's side: the tracker.
     if ours:
+        trainer.stops.restore()  # the stop signals act as before the trainer (the next side may run in this process)
         mem = trainer.final_measurements()["memory"]["max"]
         peak_source = "FinetuneTrainer run peak (max over its log windows)"
     else:
@@ -238,10 +239,7 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = build.model_for(cfg, launch, args)
-    out = Path(spec["output_dir"])
-    kept = sinks.for_run(
-        cfg, RunRecord(out / "run.json", run_name=out.name, recipe="bench", config={}), out, main=False
-    )
+    record = RunRecord(Path(spec["output_dir"], "run.json"), run_name="bench", recipe="bench", config={})
     trainer = build.trainer_for(
         cfg,
         launch,
@@ -250,10 +248,10 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         train_dataset=dataset,
         eval_dataset=None,
         tokenizer=load_tokenizer(cfg.model),
-        sinks=kept,
+        sinks=sinks.Sinks(sinks.Kept(record)),
         stops=signals.Stops(),
     )
-    kept.put(resumes=resume.first_segment(kept.view))  # the segment the hooks note the live mesh in
+    trainer.sinks.put(resumes=resume.first_segment(record.view))  # the segment the hooks note the live mesh in
     for callback in callbacks:
         trainer.add_callback(callback)
     return trainer
