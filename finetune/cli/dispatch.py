@@ -218,8 +218,9 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     from finetune.launch import cpu_rehearsal
 
     config_file, problems = args.config_file, list(args.problems)  # the command line's, then every other
-    if args.allow_config_change and not args.resume:
-        problems.append("--allow-config-change applies to --resume only (a new run takes any configuration)")
+    for flag in ("allow_config_change", "allow_input_change"):
+        if getattr(args, flag) and not args.resume:
+            problems.append(f"--{flag.replace('_', '-')} applies to --resume only (a new run takes any configuration)")
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
         if problems:
             raise ConfigError(problems, "finetune train: command line")
@@ -240,6 +241,7 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
         allow_config_change=args.allow_config_change,
         cfg=cfg,
         problems=problems,
+        allow_input_change=args.allow_input_change,
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
     # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts

@@ -44,8 +44,7 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
         raise DataError("contains no rows to detect the format from", path=path or None)
     first = rows[0]
     keys = sorted(first) if isinstance(first, dict) else []
-    # conversations first: their one list key decides even when a row carries other columns too
-    for name, fmt in sorted(TABLE.items(), key=lambda item: item[1].renders != "conversation"):
+    for name, fmt in detection_order():
         if all(k in keys for k in fmt.keys):
             return name
     needs = "; ".join(f.help for f in TABLE.values())
@@ -57,13 +56,51 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
         if prompt and answer
         else "rename the columns to one format's keys"
     )
+    nested = nesting_note(first)
     raise DataError(
-        f"cannot detect the data format: first row has keys {keys}; {needs}. To use it, {rename}", path=path or None
+        f"cannot detect the data format: first row has keys {keys}; "
+        + (nested if nested else f"{needs}. To use it, {rename}"),
+        path=path or None,
     )
 
 
 _PROMPT_LIKE = ("question", "query", "input", "instruction", "prompt", "source")
 _ANSWER_LIKE = ("answer", "response", "output", "target", "completion", "label")
+
+
+def detection_order() -> list[tuple[str, DataFormat]]:
+    """(name, record) in the order a first row is tried: conversations first, their one list key decides even when
+    a row carries other columns too."""
+    return sorted(TABLE.items(), key=lambda item: item[1].renders != "conversation")
+
+
+def with_format_note(reason: str, row: Any, fmt: str) -> str:
+    """A row's problem, with a note when the row has the keys of another format than the data's: the format changes
+    there (rows of two datasets joined, say)."""
+    if not isinstance(row, dict) or all(k in row for k in TABLE[fmt].keys):
+        return reason
+    for other, record in detection_order():
+        if other != fmt and all(k in row for k in record.keys):
+            return (
+                f"{reason}; this row has the keys of {other} rows ({', '.join(record.keys)}), not those of the {fmt} "
+                "rows before it: the format changes here (two datasets joined?); convert these rows or keep them apart"
+            )
+    return reason
+
+
+def nesting_note(row: Any) -> str | None:
+    """When a row is no format's but holds one under a single key, the rows are nested a level down: say where."""
+    if not isinstance(row, dict) or len(row) != 1:
+        return None
+    (key, inner), found = next(iter(row.items())), None
+    if isinstance(inner, dict):
+        found = next((f for f, record in detection_order() if all(k in inner for k in record.keys)), None)
+    if found is None:
+        return None
+    return (
+        f"the rows are nested one level down: each holds a row of the {found} format under the key {key!r}; unwrap them "
+        f"(for JSON lines: jq -c '.{key}' FILE > OUT.jsonl)"
+    )
 
 
 class BadRow(Exception):

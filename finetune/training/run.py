@@ -110,17 +110,17 @@ def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Loc
         resumed = resume_config.resolve(
             args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
         )
+        resumed.allow_input_change = args.allow_input_change
         cfg = resumed.cfg
     else:
-        if args.allow_config_change:
-            raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+        if args.allow_config_change or args.allow_input_change:
+            raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
         cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     stops.keep_only(cfg.training.stop_signals, grace_s=cfg.training.stop_grace)  # the others: default action back
     state, launch, teardown = start_processes(cfg)
-    # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md); the watchdog's
-    # stop is recorded in the run once there is one (`run` below)
+    # heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md), in the run once there is one
     run = None
     heartbeat = peers.start(state.process_index, launch.world_size, stops.watch, lambda cause: stuck(run, cause))
     try:
@@ -221,10 +221,11 @@ def prepare(
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     plan = resumed = None
+    allowed = bool(resumed_config and resumed_config.allow_input_change)
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg, locks))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(
-            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides)
+            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides, allow_input_change=allowed)
         )
         cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
@@ -361,7 +362,7 @@ def build_trainer(
     run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None, ddp_record: dict
 ) -> ResilientTrainer:
     """The Trainer (finetune/training/build.py) with its hooks, set to continue a resumed run's checkpoint."""
-    static = provenance.static_facts(run.cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    rows = dict(train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
     return build.trainer_for(
         run.cfg,
         run.launch,
@@ -375,7 +376,9 @@ def build_trainer(
         machines=run.launch.machines,  # run.json `nodes`; every rank (it gathers)
         resumed_world_size=run.resume.written["world_size"] if run.resume else None,  # Trainer._load_rng_state
         find_unused_parameters=ddp_record["find_unused_parameters"],  # None: not DDP
-        run_facts=lambda: provenance.run_block_of(run.sinks.view, static),  # the completion marker's `run`
+        run_facts=lambda: provenance.run_block_of(  # the completion marker's `run`, with the inputs record_setup put
+            run.sinks.view, provenance.static_facts(run.cfg, **rows, inputs=run.sinks.view.get("inputs"))
+        ),
         universal=universal_dir is not None,
     )
 
@@ -394,6 +397,8 @@ def record_setup(
     hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
+    # what the run is made from (the marker's too, on --resume): rank 0 reads the files, every rank keeps the record
+    hand(inputs=run_on_main(run.state, lambda: provenance.inputs(cfg, run.data_path)))
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
     hand(speed=speed.section(cfg, model, trainer, **records))
