@@ -239,7 +239,6 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         examples = [render.Example(r["input_ids"], r["labels"]) for r in dataset]
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = build.model_for(cfg, launch, args)
-    record = RunRecord(Path(spec["output_dir"], "run.json"), run_name="bench", recipe="bench", config={})
     trainer = build.trainer_for(
         cfg,
         launch,
@@ -248,10 +247,12 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         train_dataset=dataset,
         eval_dataset=None,
         tokenizer=load_tokenizer(cfg.model),
-        sinks=sinks.Sinks(sinks.Kept(record)),
+        sinks=sinks.Sinks(
+            sinks.Kept(RunRecord(Path(spec["output_dir"], "run.json"), run_name="bench", recipe="bench", config={}))
+        ),
         stops=signals.Stops(),
     )
-    trainer.sinks.put(resumes=resume.first_segment(record.view))  # the segment the hooks note the live mesh in
+    trainer.sinks.put(resumes=resume.first_segment(trainer.sinks.view))  # the segment the hooks note the live mesh in
     for callback in callbacks:
         trainer.add_callback(callback)
     return trainer

@@ -92,9 +92,11 @@ class FinetuneTrainer(Trainer):
         """Trainer's, with DDP's find_unused_parameters as decided (Trainer reads TrainingArguments', built before
         the model could be probed); run.json speed.ddp checks the live handler against the decision."""
         args = super()._build_accelerator_args(**kwargs)
-        if self.find_unused_parameters is not None:
-            (handler,) = args["kwargs_handlers"]
-            args["kwargs_handlers"] = [dataclasses.replace(handler, find_unused_parameters=self.find_unused_parameters)]
+        if self.find_unused_parameters is not None:  # its one handler: DistributedDataParallelKwargs
+            args["kwargs_handlers"] = [
+                dataclasses.replace(handler, find_unused_parameters=self.find_unused_parameters)
+                for handler in args["kwargs_handlers"]
+            ]
         return args
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
