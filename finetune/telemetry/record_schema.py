@@ -494,4 +494,3 @@ SECTIONS: tuple[Section, ...] = (
     Section("speed", Speed, ABSENT, False),
     Section("inputs", Inputs, ABSENT, False),
 )
-BY_NAME = {s.name: s for s in SECTIONS}
