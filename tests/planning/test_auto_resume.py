@@ -36,6 +36,8 @@ def test_a_resumed_auto_run_takes_its_recorded_resolution(tmp_path, tiny_model_d
     plan = json.loads((run_dir / "run.json").read_text())["plan"]
     planned = {k: v["planned"] for k, v in plan["levers"].items()}
     assert plan["auto"] == ["per_device_train_batch_size", "gradient_checkpointing"]
+    # the demo recipe's 8 sequences per step, kept whatever micro-batch fits (one process)
+    assert plan["effective_batch"]["asked"] == plan["effective_batch"]["planned"] == 8
 
     # the last checkpoint torn: the same command with --resume continues from checkpoint-2
     (run_dir / "checkpoint-3" / "finetune-checkpoint-complete.json").unlink()
