@@ -19,7 +19,7 @@ from finetune.data import prepare
 from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
 from finetune.data.pack import bins, packed_row
 from finetune.data.read import DataError, Invalid, is_local, parse_line, read_head
-from finetune.data.render import Example, Renderer
+from finetune.data.render import IGNORE_INDEX, Example, Renderer, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,39 @@ def check_head(cfg, *, max_rows: int = 100) -> list[str]:
     except DataError as e:
         return [f"data.path: {e}"]
     return []
+
+
+def head_examples(cfg, tokenizer, *, count: int, window: int) -> list[Example]:
+    """The first `count` examples of `cfg.path` with a trained token, rendered and tokenized as the data build does
+    (cut at data.max_length), each cut to the `window` tokens that end at its last trained token: a fixed batch of the
+    run's own tokens (the export check's probe, finetune/export/). Bad rows are passed over."""
+    numbered, _ = read_head(cfg.path, count * 8, split=getattr(cfg, "split", "train"))
+    rows = [row for _, row in numbered if not isinstance(row, Invalid)]
+    if not rows:
+        raise DataError("no readable row among the first ones (the export check reads a few)", path=cfg.path)
+    renderer = Renderer(
+        tokenizer, detect_format(rows[:1], getattr(cfg, "format", "auto"), path=cfg.path), cfg, cfg.path
+    )
+    rendered = []
+    for row in rows:
+        try:
+            rendered.append(renderer.render(row))
+        except BadRow:
+            continue
+    out = []
+    for example in tokenize(rendered, tokenizer):
+        labels = example.labels[: cfg.max_length]
+        trained = [i for i, label in enumerate(labels) if label != IGNORE_INDEX and i > 0]  # label 0 is never scored
+        if trained:
+            end = trained[-1] + 1
+            out.append(Example(example.input_ids[max(0, end - window) : end], labels[max(0, end - window) : end]))
+        if len(out) == count:
+            break
+    if not out:
+        raise DataError(
+            "no example among the first rows has a trained token (the export check reads a few)", path=cfg.path
+        )
+    return out
 
 
 def check_empty_targets(rows: list[int], good: int, cfg, path: str, *, warn: bool = True) -> None:

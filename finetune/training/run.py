@@ -30,6 +30,7 @@ from finetune.console import guard_streams
 from finetune.data import demo, read
 from finetune.data.build import DataBundle, build_datasets
 from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
+from finetune.export.live import ExportCheck
 from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
 from finetune.launch.peers import Heartbeat, Teardown, run_on_main
 from finetune.launch.plan import LaunchPlan
@@ -443,7 +444,8 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits)
+    check = ExportCheck.for_run(cfg, run.launch, run.data_path)  # run.verify_export, run.export
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, check)
     try:
         with after:
             measured = after.step("the measurements", measure)
@@ -451,6 +453,8 @@ def finish(
                 signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
                 after.export(then=export_drills)
                 signals.set_stage(signals.FINISHING)
+                if run.sinks:
+                    run.sinks.put(export=after.record)
             eval_loss = after.step("the evaluation", evaluate)
             if data.heldout is not None:
                 results["after"] = after.step("exact match", match)
@@ -464,6 +468,8 @@ def finish(
     except Exception:
         if after.checkpoint and run.sinks:  # the export failed: the weights are in this checkpoint
             run.sinks.merge("summary", checkpoint=str(after.checkpoint))
+        if after.record and run.sinks:  # the export's check (and merge), when they failed too
+            run.sinks.put(export=after.record)
         raise
     if run.sinks:
         run.sinks.close(0)
