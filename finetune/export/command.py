@@ -157,9 +157,8 @@ def _check_space(request: Request) -> None:
 def export(request: Request, damage=None) -> dict:
     """Write the folder beside --out, check it, and put it in place when it passed (else keep it beside, named);
     returns export.json's content (and `kept`: where a failed export is)."""
-    partial = request.out.with_name(f".{request.out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    request.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
     with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
         work = Path(work)
         adapter_dir = _consolidated_adapter(request, work) if request.adapter else None
@@ -176,14 +175,26 @@ def export(request: Request, damage=None) -> dict:
     (partial / "README.md").write_text(model_card(request, found), encoding="utf-8")
     (partial / MARKER).write_text("made by finetune export; the whole folder is replaced by the next export\n")
     if not check["passed"]:
-        kept = request.out.with_name(request.out.name + ".unverified")
-        shutil.rmtree(kept, ignore_errors=True)
+        kept = _beside(request.out, ".unverified")
         partial.rename(kept)
         return found | {"kept": str(kept)}
     if request.out.exists():  # an earlier export (its marker was checked): replaced as a whole
         shutil.rmtree(request.out)
     partial.rename(request.out)
     return found
+
+
+def _beside(out: Path, suffix: str) -> Path:
+    """`out` + suffix for a failed export: a folder of that name this command made is replaced, another is kept (the
+    next free `-<n>` name is taken)."""
+    for n in range(1, 1000):
+        path = out.with_name(out.name + suffix + (f"-{n}" if n > 1 else ""))
+        if not path.exists():
+            return path
+        if (path / MARKER).is_file():
+            shutil.rmtree(path)
+            return path
+    raise UserError(f"{out}: no free name beside it for the failed export")
 
 
 def _consolidated_adapter(request: Request, work: Path) -> Path:
@@ -318,14 +329,13 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     saved["block_peft"] = not (request.adapter and not request.merge)
     ref = reload.fresh(common | reference, work / "reference", CHECK_TIMEOUT_S)
     got = reload.fresh(common | saved, work / "saved", CHECK_TIMEOUT_S)
-    problems = list(got["problems"])
+    tensor_problems, worst = figures.tensor_problems(expected, got.get("stats", {}))
+    problems = list(got["problems"]) + tensor_problems
     for who, found in (("the source", ref), ("the export", got)):
         if found.get("load_error"):
             problems.append(f"{who} does not load: {found['load_error']}")
     if saved["block_peft"] and got.get("peft_imported"):
         problems.append("the export loaded with peft imported; it must load without")
-    tensor_problems, worst = figures.tensor_problems(expected, got.get("stats", {}))
-    problems += tensor_problems
     section = {"kind": "reload", "why": "finetune export", "reference": what, "compute_dtype": request.dtype}
     section.update(probe=figures.describe_probe(batch, str(data.path)), tensors=len(expected))
     section.update(max_tensor_rel_diff=worst, device=got.get("device"))

@@ -186,11 +186,10 @@ def _reload(check: ExportCheck, model_dir: Path, batch) -> dict:
 
 def _judged(found: dict, live, batch, check: ExportCheck, expected: dict, tokenizer) -> dict:
     """The fresh process's findings against the live model: figures, tensors, the tokenizer."""
-    problems = list(found["problems"])
+    tensor_problems, worst = figures.tensor_problems(expected, found.get("stats", {}))
+    problems = list(found["problems"]) + tensor_problems
     if found.get("load_error"):
         problems.append(f"model/ does not load: {found['load_error']}")
-    tensor_problems, worst = figures.tensor_problems(expected, found.get("stats", {}))
-    problems += tensor_problems
     out = {"tensors": len(expected), "max_tensor_rel_diff": worst, "device": found.get("device")}
     if "logits" in found and live is not None:
         figs = figures.compare(live, (found["loss"], found["logits"]), batch["attention_mask"], check.compute_dtype)

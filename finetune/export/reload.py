@@ -75,7 +75,8 @@ def measure(request: dict) -> dict:
     try:
         model = load(request).to(device).eval()
     except Exception as e:  # noqa: BLE001 - a folder that does not load is a finding: named
-        result["load_error"] = f"{type(e).__name__}: {e}"
+        lines = f"{type(e).__name__}: {e}".splitlines()  # a state dict mismatch lists every tensor: the first says it
+        result["load_error"] = lines[0][:500] + (f" (and {len(lines) - 1} more lines)" if len(lines) > 1 else "")
         return result | {"seconds": time.perf_counter() - started}
     batch = load_file(request["probe"])
     loss, logits = figures.forward(model, batch, device, request.get("autocast"))
