@@ -35,10 +35,11 @@ class Tolerance:
     matrix moved the logits by 2.4e-3, a zeroed base matrix by 0.31. The tensor comparison names what the logits
     cannot (tensor_problems).
 
-    16-bit: the fresh process rounds at other points than the live model (bf16 weights under autocast where DDP
-    autocasts over fp32 ones; docs/precision.md): measured at most 1.5 u of the largest logit (a full fine-tune under
-    DDP in bf16-mixed; ZeRO-3 and FSDP2: 0) and 0.003 u relative on the mean loss, whose rounding errors average out
-    over the trained tokens. Bounds: 16 u on the logits, u/16 on the loss (about 10x and 20x what was measured).
+    16-bit: the fresh process may round at other points than the live model (autocast over the saved fp32 weights
+    where FSDP2 computes with bf16 working copies; docs/precision.md): measured on bf16-mixed runs of the test model,
+    at most 1.5 u of the largest logit (full fine-tuning under FSDP2; DDP, ZeRO-3 and LoRA: 0) and 0.003 u relative
+    on the mean loss, whose rounding errors average out over the trained tokens. Bounds: 16 u on the logits, u/16 on
+    the loss (about 10x and 20x what was measured).
     """
 
     logits: float  # max |z_a - z_b| <= logits * max(1, max |z_a|)

@@ -30,7 +30,7 @@ class ExportCheck:
     mode: str  # run.verify_export: auto | reload | stream | off
     data: Any  # the data section, its path resolved (the demo's generated file)
     compute_dtype: str  # the precision policy's: the tolerance's dtype
-    load_dtype: str  # what the fresh process loads the weights in, as the run did
+    load_dtype: str  # what the fresh process loads in: an adapter's base as the run did; full weights as saved (auto)
     adapter: bool
     base: str  # the base model's folder (an adapter's base)
     quantization: dict | None  # QLoRA: the 4-bit base's BitsAndBytesConfig, as the run loaded it
@@ -52,7 +52,7 @@ class ExportCheck:
             mode=cfg.run.verify_export,
             data=dataclasses.replace(cfg.data, path=data_path),
             compute_dtype=policy.compute_dtype,
-            load_dtype=policy.load_dtype(method.name),
+            load_dtype="auto" if method.name == "full" else policy.load_dtype(method.name),
             adapter=method.name != "full",
             base=load.resolve_model_path(cfg.model.name_or_path),
             quantization=quantization,
@@ -143,6 +143,8 @@ def _live_forward(trainer, batch) -> tuple[float, torch.Tensor]:
             return figures.forward(model, batch, trainer.args.device, None)
     finally:
         model.train(was_training)
+        if hasattr(model, "reshard"):  # FSDP2 keeps the root's parameters unsharded after a forward: back to shards
+            model.reshard()
 
 
 def _live_tensors(model, check: ExportCheck):

@@ -95,7 +95,8 @@ def load(request: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, request.get("dtype") or "float32")
+    dtype = request.get("dtype") or "float32"
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)  # auto: as saved (config.json's dtype)
     if request.get("consolidated"):
         return _consolidated(request, dtype)
     if not (Path(request["folder"]) / "adapter_config.json").is_file():
