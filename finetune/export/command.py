@@ -8,7 +8,6 @@ input is checked before anything is written; the folder is built beside --out an
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -62,13 +62,18 @@ class ExportCheck:
         )
 
 
-def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck) -> dict | None:
+def probe(check: ExportCheck, tokenizer) -> dict | None:
+    """The probe batch (every rank builds the same from the run's data file), before the save: a rank that cannot
+    read it fails at that step's boundary, not inside the forward every rank joins. None when the check is off."""
+    return None if check.mode == "off" else figures.probe_batch(check.data, tokenizer)
+
+
+def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck, batch: dict | None) -> dict | None:
     """On every rank, after model/ is written: run.json `export.check` on rank 0 (None elsewhere); raises
     ExportCheckFailed on rank 0 when the save does not hold."""
     if check.mode == "off":
         return {"kind": "off", "why": "run.verify_export: off", "passed": None} if _main(trainer) else None
     started = time.perf_counter()
-    batch = figures.probe_batch(check.data, tokenizer)  # every rank: the same rows
     main = _main(trainer)
     live = None if check.no_forward else _live_forward(trainer, batch)
     kind, why = _kind(check, model_dir) if main else (None, None)

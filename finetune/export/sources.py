@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,9 @@ class Source:
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
             for name in names:  # torch's loader of chosen keys outside a process group (format_utils.py uses it)
-                loaded = _load_state_dict_from_keys({f"model.{name}"}, checkpoint_id=str(self.path / DCP_MODEL))
+                with warnings.catch_warnings():  # "torch.distributed is unavailable ...": here by design, per key
+                    warnings.simplefilter("ignore", UserWarning)
+                    loaded = _load_state_dict_from_keys({f"model.{name}"}, checkpoint_id=str(self.path / DCP_MODEL))
                 yield name, loaded["model"][name]
 
     def bytes(self, dtype: torch.dtype | None = None) -> int:
@@ -90,7 +93,7 @@ def open_source(path: Path, *, adapter: bool) -> Source:
 def _deepspeed(path: Path, adapter: bool) -> Source:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints its progress
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(path), exclude_frozen_parameters=adapter, lazy_mode=True)
     source = Source(path, "deepspeed", adapter)
     for name, tensor in lazy.items():
@@ -158,7 +161,7 @@ def adapter_config(source: Source, method, base: str) -> dict:
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
     )
-    return config.to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}  # as peft saves it
 
 
 def _safetensors(folder: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

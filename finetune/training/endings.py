@@ -81,18 +81,21 @@ class AfterTraining:
                 then()
             step = self.trainer.state.global_step
             fault_injection.damage_export(self.model_dir, rank=self.trainer.accelerator.process_index, step=step)
-            self._verify()
+            self._verify(batch)
 
+        batch = (
+            self.step("the export's probe rows", lambda: live.probe(self.check, self.tokenizer)) if self.check else None
+        )
         self.step("the export", write, saves=True)
         self.exported = self.model_dir
         if self.check is not None and self.check.merged:
             self.step("the merged export", self._merged, saves=True)
 
-    def _verify(self) -> None:
+    def _verify(self, batch) -> None:
         if self.check is None:
             return
         try:
-            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check)
+            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch)
         except live.ExportCheckFailed as e:
             self.record["check"] = e.section
             raise

@@ -77,12 +77,12 @@ def _zero_one(path, key="base_model.model.model.layers.1.mlp.down_proj.lora_B.we
 def test_stream_check_passes_a_faithful_save_and_names_a_zeroed_tensor(trained, tiny_model_dir, tokenizer, tmp_path):
     model, data, saved = trained
     check = _check(data, tiny_model_dir, "stream")
-    section = live.verify(_trainer(model), saved, tokenizer, check)
+    section = live.verify(_trainer(model), saved, tokenizer, check, live.probe(check, tokenizer))
     assert section["kind"] == "stream" and section["passed"] and section["tensors"] == 28, section
     assert section["reference_loss"] > 0 and section["saved_loss"] is None  # the stream check computes no logits
     damaged = _damaged_copy(saved, tmp_path, _zero_one)
     with pytest.raises(live.ExportCheckFailed) as failed:
-        live.verify(_trainer(model), damaged, tokenizer, check)
+        live.verify(_trainer(model), damaged, tokenizer, check, live.probe(check, tokenizer))
     assert failed.value.section["problems"] == [
         "tensor base_model.model.model.layers.1.mlp.down_proj.lora_B.weight differs from the trained one by up to "
         + failed.value.section["problems"][0].split("by up to ")[1]
@@ -96,7 +96,7 @@ def test_reload_check_compares_the_fresh_process_figures_and_names_a_truncated_f
 
     model, data, saved = trained
     check = _check(data, tiny_model_dir, "reload")
-    section = live.verify(_trainer(model), saved, tokenizer, check)
+    section = live.verify(_trainer(model), saved, tokenizer, check, live.probe(check, tokenizer))
     assert section["kind"] == "reload" and section["passed"], section
     assert section["max_logit_diff"] <= section["logit_tolerance"] and section["device"] == "cpu", section
     assert abs(section["saved_loss"] - section["reference_loss"]) <= section["loss_tolerance"], section
@@ -108,7 +108,7 @@ def test_reload_check_compares_the_fresh_process_figures_and_names_a_truncated_f
     }
     damaged = _damaged_copy(saved, tmp_path, lambda p: os.truncate(p, p.stat().st_size // 2))
     with pytest.raises(live.ExportCheckFailed) as failed:
-        live.verify(_trainer(model), damaged, tokenizer, check)
+        live.verify(_trainer(model), damaged, tokenizer, check, live.probe(check, tokenizer))
     problems = failed.value.section["problems"]
     assert problems[0].startswith("adapter_model.safetensors: cannot be read"), problems
     assert any(p.startswith("model/ does not load: ") for p in problems), problems

@@ -627,6 +627,7 @@ def merged(runs, tmp_path_factory, tiny_model_dir):
             timeout=600,
             cwd=REPO,
         )
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
         done[name] = (proc, out)
     for kind, folders in (
         ("merged", [str(o) for _, o in done.values()]),
@@ -683,7 +684,16 @@ def test_qlora_merges_into_the_dequantized_base_it_trained_on(runs, tmp_path):
     (the quantization error the adapter trained against) is reported beside it."""
     out = tmp_path / "qlora"
     proc = subprocess.run(
-        [sys.executable, "-m", "finetune.cli", "export", str(runs("single_qlora").run_dir), "--merge", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "export",
+            str(runs("single_qlora").run_dir),
+            "--merge",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -696,7 +706,9 @@ def test_qlora_merges_into_the_dequantized_base_it_trained_on(runs, tmp_path):
     assert check["passed"] and check["reference"] == "the 4-bit base + adapter (peft), as trained", check
     assert check["max_logit_diff"] <= check["logit_tolerance"], check
     assert original["max_logit_diff"] > max(10 * check["max_logit_diff"], check["logit_tolerance"]), original
-    print(f"qlora: vs the 4-bit base {check['max_logit_diff']:.2e}, vs the original base {original['max_logit_diff']:.2e}")
+    print(
+        f"qlora: vs the 4-bit base {check['max_logit_diff']:.2e}, vs the original base {original['max_logit_diff']:.2e}"
+    )
 
 
 # Full fine-tuning's consolidated export under ZeRO-3 and FSDP2, in bf16-mixed:
