@@ -72,7 +72,7 @@ class AfterTraining:
 
     def export(self, then=None) -> None:
         """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, then its check
-        (finetune/export/live.py), as a step every rank agrees on: complete from then on; then the merged export
+        (finetune/export/live.py), each a step every rank agrees on: complete once checked; then the merged export
         (run.export: merged) as another. `then()` runs after the writing on this rank (a drill)."""
 
         def write():
@@ -81,14 +81,14 @@ class AfterTraining:
                 then()
             step = self.trainer.state.global_step
             fault_injection.damage_export(self.model_dir, rank=self.trainer.accelerator.process_index, step=step)
-            self._verify(batch)
 
-        batch = (
-            self.step("the export's probe rows", lambda: live.probe(self.check, self.tokenizer)) if self.check else None
-        )
+        check = self.check
+        batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
         self.step("the export", write, saves=True)
+        if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
+            self.step("the export's check", lambda: self._verify(batch), saves=True)
         self.exported = self.model_dir
-        if self.check is not None and self.check.merged:
+        if check is not None and check.merged:
             self.step("the merged export", self._merged, saves=True)
 
     def _verify(self, batch) -> None:

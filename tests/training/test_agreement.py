@@ -56,6 +56,7 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
 def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     import torch.distributed as dist
 
+    from finetune.export import live
     from finetune.launch import peers
     from finetune.modeling import load
     from finetune.training import fault_injection, run, signals
@@ -117,6 +118,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
         sinks=None,
         launch=SimpleNamespace(world_size=2),
         heldout_path=None,
+        data_path=None,
     )
     data = SimpleNamespace(
         tokenizer=SimpleNamespace(save_pretrained=lambda d: None), bundle=SimpleNamespace(eval=[1]), heldout=[1]
@@ -128,16 +130,20 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     signals.received.clear()
     signals.failures_agreed.clear()
     peers.watch = peers.Watch()
-    saved = (load.save_final_model, run.exact_match, run.preempted)
+    # the export's check: its probe rows and its comparison, each a collective as the live model's forward is
+    saved = (load.save_final_model, run.exact_match, run.preempted, run.ExportCheck, live.probe, live.verify)
     load.save_final_model, run.exact_match = save_final_model, exact_match
     run.preempted = lambda the_run, trainer, arguments: 75
+    run.ExportCheck = SimpleNamespace(for_run=lambda cfg, launch, data_path: SimpleNamespace(merged=False))
+    live.probe = lambda check, tokenizer: collective("probe")
+    live.verify = lambda trainer, model_dir, tokenizer, check, batch: collective("check")
     try:
         code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args))
         return ("returned", code, entered)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return ("raised", f"{type(e).__name__}: {e}", entered)
     finally:
-        load.save_final_model, run.exact_match, run.preempted = saved
+        load.save_final_model, run.exact_match, run.preempted, run.ExportCheck, live.probe, live.verify = saved
         signals.received.clear()
 
 
