@@ -90,7 +90,9 @@ def checked(args) -> Request:
             f"--merge: {run_dir} is a full fine-tune (method.name: full): its weights are the whole model already; "
             f"export it without --merge"
         )
-    path, step = _source_path(run_dir, args.checkpoint)
+    record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
+    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
+    path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
     base = Path(resolve_model_path(cfg.model.name_or_path))
     out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
@@ -103,14 +105,14 @@ def checked(args) -> Request:
         shard = units.parse_size(args.max_shard_size, "--max-shard-size")
     else:
         shard = max((p.stat().st_size for p in base.glob("*.safetensors")), default=DEFAULT_SHARD)
-    record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
     request = Request(run_dir, cfg, record, source, step, args.merge, out, dtype, shard, base)
     _check_space(request)
     return request
 
 
-def _source_path(run_dir: Path, number: int | None) -> tuple[Path, int | None]:
-    """checkpoint-N (complete: its marker, every file's checksum), or model/, else the newest complete checkpoint."""
+def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
+    """checkpoint-N (complete: its marker, every file's checksum), or model/ (unless it failed its check in the run),
+    else the newest complete checkpoint."""
     if number is not None:
         ckpt = run_dir / f"checkpoint-{number}"
         if not ckpt.is_dir():
@@ -121,12 +123,13 @@ def _source_path(run_dir: Path, number: int | None) -> tuple[Path, int | None]:
             raise UserError(f"--checkpoint {number}: {ckpt} is not complete: {problem}")
         return ckpt, number
     model = run_dir / "model"
-    if not figures.weight_files(model)[1]:
+    if not model_failed and not figures.weight_files(model)[1]:
         return model, None
+    why = "failed its check in the run (run.json export.check)" if model_failed else "holds no weights"
     complete = [c for c in reversed(checkpoints.checkpoints(run_dir)) if checkpoints.problem(c) is None]
     if not complete:
-        raise UserError(f"{run_dir}: nothing to export: model/ holds no weights and no checkpoint is complete")
-    print(f"finetune export: {model} holds no weights; exporting the newest complete checkpoint {complete[0]}")
+        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete")
+    print(f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]}", flush=True)
     return complete[0], checkpoints.step_of(complete[0])
 
 
@@ -138,12 +141,11 @@ def _config_dtype(base: Path) -> str:
 
 def _check_space(request: Request) -> None:
     """Refuse before writing when the filesystem of --out cannot hold the export."""
-    size = torch.empty(0, dtype=getattr(torch, request.dtype)).element_size()
     if request.merge:
         weights = sources.open_source(request.base, adapter=False).bytes(getattr(torch, request.dtype))
     else:
         weights = request.source.bytes(getattr(torch, request.dtype) if not request.adapter else None)
-    needed = weights + 64 * units.MIB + size  # the tokenizer, the config, the card
+    needed = weights + 64 * units.MIB  # and the tokenizer, the configs, the card
     where = next(p for p in (request.out, *request.out.parents) if p.exists())
     free = shutil.disk_usage(where).free
     if free < needed:
@@ -158,17 +160,20 @@ def export(request: Request, damage=None) -> dict:
     returns export.json's content (and `kept`: where a failed export is)."""
     request.out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
-    with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
-        work = Path(work)
-        adapter_dir = _consolidated_adapter(request, work) if request.adapter else None
-        written = _write(request, partial, adapter_dir)
-        tokenizer = _tokenizer(request)
-        tokenizer.save_pretrained(str(partial))
-        if damage is not None:
-            damage(partial)
-        started = time.perf_counter()
-        check = _check(request, partial, adapter_dir, written["expected"], tokenizer, work)
-        check["seconds"] = round(time.perf_counter() - started, 2)
+    try:
+        with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
+            adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None
+            written = _write(request, partial, adapter_dir)
+            tokenizer = _tokenizer(request)
+            tokenizer.save_pretrained(str(partial))
+            if damage is not None:
+                damage(partial)
+            started = time.perf_counter()
+            check = _check(request, partial, adapter_dir, written["expected"], tokenizer, Path(work))
+            check["seconds"] = round(time.perf_counter() - started, 2)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # made by mkdtemp above: only what this export wrote
+        raise
     found = _export_json(request, written, check)
     (partial / "export.json").write_text(json.dumps(found, indent=1), encoding="utf-8")
     (partial / "README.md").write_text(model_card(request, found), encoding="utf-8")
@@ -324,7 +329,7 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     reference, what = _reference(request, adapter_dir)
     saved = {"folder": str(folder), "dtype": request.dtype, "stats": True, "tokenizer": True}
     if request.adapter and not request.merge:
-        saved.update(base=str(request.base), dtype="float32")
+        saved.update(base=str(request.base))
     saved["block_peft"] = not (request.adapter and not request.merge)
     ref = reload.fresh(common | reference, work / "reference", CHECK_TIMEOUT_S)
     got = reload.fresh(common | saved, work / "saved", CHECK_TIMEOUT_S)
@@ -365,18 +370,19 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
 
 
 def _reference(request: Request, adapter_dir: Path | None) -> tuple[dict, str]:
-    """What the export is compared with, loaded as its format loads, and its name in export.json."""
+    """What the export is compared with, loaded as its format loads and in --dtype (so the two differ by the export's
+    own roundings only; the 4-bit base in the dtype the run loaded it in), and its name in export.json."""
     if request.adapter:
         quantized = request.cfg.method.name == "qlora"
         policy = _policy(request)
-        ask = {"folder": str(adapter_dir), "base": str(request.base), "dtype": "float32"}
+        ask = {"folder": str(adapter_dir), "base": str(request.base), "dtype": request.dtype}
         if quantized:
             ask.update(quantization=_quantization(request, policy), dtype=policy.load_dtype("qlora"))
         return ask, "the 4-bit base + adapter (peft), as trained" if quantized else "the base + adapter (peft)"
     source = request.source
     if source.format == "safetensors" and (source.path / "config.json").is_file():
-        return {"folder": str(source.path), "dtype": "float32"}, f"{source.path.name} (transformers)"
-    return {"folder": str(request.base), "consolidated": str(source.path), "dtype": "float32"}, source.describe()
+        return {"folder": str(source.path), "dtype": request.dtype}, f"{source.path.name} (transformers)"
+    return {"folder": str(request.base), "consolidated": str(source.path), "dtype": request.dtype}, source.describe()
 
 
 def _bytes(request: Request) -> int:
