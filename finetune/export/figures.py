@@ -153,10 +153,21 @@ def tensor_stats(folder: Path) -> tuple[dict[str, dict], list[str]]:
     return stats, problems
 
 
+CHUNK = 1 << 20  # elements: what is cast to fp64 at a time, so a large tensor is never copied whole
+
+
 def summary(t: torch.Tensor) -> dict:
-    """A tensor's shape, dtype and norm (summed in fp64: the order of summation moves it by ~1e-16 relative)."""
-    norm = t.detach().to(torch.float64).norm().item() if t.numel() else 0.0
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "norm": norm}
+    """A tensor's shape, dtype and norm (squares summed in fp64, a chunk at a time: ~1e-16 relative)."""
+    flat = t.detach().reshape(-1)
+    squares = sum(c.to(torch.float64).square().sum().item() for c in flat.split(CHUNK)) if t.numel() else 0.0
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "norm": squares**0.5}
+
+
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a - b|, max |b|) of two tensors of one shape, in fp64, a chunk at a time."""
+    pairs = list(zip(a.detach().reshape(-1).split(CHUNK), b.detach().reshape(-1).split(CHUNK)))
+    diff = max(((x.to(torch.float64) - y.to(torch.float64)).abs().max().item() for x, y in pairs), default=0.0)
+    return diff, max((y.abs().max().item() for _, y in pairs), default=0.0)
 
 
 def tensor_problems(expected: dict[str, dict], found: dict[str, dict]) -> tuple[list[str], float]:

@@ -246,8 +246,7 @@ class _Stream:
             what = "empty tensor" if saved.numel() == 0 else "tensor"
             self.problems.append(f"{what} {name}: shape {list(saved.shape)}, the trained one is {list(live.shape)}")
             return
-        largest = live.double().abs().max().item() if live.numel() else 0.0
-        diff = (saved.double() - live.double()).abs().max().item() if live.numel() else 0.0
+        diff, largest = figures.largest_difference(saved, live)
         self.worst = max(self.worst, diff / max(largest, 1e-30))
         bound = figures.rounding(_dtype(saved), _dtype(live))
         if diff > bound * largest:

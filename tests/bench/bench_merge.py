@@ -129,7 +129,7 @@ def main() -> int:
     root = Path(args.out)
     run = root / "run" if (root / "run" / "model").is_dir() else make(root)
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.dtype]
-    base = Path(json.loads((run / "model" / "adapter_config.json").read_text())["base_model_name_or_path"])
+    base = root / "qwen2.5-0.5b-random"
     ours, theirs = root / f"ours-{args.dtype}", root / f"peft-{args.dtype}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
