@@ -222,17 +222,18 @@ def _write(request: Request, folder: Path, adapter_dir: Path | None) -> dict:
 
     reset = meter.reset_vmhwm()
     before, started = meter.host_rss(), time.perf_counter()
-    writer = merge.ShardWriter(folder, request.max_shard_bytes, getattr(torch, request.dtype))
+    dtype = getattr(torch, request.dtype)
     if adapter_dir is not None and not request.merge:  # an adapter is small: one file, as peft saves it
-        from safetensors.torch import save_file
-
         shutil.copy(adapter_dir / "adapter_config.json", folder)
-        writer.max_bytes = float("inf")
-        for name, tensor in _adapter_tensors(adapter_dir).items():
+        tensors = _adapter_tensors(adapter_dir)
+        layout = [(name, list(t.shape), sources.dtype_name(t.dtype)) for name, t in tensors.items()]
+        writer = merge.ShardWriter(folder, float("inf"), dtype, layout)
+        for name, tensor in tensors.items():
             writer.add(name, tensor)
-        save_file(writer.pending, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (folder / writer.close()[0]).rename(folder / "adapter_model.safetensors")
         files = ["adapter_model.safetensors"]
     else:
+        writer = merge.ShardWriter(folder, request.max_shard_bytes, dtype, _layout(request))
         for name, tensor in _weights(request, adapter_dir):
             writer.add(name, tensor)
         files = writer.close()
@@ -278,6 +279,14 @@ def _weights(request: Request, adapter_dir: Path | None):
         return
     tied = _tied(request.base)
     yield from request.source.tensors(name for name in request.source.shapes if name not in tied)
+
+
+def _layout(request: Request) -> list[tuple[str, list, str]]:
+    """(name, shape, dtype) of what _weights yields, in its order."""
+    if request.merge:
+        return merge.base_layout(request.base)
+    tied = _tied(request.base)
+    return [(name, shape, dtype) for name, (shape, dtype) in request.source.shapes.items() if name not in tied]
 
 
 def _tied(base: Path) -> set[str]:

@@ -157,9 +157,10 @@ CHUNK = 1 << 20  # elements: what is cast to fp64 at a time, so a large tensor i
 
 
 def summary(t: torch.Tensor) -> dict:
-    """A tensor's shape, dtype and norm (squares summed in fp64, a chunk at a time: ~1e-16 relative)."""
+    """A tensor's shape, dtype and norm (squares in fp32, exact for 16-bit values, summed in fp64 a chunk at a
+    time)."""
     flat = t.detach().reshape(-1)
-    squares = sum(c.to(torch.float64).square().sum().item() for c in flat.split(CHUNK)) if t.numel() else 0.0
+    squares = sum(c.float().square().sum(dtype=torch.float64).item() for c in flat.split(CHUNK)) if t.numel() else 0.0
     return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "norm": squares**0.5}
 
 

@@ -9,6 +9,7 @@ weights it trained against.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -51,6 +52,19 @@ def base_files(base: Path) -> list[str]:
     return [name for name, _ in files]
 
 
+def base_layout(base: Path) -> list[tuple[str, list, str]]:
+    """(name, shape, dtype) of every base tensor, in the order merged_tensors yields them (its files' headers)."""
+    from safetensors import safe_open
+
+    layout = []
+    for name in base_files(base):
+        with safe_open(str(Path(base) / name), "pt") as f:
+            layout += [
+                (k, f.get_slice(k).get_shape(), sources.dtype_name(f.get_slice(k).get_dtype())) for k in f.keys()
+            ]
+    return layout
+
+
 def merged_tensors(
     base: Path, adapter: dict[str, torch.Tensor], config, dequantize: Callable | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,15 +75,10 @@ def merged_tensors(
 
     modules = sources.adapter_modules(adapter)
     targets = {f"{module}.weight": module for module in modules}
-    files = base_files(base)
-    held = set()
-    for name in files:
-        with safe_open(str(Path(base) / name), "pt") as f:
-            held.update(f.keys())
-    missing = sorted(set(targets) - held)
+    missing = sorted(set(targets) - {name for name, _, _ in base_layout(base)})
     if missing:
         raise UserError(f"--merge: the base model {base} has no weight for the adapter's {', '.join(missing[:3])}")
-    for name in files:
+    for name in base_files(base):
         with safe_open(str(Path(base) / name), "pt") as f:
             for key in f.keys():
                 tensor = f.get_tensor(key)
@@ -137,45 +146,85 @@ def requantizer(base: Path, quantization: dict, load_dtype: str) -> Callable:
     return dequantized
 
 
-class ShardWriter:
-    """Tensors into safetensors files of at most `max_bytes` each (a larger tensor gets a file of its own) in `dtype`,
-    and their index; one file is model.safetensors with no index, as transformers saves. Holds one file's worth."""
+# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header naming each tensor's dtype,
+# shape and byte range in the data that follows, padded with spaces to 8 bytes; the tensors' bytes in that order)
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
-    def __init__(self, folder: Path, max_bytes: float, dtype: torch.dtype):
-        self.folder, self.max_bytes, self.dtype = Path(folder), max_bytes, dtype
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str]]] = []
+
+class ShardWriter:
+    """Tensors into safetensors files of at most `max_bytes` each (a larger tensor gets a file of its own), floating
+    ones in `dtype`, and their index; one file is model.safetensors with no index, as transformers saves. `layout`:
+    each tensor's (name, shape, dtype) in the order add() gets them (the base's or the source's headers), so each
+    file's header is written first and every tensor straight after it: the writer holds no tensor of its own (the
+    safetensors package writes a whole dict at once, which would hold a file's worth twice)."""
+
+    def __init__(self, folder: Path, max_bytes: float, dtype: torch.dtype, layout: list[tuple[str, list, str]]):
+        self.folder, self.dtype = Path(folder), dtype
+        self.files: list[list[tuple[str, list, torch.dtype]]] = [[]]
+        size = 0
+        for name, shape, stored in layout:
+            kept = getattr(torch, stored)
+            out = dtype if kept.is_floating_point else kept
+            n = math.prod(shape) * torch.empty(0, dtype=out).element_size()
+            if self.files[-1] and size + n > max_bytes:
+                self.files.append([])
+                size = 0
+            self.files[-1].append((name, list(shape), out))
+            size += n
         self.expected: dict[str, dict] = {}  # name -> shape, dtype, norm of what was written (before the cast)
         self.total = 0
+        self.written: list[tuple[str, list[str]]] = []
+        self.handle, self.left = None, []
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.expected[name] = figures.summary(tensor)
-        if tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total += size
+        if not self.left:
+            self._next_file()
+        want, shape, out = self.left.pop(0)
+        if (want, shape) != (name, list(tensor.shape)):
+            raise RuntimeError(f"the export's layout expected {want} {shape}, got {name} {list(tensor.shape)}")
+        data = tensor.to(out).contiguous().reshape(-1).view(torch.uint8)
+        self.handle.write(memoryview(data.numpy()))
+        self.total += data.numel()
+        if not self.left:
+            self.handle.close()
 
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        part = f".part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(self.folder / part), metadata={"format": "pt"})
-        self.files.append((part, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+    def _next_file(self) -> None:
+        entries = self.files[len(self.written)]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, out in entries:
+            end = offset + math.prod(shape) * torch.empty(0, dtype=out).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[out], "shape": shape, "data_offsets": [offset, end]}
+            offset = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        part = f".part-{len(self.written):05d}.safetensors"
+        self.handle = open(self.folder / part, "wb")  # noqa: SIM115 - closed after its last tensor
+        self.handle.write(len(text).to_bytes(8, "little") + text)
+        self.written.append((part, [name for name, _, _ in entries]))
+        self.left = list(entries)
 
     def close(self) -> list[str]:
         """The files' final names (model-0000i-of-0000n.safetensors and the index, or model.safetensors)."""
-        if self.pending:
-            self._flush()
-        n = len(self.files)
+        if self.left or len(self.written) != len(self.files):
+            raise RuntimeError(
+                f"the export ended before its last tensors: {len(self.written)} of {len(self.files)} files"
+            )
+        n = len(self.written)
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
-        for (part, keys), name in zip(self.files, names):
+        for (part, keys), name in zip(self.written, names):
             (self.folder / part).rename(self.folder / name)
             weight_map.update(dict.fromkeys(keys, name))
         if n > 1:

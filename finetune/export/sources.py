@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class Source:
     def bytes(self, dtype: torch.dtype | None = None) -> int:
         """What the tensors take, in `dtype` (default: as stored)."""
         size = (lambda d: torch.empty(0, dtype=dtype).element_size()) if dtype else _itemsize
-        return sum(_numel(shape) * size(d) for shape, d in self.shapes.values())
+        return sum(math.prod(shape) * size(d) for shape, d in self.shapes.values())
 
 
 def open_source(path: Path, *, adapter: bool) -> Source:
@@ -84,7 +85,7 @@ def open_source(path: Path, *, adapter: bool) -> Source:
             with safe_open(str(path / name), "pt") as f:
                 for key in f.keys():
                     s = f.get_slice(key)
-                    source.shapes[key] = (list(s.get_shape()), _dtype_name(s.get_dtype()))
+                    source.shapes[key] = (list(s.get_shape()), dtype_name(s.get_dtype()))
         except Exception as e:  # noqa: BLE001 - a damaged file: named
             raise UserError(f"{path / name}: cannot be read ({type(e).__name__}: {e})") from None
     return source
@@ -99,7 +100,7 @@ def _deepspeed(path: Path, adapter: bool) -> Source:
     for name, tensor in lazy.items():
         saved = saved_name(name) if adapter else name
         source._lazy[saved] = tensor
-        source.shapes[saved] = (list(tensor.shape), _dtype_name(tensor.dtype))
+        source.shapes[saved] = (list(tensor.shape), dtype_name(tensor.dtype))
     return source
 
 
@@ -110,7 +111,7 @@ def _dcp(path: Path, adapter: bool) -> Source:
     source = Source(path, "dcp", adapter)
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
-            source.shapes[key.removeprefix("model.")] = (list(meta.size), _dtype_name(meta.properties.dtype))
+            source.shapes[key.removeprefix("model.")] = (list(meta.size), dtype_name(meta.properties.dtype))
     return source
 
 
@@ -181,18 +182,11 @@ def _safetensors(folder: Path, names: list[str]) -> Iterator[tuple[str, torch.Te
             yield key, handles[file].get_tensor(key)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     """'float32' from torch.float32 or safetensors' 'F32'."""
     if isinstance(dtype, torch.dtype):
         return str(dtype).removeprefix("torch.")

@@ -117,8 +117,9 @@ def test_shards_stay_under_the_limit_and_load_with_transformers(tmp_path, tiny_m
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     limit = 1_000_000
-    writer = merge.ShardWriter(tmp_path, limit, torch.bfloat16)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    layout = [(k, list(v.shape), "float32") for k, v in state.items()]
+    writer = merge.ShardWriter(tmp_path, limit, torch.bfloat16, layout)
     for name, tensor in state.items():
         writer.add(name, tensor)
     files = writer.close()
