@@ -91,8 +91,7 @@ def merged_tensors(
 
 
 def merge_one(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, module: str, config) -> torch.Tensor:
-    """weight + scaling * (B @ A), computed in fp32 by peft's LoRA layer for `module` (its merge, safe_merge: a
-    non-finite result raises)."""
+    """weight + scaling * (B @ A), computed in fp32 by peft's LoRA layer for `module` (its own merge)."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.utils.other import get_pattern_key
     from transformers.pytorch_utils import Conv1D
@@ -108,7 +107,7 @@ def merge_one(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, module: st
     layer = LoraLinear(base, "default", config=config, r=r, lora_alpha=alpha)
     layer.lora_A["default"].weight.data = a.float()
     layer.lora_B["default"].weight.data = b.float()
-    layer.merge(safe_merge=True)
+    layer.merge()  # as merge_and_unload: a non-finite result is the check's to find (its logits are then not finite)
     return layer.get_base_layer().weight.data
 
 

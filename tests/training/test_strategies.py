@@ -525,7 +525,7 @@ def test_checkpoint_and_export_written(runs, name):
     # logits on the probe rows are the live model's (fp32: 1e-4 of the largest logit), every adapter tensor compared
     check = runs(name).record["export"]["check"]
     assert check["kind"] == "reload" and check["passed"] and check["problems"] == [], check
-    assert check["tensors"] == 28 and check["max_tensor_rel_diff"] <= 1e-9, check  # 14 adapted layers x (A, B)
+    assert check["tensors"] == 28 and check["max_tensor_rel_diff"] <= 1e-6, check  # 14 adapted layers x (A, B)
     assert check["max_logit_diff"] <= check["logit_tolerance"] <= 1e-4 * max(1.0, 2 * abs(check["reference_loss"]))
     assert abs(check["saved_loss"] - check["reference_loss"]) <= check["loss_tolerance"], check
     assert check["probe"]["rows"] == 4 and check["probe"]["trained_tokens"] > 0 and check["seconds"] > 0, check
