@@ -38,8 +38,9 @@ class Tolerance:
     16-bit: the fresh process may round at other points than the live model (autocast over the saved fp32 weights
     where FSDP2 computes with bf16 working copies; docs/precision.md): measured on bf16-mixed runs of the test model,
     at most 1.5 u of the largest logit (full fine-tuning under FSDP2; DDP, ZeRO-3 and LoRA: 0) and 0.003 u relative
-    on the mean loss, whose rounding errors average out over the trained tokens. Bounds: 16 u on the logits, u/16 on
-    the loss (about 10x and 20x what was measured).
+    on the mean loss, whose rounding errors average out over the trained tokens. A bf16 merge rounds every merged
+    weight once more: 6.9 u and u/16 against the base + adapter on the 24-layer 0.5B model of docs/benchmarks.md
+    (its adapter as large as 16% of the weights). Bounds: 16 u on the logits, u/4 on the loss.
     """
 
     logits: float  # max |z_a - z_b| <= logits * max(1, max |z_a|)
@@ -48,8 +49,8 @@ class Tolerance:
 
 TOLERANCE = {
     "float32": Tolerance(logits=1e-4, loss=1e-5),
-    "bfloat16": Tolerance(logits=16 * UNIT_ROUNDOFF["bfloat16"], loss=UNIT_ROUNDOFF["bfloat16"] / 16),
-    "float16": Tolerance(logits=16 * UNIT_ROUNDOFF["float16"], loss=UNIT_ROUNDOFF["float16"] / 16),
+    "bfloat16": Tolerance(logits=16 * UNIT_ROUNDOFF["bfloat16"], loss=UNIT_ROUNDOFF["bfloat16"] / 4),
+    "float16": Tolerance(logits=16 * UNIT_ROUNDOFF["float16"], loss=UNIT_ROUNDOFF["float16"] / 4),
 }
 
 
