@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,8 +198,10 @@ def plain_accelerate_launch(args: list[str], *, run_dir: Path, home: Path, timeo
     relative to the repository root, no config file, and no accelerate default config (HF_HOME is an
     empty directory: a default config there would be read, finetune/launch/launcher.py). No GPU is
     made visible, so the launch is the CPU one on any machine."""
-    accelerate = Path(sys.executable).with_name("accelerate")
-    assert accelerate.is_file(), f"no accelerate console script next to {sys.executable}"
+    # next to this Python, else on PATH (a venv made with --system-site-packages has it in the base's bin)
+    found = shutil.which("accelerate", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    assert found, f"no accelerate console script next to {sys.executable} or on PATH"
+    accelerate = Path(found)
     assert not (home / "accelerate").exists()
     cmd = [str(accelerate), "launch", "finetune/train.py", *args, f"--run.output_dir={run_dir}"]
     env = _launcher_free_env(HF_HOME=str(home), CUDA_VISIBLE_DEVICES="")
