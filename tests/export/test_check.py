@@ -156,3 +156,25 @@ def test_tolerances_follow_the_unit_roundoff():
         [],
         pytest.approx(abs(rounded["norm"] / want["norm"] - 1)),
     )
+
+
+def test_auto_streams_where_the_host_cannot_hold_a_second_copy_and_says_so(
+    trained, tiny_model_dir, tokenizer, monkeypatch
+):
+    """`auto` decides from the free host memory (psutil) against the weights a fresh process would load: made to
+    see almost none, it streams and says why; `off` checks nothing and says so."""
+    import psutil
+
+    model, data, saved = trained
+    check = _check(data, tiny_model_dir, "auto")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1024**2))
+    section = live.verify(_trainer(model), saved, tokenizer, check, live.probe(check, tokenizer))
+    assert section["kind"] == "stream" and section["passed"], section
+    assert section["why"].startswith("auto: 0.0 GiB of free host memory cannot hold a second copy"), section["why"]
+    off = dataclasses.replace(check, mode="off")
+    assert live.probe(off, tokenizer) is None
+    assert live.verify(_trainer(None), saved, tokenizer, off, None) == {
+        "kind": "off",
+        "why": "run.verify_export: off",
+        "passed": None,
+    }

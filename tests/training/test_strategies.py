@@ -3,7 +3,8 @@
 One launch per strategy (module-scoped, shared by every test that needs it) of the same recipe
 values: tiny random Llama + LoRA (dropout 0), demo data (40 rows), seed 42, 4 sequences per rank x 2 ranks
 = 8 per optimizer step, 5 steps (one epoch), no warmup, clipping pinned at 1.0, loss logged every step,
-checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export. The single-process reference runs 4 x accumulation 2
+checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export, which checks itself
+(run.json `export.check`; issue 45). The single-process reference runs 4 x accumulation 2
 = the same 8 sequences per optimizer step. Every launch records the rows it trained on
 (FINETUNE_SAMPLE_TRACE, finetune/training/trainer.py trace_samples), so resumed runs can be recounted.
 
