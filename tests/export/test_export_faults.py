@@ -88,8 +88,24 @@ def test_an_adapter_saved_without_gathering_zero3_partitions_is_caught(tmp_path,
 
 
 def test_a_truncated_weights_file_is_caught(tmp_path, tiny_model_dir):
+    """A full fine-tune whose model.safetensors is cut to half: caught; then `finetune export RUN`, as after any run
+    that ended without a good model/, exports the newest complete checkpoint instead, checked."""
     run = _single(tmp_path, tiny_model_dir, "export_truncated@rank0,step2", "--method.name=full")
     _assert_caught(run, "model.safetensors: cannot be read", "model/ does not load: ")
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune.cli", "export", str(run.run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "model failed its check in the run (run.json export.check); exporting the newest complete checkpoint" in (
+        proc.stdout
+    )
+    found = json.loads((run.run_dir / "export" / "export.json").read_text())
+    assert found["step"] == 2 and found["source"] == f"{run.run_dir / 'checkpoint-2'} (safetensors)", found
+    assert found["check"]["passed"] and found["check"]["reference"] == "checkpoint-2 (transformers)", found["check"]
 
 
 def test_a_tensor_zeroed_after_the_save_is_caught_and_named(tmp_path, tiny_model_dir):
