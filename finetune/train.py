@@ -24,11 +24,12 @@ from finetune.training import signals  # noqa: E402  (no torch: the handlers com
 
 def main() -> int:
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
-    signals.install_signal_handlers()  # before torch is imported (seconds): a signal then is recorded too
+    stops = signals.Stops()
+    stops.install()  # before torch is imported (seconds): a signal then is recorded too
     signals.stop_with_parent()
     from finetune.training.run import main as run  # torch, transformers, accelerate: after the handlers
 
-    return run()
+    return run(stops=stops)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data import prepare
-from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
+from finetune.data import formats, prepare
+from finetune.data.formats import BadRow, detect_format, empty_target, with_format_note
 from finetune.data.pack import bins, packed_row
-from finetune.data.read import (
-    DataError,
-    Invalid,
-    Shards,
-    arrow_folder,
-    is_local,
-    parse_line,
-    read_head,
-    shard_files,
-    with_format_note,
-)
+from finetune.data.read import Invalid, Shards, arrow_folder, is_local, parse_line, read_head, shard_files
 from finetune.data.render import IGNORE_INDEX, Example, Renderer, tokenize
+from finetune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +134,7 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
         reason = row.reason if isinstance(row, Invalid) else None
         if reason is None:
             try:
-                ROW_VALIDATORS[fmt](row)
+                formats.TABLE[fmt].validate(row)
                 if empty_target(row, fmt):
                     empty.append(number if len(heads) == 1 else f"{where} row {number}")
             except BadRow as e:

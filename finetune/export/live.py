@@ -39,10 +39,12 @@ class ExportCheck:
     merged: bool  # run.export: merged
 
     @classmethod
-    def for_run(cls, cfg, launch, data_path: str) -> ExportCheck:
+    def for_run(cls, run) -> ExportCheck:
+        """From a run's resolved configuration, its launch and its data file (finetune/training/run.py Run)."""
         from finetune.modeling import load
         from finetune.precision import torch_dtype
 
+        cfg, launch = run.cfg, run.launch
         policy, method = launch.policy, cfg.method
         quantization = None
         if method.name == "qlora":
@@ -50,7 +52,7 @@ class ExportCheck:
         sharded = [f"{k} {v}" for k, v in (("sp", launch.mesh.sp), ("cp", launch.mesh.cp)) if v > 1]
         return cls(
             mode=cfg.run.verify_export,
-            data=dataclasses.replace(cfg.data, path=data_path),
+            data=dataclasses.replace(cfg.data, path=run.data_path),
             compute_dtype=policy.compute_dtype,
             load_dtype="auto" if method.name == "full" else policy.load_dtype(method.name),
             adapter=method.name != "full",

@@ -33,7 +33,7 @@ class StrategySetup:
     @property
     def needs_group(self) -> bool:
         """The recipe's row needs a process group even for one process (DeepSpeed, FSDP, DDP)."""
-        return self.row is not None and self.row.name != "single"
+        return self.row is not None and self.row.multi_process
 
     def describe(self) -> str:
         """The console line (rank 0, at start)."""

@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 from finetune import precision
-from finetune.errors import ConfigError, ReportedElsewhere, UserError
+from finetune.errors import ConfigError, DataError, ReportedElsewhere, UserError
 from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices, model_files, parallel
-from finetune.strategies import launch_line
+from finetune.strategies import by_name, launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
@@ -201,7 +201,8 @@ def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """ZeRO-3 and FSDP flatten and shard parameters of one float dtype, so QLoRA's packed 4-bit
     weights must be stored in the compute dtype (bnb_4bit_quant_storage; see finetune/modeling/load.py)."""
     strategy, m = launch.strategy, cfg.method
-    if m.name != "qlora" or strategy not in ("zero3", "fsdp"):
+    row = by_name(strategy)
+    if m.name != "qlora" or not (row and row.shards_params):
         return []
     compute_name = launch.policy.compute_dtype
     if m.quant_storage in ("auto", compute_name):
@@ -301,7 +302,7 @@ def heldout_problem(path: str, samples: int) -> str | None:
     try:
         for i, row in enumerate(read.read_rows(path)[:samples], start=1):
             prompt_and_answer(row, f"{path} row {i}")
-    except read.DataError as e:
+    except DataError as e:
         return str(e)
     return None
 

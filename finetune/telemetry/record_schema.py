@@ -527,4 +527,3 @@ SECTIONS: tuple[Section, ...] = (
     Section("inputs", Inputs, ABSENT, False),
     Section("export", Export, ABSENT, False),
 )
-BY_NAME = {s.name: s for s in SECTIONS}

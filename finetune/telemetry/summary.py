@@ -15,16 +15,13 @@ log = logging.getLogger("finetune")
 
 class Console:
     """The console as a sink of the run's record (finetune/telemetry/sinks.py). Each log window's line
-    is the progress bar's (finetune/training/trainer.py CompactProgress)."""
+    is the progress bar's (finetune/training/trainer.py CompactProgress), a callback of Trainer's log."""
 
     def __init__(self, run_dir: Path, model_dir: Path | None, method: str):
         self.run_dir, self.model_dir, self.method = run_dir, model_dir, method
 
     def start(self, record: RecordView) -> None:
         log.info("%s", start_line(record))
-
-    def log(self, entry: dict) -> None:
-        pass
 
     def close(self, record: RecordView, exit_code: int) -> None:
         if exit_code == 0:

@@ -40,8 +40,10 @@ class Limits:
 class AfterTraining:
     """The steps after the last optimizer step (docs/faults.md "After training")."""
 
-    def __init__(self, trainer, model_dir: Path, tokenizer, limits: Limits, check: live.ExportCheck | None = None):
-        self.trainer = trainer
+    def __init__(
+        self, trainer, model_dir: Path, tokenizer, limits: Limits, stops: signals.Stops, check: live.ExportCheck | None
+    ):
+        self.trainer, self.stops = trainer, stops
         self.checkpoint: Path | None = None  # the final step's, when the export failed (run.json summary.checkpoint)
         self.model_dir, self.tokenizer = Path(model_dir), tokenizer
         self.limits = limits
@@ -63,24 +65,24 @@ class AfterTraining:
         """(fn()'s result, every rank's signal flag); a failure on any rank raises on every rank."""
         error = result = None
         limit = self.limits.save_s if saves else self.limits.finish_s
-        with peers.watch.during(what, limit):
+        with self.stops.watch.during(what, limit):
             try:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - agreed first, then raised on every rank
                 error = e
-            return result, signals.agree(self.trainer.accelerator, what, error)
+            return result, self.stops.agree(self.trainer.accelerator, what, error)
 
-    def export(self, then=None) -> None:
+    def export(self) -> None:
         """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, then its check
         (finetune/export/live.py), each a step every rank agrees on: complete once checked; then the merged export
-        (run.export: merged) as another. `then()` runs after the writing on this rank (a drill)."""
+        (run.export: merged) as another. The export's drills act once it is written (docs/faults.md "Drills")."""
+        rank, step = self.trainer.accelerator.process_index, self.trainer.state.global_step
 
         def write():
             self._write_export()
-            if then:
-                then()
-            step = self.trainer.state.global_step
-            fault_injection.damage_export(self.model_dir, rank=self.trainer.accelerator.process_index, step=step)
+            fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
+            fault_injection.fail("export", rank=rank, step=step)
+            fault_injection.damage_export(self.model_dir, rank=rank, step=step)
 
         check = self.check
         batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
@@ -152,7 +154,7 @@ class AfterTraining:
         trainer = self.trainer
         step = trainer.state.global_step
         try:
-            with peers.watch.during("the checkpoint of the final step", self.limits.save_s):
+            with self.stops.watch.during("the checkpoint of the final step", self.limits.save_s):
                 ckpt = trainer.resilience.final_checkpoint()
         except Exception as e:  # noqa: BLE001 - the first error is the one to report; this one is added to it
             held_back.TRACEBACKS.error("the trained weights could not be saved", exc_info=e)
@@ -283,16 +285,17 @@ def diverged(e: Diverged) -> Ending:
     return Ending(e.exit_code, summary, f"error: {e}", to_stderr=True)
 
 
-def failed(e: BaseException, run_dir: Path, heartbeat, machines) -> tuple[Ending, BaseException]:
+def failed(e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str]) -> tuple[Ending, BaseException]:
     """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
     without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
-    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too."""
+    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. `agreed`: the phases
+    whose failure every rank agreed on (signals.Stops.failures_agreed)."""
     if isinstance(e, storage.StorageError):  # said already, with the file that failed
         failure = e
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
-    lost = None if signals.failures_agreed else peers.failure_note(failure or e, heartbeat, machines)
+    lost = None if agreed else peers.failure_note(failure or e, heartbeat, machines)
     interrupted = isinstance(e, KeyboardInterrupt)
     shown = failure or e
     summary = dict(

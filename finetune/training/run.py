@@ -51,7 +51,7 @@ log = logging.getLogger("finetune")
 
 @dataclass
 class Run:
-    """What the phases share. `sinks` (and the record they hold) exist on rank 0 only."""
+    """What the phases share. Every rank holds the record and its sinks; only rank 0's write and show it."""
 
     cfg: Config  # resolved: only read from here on
     launch: LaunchPlan
@@ -60,15 +60,16 @@ class Run:
     dir: Path
     data_path: str  # data.path, or the demo data generated into the run directory
     heldout_path: str | None  # eval.heldout_path, resolved the same way
-    sinks: Sinks | None
+    sinks: Sinks
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
     teardown: Teardown  # the process group's, at exit (finetune/launch/peers.py)
     heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
+    stops: signals.Stops  # this process's stop signals and watchdog (finetune/training/signals.py)
 
     @property
     def recording(self) -> bool:
-        """Rank 0, once run.json and the resolved config are written (a refused resume writes neither)."""
-        return self.sinks is not None and self.sinks.committed
+        """Once run.json and the resolved config are written (a refused resume writes neither)."""
+        return self.sinks.committed
 
 
 @dataclass(frozen=True)
@@ -87,20 +88,22 @@ class Trained:
 
 
 @exit_on_user_error
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stops: signals.Stops | None = None) -> int:
+    """`stops`: the stop signals finetune/train.py started recording before torch was imported."""
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
-    signals.install_signal_handlers()  # recorded, never fatal (docs/faults.md "Signals"); train.py did it first
+    stops = stops or signals.Stops()
+    stops.install()  # recorded, never fatal (docs/faults.md "Signals"); train.py did it first
     signals.stop_with_parent()
-    code = None
+    locks, code = run_lock.Locks(), None
     try:
-        return (code := run_phases(argv))
+        return (code := run_phases(argv, stops, locks))
     finally:
-        run_lock.release_all()  # rank 0 is done with the run directory (a crash releases it too)
+        locks.release_all()  # rank 0 is done with the run directory (a crash releases it too)
         if code != EXIT_PREEMPTED:  # preempted: torchrun stops the other ranks with SIGTERM; stay deaf to it
-            signals.restore_signal_handlers()
+            stops.restore()
 
 
-def run_phases(argv: list[str] | None) -> int:
+def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Locks) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
     args, overrides = command_line.parse_train_args(argv)
     resumed = None
@@ -116,18 +119,27 @@ def run_phases(argv: list[str] | None) -> int:
         cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
-    signals.keep_only(cfg.training.stop_signals)  # the others get their default action back
-    peers.watch.grace_s = cfg.training.stop_grace
+    stops.keep_only(cfg.training.stop_signals, grace_s=cfg.training.stop_grace)  # the others: default action back
     state, launch, teardown = start_processes(cfg)
-    # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md)
-    heartbeat = peers.start(state.process_index, launch.world_size)
+    # heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md), in the run once there is one
+    run = None
+    heartbeat = peers.start(state.process_index, launch.world_size, stops.watch, lambda cause: stuck(run, cause))
     try:
-        signals.stop_if_received(state, "while the processes started")
+        stops.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
         teardown.ended_cleanly()
         return end(None, endings.stopped_before_training(e, None, resumed=False))
     run = prepare(
-        cfg, launch, state, teardown, heartbeat, resume_from=args.resume, overrides=overrides, resumed_config=resumed
+        cfg,
+        launch,
+        state,
+        teardown,
+        heartbeat,
+        stops,
+        locks,
+        resume_from=args.resume,
+        overrides=overrides,
+        resumed_config=resumed,
     )
     try:
         code = train_and_record(run)
@@ -141,7 +153,7 @@ def run_phases(argv: list[str] | None) -> int:
         run.teardown.ended_cleanly()
         return code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        ending, failure = endings.failed(e, run.dir, run.heartbeat, run.launch.machines)
+        ending, failure = endings.failed(e, run.dir, run.heartbeat, run.launch.machines, run.stops.failures_agreed)
         end(run, ending)
         if failure is not e:  # a full or read-only disk: said, not a traceback
             raise failure from None
@@ -154,21 +166,20 @@ def train_and_record(run: Run) -> int:
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = signals.phase(
+    data = run.stops.phase(
         run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
     )
     if run.resume:  # the rows must be the checkpoint's, before the model loads
         resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
         commit(run)  # the continued record replaces run.json from here on
     universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
-    with peers.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
+    with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
         model = load_model(run, arguments)
         ddp_record = ddp_options(run, arguments, model, data)
-        trainer = build_trainer(run, arguments, model, data, universal_dir)
-    signals.stop_if_received(run.state, "while the model loaded")
-    if run.sinks:
-        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
-        run.sinks.start()
+        trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
+    run.stops.stop_if_received(run.state, "while the model loaded")
+    record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
+    run.sinks.start()
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
         return preempted(run, trainer, arguments)
@@ -201,6 +212,8 @@ def prepare(
     state: PartialState,
     teardown: Teardown,
     heartbeat: Heartbeat,
+    stops: signals.Stops,
+    locks: run_lock.Locks,  # the run directories this process holds (rank 0)
     *,
     resume_from: str | None,
     overrides: list[str],
@@ -211,7 +224,7 @@ def prepare(
     plan = resumed = None
     allowed = bool(resumed_config and resumed_config.allow_input_change)
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
-        run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
+        run_on_main(state, lambda: rundir.lock_to_resume(cfg, locks))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(
             state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides, allow_input_change=allowed)
         )
@@ -221,9 +234,8 @@ def prepare(
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
-    if state.is_main_process:
-        log.info("%s", launch.setup.describe())
-    name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
+    log.info("%s", launch.setup.describe())  # rank 0: the other ranks log warnings only
+    name, path = run_on_main(state, lambda: rundir.create(cfg, locks, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
     held_back.to_log_file(run_dir / rundir.LOG_FILE, state.process_index)
@@ -231,25 +243,36 @@ def prepare(
         print(
             f"[finetune] run directory: {run_dir.absolute()} (any third-party warnings: {rundir.LOG_FILE})", flush=True
         )
-    run_sinks = None
-    if state.is_main_process:
-        record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
-        run_sinks = sinks.for_run(cfg, record, run_dir)
-        run_sinks.put(plan=planned_section)
-    if run_sinks and plan:
-        continued, summary = resume.continued(
-            run_dir, Path(plan.checkpoint), plan, created=run_sinks.view.get("created")
+    record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
+    run_sinks = sinks.for_run(cfg, record, run_dir, main=state.is_main_process)
+    run_sinks.put(plan=planned_section)
+    if plan:  # the earlier run.json, read on rank 0, carried into every rank's record
+        created = run_sinks.view.get("created")
+        continued, summary = run_on_main(
+            state, lambda: resume.continued(run_dir, Path(plan.checkpoint), plan, created=created)
         )
         run_sinks.put(**continued)
         run_sinks.merge("summary", **summary)
         noted = resume_config.said(resumed_config)
         if noted:
             run_sinks.put(resumes=resume.noted(run_sinks.view, **noted))
-        # said loudly when the layout changes (accumulation recomputed, states resharded)
-        (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
+        if state.is_main_process:  # said loudly when the layout changes (accumulation recomputed, states resharded)
+            (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
-    run = Run(cfg, launch, state, name, run_dir, data_path, heldout_path, run_sinks, plan, teardown, heartbeat)
-    peers.watch.on_stuck = lambda cause: stuck(run, cause)  # the watchdog's stop, recorded
+    run = Run(
+        cfg,
+        launch,
+        state,
+        name,
+        run_dir,
+        data_path,
+        heldout_path,
+        run_sinks,
+        plan,
+        teardown,
+        heartbeat,
+        stops,
+    )
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
     if cfg.data.path == "demo":
@@ -273,7 +296,7 @@ def commit(run: Run) -> None:
         )
         log.info("resolved configuration (defaults < recipe < command line)%s", shown)
 
-    rundir.write_on_main(run.state, run.dir, "run.json and config.yaml", write if run.sinks else lambda: None)
+    rundir.write_on_main(run.state, run.dir, "run.json and config.yaml", write)
 
 
 # --- the phases that train -----------------------------------------------------------------------------
@@ -303,7 +326,7 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
         dataclasses.replace(cfg.data, path=run.data_path),
         tokenizer,
         seed=arguments.args.seed,
-        interrupt=signals.check_interrupt,
+        interrupt=run.stops.check_interrupt,
     )
     model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
@@ -318,8 +341,7 @@ def convert_for_resume(run: Run) -> str | None:
     if converted is None:
         return None
     out, seconds = converted
-    if run.sinks:
-        run.sinks.put(resumes=resume.noted(run.sinks.view, universal_cache=out, conversion_s=seconds))
+    run.sinks.put(resumes=resume.noted(run.sinks.view, universal_cache=out, conversion_s=seconds))
     return out
 
 
@@ -330,20 +352,19 @@ def load_model(run: Run, arguments: RunArguments):
 
 
 def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
-    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), set in
-    TrainingArguments before Trainer reads it; returns run.json `speed.ddp`. Every rank probes the
-    same first example, so every rank decides the same."""
-    decided = speed.ddp_unused_parameters(
+    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), handed to the Trainer
+    as it is built; run.json `speed.ddp`. Every rank probes the same first example, so every rank decides the same."""
+    return speed.ddp_unused_parameters(
         run.cfg, run.launch, model, data.bundle.train[0]["input_ids"][:64], arguments.args.device
     )
-    if decided["decided_by"] in ("probe", "model config"):
-        arguments.args.ddp_find_unused_parameters = decided["find_unused_parameters"]
-    return decided
 
 
-def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
+def build_trainer(
+    run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None, ddp_record: dict
+) -> ResilientTrainer:
     """The Trainer (finetune/training/build.py) with its hooks, set to continue a resumed run's checkpoint."""
-    trainer = build.trainer_for(
+    rows = dict(train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    return build.trainer_for(
         run.cfg,
         run.launch,
         arguments,
@@ -352,12 +373,15 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         eval_dataset=data.bundle.eval,
         tokenizer=data.tokenizer,
         sinks=run.sinks,
+        stops=run.stops,
         machines=run.launch.machines,  # run.json `nodes`; every rank (it gathers)
+        resumed_world_size=run.resume.written["world_size"] if run.resume else None,  # Trainer._load_rng_state
+        find_unused_parameters=ddp_record["find_unused_parameters"],  # None: not DDP
+        run_facts=lambda: provenance.run_block_of(  # the completion marker's `run`, with the inputs record_setup put
+            run.sinks.view, provenance.static_facts(run.cfg, **rows, inputs=run.sinks.view.get("inputs"))
+        ),
+        universal=universal_dir is not None,
     )
-    trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # Trainer._load_rng_state
-    if universal_dir:
-        universal.enable_loading(trainer)
-    return trainer
 
 
 def record_setup(
@@ -369,16 +393,13 @@ def record_setup(
     attention_record: dict,
     ddp_record: dict,
 ) -> None:
-    """What the run set up, handed to the sinks (rank 0), each section as its owner computes it."""
+    """What the run set up, handed to the sinks, each section as its owner computes it."""
     cfg, hand = run.cfg, run.sinks.put
     hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
-    hand(inputs=provenance.inputs(cfg, run.data_path))  # what the run is made from; the marker's too (on --resume)
-    static = provenance.static_facts(
-        cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint, inputs=run.sinks.view.get("inputs")
-    )
-    trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
+    # what the run is made from (the marker's too, on --resume): rank 0 reads the files, every rank keeps the record
+    hand(inputs=run_on_main(run.state, lambda: provenance.inputs(cfg, run.data_path)))
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
     hand(speed=speed.section(cfg, model, trainer, **records))
@@ -402,16 +423,15 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = exact_match(run, trainer, model, data, "before")
-        signals.stop_if_received(run.state, "during the evaluation before training")
+        run.stops.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
         moved = resume.set_aside_newer(run.state, run.dir, run.resume.step)
-        if run.sinks:
-            run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
-    signals.set_stage(signals.TRAINING)
+        run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
+    run.stops.set_stage(signals.TRAINING)
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
-    signals.set_stage(signals.FINISHING)
+    run.stops.set_stage(signals.FINISHING)
     if trainer.resilience.preempted:  # a signal after training is agreed at finish()'s first boundary
         return None
     collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
@@ -436,10 +456,6 @@ def finish(
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
         return trainer.final_measurements()
 
-    def export_drills():
-        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
-        fault_injection.fail("export", rank=rank, step=step)
-
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
         loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
@@ -451,17 +467,15 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    check = ExportCheck.for_run(cfg, run.launch, run.data_path)  # run.verify_export, run.export
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, check)
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, ExportCheck.for_run(run))
     try:
         with after:
             measured = after.step("the measurements", measure)
             if cfg.run.save_model:
-                signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-                after.export(then=export_drills)
-                signals.set_stage(signals.FINISHING)
-                if run.sinks:
-                    run.sinks.put(export=after.record)
+                run.stops.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
+                after.export()
+                run.stops.set_stage(signals.FINISHING)
+                run.sinks.put(export=after.record)  # the check's findings (rank 0's; the sinks write rank 0's)
             eval_loss = after.step("the evaluation", evaluate)
             if data.heldout is not None:
                 results["after"] = after.step("exact match", match)
@@ -473,13 +487,11 @@ def finish(
     except signals.Stopped:  # every rank agreed; the checkpoint of the final step is written
         return preempted(run, trainer, arguments)
     except Exception:
-        if after.checkpoint and run.sinks:  # the export failed: the weights are in this checkpoint
+        if after.checkpoint:  # the export (or its check) failed: the weights are in this checkpoint
             run.sinks.merge("summary", checkpoint=str(after.checkpoint))
-        if after.record and run.sinks:  # the export's check (and merge), when they failed too
             run.sinks.put(export=after.record)
         raise
-    if run.sinks:
-        run.sinks.close(0)
+    run.sinks.close(0)
     return 0
 
 
@@ -498,8 +510,6 @@ class Ended:
 def record_end(run: Run, trainer: ResilientTrainer, model, ended: Ended) -> None:
     """The last step after training: the summary, the figures and the evaluation, handed to the sinks."""
     fault_injection.fail("record", rank=run.state.process_index, step=trainer.state.global_step)
-    if run.sinks is None:
-        return
     run.sinks.merge(
         "summary",
         eval_loss=ended.eval_loss,
@@ -539,10 +549,10 @@ def end(run: Run | None, ending: Ending) -> int:
     return ending.code
 
 
-def stuck(run: Run, cause: str) -> None:
-    """The watchdog ends this rank (its thread, the main thread held in a collective): rank 0 records
-    the run failed; no sink is closed and no collective entered, either could hang too."""
-    if run.recording:
+def stuck(run: Run | None, cause: str) -> None:
+    """The watchdog ends this rank (its thread, the main thread held in a collective): the run, once there is one,
+    is recorded failed; no sink is closed and no collective entered, either could hang too."""
+    if run is not None and run.recording:
         run.sinks.merge("summary", **endings.stuck(cause, run.dir))
 
 
@@ -573,10 +583,10 @@ def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: s
             batch_size=cfg.eval.batch_size,
             source=run.heldout_path,
             accelerator=trainer.accelerator,
+            watch=run.stops.watch,
         )  # reduce() across ranks: an Accelerator, not PartialState
-    if run.state.is_main_process:
-        done = (100 * result["exact_match"], result["correct"], result["total"])
-        log.info("exact match %s training: %.1f%% (%d/%d)", stage, *done)
+    done = (100 * result["exact_match"], result["correct"], result["total"])
+    log.info("exact match %s training: %.1f%% (%d/%d)", stage, *done)  # rank 0: the others log warnings only
     return result
 
 

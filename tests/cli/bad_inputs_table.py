@@ -136,7 +136,7 @@ def _held(run: str, then=None):
         extra = then(ws) if then else []
         code = (
             f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-            f"from finetune.launch import run_lock; run_lock.acquire(Path({str(ws / 'runs' / run)!r})); "
+            f"from finetune.launch import run_lock; run_lock.Locks().acquire(Path({str(ws / 'runs' / run)!r})); "
             f"print('holding', flush=True); time.sleep(600)"
         )
         holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
