@@ -22,6 +22,8 @@ CLASSES_IN_FUNCTIONS: set[str] = set()
 MODULE_STATE = {
     "finetune.held_back: TRACEBACKS.handlers changed in a function": "a logger: logging's registry is process-wide "
     "by design (like os.environ), and the run directory's log file is where its records go",
+    "finetune.held_back: KEPT.disabled changed in a function": "a logger, as TRACEBACKS: the notices a rank held "
+    "back reach the run's log file once the run trains (keep_held), not when its directory is made",
     "finetune.fingerprints: _unwritable changed in a function": "the fingerprint cache directories this process said "
     "are unusable, so each is said once whichever Cache finds it (the inputs' work; to be handed to its Caches)",
 }

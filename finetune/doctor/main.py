@@ -73,7 +73,7 @@ def machine_text(dev: devices.Devices) -> str:
 def environment_lines(args, dev: devices.Devices, out: Path) -> list[report.Line]:
     on_gpu = dev.on_gpu
     return [
-        *environment.versions(),
+        *environment.versions(imports=not args.quick),
         *environment.cuda(dev),
         *environment.peer_access(dev),
         environment.host_memory(dev.world_size, on_gpu),

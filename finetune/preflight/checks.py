@@ -19,19 +19,25 @@ SOURCE = "preflight (nothing was started, loaded or written)"
 OTHER_RANKS_WAIT_S = 30  # for the launcher to stop them once rank 0 has exited
 
 
-def check_before_processes(cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S) -> None:
+def check_before_processes(
+    cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S, stopped=lambda: False
+) -> None:
     """In each launched process, before its process group: a launch whose processes could only run
     alone is refused before any collective or DeepSpeed op build (devices.lone_processes_problem).
     Rank 0 says why and exits 2 at once. The other ranks wait, silently, for the launcher to stop them
     (torchrun and accelerate launch terminate the others when one exits): were one of them to exit
-    first, the launcher could kill rank 0 before it printed. They exit 2 after `wait_s` otherwise."""
+    first, the launcher could kill rank 0 before it printed. They exit 2 once `stopped()` (a stop
+    signal arrived: the ranks record signals instead of dying, finetune/training/signals.py), else after
+    `wait_s`; before, a rank slept through the launcher's SIGTERM until torchrun killed it 30 s later."""
     problem = devices.lone_processes_problem(cfg, setup, env)
     if problem is None:
         return
     if env.get("RANK", "0") != "0":
         import time
 
-        time.sleep(wait_s)
+        deadline = time.monotonic() + wait_s
+        while not stopped() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ReportedElsewhere(problem)
     raise ConfigError([problem], SOURCE)
 

@@ -23,13 +23,11 @@ from finetune import held_back, preflight
 from finetune.checkpointing import provenance, resume, resume_config, resume_plan, universal
 from finetune.checkpointing.resume_config import ResumedConfig
 from finetune.checkpointing.resume_plan import ResumePlan
-from finetune.config import command_line
-from finetune.config.recipe import load_recipe
 from finetune.config.sections import Config
 from finetune.console import guard_streams
 from finetune.data import demo, read
 from finetune.data.build import DataBundle, build_datasets
-from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
 from finetune.export.live import ExportCheck
 from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
 from finetune.launch.peers import Heartbeat, Teardown, run_on_main
@@ -41,7 +39,17 @@ from finetune.preflight import model_files
 from finetune.telemetry import sinks, wandb_logging
 from finetune.telemetry.record import RunRecord
 from finetune.telemetry.sinks import Sinks
-from finetune.training import arguments, build, endings, evaluation, fault_injection, planned, signals, speed
+from finetune.training import (
+    arguments,
+    build,
+    endings,
+    evaluation,
+    fault_injection,
+    planned,
+    rank_imports,
+    signals,
+    speed,
+)
 from finetune.training.arguments import RunArguments
 from finetune.training.endings import AfterTraining, Ending, Limits
 from finetune.training.resilience import Diverged, ResilientTrainer
@@ -105,22 +113,11 @@ def main(argv: list[str] | None = None, stops: signals.Stops | None = None) -> i
 
 def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Locks) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
-    args, overrides = command_line.parse_train_args(argv)
-    resumed = None
-    if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
-        resumed = resume_config.resolve(
-            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
-        )
-        resumed.allow_input_change = args.allow_input_change
-        cfg = resumed.cfg
-    else:
-        if args.allow_config_change or args.allow_input_change:
-            raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
-        cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    args, overrides, cfg, resumed = resume_config.of_command_line(argv)  # before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
     stops.keep_only(cfg.training.stop_signals, grace_s=cfg.training.stop_grace)  # the others: default action back
-    state, launch, teardown = start_processes(cfg)
+    state, launch, teardown = start_processes(cfg, stopped=lambda: bool(stops.received))
     # heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md), in the run once there is one
     run = None
     heartbeat = peers.start(state.process_index, launch.world_size, stops.watch, lambda cause: stuck(run, cause))
@@ -189,17 +186,19 @@ def train_and_record(run: Run) -> int:
 # --- before the run: the processes, the launch, the run directory ------------------------------------
 
 
-def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
+def start_processes(cfg: Config, stopped=lambda: False) -> tuple[PartialState, LaunchPlan, Teardown]:
     """The process group, set up by the launcher's config or the recipe (finetune/launch/strategy_setup.py),
-    and the launch worked out once it exists."""
+    and the launch worked out once it exists. `stopped()`: a stop signal arrived (the Stops of the run)."""
     setup = strategy_setup.detect(cfg)
-    preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
-    strategy_setup.say_op_builds(strategy_setup.ops_before_processes(setup))  # compiled in PartialState
-    strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
-    # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
-    # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.typed.ddp_timeout))
-    strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
+    preflight.check_before_processes(cfg, setup, stopped=stopped)  # lone processes: refused before any group
+    with held_back.printed_lines_held(held_back.DEEPSPEED_OP_LOADED):
+        rank_imports.load_ops(rank_imports.ops_before_processes(setup))  # else built in PartialState, unannounced
+        strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
+        # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
+        # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
+        timeout = timedelta(seconds=cfg.training.typed.ddp_timeout)
+        state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timeout)
+        strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     teardown = peers.Teardown(state)  # before the interpreter exits
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
@@ -419,7 +418,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
     CollapseError when it collapsed (finetune/training/resilience.py)."""
-    strategy_setup.say_op_builds(strategy_setup.ops_at_optimizer(run.launch))  # DeepSpeedCPUAdam: at train()
+    rank_imports.load_ops(rank_imports.ops_at_optimizer(run.launch))  # DeepSpeedCPUAdam: else built in train()
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = exact_match(run, trainer, model, data, "before")
@@ -428,6 +427,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
         moved = resume.set_aside_newer(run.state, run.dir, run.resume.step)
         run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
     run.stops.set_stage(signals.TRAINING)
+    held_back.keep_held()  # the notices held back so far, into the run's third_party.log
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start

@@ -25,7 +25,7 @@ from finetune.data.render import IGNORE_INDEX
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
 from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection
+from finetune.training import fault_injection, rank_imports
 
 
 class _StepClock(TrainerCallback):
@@ -329,7 +329,9 @@ def route_skips() -> None:
 # --- test hook: which training rows each optimizer step trained on, per rank (FINETUNE_SAMPLE_TRACE=DIR):
 # a hash of every row of every micro-batch to DIR/rank<r>.jsonl, and rank 0's dataset row hashes to
 # DIR/dataset.json, so a test can recount, independently of the code under test, that a resumed run
-# trains the same rows per step (tests/training/test_strategies.py). Unset, it does nothing.
+# trains the same rows per step (tests/training/test_strategies.py); and at the rank's first micro-batch the
+# optional packages it has imported to DIR/rank<r>.imports.json (finetune/training/rank_imports.py). Unset,
+# it does nothing.
 
 SAMPLE_TRACE = "FINETUNE_SAMPLE_TRACE"
 
@@ -346,6 +348,9 @@ def trace_samples(trainer, inputs) -> None:
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     rank = trainer.accelerator.process_index
+    imports = directory / f"rank{rank}.imports.json"
+    if not imports.exists():
+        imports.write_text(json.dumps(rank_imports.loaded()), encoding="utf-8")
     if rank == 0 and not (directory / "dataset.json").exists():
         hashes = [row_hash(r) for r in trainer.train_dataset["input_ids"]]
         (directory / "dataset.json").write_text(json.dumps(hashes), encoding="utf-8")

@@ -37,7 +37,7 @@ class Case:
     expect: tuple[str, ...]  # what the message must name (written here by hand, not taken from a run)
     entry: str = "finetune train"  # "train.py": finetune/train.py main() in this process; or "finetune export"
     env: dict = field(default_factory=dict)  # huggingface_hub.constants overrides, see _patched
-    gpu_free_only: bool = False  # the problem exists only on a machine without CUDA
+    gpu_free_only: bool = False  # the problem exists only on a machine without CUDA (the test hides CUDA for it)
     needs_root: bool = False  # made with a mount (a full disk): only as root
 
 
@@ -1010,7 +1010,8 @@ CASES = [
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
         ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
-        env={"ENDPOINT": "http://127.0.0.1:9"},
+        # HF_HUB_OFFLINE off whatever the environment says: set, the message is the offline one (the next case)
+        env={"ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": False},
     ),
     Case(
         "hub id not cached, HF_HUB_OFFLINE=1",

@@ -251,6 +251,7 @@ def _killed_rank(tmp_path, tiny_model_dir):
     assert code == 1, out[-4000:]
     assert "[fault injection] rank 1 kills itself (SIGKILL) at step 2" in out
     assert "finetune: rank 1 (local rank 1" in out and "failed: killed by SIGKILL" in out, out[-4000:]
+    assert "closing signal SIGTERM" not in out, out[-4000:]  # torchrun's, stopping rank 0 (issue 43)
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["summary"]["status"] == "failed" and "gloo" in rec["summary"]["error"], rec["summary"]
     assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
@@ -321,6 +322,19 @@ def _nonfinite_skipped(tmp_path, tiny_model_dir):
     assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
 
 
+# What other programs printed on `finetune train`'s console before issue 43 (the launcher: torchrun, accelerate; the
+# ranks: DeepSpeed), each held back at its source now (finetune/held_back.py).
+THIRD_PARTY_LAUNCH_LINES = (
+    "Setting OMP_NUM_THREADS",  # torchrun's notice on DeepSpeed launches
+    "built successfully",  # DeepSpeed's CPU communication op, once per rank
+    "Setting accelerator to CPU",  # DeepSpeed's, in the launcher and every rank
+    "closing signal SIGTERM",  # torchrun's, after the run's own exit line
+    "had defaults used instead",  # accelerate's notice of the launch values it chose
+    "ChildFailedError",  # torchrun's report of a failed rank: `finetune train` names the failed ranks itself
+    "is already in use",  # accelerate's note that another job holds the default port
+)
+
+
 def _nonfinite_deepspeed(tmp_path, tiny_model_dir):
     """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
     it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""
@@ -339,6 +353,10 @@ def _nonfinite_deepspeed(tmp_path, tiny_model_dir):
         env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step3"},
     )
     assert code == EXIT_NONFINITE, out[-4000:]
+    # `finetune train` of a DeepSpeed recipe on CPU: only our lines (issue 43), the ranks' held ones in the run's log
+    for theirs in THIRD_PARTY_LAUNCH_LINES:
+        assert theirs not in out, (theirs, out[-4000:])
+    assert "held back from the console: DeepSpeed deepspeed.ops" in (run_dir / "third_party.log").read_text()
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
     assert "non-finite loss at step 3 on rank(s) [1]" in rec["summary"]["error"], rec["summary"]

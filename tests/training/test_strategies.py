@@ -355,6 +355,7 @@ NOISE = (
     "`past_key_values`",
     "is_gradient_checkpointing",
     "\nmodel:\n  name_or_path:",
+    "built successfully",  # DeepSpeed's CPU communication op, printed by every rank (issue 43), now in third_party.log
 )
 
 
@@ -367,6 +368,30 @@ def test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump(runs, name):
     # before any rank starts; not ours to filter), no more from each rank
     assert text.count("Setting accelerator to CPU") <= 1, text[-4000:]
     assert "config.yaml (--logging.print_config=true prints it)" in text
+    kept = (run.run_dir / "third_party.log").read_text()
+    assert kept.count("held back from the console: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built") == 2
+
+
+def expected_imports(name: str) -> dict[str, bool]:
+    """The optional packages a launch's ranks import by their first step (finetune/training/rank_imports.py):
+    DeepSpeed for the ZeRO runs only, bitsandbytes for the QLoRA runs only, W&B and matplotlib for none (reported
+    to nothing, no figures)."""
+    deepspeed = name.startswith(("zero", "qlora_zero"))
+    return {"deepspeed": deepspeed, "bitsandbytes": "qlora" in name, "wandb": False, "matplotlib": False}
+
+
+@pytest.mark.parametrize("name", ["single", "single_qlora", *STRATEGIES, *QLORA])
+def test_a_rank_imports_only_the_optional_packages_its_run_uses(runs, name):
+    """Issue 43: before, every rank of every strategy imported DeepSpeed (accelerate's model unwrapping) and
+    bitsandbytes (peft's import). The controls are in the same table: the ZeRO runs show DeepSpeed, the QLoRA runs
+    bitsandbytes, so the trace sees a package that is imported."""
+    trace = Path(trace_env(runs(name).run_dir)["FINETUNE_SAMPLE_TRACE"])
+    ranks = sorted(trace.glob("rank*.imports.json"))
+    assert len(ranks) == (1 if name.startswith("single") else 2), ranks
+    for path in ranks:
+        loaded = json.loads(path.read_text())
+        got = {package: package in loaded for package in expected_imports(name)}
+        assert got == expected_imports(name), (path.name, loaded)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
