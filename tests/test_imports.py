@@ -47,6 +47,7 @@ LAYERS = [
     {"finetune.modeling"},
     {"finetune.launch", "finetune.telemetry", "finetune.planning"},
     {"finetune.preflight", "finetune.checkpointing"},
+    {"finetune.export"},  # the check of a save and `finetune export`: reads checkpoints, used by the run's end
     {"finetune.training"},
     {"finetune.compare", "finetune.bench"},
     {"finetune.doctor"},  # runs the others through the CLI; uses compare's page style and comparability rule

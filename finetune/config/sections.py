@@ -164,6 +164,11 @@ class RunConfig:
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
     accelerate_config: str | None = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
+    # The check of that save (docs/usage.md "Export"): auto = a fresh process loads it when the host holds a second
+    # copy of the weights, else its tensors are read one at a time against the live ones; reload / stream: that one.
+    verify_export: Literal["auto", "reload", "stream", "off"] = "auto"
+    # merged: once model/ is checked, `finetune export RUN --merge` writes RUN/export (LoRA/QLoRA folded into the base)
+    export: Literal["none", "merged"] = "none"
 
 
 # Defaults we choose for TrainingArguments where transformers' defaults do not suit

@@ -94,6 +94,9 @@ OWNED = (
     LOG_FILE,
     "checkpoint-*",
     "model",
+    "export",  # `finetune export` (its default --out) and a failed one kept beside it
+    "export.unverified*",
+    ".export.partial-*",
     "data",
     "runs",
     "wandb",

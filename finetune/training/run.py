@@ -28,6 +28,7 @@ from finetune.console import guard_streams
 from finetune.data import demo, read
 from finetune.data.build import DataBundle, build_datasets
 from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.export.live import ExportCheck
 from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
 from finetune.launch.peers import Heartbeat, Teardown, run_on_main
 from finetune.launch.plan import LaunchPlan
@@ -455,10 +456,6 @@ def finish(
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
         return trainer.final_measurements()
 
-    def export_drills():
-        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
-        fault_injection.fail("export", rank=rank, step=step)
-
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
         loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
@@ -470,14 +467,15 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops)
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, ExportCheck.for_run(run))
     try:
         with after:
             measured = after.step("the measurements", measure)
             if cfg.run.save_model:
                 run.stops.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-                after.export(then=export_drills)
+                after.export()
                 run.stops.set_stage(signals.FINISHING)
+                run.sinks.put(export=after.record)  # the check's findings (rank 0's; the sinks write rank 0's)
             eval_loss = after.step("the evaluation", evaluate)
             if data.heldout is not None:
                 results["after"] = after.step("exact match", match)
@@ -489,8 +487,9 @@ def finish(
     except signals.Stopped:  # every rank agreed; the checkpoint of the final step is written
         return preempted(run, trainer, arguments)
     except Exception:
-        if after.checkpoint:  # the export failed: the weights are in this checkpoint
+        if after.checkpoint:  # the export (or its check) failed: the weights are in this checkpoint
             run.sinks.merge("summary", checkpoint=str(after.checkpoint))
+            run.sinks.put(export=after.record)
         raise
     run.sinks.close(0)
     return 0

@@ -3,7 +3,8 @@
 One launch per strategy (module-scoped, shared by every test that needs it) of the same recipe
 values: tiny random Llama + LoRA (dropout 0), demo data (40 rows), seed 42, 4 sequences per rank x 2 ranks
 = 8 per optimizer step, 5 steps (one epoch), no warmup, clipping pinned at 1.0, loss logged every step,
-checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export. The single-process reference runs 4 x accumulation 2
+checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export, which checks itself
+(run.json `export.check`; issue 45). The single-process reference runs 4 x accumulation 2
 = the same 8 sequences per optimizer step. Every launch records the rows it trained on
 (FINETUNE_SAMPLE_TRACE, finetune/training/trainer.py trace_samples), so resumed runs can be recounted.
 
@@ -549,6 +550,15 @@ def test_checkpoint_and_export_written(runs, name):
         assert any(ckpt.glob("pytorch_model_fsdp_0/*.distcp")), sorted(ckpt.rglob("*"))  # SHARDED_STATE_DICT
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
     assert runs(name).record["summary"]["status"] == "completed"
+    # the save checked itself (run.verify_export: auto): a fresh process loaded model/ on the base, and its loss and
+    # logits on the probe rows are the live model's (fp32: 1e-4 of the largest logit), every adapter tensor compared
+    check = runs(name).record["export"]["check"]
+    assert check["kind"] == "reload" and check["passed"] and check["problems"] == [], check
+    assert check["tensors"] == 28 and check["max_tensor_rel_diff"] <= 1e-6, check  # 14 adapted layers x (A, B)
+    assert check["max_logit_diff"] <= check["logit_tolerance"] <= 1e-4 * max(1.0, 2 * abs(check["reference_loss"]))
+    assert abs(check["saved_loss"] - check["reference_loss"]) <= check["loss_tolerance"], check
+    assert check["probe"]["rows"] == 4 and check["probe"]["trained_tokens"] > 0 and check["seconds"] > 0, check
+    assert f"{run_dir / 'model'}   (model/ verified, reload check: loss " in runs(name).stdout, runs(name).explain()
 
 
 RELOAD = r"""
@@ -597,6 +607,137 @@ def test_export_reloads_in_a_plain_process_and_matches_single(reloaded, name):
     assert result["keys_equal"], result
     assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)
     assert result["max_abs_diff"] < 1e-5, result  # the gathered adapter equals the single-process one
+
+
+# `finetune export --merge` of each strategy's run (issue 45): DDP from model/, ZeRO-2, ZeRO-3 and FSDP2 from their final
+# checkpoint (the ZeRO partitions consolidated to their fp32 masters, FSDP2's sharded DCP read without a process group).
+# The merged folder must load with plain transformers where peft cannot be imported and compute what the base + the
+# run's own model/ adapter computes through peft, to 1e-4 in fp32: one process checks every folder with peft blocked,
+# another computes the references; neither is the export's own check (its figures are asserted too).
+MERGED = {"ddp": None, "zero2": STEPS, "zero3": STEPS, "fsdp": STEPS}
+MERGED_LOGITS = r"""
+import json, sys
+if sys.argv[1] == "merged":
+    sys.modules["peft"] = None  # import peft raises ImportError; transformers sees it as not installed
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+kind, base, out, *folders = sys.argv[1:]
+tok = AutoTokenizer.from_pretrained(base)
+tok.pad_token = tok.pad_token or tok.eos_token
+ids = tok(["2 + 3 =", "Sort: d b a c"], return_tensors="pt", padding=True)
+logits = {}
+for folder in folders:
+    if kind == "merged":
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+    logits[folder] = model.eval()(**ids).logits.detach()
+torch.save({"logits": logits, "peft": sys.modules.get("peft") is not None}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def merged(runs, tmp_path_factory, tiny_model_dir):
+    """name -> (the export command's Launch-like result, its folder, the max logit difference measured here)."""
+    import torch
+
+    base = tmp_path_factory.mktemp("merged")
+    done = {}
+    for name, step in MERGED.items():
+        out = base / name
+        checkpoint = ["--checkpoint", str(step)] if step else []
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune.cli", "export", str(runs(name).run_dir), "--merge", "--dtype", "fp32"]
+            + checkpoint
+            + ["--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        done[name] = (proc, out)
+    for kind, folders in (
+        ("merged", [str(o) for _, o in done.values()]),
+        ("adapter", [str(runs(n).run_dir / "model") for n in done]),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", MERGED_LOGITS, kind, str(tiny_model_dir), str(base / f"{kind}.pt"), *folders],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = (torch.load(base / f"{k}.pt") for k in ("merged", "adapter"))
+    assert got["peft"] is False and want["peft"] is True
+    return {
+        name: (
+            proc,
+            out,
+            (got["logits"][str(out)] - want["logits"][str(runs(name).run_dir / "model")]).abs().max().item(),
+        )
+        for name, (proc, out) in done.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(MERGED))
+def test_merged_export_loads_without_peft_and_computes_the_base_plus_adapter(merged, name):
+    proc, out, diff = merged[name]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"finetune export: {out} written and verified" in proc.stdout, proc.stdout
+    assert diff <= 1e-4, diff  # measured here, in other processes than the export's own check
+    found = json.loads((out / "export.json").read_text())
+    check = found["check"]
+    assert found["merged"] and found["dtype"] == "float32" and found["files"] == ["model.safetensors"], found
+    assert found["source"].endswith(
+        {"ddp": "model (safetensors)", "zero2": "fp32 masters)", "zero3": "fp32 masters)", "fsdp": "consolidated)"}[
+            name
+        ]
+    ), found
+    assert check["passed"] and check["reference"] == "the base + adapter (peft)", check
+    assert check["max_logit_diff"] <= check["logit_tolerance"] and check["tensors"] == 20, check  # the tied head once
+    assert found["write"]["peak_rss_gib"] > 0 and (out / "README.md").read_text().count("merged into the base") == 1
+    assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", ".finetune-export"} <= {
+        p.name for p in out.iterdir()
+    }
+    print(
+        f"{name}: merged logits vs base + adapter (peft), largest difference {diff:.2e}; check {check['max_logit_diff']:.2e}"
+    )
+
+
+def test_qlora_merges_into_the_dequantized_base_it_trained_on(runs, tmp_path):
+    """The one-process QLoRA run's adapter folded into its base dequantized from 4 bits as bitsandbytes held it: the
+    merged model computes what the 4-bit base + adapter computes; its difference from the original base + adapter
+    (the quantization error the adapter trained against) is reported beside it."""
+    out = tmp_path / "qlora"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "export",
+            str(runs("single_qlora").run_dir),
+            "--merge",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads((out / "export.json").read_text())
+    check, original = found["check"], found["check"]["vs_original_base"]
+    assert found["dequantized_base"] and "merged into the dequantized 4-bit base" in (out / "README.md").read_text()
+    assert check["passed"] and check["reference"] == "the 4-bit base + adapter (peft), as trained", check
+    assert check["max_logit_diff"] <= check["logit_tolerance"] and check["compute_dtype"] == "bfloat16", check
+    assert original["max_logit_diff"] > 3 * check["max_logit_diff"], original  # the 4 bits the adapter trained on
+    print(
+        f"qlora: vs the 4-bit base {check['max_logit_diff']:.2e}, vs the original base {original['max_logit_diff']:.2e}"
+    )
 
 
 # Full fine-tuning's consolidated export under ZeRO-3 and FSDP2, in bf16-mixed:
