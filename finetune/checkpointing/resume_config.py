@@ -1,7 +1,8 @@
 """The configuration a resumed run continues with: the one the run saved when it started (its config.yaml) with the
 changes earlier resumes were allowed to make, not the recipe as it reads today (docs/faults.md "Resume"). Not
 configuration changes: the run's name and directory (they find the run), and the per-device batch and accumulation,
-which the resume plan sets (finetune/checkpointing/resume_plan.py).
+which the resume plan sets (finetune/checkpointing/resume_plan.py). A lever the run resolved by `auto`
+(finetune/training/planned.py), given as `auto` again, continues with the resolution run.json `plan` recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from finetune.config.recipe import load_recipe, merge, parse_overrides
 from finetune.config.validate import build_config
 from finetune.errors import ConfigError, UserError
+from finetune.planning.prediction import AUTO
 
 # keys that may differ on every resume without being a change of the run's configuration
 NOT_CHANGES = tuple(
@@ -30,6 +32,8 @@ class ResumedConfig:
     changes: list[dict] = field(default_factory=list)  # [{key, was, now}] applied with --allow-config-change
     recipe_differs: list[str] = field(default_factory=list)  # keys where the recipe now reads otherwise (not used)
     allow_input_change: bool = False  # --allow-input-change (finetune/checkpointing/resume_plan.py compares inputs)
+    overrides: list[str] = field(default_factory=list)  # the command line's, each resolved `auto` replaced
+    auto_resolved: dict = field(default_factory=dict)  # {section.key: value} taken from run.json plan
 
 
 def of_command_line(argv: list[str] | None) -> tuple:
@@ -41,7 +45,7 @@ def of_command_line(argv: list[str] | None) -> tuple:
     if args.resume:  # the run's saved configuration, with any change the user allowed
         resumed = resolve(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume)
         resumed.allow_input_change = args.allow_input_change
-        return args, overrides, resumed.cfg, resumed
+        return args, resumed.overrides, resumed.cfg, resumed
     if args.allow_config_change or args.allow_input_change:
         raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
     cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
@@ -93,6 +97,35 @@ def saved_values(run_dir: Path) -> tuple[dict, Path]:
     return values, path
 
 
+def auto_resolved(overrides: list[str], run_dir: Path) -> tuple[list[str], dict]:
+    """(the overrides with every `--training.KEY=auto` the run resolved by auto replaced by the value run.json
+    `plan` recorded, {training.KEY: value}). The accumulation the plan chose comes with a resolved micro-batch
+    unless given. An `auto` the run did not resolve (it had a number) stays, and is compared as a change."""
+    from finetune.checkpointing import resume as resuming
+
+    training = parse_overrides(list(overrides), typed=False)[0].get("training", {})
+    asked = [k for k, v in training.items() if v == AUTO]
+    record, _ = resuming.read_record(run_dir) if asked else (None, None)
+    plan = (record or {}).get("plan") or {}
+    take = [k for k in asked if k in (plan.get("auto") or [])]
+    if not take:
+        return list(overrides), {}
+    if "per_device_train_batch_size" in take and "gradient_accumulation_steps" not in training:
+        take.append("gradient_accumulation_steps")
+    values = {k: plan["levers"][k]["planned"] for k in take}
+    kept, args = [], list(overrides)
+    while args:
+        arg = args.pop(0)
+        key, sep, _ = arg.removeprefix("--").partition("=")
+        if key.removeprefix("training.") in take and key.startswith("training."):
+            if not sep and args:
+                args.pop(0)  # `--training.KEY auto`
+            continue
+        kept.append(arg)
+    kept += [f"--training.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    return kept, {f"training.{k}": v for k, v in values.items()}
+
+
 def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: str = "auto") -> ResumedConfig:
     """The configuration of `--resume` (module docstring); ConfigError (exit 2) for differences
     that were not allowed, each with the saved and the given value; NothingToDo (exit 0) for a
@@ -112,6 +145,7 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: st
     name = values.pop("recipe", None) or Path(recipe).stem
     source = f"{path} (the run's saved configuration)"
     saved = build_config(values, recipe=name, source=source).to_dict()
+    overrides, taken = auto_resolved(overrides, run_dir)
     given, _ = parse_overrides(list(overrides))
     changes = [
         {"key": f"{section}.{key}", "was": saved.get(section, {}).get(key), "now": now}
@@ -121,6 +155,11 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: st
     ]
     if changes and not allow_change:
         lines = [f"{c['key']}: {c['was']!r} in the run, {c['now']!r} given" for c in changes]
+        if any(c["now"] == AUTO for c in changes):
+            lines.append(
+                f"auto resumes only a lever the run resolved by auto, as run.json plan recorded it ({run_dir / 'run.json'} "
+                f"has no such resolution for the keys given auto)"
+            )
         raise ConfigError(
             lines
             + [
@@ -139,7 +178,7 @@ def resolve(recipe: str, overrides: list[str], *, allow_change: bool, resume: st
         drift = [c["key"] for c in _differences(cfg.to_dict(), now.to_dict())]
     except ConfigError:  # the recipe as it reads today need not be valid with these overrides: not used
         drift = ["(the recipe with these overrides is no valid configuration today)"]
-    return ResumedConfig(cfg, path, changes, drift)
+    return ResumedConfig(cfg, path, changes, drift, overrides=list(overrides), auto_resolved=taken)
 
 
 def _differences(before: dict, after: dict) -> list[dict]:
@@ -168,9 +207,18 @@ def said(resumed: ResumedConfig | None) -> dict:
             "resuming with configuration changes (--allow-config-change; recorded in run.json resumes[]): %s",
             "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in resumed.changes),
         )
+    if resumed.auto_resolved:
+        log.info(
+            "auto resumed as the run resolved it (run.json plan): %s",
+            ", ".join(f"{k} {json.dumps(v)}" for k, v in resumed.auto_resolved.items()),
+        )
     if resumed.recipe_differs:
         differs = ", ".join(resumed.recipe_differs)
         log.info(
             f"the recipe now reads otherwise in {differs}; the run continues with its saved values ({resumed.saved})"
         )
-    return {"config_from": str(resumed.saved), "config_changes": resumed.changes}
+    return {
+        "config_from": str(resumed.saved),
+        "config_changes": resumed.changes,
+        "auto_resolved": resumed.auto_resolved,
+    }

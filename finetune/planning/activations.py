@@ -12,9 +12,10 @@ allocator events torch.profiler records.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from finetune.planning.regimes import B16, F32, Regime
-from finetune.planning.shapes import Shape, Workload
+from finetune.planning.shapes import GEMMA, NO_SDPA, Shape, Workload
 
 INT64 = 8
 # Mem-efficient attention pads the bias's last dimension to a multiple of 16 elements
@@ -106,9 +107,14 @@ def forward_temporaries(sh: Shape, w: Workload, p: Regime, per: dict, *, cpu: bo
             return held
 
         rb = B16 if f.autocast else f.adapter
-        if "up_proj" in targets:  # not saved yet: up itself, the product's adapter input, down's lora_A output
-            tail = g * T * i + per["mlp"] - 3 * g * T * i + (rb * T * w.lora_r if "down_proj" in targets else 0)
-            best = max(best, at_add(i, f.stream, h) - tail)
+        up = sh.readers("mlp")[-1]
+        if (
+            up in targets
+        ):  # not saved yet: up itself (phi3: gate too), the product's adapter input, down's lora_A output
+            tail = (
+                per["mlp"] - (0 if sh.fused else 2 * g * T * i) + (rb * T * w.lora_r if "down_proj" in targets else 0)
+            )
+            best = max(best, at_add(i * (2 if sh.fused else 1), f.stream, h) - tail)
         if "down_proj" in targets:
             best = max(best, at_add(h, g, i))
     return {"forward": emb + unsaved + locals_ + best, "recompute": locals_ + best}
@@ -122,8 +128,9 @@ class BlockSaves:
         self.full = w.method == "full"
         self.targets = {name for name, _, _ in sh.targeted(w.lora_targets)} if not self.full else set()
         h = sh.hidden
-        self.feat = {"q_proj": h, "k_proj": h, "v_proj": h, "gate_proj": h, "up_proj": h, "o_proj": sh.q}
-        self.feat["down_proj"] = sh.intermediate  # input features of each linear
+        self.feat = {"o_proj": sh.q, "down_proj": sh.intermediate}  # input features of each linear
+        self.feat |= {name: h for part in ("attn", "mlp") for name in sh.readers(part)}
+        self.gemma = sh.model_type in GEMMA
 
     def linear_inputs(self, x_b: int, names: list[str]) -> tuple[int, bool]:
         """Bytes saved for the input of the linears that read one tensor of x_b bytes/element,
@@ -149,16 +156,26 @@ class BlockSaves:
             return x_b * T * n, True  # no cast: the adapters share the input
         return len(tgt) * f.adapter * T * n, False  # one cast copy per adapter (peft _cast_input_dtype)
 
-    def norm(self, width: int, rows_per_token: int) -> int:
+    def norm(self, width: int, rows_per_token: int, weight: int = 0) -> int:
         """transformers LlamaRMSNorm.forward: hidden.to(fp32) (saved by pow and mul; a copy when 16-bit), rsqrt (fp32,
-        one per row), and weight * xn.to(input dtype) saves xn only when the weight trains."""
+        one per row), and weight * xn.to(input dtype) saves xn only when the weight trains. Gemma's RMSNorm
+        (modeling_gemma2.py Gemma2RMSNorm) multiplies in fp32, `xn * (1.0 + weight.float())`: that saves the fp32
+        (1 + weight) (`weight` elements, the width by default) and, when the weight trains, the fp32 xn."""
         T = self.T
+        if self.gemma:
+            return (
+                F32 * T * width
+                + F32 * T * rows_per_token
+                + F32 * (weight or width)
+                + (F32 * T * width if self.full else 0)
+            )
         return F32 * T * width + F32 * T * rows_per_token + (self.f.stream * T * width if self.full else 0)
 
 
-def attention_saved(sh: Shape, w: Workload, attn_b: int, kind: str) -> tuple[int, bool]:
+def attention_saved(sh: Shape, w: Workload, attn_b: int, kind: str, kv_b: tuple = ()) -> tuple[int, bool]:
     """(bytes the attention kernel saves, whether o_proj reads a copy of its output rather than the
-    output itself), for inputs of attn_b bytes/element."""
+    output itself), for inputs of attn_b bytes/element; kv_b: the bytes/element of k and v before the
+    kernel's cast (default attn_b)."""
     T, q, kv, H = w.tokens, sh.q, sh.kv, sh.heads
     n_rep = H // sh.kv_heads
     # Ulysses (sp > 1): after its all-to-all a rank attends over the whole row with heads / sp (q: the
@@ -168,11 +185,13 @@ def attention_saved(sh: Shape, w: Workload, attn_b: int, kind: str) -> tuple[int
     kv_att = kv if w.sp == 1 else w.sp * max(1, sh.kv_heads // w.sp) * sh.head_dim
     if kind in ("flash", "efficient"):
         # saved: q, k, v, the output and an fp32 logsumexp per row and head. With a mask,
-        # transformers repeats k and v to every head (repeat_kv: a copy unless kv_heads == 1)
+        # transformers repeats k and v to every head (repeat_kv: a copy unless kv_heads == 1, where it
+        # is an expand; autocast's cast of an expanded fp32 k or v to bf16 materialises it all the same)
         # and SDPA converts the bool mask to a float bias per call, saved (convert_boolean_attn_mask)
-        kvw = q if (w.attention_mask and n_rep > 1 and sh.kv_heads > 1) else kv_att
+        rep = w.attention_mask and n_rep > 1
+        kvw = [q if rep and (sh.kv_heads > 1 or b != attn_b) else kv_att for b in (kv_b or (attn_b, attn_b))]
         lse_len = _up(s, MEM_EFFICIENT_LSE_ALIGN) if kind == "efficient" else s
-        saved = attn_b * T * (q + 2 * kvw) + attn_b * T * q + F32 * rows * Ha * lse_len
+        saved = attn_b * T * (q + sum(kvw)) + attn_b * T * q + F32 * rows * Ha * lse_len
         if w.attention_mask and kind == "efficient":
             saved += attn_b * rows * s * _up(s, MEM_EFFICIENT_BIAS_ALIGN)
         # the kernels write (b, s, heads, d): transpose(1, 2).contiguous() is a view; Ulysses sends the
@@ -183,32 +202,64 @@ def attention_saved(sh: Shape, w: Workload, attn_b: int, kind: str) -> tuple[int
         # and the softmax output (b x heads x s x s)
         return attn_b * T * q * 3 + attn_b * rows * Ha * s * s, True
     # transformers eager_attention_forward: q, repeat_kv'd k and v, softmax in fp32 (saved) and
-    # its cast back to the query's dtype (saved by the second matmul; none when fp32)
-    kvw = q if n_rep > 1 and sh.kv_heads > 1 else kv
-    return attn_b * T * (q + 2 * kvw) + (F32 + (attn_b if attn_b != F32 else 0)) * rows * Ha * s * s, True
+    # its cast back to the query's dtype (saved by the second matmul; none when fp32); Gemma 2's
+    # soft-capping, tanh(scores / cap) * cap, saves tanh's output. repeat_kv's expand is a view when
+    # kv_heads == 1, but matmul's reshape of it to 3-D copies it: k and v are saved at q's width either way
+    kvw = q if n_rep > 1 else kv
+    scores = F32 + (attn_b if attn_b != F32 else 0) + (attn_b if sh.attn_softcap else 0)
+    return attn_b * T * (q + 2 * kvw) + scores * rows * Ha * s * s, True
 
 
-def block_parts(sh: Shape, w: Workload, f: DtypeFlow, saves: BlockSaves) -> tuple[dict, str, int]:
-    """(bytes one decoder block saves, by part; the attention kernel; its bytes/element)."""
+def repeats_kv(sh: Shape, w: Workload, kind: str) -> bool:
+    """Whether the attention gets copies of k and v repeated to every head rather than v itself."""
+    n_rep = sh.heads // sh.kv_heads
+    if kind in ("math", "eager"):
+        return n_rep > 1  # math: enable_gqa's repeat_interleave; eager: attention_saved
+    return n_rep > 1 and sh.kv_heads > 1 and w.attention_mask  # (v is not cast when this is asked)
+
+
+def layer_workload(sh: Shape, w: Workload, layer_type: str) -> Workload:
+    """The workload as one layer's attention sees it: Gemma 2 has no SDPA (eager instead, as the run loads it),
+    and under SDPA a sliding-window layer gets a mask once a row reaches the window (transformers
+    masking_utils _ignore_causal_mask_sdpa: skipped only while kv_length < the window)."""
+    if sh.model_type in NO_SDPA and w.attn_implementation == "sdpa":
+        w = replace(w, attn_implementation="eager")
+    window = layer_type == "sliding_attention" and sh.sliding_window and w.row_len * w.sp >= sh.sliding_window
+    return replace(w, masked=True) if window and w.attn_implementation == "sdpa" else w
+
+
+def block_parts(sh: Shape, w: Workload, f: DtypeFlow, saves: BlockSaves, wa: Workload) -> tuple[dict, str, int]:
+    """(bytes one decoder block saves, by part; the attention kernel; its bytes/element). `wa`: the workload as
+    this layer's attention sees it (layer_workload)."""
     T, h, q, kv, i, H = w.tokens, sh.hidden, sh.q, sh.kv, sh.intermediate, sh.heads
-    per = {"norms": 2 * saves.norm(h, 1)}
-    y = f.stream  # a norm's output: weight * xn.to(input dtype) -> the stream's dtype
-    per["qkv_inputs"], _ = saves.linear_inputs(y, ["q_proj", "k_proj", "v_proj"])
-    per["mlp_inputs"], _ = saves.linear_inputs(y, ["gate_proj", "up_proj"])
+    per = {"norms": (4 if saves.gemma else 2) * saves.norm(h, 1)}  # Gemma: before and after attention and MLP
+    y = f.stream  # a norm's output: weight * xn.to(input dtype) (Gemma: .type_as(input)) -> the stream's dtype
+    per["qkv_inputs"], _ = saves.linear_inputs(y, sh.readers("attn"))
+    per["mlp_inputs"], _ = saves.linear_inputs(y, sh.readers("mlp"))
     q_src = f.lin_out
     if sh.model_type == "qwen3":
         # q_norm / k_norm: RMSNorm over head_dim of the q and k projections (modeling_qwen3.py)
         qn = F32 * T * (q + kv) + F32 * T * (H + sh.kv_heads) + (f.lin_out * T * (q + kv) if saves.full else 0)
         per["qk_norms"] = qn
         q_src = max(f.lin_out, f.norm_weight)
+    if sh.model_type == "gemma3_text":  # Gemma's RMSNorm over head_dim, back in the projection's dtype
+        per["qk_norms"] = saves.norm(q + kv, H + sh.kv_heads, weight=2 * sh.head_dim)
     qrot = max(q_src, f.stream)  # q * cos, cos in the stream's dtype (LlamaRotaryEmbedding: .to(x.dtype))
     attn_b = B16 if f.autocast else qrot  # SDPA is on autocast's lower-precision list
-    kind = attention_kind(w, attn_b)
-    per["attention"], out_copy = attention_saved(sh, w, attn_b, kind)
+    kind = attention_kind(wa, attn_b)
+    per["attention"], out_copy = attention_saved(sh, wa, attn_b, kind, (qrot, f.lin_out))  # k rotated like q
+    if sh.fused:
+        # phi3 (modeling_phi3.py Phi3Attention): q, k, v are views of qkv_proj's output. Rotary makes new q and k
+        # (torch.cat), so a kernel given v itself keeps the whole fused output alive, its q and k columns too;
+        # the kernel writes its output in q's (b, heads, s, d) layout, so transpose(1, 2).contiguous() copies it
+        # and o_proj reads the copy (measured on CPU: tests/planning/test_activations.py)
+        if attn_b == f.lin_out and not repeats_kv(sh, wa, kind):
+            per["attention"] += f.lin_out * T * (q + kv)
+        out_copy = True
     o_in, o_shared = saves.linear_inputs(attn_b, ["o_proj"])
     per["o_input"] = 0 if (o_shared and not out_copy) else o_in  # the kernel's own output when not copied
     g = f.lin_out
-    per["mlp"] = 3 * g * T * i  # SiLU saves gate; the product saves act and up
+    per["mlp"] = 3 * g * T * i  # SiLU (Gemma: GELU) saves gate; the product saves act and up
     per["mlp"] += saves.linear_inputs(g, ["down_proj"])[0]
     if not saves.full:
         rb = B16 if f.autocast else f.adapter
@@ -232,7 +283,7 @@ def weight_casts(sh: Shape, w: Workload, p: Regime, targets: set) -> tuple[int, 
     cast_first = cast_layer
     if p.autocast and lora and p.param != B16 and not w.gradient_checkpointing:
         # layer 0's q/k/v read a norm output that needs no grad: lora_A keeps no weight copy for it
-        cast_first -= B16 * w.lora_r * h * len(targets & {"q_proj", "k_proj", "v_proj"})
+        cast_first -= B16 * w.lora_r * h * len(targets & set(sh.readers("attn")))
     return cast_layer, cast_first, cast_head
 
 
@@ -243,33 +294,43 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
     f = DtypeFlow(w, p)
     saves = BlockSaves(sh, w, f)
     T, h, lora, targets = w.tokens, sh.hidden, not saves.full, saves.targets
-    per, kind, attn_b = block_parts(sh, w, f, saves)
-    layer = sum(per.values())
+    types = sh.layer_types or ("full_attention",) * sh.layers
+    by_type = {t: block_parts(sh, w, f, saves, layer_workload(sh, w, t)) for t in dict.fromkeys(types)}
+    per, kind, attn_b = max(by_type.values(), key=lambda v: sum(v[0].values()))  # the largest layer's
+    layers = [sum(by_type[t][0].values()) for t in types]
     # LoRA/QLoRA: layer 0's input norm sees no grad (a frozen embedding), unless checkpointing made
     # the embedding's output require grad (enable_input_require_grads)
-    first = layer - (saves.norm(h, 1) if lora and not w.gradient_checkpointing else 0)
+    first = layers[0] - (saves.norm(h, 1) if lora and not w.gradient_checkpointing else 0)
     if lora and not w.gradient_checkpointing and w.lora_dropout > 0:  # no grad into q/k/v's dropout: no mask kept
-        first -= T * h * len(targets & {"q_proj", "k_proj", "v_proj"})
+        first -= T * h * len(targets & set(sh.readers("attn")))
     kept = sh.layers * f.stream * T * h  # non-reentrant checkpoint: each block's input
-    blocks = kept if w.gradient_checkpointing else first + (sh.layers - 1) * layer
+    blocks = kept if w.gradient_checkpointing else first + sum(layers[1:])
     # the final norm, and lm_head's input when it trains (under autocast a bf16 cast of it)
     y = f.stream
     head_in = ((B16 if f.autocast and y != B16 else y) * T * h) if saves.full else 0
     final = saves.norm(h, 1) + head_in
-    # cos/sin follow position_ids: (1 or b, s, head_dim); sequence-parallel batches carry position_ids
+    # cos/sin follow position_ids: (1 or b, s, rotated dims); sequence-parallel batches carry position_ids.
+    # Saved by the first layer that multiplies by them: Gemma 3 has one table for sliding layers, one for full
     pos_rows = w.rows if (w.layout != "padded" or w.sp > 1 or w.cp > 1) else 1
-    rotary = 2 * pos_rows * w.row_len * sh.head_dim * f.stream
+    table = 2 * pos_rows * w.row_len * (sh.rotary_dim or sh.head_dim) * f.stream
+    tables = {t: types.index(t) for t in (dict.fromkeys(types) if sh.model_type == "gemma3_text" else types[:1])}
+    rotary = table * len(tables)
     indices = INT64 * T  # the loss's shifted targets (ForCausalLMLoss: a contiguous copy, saved by nll_loss)
+    # Gemma 2's logits soft-capping, tanh(logits / cap) * cap (Gemma2ForCausalLM.forward): tanh saves its output
+    softcap = logits_bytes(w, p) * T * sh.vocab if sh.logit_softcap else 0
     cast_layer, cast_first, cast_head = weight_casts(sh, w, p, targets)
     casts = (sh.layers - 1) * cast_layer + cast_first + cast_head
     return {
-        "per_layer": layer,
+        "per_layer": max(layers),
+        "layers": [first, *layers[1:]] if not w.gradient_checkpointing else [f.stream * T * h] * sh.layers,
         "first_layer": first if not w.gradient_checkpointing else f.stream * T * h,
         "parts": per,
         "blocks": blocks,
         "final": final,
         "rotary": rotary,
+        "rotary_layers": {k: table for k in tables.values()},
         "indices": indices,
+        "logit_softcap": softcap,
         "weight_casts": casts,
         "weight_casts_layer": cast_layer,
         "weight_casts_first": cast_first,
@@ -277,11 +338,12 @@ def activations(sh: Shape, w: Workload, p: Regime, *, cpu: bool = False) -> dict
         "kept_inputs": kept if w.gradient_checkpointing else 0,
         "forward_temporaries": forward_temporaries(sh, w, p, per, cpu=cpu),
         "attn_kind": kind,
+        "layer_kinds": [by_type[t][1] for t in types],
         "attn_bytes": attn_b,
         "stream": f.stream,
         "lin_out": f.lin_out,
         "head_input": head_in,
-        "total": blocks + final + rotary + indices + casts,
+        "total": blocks + final + rotary + indices + softcap + casts,
     }
 
 

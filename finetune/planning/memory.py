@@ -46,6 +46,8 @@ def resolve_loss(sh: Shape, w: Workload) -> Workload:
     """The workload with `auto` replaced by what the run installs (finetune/modeling/loss_choice.py)."""
     if w.loss_impl != "auto":
         return w
+    if sh.logit_softcap:  # finetune/modeling/loss.py check_supported: the chunked loss cannot soft-cap the logits
+        return replace(w, loss_impl="standard")
     impl, _ = loss_choice.auto_choice(
         tokens=w.tokens, vocab=sh.vocab, hidden=sh.hidden, head_trains=w.method == "full", chunk=w.loss_chunk_tokens
     )
@@ -174,7 +176,7 @@ def forward_phases(sh: Shape, w: Workload, p: Regime, A: dict) -> dict:
     """The end of the forward and the start of the backward (the loss's buffers at each), and the
     inside of the last block's forward."""
     L = loss_buffers(sh, w, p, chunk_tokens(w, sh.vocab))
-    act = A["blocks"] + A["final"] + A["rotary"] + A["indices"]  # = A["total"] less the weight casts
+    act = A["blocks"] + A["final"] + A["rotary"] + A["indices"] + A["logit_softcap"]  # A["total"] less the casts
     casts = A["weight_casts"]
     if w.loss_impl != "standard":
         # the chunked/fused loss keeps the head's input itself (in its buffers) and casts the head's weight

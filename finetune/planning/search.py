@@ -34,12 +34,29 @@ H2D_GBS = 25.0
 
 def sequences_per_step(cfg) -> tuple[int, str]:
     """(sequences per device per optimizer step the recipe trains, how that number is made). The search keeps
-    it: micro-batch x accumulation, whatever the micro-batch."""
+    it: micro-batch x accumulation, whatever the micro-batch. An `auto` micro-batch keeps the recipe file's own
+    number (a command-line `auto` over it); a recipe that says `auto` itself, or gives none, Trainer's default 8."""
     t = cfg.training.typed
     b, a = t.per_device_train_batch_size, t.gradient_accumulation_steps
-    if b == AUTO:
-        return DEFAULT_MICRO_BATCH * a, f"auto: {DEFAULT_MICRO_BATCH} (the default micro-batch) x accumulation {a}"
-    return b * a, f"micro-batch {b} x accumulation {a}"
+    if b != AUTO:
+        return b * a, f"micro-batch {b} x accumulation {a}"
+    asked, where = recipe_micro_batch(cfg.recipe)
+    return asked * a, f"auto: {asked} ({where}) x accumulation {a}"
+
+
+def recipe_micro_batch(recipe: str) -> tuple[int, str]:
+    """(the micro-batch the recipe file asks for, where it came from) for an `auto` given over it."""
+    from finetune.config.recipe import find_recipe, read_recipe_file
+    from finetune.errors import ConfigError
+
+    try:
+        path = find_recipe(recipe)
+    except ConfigError:
+        return DEFAULT_MICRO_BATCH, f"the default micro-batch: the recipe {recipe!r} is not a file to read"
+    given = (read_recipe_file(path).get("training") or {}).get("per_device_train_batch_size")
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given, f"the recipe's micro-batch, {path.name}"
+    return DEFAULT_MICRO_BATCH, f"the default micro-batch: {path.name} gives {'auto' if given == AUTO else 'none'}"
 
 
 def splits(sequences: int) -> list[tuple[int, int]]:

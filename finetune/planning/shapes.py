@@ -86,16 +86,29 @@ def decoder_linears(config) -> list[tuple[str, int, int]]:
     ]
 
 
-# Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary,
-# SDPA, gated MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms).
-BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3")
-# The shipped table's other families: what their blocks save that the Llama block does not (phi3: saved-tensor
-# hooks on CPU, bf16, one layer: 2q + kv more bytes x 2 per token than the Llama formula).
-NOT_YET = {
-    "phi3": "v is a view of the fused qkv output, which it keeps alive whole, and o_proj saves a copy of its input",
-    "gemma2": "four norms per block (Gemma's RMSNorm), logit soft-capping, sliding-window masks",
-    "gemma3_text": "four norms per block and q/k norms (Gemma's RMSNorm), sliding-window masks",
-}
+# Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary, attention, gated
+# MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms; phi3 fuses qkv and gate/up; Gemma
+# 2/3 norm before and after attention and MLP with Gemma's RMSNorm, window some layers, Gemma 3 norms q/k).
+BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
+# Families whose causal-LM class has no SDPA attention (transformers 5.24 `_supports_sdpa`: Gemma 2's attention
+# logit soft-capping): a run asking for sdpa loads eager (finetune/modeling/attention.py for_family).
+NO_SDPA = ("gemma2",)
+
+
+def layer_types(config) -> tuple:
+    """Each layer's attention ("sliding_attention" | "full_attention"): the config's list, else transformers'
+    default pattern (configuration_gemma2.py: every second layer full; configuration_gemma3.py: every
+    sliding_window_pattern-th, 6). () for families without windows."""
+    kind = config.model_type
+    if kind not in GEMMA:
+        return ()
+    given = getattr(config, "layer_types", None)
+    if given:
+        return tuple(given)
+    every = 2 if kind == "gemma2" else getattr(config, "sliding_window_pattern", None) or 6
+    full, slide = "full_attention", "sliding_attention"
+    return tuple(slide if (k + 1) % every else full for k in range(config.num_hidden_layers))
 
 
 @dataclass
@@ -112,6 +125,22 @@ class Shape:
     intermediate: int
     vocab: int
     linears: list = field(default_factory=list)  # (name, in_features, out_features) per block
+    layer_types: tuple = ()  # per layer: "sliding_attention" | "full_attention" (Gemma)
+    sliding_window: int | None = None  # positions a sliding layer attends to
+    attn_softcap: float | None = None  # Gemma 2: tanh soft-capping of the attention scores
+    logit_softcap: float | None = None  # Gemma 2: tanh soft-capping of the logits
+    rotary_dim: int = 0  # rotated dimensions per head (phi3 partial_rotary_factor); 0: head_dim
+
+    @property
+    def fused(self) -> bool:
+        """q/k/v and gate/up in one linear each (phi3)."""
+        return self.model_type == "phi3"
+
+    def readers(self, part: str) -> list[str]:
+        """The linears that read the attention's input ("attn") or the MLP's ("mlp")."""
+        if part == "attn":
+            return ["qkv_proj"] if self.fused else ["q_proj", "k_proj", "v_proj"]
+        return ["gate_up_proj"] if self.fused else ["gate_proj", "up_proj"]
 
     @property
     def tied(self) -> bool:
@@ -188,12 +217,17 @@ class Shape:
 
     def check_block_mechanism(self) -> None:
         if self.model_type not in BLOCK_MECHANISM:
-            why = NOT_YET.get(self.model_type)
-            known = f"; its {self.params.total:,} parameters are counted, its block is not: {why}" if why else ""
             raise ValueError(
                 f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
-                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op){known}"
+                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op); its {self.params.total:,} parameters "
+                f"are counted, its block is not"
             )
+
+
+def partial_rotary(config) -> float:
+    """The share of head_dim rotary embeddings rotate: a config.json's key, or transformers 5's rope_parameters."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
 
 
 def shape_of(config) -> Shape:
@@ -218,6 +252,11 @@ def shape_of(config) -> Shape:
         config.intermediate_size,
         config.vocab_size,
         linears,
+        layer_types=layer_types(config),
+        sliding_window=getattr(config, "sliding_window", None),
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        logit_softcap=getattr(config, "final_logit_softcapping", None),
+        rotary_dim=int(hd * partial_rotary(config)),
     )
 
 

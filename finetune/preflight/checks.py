@@ -81,7 +81,8 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None, 
     args, overrides = parse_train_args(parsed.training_script_args)
     path = None  # the recipe's file
     if args.resume and resume_config:
-        cfg = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume).cfg
+        resumed = resume_config(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume)
+        cfg, overrides = resumed.cfg, resumed.overrides  # a resolved `auto` as the run recorded it
     else:
         cfg, path = load_recipe(args.recipe, overrides, problems)
     cfg.run.overwrite = cfg.run.overwrite or args.overwrite

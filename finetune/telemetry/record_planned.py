@@ -105,10 +105,17 @@ class PlanTried(TypedDict):
     fits: bool
 
 
+class EffectiveBatch(TypedDict):
+    asked: int  # sequences per optimizer step the recipe asks for
+    planned: int  # planned micro-batch x accumulation x data-parallel size
+    asked_from: str
+
+
 class Plan(TypedDict):
     levers: dict[str, PlannedLever]  # per_device_train_batch_size, gradient_accumulation_steps, gradient_checkpointing
     auto: list[str]
     sequences_per_device_step: int  # kept: micro-batch x accumulation
+    effective_batch: EffectiveBatch
     memory_basis: str
     limit_gib: float
     predicted_gib: float

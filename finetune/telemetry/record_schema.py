@@ -291,6 +291,7 @@ Segment = TypedDict(
         "conversion_s": float | None,
         "config_from": str,
         "config_changes": list[ConfigChange],
+        "auto_resolved": dict,
         "input_changes": list[InputChange],
         "ended": str,
         "wall_s": float | None,

@@ -48,7 +48,7 @@ def plan_section(cfg, launch, given: dict, auto: list[str]) -> dict | None:
         return None
     w = workload_from_config(cfg, precision=launch.policy.name)
     strategy = planner_key(launch.strategy, launch.offload)
-    sequences, _ = search.sequences_per_step(cfg)
+    sequences, made = search.sequences_per_step(cfg)
     limit, basis, sm = memory_limit(launch)
     result = search.resolve_levers(
         shape,
@@ -79,6 +79,14 @@ def plan_section(cfg, launch, given: dict, auto: list[str]) -> dict | None:
         "levers": {k: {"given": given[k], "planned": planned[k]} for k in LEVERS},
         "auto": auto,
         "sequences_per_device_step": sequences,
+        # the recipe's effective batch and the planned one: equal, every option tried divides `sequences`
+        "effective_batch": {
+            "asked": sequences * launch.data_parallel_size,
+            "planned": planned["per_device_train_batch_size"]
+            * planned["gradient_accumulation_steps"]
+            * launch.data_parallel_size,
+            "asked_from": f"{made} x data-parallel size {launch.data_parallel_size}",
+        },
         "memory_basis": basis,
         "limit_gib": round(limit / GIB, 4),
         "predicted_gib": chosen["predicted_gib"],

@@ -125,18 +125,29 @@ def autocast_ctx(regime: str):
     return torch.autocast("cpu", dtype=torch.bfloat16) if REGIMES[regime][2] else contextlib.nullcontext()
 
 
-def saved_per_layer(model, inputs: dict, regime: str, kind: str) -> dict:
+def saved_per_layer(model, inputs: dict, regime: str, kind: str | list[str]) -> dict:
     """Bytes of the unique storages autograd saves in the forward (parameters excluded), by where
     they are first saved: "layer0", "layer1", ... (a decoder layer running) or "outside" (embedding,
-    final norm, head, loss). One forward, loss included."""
+    final norm, head, loss). One forward, loss included. `kind`: the attention kernel to force, or one
+    per decoder layer (Gemma 3's sliding layers get a mask the others do not)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where = {"now": "outside"}
     seen: dict[int, tuple[str, int]] = {}
     layers = [m for name, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
-    handles = []
+    kinds = kind if isinstance(kind, list) else [kind] * len(layers)
+    handles, forced = [], contextlib.ExitStack()
+
+    def enter(k):
+        where["now"] = f"layer{k}"
+        forced.enter_context(sdpa(kinds[k]))
+
+    def leave():
+        where["now"] = "outside"
+        forced.close()
+
     for k, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda *_, k=k: where.__setitem__("now", f"layer{k}")))
-        handles.append(layer.register_forward_hook(lambda *_: where.__setitem__("now", "outside")))
+        handles.append(layer.register_forward_pre_hook(lambda *_, k=k: enter(k)))
+        handles.append(layer.register_forward_hook(lambda *_: leave()))
 
     def pack(t):
         st = t.untyped_storage()
@@ -145,7 +156,7 @@ def saved_per_layer(model, inputs: dict, regime: str, kind: str) -> dict:
         return t
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sdpa(kind), autocast_ctx(regime):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_ctx(regime):
             model(**inputs)
     finally:
         for h in handles:

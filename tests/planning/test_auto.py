@@ -55,8 +55,32 @@ def test_auto_is_a_value_of_two_training_fields_only():
     cfg, _ = load_recipe(
         "demo", ["--training.per_device_train_batch_size=auto", "--training.gradient_checkpointing=auto"]
     )
-    assert search.sequences_per_step(cfg) == (8, "auto: 8 (the default micro-batch) x accumulation 1")
+    assert search.sequences_per_step(cfg) == (8, "auto: 8 (the recipe's micro-batch, demo.yaml) x accumulation 1")
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps: expected an integer"):
         load_recipe("demo", ["--training.gradient_accumulation_steps=auto"])
     with pytest.raises(ConfigError, match=r"per_device_train_batch_size: expected an integer.*\(or auto"):
         load_recipe("demo", ["--training.per_device_train_batch_size=many"])
+
+
+def test_auto_keeps_the_recipes_effective_batch(tmp_path):
+    """`auto` over ddp's micro-batch 4 (x 2 processes = 8 per step) keeps 4 sequences per device, not Trainer's
+    default 8 (which doubled the effective batch before); every option tried trains exactly those 4. A recipe
+    that says auto itself counts the default 8, said; so does a recipe outside recipes/ (the configuration keeps
+    only its name, so its file is not read again: a limit, said in the text)."""
+    cfg, _ = load_recipe(
+        "ddp", ["--training.per_device_train_batch_size=auto", "--training.gradient_accumulation_steps=3"]
+    )
+    sequences, made = search.sequences_per_step(cfg)
+    assert (sequences, made) == (12, "auto: 4 (the recipe's micro-batch, ddp.yaml) x accumulation 3")
+    tried = search.resolve_levers(
+        SHAPE, W, "ddp", 2, limit_bytes=2**50, sm=9, sequences=sequences, micro_batch=True, checkpointing=False
+    )
+    assert {t["micro_batch"] * t["grad_accum"] for t in tried["tried"]} == {12}
+    assert tried["chosen"]["micro_batch"] == 12  # a roomy device: the whole step at once
+    own = tmp_path / "mine.yaml"
+    own.write_text("training:\n  per_device_train_batch_size: 6\n  gradient_accumulation_steps: 2\n")
+    cfg, _ = load_recipe(str(own), ["--training.per_device_train_batch_size=auto"])
+    assert search.sequences_per_step(cfg) == (
+        16,
+        "auto: 8 (the default micro-batch: the recipe 'mine' is not a file to read) x accumulation 2",
+    )

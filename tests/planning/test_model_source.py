@@ -226,15 +226,26 @@ def test_plan_imports_no_torch(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["phi-4", "gemma-2-9b", "gemma-3-4b-it"])
-def test_a_table_model_whose_block_is_not_modelled_is_refused_saying_what_differs(name, capsys):
-    """Phi-3/4 and Gemma 2/3 are in the table with exact parameter counts, but the activation arithmetic
-    follows the Llama block only: the plan refuses them by name with what their blocks do differently
-    (for phi3, measured: v's view keeps the fused qkv output, o_proj saves a copy) instead of guessing."""
+def test_the_tables_phi_and_gemma_models_are_planned(name, capsys):
+    """Phi-3/4 and Gemma 2/3 were refused before their blocks were followed (tests/planning/test_activations.py
+    checks the arithmetic to the byte); now the plan answers for them."""
     from finetune.cli.dispatch import main
 
+    main(["plan", "--recipe", "ddp", "--model", name, "--gpus", "2", "--gpu-memory", "80GiB", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["model_type"] == model_source.read_config(name).model_type
+    assert out["answer"]["strategy"] and 0 < out["answer"]["device_fraction"] <= 0.9
+
+
+def test_a_family_whose_block_is_not_followed_is_refused_by_name(tmp_path, capsys):
+    """GPT-2's parameters are counted, its block (LayerNorm, fused c_attn, learned positions) is not followed:
+    the plan refuses it by name rather than guessing."""
+    from finetune.cli.dispatch import main
+
+    config = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 128, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit) as ended:
-        main(["plan", "--recipe", "demo", "--model", name])
+        main(["plan", "--recipe", "demo", "--model", str(tmp_path)])
     err = " ".join(capsys.readouterr().err.split())
-    kind = model_source.read_config(name).model_type
-    assert ended.value.code == 2 and f"no activation arithmetic for model_type {kind!r}" in err
-    assert shapes.NOT_YET[kind] in err and "parameters are counted" in err
+    assert ended.value.code == 2 and "no activation arithmetic for model_type 'gpt2'" in err
+    assert "parameters are counted" in err
