@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = REPO / "finetune" / "train.py"
 # Fixtures that start training processes: a test using one is an integration test, like those
 # marked by hand (`python -m pytest -m "not integration"` is the fast unit set).
-LAUNCHING_FIXTURES = {"launch", "runs", "sweep"}
+LAUNCHING_FIXTURES = {"launch", "runs", "sweep", "strategy_runs"}
 
 
 def pytest_collection_modifyitems(items):
@@ -166,6 +166,15 @@ def logged_steps(record: dict, steps: int) -> list[dict]:
 @pytest.fixture
 def launch():
     return launch_train
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory, tiny_model_dir):
+    """name -> finished Launch: the session's one run per strategy, each launched on first use and read by every
+    test file with a claim about it (tests/training/strategy_runs.py)."""
+    from tests.training.strategy_runs import StrategyRuns
+
+    return StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model_dir)
 
 
 def free_port() -> int:

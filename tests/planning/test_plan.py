@@ -15,7 +15,7 @@ import torch
 
 from finetune.errors import UserError
 from finetune.planning import comm, memory, prediction, report, shapes
-from tests.conftest import REPO, launch_train
+from tests.conftest import REPO
 from tests.planning.test_planner import zero_model_states_bytes
 
 GIB = 2**30
@@ -340,25 +340,9 @@ def test_bench_comm_refuses_to_run_outside_a_launch(monkeypatch):
         bench_comm.launch_args([], cpu=True, num_processes=1)
 
 
-@pytest.mark.integration
-def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_model_dir):
-    run = launch_train(
-        [
-            "--recipe",
-            "demo",
-            f"--model.name_or_path={tiny_model_dir}",
-            "--data.demo_train_size=16",
-            "--eval.exact_match=false",
-            "--training.max_steps=2",
-            "--training.logging_steps=1",
-        ],
-        run_dir=tmp_path / "run",
-        cwd=REPO,
-        config_file="accelerate_configs/single_gpu.yaml",
-        timeout=300,
-    )
-    assert run.returncode == 0, run.explain()
-    rec = run.record
+def test_cpu_run_records_predicted_memory_beside_measured_rss(strategy_runs, tiny_model_dir):
+    """The session's one-process LoRA run (tests/training/strategy_runs.py `single`, the demo recipe on CPU)."""
+    rec = strategy_runs("single").record
     pred = rec["predicted_memory"]
     assert pred["strategy"] == rec["strategy"]["name"] == "single" and pred["method"] == "lora"
     assert pred["world_size"] == 1 and pred["device"] is None  # a CPU run: the host is the device

@@ -1,7 +1,7 @@
 """bf16-mixed gives the same per-step losses under every strategy, full and LoRA (issue 12), and a
 bf16-true control shows the comparison can fail.
 
-Launches (module-scoped, each on first use): the recipe values of tests/training/test_strategies.py
+Launches (module-scoped, each on first use): the recipe values of tests/training/strategy_runs.py
 (tiny random Llama, demo data, seed 42, 4 sequences per rank x 2 ranks = 8 per optimizer step, 5
 steps, no warmup, clipping 1.0, loss logged every step; the single-process reference runs 4 x
 accumulation 2) under `--training.precision=bf16-mixed`: LoRA (LR 1e-3, dropout 0) and full
@@ -65,7 +65,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, launch_train, logged_steps
-from tests.training.test_strategies import CPU_ENV, STEPS, STRATEGIES, common_args
+from tests.training.strategy_runs import CPU_ENV, STEPS, STRATEGIES, common_args
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ SAME_UNTIL_CLIPPING_REACHES = {("lora", "fsdp"): 2}  # last step computed identi
 
 
 def recipe_args(tiny_model_dir, *extra) -> list[str]:
-    """test_strategies' recipe values without its checkpoints (no resume here), in bf16-mixed."""
+    """The strategy runs' recipe values (4 x 1 per rank) without their checkpoints (no resume here), in bf16-mixed."""
     return [
         *(a for a in common_args(tiny_model_dir) if not a.startswith("--training.save_")),
         "--training.precision=bf16-mixed",
