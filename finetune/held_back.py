@@ -63,6 +63,27 @@ ZERO_PROCESSES_DEFAULT = ZeroProcessesDefault()
 TORCHRUN_FAILED = HeldBack("failed (exitcode:")
 
 
+class _LogFile(logging.FileHandler):
+    """The run's log file. A write that fails (the disk that failed the run is full, the run directory gone) is
+    dropped quietly: the run's message says what failed, and logging's own traceback would be a second one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)  # opens the file on the first record (delay): not inside logging's own guard
+        except OSError:
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
+# The tracebacks of errors the run handles and says in one line (an export on a full disk, a figure that could not be
+# computed): kept in the run's log file, which the line names, never on the console.
+TRACEBACKS = logging.getLogger("finetune.tracebacks")
+TRACEBACKS.addHandler(logging.NullHandler())  # before the run directory exists: nowhere (not logging's last resort)
+TRACEBACKS.propagate = False
+
+
 def install_launcher() -> None:
     """Around an accelerate launch run in this process (`finetune train`, bench-comm)."""
     logging.getLogger("accelerate.commands.launch").addFilter(ZERO_PROCESSES_DEFAULT)
@@ -71,17 +92,19 @@ def install_launcher() -> None:
 
 def to_log_file(path, rank: int) -> None:
     """From here on, this rank's third-party warnings (Python's `warnings`: torch's pin_memory notice on
-    a CPU, deprecations) go to the run's log file, kept with their source, instead of the console; and
+    a CPU, deprecations) and the tracebacks of handled errors (TRACEBACKS) go to the run's log file, kept
+    with their source, instead of the console; and
     transformers' progress bars (loading weights, writing model shards) are off: the run says what it
     loads and saves. Our own lines are log records and prints (finetune raises no warnings)."""
     from transformers.utils import logging as hf_logging
 
-    handler = logging.FileHandler(path, encoding="utf-8", delay=True)  # made by the first warning only
+    handler = _LogFile(path, encoding="utf-8", delay=True)  # made by the first warning only
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}: %(message)s"))
     warned = logging.getLogger("py.warnings")
     for earlier in warned.handlers:  # an earlier run in this process (the benchmark, the tests)
         earlier.close()
     warned.handlers, warned.propagate = [handler], False
+    TRACEBACKS.handlers = [handler]
     logging.captureWarnings(True)
     hf_logging.disable_progress_bar()
 

@@ -11,7 +11,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 FOLDERS = ("recipes", "accelerate_configs", "ds_configs")
 INSTALLED_DIR = "shipped"  # finetune/shipped/ in a built wheel (setup.py)
 
-MODEL_CONFIGS = PACKAGE_DIR / "model_configs"  # package data: published shapes for `finetune plan --model NAME`
+MODEL_CONFIGS = PACKAGE_DIR / "model_configs"  # package data: the published configs `finetune plan --model` knows
 
 ROOT = PACKAGE_DIR / INSTALLED_DIR if (PACKAGE_DIR / INSTALLED_DIR).is_dir() else PACKAGE_DIR.parent
 RECIPES = ROOT / "recipes"
@@ -32,17 +32,6 @@ def locate(name: str) -> Path | None:
     if not path.is_file() and (ROOT / path).is_file():
         path = ROOT / path
     return path if path.is_file() else None
-
-
-def model_config_names() -> list[str]:
-    """The shipped model configs, by the name `finetune plan --model NAME` takes."""
-    return sorted(p.stem for p in MODEL_CONFIGS.glob("*.json"))
-
-
-def model_config(name: str) -> Path | None:
-    """The shipped model config of that name (with or without .json), else None."""
-    path = MODEL_CONFIGS / (name if name.endswith(".json") else f"{name}.json")
-    return path if "/" not in name and path.is_file() else None
 
 
 def cpu_variant(config: Path) -> Path:

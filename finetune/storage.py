@@ -145,6 +145,17 @@ def own_directory(path: Path, tool: str, rewrites: str) -> Path:
     return path
 
 
+def read_json(path: Path) -> tuple[object, str | None]:
+    """(the JSON value in `path`, None), or (None, why it is not JSON, in words: the byte that is not UTF-8, the line
+    and column where it stops parsing). A file that cannot be opened raises OSError."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")), None
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+
+
 def json_object(path: Path) -> dict:
     """The JSON object in `path`; {} when it is unreadable or holds no object."""
     try:

@@ -162,3 +162,33 @@ def test_torchruns_failed_line_after_our_own_exit_message_is_held():
         agent.removeHandler(handler)
     assert seen == ["Sending process 124 closing signal SIGTERM"]
     assert held_back.TORCHRUN_FAILED.held[-1].startswith("failed (exitcode: 75) local_rank: 0")
+
+
+def test_handled_errors_tracebacks_go_to_the_run_log_and_a_log_that_cannot_be_written_is_quiet(tmp_path, capsys):
+    """Issue 46 item 5: a handled error's library traceback is kept in the run's log file, never on the console; when
+    that file cannot be written (the full disk that failed the run, its directory gone) nothing is raised or printed.
+    Before: a warning or record after the run directory went raised FileNotFoundError from logging's handler."""
+    from finetune import held_back
+
+    warned = logging.getLogger("py.warnings")
+    saved = (list(warned.handlers), warned.propagate, list(held_back.TRACEBACKS.handlers))
+    try:
+        held_back.to_log_file(tmp_path / "run" / "third_party.log", 0)
+        (tmp_path / "run").mkdir()
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            held_back.TRACEBACKS.error("the export failed", exc_info=e)
+        kept = (tmp_path / "run" / "third_party.log").read_text()
+        assert "the export failed" in kept and "OSError: [Errno 28] No space left on device" in kept, kept
+        held_back.to_log_file(tmp_path / "gone" / "third_party.log", 0)  # a directory that is not there
+        held_back.TRACEBACKS.error("the export failed", exc_info=OSError(28, "No space left on device"))
+        warnings.warn("a library's warning", UserWarning, stacklevel=1)
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err and "No space" not in out + err, out + err
+    finally:
+        for handler in warned.handlers:
+            handler.close()
+        logging.captureWarnings(False)
+        warned.handlers, warned.propagate = saved[0], saved[1]
+        held_back.TRACEBACKS.handlers = saved[2]

@@ -29,7 +29,8 @@ LAYERS = [
         "finetune.batch",
         "finetune.mesh",
     },
-    {"finetune.console", "finetune.storage"},  # process-wide: the console streams, filesystem failures
+    # process-wide: the console streams, filesystem failures, the input files' content fingerprints
+    {"finetune.console", "finetune.storage", "finetune.fingerprints"},
     {"finetune.precision"},  # the policy table: reads the strategy table
     {"finetune.config"},
     {"finetune.data", "finetune.modeling"},

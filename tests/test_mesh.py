@@ -272,7 +272,7 @@ def test_finetune_plan_shows_the_mesh_and_only_the_strategies_that_run_it(tiny_m
     from finetune.cli import dispatch
 
     code = dispatch.main(
-        ["plan", "--recipe", "zero3", "--model", str(tiny_model_dir), "--gpus", "2", "--parallel.sp_size=2"]
+        ["plan", "--recipe", "zero3", "--model", str(tiny_model_dir), "--gpus", "2", "--parallel.sp_size=2", "--all"]
     )
     out = capsys.readouterr().out
     assert code == 0 and "mesh: data parallel 1 x sp 2 x tp 1 x cp 1" in out, out

@@ -13,15 +13,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import xxhash
-
+from finetune import fingerprints
 from finetune.errors import UserError
 from finetune.storage import json_object
 
 log = logging.getLogger("finetune")
 
 MARKER = "finetune-checkpoint-complete.json"
-CHECKSUM = "xxh3_128"  # not cryptographic: finds damage, at ~3 GB/s on one core (docs/faults.md)
+CHECKSUM = fingerprints.ALGORITHM  # not cryptographic: finds damage, at ~3 GB/s on one core (docs/faults.md)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -48,7 +47,7 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
     marker = ckpt / MARKER
     tmp = ckpt / (MARKER + ".tmp")
     started = time.perf_counter()
-    sums = {name: checksum(ckpt / name) for name in files}
+    sums = {name: fingerprints.checksum(ckpt / name) for name in files}
     seconds, mb = time.perf_counter() - started, sum(files.values()) / 1e6
     log.info(f"checkpoint {ckpt.name}: {len(files)} files, {mb:.1f} MB checksummed in {seconds:.2f} s")
     body = {
@@ -68,14 +67,6 @@ def write_marker(ckpt: Path, *, step: int, world_size: int, run: dict | None = N
 def read_marker(ckpt: Path) -> dict | None:
     """The completion marker of `ckpt` as a dict, or None when it has none or it does not parse."""
     return json_object(Path(ckpt) / MARKER) or None
-
-
-def checksum(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 23), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def problem(ckpt: Path, *, verify: bool = True) -> str | None:
@@ -100,7 +91,7 @@ def problem(ckpt: Path, *, verify: bool = True) -> str | None:
         if f.stat().st_size != size:
             return f"file {name} is {f.stat().st_size} bytes, {size} when saved (truncated or changed)"
     for name, expected in sums.items():
-        if checksum(ckpt / name) != expected:
+        if fingerprints.checksum(ckpt / name) != expected:
             return f"file {name} does not match the {CHECKSUM} checksum recorded when saved (damaged on disk since)"
     return None
 

@@ -1,4 +1,5 @@
-"""What wrote a checkpoint: the `run` block of its completion marker, and reading it back.
+"""What wrote a checkpoint: the `run` block of its completion marker, and reading it back; and what a run is made from:
+the content fingerprints of its inputs (run.json `inputs`, kept in the block too, compared on --resume).
 
 The block (finetune/checkpointing/checkpoints.py write_marker, rank 0, at every save) holds what a resume under another
 launch must know and compare before loading any weights (finetune/checkpointing/resume_plan.py): world size, strategy,
@@ -12,10 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import fingerprints
 from finetune.checkpointing import checkpoints
+from finetune.data.prepare import source_files
+from finetune.modeling.load import model_folder
+from finetune.storage import json_object
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Written:
     model: dict | None = None
     data: dict | None = None
     mesh: dict | None = None  # {sp, tp, cp} of the live mesh that wrote it (None: written before meshes)
+    inputs: dict | None = None  # run.json `inputs` of the segment that wrote it (None: written before they were kept)
 
 
 # --- identities written into the marker and compared on resume ------------------------------------
@@ -52,26 +59,119 @@ def method_identity(method) -> dict:
 
 def model_identity(model) -> dict:
     """name_or_path, revision and the SHA-256 of its config.json where one is on this machine."""
-    from finetune.config.sections import BUNDLED_MODEL
-
-    name = model.name_or_path
-    config = None
-    if name == BUNDLED_MODEL:
-        from finetune.modeling.bundled import model_dir
-
-        config = model_dir() / "config.json"
-    elif Path(name).expanduser().is_dir():
-        config = Path(name).expanduser() / "config.json"
-    else:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(name, "config.json", revision=model.revision)
-            config = Path(found) if isinstance(found, str) else None
-        except ValueError:  # not a hub id; preflight names it
-            config = None
+    folder = model_folder(model.name_or_path, model.revision)
+    config = folder / "config.json" if folder else None
     sha = hashlib.sha256(config.read_bytes()).hexdigest() if config is not None and config.is_file() else None
-    return {"name_or_path": name, "revision": model.revision, "config_sha256": sha}
+    return {"name_or_path": model.name_or_path, "revision": model.revision, "config_sha256": sha}
+
+
+# --- what a run is made from: the content fingerprints of its inputs (run.json `inputs`, the marker's run block) -----
+
+# The files of a model folder that are its weights (with its config), its tokenizer, and its chat template.
+WEIGHT_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json")
+TOKENIZER_FILES = (
+    *("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"),
+    *("vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model"),
+)
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates/*")
+# Not settings of what is trained: the run's name and place, how it is launched and logged, the batch layout a resume
+# recomputes, and the paths whose content is fingerprinted itself (a moved copy of the same data is the same input).
+NOT_SETTINGS = ("run", "logging")
+NOT_SETTING_KEYS = (
+    *("training.per_device_train_batch_size", "training.gradient_accumulation_steps"),
+    *("model.name_or_path", "model.tokenizer_name_or_path", "data.path"),
+)
+# (input, its name in words, its files' key): compared on --resume in this order
+INPUTS = (
+    ("weights", "the base weights", "weight_files"),
+    ("tokenizer", "the tokenizer", "tokenizer_files"),
+    ("chat_template", "the chat template", "chat_template_files"),
+    ("data", "the training data", "data_files"),
+    ("settings", "the settings", None),
+)
+
+
+def inputs(cfg, data_path: str) -> dict:
+    """run.json `inputs`: a content fingerprint of each input (finetune/fingerprints.py; files read once, then cached
+    by path and stat) and of each of its files. None where an input is not on this machine (a hub model not cached,
+    a Hub dataset); the chat template is None when data.chat_template is false (it renders nothing then)."""
+    cache, started = fingerprints.Cache(), time.perf_counter()
+    model = model_folder(cfg.model.name_or_path, cfg.model.revision)
+    tokenizer = model_folder(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, cfg.model.revision)
+    weights = _folder_files(cache, model, WEIGHT_FILES)
+    tokens = _folder_files(cache, tokenizer, TOKENIZER_FILES)
+    config = tokenizer / "tokenizer_config.json" if tokenizer else None
+    template = _template(cache, tokenizer, config) if cfg.data.chat_template else {}
+    if config is not None and config.is_file():  # its chat_template is the template's, not the tokenizer's
+        values = json_object(config)
+        values.pop("chat_template", None)
+        tokens["tokenizer_config.json"] = fingerprints.of_text(json.dumps(values, sort_keys=True))
+    data = {name: cache.of(f) for name, f in source_files(data_path, cfg.data.split).items()}
+    cache.save()
+    return {
+        "algorithm": fingerprints.ALGORITHM,
+        "weights": fingerprints.of_parts(weights) if weights else None,
+        "weight_files": weights,
+        "tokenizer": fingerprints.of_parts(tokens) if tokens else None,
+        "tokenizer_files": tokens,
+        "chat_template": fingerprints.of_parts(template) if template else None,
+        "chat_template_files": template,
+        "data": fingerprints.of_parts(data) if data else None,
+        "data_files": data,
+        "settings": fingerprints.of_text(json.dumps(settings(cfg), sort_keys=True, default=str)),
+        "read_bytes": cache.bytes_read,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+
+
+def settings(cfg) -> dict:
+    """The configuration that decides what is trained (NOT_SETTINGS left out), as section.key -> value."""
+    return {
+        f"{section}.{key}": value
+        for section, body in cfg.to_dict().items()
+        if isinstance(body, dict) and section not in NOT_SETTINGS
+        for key, value in body.items()
+        if f"{section}.{key}" not in NOT_SETTING_KEYS
+    }
+
+
+def _folder_files(cache, folder: Path | None, patterns: tuple[str, ...]) -> dict[str, str]:
+    if folder is None:
+        return {}
+    found = {p for pattern in patterns for p in folder.glob(pattern) if p.is_file()}
+    return {str(p.relative_to(folder)): cache.of(p) for p in sorted(found)}
+
+
+def _template(cache, folder: Path | None, config: Path | None) -> dict[str, str]:
+    """The chat template's sources: its own files, and tokenizer_config.json's chat_template."""
+    found = _folder_files(cache, folder, TEMPLATE_FILES)
+    inline = json_object(config).get("chat_template") if config is not None and config.is_file() else None
+    if inline is not None:
+        found["tokenizer_config.json:chat_template"] = fingerprints.of_text(json.dumps(inline, sort_keys=True))
+    return found
+
+
+def input_changes(old: dict | None, new: dict | None) -> list[dict]:
+    """What differs between two `inputs` records, input by input: [{input, said}], `said` naming the files that
+    differ, appeared or went; an input unknown on either side (not on this machine, an older record) is not compared."""
+    out = []
+    for key, words, files in INPUTS:
+        before, now = (old or {}).get(key), (new or {}).get(key)
+        if before is None or now is None or before == now:
+            continue
+        detail = _file_changes((old or {}).get(files) or {}, (new or {}).get(files) or {}) if files else []
+        shown = f"; {', '.join(detail)}" if detail else ""
+        out.append({"input": key, "said": f"{words} changed (fingerprint {before[:12]} -> {now[:12]}{shown})"})
+    return out
+
+
+def _file_changes(old: dict, new: dict) -> list[str]:
+    names = sorted(set(old) | set(new))
+    if names == [""]:  # one data file: its content is the data (its name is not)
+        return []
+    said = [f"{n} differs" for n in names if n in old and n in new and old[n] != new[n]]
+    said += [f"{n} is new" for n in names if n not in old] + [f"{n} is gone" for n in names if n not in new]
+    return said[:6] + ([f"{len(said) - 6} more"] if len(said) > 6 else [])
 
 
 def data_order_settings(cfg) -> dict:
@@ -128,11 +228,12 @@ def run_block_of(record, static: dict) -> dict:
     return run_block(record.get("strategy"), record.get("batch"), record.get("lr"), static)
 
 
-def static_facts(cfg, *, train_rows: int, fingerprint: str) -> dict:
+def static_facts(cfg, *, train_rows: int, fingerprint: str, inputs: dict | None = None) -> dict:
     return {
         "method": method_identity(cfg.method),
         "model": model_identity(cfg.model),
         "data": {"train_rows": train_rows, "fingerprint": fingerprint, **data_order_settings(cfg)},
+        "inputs": inputs,
     }
 
 
@@ -157,7 +258,18 @@ def read(ckpt: Path) -> Written:
             if run
             else f"{ckpt.name}/{checkpoints.MARKER} (world size only: written before the marker recorded more)"
         )
-    for key in ("strategy", "offload", "per_device", "grad_accum", "effective", "method", "model", "data", "mesh"):
+    for key in (
+        "strategy",
+        "offload",
+        "per_device",
+        "grad_accum",
+        "effective",
+        "method",
+        "model",
+        "data",
+        "mesh",
+        "inputs",
+    ):
         setattr(written, key, (run or {}).get(key))
     return written
 

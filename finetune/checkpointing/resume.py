@@ -114,6 +114,7 @@ def continued(run_dir: Path, ckpt: Path, plan=None, *, created: str | None = Non
     if plan is not None:
         entry.update(effective=plan.effective_now, from_world_size=plan.written["world_size"])
         entry.update({k: getattr(plan, k) for k in (*LAYOUT_KEYS[:5], "reshard", "rng", "rng_ranks", "position")})
+        entry["input_changes"] = plan.input_changes
     sections, segments = {}, []
     if old is not None:
         steps = old.get("steps", default=[])

@@ -29,6 +29,7 @@ class ResumedConfig:
     saved: Path  # the configuration file it is based on
     changes: list[dict] = field(default_factory=list)  # [{key, was, now}] applied with --allow-config-change
     recipe_differs: list[str] = field(default_factory=list)  # keys where the recipe now reads otherwise (not used)
+    allow_input_change: bool = False  # --allow-input-change (finetune/checkpointing/resume_plan.py compares inputs)
 
 
 def run_dir_of(recipe: str, overrides: list[str]) -> Path:

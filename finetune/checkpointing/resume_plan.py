@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.batch import effective_batch
-from finetune.checkpointing import checkpoints
+from finetune.checkpointing import checkpoints, provenance
 from finetune.checkpointing.provenance import Written, data_order_settings, method_identity, model_identity, read
 from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
@@ -53,6 +53,8 @@ class ResumeRequest:
     training: TrainingArgs  # cfg.training.typed
     lora_dropout: float = 0.0
     mesh: dict = field(default_factory=lambda: dict(TRIVIAL_MESH))  # {sp, tp, cp} (finetune/mesh.py)
+    inputs: dict | None = None  # provenance.inputs() of this launch (None: not compared)
+    allow_input_change: bool = False  # --allow-input-change
 
     @property
     def data_parallel(self) -> int:
@@ -78,6 +80,8 @@ class ResumePlan:
     data: dict | None  # the checkpoint's data block, checked once the data is built
     notes: list[str] = field(default_factory=list)
     data_parallel: int | None = None  # data-parallel ranks of this launch (None: the world size)
+    input_changes: list[dict] = field(default_factory=list)  # provenance.input_changes, allowed by --allow-input-change
+    inputs_compared: bool = False  # the checkpoint and this launch both recorded their inputs
 
     @property
     def effective_now(self) -> int:
@@ -90,7 +94,16 @@ class ResumePlan:
         return tuple(getattr(self, k) for k in keys) != tuple(self.written[k] for k in keys)
 
 
-def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides: list[str]) -> ResumeRequest:
+def launch_from(
+    cfg,
+    *,
+    strategy: str,
+    offload: str,
+    world_size: int,
+    overrides: list[str],
+    inputs: dict | None = None,
+    allow_input_change: bool = False,
+) -> ResumeRequest:
     from finetune.config.recipe import parse_overrides
 
     par = cfg.parallel
@@ -109,6 +122,8 @@ def launch_from(cfg, *, strategy: str, offload: str, world_size: int, overrides:
         training=a,
         lora_dropout=float(cfg.method.lora_dropout if cfg.method.name != "full" else 0.0),
         mesh={"sp": par.sp_size, "tp": par.tp_size, "cp": par.cp_size},
+        inputs=inputs,
+        allow_input_change=allow_input_change,
     )
 
 
@@ -135,7 +150,15 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
             f"(any --num_processes)"
         )
     problems += _identity_problems(name, "method", w.method, launch.method)
-    problems += _identity_problems(name, "model", w.model, launch.model)
+    changes = provenance.input_changes(w.inputs, launch.inputs)
+    refused = [c["said"] for c in changes if c["input"] != "settings"]  # settings: --allow-config-change's
+    if refused and not launch.allow_input_change:
+        problems.append(
+            f"{name} was trained on other inputs: {'; '.join(refused)}. Resume with the inputs it was trained with "
+            "(put them back), or add --allow-input-change to continue on these (recorded in run.json resumes[])"
+        )
+    elif not any(c["input"] == "weights" for c in changes):  # the config's SHA-256 said less: not twice
+        problems += _identity_problems(name, "model", w.model, launch.model)
     per_device, grad_accum = _batch_layout(name, w, launch, problems)
     E = w.effective
     # (a checkpoint that does not record its per-device batch is taken to keep it: only M can tell)
@@ -181,6 +204,8 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         data=w.data,
         notes=notes,
         data_parallel=D,
+        input_changes=changes,
+        inputs_compared=bool(w.inputs and launch.inputs),
     )
 
 
@@ -352,15 +377,30 @@ def applied(p: ResumePlan, cfg):
 
 
 def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
-    """Once the data is built, before the model loads: the rows must be the checkpoint's."""
+    """Once the data is built, before the model loads: the rows must be the checkpoint's, unless --allow-input-change
+    let inputs that change them differ (said). With the inputs unchanged, other rows mean other tokenizing code."""
     d = p.data or {}
-    if d.get("train_rows") not in (None, rows) or d.get("fingerprint") not in (None, fingerprint):
-        raise UserError(
-            f"--resume {p.checkpoint}: the training data differs from the data it was trained on "
-            f"({d.get('train_rows')} rows, fingerprint {str(d.get('fingerprint'))[:12]}; now {rows} rows, "
-            f"{fingerprint[:12]}): the position resumed at would be meaningless. Resume with the same "
-            f"data and data settings, or start a new run"
+    if d.get("train_rows") in (None, rows) and d.get("fingerprint") in (None, fingerprint):
+        return
+    was = (
+        f"{d.get('train_rows')} rows, fingerprint {str(d.get('fingerprint'))[:12]}; now {rows} rows, {fingerprint[:12]}"
+    )
+    if any(c["input"] != "settings" for c in p.input_changes):  # allowed: the position may not be the same rows
+        log.warning(f"--resume {p.checkpoint}: the training rows differ ({was}), as --allow-input-change allowed")
+        return
+    if any(c["input"] == "settings" for c in p.input_changes):
+        cause = "the settings --allow-config-change applied change the training rows"
+    elif p.inputs_compared:
+        cause = (
+            "its data files, tokenizer and chat template are the ones it was trained on, so the tokenizing itself "
+            "changed (another transformers or tokenizers version, or finetune's rendering)"
         )
+    else:
+        cause = "the training data differs from the data it was trained on"
+    raise UserError(
+        f"--resume {p.checkpoint}: {cause} ({was}): the position resumed at would be meaningless. Resume with the same "
+        f"data and data settings, or start a new run"
+    )
 
 
 def locate(cfg, resume: str) -> tuple[str, Path, Path]:
@@ -377,18 +417,28 @@ def locate(cfg, resume: str) -> tuple[str, Path, Path]:
     return name, run_dir, checkpoints.resolve(resume, run_dir)
 
 
-def for_launch(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[str, Path, ResumePlan]:
-    """Locate the checkpoint and plan for `launch` (finetune/launch/plan.py)."""
+def for_launch(
+    cfg, launch: LaunchPlan, resume: str, overrides: list[str], *, allow_input_change: bool = False
+) -> tuple[str, Path, ResumePlan]:
+    """Locate the checkpoint and plan for `launch` (finetune/launch/plan.py), this launch's inputs compared with the
+    checkpoint's (read once, then cached: finetune/fingerprints.py)."""
+    from finetune.data import demo
+
     name, run_dir, ckpt = locate(cfg, resume)
+    written = read(ckpt)
+    now = provenance.inputs(cfg, demo.paths(cfg, run_dir)[0]) if written.inputs else None
     sets_up = dict(strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size)
-    return name, run_dir, plan(read(ckpt), launch_from(cfg, **sets_up, overrides=overrides))
+    request = launch_from(cfg, **sets_up, overrides=overrides, inputs=now, allow_input_change=allow_input_change)
+    return name, run_dir, plan(written, request)
 
 
-def preflight_problems(cfg, launch: LaunchPlan, resume: str, overrides: list[str]) -> tuple[list[str], object]:
+def preflight_problems(
+    cfg, launch: LaunchPlan, resume: str, overrides: list[str], *, allow_input_change: bool = False
+) -> tuple[list[str], object]:
     """For `finetune train --resume` (finetune/preflight/checks.py check_launch): the refusals, as
     problems, before any process starts, and the configuration the other checks see (the plan applied)."""
     try:
-        _, _, p = for_launch(cfg, launch, resume, overrides)
+        _, _, p = for_launch(cfg, launch, resume, overrides, allow_input_change=allow_input_change)
     except ConfigError as e:
         return [f"{e.source}: {problem}" for problem in e.problems], cfg
     except UserError as e:
@@ -437,6 +487,9 @@ def describe(p: ResumePlan) -> str:
             + " (per-rank streams cannot follow a world-size change)"
         )
     lines += [f"  note: {n}" for n in p.notes]
+    changed = [c["said"] for c in p.input_changes if c["input"] != "settings"]
+    if changed:
+        lines.append(f"  inputs changed (--allow-input-change; run.json resumes[].input_changes): {'; '.join(changed)}")
     return "\n".join(lines)
 
 

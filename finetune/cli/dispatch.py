@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 
-from finetune import __version__, resources
+from finetune import __version__
 from finetune.config import command_line
 from finetune.errors import ConfigError, exit_on_user_error
 from finetune.launch import accelerate as launcher
@@ -53,27 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("recipes", help="list the shipped recipes", description="The shipped recipes and what each is for.")
     compare.add_compare_parser(sub)
     compare.add_sweep_parser(sub)
-    plan = sub.add_parser(
-        "plan",
-        help="predict memory and communication per strategy and recommend one",
-        description="Predict the peak memory and communication of every strategy for a recipe's workload "
-        "and recommend the fastest that fits (docs/planning.md). Reads only the model's config.",
-        epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full "
-        "--training.per_device_train_batch_size=8 --data.max_length=2048",
-    )
-    command_line.add_recipe(plan)
-    plan.add_argument(
-        "--model",
-        help="a local dir or config.json, a hub id whose config is cached, or a shipped model config by name ("
-        + ", ".join(resources.model_config_names())
-        + "); default: the recipe's model",
-    )
-    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
-    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
-    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_plan_parser(sub)
     comm = sub.add_parser(
         "bench-comm",
         help="measure all-reduce/reduce-scatter/all-gather bandwidth",
@@ -97,6 +77,36 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_main.add_arguments(doctor)
     parser.commands = sub.choices  # name -> its parser
     return parser
+
+
+def add_plan_parser(sub) -> None:
+    """`finetune plan`'s options (docs/planning.md)."""
+    plan = sub.add_parser(
+        "plan",
+        help="the fastest strategy, micro-batch, checkpointing and offload that fit, then every strategy's memory",
+        description="Answer first: the fastest strategy, micro-batch x accumulation, gradient checkpointing and "
+        "offload that fit the GPUs for a recipe's workload, then the memory and communication of every option "
+        "(docs/planning.md). Reads only the model's config (and, with a data path, the data's token lengths).",
+        epilog="recipe overrides (--section.key=value) apply, e.g. --method.name=full "
+        "--training.per_device_train_batch_size=8 --data.max_length=2048",
+    )
+    command_line.add_recipe(plan)
+    plan.add_argument(
+        "--model",
+        help="a local dir or config.json, a hub id (the Hugging Face cache, else the Hub's config.json when online), "
+        "or a model of the shipped table (Llama 3.x, Qwen2.5/3, Mistral, Gemma 2/3, Phi-3/4: "
+        "finetune/model_configs/models.json); default: the recipe's model",
+    )
+    plan.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpu-memory", default="24GiB", help="memory per GPU (default 24GiB)")
+    plan.add_argument("--host-memory", default="64GiB", help="host memory per node (default 64GiB)")
+    plan.add_argument("--bandwidth", help="bus bandwidth in GB/s, or the JSON written by `finetune bench-comm --out`")
+    plan.add_argument(
+        "--gpu", help="the GPU by name (H100, H100 PCIe, H200, A100, L40S, L4, A10): its peak predicts tokens/s"
+    )
+    plan.add_argument("--all", action="store_true", help="the table with every method and strategy too")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from finetune.planning import report
 
-        return report.run(args, rest)
+        return report.run(args, rest, gpu=gpu_peak(args.gpu))
     if args.command == "bench-comm":
         from finetune.launch import cpu_rehearsal
         from finetune.planning import bench_comm
@@ -182,6 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def gpu_peak(name: str | None) -> dict | None:
+    """`finetune plan --gpu NAME` in the peak table (finetune/telemetry/formulas.py); a UserError off it."""
+    if name is None:
+        return None
+    from finetune.errors import UserError
+    from finetune.telemetry import formulas
+
+    found = formulas.peak_flops(name)
+    if found is None:
+        known = ", ".join(label for _, label, _, _ in formulas.PEAK_DENSE_FLOPS)
+        raise UserError(f"--gpu {name!r}: {formulas.no_peak_reason(name)}; the table has: {known}")
+    label, flops = found
+    source = next(src for _, row_label, _, src in formulas.PEAK_DENSE_FLOPS if row_label == label)
+    return {"label": label, "peak_flops": flops, "source": source}
+
+
 def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     """`finetune train`: preflight of the launch it is about to start, then accelerate launch (its exit
     code). `signals`: the relay's (finetune/launch/relay.py), installed around all of it."""
@@ -192,8 +218,9 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     from finetune.launch import cpu_rehearsal
 
     config_file, problems = args.config_file, list(args.problems)  # the command line's, then every other
-    if args.allow_config_change and not args.resume:
-        problems.append("--allow-config-change applies to --resume only (a new run takes any configuration)")
+    for flag in ("allow_config_change", "allow_input_change"):
+        if getattr(args, flag) and not args.resume:
+            problems.append(f"--{flag.replace('_', '-')} applies to --resume only (a new run takes any configuration)")
     if args.resume:  # the run's saved configuration; a different override is refused here, before any launch
         if problems:
             raise ConfigError(problems, "finetune train: command line")
@@ -214,6 +241,7 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
         allow_config_change=args.allow_config_change,
         cfg=cfg,
         problems=problems,
+        allow_input_change=args.allow_input_change,
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
     # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts

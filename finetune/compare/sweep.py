@@ -112,6 +112,11 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
     cfg, _ = load_recipe(recipe, overrides)
     base_world = processes(launch_config(cfg.run.accelerate_config, cpu)) if cfg.run.accelerate_config else 1
     per_device, accum = cfg.training.typed.per_device_train_batch_size, cfg.training.typed.gradient_accumulation_steps
+    if per_device == "auto":
+        raise UserError(
+            "training.per_device_train_batch_size: auto is planned by each run for its own device, and a sweep keeps "
+            "one effective batch across strategies: give a number (`finetune plan` suggests one)"
+        )
     effective = effective_batch(per_device, accum, base_world)
     reference = _scaling_reference(strategies, cfg.method.name, cpu)
     planned, problems = [], []

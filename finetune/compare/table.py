@@ -8,7 +8,6 @@ definitions). Each derived value is None with a reason when it cannot be had.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 from finetune.compare import comparable
 from finetune.compare.comparable import NOT_COMPARABLE
 from finetune.errors import UserError
+from finetune.storage import read_json
 from finetune.telemetry.record import RecordView, check
 
 
@@ -74,13 +74,9 @@ def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
                 f"`finetune train` writes <output_dir>/run.json)"
             )
             continue
-        try:
-            record = json.loads(file.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            problems.append(f"{file}: not UTF-8 text (byte {e.start})")
-            continue
-        except json.JSONDecodeError as e:
-            problems.append(f"{file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+        record, why = read_json(file)
+        if why:
+            problems.append(f"{file}: {why}")
             continue
         problem = check(record)
         if problem:
@@ -197,8 +193,9 @@ PEAK = Column("peak_gib", "GiB/dev", "peak memory per device, GiB (the basis of 
 HEADLINE = tuple(
     "run strategy tokens_per_s speedup peak_gib memory_ratio scaling_efficiency cost_per_mtok comparable".split()
 )
+TASK = "task_metric"  # in the headline, before `comparable`, when a run has one (exact match)
 # never "the same for every run" (they identify the run or are the answer)
-NEVER_CONSTANT = {"run", "status", *HEADLINE}
+NEVER_CONSTANT = {"run", "status", *HEADLINE, TASK}
 
 
 @dataclass
@@ -211,6 +208,13 @@ class Table:
     runs: list[Run]
     gpu_hour_price: float | None
     columns: list[Column] = field(default_factory=lambda: list(COLUMNS))
+
+    @property
+    def headline(self) -> tuple[str, ...]:
+        """The headline's columns: HEADLINE, with the task metric when a run measured one."""
+        if not any(row.get(TASK) for row in self.rows):
+            return HEADLINE
+        return (*HEADLINE[:-1], TASK, HEADLINE[-1])
 
     def column(self, key: str) -> Column:
         return PEAK if key == "peak_gib" else next(c for c in self.columns if c.key == key)
@@ -227,6 +231,8 @@ class Table:
             return self.column(key).fmt.format(value)
         if key == "peak_gib" and value is None:
             return "n/a"
+        if key == TASK:  # the result and the one before training, short: the metric's name is the title
+            return self.rows[i]["task_short"] or "n/a"
         return self.cell(i, key)
 
     def constant_columns(self) -> list[tuple[Column, str]]:
@@ -295,10 +301,11 @@ def row_peak(run: Run) -> float | None:
     return device if device is not None else run.get("memory", "max", "host_peak_rss_gib")
 
 
-def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | None:
-    """The single-device run of the same method to measure scaling against (the baseline if it fits)."""
+def same_method_single(run: Run, runs: list[Run], base: Run | None) -> tuple[Run | None, str | None]:
+    """(the single-device run of the same method and the same work to measure scaling against, or None and why
+    there is none). The baseline if it fits, else the one measured over the most steps."""
     method = run.get("strategy", "method")
-    fits = [
+    singles = [
         r
         for r in runs
         if r.record is not None
@@ -306,9 +313,15 @@ def same_method_single(run: Run, runs: list[Run], base: Run | None) -> Run | Non
         and r.get("strategy", "method") == method
         and r.get("throughput", "trained_tokens_per_s") is not None
     ]
+    if not singles:
+        return None, f"no single-device {method} run among the runs"
+    fits = [r for r in singles if r is run or comparable.other_work(run, r) is None]
+    if not fits:
+        others = "; ".join(comparable.other_work(run, r) for r in singles)
+        return None, f"no single-device {method} run of the same work: {others}"
     if base in fits:
-        return base
-    return fits[0] if fits else None
+        return base, None
+    return max(fits, key=lambda r: r.get("throughput", "steps_measured") or 0), None
 
 
 def _mesh(run: Run) -> str:
@@ -358,7 +371,8 @@ def _recorded_cells(run: Run, base: Run | None) -> dict:
         "train_loss": run.get("summary", "train_loss"),
         "eval_loss": run.get("summary", "eval_loss"),
         "task_metric": _task_metric(run),
-        "wall_s": run.get("summary", "wall_s"),
+        "task_short": _task_metric(run, short=True),
+        "wall_s": _wall_s(run),
         "train_s": run.get("summary", "train_s"),
         "cost_per_mtok": None,
         "speedup": None,
@@ -418,6 +432,11 @@ def _fill_against_baseline(row: dict, run: Run, base: Run | None, why: dict) -> 
     if base is None:
         why["speedup"] = why["memory_ratio"] = "no baseline among the runs"
         return
+    other = comparable.other_work(run, base) if run is not base else None
+    if other:  # another model, data or task: its speed and memory are not this run's to be measured against
+        why["speedup"] = why["memory_ratio"] = f"the baseline is not comparable: {other}"
+        row["peak_gib"] = row_peak(run)
+        return
     tps, base_tps = row["tokens_per_s"], base.get("throughput", "trained_tokens_per_s")
     if tps is not None and base_tps:
         row["speedup"] = tps / base_tps
@@ -433,10 +452,10 @@ def _fill_against_baseline(row: dict, run: Run, base: Run | None, why: dict) -> 
 
 def _fill_scaling(row: dict, run: Run, runs: list[Run], base: Run | None, why: dict) -> None:
     """Scaling efficiency against the single-device run of the same method."""
-    single = same_method_single(run, runs, base)
+    single, none = same_method_single(run, runs, base)
     tps, n = row["tokens_per_s"], row["devices"]
     if single is None:
-        why["scaling_efficiency"] = f"no single-device {row['method']} run among the runs"
+        why["scaling_efficiency"] = none
     elif tps is None or not n:
         why["scaling_efficiency"] = "no tokens/s recorded"
     else:
@@ -444,13 +463,21 @@ def _fill_scaling(row: dict, run: Run, runs: list[Run], base: Run | None, why: d
         row["scaling_reference"] = single.label
 
 
-def _task_metric(run: Run) -> str | None:
+def _wall_s(run: Run) -> float | None:
+    """summary.wall_s; a resumed run's every segment's (summary.run_wall_s) when its segments were timed."""
+    whole = run.get("summary", "run_wall_s") if run.get("summary", "resumed_from") else None
+    return whole if whole is not None else run.get("summary", "wall_s")
+
+
+def _task_metric(run: Run, *, short: bool = False) -> str | None:
     ev = run.get("eval") or {}
     metric = ev.get("metric")
     after = ev.get(f"{metric}_after") if metric else None
     if after is None:
         return None
     before = ev.get(f"{metric}_before")
+    if short:
+        return f"{after:.1%}" + (f" ({before:.1%} before)" if before is not None else "")
     total = ((ev.get("details") or {}).get("after") or {}).get("total")
     text = f"{metric} {after:.1%}" + (f" (before {before:.1%})" if before is not None else "")
     return text + (f" of {total}" if total else "")

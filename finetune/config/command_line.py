@@ -94,7 +94,8 @@ def add_recipe(
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """--overwrite, --resume and --allow-config-change: what a run does with an existing run directory."""
+    """--overwrite, --resume, --allow-config-change and --allow-input-change: what a run does with an existing run
+    directory."""
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory of the same name")
     parser.add_argument(
         "--resume",
@@ -109,6 +110,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --resume: apply command-line overrides that differ from the run's saved configuration "
         "(refused otherwise) and record them in run.json",
+    )
+    parser.add_argument(
+        "--allow-input-change",
+        action="store_true",
+        help="with --resume: continue although the base weights, tokenizer, chat template or data differ from the "
+        "ones the checkpoint was trained on (refused otherwise, naming what changed); recorded in run.json",
     )
 
 

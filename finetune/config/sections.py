@@ -195,7 +195,9 @@ class TrainingArgs:
     TrainingArguments; the project reads them here (`cfg.training.typed`), built once per configuration
     and never edited: a resume plan makes a new configuration (finetune/checkpointing/resume_plan.py)."""
 
-    per_device_train_batch_size: int = TRAINING_DEFAULTS["per_device_train_batch_size"]
+    # "auto" here and in gradient_checkpointing: the planner decides for the device at hand, keeping 8 (the default
+    # micro-batch) x gradient_accumulation_steps sequences per device per step (finetune/training/planned.py)
+    per_device_train_batch_size: int | str = TRAINING_DEFAULTS["per_device_train_batch_size"]
     gradient_accumulation_steps: int = TRAINING_DEFAULTS["gradient_accumulation_steps"]
     learning_rate: float = TRAINING_DEFAULTS["learning_rate"]
     max_grad_norm: float = TRAINING_DEFAULTS["max_grad_norm"]
@@ -207,7 +209,7 @@ class TrainingArgs:
     use_liger_kernel: bool = False
     liger_kernel_config: dict | None = None
     label_smoothing_factor: float = 0.0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | str = False
     activation_checkpointing: bool = False  # transformers 5.23's name for gradient_checkpointing: either turns it on
     optim: str = "adamw_torch_fused"
     save_total_limit: int | None = None  # rotated by finetune/checkpointing/checkpoints.py, not by Trainer
@@ -270,6 +272,8 @@ class TrainingConfig:
         return TrainingArgs.of(self.args)
 
 
+# TrainingArguments fields that take "auto" (TrainingArgs above); each run resolves it before TrainingArguments.
+TRAINING_AUTO = ("per_device_train_batch_size", "gradient_checkpointing")
 # TrainingArguments fields owned by other sections or by the run layout.
 TRAINING_RESERVED = {
     "output_dir": "run.output_dir",

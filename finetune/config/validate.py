@@ -23,6 +23,7 @@ from finetune.config.sections import (
     PATH_KEYS,
     SECTION_CLASSES,
     STOP_SIGNALS,
+    TRAINING_AUTO,
     TRAINING_DEFAULTS,
     TRAINING_PRECISION_FLAGS,
     TRAINING_RESERVED,
@@ -115,6 +116,9 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
         if key in TRAINING_PRECISION_FLAGS:
             problems.append(_precision_flag_problem(dotted, key, value))
             continue
+        if key in TRAINING_AUTO and value == "auto":
+            args[key] = value  # resolved by the run (finetune/training/planned.py)
+            continue
         if key not in ta_hints:
             problems.append(
                 f"{dotted}: unknown key{_suggest(key, set(ta_hints) | own)}; allowed: "
@@ -123,7 +127,7 @@ def _build_training(body: dict, problems: list[str]) -> TrainingConfig:
             continue
         problem = check_type(value, ta_hints[key], lenient=True)
         if problem:
-            problems.append(f"{dotted}: {problem}")
+            problems.append(f"{dotted}: {problem}" + (" (or auto: the run plans it)" if key in TRAINING_AUTO else ""))
             continue
         args[key] = value
     cfg.args = args

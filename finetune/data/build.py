@@ -18,13 +18,24 @@ from typing import Any
 from finetune.data import prepare
 from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
 from finetune.data.pack import bins, packed_row
-from finetune.data.read import DataError, Invalid, is_local, parse_line, read_head
+from finetune.data.read import (
+    DataError,
+    Invalid,
+    Shards,
+    arrow_folder,
+    is_local,
+    parse_line,
+    read_head,
+    shard_files,
+    with_format_note,
+)
 from finetune.data.render import Example, Renderer
 
 logger = logging.getLogger(__name__)
 
 
 _LOG_FIRST_N = 5
+_LIST_FIRST_N = 20  # bad rows and files named in one message
 
 
 @dataclass
@@ -43,6 +54,8 @@ class DataStats:
     train_trained_tokens: int
     dropped_no_labels: int = 0  # examples left with no trained token (e.g. truncated away)
     empty_target_rows: list[int] = field(default_factory=list)  # row numbers whose every target is empty
+    # the data's files and each one's last row number, when data.path names several: row numbers count across them
+    files: list[tuple[str, int]] = field(default_factory=list)
 
     def section(self) -> dict:
         """run.json `data`: these fields, the first 50 skipped rows and rows with empty targets."""
@@ -58,70 +71,97 @@ class DataBundle:
 
 @dataclass
 class _BadRowLog:
-    """Applies on_bad_rows: raise on the first bad row, or record it and go on."""
+    """Applies on_bad_rows: `error` refuses the data naming every bad row in one message; `skip` records them and goes
+    on (refused only when every row is bad)."""
 
-    path: str
+    shards: Shards
     skip: bool
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
     def bad(self, row: int, reason: str) -> None:
-        if not self.skip:
-            raise DataError(reason, path=self.path, row=row)
         self.skipped.append((row, reason))
 
     def report(self, good: int) -> None:
-        """Every row is bad: refused (the bad rows skipped otherwise are logged by `_warn`)."""
+        if self.skipped and not self.skip:
+            raise listed(self.shards, self.skipped)
         if self.skipped and not good:
-            first = "; ".join(f"row {n}: {why}" for n, why in self.skipped[:_LOG_FIRST_N])
-            raise DataError(f"all {len(self.skipped)} row(s) are bad; first problems: {first}", path=self.path)
+            first = "; ".join(f"{self.shards.label(n)}: {why}" for n, why in self.skipped[:_LOG_FIRST_N])
+            raise DataError(f"all {len(self.skipped)} row(s) are bad; first problems: {first}", path=self.shards.path)
+
+
+def listed(shards: Shards, bad: list[tuple[int, str]]) -> DataError:
+    """One error naming every bad row (the first _LIST_FIRST_N of them, then how many more): file, row and cause."""
+    if len(bad) == 1:
+        return shards.error(bad[0][1], bad[0][0])
+    lines = [f"  - {shards.label(n)}: {why}" for n, why in bad[:_LIST_FIRST_N]]
+    more = [f"  ... and {len(bad) - _LIST_FIRST_N} more"] if len(bad) > _LIST_FIRST_N else []
+    return DataError(
+        "\n".join([f"{len(bad)} bad rows (data.on_bad_rows: skip leaves them out):", *lines, *more]), path=shards.path
+    )
 
 
 def check_head(cfg, *, max_rows: int = 100) -> list[str]:
-    """Preflight for ``cfg.path`` before any weights load: the path is a readable file, and its first ``max_rows`` rows
-    read and validate as the detected (or declared) format, with the messages ``build_datasets`` would give
-    (finetune/data/read.py read_head: the same readers). When those rows are the whole file, the eval split and the
-    share of rows with nothing to train on are checked too. Returns the problems (empty: none found). Hub datasets are
-    not checked here (that needs the network); the chat template and lengths need the tokenizer, so ``build_datasets``
-    checks those."""
-    path = cfg.path
+    """Preflight for ``cfg.path`` before any weights load: the path names readable files (one, or a glob's or folder's
+    shards), and the first ``max_rows`` rows of each read and validate as the detected (or declared) format, with the
+    messages ``build_datasets`` would give (finetune/data/read.py read_head: the same readers). Every problem found is
+    returned, one per file or row (the first _LIST_FIRST_N). When those rows are the whole data, the eval split and the
+    share of rows with nothing to train on are checked too. Hub datasets are not checked here (that needs the network);
+    the chat template and lengths need the tokenizer, so ``build_datasets`` checks those."""
+    path, split = cfg.path, getattr(cfg, "split", "train")
     if not is_local(path):
         return []
     try:
-        numbered, complete = read_head(path, max_rows, split=getattr(cfg, "split", "train"))
-        skip = getattr(cfg, "on_bad_rows", "error") == "skip"
-        first = next((row for _, row in numbered if not isinstance(row, Invalid)), None)
-        if first is None:
-            if skip and not complete:
-                return []
-            raise DataError(numbered[0][1].reason, path=path, row=numbered[0][0])
-        fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
-        bad, empty = [], []
-        for number, row in numbered:
-            reason = row.reason if isinstance(row, Invalid) else None
-            if reason is None:
-                try:
-                    ROW_VALIDATORS[fmt](row)
-                    if empty_target(row, fmt):
-                        empty.append(number)
-                except BadRow as e:
-                    reason = str(e)
-            if reason is not None:
-                bad.append(str(DataError(reason, path=path, row=number)))
-        # with on_bad_rows: skip, bad rows only stop training when every row of the file is bad
-        if bad and (not skip or (complete and len(bad) == len(numbered))):
-            more = f" (and {len(bad) - 1} more bad row(s) among the first {len(numbered)})" if len(bad) > 1 else ""
-            return [f"data.path: {bad[0]}{more}"]
-        if complete:
-            good = len(numbered) - len(bad)
-            check_empty_targets(empty, good, cfg, path, warn=False)  # the data build warns, once
-            used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
-            _split_problem(used, getattr(cfg, "eval_fraction", 0.0), path)
+        names = [path] if arrow_folder(path) else shard_files(path, split)
     except DataError as e:
         return [f"data.path: {e}"]
+    heads, problems = [], []
+    for name in names:
+        try:
+            heads.append((name if len(names) > 1 else path, *read_head(name, max_rows, split=split)))
+        except DataError as e:
+            problems.append(str(e))
+    try:
+        problems += _head_rows(cfg, heads, complete=all(c for _, _, c in heads) and not problems)
+    except DataError as e:
+        problems.append(str(e))
+    more = [f"... and {len(problems) - _LIST_FIRST_N} more"] if len(problems) > _LIST_FIRST_N else []
+    return [f"data.path: {p}" for p in problems[:_LIST_FIRST_N]] + more
+
+
+def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
+    """The problems of the files' first rows (file, row, cause); with all of the rows read, the data's own checks."""
+    skip = getattr(cfg, "on_bad_rows", "error") == "skip"
+    rows = [(where, number, row) for where, numbered, _ in heads for number, row in numbered]
+    first = next((row for _, _, row in rows if not isinstance(row, Invalid)), None)
+    if first is None:
+        if skip and not complete:
+            return []
+        return [str(DataError(row.reason, path=where, row=number)) for where, number, row in rows]
+    fmt = detect_format([first], getattr(cfg, "format", "auto"), path=cfg.path)
+    bad, empty = [], []
+    for where, number, row in rows:
+        reason = row.reason if isinstance(row, Invalid) else None
+        if reason is None:
+            try:
+                ROW_VALIDATORS[fmt](row)
+                if empty_target(row, fmt):
+                    empty.append(number if len(heads) == 1 else f"{where} row {number}")
+            except BadRow as e:
+                reason = with_format_note(str(e), row, fmt)
+        if reason is not None:
+            bad.append(str(DataError(reason, path=where, row=number)))
+    # with on_bad_rows: skip, bad rows only stop training when every row of the data is bad
+    if bad and (not skip or (complete and len(bad) == len(rows))):
+        return bad
+    if complete:
+        good = len(rows) - len(bad)
+        check_empty_targets(empty, good, cfg, cfg.path, warn=False)  # the data build warns, once
+        used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
+        _split_problem(used, getattr(cfg, "eval_fraction", 0.0), cfg.path)
     return []
 
 
-def check_empty_targets(rows: list[int], good: int, cfg, path: str, *, warn: bool = True) -> None:
+def check_empty_targets(rows: list, good: int, cfg, path: str, *, warn: bool = True) -> None:
     """Rows whose every target is empty train only the template's end-of-turn tokens: above
     data.max_empty_target_share of the usable rows the data is refused, below it they are named in a
     warning (and counted in run.json data.empty_target_rows). With train_on_prompt every row trains."""
@@ -165,6 +205,7 @@ def build_datasets(cfg, tokenizer, *, seed: int, interrupt=None) -> DataBundle:
     )
     stats = DataStats(**facts["stats"])
     stats.rows_skipped = [tuple(x) for x in stats.rows_skipped]
+    stats.files = [tuple(x) for x in stats.files]
     _warn(stats, cfg)
     packed = f", packed into {len(train)} rows" if stats.packed else ""
     logger.info(
@@ -177,8 +218,9 @@ def build_datasets(cfg, tokenizer, *, seed: int, interrupt=None) -> DataBundle:
 def _warn(stats: DataStats, cfg) -> None:
     """What the data build says on every run, from a new preparation or the machine's prepared one."""
     path, skipped = cfg.path, stats.rows_skipped
+    shards = Shards(path, [f for f, _ in stats.files], [n for _, n in stats.files])
     if skipped:
-        first = "; ".join(f"row {n}: {why}" for n, why in skipped[:_LOG_FIRST_N])
+        first = "; ".join(f"{shards.label(n)}: {why}" for n, why in skipped[:_LOG_FIRST_N])
         more = " ..." if len(skipped) > _LOG_FIRST_N else ""
         logger.warning("%s: skipped %d bad row(s): %s%s", path, len(skipped), first, more)
     if stats.truncated:
@@ -196,23 +238,18 @@ def _prepare(cfg, tokenizer, seed: int, out: Path, source, interrupt) -> dict:
     import numpy as np
 
     path, skip = cfg.path, getattr(cfg, "on_bad_rows", "error") == "skip"
-    raw, first = prepare.raw_rows(path, getattr(cfg, "split", "train"), out / "raw.arrow", source, interrupt)
+    raw, first, shards = prepare.raw_rows(path, getattr(cfg, "split", "train"), out / "raw.arrow", source, interrupt)
     if first is None:  # no readable row to detect the format from: each is reported, in order
-        log = _BadRowLog(path, skip)
+        log = _BadRowLog(shards, skip)
         for r in raw:
             log.bad(r["n"], r["invalid"] or parse_line(r["raw"], r["start"]).reason)
         log.report(good=0)
     fmt = detect_format([first], getattr(cfg, "format", "auto"), path=path)
     renderer = Renderer(tokenizer, fmt, cfg, path)
     max_samples = getattr(cfg, "max_samples", None)
+    processes = prepare.num_proc(cfg, len(raw))
     tokens = prepare.run_map(
-        raw,
-        renderer,
-        max_length=cfg.max_length,
-        raise_bad=not skip and max_samples is None,  # else the bad rows past max_samples' rows are not errors
-        processes=prepare.num_proc(cfg, len(raw)),
-        out=out,
-        interrupt=interrupt,
+        raw, renderer, shards, max_length=cfg.max_length, processes=processes, out=out, interrupt=interrupt
     )
     table = tokens.data.table
     kind = table.column("kind").to_numpy()
@@ -220,7 +257,7 @@ def _prepare(cfg, tokenizer, seed: int, out: Path, source, interrupt) -> dict:
     good = np.flatnonzero(~bad)
     end = int(good[max_samples - 1]) + 1 if max_samples is not None and len(good) >= max_samples else len(kind)
     numbers, problems = table.column("n").to_numpy()[:end], table.column("problem")
-    log = _BadRowLog(path, skip)
+    log = _BadRowLog(shards, skip)
     for i in np.flatnonzero(bad[:end]):
         log.bad(int(numbers[i]), problems[int(i)].as_py())
     log.report(good=int((~bad[:end]).sum()))
@@ -260,6 +297,7 @@ def _prepare(cfg, tokenizer, seed: int, out: Path, source, interrupt) -> dict:
         empty_target_rows=[]
         if getattr(cfg, "train_on_prompt", False)
         else [int(x) for x in numbers[rendered & table.column("empty").to_numpy(zero_copy_only=False)[:end]]],
+        files=list(zip(shards.files, shards.rows)),
     )
     for file in out.iterdir():  # the rows read and the map's output: only train and eval stay
         if file.name not in ("train.arrow", "eval.arrow"):

@@ -1,6 +1,8 @@
-"""Local data files as users have them: what the path is before anything opens it, and its bytes.
+"""Local data files as users have them: which files a data.path names (one file, a glob, a folder of shards), what
+each path is before anything opens it, and its bytes.
 
-A path that is not a regular file is refused by name before it is opened (a named pipe would be drained by the check
+A folder or glob names every data file it holds, in name order; files named the Hub's way (`train-00000-of-00010.parquet`)
+are taken for data.split only, and a missing shard is named. A path that is not a regular file is refused by name before it is opened (a named pipe would be drained by the check
 before training and block the run that reopens it; a device may never end); a symbolic link loop, a dangling link, a
 directory and a permission problem are named too. Compressed files are read through: gzip, bzip2 and xz (by their magic
 bytes, whatever the name says); zstd and zip are named, with the command that unpacks them.
@@ -11,12 +13,17 @@ from __future__ import annotations
 import bz2
 import contextlib
 import errno
+import glob
 import gzip
 import io
+import logging
 import lzma
 import os
+import re
 import stat
 from collections.abc import Iterator
+
+log = logging.getLogger(__name__)
 
 
 class FileProblem(Exception):
@@ -35,6 +42,12 @@ _UNPACK = {"zstd": "zstd -d FILE", "zip": "unzip FILE"}
 DAMAGED = (OSError, EOFError, lzma.LZMAError)  # what reading a damaged compressed stream raises
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz")  # stripped to find the format: train.jsonl.gz is JSON lines
 _DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+SHARD_SUFFIXES = (*_DATA_SUFFIXES, ".arrow")  # what a folder or a glob of shards may hold
+# The Hub's shard names: <split>-00000-of-00010[.suffix] (datasets' push_to_hub, `hf download` of a dataset)
+_HUB_SHARD = re.compile(r"^(?P<split>.+?)-(?P<index>\d{5})-of-(?P<total>\d{5})(?:[.-].*)?$")
+_SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
+# Not data: what a dataset folder holds beside its files (a dataset card, git and Hub metadata).
+_NOT_DATA = re.compile(r"(?i)^(readme.*|license.*|.*\.(md|txt|yaml|yml|py|lock|gitattributes)|dataset_infos?\.json)$")
 
 
 def format_name(path: str) -> str:
@@ -44,6 +57,99 @@ def format_name(path: str) -> str:
         if lower.endswith(suffix):
             return lower[: -len(suffix)]
     return lower
+
+
+def is_pattern(path: str) -> bool:
+    """A glob (`shards/*.jsonl`, `data/**/*.parquet`) rather than a path that exists as it is written."""
+    return any(c in path for c in "*?[") and not os.path.lexists(path)
+
+
+def shards(path: str, split: str = "train") -> list[str]:
+    """The data files `path` names, in name order: [path] for anything but a folder or a glob (reading it says what it
+    is); the data files a glob matches or a folder holds (subfolders too), of data.split's shards when they are named
+    the Hub's way. FileProblem when there are none, a shard of a numbered set is missing, or the formats differ."""
+    if is_pattern(path):
+        found = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
+        if not found:
+            raise FileProblem("no file matches this pattern" + _near(path))
+        where = "the files it matches"
+    elif os.path.isdir(path):
+        found = _folder_files(path)
+        where = "the folder"
+    else:
+        return [path]
+    data = [p for p in found if format_name(p).endswith(SHARD_SUFFIXES)]
+    ignored = [os.path.basename(p) for p in found if p not in data]
+    if not data:
+        held = f"; it holds {', '.join(ignored[:5])}" if ignored else " (it is empty)"
+        kinds = ", ".join(SHARD_SUFFIXES)
+        raise FileProblem(f"{where}: no data file ({kinds}, optionally .gz/.bz2/.xz){held}")
+    data = _of_split(data, split, where)
+    kinds = sorted({_suffix(p) for p in data})
+    if len(kinds) > 1:
+        counts = ", ".join(f"{k}: {sum(_suffix(p) == k for p in data)}" for k in kinds)
+        raise FileProblem(
+            f"{where}: data files of several formats ({counts}); the same rows are often kept in two formats, "
+            "so none is chosen: name one format with a glob (for example DIR/*.jsonl)"
+        )
+    return data
+
+
+def _folder_files(path: str) -> list[str]:
+    out = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git, .cache (the Hub's download metadata)
+        out += [os.path.join(root, n) for n in names if not n.startswith(".") and not _NOT_DATA.match(n)]
+    return sorted(out)
+
+
+def _suffix(path: str) -> str:
+    return next(s for s in SHARD_SUFFIXES if format_name(path).endswith(s))
+
+
+def _stem(path: str) -> str:
+    name = os.path.basename(format_name(path))
+    return name[: -len(_suffix(path))]
+
+
+def _of_split(paths: list[str], split: str, where: str) -> list[str]:
+    """The shards of data.split when the files are of several splits (the Hub's <split>-00000-of-00010, or train.jsonl
+    beside test.jsonl), said in the log; all of them otherwise. A numbered set with a shard missing is refused."""
+    numbered = {p: _HUB_SHARD.match(_stem(p)) for p in paths}
+    group = {p: m["split"] if m else _stem(p) for p, m in numbered.items()}
+    splits = set(group.values())
+    named = {s for s in splits if s.lower() in _SPLIT_NAMES or any(m and m["split"] == s for m in numbered.values())}
+    chosen = paths
+    if len(splits) > 1 and named:
+        if split not in splits:
+            raise FileProblem(f"{where}: the splits {', '.join(sorted(splits))}, none of them data.split {split!r}")
+        chosen = [p for p in paths if group[p] == split]
+        left = sorted(os.path.basename(p) for p in paths if group[p] != split)
+        log.info("data.split %r: %d file(s); left out (other splits): %s", split, len(chosen), ", ".join(left[:10]))
+    totals = {int(numbered[p]["total"]) for p in chosen if numbered[p]}
+    if len(totals) > 1:
+        raise FileProblem(f"{where}: the numbered shards disagree on how many there are (of {sorted(totals)})")
+    if totals:
+        total = totals.pop()
+        have = {int(numbered[p]["index"]) for p in chosen if numbered[p]}
+        missing = [i for i in range(total) if i not in have]
+        if missing:
+            name = group[chosen[0]]
+            names = ", ".join(f"{name}-{i:05d}-of-{total:05d}" for i in missing[:5])
+            raise FileProblem(
+                f"{where}: {len(missing)} of the {total} {name!r} shards are missing ({names}"
+                f"{' ...' if len(missing) > 5 else ''}); copy or download them again"
+            )
+    return chosen
+
+
+def _near(pattern: str) -> str:
+    """What the pattern's folder holds, when it exists: the pattern may just name the wrong suffix."""
+    folder = os.path.dirname(os.path.expanduser(pattern)) or "."
+    if any(c in folder for c in "*?[") or not os.path.isdir(folder):
+        return f" (no folder {folder})" if not any(c in folder for c in "*?[") else ""
+    held = sorted(os.listdir(folder))[:5]
+    return f" (its folder {folder} holds {', '.join(held)})" if held else f" (its folder {folder} is empty)"
 
 
 def problem(path: str) -> str | None:
@@ -62,9 +168,7 @@ def problem(path: str) -> str | None:
         return f"cannot be read: {e.strerror}"
     kind = _kind(st.st_mode)
     if kind == "directory":
-        inside = sorted(n for n in os.listdir(path) if format_name(n).endswith(_DATA_SUFFIXES))[:5]
-        hint = f"; it holds {', '.join(inside)}" if inside else ""
-        return f"is a directory, not a data file; give the path of one file{hint}"
+        return "is a directory, not a data file"  # a folder of shards is read through shards()
     if kind != "regular file":
         return (
             f"is a {kind}, not a regular file: it cannot be read twice (the check before training, then the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from finetune.data.read import FORMAT_KEYS, DataError, type_name
+from finetune.data.read import FORMAT_KEYS, DataError, nesting_note, type_name
 
 FORMATS = ("alpaca", "prompt_completion", "messages", "sharegpt", "text")
 
@@ -47,8 +47,11 @@ def detect_format(rows: list[dict], declared: str = "auto", *, path: str = "") -
         if prompt and answer
         else "rename the columns to one format's keys"
     )
+    nested = nesting_note(first)
     raise DataError(
-        f"cannot detect the data format: first row has keys {keys}; {needs}. To use it, {rename}", path=path or None
+        f"cannot detect the data format: first row has keys {keys}; "
+        + (nested if nested else f"{needs}. To use it, {rename}"),
+        path=path or None,
     )
 
 

@@ -13,16 +13,19 @@ import logging
 import os
 import pickle
 import shutil
+import stat
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from finetune import fingerprints, storage
 from finetune.data import read
 from finetune.data.formats import BadRow, empty_target
 from finetune.data.read import DataError, Invalid
 from finetune.data.render import IGNORE_INDEX, TemplateNotPrefixStable, tokenize, tokenizer_name
+from finetune.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +51,30 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def source_files(path: str, split: str) -> dict[str, Path]:
+    """The files whose bytes are the data, by a name relative to the source: a save_to_disk folder's files, the shards
+    of a glob or folder, or the one file ("": its name is not part of the data); {} for a Hub dataset."""
+    if not read.is_local(path):
+        return {}
+    if read.arrow_folder(path):
+        return {str(f.relative_to(path)): f for f in sorted(Path(path).rglob("*")) if f.is_file()}
+    names = [Path(n) for n in read.shard_files(path, split) if os.path.isfile(n)]
+    if len(names) == 1:
+        return {"": names[0]}
+    common = Path(os.path.commonpath([str(n) for n in names]))
+    return {str(n.relative_to(common)): n for n in names}
+
+
 def cache_key(data_cfg, tokenizer, path: str, seed: int, source=None) -> str:
-    """The entry's key: the source's bytes (a folder's files, a Hub dataset's fingerprint), the
-    tokenizer, the settings, the seed where a split or packing uses it, FORMAT_VERSION."""
+    """The entry's key: the source's bytes (its files' content fingerprints: finetune/fingerprints.py; a Hub dataset's
+    fingerprint), the tokenizer, the settings, the seed where a split or packing uses it, FORMAT_VERSION."""
     h = hashlib.sha256()
     if source is not None and not os.path.exists(path):
         h.update(f"hub:{path}:{source._fingerprint}".encode())
-    for file in sorted(Path(path).rglob("*")) if os.path.isdir(path) else [Path(path)] if os.path.exists(path) else []:
-        if file.is_file():
-            h.update(b"\0file:" + str(file.relative_to(path) if file != Path(path) else "").encode())
-            with open(file, "rb") as f:
-                for block in iter(lambda f=f: f.read(1 << 20), b""):
-                    h.update(block)
+    cache = fingerprints.Cache()
+    for name, file in source_files(path, getattr(data_cfg, "split", "train")).items():
+        h.update(f"\0file:{name}:{cache.of(file)}".encode())
+    cache.save()
     h.update(b"\0tokenizer:" + _tokenizer_fingerprint(tokenizer).encode())
     settings = {k: getattr(data_cfg, k, None) for k in KEY_FIELDS}
     settings["seed"] = seed if settings["eval_fraction"] or settings["packing"] else None
@@ -78,41 +93,144 @@ def num_proc(data_cfg, rows: int) -> int:
 
 def load(data_cfg, tokenizer, seed: int, build, interrupt=None):
     """(train, eval or None, the entry's facts): from the entry, or `build(directory)` (which writes
-    train.arrow, eval.arrow and returns the facts) run by the local main process first."""
-    import datasets
-
+    train.arrow, eval.arrow and returns the facts) run by the local main process first. A damaged
+    or partly deleted entry is said and rebuilt."""
     source = None if read.is_local(data_cfg.path) else read.hub_dataset(data_cfg.path, data_cfg.split)
-    default = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "tokenized"
-    root = Path(getattr(data_cfg, "cache_dir", None) or default).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_location(data_cfg)
     key = cache_key(data_cfg, tokenizer, data_cfg.path, seed, source)
     entry, failed = root / key, root / f".failed-{key}-{os.getppid()}"
     shared = bool(getattr(data_cfg, "cache_tokenized", True))
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if shared else 0
-    if shared and (entry / "prepared.json").is_file():
-        logger.info("prepared data found: %s", entry)
-    elif local_rank == 0:
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+    damage = None
+    if shared and os.path.lexists(entry):
         try:
-            facts = build(tmp, source)
-            (tmp / "prepared.json").write_text(json.dumps(facts))
-            if not shared:
-                entry = tmp
-            elif not _publish(tmp, entry):
-                logger.info("prepared data: another process wrote %s first; using it", entry)
-        except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if shared and isinstance(e, DataError):  # the machine's other ranks raise it too
-                failed.write_text(str(e))
-            raise
-    else:
-        _wait(entry, failed, interrupt)
-    facts = json.loads((entry / "prepared.json").read_text())
-    train = datasets.Dataset.from_file(str(entry / "train.arrow"))  # memory-mapped
-    eval_ = datasets.Dataset.from_file(str(entry / "eval.arrow")) if facts["eval_rows"] else None
+            opened = open_entry(entry)
+            logger.info("prepared data found: %s", entry)
+            return opened
+        except Damaged as e:
+            damage = str(e)
+    if local_rank != 0:
+        return _wait(entry, failed, interrupt)
+    if damage:
+        logger.warning("the prepared data %s is damaged (%s): preparing it again", entry, damage)
+        _set_aside(entry)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=root))
+    try:
+        facts = build(tmp, source)
+        written = {f.name: fingerprints.checksum(f) for f in sorted(tmp.glob("*.arrow"))}
+        facts["files"] = {name: [(tmp / name).stat().st_size, digest] for name, digest in written.items()}
+        (tmp / "prepared.json").write_text(json.dumps(facts))
+        ours = True  # the files just written and fingerprinted: not read again to check them
+        if not shared:
+            entry = tmp
+        elif _publish(tmp, entry):
+            fingerprints.Cache().note({entry / name: digest for name, digest in written.items()})
+        else:
+            ours = False
+            logger.info("prepared data: another process wrote %s first; using it", entry)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if shared and isinstance(e, DataError):  # the machine's other ranks raise it too
+            failed.write_text(str(e))
+        raise
+    opened = open_entry(entry, verify=not ours)
     if not shared:  # the mapped files stay readable until the process ends
         shutil.rmtree(entry, ignore_errors=True)
+    return opened
+
+
+class Damaged(Exception):
+    """A prepared-data entry that cannot be used as it is (said, and prepared again)."""
+
+
+def open_entry(entry: Path, *, verify: bool = True):
+    """(train, eval or None, facts) of a published entry, memory-mapped; Damaged says what is wrong with it: a file
+    missing (a cleanup that deleted part of it), cut short or changed since it was written (`verify`: their sizes and
+    fingerprints compared with prepared.json's, read once and then cached by stat)."""
+    import datasets
+
+    try:
+        facts = json.loads((entry / "prepared.json").read_text())
+        listed = facts.get("files")
+        eval_rows = facts["eval_rows"]
+    except FileNotFoundError:
+        raise Damaged("prepared.json is missing: the entry was partly deleted") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Damaged(f"prepared.json does not read ({type(e).__name__}: {e})") from None
+    needed = ["train.arrow"] + (["eval.arrow"] if eval_rows else [])
+    cache = fingerprints.Cache()
+    for name in needed:
+        file = entry / name
+        if not file.is_file():
+            raise Damaged(f"{name} is missing: the entry was partly deleted")
+        if verify and listed is not None:  # entries written before the files were listed are opened as they are
+            size, digest = listed.get(name) or (None, None)
+            if file.stat().st_size != size or cache.of(file) != digest:
+                raise Damaged(f"{name} is not the file that was written ({file.stat().st_size} bytes, {size} written)")
+    cache.save()
+    try:
+        train = datasets.Dataset.from_file(str(entry / "train.arrow"))  # memory-mapped
+        eval_ = datasets.Dataset.from_file(str(entry / "eval.arrow")) if eval_rows else None
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged stream are of several types
+        raise Damaged(f"its Arrow files do not read ({type(e).__name__}: {e})") from None
     return train, eval_, facts
+
+
+def _set_aside(entry: Path) -> None:
+    """A damaged entry is moved out of the way (then deleted: finetune wrote it), so no process opens it again."""
+    aside = entry.with_name(f".damaged-{entry.name}-{os.getpid()}")
+    try:
+        entry.rename(aside)
+    except OSError:  # another process of this machine moved it first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def cache_location(data_cfg) -> Path:
+    """The prepared-data cache folder, made if missing; a location that cannot be used is named with the setting that
+    chose it and the fix (UserError)."""
+    root, setting = _cache_root(data_cfg)
+    why = cache_problem(data_cfg)
+    if why is None:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            Path(tempfile.mkdtemp(prefix=".probe-", dir=root)).rmdir()
+            return root
+        except OSError as e:  # ACLs, a root-squashed share: what access() did not show
+            why = _unusable(root, setting, storage.REASONS.get(e.errno) or e.strerror or str(e))
+    raise UserError(why)
+
+
+def _cache_root(data_cfg) -> tuple[Path, str]:
+    if getattr(data_cfg, "cache_dir", None):
+        return Path(data_cfg.cache_dir).expanduser(), "data.cache_dir"
+    setting = "FINETUNE_CACHE" if os.environ.get("FINETUNE_CACHE") else "the default; FINETUNE_CACHE is unset"
+    return fingerprints.cache_root() / "tokenized", setting
+
+
+def cache_problem(data_cfg) -> str | None:
+    """Why the prepared-data cache folder cannot be used (a file on its path, no permission, a read-only disk), with
+    the fix; None when it can. Nothing is made or written: preflight asks before any weights load."""
+    root, setting = _cache_root(data_cfg)
+    there = next(p for p in [root, *root.parents] if os.path.lexists(p))
+    if not there.is_dir():
+        return _unusable(root, setting, f"{there} is a file, not a folder")
+    if not os.access(there, os.W_OK | os.X_OK):
+        read_only = os.statvfs(there).f_flag & os.ST_RDONLY
+        return _unusable(root, setting, f"{there} is on a read-only file system" if read_only else _denied(there))
+    return None
+
+
+def _denied(folder: Path) -> str:
+    st = folder.stat()
+    return f"permission denied: {folder} has mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid}, this process uid {os.geteuid()}"
+
+
+def _unusable(root: Path, setting: str, why: str) -> str:
+    return (
+        f"the prepared-data cache {root} (from {setting}) cannot be used: {why}; set data.cache_dir (or FINETUNE_CACHE) "
+        "to a folder you can write"
+    )
 
 
 def _publish(tmp: Path, entry: Path) -> bool:
@@ -124,9 +242,17 @@ def _publish(tmp: Path, entry: Path) -> bool:
         return False
 
 
-def _wait(entry: Path, failed: Path, interrupt) -> None:
+def _wait(entry: Path, failed: Path, interrupt):
+    """The other local ranks: the entry once the local main process has published it (or rebuilt a damaged one)."""
     start = last = time.monotonic()
-    while not (entry / "prepared.json").is_file():
+    while True:
+        if (entry / "prepared.json").is_file():
+            try:
+                opened = open_entry(entry)
+                logger.info("prepared data opened memory-mapped: %s", entry)
+                return opened
+            except Damaged:  # the local main process sets it aside and prepares it again
+                pass
         if failed.is_file():
             raise DataError(failed.read_text())
         if interrupt is not None:
@@ -135,33 +261,32 @@ def _wait(entry: Path, failed: Path, interrupt) -> None:
             last = time.monotonic()
             logger.warning("waiting %.0f s for the local main process to prepare the data (%s)", last - start, entry)
         time.sleep(WAIT_POLL_S)
-    logger.info("prepared data opened memory-mapped: %s", entry)
 
 
 # --- the rows into Arrow, and the map that prepares them ------------------------------------------------
 
 
 def raw_rows(path: str, split: str, out: Path, source=None, interrupt=None):
-    """The source's rows as a Dataset (an Arrow source as it is; else written to `out`), and its first
-    readable row (None: every row is unreadable, the map says why)."""
+    """The source's rows as a Dataset (an Arrow source as it is; else written to `out`), its first
+    readable row (None: every row is unreadable, the map says why) and its Shards (file + row of a number)."""
     import datasets
     import pyarrow as pa
 
-    source = read.arrow_source(path, split) if read.is_local(path) else source
-    if source is not None:
+    found = read.arrow_source(path, split) if read.is_local(path) else (source, read.Shards(path, [], [len(source)]))
+    if found is not None:
+        source, shards = found
         if not len(source):
             raise DataError("contains no rows", path=path)
-        return source, source[0]
+        return source, source[0], shards
     schema = pa.schema([("n", pa.int64()), ("raw", pa.large_binary()), ("start", pa.int64()), ("invalid", pa.string())])
-    first, count = None, 0
+    first, names, ends = None, read.shard_files(path, split), []
     with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         batch: list[tuple] = []
-        for n, raw, start, invalid in _numbered_raw(path, split):
+        for n, raw, start, invalid in _numbered_raw(names, ends):
             if first is None and invalid is None:
                 row = read.parse_line(raw, start) if start >= 0 else pickle.loads(raw)
                 first = None if isinstance(row, Invalid) else row
             batch.append((n, raw, start, invalid))
-            count += 1
             if len(batch) == 10_000:
                 if interrupt is not None:
                     interrupt()
@@ -169,34 +294,42 @@ def raw_rows(path: str, split: str, out: Path, source=None, interrupt=None):
                 batch = []
         if batch:
             writer.write_batch(pa.record_batch(list(map(list, zip(*batch))), schema=schema))
-    return datasets.Dataset.from_file(str(out)), first
+    return datasets.Dataset.from_file(str(out)), first, read.Shards(path, names if len(names) > 1 else [], ends)
 
 
-def _numbered_raw(path: str, split: str):
-    """(row number, bytes, offset, reason unreadable): JSON lines as their bytes (parsed by the map's
-    processes), other rows pickled (they were read here)."""
-    if read.is_local(path) and read.files.format_name(path).endswith(".jsonl") and read.files.problem(path) is None:
+def _numbered_raw(names: list[str], ends: list[int]):
+    """(row number counted across the files, bytes, offset, reason unreadable) of each file's rows in order: JSON lines
+    as their bytes (parsed by the map's processes), other rows pickled (they were read here). `ends` gets each file's
+    last row number (its Shards)."""
+    for name in names:
+        offset, last = sum(ends), 0
+        for n, raw, start, invalid in _file_raw(name):
+            last = n
+            yield offset + n, raw, start, invalid
+        ends.append(last)
+
+
+def _file_raw(path: str):
+    if read.files.format_name(path).endswith(".jsonl") and read.files.problem(path) is None:
         try:
             lines = list(zip(range(2), read.stream_json_lines(path)))
-            if len(lines) > 1:  # one line may be an object holding the rows: read_numbered looks
+            if len(lines) > 1:  # one line may be an object holding the rows: read_file looks
                 for n, raw, start in read.stream_json_lines(path):
                     yield n, raw, start, None
                 return
         except read.ReadWhole:
             pass
-    for n, row in read.read_numbered(path, split=split):
+    for n, row in read.read_file(path):
         if isinstance(row, Invalid):
             yield n, None, -1, row.reason
         else:
             yield n, pickle.dumps(row), -1, None
 
 
-def prepare_batch(
-    batch: dict, indices: list[int], *, renderer, max_length: int, raise_bad: bool, stop: str, shares: int
-) -> dict:
+def prepare_batch(batch: dict, indices: list[int], *, renderer, shards, max_length: int, stop: str) -> dict:
     """The map's function: each row validated, rendered, tokenized and truncated, in row order: an
-    example, a bad row (its reason) or one left with no trained token; runs in the map's `shares`
-    processes, each a contiguous share of the rows."""
+    example, a bad row (its reason) or one left with no trained token; runs in the map's processes,
+    each a contiguous share of the rows. Bad rows are named together afterwards (finetune/data/build.py)."""
     out = {k: [] for k in ("n", "kind", "problem", "empty", "truncated", "trained", "input_ids", "labels")}
     rendered = []
     arrow = "raw" not in batch
@@ -217,23 +350,15 @@ def prepare_batch(
                 rendered.append(renderer.render(row))
                 empty = empty_target(row, renderer.fmt)
             except BadRow as e:
-                problem = str(e)
+                problem = read.with_format_note(str(e), row, renderer.fmt)
             except TemplateNotPrefixStable as e:
-                raise DataError(
+                raise shards.error(
                     f"the chat template of tokenizer {tokenizer_name(renderer.tokenizer)!r} is not prefix-stable "
                     f"(rendering the conversation up to turn {e.turn} is not a prefix of the full rendering), so "
                     "assistant tokens cannot be located exactly; set data.train_on_prompt: true, or "
                     "data.chat_template: false for alpaca/prompt_completion data",
-                    path=renderer.path,
-                    row=n,
+                    n,
                 ) from None
-        if problem is not None and raise_bad:
-            if shares > 1:  # the share that meets a bad row first stops the map: an earlier share may hold one
-                problem += (
-                    f" (the first bad row of one of the {shares} shares of the file prepared in parallel; an "
-                    "earlier row may be bad too: data.num_proc: 1 names the file's first)"
-                )
-            raise DataError(problem, path=renderer.path, row=n)
         out["n"].append(n)
         out["problem"].append(problem)
         out["empty"].append(empty)
@@ -259,7 +384,7 @@ class _Stopped(Exception):
     """A stop was asked for (the stop file): the map's processes end early."""
 
 
-def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, out: Path, interrupt=None):
+def run_map(raw, renderer, shards, *, max_length: int, processes: int, out: Path, interrupt=None):
     """`raw.map(prepare_batch, batched, num_proc)` with a progress line at least every
     PROGRESS_EVERY_S in a log (a bar on a terminal) and `interrupt()` checked ten times a second: a stop
     reaches the map's processes through a file they look for."""
@@ -307,9 +432,7 @@ def run_map(raw, renderer, *, max_length: int, raise_bad: bool, processes: int, 
             batched=True,
             with_indices=True,
             num_proc=processes if processes > 1 else None,
-            fn_kwargs=dict(
-                renderer=renderer, max_length=max_length, raise_bad=raise_bad, stop=str(stop), shares=processes
-            ),
+            fn_kwargs=dict(renderer=renderer, shards=shards, max_length=max_length, stop=str(stop)),
             remove_columns=raw.column_names,
             cache_file_name=str(out / "tokens.arrow"),
             features=features,

@@ -25,6 +25,7 @@ def launch_command(
     resume: str | None = None,
     allow_config_change: bool = False,
     cfg=None,
+    allow_input_change: bool = False,
     problems: list[str] | None = None,
 ) -> list[str]:
     """The `accelerate launch` arguments for a recipe: its accelerate config unless one is given. With cpu, a
@@ -51,6 +52,7 @@ def launch_command(
         cmd += ["--cpu"]
     resume_args = [] if resume is None else ["--resume"] if resume == "auto" else [f"--resume={resume}"]
     resume_args += ["--allow-config-change"] if allow_config_change else []
+    resume_args += ["--allow-input-change"] if allow_input_change else []
     return cmd + [str(TRAIN_SCRIPT), "--recipe", recipe, *(["--overwrite"] if overwrite else []), *resume_args, *rest]
 
 

@@ -1,4 +1,5 @@
-"""Which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per process
+"""Which attention implementation a model family loads with (SDPA where transformers has it for the family, else
+eager, said), and which scaled-dot-product-attention (SDPA) backends torch may pick: one policy, set once per process
 before the first forward (torch's flags are process-global), and read back for the run record.
 `auto` turns cuDNN off on CUDA: it re-plans for every new input shape, which padding-free and
 packed batches have at every step (docs/speed.md, with the measurements).
@@ -11,6 +12,7 @@ import contextlib
 import torch
 
 from finetune.config.sections import sdpa_list_problem
+from finetune.errors import UserError
 
 # recipe name -> torch's flag name (torch.backends.cuda.enable_<flag>_sdp / <flag>_sdp_enabled)
 # and the torch.nn.attention.SDPBackend member.
@@ -24,6 +26,32 @@ CPU_USABLE = ("flash", "math")
 # `auto` on CUDA: every backend but cuDNN (the per-shape re-planning above).
 AUTO_CUDA = ("flash", "efficient", "math")
 POLICIES = ("auto", "torch_default")  # or a list of BACKENDS names
+
+
+def for_family(model_type: str | None, requested: str) -> tuple[str, str | None]:
+    """(the implementation to load with, why it is not model.attn_implementation): a family whose causal-LM class has
+    no SDPA attention in this transformers (BLOOM, GPT-Neo, MPT, ...: `_supports_sdpa` false) loads with eager, the
+    same computation without the fused kernels; a FlashAttention request it lacks is refused (UserError). A model of
+    its own code (auto_map) or an unknown type is loaded as asked: transformers says what it lacks."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    name = CAUSAL.get(model_type) if isinstance(model_type, str) else None
+    family = getattr(transformers, name, None) if name else None
+    if family is None or requested == "eager":
+        return requested, None
+    if requested == "sdpa" and not family._supports_sdpa:
+        return "eager", (
+            f"{name} ({model_type}) has no SDPA attention in transformers {transformers.__version__}: eager attention "
+            "instead (the same computation without SDPA's fused kernels: slower, more memory on long sequences)"
+        )
+    if requested.startswith("flash_attention") and not family._supports_flash_attn:
+        has = "sdpa or eager" if family._supports_sdpa else "eager"
+        raise UserError(
+            f"model.attn_implementation: {requested}, but {name} ({model_type}) has no FlashAttention in transformers "
+            f"{transformers.__version__}; use {has}"
+        )
+    return requested, None
 
 
 def problems(policy, device_type: str | None = None) -> list[str]:

@@ -14,6 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from finetune import fingerprints
 from finetune.errors import UserError
 
 NAME = "SmolLM2-135M-Instruct"
@@ -23,7 +24,7 @@ COMPLETE_MARKER = ".finetune-complete"  # written last: a directory without it i
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+    return fingerprints.cache_root()
 
 
 def model_dir() -> Path:

@@ -34,6 +34,34 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def model_folder(name: str, revision: str | None = None) -> Path | None:
+    """The directory holding a model's files on this machine: the bundled model's (once converted), a local directory,
+    or a hub id's cached snapshot; None when they are not here."""
+    if name == BUNDLED_MODEL:
+        from finetune.modeling import bundled
+
+        return bundled.model_dir() if bundled.is_prepared() else None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def model_type(cfg: ModelConfig) -> str | None:
+    """config.json's model_type of model.name_or_path, read from this machine (None: not here, or not said)."""
+    folder = model_folder(cfg.name_or_path, cfg.revision)
+    value = json_object(folder / "config.json").get("model_type") if folder else None
+    return value if isinstance(value, str) else None
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """model.dtype where no precision policy applies (the benchmark's workers): 'auto' = bfloat16
     where the accelerator supports it, else float32. Training runs load in the policy's dtype."""
@@ -73,12 +101,14 @@ def load_model(
     policy (the benchmark's workers) the model loads in model.dtype and nothing is cast."""
     from transformers import AutoModelForCausalLM
 
+    from finetune.modeling import attention
+
     path = resolve_model_path(cfg.name_or_path)
     dtype = torch_dtype(policy.load_dtype(method.name)) if policy else resolve_dtype(cfg.dtype)
     kwargs = dict(
         revision=cfg.revision,
         trust_remote_code=cfg.trust_remote_code,
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=attention.for_family(model_type(cfg), cfg.attn_implementation)[0],
         dtype=dtype,
     )
     if method.name == "qlora":
@@ -244,11 +274,12 @@ def _has_class(auto: str, model_type, tokenizer_class) -> bool:
 
 
 def _load_problem(what: str, path: str, err: Exception) -> str:
-    hint = (
-        "no such local directory, and hub ids need network access"
-        if not Path(path).exists()
-        else "the directory exists but is not a transformers model directory"
-    )
+    if not Path(path).exists():
+        hint = "no such local directory, and hub ids need network access"
+    elif not (Path(path) / "config.json").is_file():
+        hint = "the directory exists but is not a transformers model directory: it has no config.json"
+    else:
+        hint = "transformers refused its files"
     return f"model.name_or_path: cannot load the {what} from {path!r} ({hint}): {err}"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 
+from finetune.config.sections import TRAINING_DEFAULTS
 from finetune.data.rows import longest_row
 from finetune.modeling import loss_choice
 from finetune.planning import memory
@@ -197,9 +198,28 @@ def add_error(predicted: dict, memory_section: dict | None, *, lifetime_peak_gib
     return predicted
 
 
+AUTO = "auto"  # training.per_device_train_batch_size / gradient_checkpointing: the planner decides
+# `per_device_train_batch_size: auto` keeps the sequences per device per optimizer step the default micro-batch would
+# train (Trainer's 8) times gradient_accumulation_steps (finetune/planning/search.py).
+DEFAULT_MICRO_BATCH = TRAINING_DEFAULTS["per_device_train_batch_size"]
+
+
 def micro_batch_of(cfg) -> int:
-    """The recipe's per-device micro-batch (rows), Trainer's default where the recipe has none."""
-    return int(cfg.training.typed.per_device_train_batch_size)
+    """The recipe's per-device micro-batch (rows): Trainer's default where the recipe has none, and the default
+    `auto` keeps the sequences of where it says auto."""
+    b = cfg.training.typed.per_device_train_batch_size
+    return DEFAULT_MICRO_BATCH if b == AUTO else int(b)
+
+
+def length_stats(lengths: list[int]) -> dict:
+    """{rows, p50, p95, max, min} of token lengths (nearest rank: the smallest length at least that share of the
+    rows has)."""
+    ordered = sorted(lengths)
+
+    def rank(share: float) -> int:
+        return ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+    return {"rows": len(ordered), "p50": rank(0.5), "p95": rank(0.95), "max": ordered[-1], "min": ordered[0]}
 
 
 def workload_from_config(
@@ -216,8 +236,8 @@ def workload_from_config(
     recipe's training.loss_impl; "auto" is resolved per method and shape as the run resolves it
     (finetune/modeling/loss_choice.py; a head that needs the logits is recorded by the run)."""
     targs = cfg.training.typed
-    if gradient_checkpointing is None:
-        gradient_checkpointing = bool(targs.gradient_checkpointing)
+    if gradient_checkpointing is None:  # `auto` here: off, the recipe's lever the search tries both ways
+        gradient_checkpointing = targs.gradient_checkpointing is True or bool(targs.activation_checkpointing)
     m, d, t = cfg.method, cfg.data, cfg.training
     micro_batch = micro_batch_of(cfg)
     # the longest row a batch can have: data.pad_to_multiple_of rounds it up (finetune/data/rows.py)

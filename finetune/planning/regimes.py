@@ -52,7 +52,10 @@ def policy_regime(policy: str, method: str, strategy: str) -> Regime:
     fam = family(strategy)
     tb = precision.trainable_bytes(pol, strategy)
     frozen = precision.frozen_bytes(pol)
-    if method == "qlora" and (pol.adapters_fp32 or fam == "deepspeed"):
+    if method == "qlora" and pol.adapters_fp32 and fam != "deepspeed":
+        # peft's prepare_model_for_kbit_training leaves the unquantized weights fp32; DeepSpeed's engine then casts
+        # every floating parameter to its module dtype (engine.py _cast_module_mixed_precision), ZeRO-3 too (a
+        # quantized model is not built under zero.Init): its residual stream is bf16 (tests/planning/test_zero_buffers.py)
         frozen = F32
     compute = tb.working_params if (fam == "fsdp" and pol.fsdp_param_dtype) else None
     autocast = fam == "torch" and pol.torch_autocast is not None

@@ -1,87 +1,24 @@
-"""`finetune plan`: the model's config (no weights), the memory and communication of every
-strategy, and a recommendation: the fastest strategy that fits with a margin."""
+"""`finetune plan`: the model's config (no weights: finetune/planning/model_source.py), the workload (the recipe's
+sequence length, or the data's token lengths), and the answer first: the fastest strategy, micro-batch,
+accumulation, gradient checkpointing and offload that fit with the margin (finetune/planning/search.py), then the
+memory and communication of every option. Without a data path nothing here imports torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
 
 from finetune import precision
 from finetune.errors import ConfigError, UserError
+from finetune.planning import model_source, search
 from finetune.planning.comm import read_bandwidth, step_time, step_traffic
 from finetune.planning.memory import CUDA_CONTEXT_GIB, loss_text
 from finetune.planning.plan_text import render
-from finetune.planning.prediction import NOT_MODELLED, constants, plan_rows, workload_from_config
+from finetune.planning.prediction import NOT_MODELLED, constants, length_stats, plan_rows, workload_from_config
+from finetune.planning.search import MARGIN
 from finetune.planning.shapes import Shape, Workload, shape_of
-from finetune.strategies import SPEED_ORDER, by_key
-from finetune.units import GIB, gib, parse_size
-
-MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for fragmentation spikes
-
-
-def load_model_config(name_or_path: str):
-    """A transformers config without weights: a local directory or config.json, a shipped model config
-    by name (finetune/model_configs/: `Llama-3.1-8B`), the bundled model (once prepared), or a hub id
-    whose config is already in the Hugging Face cache."""
-    from transformers import AutoConfig
-
-    from finetune import resources
-    from finetune.config.sections import BUNDLED_MODEL
-
-    if name_or_path == BUNDLED_MODEL:
-        from finetune.modeling import bundled
-
-        if not bundled.is_prepared():
-            raise UserError(
-                "the bundled model is not prepared yet: run `finetune prepare-model` once, or pass "
-                f"--model DIR_OR_CONFIG_JSON or a shipped model config ({', '.join(resources.model_config_names())})"
-            )
-        name_or_path = str(bundled.model_dir())
-    path = Path(name_or_path)
-    if not path.exists() and resources.model_config(name_or_path):
-        path = resources.model_config(name_or_path)
-    if path.is_file():
-        try:
-            values = json.loads(path.read_text(encoding="utf-8"))
-            kind = values.pop("model_type")
-            return AutoConfig.for_model(kind, **values)
-        except (ValueError, KeyError) as e:
-            raise UserError(
-                f"--model: {path} is not a transformers config.json (needs model_type and the "
-                f"model's shapes): {type(e).__name__}: {e}"
-            ) from None
-    if path.is_dir():
-        from finetune.modeling.load import code_problem
-
-        if not (path / "config.json").is_file():
-            raise UserError(f"--model: directory {path} has no config.json")
-        code = code_problem(path, trust=False)
-        if code:
-            raise UserError(
-                f"--model: {code}; `finetune plan` runs no model code: give a config of an architecture "
-                f"transformers has (a config.json with its model_type and shapes)"
-            )
-        return AutoConfig.from_pretrained(path)
-    try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except (OSError, ValueError):
-        raise UserError(not_found_message(name_or_path)) from None
-
-
-def not_found_message(name: str) -> str:
-    """--model that is no file, directory, shipped config or cached hub config: what to pass instead."""
-    from finetune import resources
-
-    names = resources.model_config_names()
-    tail = name.rstrip("/").split("/")[-1]
-    same = next((n for n in names if n.lower() == tail.lower()), None)
-    hint = f"--model {same} (the shipped config of that model), or " if same else ""
-    return (
-        f"--model: {name!r} is not a local directory or file, not a shipped model config, and its config is "
-        f"not in the Hugging Face cache (no hub access here). Pass {hint}a config.json written from the model "
-        f"card (--model path/to/config.json, or a directory holding it), or a shipped model config by name: "
-        f"{', '.join(names)}"
-    )
+from finetune.strategies import by_key
+from finetune.units import gib, parse_size
 
 
 def build_plan(
@@ -95,11 +32,18 @@ def build_plan(
     bandwidth: dict,
     model_name: str,
     overrides: list[str] = (),
+    gpu: dict | None = None,
+    lengths: dict | None = None,
 ) -> dict:
+    """The plan as JSON. `gpu`: {"label", "peak_flops", "source"} of a named GPU (tokens/s are predicted for it),
+    None: the assumed H100 peak ranks the options. `lengths`: the data's token lengths (length_stats plus
+    `source`), whose longest row is planned instead of data.max_length."""
     shape = shape_of(model_config)
     # A plan is for GPUs: `auto` is taken as bf16-mixed, as a GPU with bf16 resolves it.
     policy = precision.resolve(cfg.training.precision, True, True)
-    w = workload_from_config(cfg, precision=policy.name)
+    seq_len = min(lengths["max"], cfg.data.max_length) if lengths else None
+    masked = bool(lengths) and lengths["min"] < seq_len and not cfg.data.packing
+    w = workload_from_config(cfg, precision=policy.name, seq_len=seq_len, masked=masked)
     n = gpus * nodes
     shards = w.sp * w.tp * w.cp
     if n % shards:
@@ -107,20 +51,29 @@ def build_plan(
             f"parallel.sp_size {w.sp} x tp_size {w.tp} x cp_size {w.cp} = {shards} does not divide the "
             f"{n} GPU(s) planned (--gpus x --nodes); plan a multiple of {shards} GPUs or change the sizes"
         )
-    if bandwidth["busbw_gbs"] and not bandwidth["h2d_gbs"]:  # host<->device copies need a bandwidth too
-        bandwidth = {**bandwidth, "h2d_gbs": H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
-    memory = {"gpus": gpus, "gpu": gpu_memory, "host": host_memory}
-    rows = [plan_row(shape, w, row, n, memory, bandwidth) for row in plan_rows(shape, w, n)]
+    if not bandwidth["h2d_gbs"]:  # host<->device copies always count (PCIe), at an assumed bandwidth if unmeasured
+        bandwidth = {**bandwidth, "h2d_gbs": search.H2D_GBS, "h2d_source": "assumed (PCIe 4.0 x16)"}
+    where = {"gpus": gpus, "gpu": gpu_memory, "host": host_memory, "bandwidth": bandwidth}
+    where["peak"] = gpu["peak_flops"] if gpu else search.PEAK_FLOPS
+    rows = [plan_row(shape, w, row, n, where) for row in plan_rows(shape, w, n)]
+    sequences, made = search.sequences_per_step(cfg)
+    options = []
+    for lever in search.lever_workloads(w, sequences, micro_batch=True, checkpointing=True):
+        options += [plan_row(shape, lever, row, n, where) for row in plan_rows(shape, lever, n, methods=(w.method,))]
+    options = [o for o in options if recommendable(o["strategy"], n)]
     p = shape.params
-    return {
+    plan = {
         "model": {
             "name": model_name,
+            "source": model_config.source,
+            "note": model_config.note or None,
             "model_type": shape.model_type,
             "parameters": p.total,
             "layers": shape.layers,
             "hidden": shape.hidden,
             "vocab": shape.vocab,
             "tied_embeddings": p.lm_head == 0,
+            "max_positions": getattr(model_config, "max_position_embeddings", None),
             "lora_parameters": shape.lora_params(w.lora_r, w.lora_targets),
         },
         "hardware": {
@@ -131,27 +84,40 @@ def build_plan(
             "host_memory_gib": gib(host_memory),
             "margin": MARGIN,
             "bandwidth": bandwidth,
+            "gpu": gpu,
         },
         "recipe": cfg.recipe,
         "method": w.method,
-        "assumptions": plan_notes(cfg, w, policy, shape, n // shards, overrides),
+        "assumptions": plan_notes(cfg, w, policy, shape, n // shards, overrides, sequences, made, lengths),
         "differences_from_deepspeed": DEEPSPEED_DIFFERENCES,
+        "options": options,
         "rows": rows,
-        "recommendation": recommend(rows, w.method, gpu_memory, host_memory, n),
     }
+    plan["answer"] = answer(plan, cfg, sequences, shards)
+    return plan
 
 
-def plan_row(shape: Shape, w: Workload, row: dict, n: int, memory: dict, bandwidth: dict) -> dict:
-    """One strategy and method of the plan: its memory, whether it fits, its traffic and step time.
-    `memory`: {"gpus": per node, "gpu": bytes per GPU, "host": bytes per node}."""
-    method_w = Workload(**{**w.__dict__, "method": row["method"]})
+def recommendable(strategy: str, world: int) -> bool:
+    """Only what ships a recipe and its configs is an answer (the planner-only rows are for comparison); with
+    several GPUs the single-device row is a reference only: it would leave the others idle."""
+    return bool(by_key(strategy).recipe) and (world == 1 or strategy != "single")
+
+
+def plan_row(shape: Shape, w: Workload, row: dict, n: int, where: dict) -> dict:
+    """One strategy, method and set of levers: its memory, whether it fits, its traffic and estimated step time.
+    `where`: {"gpus": per node, "gpu": bytes per GPU, "host": bytes per node, "bandwidth", "peak": FLOP/s}."""
+    method_w = dataclasses.replace(w, method=row["method"])
+    bandwidth = where["bandwidth"]
     traffic = step_traffic(shape, method_w, row["strategy"], n, row["regime"])
     times = step_time(traffic, bandwidth["busbw_gbs"], bandwidth["h2d_gbs"])
-    host_node = row["host_total"] * memory["gpus"]  # one process per GPU on each node
-    fit_dev, fit_host = row["device_total"] / memory["gpu"], host_node / memory["host"]
+    host_node = row["host_total"] * where["gpus"]  # one process per GPU on each node
+    fit_dev, fit_host = row["device_total"] / where["gpu"], host_node / where["host"]
     return {
         "method": row["method"],
         "strategy": row["strategy"],
+        "micro_batch": w.micro_batch,
+        "grad_accum": w.grad_accum,
+        "gradient_checkpointing": w.gradient_checkpointing,
         "description": by_key(row["strategy"]).description,
         "precision": row["regime"].note,
         "phase": row["phase"],
@@ -178,16 +144,109 @@ def plan_row(shape: Shape, w: Workload, row: dict, n: int, memory: dict, bandwid
             "host_device_bytes": {k: round(v) for k, v in traffic["host_device"].items()},
             **times,
         },
-        "step_time": step_seconds(shape, method_w, times),
+        "step_time": search.step_seconds(shape, method_w, times, where["peak"]),
     }
 
 
-def plan_notes(cfg, w: Workload, policy, shape: Shape, dp: int, overrides: list[str]) -> dict:
+def answer(plan: dict, cfg, sequences: int, shards: int) -> dict:
+    """The fastest option that fits, how it runs, and why nothing faster does: run.json-like facts the first line
+    of the text says (plan_text.answer_lines)."""
+    hw, options = plan["hardware"], plan["options"]
+    best = search.fastest(options)
+    gpu_memory, host_memory = hw["gpu_memory_gib"], hw["host_memory_gib"]
+    if best is None:
+        least = min(options, key=lambda r: r["device"]["total_gib"])
+        lighter = {"full": "a lighter method (lora, qlora), ", "lora": "a lighter method (qlora), "}.get(
+            plan["method"], ""
+        )
+        return {
+            "strategy": None,
+            "method": plan["method"],
+            "reason": (
+                f"nothing fits {plan['method']} with a {1 - MARGIN:.0%} margin, not even micro-batch 1 with gradient "
+                f"checkpointing and offload: the least is {least['strategy']} at {least['device']['total_gib']:.1f} GiB "
+                f"of {gpu_memory:.0f} GiB per GPU and {least['host_per_node_gib']:.1f} of {host_memory:.0f} GiB host; "
+                f"use a shorter sequence, {lighter}or more or larger GPUs"
+            ),
+        }
+    faster = [o for o in options if not o["fits"] and search.rank(o) < search.rank(best)]
+    st = by_key(best["strategy"])
+    seq_len = plan["assumptions"]["seq_len"]
+    tokens = sequences * seq_len * (hw["world_size"] // shards)
+    total = best["step_time"]["total_s"]
+    out = {
+        **{k: best[k] for k in ("strategy", "method", "micro_batch", "grad_accum", "gradient_checkpointing")},
+        "offload": st.offload,
+        "device_gib": best["device"]["total_gib"],
+        "device_fraction": best["device_fraction"],
+        "host_per_node_gib": best["host_per_node_gib"],
+        "host_fraction": best["host_fraction"],
+        "step_time": best["step_time"],
+        "tokens_per_step": tokens,
+        "tokens_per_s": round(tokens / total) if hw["gpu"] else None,
+        "tokens_per_s_note": speed_note(hw, best),
+        "faster_options_that_do_not_fit": [short(o) for o in sorted(faster, key=search.rank)],
+        "command": command(cfg, best),
+    }
+    out["reason"] = (
+        f"the fastest of {len(options)} options (strategy x micro-batch x checkpointing) that fits with a "
+        f'{1 - MARGIN:.0%} margin, by the estimated step time (docs/planning.md "The answer")'
+    )
+    return out
+
+
+def speed_note(hw: dict, best: dict) -> str:
+    """What the predicted tokens/s rest on, or why there are none."""
+    if not hw["gpu"]:
+        return "tokens/s not predicted (the GPU's peak is unknown: --gpu NAME)"
+    coll = (
+        "at the given bandwidth" if best["step_time"]["collectives_s"] is not None else "not counted (no --bandwidth)"
+    )
+    return (
+        f"{hw['gpu']['label']} at {hw['gpu']['peak_flops'] / 1e12:.0f} TFLOP/s x an assumed {search.MFU:.0%} MFU; "
+        f"collectives {coll}, host copies at {hw['bandwidth']['h2d_gbs']:g} GB/s, nothing overlapped"
+    )
+
+
+def short(row: dict) -> dict:
+    """An option in a few figures (what did not fit, and by how much)."""
+    return {
+        "strategy": row["strategy"],
+        "micro_batch": row["micro_batch"],
+        "grad_accum": row["grad_accum"],
+        "gradient_checkpointing": row["gradient_checkpointing"],
+        "device_gib": row["device"]["total_gib"],
+        "device_fraction": row["device_fraction"],
+        "host_fraction": row["host_fraction"],
+    }
+
+
+def command(cfg, row: dict) -> str:
+    """The overrides that train the answer with the recipe (only what differs from it)."""
+    st = by_key(row["strategy"])
+    given = cfg.training.typed
+    out = [f"finetune train --recipe {cfg.recipe}"]
+    if cfg.run.strategy != st.name or cfg.run.offload not in ("any", st.offload):
+        out += [
+            f"--run.strategy={st.name}",
+            f"--run.offload={st.offload}",
+            f"--run.accelerate_config={st.accelerate_config}",
+        ]
+    if given.per_device_train_batch_size != row["micro_batch"]:
+        out.append(f"--training.per_device_train_batch_size={row['micro_batch']}")
+    if given.gradient_accumulation_steps != row["grad_accum"]:
+        out.append(f"--training.gradient_accumulation_steps={row['grad_accum']}")
+    if given.gradient_checkpointing != row["gradient_checkpointing"]:
+        out.append(f"--training.gradient_checkpointing={str(row['gradient_checkpointing']).lower()}")
+    return " ".join(out)
+
+
+def plan_notes(cfg, w: Workload, policy, shape: Shape, dp: int, overrides, sequences, made, lengths) -> dict:
     """The plan's assumptions: the workload and where its numbers came from, the policy, the
     constants, and what is not modelled."""
     how = "" if cfg.training.precision != "auto" else " (auto on a GPU with bf16)"
     return {
-        "workload": workload_note(cfg, w, overrides),
+        "workload": workload_note(cfg, w, overrides, sequences, made, lengths),
         "precision": f"{policy.name}{how}: {policy.summary}",
         **{k: getattr(w, k) for k in ("micro_batch", "seq_len", "gradient_checkpointing", "grad_accum", "layout")},
         "mesh": {"sp": w.sp, "tp": w.tp, "cp": w.cp, "dp": dp},
@@ -210,76 +269,8 @@ DEEPSPEED_DIFFERENCES = (
 )
 
 
-def recommend(rows: list[dict], method: str, gpu_memory: float, host_memory: float, world: int = 1) -> dict:
-    """The fastest strategy for the recipe's method that fits with the margin, why, and what does not fit.
-    With several GPUs the single-device row is a reference only: it would leave the others idle."""
-    mine = sorted(
-        (
-            r
-            for r in rows
-            if r["method"] == method and (world == 1 or r["strategy"] != "single") and by_key(r["strategy"]).recipe
-        ),  # only what ships a recipe and its configs (the planner-only rows are for comparison)
-        key=lambda r: SPEED_ORDER.index(r["strategy"]),
-    )
-    choice = next((r for r in mine if r["fits"]), None)
-    short = []
-    for r in mine:
-        if r["fits"]:
-            continue
-        over_dev = r["device_fraction"] * gpu_memory - MARGIN * gpu_memory
-        over_host = r["host_fraction"] * host_memory - MARGIN * host_memory
-        parts = []
-        if over_dev > 0:
-            parts.append(
-                f"device needs {r['device']['total_gib']:.1f} GiB, {over_dev / GIB:.1f} GiB over "
-                f"{MARGIN:.0%} of {gpu_memory / GIB:.0f} GiB"
-                + ("" if r["device_fraction"] > 1 else " (fits only without the margin)")
-            )
-        if over_host > 0:
-            parts.append(
-                f"host needs {r['host_per_node_gib']:.1f} GiB per node, {over_host / GIB:.1f} GiB over "
-                f"{MARGIN:.0%} of {host_memory / GIB:.0f} GiB"
-            )
-        short.append({"strategy": r["strategy"], "problem": "; ".join(parts)})
-    if choice is None:
-        lighter = {"full": "a lighter method (lora, qlora), ", "lora": "a lighter method (qlora), "}.get(method, "")
-        reason = (
-            f"no strategy fits {method} with a {1 - MARGIN:.0%} margin: use a smaller micro-batch, gradient "
-            f"checkpointing, a shorter sequence, {lighter}or more/larger GPUs"
-        )
-        return {"strategy": None, "method": method, "reason": reason, "does_not_fit": short}
-    faster = [s["strategy"] for s in short if SPEED_ORDER.index(s["strategy"]) < SPEED_ORDER.index(choice["strategy"])]
-    first, choice = choice, _least_step_time(choice, [r for r in mine if r["fits"]])
-    reason = (
-        f"{choice['strategy']} ({by_key(choice['strategy']).why}) is the fastest that fits: "
-        f"{choice['device']['total_gib']:.1f} GiB of {gpu_memory / GIB:.0f} GiB per device "
-        f"({100 * choice['device_fraction']:.0f}%), host {choice['host_per_node_gib']:.1f} GiB per node"
-    )
-    if choice is not first:
-        a, b = first["step_time"], choice["step_time"]
-        reason += (
-            f"; communication dominates at this bandwidth: {first['strategy']} (first in speed order) would "
-            f"take an estimated {a['total_s']:.2f} s per step ({a['communication_s']:.2f} s moving data, "
-            f"{a['compute_s']:.2f} s computing), {choice['strategy']} {b['total_s']:.2f} s "
-            f"({b['communication_s']:.2f} s moving data; its host optimizer step not counted)"
-        )
-    if faster:
-        reason += f"; faster ones do not fit: {', '.join(faster)}"
-    return {"strategy": choice["strategy"], "method": method, "reason": reason, "does_not_fit": short}
-
-
-def _least_step_time(first: dict, fitting: list[dict]) -> dict:
-    """The speed order's choice, unless its communication takes longer than its compute at the given
-    bandwidth (step_seconds): then the fitting row with the least estimated step time."""
-    if not first.get("step_time") or not first["step_time"]["communication_dominates"]:
-        return first
-    timed = [r for r in fitting if r.get("step_time")]
-    best = min(timed, key=lambda r: (r["step_time"]["total_s"], SPEED_ORDER.index(r["strategy"])))
-    return best if best["step_time"]["total_s"] < first["step_time"]["total_s"] else first
-
-
-def workload_note(cfg, w: Workload, overrides: list[str]) -> dict:
-    """What the plan is for, and where each number came from (the recipe, or the command line)."""
+def workload_note(cfg, w: Workload, overrides, sequences: int, made: str, lengths: dict | None) -> dict:
+    """What the plan is for, and where each number came from (the recipe, the command line, the data)."""
     given = {o.split("=")[0] for o in overrides}
 
     def source(key: str) -> str:
@@ -289,13 +280,42 @@ def workload_note(cfg, w: Workload, overrides: list[str]) -> dict:
         "micro_batch": w.micro_batch,
         "micro_batch_from": source("training.per_device_train_batch_size"),
         "seq_len": w.seq_len,
-        "seq_len_from": source("data.max_length"),
+        "seq_len_from": (
+            f"the data's longest row ({lengths['source']})"
+            if lengths
+            else source("data.max_length") + " data.max_length"
+        ),
+        "lengths": lengths,
         "grad_accum": w.grad_accum,
+        "sequences_per_device_step": sequences,
+        "sequences_per_device_step_from": made,
         "tokens_per_micro_step": w.micro_batch * w.seq_len,
     }
 
 
-def run(args, overrides: list[str]) -> int:
+def data_lengths(cfg, model_name: str, model_config) -> dict:
+    """Token lengths of the training rows as the run builds them (finetune/data/build.py: its reading, rendering,
+    tokenizing, truncating and packing; the machine's prepared copy when there is one), with the tokenizer of the
+    planned model (or model.tokenizer_name_or_path). Imports transformers, hence torch."""
+    from finetune.data.build import build_datasets
+    from finetune.modeling.load import load_tokenizer
+
+    model = dataclasses.replace(cfg.model, name_or_path=model_name)
+    if not model.tokenizer_name_or_path and not model_config.source.startswith(("local", "Hugging Face cache")):
+        raise UserError(
+            f"data.path {cfg.data.path}: its token lengths need the tokenizer of {model_name}, and its config came "
+            f"from the {model_config.source.split(' (')[0]}, which holds no tokenizer: pass "
+            f"--model.tokenizer_name_or_path=DIR_OR_HUB_ID (that model's tokenizer) or a local --model"
+        )
+    tokenizer = load_tokenizer(model)
+    bundle = build_datasets(cfg.data, tokenizer, seed=cfg.training.typed.seed)
+    stats = length_stats([len(ids) for ids in bundle.train["input_ids"]])
+    tok = model.tokenizer_name_or_path or model_name
+    return {**stats, "source": f"{cfg.data.path}, {stats['rows']:,} training rows tokenized by {tok}'s tokenizer"}
+
+
+def run(args, overrides: list[str], gpu: dict | None = None) -> int:
+    """`finetune plan` (finetune/cli/dispatch.py): `gpu` is --gpu resolved in the peak table, or None."""
     import shutil
 
     from finetune.config.recipe import load_recipe
@@ -307,7 +327,8 @@ def run(args, overrides: list[str]) -> int:
     if problems:
         raise ConfigError(problems, "finetune plan")
     name = args.model or cfg.model.name_or_path
-    model_config = load_model_config(name)
+    model_config = model_source.read_config(name, None if args.model else cfg.model.revision)
+    lengths = data_lengths(cfg, name, model_config) if cfg.data.path != "demo" else None
     try:
         plan = build_plan(
             cfg,
@@ -319,70 +340,30 @@ def run(args, overrides: list[str]) -> int:
             bandwidth=read_bandwidth(args.bandwidth),
             model_name=name,
             overrides=overrides,
+            gpu=gpu,
+            lengths=lengths,
         )
     except ValueError as e:  # an architecture the arithmetic does not cover
         raise UserError(f"--model {name}: {e}") from None
-    print(json.dumps(plan, indent=2) if args.json else render(plan, width=shutil.get_terminal_size().columns))
+    width = shutil.get_terminal_size().columns
+    print(json.dumps(plan, indent=2) if args.json else render(plan, all_methods=args.all, width=width))
     return 0
-
-
-# Time per optimizer step, for the recommendation when a bandwidth is known: compute at an assumed
-# fraction of an assumed GPU's peak, plus the communication at the bus bandwidth and the host<->device
-# copies (finetune/planning/comm.py), with no overlap. Strategies are tried fastest first (SPEED_ORDER),
-# which assumes the communication hides behind the compute; where it takes longer than the compute,
-# the strategy with the least estimated time wins instead (docs/planning.md "Recommendation").
-
-# ASSUMED: the GPU the plan is for, as the memory arithmetic assumes compute capability 9.x: an H100 SXM's dense bf16
-# peak (NVIDIA H100 whitepaper, 989.4 TFLOP/s; finetune/telemetry/formulas.py PEAK_DENSE_FLOPS has the same row).
-PEAK_FLOPS = 989.4e12
-# ASSUMED: the model FLOPs utilisation of a tuned fine-tuning step (the target of docs/benchmarks.md;
-# not measured here). Only decides whether communication dominates; a lower MFU makes that rarer.
-MFU = 0.40
-# ASSUMED: host<->device copy bandwidth when --bandwidth is a number (PCIe 4.0 x16 carries about
-# 25 GB/s of pinned copies); `finetune bench-comm --out` measures it on a GPU machine.
-H2D_GBS = 25.0
-
-
-def flops_per_step(shape: Shape, w: Workload) -> float:
-    """Model FLOPs of one optimizer step on one device, as the runs count MFU
-    (finetune/telemetry/model_flops.py): 6N per token for full fine-tuning, 4N with a frozen base
-    (LoRA, QLoRA: no weight gradients), N the matmul weights (the blocks' linears and the head), plus
-    PaLM's 12·L·Q·T attention term; every row taken at its full length (an upper bound)."""
-    matmul = shape.block_linear_params + shape.vocab * shape.hidden
-    per_token = (6 if w.method == "full" else 4) * matmul + 12 * shape.layers * shape.q * w.seq_len
-    return per_token * w.micro_batch * w.seq_len * w.grad_accum
-
-
-def step_seconds(shape: Shape, w: Workload, comm_times: dict) -> dict | None:
-    """{compute_s, communication_s, total_s, communication_dominates} of one row, or None when the
-    communication time is unknown (no bandwidth given)."""
-    coll, h2d = comm_times.get("collectives_s"), comm_times.get("host_device_s")
-    if coll is None or h2d is None:
-        return None
-    compute = flops_per_step(shape, w) / (PEAK_FLOPS * MFU)
-    moving = coll + h2d
-    return {
-        "compute_s": compute,
-        "communication_s": moving,
-        "total_s": compute + moving,
-        "communication_dominates": moving > compute,
-    }
 
 
 def step_time_constants() -> dict:
     return {
         "step_time_peak_flops": {
-            "value": PEAK_FLOPS,
+            "value": search.PEAK_FLOPS,
             "kind": "assumed",
-            "source": "H100 SXM dense bf16 (whitepaper), the GPU of compute capability 9.x the plan assumes",
+            "source": "H100 SXM dense bf16 (whitepaper) when --gpu names no GPU: ranks the options only",
         },
         "step_time_mfu": {
-            "value": MFU,
+            "value": search.MFU,
             "kind": "assumed",
             "source": "a tuned fine-tuning step (docs/benchmarks.md's target); not measured",
         },
         "h2d_gbs_when_not_measured": {
-            "value": H2D_GBS,
+            "value": search.H2D_GBS,
             "kind": "assumed",
             "source": "PCIe 4.0 x16 pinned copies; `finetune bench-comm --out FILE` measures it",
         },

@@ -18,9 +18,11 @@ class ParamCount:
 
 
 def count_parameters(config) -> ParamCount:
-    """Parameters of a decoder-only model from its transformers config: Llama/Mistral/Qwen2
-    shapes (RMSNorm, gated MLP, optional q/k/v bias, GQA) and GPT-2 (LayerNorm with bias,
-    learned positions, 4x MLP with bias). Raises ValueError for other model types."""
+    """Parameters of a decoder-only model from its transformers config (or finetune/planning/model_source.py's):
+    the Llama family (RMSNorm, gated MLP, optional q/k/v bias, GQA: llama, mistral, qwen2, qwen3 with q/k norms;
+    phi3 with fused qkv and gate/up projections; gemma2 and gemma3_text with four norms per layer, gemma3_text
+    with q/k norms) and GPT-2 (LayerNorm with bias, learned positions, 4x MLP with bias). Raises ValueError for
+    other model types."""
     kind = getattr(config, "model_type", "")
     if kind == "gpt2":
         h, layers, vocab = config.n_embd, config.n_layer, config.vocab_size
@@ -30,29 +32,70 @@ def count_parameters(config) -> ParamCount:
         total = embedding + config.n_positions * h + layers * per_layer + 2 * h  # + final LayerNorm
         lm_head = 0 if getattr(config, "tie_word_embeddings", True) else vocab * h
         return ParamCount(total + lm_head, embedding, lm_head, per_layer, layers)
-    if kind in ("llama", "mistral", "qwen2", "qwen3"):
-        h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or h // heads
-        inter = config.intermediate_size
-        q, k = heads * head_dim, kv * head_dim
-        attention = h * q + 2 * h * k + q * h
-        if kind == "qwen2" or getattr(config, "attention_bias", False):
-            attention += q + 2 * k  # q/k/v biases
-        if kind == "qwen3":
-            attention += 2 * head_dim  # q_norm, k_norm
-        per_layer = attention + 3 * h * inter + 2 * h  # gated MLP + two RMSNorms
-        embedding = vocab * h
-        lm_head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
-        total = embedding + lm_head + layers * per_layer + h  # + final norm
-        return ParamCount(total, embedding, lm_head, per_layer, layers)
-    raise ValueError(f"no parameter arithmetic for model_type {kind!r} (supported: llama, mistral, qwen2, qwen3, gpt2)")
+    if kind not in DECODERS:
+        raise ValueError(f"no parameter arithmetic for model_type {kind!r} (supported: {', '.join(DECODERS)}, gpt2)")
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, k = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    norms, qk_norms = DECODERS[kind]
+    per_layer = sum(i * o for _, i, o in decoder_linears(config)) + norms * h + qk_norms * 2 * head_dim
+    if kind == "qwen2" or getattr(config, "attention_bias", False):
+        per_layer += q + 2 * k  # q/k/v biases
+    embedding = vocab * h
+    lm_head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
+    total = embedding + lm_head + layers * per_layer + h  # + final norm
+    return ParamCount(total, embedding, lm_head, per_layer, layers)
+
+
+# model_type: (RMSNorms of hidden size per layer, whether q and k have an RMSNorm over head_dim). Gemma 2/3 put a
+# norm before and after both attention and MLP (modeling_gemma2.py Gemma2DecoderLayer).
+DECODERS = {
+    "llama": (2, False),
+    "mistral": (2, False),
+    "qwen2": (2, False),
+    "qwen3": (2, True),
+    "phi3": (2, False),
+    "gemma2": (4, False),
+    "gemma3_text": (4, True),
+}
+
+
+def decoder_linears(config) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every linear layer of one decoder block. phi3 fuses q/k/v into
+    qkv_proj and gate/up into gate_up_proj (modeling_phi3.py); the others have Llama's seven."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    if config.model_type == "phi3":
+        return [
+            ("qkv_proj", h, (heads + 2 * kv) * hd),
+            ("o_proj", heads * hd, h),
+            ("gate_up_proj", h, 2 * inter),
+            ("down_proj", inter, h),
+        ]
+    return [
+        ("q_proj", h, heads * hd),
+        ("k_proj", h, kv * hd),
+        ("v_proj", h, kv * hd),
+        ("o_proj", heads * hd, h),
+        ("gate_proj", h, inter),
+        ("up_proj", h, inter),
+        ("down_proj", inter, h),
+    ]
 
 
 # Architectures whose decoder block the activation arithmetic follows op by op (RMSNorm, rotary,
 # SDPA, gated MLP: transformers' LlamaDecoderLayer and its copies; qwen3 adds q/k RMSNorms).
 BLOCK_MECHANISM = ("llama", "mistral", "qwen2", "qwen3")
+# The shipped table's other families: what their blocks save that the Llama block does not (phi3: saved-tensor
+# hooks on CPU, bf16, one layer: 2q + kv more bytes x 2 per token than the Llama formula).
+NOT_YET = {
+    "phi3": "v is a view of the fused qkv output, which it keeps alive whole, and o_proj saves a copy of its input",
+    "gemma2": "four norms per block (Gemma's RMSNorm), logit soft-capping, sliding-window masks",
+    "gemma3_text": "four norms per block and q/k norms (Gemma's RMSNorm), sliding-window masks",
+}
 
 
 @dataclass
@@ -125,7 +168,8 @@ class Shape:
         Norms, the embedding and the head stay whole on every rank; so does the residual stream."""
         if tp == 1:
             return self
-        split = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 1, "up_proj": 1, "o_proj": 0, "down_proj": 0}
+        split = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "qkv_proj": 1, "gate_proj": 1, "up_proj": 1, "gate_up_proj": 1}
+        split |= {"o_proj": 0, "down_proj": 0}
         linears = [
             (n, i // tp if split.get(n) == 0 else i, o // tp if split.get(n) == 1 else o) for n, i, o in self.linears
         ]
@@ -144,9 +188,11 @@ class Shape:
 
     def check_block_mechanism(self) -> None:
         if self.model_type not in BLOCK_MECHANISM:
+            why = NOT_YET.get(self.model_type)
+            known = f"; its {self.params.total:,} parameters are counted, its block is not: {why}" if why else ""
             raise ValueError(
                 f"no activation arithmetic for model_type {self.model_type!r} (the planner follows the "
-                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op)"
+                f"decoder blocks of {', '.join(BLOCK_MECHANISM)} op by op){known}"
             )
 
 
@@ -160,18 +206,18 @@ def shape_of(config) -> Shape:
     h, heads = config.hidden_size, config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     hd = getattr(config, "head_dim", None) or h // heads
-    inter = config.intermediate_size
-    linears = [
-        ("q_proj", h, heads * hd),
-        ("k_proj", h, kv * hd),
-        ("v_proj", h, kv * hd),
-        ("o_proj", heads * hd, h),
-        ("gate_proj", h, inter),
-        ("up_proj", h, inter),
-        ("down_proj", inter, h),
-    ]
+    linears = decoder_linears(config)
     return Shape(
-        config.model_type, count, h, config.num_hidden_layers, heads, kv, hd, inter, config.vocab_size, linears
+        config.model_type,
+        count,
+        h,
+        config.num_hidden_layers,
+        heads,
+        kv,
+        hd,
+        config.intermediate_size,
+        config.vocab_size,
+        linears,
     )
 
 

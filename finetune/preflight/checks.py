@@ -100,7 +100,7 @@ def check_launch(launch_args: list[str], resume_check=None, resume_config=None, 
         raise ConfigError(problems + facts.problems, f"{path or 'configuration'}{overridden}: {SOURCE}")
     launch = LaunchPlan.of(cfg, facts)
     if args.resume and resume_check:
-        found, cfg = resume_check(cfg, launch, args.resume, overrides)
+        found, cfg = resume_check(cfg, launch, args.resume, overrides, allow_input_change=args.allow_input_change)
         problems += found
     problems += run_checks(cfg, launch, in_process=False, resume=args.resume)
     if problems:
@@ -154,6 +154,8 @@ def deepspeed_values(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
         ),
         "gradient_clipping": (a.max_grad_norm, "training.max_grad_norm"),
     }  # bf16/fp16: the precision policy's (policy_problems)
+    if per_device == "auto":  # the run plans the batch layout, then checks again (finetune/training/planned.py)
+        expected = {"gradient_clipping": expected["gradient_clipping"]}
     problems = []
     for key, (want, field) in expected.items():
         section, _, leaf = key.rpartition(".")
@@ -278,9 +280,10 @@ def dataset(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """The data file and the held-out file read as the run reads them: the training file's first rows
     (finetune/data/build.py check_head), and the exact-match rows the evaluation will use, each
     validated as evaluation reads it (before training and after it)."""
-    from finetune.data import build
+    from finetune.data import build, prepare
 
     problems = [] if cfg.data.path == "demo" else build.check_head(cfg.data)
+    problems += [p for p in [prepare.cache_problem(cfg.data)] if p]  # the prepared data's cache folder
     if cfg.eval.exact_match and cfg.eval.heldout_path not in (None, "demo"):
         problem = heldout_problem(cfg.eval.heldout_path, cfg.eval.samples)
         if problem:

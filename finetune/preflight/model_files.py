@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import UserError
+from finetune.storage import read_json
 
 # What from_pretrained reads, in its order of preference: the index (shards) or the single file.
 _WEIGHTS = (
@@ -35,23 +36,24 @@ def model_problems(cfg) -> list[str]:
     """model.name_or_path's config.json (a causal LM?) and weight files (whole?); [] when it is not on
     this machine (finetune/preflight/checks.py model_source says why)."""
     from finetune.config.sections import BUNDLED_MODEL
-    from finetune.modeling.load import code_problem
+    from finetune.modeling.load import code_problem, model_folder
     from finetune.storage import json_object
 
     model = cfg.model
     tokenizer = model.tokenizer_name_or_path
     problems = []
     if tokenizer and tokenizer != model.name_or_path and tokenizer != BUNDLED_MODEL:
-        folder = local_folder(tokenizer, model.revision)
+        folder = model_folder(tokenizer, model.revision)
         why = folder and code_problem(folder, model.trust_remote_code)
         problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
+        problems += [f"model.tokenizer_name_or_path: {p}" for p in own_files_problems(folder)] if folder else []
     if model.name_or_path == BUNDLED_MODEL:
         from finetune.modeling import bundled
 
         folder = bundled.model_dir() if bundled.is_prepared() else None
         values = (json_object(folder / "config.json") or None) if folder else None
         return problems + [p for p in [positions_problem(cfg, values, "the bundled model")] if p]
-    folder = local_folder(model.name_or_path, model.revision)
+    folder = model_folder(model.name_or_path, model.revision)
     config = folder / "config.json" if folder else None
     if config is None or not config.is_file():
         return problems
@@ -65,7 +67,62 @@ def model_problems(cfg) -> list[str]:
     found = [f"{code}; {TRUST}" if code else None]
     found += [causal_lm_problem(values, config)] if isinstance(values, dict) else []
     found.append(weights_problem(folder))
+    found += own_files_problems(folder)
     return problems + [f"model.name_or_path: {p}" for p in found if p]
+
+
+# The folder's own JSON files transformers reads beside config.json. A broken generation_config.json is ignored by
+# from_pretrained without a word (generation then runs with the model config's defaults, other stop tokens); a broken
+# tokenizer_config.json fails the load with a JSONDecodeError that does not name the file.
+_OWN_FILES = (
+    *("generation_config.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json"),
+    *("added_tokens.json", "chat_template.json"),
+)
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def own_files_problems(folder: Path) -> list[str]:
+    """Each of the folder's own JSON files that does not read as the object transformers expects, named."""
+    out = []
+    for name in _OWN_FILES:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            values, why = read_json(path)
+        except OSError as e:
+            values, why = None, f"cannot be read ({e.strerror or e})"
+        if why:
+            out.append(f"{path}: {why}; {_REFETCH}")
+        elif not isinstance(values, dict):
+            out.append(f"{path}: a JSON {type(values).__name__}, where transformers reads an object; {_REFETCH}")
+        elif name == "generation_config.json":
+            out += [f"{path}: {p}" for p in _generation_problems(values)]
+    return out
+
+
+def _generation_problems(values: dict) -> list[str]:
+    """generation_config.json's token ids and the values transformers' own validation refuses."""
+    import warnings
+
+    from transformers import GenerationConfig
+
+    def token_id(key, v) -> bool:
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        return ok or (key == "eos_token_id" and isinstance(v, list) and all(token_id(key, x) for x in v) and bool(v))
+
+    bad = [
+        f"{k} {values[k]!r} is not a token id (an integer >= 0; eos_token_id may be a list of them)"
+        for k in _TOKEN_IDS
+        if values.get(k) is not None and not token_id(k, values[k])
+    ]
+    try:
+        with warnings.catch_warnings():  # its minor remarks are warnings: not ours to repeat
+            warnings.simplefilter("ignore")
+            GenerationConfig.from_dict(dict(values)).validate()
+    except (ValueError, TypeError) as e:
+        bad.append(f"transformers refuses its values ({e})")
+    return bad
 
 
 def positions_problem(cfg, values: dict | None, source: str) -> str | None:
@@ -82,22 +139,6 @@ def positions_problem(cfg, values: dict | None, source: str) -> str | None:
         f"data.max_length: {cfg.data.max_length} is more than the {positions} positions the model has ({source} "
         f"max_position_embeddings); set data.max_length to {positions} or less, or use a model with a longer context"
     )
-
-
-def local_folder(name: str, revision: str | None) -> Path | None:
-    """The directory holding the model's files: the local directory, or the cached hub snapshot."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(name, "config.json", revision=revision)
-    except ValueError:
-        return None
-    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def causal_lm_problem(config: dict, source: Path) -> str | None:

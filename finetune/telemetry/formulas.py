@@ -246,3 +246,21 @@ def whole_run(
         "train_loss": loss_sum / loss_steps if loss_steps else train_loss,
     }
     return summary, stretches, excluded
+
+
+def closed_segments(segments: list[dict], ended: str, step: int) -> tuple[list[dict], float | None]:
+    """`resumes` with its last segment closed at `ended` (ISO 8601) and global step `step` (when it ended, its wall time
+    from its start, the optimizer steps it trained), and the run's wall time: every segment's, summed (None when a
+    segment's start or end is unknown: a record from before segments were closed)."""
+    from datetime import datetime
+
+    last = dict(segments[-1])
+    seconds = (
+        (datetime.fromisoformat(ended) - datetime.fromisoformat(last["at"])).total_seconds() if last.get("at") else None
+    )
+    last.update(
+        ended=ended, wall_s=round(seconds, 2) if seconds is not None else None, steps_trained=step - last["step"]
+    )
+    closed = [*segments[:-1], last]
+    walls = [s.get("wall_s") for s in closed]
+    return closed, (round(sum(walls), 2) if all(w is not None for w in walls) else None)

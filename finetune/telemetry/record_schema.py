@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from finetune.data.build import DataStats
+from finetune.fingerprints import InputChange, Inputs
+from finetune.telemetry.record_planned import Plan, PredictedMemory
 
 SCHEMA = 1  # run.json's "schema"; a reader refuses any other (finetune/telemetry/record.py check)
 
@@ -289,6 +291,10 @@ Segment = TypedDict(
         "conversion_s": float | None,
         "config_from": str,
         "config_changes": list[ConfigChange],
+        "input_changes": list[InputChange],
+        "ended": str,
+        "wall_s": float | None,
+        "steps_trained": int,
     },
     total=False,
 )
@@ -311,6 +317,7 @@ class Summary(TypedDict, total=False):
     resumed_at_step: int
     resumes: int
     resume_history: list[ResumeEntry]
+    run_wall_s: float | None  # every segment's wall time (resumes[].wall_s), summed
 
 
 class EvalExample(TypedDict):
@@ -370,6 +377,8 @@ class SpeedAttention(TypedDict):
     sdpa_backends_policy: str | list[str]  # model.sdpa_backends
     sdpa_backends_enabled: list[str] | None  # torch's flags after the policy; null when not sdpa
     sdpa_priority: list[str] | None  # the order torch tries them in
+    requested: str  # model.attn_implementation
+    fallback: str | None  # why the implementation is not the requested one (a family without SDPA)
 
 
 class SpeedCompile(TypedDict):
@@ -446,87 +455,6 @@ class Nodes(TypedDict):
     param_partition: str | None  # how the parameters are split, read from the live engine
 
 
-# --- `predicted_memory`: the planner's prediction for the strategy that engaged and its error
-# against the measured peaks (finetune/planning/prediction.py)
-
-
-class PredictedDevice(TypedDict):
-    components_gib: dict[str, float]  # at the predicted peak: they add up to allocated_gib
-    allocated_gib: float
-    allocator_allowance_gib: float
-    late_unfit_gib: float
-    reserved_gib: float
-    cuda_context_gib: float
-    total_gib: float  # reserved + CUDA context: what the device must hold
-
-
-class PredictedHost(TypedDict):
-    components_gib: dict[str, float]
-    total_gib: float
-
-
-class PredictedPrecision(TypedDict):
-    policy: str
-    note: str
-    param_bytes: int
-    frozen_bytes: int
-    grad_bytes: int
-    state_bytes: int
-    master_bytes: int
-    autocast: bool
-    compute_bytes: int | None
-
-
-class PlannerConstant(TypedDict):
-    value: float
-    kind: str  # derived | fitted | assumed | measured
-    source: str
-
-
-class Assumptions(TypedDict):
-    micro_batch: int
-    seq_len: int
-    seq_len_source: str
-    grad_accum: int
-    gradient_checkpointing: bool
-    layout: str
-    attention_kernel: str
-    loss_impl: str
-    logits_bytes: int
-    optimizer: str
-    nf4_bits_per_param: float
-    constants: dict[str, PlannerConstant]
-    not_modelled: list[str]
-    device_scope: str
-    host_scope: str
-
-
-class PredictionError(TypedDict):
-    predicted_gib: float
-    measured_gib: float
-    relative_error: float
-
-
-class PredictionErrors(TypedDict):
-    device_allocated: PredictionError | None
-    device_reserved: PredictionError | None
-    host: PredictionError | None
-    host_lifetime_peak_rank0: PredictionError | None
-
-
-class PredictedMemory(TypedDict):
-    strategy: str
-    method: str
-    world_size: int
-    precision: PredictedPrecision
-    phase: str  # the moment of the step that holds the predicted peak
-    phases_gib: dict[str, float]
-    device: PredictedDevice | None
-    host: PredictedHost
-    assumptions: Assumptions
-    error: PredictionErrors | None
-
-
 @dataclass(frozen=True)
 class Section:
     name: str
@@ -554,6 +482,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("lr", LearningRate | None, lambda: None, True, "object|null"),
     Section("memory", Memory | None, lambda: None, True, "object|null"),
     Section("predicted_memory", PredictedMemory | None, lambda: None, False),
+    Section("plan", Plan | None, ABSENT, False),
     Section("throughput", Throughput | None, lambda: None, True, "object|null"),
     Section("data", DataSummary | None, lambda: None, False),
     Section("steps", list[Step], list, True, "list"),
@@ -563,5 +492,6 @@ SECTIONS: tuple[Section, ...] = (
     Section("resumes", list[Segment], ABSENT, False),
     Section("parameters", Parameters, ABSENT, False),
     Section("speed", Speed, ABSENT, False),
+    Section("inputs", Inputs, ABSENT, False),
 )
 BY_NAME = {s.name: s for s in SECTIONS}

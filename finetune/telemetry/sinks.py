@@ -9,11 +9,12 @@ import logging
 import os
 import sys
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
 from finetune import storage
-from finetune.telemetry import wandb_logging
+from finetune.telemetry import formulas, wandb_logging
 from finetune.telemetry.record import RecordView, RunRecord
 from finetune.telemetry.summary import Console
 
@@ -132,6 +133,14 @@ class Sinks:
             sink.log(entry)
 
     def close(self, exit_code: int) -> None:
+        """The run's end, however it ended: its segment closed (when, wall time, steps: a resumed run's console
+        summary and `summary.run_wall_s` cover every segment), then each backend."""
+        segments = self.view.get("resumes", default=None)
+        if segments:
+            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            closed, total = formulas.closed_segments(segments, now, self.view.get("summary", "steps") or 0)
+            self.run_json.record.set("resumes", closed)
+            self.run_json.record.update("summary", run_wall_s=total)
         for sink in self.sinks:
             sink.close(self.view, exit_code)
 

@@ -35,11 +35,28 @@ def start_line(record: RecordView) -> str:
     """World size, batch, learning rate, parameters, length and precision, as the run set them up."""
     b, p = record.get("batch"), record.get("parameters")
     policy = precision.get(record.get("precision", "policy"))
+    fallback = record.get("speed", "attention", "fallback", default=None)
     return (
         f"{sizes(record)} | per-device batch {b['per_device']} x accumulation {b['grad_accum']} x data-parallel "
         f"size {b['data_parallel_size']} = effective batch {b['effective']} | lr {lr_text(record)} | trainable "
         f"{p['trainable']:,} of {p['total']:,} parameters | max length "
         f"{record.get('config', 'data', 'max_length')} | precision {policy.name} ({policy.summary})"
+        + auto_text(record.get("plan", default=None))
+        + (f" | attention: {fallback}" if fallback else "")
+    )
+
+
+def auto_text(plan: dict | None) -> str:
+    """What `auto` chose (run.json `plan`, finetune/training/planned.py) and against what memory; "" without auto."""
+    if not plan or not plan["auto"]:
+        return ""
+    levers = plan["levers"]
+    b, a = levers["per_device_train_batch_size"], levers["gradient_accumulation_steps"]
+    return (
+        f" | auto ({', '.join(plan['auto'])}): micro-batch {b['planned']} x accumulation {a['planned']} = "
+        f"{plan['sequences_per_device_step']} sequences per device per step (kept), gradient checkpointing "
+        f"{'on' if levers['gradient_checkpointing']['planned'] else 'off'}, {plan['predicted_gib']:.2f} GiB "
+        f"planned = {plan['fraction']:.0%} of {plan['memory_basis']}"
     )
 
 
@@ -65,9 +82,7 @@ def lr_text(record: RecordView) -> str:
 def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, method: str) -> None:
     """The table, from the run record of a completed run (rank 0)."""
     rows = _training_rows(record, method) + _speed_rows(record) + _evaluation_rows(record)
-    rows.append(
-        ("wall time", f"{record.get('summary', 'wall_s'):.0f} s (training {record.get('summary', 'train_s'):.0f} s)")
-    )
+    rows += _time_rows(record)
     rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
         rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
@@ -103,6 +118,21 @@ def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:
         ("learning rate", lr_text(record)),
         ("train loss", losses),
         ("trained tokens", tokens),
+    ]
+
+
+def _time_rows(record: RecordView) -> list[tuple[str, str]]:
+    """The wall time, and for a resumed run the whole run's over its segments and how it resumed."""
+    s = partial(record.get, "summary")
+    this = f"{s('wall_s'):.0f} s (training {s('train_s'):.0f} s)"
+    segments = record.get("resumes", default=[])
+    if not s("resumed_from", default=None):
+        return [("wall time", this)]
+    whole = f"{s('run_wall_s'):.0f} s" if s("run_wall_s", default=None) is not None else "n/a (segments not timed)"
+    trained = s("steps") - s("resumed_at_step")
+    return [
+        ("resumed", f"{s('resumes')} time(s), last from {s('resumed_from')} at step {s('resumed_at_step')}"),
+        ("wall time", f"{whole} over {len(segments)} segments; this launch {this}, steps {trained} of {s('steps')}"),
     ]
 
 

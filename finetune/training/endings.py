@@ -9,15 +9,15 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import storage
+from finetune import held_back, storage
 from finetune.checkpointing import checkpoints, resume
 from finetune.errors import EXIT_PREEMPTED, UserError
-from finetune.launch import peers
+from finetune.launch import peers, rundir
 from finetune.modeling import load
 from finetune.planning import prediction
 from finetune.telemetry import formulas, meter, model_flops
 from finetune.telemetry.record import RecordView
-from finetune.training import signals
+from finetune.training import planned, signals
 from finetune.training.resilience import Diverged
 
 log = logging.getLogger("finetune")
@@ -91,6 +91,12 @@ class AfterTraining:
         if error is None or not isinstance(error, Exception) or isinstance(error, signals.Stopped):
             return False  # success, or a stop: the checkpoint of the final step is written (docs/faults.md)
         where = self._save()
+        failure = (
+            storage.error(error, self.model_dir, f"writing the export {self.model_dir}") if self.attempted else None
+        )
+        if failure is not None:  # a full or read-only disk: one message, what failed and where the weights are
+            held_back.TRACEBACKS.error("the export failed", exc_info=error)
+            raise storage.StorageError(f"{failure}; {where}", failure.errno, failure.failed_at) from None
         if isinstance(error, UserError):
             raise UserError(f"{error}\n{where}") from None
         if isinstance(error, Diverged):  # a collapsed run that trained to the end (training/resilience.py)
@@ -107,8 +113,9 @@ class AfterTraining:
             try:
                 self._agreed("the export after the error", self._write_export, saves=True)
                 return done.format(self.model_dir) + " (saved after the error)"
-            except Exception:  # noqa: BLE001 - on every rank (agreed); reported with the first error
-                log.exception("the export after the error failed; saving a checkpoint instead")
+            except Exception as e:  # noqa: BLE001 - on every rank (agreed); reported with the first error
+                held_back.TRACEBACKS.error("the export after the error failed", exc_info=e)
+                return f"the export after the error failed too ({type(e).__name__}: {e}); " + self._checkpoint()
         return self._checkpoint()
 
     def _checkpoint(self) -> str:
@@ -118,11 +125,12 @@ class AfterTraining:
             with peers.watch.during("the checkpoint of the final step", self.limits.save_s):
                 ckpt = trainer.resilience.final_checkpoint()
         except Exception as e:  # noqa: BLE001 - the first error is the one to report; this one is added to it
-            log.exception("the trained weights could not be saved")
+            held_back.TRACEBACKS.error("the trained weights could not be saved", exc_info=e)
             last = trainer.resilience.last_complete
             return (
-                f"the trained weights could not be saved ({type(e).__name__}: {e}); the last complete "
-                f"checkpoint is {last if last else 'none written in this run'}"
+                f"the trained weights could not be saved in a checkpoint either ({e}); the last complete "
+                f"checkpoint is {last if last else 'none written in this run'} (tracebacks: "
+                f"{self.model_dir.parent / rundir.LOG_FILE})"
             )
         self.checkpoint = ckpt
         return (
@@ -163,7 +171,10 @@ def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float |
             earlier_excluded=excluded,
         )
     except Exception as e:  # noqa: BLE001 - a figure error must not turn a completed training into `failed`
-        log.exception("run figures could not be computed; they are null in run.json, with the error")
+        held_back.TRACEBACKS.error("run figures could not be computed", exc_info=e)
+        log.warning(
+            f"run figures could not be computed ({type(e).__name__}: {e}; traceback: {rundir.LOG_FILE}); they are null in run.json, with the error"
+        )
         throughput = {
             **formulas.throughput([], excluded=0),
             **dict.fromkeys(("flops_convention", "flops_per_token", "peak_device")),
@@ -180,6 +191,9 @@ def figures(view, measured: dict, model, cfg, *, world: int, train_loss: float |
     sections["batch"] = {**view.get("batch", default={}), **measured_figures["batch"]}
     if predicted is not None:
         sections["predicted_memory"] = predicted
+    plan = planned.with_measured(view.get("plan", default=None), measured_figures["throughput"])
+    if plan is not None:
+        sections["plan"] = plan  # the predicted optimizer-step time beside the measured one
     return summary, sections
 
 
@@ -243,7 +257,10 @@ def failed(e: BaseException, run_dir: Path, heartbeat, machines) -> tuple[Ending
     """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
     without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
     stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too."""
-    failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
+    if isinstance(e, storage.StorageError):  # said already, with the file that failed
+        failure = e
+    else:
+        failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
     lost = None if signals.failures_agreed else peers.failure_note(failure or e, heartbeat, machines)
     interrupted = isinstance(e, KeyboardInterrupt)

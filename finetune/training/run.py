@@ -40,7 +40,7 @@ from finetune.preflight import model_files
 from finetune.telemetry import sinks, wandb_logging
 from finetune.telemetry.record import RunRecord
 from finetune.telemetry.sinks import Sinks
-from finetune.training import arguments, build, endings, evaluation, fault_injection, signals, speed
+from finetune.training import arguments, build, endings, evaluation, fault_injection, planned, signals, speed
 from finetune.training.arguments import RunArguments
 from finetune.training.endings import AfterTraining, Ending, Limits
 from finetune.training.resilience import Diverged, ResilientTrainer
@@ -107,10 +107,11 @@ def run_phases(argv: list[str] | None) -> int:
         resumed = resume_config.resolve(
             args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
         )
+        resumed.allow_input_change = args.allow_input_change
         cfg = resumed.cfg
     else:
-        if args.allow_config_change:
-            raise UserError("--allow-config-change applies to --resume only (a new run takes any configuration)")
+        if args.allow_config_change or args.allow_input_change:
+            raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
         cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
@@ -207,13 +208,15 @@ def prepare(
     """The resume plan, preflight, the run directory (rank 0 names and creates it), the record and
     its backends, and the demo data; a fresh run's record and config are written here."""
     plan = resumed = None
+    allowed = bool(resumed_config and resumed_config.allow_input_change)
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
         run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(
-            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides)
+            state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides, allow_input_change=allowed)
         )
         cfg = resume_plan.applied(plan, cfg)  # a new configuration: nothing edits one after it is built
         resumed = (name, planned_dir)
+    cfg, planned_section = planned.resolve(cfg, launch, state)  # `auto` levers: a new configuration, and run.json plan
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
@@ -231,6 +234,7 @@ def prepare(
     if state.is_main_process:
         record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
         run_sinks = sinks.for_run(cfg, record, run_dir)
+        run_sinks.put(plan=planned_section)
     if run_sinks and plan:
         continued, summary = resume.continued(
             run_dir, Path(plan.checkpoint), plan, created=run_sinks.view.get("created")
@@ -369,7 +373,10 @@ def record_setup(
     hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
-    static = provenance.static_facts(cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    hand(inputs=provenance.inputs(cfg, run.data_path))  # what the run is made from; the marker's too (on --resume)
+    static = provenance.static_facts(
+        cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint, inputs=run.sinks.view.get("inputs")
+    )
     trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)

@@ -13,6 +13,7 @@ from finetune.data import pack
 from finetune.data.collate import FLASH_ATTENTION
 from finetune.errors import ConfigError, UserError
 from finetune.modeling import attention
+from finetune.modeling.load import model_type
 
 # Attention implementations whose handling of position_ids without an attention mask was
 # read in transformers 5.23 (see the module docstring).
@@ -35,6 +36,12 @@ def check(cfg) -> None:
             problems.append(
                 f"{what}: model.attn_implementation {m.attn_implementation!r} was not checked to keep "
                 f"examples apart; use one of {', '.join(_POSITION_AWARE)}"
+            )
+        _, fallback = attention.for_family(model_type(m), m.attn_implementation)
+        if fallback:
+            problems.append(
+                f"{what}: {fallback.split(':')[0]}, and its own attention was not checked to keep examples apart; "
+                "turn it off for this model"
             )
         if m.trust_remote_code:
             problems.append(
@@ -154,7 +161,7 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
         },
         # compact skips unlabelled positions with a data-dependent shape, which torch.compile does not trace
         "loss_impl": loss_record | {"compact": loss_record["compact"] and not args.torch_compile},
-        "attention": attention_record | {"implementation": model.config._attn_implementation},
+        "attention": attention_section(cfg, model, attention_record),
         "compile": {
             "enabled": bool(args.torch_compile),
             "mode": args.torch_compile_mode if args.torch_compile else None,
@@ -167,6 +174,18 @@ def section(cfg, model, trainer, *, attention_record: dict, loss_record: dict, d
         },
         "ddp": ddp_record | {"find_unused_parameters": _live_find_unused(trainer, ddp_record)},
     }
+
+
+def attention_section(cfg, model, attention_record: dict) -> dict:
+    """run.json `speed.attention`: the implementation the model runs (live), the one asked for, and why they differ
+    (a family without SDPA: finetune/modeling/attention.py for_family); SDPA's backends only where SDPA runs."""
+    live = model.config._attn_implementation
+    requested = cfg.model.attn_implementation
+    _, fallback = attention.for_family(getattr(model.config, "model_type", None), requested)
+    out = attention_record | {"implementation": live, "requested": requested, "fallback": fallback}
+    if live != "sdpa":
+        out.update(sdpa_backends_enabled=None, sdpa_priority=None)
+    return out
 
 
 def _live_find_unused(trainer, decided: dict) -> bool | None:

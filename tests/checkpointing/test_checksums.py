@@ -66,6 +66,6 @@ def test_rotation_checks_sizes_without_reading_every_checkpoint_again(tmp_path, 
         fake_checkpoint(tmp_path, step)
     newest = fake_checkpoint(tmp_path, 4)
     read: list[Path] = []
-    monkeypatch.setattr(checkpoints, "checksum", lambda path: read.append(path) or "")
+    monkeypatch.setattr(checkpoints.fingerprints, "checksum", lambda path: read.append(path) or "")
     assert [p.name for p in checkpoints.rotate(tmp_path, 2, newest)] == ["checkpoint-1", "checkpoint-2"]
     assert read == []

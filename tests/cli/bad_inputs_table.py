@@ -187,6 +187,34 @@ def _truncated_weights(ws: Path) -> list[str]:
     return [f"--model.name_or_path={model}"]
 
 
+def _broken_model_file(name: str):
+    """A copy of the tiny model whose `name` (generation_config.json, tokenizer_config.json) is cut in half."""
+
+    def setup(ws: Path) -> list[str]:
+        model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "model-with-a-cut-file")
+        text = (model / name).read_text()
+        (model / name).write_text(text[: len(text) // 2])
+        return [f"--model.name_or_path={model}"]
+
+    return setup
+
+
+def _shards(files: dict[str, str | bytes], path: str = "shards"):
+    """Data kept as several files in the workspace; `path` (a folder or a glob, relative to it) names them."""
+
+    def setup(ws: Path) -> list[str]:
+        for name, content in files.items():
+            _write(ws / name, content)
+        return [f"--data.path={ws / path}"]
+
+    return setup
+
+
+def _cache_in_a_file(ws: Path) -> list[str]:
+    _write(ws / "cache", "a file where the cache folder should be")
+    return [f"--data.cache_dir={ws / 'cache' / 'tokenized'}"]
+
+
 def _small_embedding(ws: Path) -> list[str]:
     """A tiny Llama with 1,000 embedding rows, saved with the table model's 49,152-token tokenizer."""
     import torch
@@ -222,16 +250,22 @@ def _resume(
     world: int = 2,
     fingerprint: str | None = None,
     mesh: dict | None = None,
+    change=None,
 ):
     """An earlier run, runs/prev (its run.json too), whose complete checkpoint-3 was written by ZeRO-3
     on 2 ranks x 4 per device x accumulation 1 (effective batch 8) of the tiny model, and a
-    `--resume` of it."""
+    `--resume` of it. `change(model_dir)`: the run trained a copy of the tiny model in the workspace,
+    its inputs recorded in the checkpoint, and `change` alters that copy before the resume."""
 
     def setup(ws: Path) -> list[str]:
         from finetune.checkpointing import checkpoints
         from finetune.checkpointing.provenance import model_identity
 
-        model = os.environ["FINETUNE_TABLE_MODEL"]
+        model, args = os.environ["FINETUNE_TABLE_MODEL"], list(launch)
+        if change is not None:
+            shutil.copytree(model, ws / "model")
+            model = str(ws / "model")
+            args.append(f"--model.name_or_path={model}")
         identity = model_identity(type("M", (), {"name_or_path": model, "revision": None})())
         ckpt = ws / "runs" / "prev" / "checkpoint-3"
         for name in (
@@ -264,9 +298,14 @@ def _resume(
         }
         if mesh is not None:
             run["mesh"] = mesh
+        cfg = _saved_config(ws, args)
+        if change is not None:  # the inputs it was trained on, then one of them changed
+            from finetune.checkpointing.provenance import inputs
+
+            run["inputs"] = inputs(cfg, cfg.data.path)
+            change(Path(model))
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
-        _saved_config(ws, launch)
-        return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *launch]
+        return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *args]
 
     return setup
 
@@ -280,8 +319,24 @@ def _saved_config(ws: Path, launch: list[str]) -> None:
 
     recipe = launch[launch.index("--recipe") + 1] if "--recipe" in launch else "demo"
     base = [a for a in base_args(ws, Path(os.environ["FINETUNE_TABLE_MODEL"])) if a.startswith("--") and "=" in a]
-    cfg, _ = load_recipe(recipe, [*base, "--run.name=prev"])
+    given = [a for a in launch if a.startswith("--model.")]
+    cfg, _ = load_recipe(recipe, [*base, *given, "--run.name=prev"])
     _write(ws / "runs" / "prev" / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return cfg
+
+
+def _edit_template(model: Path) -> None:
+    """The chat template edited after the run started (a system line added)."""
+    template = model / "chat_template.jinja"
+    template.write_text("{{ 'You are brief.' }}\n" + template.read_text())
+
+
+def _other_weights(model: Path) -> None:
+    """Other weights saved over the model in place (a re-download, a colleague's fixed copy): config.json unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    save_file({k: v + 0.01 for k, v in weights.items()}, model / "model.safetensors", metadata={"format": "pt"})
 
 
 ZERO3_CPU = ["--recipe", "zero3", "--config_file", "accelerate_configs/cpu/zero3.yaml"]
@@ -345,8 +400,14 @@ def _heads(ws: Path) -> list[str]:
     return [*ZERO3_CPU, f"--model.name_or_path={path}", "--parallel.sp_size=2"]
 
 
+def _gpt2_like(ws: Path) -> Path:
+    return _config_dir(
+        ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64
+    )
+
+
 def _no_tp_plan(ws: Path) -> list[str]:
-    path = _config_dir(ws, "gpt2-like", model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=512)
+    path = _gpt2_like(ws)
     return ["--recipe", "zero2", "--cpu", f"--model.name_or_path={path}", "--method.name=full", "--parallel.tp_size=2"]
 
 
@@ -543,16 +604,86 @@ CASES = [
         ("train.jsonl.pipe", "is a named pipe (FIFO), not a regular file", "write the data to a file"),
     ),
     Case(
-        "directory as the data file",
+        "folder without data files as the data (a model folder, say)",
         "data.path",
-        lambda ws: [f"--data.path={_write(ws / 'dataset' / 'train.jsonl', _jsonl(GOOD_ROWS)).parent}"],
-        ("dataset", "is a directory, not a data file", "it holds train.jsonl"),
+        _shards({"dataset/notes.txt": "x", "dataset/weights.bin": b"\x00"}, "dataset"),
+        ("dataset: the folder: no data file (.jsonl, .json, .csv, .parquet, .arrow", "it holds weights.bin"),
     ),
     Case(
         "zstd-compressed data file",
         "data.path",
         _data(b"\x28\xb5\x2f\xfd" + bytes(16)),
         ("train.jsonl", "is zstd-compressed", "zstd -d FILE", "gzip, bzip2 or xz"),
+    ),
+    Case(
+        "glob of shards that matches no file",
+        "data.path",
+        _shards({"shards/part-0.jsonl": _jsonl(GOOD_ROWS)}, "shards/*.json"),
+        ("shards/*.json: no file matches this pattern", "its folder", "holds part-0.jsonl"),
+    ),
+    Case(
+        "folder of the Hub's shards with one missing",
+        "data.path",
+        _shards(
+            {
+                "data/train-00000-of-00003.jsonl": _jsonl(GOOD_ROWS),
+                "data/train-00002-of-00003.jsonl": _jsonl(GOOD_ROWS),
+            },
+            "data",
+        ),
+        ("data: the folder: 1 of the 3 'train' shards are missing (train-00001-of-00003)", "download them again"),
+    ),
+    Case(
+        "glob of shards: one in UTF-16, one with a bad row (both named, by file and row)",
+        "data.path",
+        _shards(
+            {
+                "shards/a.jsonl": _jsonl(GOOD_ROWS).encode("utf-16"),
+                "shards/b.jsonl": _jsonl([*GOOD_ROWS, {"instruction": "Add 3 and 3."}]),
+            },
+            "shards/*.jsonl",
+        ),
+        ("shards/a.jsonl: is UTF-16", "shards/b.jsonl row 3: missing key 'output'"),
+    ),
+    Case(
+        "a key given twice in a row (one of the two values would train silently)",
+        "data.path",
+        _data('{"instruction": "Add 2 and 3.", "output": "5", "output": "6"}\n' + _jsonl(GOOD_ROWS)),
+        ("train.jsonl row 1: the key 'output' appears 2 times in one object", 'values "5" and "6"', "keep one"),
+    ),
+    Case(
+        "a CSV column named twice",
+        "data.path",
+        _data("instruction,output,output\nAdd 2 and 3.,5,6\n", "train.csv"),
+        ("train.csv: the column(s) 'output' at columns 2, 3 appear more than once",),
+    ),
+    Case(
+        "lines that end in CR only (classic Mac OS)",
+        "data.path",
+        _data(_jsonl(GOOD_ROWS).replace("\n", "\r")),
+        ("train.jsonl: its lines end in CR only", "convert them to LF"),
+    ),
+    Case(
+        "the data format changes mid-file (messages rows after alpaca rows)",
+        "data.path",
+        _data(
+            _jsonl(
+                [*GOOD_ROWS, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+            )
+        ),
+        ("train.jsonl row 3: missing key 'instruction'", "has the keys of messages rows", "the format changes here"),
+    ),
+    Case(
+        'rows nested one level down ({"example": {...}})',
+        "data.path",
+        _data(_jsonl([{"example": r} for r in GOOD_ROWS])),
+        ("the rows are nested one level down", "under the key 'example'", "jq -c '.example'"),
+    ),
+    Case(
+        "prepared-data cache location that is a file",
+        "data.cache_dir",
+        _cache_in_a_file,
+        ("the prepared-data cache", "(from data.cache_dir) cannot be used", "cache is a file, not a folder"),
     ),
     Case(
         "every row longer than max_length (completion cut off)",
@@ -786,6 +917,22 @@ CASES = [
         ("gpt2-like (GPT2Config, model_type 'gpt2') has no tensor-parallel plan", "base_model_tp_plan", "sp_size"),
     ),
     Case(
+        "auto micro-batch for a model the planner has no arithmetic for",
+        "training.per_device_train_batch_size",
+        lambda ws: [
+            f"--model.name_or_path={_gpt2_like(ws)}",
+            "--training.per_device_train_batch_size=auto",
+        ],
+        ("training.per_device_train_batch_size: auto needs the planner", "no activation arithmetic", "'gpt2'"),
+        entry="train.py",
+    ),
+    Case(
+        "auto for a training field that takes a number only",
+        "training.gradient_accumulation_steps",
+        lambda ws: ["--training.gradient_accumulation_steps=auto"],
+        ("training.gradient_accumulation_steps", "expected an integer", "'auto'"),
+    ),
+    Case(
         "DeepSpeed config's autotp_size contradicting parallel.tp_size",
         "DeepSpeed config / parallel.tp_size",
         lambda ws: [
@@ -825,6 +972,18 @@ CASES = [
         "model.name_or_path",
         _truncated_weights,
         ("half-copied-model/model.safetensors", "cut short (truncated)", "copy or download the model again"),
+    ),
+    Case(
+        "model folder with a cut generation_config.json (transformers would ignore it without a word)",
+        "model.name_or_path",
+        _broken_model_file("generation_config.json"),
+        ("model-with-a-cut-file/generation_config.json: not valid JSON (line", "copy or download the model again"),
+    ),
+    Case(
+        "model folder with a cut tokenizer_config.json",
+        "model.name_or_path",
+        _broken_model_file("tokenizer_config.json"),
+        ("model-with-a-cut-file/tokenizer_config.json: not valid JSON (line", "copy or download the model again"),
     ),
     Case(
         "model folder asking for its own code (auto_map) without model.trust_remote_code",
@@ -914,6 +1073,19 @@ CASES = [
         "--resume / model.name_or_path",
         _resume(ZERO3_CPU, model_sha="0" * 64),
         ("checkpoint-3 was trained with another model", "config_sha256"),
+    ),
+    Case(
+        "resume after the chat template was edited",
+        "--resume / the model's chat template",
+        _resume([], strategy="single", world=1, change=_edit_template),
+        ("checkpoint-3 was trained on other inputs: the chat template changed", "chat_template.jinja differs"),
+        entry="train.py",
+    ),
+    Case(
+        "resume after the base weights were replaced in place (same config.json, other weights)",
+        "--resume / the model's weights",
+        _resume(ZERO3_CPU, change=_other_weights),
+        ("checkpoint-3 was trained on other inputs: the base weights changed", "model.safetensors differs"),
     ),
     Case(
         "resume on another process count with dataloader_drop_last",
@@ -1066,6 +1238,32 @@ CASES = [
 # Inputs that are not errors by design, and problems only a real multi-process launch shows: named
 # here with the test that covers them, so the table is complete.
 NOT_ERRORS = [
+    (
+        "data kept as shards: a glob (`shards/*.jsonl`) or a folder of .jsonl, .json, .csv, .parquet or .arrow "
+        "files, the Hub's `train-00000-of-00010` names (data.split's shards)",
+        "data.path",
+        (
+            "not an error: read in name order by preflight and the run alike, each shard's rows named by file and "
+            "row (tests/data/test_data_as_kept.py::test_a_folder_and_a_glob_of_shards_are_read_in_name_order)"
+        ),
+    ),
+    (
+        "a model family without SDPA attention in transformers (BLOOM, GPT-Neo, MPT, ...)",
+        "model.name_or_path",
+        (
+            "not an error: trained with eager attention, said in the start line and run.json "
+            "speed.attention.fallback (tests/modeling/test_model_families.py::"
+            "test_a_family_without_sdpa_trains_with_eager_attention_and_says_so)"
+        ),
+    ),
+    (
+        "a prepared-data cache entry damaged, cut short or partly deleted",
+        "data.cache_dir",
+        (
+            "not an error: said and prepared again (tests/data/test_cache_heals.py::"
+            "test_a_damaged_or_partly_deleted_entry_is_said_and_prepared_again)"
+        ),
+    ),
     (
         "data files as users save them: a JSON array (pretty-printed or not) in a .jsonl file, a first row over "
         "1 MiB, a UTF-8 byte-order mark, CRLF line ends, trailing blank lines, gzip/bzip2/xz compression (by "

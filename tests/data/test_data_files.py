@@ -146,17 +146,16 @@ def test_a_device_given_as_the_data_file_is_named(tmp_path):
     assert "is a character device, not a regular file" in problems[0] and "character device" in str(rows)
 
 
-def test_a_directory_given_as_the_data_file_is_named_with_its_files(tmp_path):
+def test_a_folder_without_data_files_is_named_with_what_it_holds(tmp_path):
     folder = tmp_path / "dataset"
     folder.mkdir()
-    (folder / "train.jsonl").write_bytes(jsonl(ROWS))
     (folder / "notes.txt").write_text("x")
+    (folder / "model.bin").write_bytes(b"x")
     problems, rows = both(folder)
-    # on main: no preflight problem, then the run tried it as a Hub dataset
-    assert problems == [
-        f"data.path: {folder}: is a directory, not a data file; give the path of one file; it holds train.jsonl"
-    ]
-    assert "is a directory" in str(rows)
+    # before issue 46 a folder was refused whatever it held ("give the path of one file"); its data files are read now
+    said = f"{folder}: the folder: no data file (.jsonl, .json, .csv, .parquet, .arrow, optionally .gz/.bz2/.xz)"
+    assert problems == [f"data.path: {said}; it holds model.bin"], problems
+    assert str(rows) == f"{said}; it holds model.bin"
 
 
 def test_unreadable_compressions_are_named_with_the_unpacking_command(tmp_path):

@@ -8,14 +8,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from transformers import AutoConfig
 
 from finetune.config.validate import build_config
 from finetune.data import collate
 from finetune.data.rows import longest_row
+from finetune.planning.model_source import read_config
 from finetune.planning.prediction import predicted_memory, workload_from_config
 from finetune.planning.shapes import shape_of
-from tests.conftest import REPO
 
 MODEL = SimpleNamespace(attn_implementation="sdpa")
 
@@ -59,7 +58,7 @@ def _cfg(**data):
 
 
 def test_the_planner_plans_the_bucketed_length():
-    shape = shape_of(AutoConfig.from_pretrained(REPO / "finetune/model_configs/Llama-3.2-1B.json"))
+    shape = shape_of(read_config("Llama-3.2-1B"))
     plain = workload_from_config(_cfg(), precision="bf16-mixed", loss_impl="standard")
     bucketed = workload_from_config(_cfg(pad_to_multiple_of=1024), precision="bf16-mixed", loss_impl="standard")
     assert (plain.seq_len, bucketed.seq_len) == (1000, 1024)

@@ -282,3 +282,36 @@ def test_the_planners_offloaded_states_are_what_the_engine_holds(process_group, 
     planned_pinned = sum(v for k, v in host.items() if prediction.pinned(k, strategy))
     assert live_pinned == planned_pinned, f"pinned: live {live_pinned}, planned {planned_pinned}: {host}"
     assert (live_pinned > 0) == by_key(strategy).offload_optimizer
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_qlora_under_deepspeed_runs_a_bf16_stream(process_group, stage):
+    """Issue 47: `finetune plan` showed QLoRA under ZeRO with twice single's activations (an fp32 residual stream,
+    so the math attention kernel's s x s softmax). peft's prepare_model_for_kbit_training does leave the
+    unquantized weights fp32 (checked before the engine), but DeepSpeed's engine casts every floating parameter
+    to its bf16 module dtype: the live stream into the first decoder layer is bf16, as the planner now says."""
+    import deepspeed
+
+    from tests.planning import mechanism as mech
+
+    model = mech.build("qlora_mixed", mech.config("llama", num_key_value_heads=1))
+
+    def unquantized_frozen() -> set:
+        return {p.dtype for p in model.parameters() if not p.requires_grad and type(p).__name__ != "Params4bit"}
+
+    assert unquantized_frozen() == {torch.float32}  # peft's doing: the regime single and DDP run
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-4), config=trainer_filled(stage, True, model)
+    )
+    stream = []
+    layer = next(m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer")
+    layer.register_forward_pre_hook(
+        lambda _, a, kw: stream.append((a[0] if a else kw["hidden_states"]).dtype), with_kwargs=True
+    )
+    ids = torch.randint(0, 4096, (2, 32))
+    engine(input_ids=ids, labels=ids)
+    assert unquantized_frozen() == {torch.bfloat16} and stream == [torch.bfloat16]
+    planned = regimes.policy_regime("bf16-mixed", "qlora", stage)
+    assert planned.frozen == regimes.B16 and not planned.autocast
+    assert regimes.policy_regime("bf16-mixed", "qlora", "single").frozen == regimes.F32  # control: peft's fp32 stays

@@ -230,11 +230,11 @@ def test_pickled_weights_naming_code_are_refused_naming_the_file_and_what_it_wou
 
 def test_finetune_plan_refuses_a_model_folder_that_needs_its_own_code(tmp_path, tiny_model_dir):
     """Before: `finetune plan --model DIR` ended in transformers' ValueError traceback (exit 1)."""
-    from finetune.planning.report import load_model_config
+    from finetune.planning.model_source import read_config
 
     model = _custom_code_model(tmp_path, tiny_model_dir)
     with pytest.raises(UserError, match=r"--model: .*config.json: its auto_map asks for .*`finetune plan` runs no"):
-        load_model_config(str(model))
+        read_config(str(model))
     assert not (tmp_path / "code-ran").exists()
 
 

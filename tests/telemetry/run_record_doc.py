@@ -118,8 +118,8 @@ def covers(pattern: str, path: str) -> bool:
     """Whether a declared path (with `*` / `**`) names a present node's path."""
     want, got = pattern.split("."), path.split(".")
     for i, part in enumerate(want):
-        if part == "**":
-            return len(got) > i
+        if part == "**" or (part == "*" and i == len(want) - 1 and len(got) > i):
+            return len(got) > i  # a last `*` is one mapping key, which may hold dots (a file name: inputs.*_files)
         if i >= len(got) or (part != "*" and part != got[i]):
             return False
     return len(got) == len(want)

@@ -5,8 +5,7 @@ test file with a claim about it (tests/conftest.py `strategy_runs`; docs/testing
   equal to one process, checkpoint and export, the export reloaded, resume under another process count;
 - tests/telemetry/test_run_record.py: per-rank batch, learning-rate rule, token totals, memory and throughput;
 - tests/training/test_sync_count.py: one collective and one host read of ours per optimizer step (DDP, ZeRO-2);
-- tests/telemetry/test_run_record_doc.py: the record against docs/run_record.md both ways (`single`, evaluated);
-- tests/planning/test_plan.py: the predicted memory beside the measured one (`single`).
+- tests/telemetry/test_run_record_doc.py: the record against docs/run_record.md both ways (`single`, evaluated).
 
 The recipe values, the same for every run: tiny random Llama + LoRA (dropout 0), demo data (40 rows), seed 42,
 8 sequences per optimizer step, 5 steps (one epoch), no warmup, clipping pinned at 1.0, loss logged every step,

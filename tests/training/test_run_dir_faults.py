@@ -112,6 +112,33 @@ def _disk_fills_on(small_disk, tmp_path, tiny_model_dir):
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["resumed_at_step"] == 1, summary
 
 
+def _export_on_a_full_disk(tmp_path, tiny_model_dir):
+    """A real full filesystem during the export: the disk filled to 100 KiB free while step 2 runs, so neither the
+    export (its tokenizer files alone are 3.5 MB) nor the checkpoint saved after it fits. Before: two chained library
+    tracebacks (safetensors' ENOSPC, then the failed checkpoint's) on the console, then "error: writing the run's files
+    failed" without saying which. Now: exit 2 and one message naming the export, the checkpoint that failed too, the
+    free space; the tracebacks are for the run's log file (which this disk cannot hold either)."""
+    with small_disk(tmp_path) as disk:
+        run_dir = disk / "run"
+        cmd = train_command(tiny_model_dir, run_dir, 2)
+        with Started(cmd, cwd=REPO, env={faults.ENV: "pause@rank0,step2"}, out=tmp_path / "out.txt") as job:
+            job.wait_until(lambda: "rank 0 pauses" in job.output, "step 2 paused")
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            with open(disk / "filler", "wb") as f:
+                f.write(b"\0" * (free - 100 * 1024))
+            code = job.finish()
+            out = job.output
+        summary = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert code == 2, out[-4000:]
+    assert "Traceback" not in out and out.count("error: ") == 1, out[-4000:]
+    error = out[out.index("error: ") :].splitlines()[0]
+    assert f"error: writing the export {run_dir / 'model'} failed: no space left on device" in error, error
+    assert "MiB free of 64.0 MiB on its filesystem" in error, error
+    assert f"the trained weights could not be saved in a checkpoint either (writing checkpoint {run_dir}" in error
+    assert "the last complete checkpoint is none written in this run" in error, error
+    assert summary["status"] == "failed" and "writing the export" in summary["error"], summary
+
+
 def _full_disk_on_one_rank(tmp_path, tiny_model_dir):
     """Rank 1's save of checkpoint-2 fails with ENOSPC (injected after its files are written): the
     ranks agree, both stop with exit 2 instead of rank 0 waiting for rank 1 until the collective
@@ -148,7 +175,10 @@ def runs(request, tmp_path_factory, tiny_model_dir):
         return lambda d: scenario(d, tiny_model_dir)
 
     lanes = [
-        [("test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing", at(_disk_fills))],
+        [
+            ("test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing", at(_disk_fills)),
+            ("test_a_full_disk_during_the_export_is_one_message_without_tracebacks", at(_export_on_a_full_disk)),
+        ],
         [
             ("test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named", at(_full_disk_on_one_rank)),
             ("test_a_resume_against_a_live_run_is_refused_naming_it_and_changes_nothing", at(_resume_of_a_live_run)),
@@ -170,3 +200,8 @@ def test_a_disk_that_fills_during_a_checkpoint_save_is_named_and_loses_nothing(r
 @LANES_TIMEOUT
 def test_a_full_disk_on_one_of_two_ranks_stops_both_with_the_checkpoint_named(runs, request):
     outcome_of(runs, request)  # _full_disk_on_one_rank
+
+
+@LANES_TIMEOUT
+def test_a_full_disk_during_the_export_is_one_message_without_tracebacks(runs, request):
+    outcome_of(runs, request)  # _export_on_a_full_disk
