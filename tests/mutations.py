@@ -43,10 +43,163 @@ class Mutation:
     old: tuple[str, ...]  # the line as it reads, in one version of the file or another
     new: tuple[str, ...]  # what it becomes (same index as `old`)
     what: str
-    select: str = ""  # a substring the claim's node ids must contain (a parametrization), to keep the run short
+    select: dict  # test function -> the parameter its items must name (the claim's other tests all run)
 
 
-MUTATIONS: list[Mutation] = []
+def _m(name, claim, path, old, new, what, select=None) -> Mutation:
+    old, new = (old,) if isinstance(old, str) else old, (new,) if isinstance(new, str) else new
+    return Mutation(name, claim, path, old, new, what, select or {})
+
+
+RECORD_DDP = {"test_batch_lr_tokens_and_memory_per_rank": "[ddp]"}
+MUTATIONS = [
+    _m(
+        "lr-linear-off",
+        "lr-scaling",
+        "finetune/batch.py",
+        '"linear": ratio, "sqrt"',
+        '"linear": 1.0, "sqrt"',
+        "linear LR scaling applies factor 1",
+        RECORD_DDP,
+    ),
+    _m(
+        "effective-batch-without-accumulation",
+        "effective-batch",
+        "finetune/batch.py",
+        "return per_device * grad_accum * data_parallel_size",
+        "return per_device * data_parallel_size",
+        "the effective batch leaves the accumulation out",
+        RECORD_DDP,
+    ),
+    _m(
+        "trained-tokens-off-by-one",
+        "tokens-counted",
+        "finetune/telemetry/meter.py",
+        "n_trained = (labels[..., 1:] != -100).sum()",
+        "n_trained = (labels != -100).sum()",
+        "trained tokens count each row's first label, which no loss scores",
+        RECORD_DDP,
+    ),
+    _m(
+        "label-mask-boundary",
+        "label-mask",
+        "finetune/data/render.py",
+        "if j < len(spans) and spans[j][0] <= start and end <= spans[j][1]:",
+        "if j < len(spans) and spans[j][0] < start and end <= spans[j][1]:",
+        "a trained span's first token is masked",
+    ),
+    _m(
+        "signal-ignored",
+        "signals-recorded",
+        "finetune/training/signals.py",
+        ("        self.received.append(signum)", "    received.append(signum)"),
+        ("        pass  # the signal is not recorded", "    pass  # the signal is not recorded"),
+        "a stop signal is not recorded",
+    ),
+    _m(
+        "failure-not-agreed",
+        "agreement",
+        "finetune/training/signals.py",
+        "failed = [r for r, n in enumerate(flags) if n >= FAILED]",
+        "failed = [r for r, n in enumerate(flags) if n > FAILED]",
+        "a failure on one rank is not agreed by the others",
+        {"test_a_failure_on_one_rank_after_training_is_agreed_by_every_rank": "[ddp]"},
+    ),
+    _m(
+        "overwrite-deletes-user-files",
+        "overwrite-keeps-user-files",
+        "finetune/launch/rundir.py",
+        "if not owned(entry):",
+        "if False:",
+        "--overwrite deletes every file of the directory, the user's too",
+    ),
+    _m(
+        "bf16-autocast-off",
+        "precision-policy",
+        "finetune/precision.py",
+        'return {"bf16": self.torch_autocast == "bfloat16", "fp16"',
+        'return {"bf16": False, "fp16"',
+        "bf16-mixed runs without autocast under DDP and one process",
+    ),
+    _m(
+        "zero3-runs-as-zero2",
+        "strategy-engaged",
+        "ds_configs/zero3.json",
+        '"stage": 3,',
+        '"stage": 2,',
+        "the zero3 recipe's DeepSpeed config says stage 2",
+        {"test_strategy_engaged_from_the_live_engine": "[zero3]"},
+    ),
+    _m(
+        "export-skipped",
+        "export-written",
+        "finetune/training/run.py",
+        "if cfg.run.save_model:",
+        "if not cfg.run.save_model:",
+        "the final export is skipped",
+        {
+            "test_checkpoint_and_export_written": "[ddp]",
+            "test_export_reloads_in_a_plain_process_and_matches_single": "[fsdp]",
+        },
+    ),
+    _m(
+        "torn-checkpoint-accepted",
+        "checkpoint-valid",
+        "finetune/checkpointing/checkpoints.py",
+        "if f.stat().st_size != size:",
+        "if False:",
+        "a checkpoint file cut short is resumed from",
+    ),
+    _m(
+        "rng-not-restored",
+        "resume-rng",
+        "finetune/checkpointing/resume_plan.py",
+        'torch.random.set_rng_state(state["cpu"])',
+        "pass  # torch's stream not restored",
+        "a resume under another world size keeps torch's fresh RNG stream",
+    ),
+    _m(
+        "scheduler-not-resumed",
+        "resume-other-world",
+        "finetune/checkpointing/universal.py",
+        'TRAINER_FILES = ("trainer_state.json", "scheduler.pt", "scaler.pt",',
+        'TRAINER_FILES = ("trainer_state.json", "scaler.pt",',
+        "a ZeRO resume under another world size starts the LR schedule afresh",
+        {"test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losses": "[zero2]"},
+    ),
+    _m(
+        "strategy-check-dropped",
+        "launch-refused",
+        "finetune/preflight/checks.py",
+        "        strategy_matches_recipe,",
+        "        # strategy_matches_recipe,",
+        "preflight no longer compares the launch's strategy with the recipe's",
+    ),
+    _m(
+        "cpu-opt-in-assumed",
+        "cpu-opt-in",
+        "finetune/launch/cpu_rehearsal.py",
+        'return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")',
+        "return True",
+        "CPU processes are taken as opted in to gloo without FINETUNE_CPU_DISTRIBUTED",
+    ),
+    _m(
+        "speedup-inverted",
+        "compare",
+        "finetune/compare/table.py",
+        'row["speedup"] = tps / base_tps',
+        'row["speedup"] = base_tps / tps',
+        "compare's speedup is the baseline's tokens/s over the run's",
+    ),
+    _m(
+        "frozen-weights-unsharded",
+        "planner",
+        "finetune/planning/memory.py",
+        "shard_p = n if st.shards_params else 1",
+        "shard_p = 1",
+        "the planner holds whole frozen weights on each ZeRO-3 / FSDP2 rank",
+    ),
+]
 
 
 def claims(doc: Path = TESTING_DOC) -> dict[str, list[str]]:
@@ -90,16 +243,31 @@ def pytest(copy: Path, nodes: list[str], *extra: str) -> subprocess.CompletedPro
     return subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def existing(copy: Path, nodes: list[str]) -> list[str]:
-    """The node ids the copy's suite has (collected there)."""
+def collect(copy: Path, nodes: list[str]) -> list[str]:
+    """The test items the copy's suite has under these node ids (collected there)."""
     proc = pytest(copy, nodes, "--collect-only")
-    found = set(proc.stdout.split())
-    return [n for n in nodes if n in found or any(f.startswith(n + "[") or f.startswith(n + "::") for f in found)]
+    return [line.strip() for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def items_of(m: Mutation | None, nodes: list[str], collected: list[str]) -> list[str]:
+    """The collected items of the claim's node ids, narrowed by the defect's `select`."""
+    select = m.select if m else {}
+
+    def named(item: str) -> bool:
+        return any(item == n or item.startswith((n + "[", n + "::")) for n in nodes)
+
+    def selected(item: str) -> bool:
+        function = item.split("::")[-1].split("[")[0]
+        return function not in select or select[function] in item
+
+    return [i for i in collected if named(i) and selected(i)]
 
 
 def summary_line(out: str) -> str:
     lines = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
-    return lines[-1].strip("= ") if lines else out.strip().splitlines()[-1][:120] if out.strip() else ""
+    if lines:
+        return lines[-1].strip("= ")
+    return out.strip().splitlines()[-1][:120] if out.strip() else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,57 +279,69 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     table = claims()
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only.split(",")]
-    nodes = {m.name: [n for n in table.get(m.claim, []) if m.select in n] for m in chosen}
+    nodes = {m.name: table.get(m.claim, []) for m in chosen}
     if args.list:
         for m in chosen:
-            print(f"{m.name}  [{m.claim}] {m.path}: {m.what}\n    " + "\n    ".join(nodes[m.name] or ["(no tests)"]))
+            narrowed = "".join(f"\n    of {f}: only {p}" for f, p in m.select.items())
+            tests = "\n    ".join(nodes[m.name] or ["(no tests)"])
+            print(f"{m.name}  [{m.claim}] {m.path}: {m.what}\n    {tests}{narrowed}")
         return 0
     repo = args.repo.resolve()
-    print(f"mutation check of {repo}: {len(chosen)} defect(s)")
+    print(f"mutation check of {repo}: {len(chosen)} defect(s)", flush=True)
     with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
         clean = copy_repo(repo, Path(tmp) / "clean")
         union = list(dict.fromkeys(n for m in chosen for n in nodes[m.name]))
-        present = existing(clean, union)
+        collected = collect(clean, union)
         for n in union:
-            if n not in present:
+            if not items_of(None, [n], collected):
                 print(f"  not in {repo.name}: {n}")
-        failing: set[str] = set()
-        if not args.no_clean and present:
-            started = time.monotonic()
-            proc = pytest(clean, present, "-rf")
-            failing = {n for n in present if re.search(rf"FAILED {re.escape(n)}\b", proc.stdout)}
-            print(f"  clean run: {summary_line(proc.stdout)} in {time.monotonic() - started:.0f} s")
-            if proc.returncode not in (0, 1):
-                print(proc.stdout[-3000:] + proc.stderr[-3000:])
-                return 2
-        results = [run_one(m, repo, Path(tmp), [n for n in nodes[m.name] if n in present], failing) for m in chosen]
-    print("\n| defect | claim | tests run | result | seconds |\n| --- | --- | --- | --- | --- |")
+        items = {m.name: items_of(m, nodes[m.name], collected) for m in chosen}
+        failing = (
+            set() if args.no_clean else clean_run(clean, list(dict.fromkeys(i for v in items.values() for i in v)))
+        )
+        if failing is None:
+            return 2
+        results = [run_one(m, repo, Path(tmp), items[m.name], failing) for m in chosen]
+    print("\n| defect | claim | tests | result | seconds |\n| --- | --- | --- | --- | --- |")
     for m, (result, ran, seconds) in zip(chosen, results):
         print(f"| {m.name}: {m.what} | {m.claim} | {ran} | {result} | {seconds:.0f} |")
-    caught = sum(r[0] == "caught" for r in results)
+    caught = sum(r[0].startswith("caught") for r in results)
     print(f"\n{caught} of {len(chosen)} defects caught")
     return 0 if caught == len(chosen) else 1
 
 
-def run_one(m: Mutation, repo: Path, tmp: Path, nodes: list[str], failing: set[str]) -> tuple[str, int, float]:
+def clean_run(clean: Path, items: list[str]) -> set[str] | None:
+    """Every chosen defect's tests once without a defect: the ones that fail (None: pytest could not run)."""
     started = time.monotonic()
-    if not nodes:
+    proc = pytest(clean, items, "-rf")
+    print(f"  clean run of {len(items)} tests: {summary_line(proc.stdout)} in {time.monotonic() - started:.0f} s")
+    if proc.returncode not in (0, 1):
+        print(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return None
+    return {i for i in items if f"FAILED {i}" in proc.stdout}
+
+
+def run_one(m: Mutation, repo: Path, tmp: Path, items: list[str], failing: set[str]) -> tuple[str, int, float]:
+    started = time.monotonic()
+    if not items:
         return "does not apply (none of its tests here)", 0, 0.0
-    if failing & set(nodes):
-        return f"invalid (fails without the defect: {sorted(failing & set(nodes))})", 0, 0.0
+    if failing & set(items):
+        return f"invalid (fails without the defect: {sorted(failing & set(items))})", 0, 0.0
     copy = copy_repo(repo, tmp / m.name)
     try:
         if apply(copy, m) is None:
             return f"does not apply (line not in {m.path})", 0, 0.0
-        proc = pytest(copy, nodes, "-x")
+        proc = pytest(copy, items, "-x")
     except subprocess.TimeoutExpired:
-        return "error (timed out)", len(nodes), time.monotonic() - started
+        return "error (timed out)", len(items), time.monotonic() - started
     finally:
         shutil.rmtree(copy, ignore_errors=True)
     seconds = time.monotonic() - started
     result = {0: "NOT CAUGHT", 1: "caught"}.get(proc.returncode, f"error (pytest exit {proc.returncode})")
-    print(f"  {m.name}: {result} ({summary_line(proc.stdout)}, {seconds:.0f} s)", flush=True)
-    return result, len(nodes), seconds
+    first = re.search(r"^FAILED (\S+)", proc.stdout, re.M)
+    by = f" by {first.group(1)}" if first else ""
+    print(f"  {m.name}: {result}{by} ({summary_line(proc.stdout)}, {seconds:.0f} s)", flush=True)
+    return result + by, len(items), seconds
 
 
 if __name__ == "__main__":
