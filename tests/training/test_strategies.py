@@ -1,10 +1,10 @@
 """Every strategy engaged for real (2 processes over gloo on CPU) and shown equivalent to one process.
 
-The runs are the session's one run per strategy (tests/training/strategy_runs.py, the `strategy_runs` fixture of
-tests/conftest.py, shared with the record's and the sync count's tests): the same recipe
-values for every strategy, 8 sequences per optimizer step (the single-process reference: 4 x accumulation 2),
-5 steps (one epoch), checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the
-final export.
+The runs are the session's one run per strategy (tests/training/strategy_runs.py, the `strategy_runs`
+fixture of tests/conftest.py; the record's and the sync count's tests read them too): the same recipe
+values for every strategy, 8 sequences per optimizer step (the single-process reference: 4 x
+accumulation 2), 5 steps (one epoch), checkpoints at steps 3 (resumed from by the resume tests at the
+end) and 5, and the final export.
 
 Precision: these runs take the CPU default, training.precision auto = 32-true, and every record's
 `precision` section is checked to say so from the live run (assert_32_true). The same comparison in
