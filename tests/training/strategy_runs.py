@@ -27,7 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, TRAIN_SCRIPT, Launch, launch_train, run_process_group
+from tests.conftest import REPO, TRAIN_SCRIPT, InPairs, Launch, launch_train, own_port, run_process_group
 
 CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
 STEPS = 5
@@ -271,19 +271,24 @@ def plain_accelerate_launch(args: list[str], *, run_dir: Path, home: Path, timeo
     return Launch(code, out, err, run_dir)
 
 
+PAIRED = (*STRATEGIES, *QLORA)  # the 2-rank runs, launched two at a time (tests/conftest.py InPairs)
+
+
 class StrategyRuns:
     """name -> finished Launch (a strategy of STRATEGIES, `single`, `single_qlora`, PLAIN, QLORA), each
-    launched once on first use; the one-process ones: every launch of LANES then."""
+    launched once on first use: a 2-rank one side by side with the next one the session's tests want
+    (`wanted`), a one-process one with every launch of LANES."""
 
-    def __init__(self, base: Path, tiny_model_dir: Path):
+    def __init__(self, base: Path, tiny_model_dir: Path, wanted=()):
         self.base, self.model, self.done = base, tiny_model_dir, {}
+        self.pairs = InPairs(self._start, wanted)
 
     def __call__(self, name: str) -> Launch:
         if name not in self.done:
             if any(name in names for names in LANES):
                 self._lanes()
             else:
-                self.done[name] = self._start(name)
+                self.done[name] = self.pairs(name)
         assert self.done[name].returncode == 0, self.done[name].explain()
         return self.done[name]
 
@@ -318,7 +323,9 @@ class StrategyRuns:
         else:
             recipe, config, _ = STRATEGIES[name]
             args = ["--recipe", recipe, *common_args(self.model, name)]
-        return launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, env=env, timeout=420)
+        return launch_train(
+            args, run_dir=run_dir, cwd=REPO, config_file=config, launch_args=own_port(), env=env, timeout=420
+        )
 
     def _lanes(self) -> None:
         from concurrent.futures import ThreadPoolExecutor

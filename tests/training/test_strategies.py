@@ -31,7 +31,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, kill_tree, launch_train, logged_steps
+from tests.conftest import REPO, InPairs, kill_tree, launch_train, logged_steps, own_port, params, wanted
 from tests.training.strategy_runs import (
     CPU_ENV,
     PLAIN,
@@ -443,12 +443,12 @@ RESHARDED = {"ddp": "replicated", "zero2": "universal", "zero3": "universal", "f
 
 
 @pytest.fixture(scope="module")
-def resumed(runs, tmp_path_factory, tiny_model_dir):
-    """name -> {a, b: Launch; a_record; hashes_before, hashes_after_a: checkpoint-3's files; victim}."""
+def resumed(request, runs, tmp_path_factory, tiny_model_dir):
+    """name -> {a, b: Launch; a_record; hashes_before, hashes_after_a: checkpoint-3's files; victim}; two
+    strategies' segments side by side (tests/conftest.py InPairs)."""
     import hashlib
     import shutil
 
-    done: dict = {}
     base = tmp_path_factory.mktemp("resumed")
 
     def hashes(ckpt):
@@ -458,52 +458,49 @@ def resumed(runs, tmp_path_factory, tiny_model_dir):
             if p.is_file()
         }
 
-    def get(name: str) -> dict:
-        if name not in done:
-            run_dir = base / name
-            shutil.copytree(runs(name).run_dir, run_dir)
-            torn = run_dir / f"checkpoint-{STEPS}"
-            victim = max(
-                (p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size
-            )
-            os.truncate(victim, victim.stat().st_size // 2)
-            recipe, config, _ = STRATEGIES[name]
-            out = {
-                "victim": victim.relative_to(torn).as_posix(),
-                "size": victim.stat().st_size,
-                "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}"),
-            }
-            args = ["--recipe", recipe, *resumed_args(tiny_model_dir, name), "--resume"]
-            out["a"] = launch_train(
+    def start(name: str) -> dict:
+        run_dir = base / name
+        shutil.copytree(runs(name).run_dir, run_dir)
+        torn = run_dir / f"checkpoint-{STEPS}"
+        victim = max(
+            (p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size
+        )
+        os.truncate(victim, victim.stat().st_size // 2)
+        recipe, config, _ = STRATEGIES[name]
+        out = {
+            "victim": victim.relative_to(torn).as_posix(),
+            "size": victim.stat().st_size,
+            "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}"),
+        }
+        args = ["--recipe", recipe, *resumed_args(tiny_model_dir, name), "--resume"]
+        out["a"] = launch_train(
+            args,
+            run_dir=run_dir,
+            cwd=REPO,
+            config_file=config,
+            launch_args=["--num_processes", "1", *own_port()],
+            env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4", **trace_env(base / f"{name}-a")},
+            timeout=420,
+        )
+        out["a_record"] = out["a"].record
+        out["hashes_after_a"] = hashes(run_dir / f"checkpoint-{RESUME_FROM}")
+        out["checkpoint_4"] = sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*"))
+        out["b"] = (
+            launch_train(
                 args,
                 run_dir=run_dir,
                 cwd=REPO,
                 config_file=config,
-                launch_args=["--num_processes", "1"],
-                env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4", **trace_env(base / f"{name}-a")},
+                launch_args=own_port(),
+                env={**CPU_ENV, **trace_env(base / f"{name}-b")},
                 timeout=420,
             )
-            out["a_record"] = out["a"].record
-            out["hashes_after_a"] = hashes(run_dir / f"checkpoint-{RESUME_FROM}")
-            out["checkpoint_4"] = sorted(
-                p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*")
-            )
-            out["b"] = (
-                launch_train(
-                    args,
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env={**CPU_ENV, **trace_env(base / f"{name}-b")},
-                    timeout=420,
-                )
-                if (run_dir / "checkpoint-4").is_dir()
-                else None
-            )
-            done[name] = out
-        return done[name]
+            if (run_dir / "checkpoint-4").is_dir()
+            else None
+        )
+        return out
 
-    return get
+    return InPairs(start, wanted(request, "resumed", lambda item: params(item, "name")))
 
 
 def _process_counts(per_device: int) -> str:
