@@ -12,7 +12,9 @@ from tests.conftest import REPO
 
 DOC = REPO / "docs" / "testing.md"
 # "1,234 tests, about 25 minutes ...; the unit set alone, ... about 4 minutes"
-FIGURES = re.compile(r"([\d,]+) tests, about (\d+) minutes.*?the unit set alone.*?about (\d+) minutes", re.S)
+FIGURES = re.compile(
+    r"([\d,]+)\s+tests,\s+about\s+(\d+)\s+minutes.*?the\s+unit\s+set\s+alone.*?about\s+(\d+)\s+minutes", re.S
+)
 
 
 def _functions(path) -> set[str]:
