@@ -21,6 +21,19 @@ class UserError(Exception):
     """A problem the user can fix; the message says what, where and what is allowed."""
 
 
+class DataError(UserError):
+    """User-facing data problem; the message names the file, the 1-based row and what is wrong."""
+
+    def __init__(self, message: str, *, path: str | None = None, row: int | None = None):
+        self.detail = message
+        self.path = path
+        self.row = row
+        where = path or ""
+        if row is not None:
+            where = f"{where} row {row}" if where else f"row {row}"
+        super().__init__(f"{where}: {message}" if where else message)
+
+
 class ReportedElsewhere(UserError):
     """A user error another rank reports (rank 0 prints it once): this rank exits EXIT_USAGE silently."""
 

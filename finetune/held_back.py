@@ -5,23 +5,35 @@ rank, the benchmark's workers). What is held back is kept (`held`) where a run m
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import sys
 import warnings
+
+# Where a rank's held messages go once its run directory exists (to_log_file): the run's third-party log.
+KEPT = logging.getLogger("finetune.held_back")
 
 
 class HeldBack(logging.Filter):
-    """Drops the records of one logger whose message starts with `prefix`, keeping their text."""
+    """Drops the records of one logger whose message starts with `prefix` (or, under `printed_lines_held`, the printed
+    lines that do), keeping their text, and in a rank the run's third-party log (to_log_file)."""
 
     def __init__(self, prefix: str):
         super().__init__()
         self.prefix = prefix
         self.held: list[str] = []
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage().startswith(self.prefix):
-            self.held.append(record.getMessage())
+    def holds(self, text: str) -> bool:
+        if not text.startswith(self.prefix):
             return False
+        self.held.append(text)
+        if KEPT.handlers:  # a rank's run directory exists (to_log_file); written once it trains (keep_held)
+            KEPT.warning("held back from the console: %s", text)
         return True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.holds(record.getMessage())
 
 
 # bitsandbytes is imported by peft whenever peft is imported (peft 0.21 peft/helpers.py imports it unconditionally), and
@@ -61,6 +73,18 @@ ZERO_PROCESSES_DEFAULT = ZeroProcessesDefault()
 # exits non-zero (torch/distributed/elastic/multiprocessing/api.py), after the rank said why ("exit
 # code 75 (preempted)"); `finetune train` names the failed ranks itself (launch/accelerate.py).
 TORCHRUN_FAILED = HeldBack("failed (exitcode:")
+# ... and "Sending process N closing signal SIGTERM" for each rank still running once one has exited (the same file):
+# the run has said how it ended (its exit line, or the failed ranks named by `finetune train`).
+TORCHRUN_STOPPING = HeldBack("Sending process ")
+# torchrun (torch/distributed/run.py) warns in four lines that it sets OMP_NUM_THREADS=1 for each rank when the
+# variable is unset and a node runs several ranks: on every DeepSpeed launch (accelerate sets the variable for its
+# other launchers, accelerate/utils/launch.py). The ranks' thread count is in the record (`hardware`); 1 is what
+# torchrun gives them either way.
+TORCHRUN_OMP_NOTICE = HeldBack("\n*****************************************\nSetting OMP_NUM_THREADS")
+# DeepSpeed's CPU communication backend prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" in
+# every rank whenever it loads the op (deepspeed/comm/torch.py build_shm_op), also when nothing was built; a build
+# that happens is announced by the run (finetune/training/rank_imports.py). Held while the process group is set up.
+DEEPSPEED_OP_LOADED = HeldBack("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
 
 
 class _LogFile(logging.FileHandler):
@@ -87,26 +111,79 @@ TRACEBACKS.propagate = False
 def install_launcher() -> None:
     """Around an accelerate launch run in this process (`finetune train`, bench-comm)."""
     logging.getLogger("accelerate.commands.launch").addFilter(ZERO_PROCESSES_DEFAULT)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(TORCHRUN_FAILED)
+    agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    for held in (TORCHRUN_FAILED, TORCHRUN_STOPPING):
+        agent.addFilter(held)
+    logging.getLogger("torch.distributed.run").addFilter(TORCHRUN_OMP_NOTICE)
+    # accelerate warns "Port `29500` is already in use" when another job on the machine holds the default rendezvous
+    # port, then has torchrun pick a free one itself (accelerate/utils/launch.py): nothing to act on.
+    warnings.filterwarnings(
+        "ignore", message=r"Port `\d+` is already in use", category=UserWarning, module=r"accelerate\.utils\.launch"
+    )
+
+
+class PrintedLines(io.TextIOBase):
+    """A stdout that holds back the whole lines one of `held` matches and writes every other line to `real`."""
+
+    def __init__(self, real, held: tuple[HeldBack, ...]):
+        super().__init__()
+        self.real, self.held, self.pending = real, held, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not any(h.holds(line) for h in self.held):
+                self.real.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not any(h.holds(self.pending) for h in self.held):
+            self.real.write(self.pending)
+        self.pending = ""
+        self.real.flush()
+
+
+@contextlib.contextmanager
+def printed_lines_held(*held: HeldBack):
+    """While inside: a line printed to stdout that one of `held` matches is held back (print() calls of a library,
+    which no logging filter sees); every other line is printed as it was."""
+    lines = PrintedLines(sys.stdout, held)
+    try:
+        with contextlib.redirect_stdout(lines):
+            yield
+    finally:
+        lines.flush()
 
 
 def to_log_file(path, rank: int) -> None:
     """From here on, this rank's third-party warnings (Python's `warnings`: torch's pin_memory notice on
     a CPU, deprecations) and the tracebacks of handled errors (TRACEBACKS) go to the run's log file, kept
-    with their source, instead of the console; and
-    transformers' progress bars (loading weights, writing model shards) are off: the run says what it
-    loads and saves. Our own lines are log records and prints (finetune raises no warnings)."""
+    with their source, instead of the console, and so do the messages held back at their source (this
+    module) once the run trains (keep_held); and transformers' progress bars (loading weights, writing
+    model shards) are off: the run says what it loads and saves. Our own lines are log records and
+    prints (finetune raises no warnings)."""
     from transformers.utils import logging as hf_logging
 
     handler = _LogFile(path, encoding="utf-8", delay=True)  # made by the first warning only
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank}: %(message)s"))
-    warned = logging.getLogger("py.warnings")
-    for earlier in warned.handlers:  # an earlier run in this process (the benchmark, the tests)
-        earlier.close()
-    warned.handlers, warned.propagate = [handler], False
+    for logger in (logging.getLogger("py.warnings"), KEPT):
+        for earlier in logger.handlers:  # an earlier run in this process (the benchmark, the tests)
+            earlier.close()
+        logger.handlers, logger.propagate = [handler], False
+    KEPT.disabled = True  # until keep_held(): held notices alone never make the file
     TRACEBACKS.handlers = [handler]
     logging.captureWarnings(True)
     hf_logging.disable_progress_bar()
+
+
+def keep_held() -> None:
+    """Once the run trains: the messages this rank held back, those held before too, go to the run's log file from
+    here on. Not earlier: a run that fails before (a disk full at the start) leaves nothing but what it must."""
+    KEPT.disabled = False
+    for held in (CPU_4BIT_NOTICE, DEEPSPEED_CPU_ACCELERATOR, DEEPSPEED_OP_LOADED):
+        for text in held.held:
+            KEPT.warning("held back from the console: %s", text)
 
 
 def install() -> None:

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What runs each dimension, and where (docs/parallelism.md "Engines").
+# What runs each dimension (docs/parallelism.md "Engines"); under which strategies: finetune/strategies.py Strategy.runs.
 SP_ENGINE = "DeepSpeed Ulysses (ALST) through Accelerate's ParallelismConfig(sp_backend='deepspeed')"
 TP_ENGINE = "DeepSpeed AutoTP (tensor_parallel.autotp_size) over the model's base_model_tp_plan"
 CP_ENGINE = "torch context parallelism (ring attention over SDPA) through ParallelismConfig(cp_backend='torch')"
-SP_STRATEGIES = ("zero1", "zero2", "zero3")  # Ulysses needs DeepSpeed's process groups
-TP_STRATEGIES = ("zero1", "zero2")  # AutoTP composes with ZeRO up to stage 2
-CP_STRATEGIES = ("fsdp",)  # torch's context parallel shards the sequence under FSDP2
 # Who does pipeline parallelism (Trainer has no pipeline schedule): named by the pp_size refusal.
 PIPELINE_ENGINES = (
     "Megatron-LM / Megatron-Core (interleaved 1F1B)",

@@ -1,12 +1,15 @@
 """The strategy table: every distributed strategy variant this project knows, one row each, so that adding one is a new
-row here plus its shipped files. A row ties its names (planner key, run.strategy/run.offload), its shipped files, the
-planner's flags and its recommendation order together, and is the one source of both ways of launching it: the shipped
-accelerate config (`accelerate_config`) and what the script passes to TrainingArguments (`trainer_arguments`).
-tests/test_strategies_table.py holds the shipped files to the rows.
+row here plus its shipped files (docs/architecture.md "Adding a strategy"). A row ties its names (planner key,
+run.strategy/run.offload), its engine (Accelerate's distributed type, the ZeRO stage), its shipped files and its
+recommendation order together; what the code does under a strategy is read from the row's properties (what it shards,
+how its checkpoints reshard, which mesh dimensions run under it), never from its name. Both ways of launching it come
+from the row: its shipped accelerate config (tests/test_strategies_table.py generates each file's content from the row
+and holds the file to it) and what the script passes to TrainingArguments (`trainer_arguments`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,9 +25,9 @@ SHIPPED_PROCESSES = 2
 
 @dataclass(frozen=True)
 class FsdpSettings:
-    """A row's FSDP2 settings: the one source of the shipped accelerate configs' `fsdp_config` and of
-    what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
-    checks both, and that the two build the same FullyShardedDataParallelPlugin)."""
+    """A row's FSDP2 settings: the shipped accelerate configs' `fsdp_config` (accelerate's names: the fields, `fsdp_`
+    first) and what the script passes to TrainingArguments when it engages FSDP itself (tests/test_strategies_table.py
+    holds the files to them, and checks that the two build the same FullyShardedDataParallelPlugin)."""
 
     offload_params: bool = False  # CPUOffloadPolicy: parameters, gradients and the optimizer step on the host
     version: int = 2
@@ -37,10 +40,6 @@ class FsdpSettings:
     # from_pretrained (transformers is_fsdp_enabled()), which the in-script route cannot do: keep False.
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False  # training.gradient_checkpointing instead
-
-    def accelerate_config(self) -> dict:
-        """The `fsdp_config` section of an accelerate config YAML (accelerate's names: the fields, `fsdp_` first)."""
-        return {f"fsdp_{k}": v for k, v in asdict(self).items()}
 
     def trainer_config(self) -> dict:
         """TrainingArguments(fsdp_config=...) in transformers 5.23's names: the accelerate names without
@@ -56,9 +55,11 @@ class Strategy:
     key: str  # planner key, unique
     name: str  # run.strategy: single | ddp | zero1 | zero2 | zero3 | fsdp
     offload: str  # run.offload: none | optimizer | optimizer+params
-    speed_rank: int  # 0 = fastest (see the module docstring)
+    speed_rank: int  # 0 = fastest: the order in which the recommendation tries them (finetune/planning/report.py)
     description: str
     why: str
+    distributed_type: str  # the Accelerate DistributedType its configs set (GPU and CPU variant alike)
+    zero_stage: int | None = None  # DeepSpeed ZeRO stage; None for torch-native strategies
     accelerate_config: str | None = None  # relative to the resources root; None: no shipped config
     cpu_config: str | None = None  # the CPU-rehearsal variant (2 processes over gloo); None for one process
     deepspeed_config: str | None = None
@@ -66,26 +67,48 @@ class Strategy:
     fsdp: FsdpSettings | None = None  # FSDP rows: the settings both launch routes use
 
     @property
-    def distributed_type(self) -> str:
-        """The Accelerate DistributedType its configs set (GPU and CPU variant alike)."""
-        return {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}.get(self.name, "DEEPSPEED")
-
-    @property
-    def zero_stage(self) -> int | None:
-        """DeepSpeed ZeRO stage; None for torch-native strategies."""
-        return int(self.name[-1]) if self.name.startswith("zero") else None
+    def multi_process(self) -> bool:
+        """Its processes form a process group (every row but the one-device row)."""
+        return self.distributed_type != "NO"
 
     @property
     def shards_params(self) -> bool:  # ZeRO paper §5: stage 1 shards optimizer states, 2 gradients, 3 parameters
-        return self.name == "fsdp" or self.zero_stage == 3
+        return self.distributed_type == "FSDP" or self.zero_stage == 3
 
     @property
     def shards_grads(self) -> bool:
-        return self.name == "fsdp" or (self.zero_stage or 0) >= 2
+        return self.distributed_type == "FSDP" or (self.zero_stage or 0) >= 2
 
     @property
     def shards_optimizer(self) -> bool:
-        return self.name == "fsdp" or self.zero_stage is not None
+        return self.distributed_type == "FSDP" or self.zero_stage is not None
+
+    @property
+    def replicates(self) -> bool:
+        """Several processes, each holding the whole model and optimizer (DDP: one gradient all-reduce per step)."""
+        return self.multi_process and not self.shards_optimizer
+
+    @property
+    def reshard(self) -> str:
+        """How its checkpoint's states reach another world size: replicated (every rank holds them whole), universal
+        (DeepSpeed's universal checkpoint), dcp (torch distributed checkpoint)."""
+        return {"DEEPSPEED": "universal", "FSDP": "dcp"}.get(self.distributed_type, "replicated")
+
+    @property
+    def checkpoint_family(self) -> str:
+        """Rows whose checkpoints resume each other: one device and DDP hold the same whole states; each other
+        engine its own (offload may differ)."""
+        return "replicated" if self.reshard == "replicated" else self.name
+
+    def runs(self, dimension: str) -> bool:
+        """Whether a mesh dimension (finetune/mesh.py) runs under it: sequence parallel (sp, Ulysses) needs DeepSpeed's
+        process groups, tensor parallel (tp, AutoTP) composes with ZeRO up to stage 2, context parallel (cp) shards the
+        sequence under FSDP2's device mesh."""
+        return {
+            "sp": self.zero_stage is not None,
+            "tp": self.zero_stage in (1, 2),
+            "cp": self.distributed_type == "FSDP",
+        }[dimension]
 
     @property
     def offload_optimizer(self) -> bool:
@@ -101,57 +124,145 @@ class Strategy:
         return self.accelerate_config is not None
 
 
-def _shipped(key: str, name: str, offload: str, speed_rank: int, description: str, why: str, **kw) -> Strategy:
+def _shipped(key: str, name: str, offload: str, speed_rank: int, description: str, why: str, *engine, **kw) -> Strategy:
     """A multi-process row whose shipped files are named after its key: accelerate_configs/<key>.yaml and its cpu/
     variant, recipes/<key>.yaml, and for DeepSpeed rows ds_configs/<key>.json."""
     files = {"accelerate_config": f"accelerate_configs/{key}.yaml", "cpu_config": f"accelerate_configs/cpu/{key}.yaml"}
-    ds = f"ds_configs/{key}.json" if name.startswith("zero") else None
-    return Strategy(key, name, offload, speed_rank, description, why, **files, deepspeed_config=ds, recipe=key, **kw)
+    ds = f"ds_configs/{key}.json" if engine[0] == "DEEPSPEED" else None
+    return Strategy(
+        key, name, offload, speed_rank, description, why, *engine, **files, deepspeed_config=ds, recipe=key, **kw
+    )
 
 
 _SHARDS_PARAMS = "shards parameters too; 1.5x DDP's traffic (parameter all-gathers in forward and backward)"
 
-# fmt: off
-# A table, one row (two lines) a strategy: key, run.strategy, run.offload, speed rank, description, why.
+# One row a strategy: key, run.strategy, run.offload, speed rank, description, why, its engine (distributed type, ZeRO
+# stage), then its files.
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("single", "single", "none", 0, "one device, no data parallelism", "one device, no communication at all",
-             accelerate_config="accelerate_configs/single_gpu.yaml", recipe="qlora_baseline"),
-    _shipped("ddp", "ddp", "none", 1, "DDP: every rank holds everything",
-             "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded"),
-    Strategy("zero1", "zero1", "none", 2, "ZeRO-1: optimizer states sharded",
-             "shards only the optimizer states; same traffic as DDP"),
-    _shipped("zero2", "zero2", "none", 3, "ZeRO-2: + gradients sharded",
-             "shards optimizer states and gradients; same traffic as DDP"),
-    _shipped("zero2_offload", "zero2", "optimizer", 6, "ZeRO-2, optimizer states + step on the host",
-             "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step"),
-    _shipped("zero3", "zero3", "none", 5, "ZeRO-3: + parameters sharded",
-             _SHARDS_PARAMS),
-    Strategy("zero3_offload_opt", "zero3", "optimizer", 7, "ZeRO-3, optimizer offloaded to the host",
-             "ZeRO-3 with the optimizer on the host"),
-    _shipped("zero3_offload", "zero3", "optimizer+params", 9, "ZeRO-3, optimizer and parameters offloaded to the host",
-             "parameters and optimizer on the host: the least device memory, the slowest"),
-    _shipped("fsdp", "fsdp", "none", 4, "FSDP2: parameters, grads, optimizer sharded",
-             _SHARDS_PARAMS, fsdp=FsdpSettings()),
-    _shipped("fsdp_offload", "fsdp", "optimizer+params", 8, "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
-             "parameters, gradients and optimizer on the host: the least device memory, the slowest",
-             fsdp=FsdpSettings(offload_params=True)),
+    Strategy(
+        "single",
+        "single",
+        "none",
+        0,
+        "one device, no data parallelism",
+        "one device, no communication at all",
+        "NO",
+        accelerate_config="accelerate_configs/single_gpu.yaml",
+        recipe="qlora_baseline",
+    ),
+    _shipped(
+        "ddp",
+        "ddp",
+        "none",
+        1,
+        "DDP: every rank holds everything",
+        "plain data parallel: one gradient all-reduce per optimizer step, nothing sharded",
+        "MULTI_GPU",
+    ),
+    Strategy(
+        "zero1",
+        "zero1",
+        "none",
+        2,
+        "ZeRO-1: optimizer states sharded",
+        "shards only the optimizer states; same traffic as DDP",
+        "DEEPSPEED",
+        1,
+    ),
+    _shipped(
+        "zero2",
+        "zero2",
+        "none",
+        3,
+        "ZeRO-2: + gradients sharded",
+        "shards optimizer states and gradients; same traffic as DDP",
+        "DEEPSPEED",
+        2,
+    ),
+    _shipped(
+        "zero2_offload",
+        "zero2",
+        "optimizer",
+        6,
+        "ZeRO-2, optimizer states + step on the host",
+        "optimizer states and step on the host: frees the device, costs PCIe copies and a CPU Adam step",
+        "DEEPSPEED",
+        2,
+    ),
+    _shipped(
+        "zero3",
+        "zero3",
+        "none",
+        5,
+        "ZeRO-3: + parameters sharded",
+        _SHARDS_PARAMS,
+        "DEEPSPEED",
+        3,
+    ),
+    Strategy(
+        "zero3_offload_opt",
+        "zero3",
+        "optimizer",
+        7,
+        "ZeRO-3, optimizer offloaded to the host",
+        "ZeRO-3 with the optimizer on the host",
+        "DEEPSPEED",
+        3,
+    ),
+    _shipped(
+        "zero3_offload",
+        "zero3",
+        "optimizer+params",
+        9,
+        "ZeRO-3, optimizer and parameters offloaded to the host",
+        "parameters and optimizer on the host: the least device memory, the slowest",
+        "DEEPSPEED",
+        3,
+    ),
+    _shipped(
+        "fsdp",
+        "fsdp",
+        "none",
+        4,
+        "FSDP2: parameters, grads, optimizer sharded",
+        _SHARDS_PARAMS,
+        "FSDP",
+        fsdp=FsdpSettings(),
+    ),
+    _shipped(
+        "fsdp_offload",
+        "fsdp",
+        "optimizer+params",
+        8,
+        "FSDP2 with CPUOffloadPolicy (params, grads, optimizer step on host)",
+        "parameters, gradients and optimizer on the host: the least device memory, the slowest",
+        "FSDP",
+        fsdp=FsdpSettings(offload_params=True),
+    ),
 )
-# fmt: on
 
-KEYS = tuple(s.key for s in STRATEGIES)
-# Fastest first: the order in which the recommendation tries them (finetune/planning/report.py).
-SPEED_ORDER = tuple(s.key for s in sorted(STRATEGIES, key=lambda s: s.speed_rank))
-# What recipes may name (config RunConfig.strategy / .offload): the launchable rows' values, plus
-# "any" (accept whatever the launch gives).
-RUN_STRATEGIES = ("any", *dict.fromkeys(s.name for s in STRATEGIES if s.launchable))
-RUN_OFFLOADS = ("any", *dict.fromkeys(s.offload for s in STRATEGIES if s.launchable))
+
+def names(where: Callable[[Strategy], bool] = lambda s: s.launchable) -> tuple[str, ...]:
+    """run.strategy names of the rows `where` holds, in the table's order, each once; by default the launchable
+    rows' (what recipes may name: config RunConfig.strategy, besides "any": whatever the launch gives)."""
+    return tuple(dict.fromkeys(s.name for s in STRATEGIES if where(s)))
+
+
+def by_name(name: str | None) -> Strategy | None:
+    """The first row of a run.strategy name (its offload variants share its engine); None for a name no row has."""
+    return next((s for s in STRATEGIES if s.name == name), None)
+
+
+def one_process() -> Strategy:
+    """The one-device row: the reference the doctor and the sweep compare the others with."""
+    return next(s for s in STRATEGIES if not s.multi_process)
 
 
 def by_key(key: str) -> Strategy:
     for s in STRATEGIES:
         if s.key == key:
             return s
-    raise KeyError(f"no strategy {key!r} (known: {', '.join(KEYS)})")
+    raise KeyError(f"no strategy {key!r} (known: {', '.join(s.key for s in STRATEGIES)})")
 
 
 def by_recipe(name: str, offload: str) -> Strategy | None:
@@ -175,57 +286,16 @@ def trainer_arguments(row: Strategy, root: Path) -> dict:
     return {}
 
 
-def accelerate_config(row: Strategy, *, cpu: bool) -> dict:
-    """The content (comments aside) of the row's shipped accelerate config, or of its
-    accelerate_configs/cpu/ variant: tests/test_strategies_table.py holds every shipped YAML to it."""
-    if row.name == "single":
-        if cpu:
-            raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
-        return {
-            "compute_environment": "LOCAL_MACHINE",
-            "distributed_type": "NO",
-            "num_machines": 1,
-            "num_processes": 1,
-            "machine_rank": 0,
-            "mixed_precision": "no",
-            "use_cpu": False,
-            "gpu_ids": "0",
-        }  # one GPU visible: never nn.DataParallel (finetune/preflight/devices.py)
-    out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
-    if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
-        out["deepspeed_config"] = {
-            "deepspeed_config_file": row.deepspeed_config,
-            "deepspeed_multinode_launcher": "standard",
-            # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
-            "zero3_init_flag": row.zero_stage == 3,
-        }
-    else:
-        out["mixed_precision"] = "no"
-    if row.fsdp is not None:
-        out["fsdp_config"] = row.fsdp.accelerate_config()
-    out.update(
-        num_machines=1,
-        num_processes=SHIPPED_PROCESSES,
-        machine_rank=0,
-        main_training_function="main",
-        rdzv_backend="static",
-        same_network=True,
-        use_cpu=cpu,
-    )
-    if not cpu:
-        out["gpu_ids"] = "all"
-    return out
-
-
 def planner_key(name: str | None, offload: str = "none") -> str:
     """The planner row for an engaged (name, offload): the exact row, else for an offload the
     table has no row of (e.g. FSDP offloading only the optimizer) the row of that name that
     offloads most, else the name's plain row. ValueError for a name without rows."""
     rows = [s for s in STRATEGIES if s.name == name]
-    if not rows and name in KEYS:  # already a planner key
+    keys = [s.key for s in STRATEGIES]
+    if not rows and name in keys:  # already a planner key
         return name
     if not rows:
-        raise ValueError(f"no memory model for strategy {name!r} (known: {', '.join(KEYS)})")
+        raise ValueError(f"no memory model for strategy {name!r} (known: {', '.join(keys)})")
     exact = [s for s in rows if s.offload == offload]
     if exact:
         return exact[0].key
@@ -235,28 +305,25 @@ def planner_key(name: str | None, offload: str = "none") -> str:
     return rows[0].key
 
 
-def name_of(distributed_type: str, *, zero_stage: int | None = None, num_processes: int | None = None) -> str:
-    """Accelerate's DistributedType value -> run.strategy name.
+def name_of(
+    distributed_type: str, *, zero_stage: int | None = None, num_processes: int | None = None, expected: str = "any"
+) -> str:
+    """Accelerate's DistributedType value -> the run.strategy name of the rows with that engine: `expected` (the
+    recipe's run.strategy) when it is one of them, else the first.
 
     With `num_processes` (what a launch config asks for) a data-parallel type is DDP only with
     more than one process, and one process of any data-parallel type is `single`; without it
     (Accelerate's live state, which already knows whether ranks joined) the type decides alone.
     Types this project does not train with come back lower-cased, so a refusal can name them."""
-    if distributed_type == "DEEPSPEED":
-        return f"zero{zero_stage}"
-    if distributed_type == "FSDP":
-        return "fsdp"
-    if num_processes is None:
-        if distributed_type in DATA_PARALLEL_TYPES:
-            return "ddp"
-        if distributed_type == "NO":
-            return "single"
-    else:
-        if distributed_type in DATA_PARALLEL_TYPES and num_processes > 1:
-            return "ddp"
-        if num_processes == 1 and distributed_type in ("NO", *DATA_PARALLEL_TYPES):
-            return "single"
-    return distributed_type.lower()
+    engine = distributed_type
+    if distributed_type in DATA_PARALLEL_TYPES:  # the shipped configs' data-parallel type, or one process
+        engine = "NO" if num_processes == 1 else "MULTI_GPU"
+    elif distributed_type == "NO" and num_processes not in (None, 1):
+        engine = None  # several processes of no strategy: no row
+    found = [s.name for s in STRATEGIES if s.distributed_type == engine and s.zero_stage == zero_stage]
+    if found:
+        return expected if expected in found else found[0]
+    return f"zero{zero_stage}" if zero_stage is not None else distributed_type.lower()  # DeepSpeed's name for a stage
 
 
 def offload_device(section) -> str:
@@ -280,10 +347,7 @@ def launch_line(name: str, offload: str, recipe: str) -> str:
     """The accelerate launch line(s) for a recipe meant for (name, offload): its shipped config
     (the plain one when no row offloads that way) and, for multi-process strategies, the CPU
     rehearsal. Paths are relative to the repository root, where users launch from."""
-    shipped = [s for s in STRATEGIES if s.launchable and s.name == name]
-    row = next((s for s in shipped if s.offload == offload), None) or next(
-        (s for s in shipped if s.offload == "none"), None
-    )
+    row = by_recipe(name, offload) or by_recipe(name, "none")
     config = row.accelerate_config if row else f"accelerate_configs/{name}.yaml"
     cpu = row.cpu_config if row else config.replace("accelerate_configs/", "accelerate_configs/cpu/")
     if cpu is None:  # one process runs on a CPU as it is

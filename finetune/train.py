@@ -19,16 +19,18 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/
     sys.path.insert(0, str(here.parent))
 
 from finetune.console import guard_streams  # noqa: E402
-from finetune.training import signals  # noqa: E402  (no torch: the handlers come before it)
+from finetune.training import rank_imports, signals  # noqa: E402  (no torch: the handlers come before it)
 
 
 def main() -> int:
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
-    signals.install_signal_handlers()  # before torch is imported (seconds): a signal then is recorded too
+    stops = signals.Stops()
+    stops.install()  # before torch is imported (seconds): a signal then is recorded too
     signals.stop_with_parent()
+    rank_imports.keep_out(sys.argv[1:])  # bitsandbytes, unless the run uses it: before transformers imports peft
     from finetune.training.run import main as run  # torch, transformers, accelerate: after the handlers
 
-    return run()
+    return run(stops=stops)
 
 
 if __name__ == "__main__":

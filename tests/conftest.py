@@ -128,9 +128,11 @@ def launch_train(
     timeout: float = 600,
     env: dict | None = None,
     unset_env_prefix: str | None = None,
+    script: Path = TRAIN_SCRIPT,
 ) -> Launch:
     """`accelerate launch [...] finetune/train.py ARGS --run.output_dir=RUN_DIR` in a new process
-    group; on timeout the whole group is killed and the test fails (never hangs)."""
+    group; on timeout the whole group is killed and the test fails (never hangs). `script`: another
+    launch script (one that changes a table of the package before it runs the launch script's main)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file:
         cmd += ["--config_file", str(REPO / config_file) if not Path(config_file).is_absolute() else config_file]
@@ -148,7 +150,7 @@ def launch_train(
         # `--cpu --num_processes 2` starts ONE process (docs/preflight.md): multi-process CPU
         # launches must come from a config file with distributed_type MULTI_CPU / use_cpu.
         assert num_processes == 1, "pass config_file for multi-process launches"
-    cmd += list(launch_args) + [str(TRAIN_SCRIPT), *args, f"--run.output_dir={run_dir}"]
+    cmd += list(launch_args) + [str(script), *args, f"--run.output_dir={run_dir}"]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if unset_env_prefix:
         full_env = {k: v for k, v in full_env.items() if not k.startswith(unset_env_prefix)}

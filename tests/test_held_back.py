@@ -1,7 +1,8 @@
-"""Issue 27 item 5: third-party noise held back at its source (finetune/held_back.py), each filter matching
-one message, and DeepSpeed's first-use op builds announced before they start
-(finetune/launch/strategy_setup.py). A whole run's console: tests/training/test_strategies.py
-test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump."""
+"""Issue 27 item 5, issue 43 item 2: third-party noise held back at its source (finetune/held_back.py), each filter
+matching one message, and kept in the run's third-party log. DeepSpeed's op builds announced as they happen:
+tests/training/test_rank_imports.py. A whole run's console: tests/training/test_strategies.py
+test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump, and `finetune train`'s launches in
+tests/training/test_faults.py."""
 
 from __future__ import annotations
 
@@ -49,20 +50,6 @@ def test_deepspeeds_cpu_accelerator_notice_is_held_and_kept():
     assert held.held[before:] == [
         "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
     ]
-
-
-def test_a_first_op_build_is_announced_and_a_cached_one_is_not(tmp_path, monkeypatch):
-    from finetune.launch import strategy_setup
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    line = strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
-    assert "deepspeed_shm_comm and cpu_adam ops now (first use on this machine" in line and str(tmp_path) in line
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    assert "cpu_adam" not in strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"])
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert strategy_setup.op_builds_line(["deepspeed_shm_comm", "cpu_adam"]) is None
 
 
 ACCELERATE_DEFAULTS = (
@@ -157,11 +144,106 @@ def test_torchruns_failed_line_after_our_own_exit_message_is_held():
     agent.addHandler(handler)
     try:
         agent.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 75, 0, 123, "python")
-        agent.warning("Sending process 124 closing signal SIGTERM")  # control: the others stay
+        agent.warning("Unable to shutdown process 124 via 15, forcefully exiting via 9")  # control: the others stay
     finally:
         agent.removeHandler(handler)
-    assert seen == ["Sending process 124 closing signal SIGTERM"]
+    assert seen == ["Unable to shutdown process 124 via 15, forcefully exiting via 9"]
     assert held_back.TORCHRUN_FAILED.held[-1].startswith("failed (exitcode: 75) local_rank: 0")
+
+
+def _records_of(name: str):
+    logger, seen = logging.getLogger(name), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    return logger, handler, seen
+
+
+def test_torchruns_lines_around_a_launch_are_held_in_finetune_train(monkeypatch):
+    """Issue 43: torchrun's four-line OMP_NUM_THREADS notice on every DeepSpeed launch (accelerate sets the variable
+    for its other launchers) and its "closing signal SIGTERM" line after the run's own exit line, in the process
+    that runs accelerate launch for `finetune train`. The notice is torch's own, logged by torch's own code here."""
+    import torch.distributed.run as torchrun
+
+    from finetune import held_back
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.delenv("OMP_NUM_THREADS")  # unset, as in a shell; put back after the test
+    run_logger, run_handler, notices = _records_of("torch.distributed.run")
+    agent, agent_handler, agent_lines = _records_of("torch.distributed.elastic.multiprocessing.api")
+    run_logger.removeFilter(held_back.TORCHRUN_OMP_NOTICE)  # as in a process that has not installed it
+    try:
+        torchrun.config_from_args(torchrun.get_args_parser().parse_args(["--nproc_per_node", "2", "x.py"]))
+        assert any("Setting OMP_NUM_THREADS" in n for n in notices), notices  # the control: shown before
+        notices.clear()
+        monkeypatch.delenv("OMP_NUM_THREADS")  # torchrun set it
+        held_back.install_launcher()
+        torchrun.config_from_args(torchrun.get_args_parser().parse_args(["--nproc_per_node", "2", "x.py"]))
+        agent.warning("Sending process %s closing signal %s", 124, "SIGTERM")
+        agent.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 124, 15, 9)  # stays
+    finally:
+        run_logger.removeHandler(run_handler)
+        agent.removeHandler(agent_handler)
+    assert notices == [] and "Setting OMP_NUM_THREADS" in held_back.TORCHRUN_OMP_NOTICE.held[-1]
+    assert agent_lines == ["Unable to shutdown process 124 via 15, forcefully exiting via 9"]
+    port = "Port `29500` is already in use. Accelerate will attempt to launch in a standalone-like mode"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        held_back.install_launcher()  # its filter goes in front
+        warnings.warn_explicit(port, UserWarning, "launch.py", 508, module="accelerate.utils.launch")
+        warnings.warn_explicit(port, UserWarning, "x.py", 1, module="my_code")  # the control: only accelerate's
+    assert [w.filename for w in seen] == ["x.py"]
+    assert held_back.TORCHRUN_STOPPING.held[-1] == "Sending process 124 closing signal SIGTERM"
+
+
+def test_a_printed_line_is_held_by_its_text_and_the_others_are_printed(capsys):
+    """DeepSpeed's `print('DeepSpeed ... built successfully')` in every rank, around the process group's set-up."""
+    from finetune import held_back
+
+    held = held_back.DEEPSPEED_OP_LOADED
+    before = len(held.held)
+    with held_back.printed_lines_held(held):
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("ours", end="")
+        print(" too")
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_ccl_comm_op built successfully")  # another op's: shown
+        print("unfinished", end="")
+    print("after")
+    assert capsys.readouterr().out == (
+        "ours too\nDeepSpeed deepspeed.ops.comm.deepspeed_ccl_comm_op built successfully\nunfinishedafter\n"
+    )
+    assert held.held[before:] == ["DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"]
+
+
+def test_messages_held_back_in_a_rank_are_kept_in_the_runs_log(tmp_path):
+    """Held before the run directory existed (the process group's set-up) and after: both in third_party.log, once
+    the run trains."""
+    from finetune import held_back
+
+    logger = logging.getLogger("DeepSpeed")
+    with held_back.printed_lines_held(held_back.DEEPSPEED_OP_LOADED):
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    saved_tracebacks = list(held_back.TRACEBACKS.handlers)
+    try:
+        held_back.to_log_file(tmp_path / "third_party.log", rank=1)
+        logger.warning("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        # not before the run trains: a run that fails at its start (a full disk) leaves no log file for them
+        assert not (tmp_path / "third_party.log").exists()
+        held_back.keep_held()
+    finally:
+        logging.captureWarnings(False)
+        for name in ("py.warnings", held_back.KEPT.name):
+            for handler in logging.getLogger(name).handlers[:]:
+                handler.close()
+                logging.getLogger(name).removeHandler(handler)
+        logging.getLogger("py.warnings").propagate = True
+        held_back.TRACEBACKS.handlers = saved_tracebacks
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.enable_progress_bar()
+    kept = (tmp_path / "third_party.log").read_text()
+    assert "rank 1: held back from the console: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built" in kept
+    assert "rank 1: held back from the console: Setting accelerator to CPU." in kept
 
 
 def test_handled_errors_tracebacks_go_to_the_run_log_and_a_log_that_cannot_be_written_is_quiet(tmp_path, capsys):

@@ -6,6 +6,7 @@ file belongs to a row. Expected values come from the shipped files, not from the
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -156,18 +157,60 @@ def test_launch_line_names_the_shipped_configs():
 # --- one source of truth: the shipped configs and the in-script route come from the table ---------
 
 
+def accelerate_config(row: strategies.Strategy, *, cpu: bool) -> dict:
+    """The content (comments aside) the row's shipped accelerate config, or its accelerate_configs/cpu/
+    variant, must have: the row's engine and files, the FSDP settings in accelerate's names (`fsdp_` first)."""
+    if not row.multi_process:
+        if cpu:
+            raise ValueError("the single-device row has no CPU variant (one process runs on a CPU as it is)")
+        return {
+            "compute_environment": "LOCAL_MACHINE",
+            "distributed_type": "NO",
+            "num_machines": 1,
+            "num_processes": 1,
+            "machine_rank": 0,
+            "mixed_precision": "no",
+            "use_cpu": False,
+            "gpu_ids": "0",
+        }  # one GPU visible: never nn.DataParallel (finetune/preflight/devices.py)
+    out: dict = {"compute_environment": "LOCAL_MACHINE", "distributed_type": row.distributed_type}
+    if row.zero_stage is not None:  # precision comes from the JSON ("auto" = TrainingArguments bf16/fp16)
+        out["deepspeed_config"] = {
+            "deepspeed_config_file": row.deepspeed_config,
+            "deepspeed_multinode_launcher": "standard",
+            # = DeepSpeedPlugin's default in-script (hf_ds_config.is_zero3())
+            "zero3_init_flag": row.zero_stage == 3,
+        }
+    else:
+        out["mixed_precision"] = "no"
+    if row.fsdp is not None:
+        out["fsdp_config"] = {f"fsdp_{k}": v for k, v in asdict(row.fsdp).items()}
+    out.update(
+        num_machines=1,
+        num_processes=strategies.SHIPPED_PROCESSES,
+        machine_rank=0,
+        main_training_function="main",
+        rdzv_backend="static",
+        same_network=True,
+        use_cpu=cpu,
+    )
+    if not cpu:
+        out["gpu_ids"] = "all"
+    return out
+
+
 @pytest.mark.parametrize(
     "row, cpu",
     [(s, cpu) for s in SHIPPED for cpu in (False, True) if not cpu or s.cpu_config],
     ids=lambda v: v.key if hasattr(v, "key") else ("cpu" if v else "gpu"),
 )
 def test_shipped_accelerate_config_is_what_the_table_generates(row, cpu):
-    """Every value of every shipped accelerate config (comments aside) = strategies.accelerate_config:
+    """Every value of every shipped accelerate config (comments aside) = accelerate_config above:
     a setting changed in one place only fails here, so the launcher route and the in-script route
     (strategies.trainer_arguments) cannot drift apart."""
     path = row.cpu_config if cpu else row.accelerate_config
     shipped = yaml.safe_load(resources.resolve(path).read_text())
-    generated = strategies.accelerate_config(row, cpu=cpu)
+    generated = accelerate_config(row, cpu=cpu)
     assert shipped == generated, {
         k: (shipped.get(k), generated.get(k)) for k in {*shipped, *generated} if shipped.get(k) != generated.get(k)
     }
@@ -179,9 +222,7 @@ def test_generated_config_differs_when_a_setting_differs():
 
     row = strategies.by_key("fsdp")
     other = replace(row, fsdp=replace(row.fsdp, reshard_after_forward=False))
-    assert yaml.safe_load(resources.resolve(row.accelerate_config).read_text()) != strategies.accelerate_config(
-        other, cpu=False
-    )
+    assert yaml.safe_load(resources.resolve(row.accelerate_config).read_text()) != accelerate_config(other, cpu=False)
 
 
 @pytest.mark.parametrize("row", SHIPPED, ids=[s.key for s in SHIPPED])

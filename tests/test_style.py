@@ -30,3 +30,15 @@ def test_both_refuse_a_crafted_file(tmp_path):
     lint = ruff("check", "--config", config, str(bad))
     assert lint.returncode == 1 and "F401" in lint.stdout, lint.stdout + lint.stderr
     assert ruff("format", "--check", "--config", config, str(bad)).returncode == 1
+
+
+def test_size_counts_statements_and_tokens_not_lines():
+    """tests/code_size.py against a hand count: a docstring, a def and a return are 3 statements; the
+    string, `def f ( a ) :` and `return a + 1` are 11 tokens, comments and layout aside. Packing the body
+    onto the def's line changes the lines, not the size."""
+    from tests.code_size import measure
+
+    spread = '"""Doc."""\n\n\ndef f(a):  # a comment\n    return a + 1\n'
+    packed = '"""Doc."""\ndef f(a): return a + 1\n'
+    assert measure(spread) == {"statements": 3, "tokens": 11, "lines": 5}
+    assert measure(packed) == {"statements": 3, "tokens": 11, "lines": 2}

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from finetune import strategies
 from finetune.telemetry.meter import Meter, batch_counts
 
 
@@ -74,6 +75,7 @@ def _run(spec: dict, attention_record: dict) -> dict:
     # windows): its meter resets torch's peak counters and the kernel's VmHWM at every log, so
     # this worker's tracker would see only the steps after the last one. TRL's side: the tracker.
     if ours:
+        trainer.stops.restore()  # the stop signals act as before the trainer (the next side may run in this process)
         mem = trainer.final_measurements()["memory"]["max"]
         peak_source = "FinetuneTrainer run peak (max over its log windows)"
     else:
@@ -209,7 +211,7 @@ def config_of(spec: dict):
                 "loss_impl": spec["loss_impl"],
                 "throughput_warmup_steps": spec["warmup_steps"],
             },
-            "run": {"strategy": "single", "output_dir": spec["output_dir"], "save_model": False},
+            "run": {"strategy": strategies.one_process().name, "output_dir": spec["output_dir"], "save_model": False},
         },
         recipe="bench",
         source="finetune bench options",
@@ -218,9 +220,13 @@ def config_of(spec: dict):
 
 def _our_trainer(spec: dict, dataset, callbacks: list):
     """ResilientTrainer as `finetune train` builds it: the run's process set-up and launch, its
-    TrainingArguments, model and trainer builders; the benchmark's rows instead of a data file."""
+    TrainingArguments, model and trainer builders; the benchmark's rows instead of a data file. Its record is
+    kept in memory only, as a run's ranks other than 0 keep theirs."""
+    from finetune.checkpointing import resume
     from finetune.modeling.load import load_tokenizer
-    from finetune.training import arguments, build, run
+    from finetune.telemetry import sinks
+    from finetune.telemetry.record import RunRecord
+    from finetune.training import arguments, build, run, signals
 
     cfg = config_of(spec)
     _, launch, _ = run.start_processes(cfg)
@@ -234,8 +240,19 @@ def _our_trainer(spec: dict, dataset, callbacks: list):
         dataset = datasets.Dataset.from_list(pack.pack(examples, spec["seq_len"], spec["seed"]))
     model = build.model_for(cfg, launch, args)
     trainer = build.trainer_for(
-        cfg, launch, args, model, train_dataset=dataset, eval_dataset=None, tokenizer=load_tokenizer(cfg.model)
+        cfg,
+        launch,
+        args,
+        model,
+        train_dataset=dataset,
+        eval_dataset=None,
+        tokenizer=load_tokenizer(cfg.model),
+        sinks=sinks.Sinks(
+            sinks.Kept(RunRecord(Path(spec["output_dir"], "run.json"), run_name="bench", recipe="bench", config={}))
+        ),
+        stops=signals.Stops(),
     )
+    trainer.sinks.put(resumes=resume.first_segment(trainer.sinks.view))  # the segment the hooks note the live mesh in
     for callback in callbacks:
         trainer.add_callback(callback)
     return trainer

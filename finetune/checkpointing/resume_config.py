@@ -32,6 +32,22 @@ class ResumedConfig:
     allow_input_change: bool = False  # --allow-input-change (finetune/checkpointing/resume_plan.py compares inputs)
 
 
+def of_command_line(argv: list[str] | None) -> tuple:
+    """A run's command line read as the run reads it: (its options, its overrides, the configuration, the
+    ResumedConfig of --resume or None). The recipe with its overrides, or with --resume the run's saved one."""
+    from finetune.config import command_line
+
+    args, overrides = command_line.parse_train_args(argv)
+    if args.resume:  # the run's saved configuration, with any change the user allowed
+        resumed = resolve(args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume)
+        resumed.allow_input_change = args.allow_input_change
+        return args, overrides, resumed.cfg, resumed
+    if args.allow_config_change or args.allow_input_change:
+        raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
+    cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    return args, overrides, cfg, None
+
+
 def run_dir_of(recipe: str, overrides: list[str]) -> Path:
     """The run directory `--resume` continues: run.name / run.output_dir from the command line, else
     the recipe file's (resume_plan.locate finds the checkpoint in it). Nothing else of the recipe is

@@ -20,14 +20,11 @@ from finetune.checkpointing.provenance import Written, data_order_settings, meth
 from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
-from finetune.strategies import STRATEGIES
+from finetune.strategies import by_name, by_recipe
 
 log = logging.getLogger("finetune")
 
-FAMILIES = {"single": "single/ddp", "ddp": "single/ddp", **{s: s for s in ("zero1", "zero2", "zero3", "fsdp")}}
 TRIVIAL_MESH = {"sp": 1, "tp": 1, "cp": 1}
-# how states move to another world size
-RESHARD = {"single/ddp": "replicated", "fsdp": "dcp", **dict.fromkeys(("zero1", "zero2", "zero3"), "universal")}
 # Data-loader settings under which the rows of a step depend on the layout: the value that breaks it.
 ACCELERATOR_ORDER = {
     "split_batches": True,
@@ -141,7 +138,7 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
     # M, N: processes now and then (states, RNG streams); D: data-parallel ranks now (the batch arithmetic)
     name, M, N, D = Path(w.checkpoint).name, launch.world_size, w.world_size, launch.data_parallel
     problems: list[str] = _mesh_problems(name, w, launch)
-    old_family, new_family = FAMILIES.get(w.strategy or ""), FAMILIES.get(launch.strategy)
+    old_family, new_family = _family(w.strategy), _family(launch.strategy)
     if w.strategy is not None and old_family != new_family:
         problems.append(
             f"{name} was written by {w.strategy} ({N} rank(s)); this launch sets up {launch.strategy} "
@@ -171,7 +168,6 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         problems += [problem] if problem else []
     if problems:
         raise ConfigError(problems, f"--resume {w.checkpoint} (nothing was loaded)")
-    family = new_family or "single/ddp"
     ranks = [r for r in range(M) if rng_source_file(r, N) in w.files]
     state = "restored" if M == N and len(ranks) == M else "partial" if ranks else "fresh"
     notes = []
@@ -197,7 +193,7 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         per_device=per_device,
         grad_accum=grad_accum,
         effective=E,
-        reshard=_reshard(family, M != N, w.offload, launch.offload),
+        reshard=_reshard(launch.strategy, M != N, w.offload, launch.offload),
         rng=state,
         rng_ranks=ranks,
         position=position,
@@ -272,17 +268,25 @@ def _mesh_problems(name: str, w: Written, launch: ResumeRequest) -> list[str]:
     return []
 
 
-def _reshard(family: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
-    """How the states reach this launch. DeepSpeed also goes through the universal checkpoint when
-    only the offload changes: that is the path shown to work across offload (ZeRO-2 -> ZeRO-2 with
-    the optimizer offloaded, measured on CPU); its own loader is not known to."""
-    if RESHARD[family] == "universal" and old_offload not in (None, new_offload):
+def _family(strategy: str | None) -> str | None:
+    """The strategy row's checkpoint family (finetune/strategies.py); None for a name no row has."""
+    row = by_name(strategy)
+    return row.checkpoint_family if row else None
+
+
+def _reshard(strategy: str, world_changes: bool, old_offload: str | None, new_offload: str) -> str:
+    """How the states reach this launch (the strategy row's `reshard`; whole states for a name no row has).
+    DeepSpeed also goes through the universal checkpoint when only the offload changes: that is the path shown to
+    work across offload (ZeRO-2 -> ZeRO-2 with the optimizer offloaded, measured on CPU); its own loader is not."""
+    row = by_name(strategy)
+    how = row.reshard if row else "replicated"
+    if how == "universal" and old_offload not in (None, new_offload):
         return "universal"
-    return RESHARD[family] if world_changes else "none"
+    return how if world_changes else "none"
 
 
 def _config_of(strategy: str) -> str:
-    row = next((s for s in STRATEGIES if s.name == strategy and s.launchable and s.offload == "none"), None)
+    row = by_recipe(strategy, "none")
     return row.accelerate_config if row else f"the {strategy} accelerate config"
 
 
@@ -340,9 +344,11 @@ def _order_problems(name: str, w: Written, launch: ResumeRequest, layout: bool) 
             f"{name} holds per-rank FSDP state files ({shards[0]}, ...) rather than a torch distributed "
             f"checkpoint, which cannot be resharded; resume with --num_processes {w.world_size}"
         )
+    written_by = by_name(w.strategy)
     if (
         w.world_size != launch.world_size
-        and FAMILIES.get(w.strategy or "", "").startswith("zero")
+        and written_by
+        and written_by.reshard == "universal"
         and "latest" not in w.files
     ):
         problems.append(f"{name} has no DeepSpeed `latest` file; it cannot be converted for another world size")
@@ -371,7 +377,7 @@ def applied(p: ResumePlan, cfg):
     batch = {"per_device_train_batch_size": p.per_device, "gradient_accumulation_steps": p.grad_accum}
     cfg = cfg.replaced("training", args={**cfg.training.args, **batch})
     # DDP continued on one process is a single-process run (and one process continued on many, DDP)
-    if FAMILIES.get(cfg.run.strategy) == "single/ddp" and FAMILIES.get(p.strategy) == "single/ddp":
+    if _family(cfg.run.strategy) == "replicated" == _family(p.strategy):
         cfg = cfg.replaced("run", strategy=p.strategy)
     return cfg
 

@@ -75,8 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
         description=doctor_main.DESCRIPTION,
     )
     doctor_main.add_arguments(doctor)
+    add_export_parser(sub)
     parser.commands = sub.choices  # name -> its parser
     return parser
+
+
+def add_export_parser(sub) -> None:
+    """`finetune export` (finetune/export/command.py); its options only, so parsing imports no torch."""
+    p = sub.add_parser(
+        "export",
+        help="a folder a server loads, from a run's model/ or any checkpoint (--merge: LoRA folded in), checked",
+        description="Write a folder a server loads (safetensors shards and their index, config.json, "
+        "generation_config.json, the tokenizer with the run's chat template, a model card, export.json) from a run's "
+        "model/ or any complete checkpoint of any strategy; --merge folds LoRA/QLoRA into the base shard by shard. "
+        "The folder is checked against the source on a few rows of the run's data before it is put in place "
+        "(docs/usage.md, Export).",
+    )
+    p.add_argument("run", help="the run directory (runs/NAME)")
+    p.add_argument("--checkpoint", type=int, help="export checkpoint-N (default: model/, else the newest complete one)")
+    p.add_argument("--merge", action="store_true", help="fold the LoRA/QLoRA adapter into the base model")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the weights' dtype (default: the base model's)")
+    p.add_argument("--out", help="the folder to write (default RUN/export); an earlier export there is replaced")
+    p.add_argument("--max-shard-size", help="largest weights file, e.g. 2GB (default: the base's largest shard)")
 
 
 def add_plan_parser(sub) -> None:
@@ -178,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[resume.TYPED_ENV] = shlex.join(words[words.index("train") + 1 :])
         with relay.Relay() as signals:  # from here to the ranks' end (finetune/launch/relay.py)
             return train(args, rest, signals)
+    if args.command == "export":
+        from finetune.export import command as export_command
+        from finetune.training import fault_injection
+
+        return export_command.run(args, damage=lambda folder: fault_injection.damage_export(folder, rank=0, step=0))
     if args.command == "prepare-model":
         from finetune.modeling.bundled import ensure_bundled_model
 

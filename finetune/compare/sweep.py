@@ -18,8 +18,7 @@ from finetune import resources, strategies
 from finetune.batch import effective_batch
 from finetune.errors import UserError
 
-SINGLE = "single"  # not a recipe: one process, the recipe's own method
-SINGLE_CONFIG = strategies.by_key("single").accelerate_config
+ONE = strategies.one_process()  # its key is no recipe: one process, the recipe's own method
 # Keys that make a QLoRA run QLoRA; taken from the baseline strategy recipe.
 QLORA_KEYS = ("name", "quant_type", "double_quant", "compute_dtype", "quant_storage")
 
@@ -47,13 +46,13 @@ def strategy_names() -> list[str]:
     """`single` plus every shipped recipe that names a strategy and its accelerate config."""
     from finetune.config.recipe import RECIPES_DIR, available_recipes, read_recipe_file
 
-    names = [SINGLE]
+    names = [ONE.key]
     for name in available_recipes():
         values = read_recipe_file(RECIPES_DIR / f"{name}.yaml")
         run, method = values.get("run") or {}, values.get("method") or {}
         if run.get("strategy") in (None, "any") or not run.get("accelerate_config"):
             continue
-        if run["strategy"] == "single" and method.get("name") != "qlora":
+        if run["strategy"] == ONE.name and method.get("name") != "qlora":
             continue  # one process with the recipe's own method: that is `single`
         if any(v != 1 for v in (values.get("parallel") or {}).values()):
             continue  # a mesh recipe (zero3_sp, zero2_tp): the sweep varies the strategy, not the mesh
@@ -65,8 +64,8 @@ def _strategy_values(name: str) -> tuple[dict, dict]:
     """(run overrides, method overrides) that define a strategy."""
     from finetune.config.recipe import RECIPES_DIR, read_recipe_file
 
-    if name == SINGLE:
-        return {"strategy": "single", "offload": "none", "accelerate_config": SINGLE_CONFIG}, {}
+    if name == ONE.key:
+        return {"strategy": ONE.name, "offload": "none", "accelerate_config": ONE.accelerate_config}, {}
     allowed = strategy_names()
     path = RECIPES_DIR / f"{name}.yaml"
     if name not in allowed or not path.is_file():
@@ -80,7 +79,7 @@ def _strategy_values(name: str) -> tuple[dict, dict]:
     }
     method = values.get("method") or {}
     method_values = {}
-    if run["strategy"] == "single" and method.get("name") == "qlora":
+    if run["strategy"] == ONE.name and method.get("name") == "qlora":
         method_values = {k: method[k] for k in QLORA_KEYS if k in method}
     return run_values, method_values
 
@@ -164,7 +163,7 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
 
 
 def _scaling_reference(strategies: list[str], method: str, cpu: bool) -> list[str]:
-    """[SINGLE] when a multi-process strategy of the recipe's method has no one-process run of that method
+    """[ONE.key] when a multi-process strategy of the recipe's method has no one-process run of that method
     among the strategies to measure its scaling efficiency against (finetune/compare/table.py
     same_method_single), else []: a one-process run already there is the reference."""
     runs = []
@@ -173,7 +172,7 @@ def _scaling_reference(strategies: list[str], method: str, cpu: bool) -> list[st
         world = processes(launch_config(run_values["accelerate_config"], cpu))
         runs.append((world, method_values.get("name", method)))
     without = {m for w, m in runs if w > 1} - {m for w, m in runs if w == 1}
-    return [SINGLE] if method in without else []
+    return [ONE.key] if method in without else []
 
 
 @dataclass

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import strategies
 from finetune.compare import comparable
 from finetune.compare.comparable import NOT_COMPARABLE
 from finetune.errors import UserError
@@ -113,7 +114,9 @@ def pick_baseline(runs: list[Run], baseline: str | Path | None) -> tuple[Run | N
     candidates = [
         r
         for r in runs
-        if r.record is not None and r.get("strategy", "name") == "single" and r.get("strategy", "method") == "qlora"
+        if r.record is not None
+        and r.get("strategy", "name") == strategies.one_process().name
+        and r.get("strategy", "method") == "qlora"
     ]
     completed = [r for r in candidates if r.status == "completed"]
     chosen = (completed or candidates or [None])[0]

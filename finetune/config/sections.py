@@ -12,8 +12,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from finetune import strategies
+from finetune.data import formats
 from finetune.precision import CHOICES as PRECISION_CHOICES
-from finetune.strategies import RUN_OFFLOADS, RUN_STRATEGIES
 
 # The signals a scheduler or terminal sends to stop a job (training.stop_signals' default and allowed values).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
@@ -81,7 +82,7 @@ class DataConfig:
     # Local .jsonl/.json/.parquet/.csv, a hub dataset name, or "demo" (the project's
     # generated, exactly checkable instructions; see finetune/data/demo.py).
     path: str = "demo"
-    format: Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text"] = "auto"
+    format: Literal[("auto", *formats.TABLE)] = "auto"  # finetune/data/formats.py TABLE
     split: str = "train"
     max_length: int = 512  # tokens per example (and per packed row)
     eval_fraction: float = 0.0  # fraction of rows held out for eval loss, shuffled by seed
@@ -156,13 +157,18 @@ class RunConfig:
     overwrite: bool = False  # an existing run directory is never replaced without this
     # The strategy this recipe is meant for; the run refuses to start under another one.
     # Allowed: "any" and the names of the launchable rows of finetune/strategies.py.
-    strategy: Literal[RUN_STRATEGIES] = "any"
+    strategy: Literal[("any", *strategies.names())] = "any"
     # What the strategy offloads to host memory; checked against the live engine like `strategy`.
     # optimizer: ZeRO offload_optimizer; optimizer+params: ZeRO-3 offload_param too, or FSDP offload_params.
-    offload: Literal[RUN_OFFLOADS] = "any"
+    offload: Literal[("any", *dict.fromkeys(s.offload for s in strategies.STRATEGIES if s.launchable))] = "any"
     # accelerate config used by `finetune train` (relative to the repo root or absolute).
     accelerate_config: str | None = None
     save_model: bool = True  # save the adapter (LoRA/QLoRA) or full model at the end
+    # The check of that save (docs/usage.md "Export"): auto = a fresh process loads it when the host holds a second
+    # copy of the weights, else its tensors are read one at a time against the live ones; reload / stream: that one.
+    verify_export: Literal["auto", "reload", "stream", "off"] = "auto"
+    # merged: once model/ is checked, `finetune export RUN --merge` writes RUN/export (LoRA/QLoRA folded into the base)
+    export: Literal["none", "merged"] = "none"
 
 
 # Defaults we choose for TrainingArguments where transformers' defaults do not suit

@@ -210,6 +210,9 @@ def _cross_checks(cfg: Config) -> list[str]:
         p.append(f"training.stop_signals: got {t.stop_signals!r}; allowed: a list of {', '.join(STOP_SIGNALS)}")
     if not all(isinstance(x, str) for x in cfg.logging.report_to):
         p.append("logging.report_to: must be a list of integration names, e.g. [wandb]")
+    if cfg.run.export == "merged" and (m.name == "full" or not cfg.run.save_model):
+        why = "a full fine-tune's model/ is the whole model already" if m.name == "full" else "run.save_model is false"
+        p.append(f"run.export: merged folds a LoRA/QLoRA adapter into its base once model/ is saved; {why}")
     if isinstance(cfg.run.name, str) and (why := _not_a_name(cfg.run.name)):
         p.append(
             f"run.name: {cfg.run.name!r} {why}; a run name is one folder name under runs/ (to put the run "

@@ -15,21 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.data import prepare
-from finetune.data.formats import ROW_VALIDATORS, BadRow, detect_format, empty_target
+from finetune.data import formats, prepare
+from finetune.data.formats import BadRow, detect_format, empty_target, with_format_note
 from finetune.data.pack import bins, packed_row
-from finetune.data.read import (
-    DataError,
-    Invalid,
-    Shards,
-    arrow_folder,
-    is_local,
-    parse_line,
-    read_head,
-    shard_files,
-    with_format_note,
-)
-from finetune.data.render import Example, Renderer
+from finetune.data.read import Invalid, Shards, arrow_folder, is_local, parse_line, read_head, shard_files
+from finetune.data.render import IGNORE_INDEX, Example, Renderer, tokenize
+from finetune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +134,7 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
         reason = row.reason if isinstance(row, Invalid) else None
         if reason is None:
             try:
-                ROW_VALIDATORS[fmt](row)
+                formats.TABLE[fmt].validate(row)
                 if empty_target(row, fmt):
                     empty.append(number if len(heads) == 1 else f"{where} row {number}")
             except BadRow as e:
@@ -159,6 +150,41 @@ def _head_rows(cfg, heads: list, *, complete: bool) -> list[str]:
         used = min(good, getattr(cfg, "max_samples", None) or good)  # data.max_samples: the run's rows
         _split_problem(used, getattr(cfg, "eval_fraction", 0.0), cfg.path)
     return []
+
+
+def head_examples(cfg, tokenizer, *, count: int, window: int) -> list[Example]:
+    """The first `count` examples of `cfg.path` with a trained token, rendered and tokenized as the data build does
+    (cut at data.max_length), each cut to the `window` tokens that end at its last trained token: a fixed batch of the
+    run's own tokens (the export check's probe, finetune/export/). Bad rows are passed over."""
+    path, split = cfg.path, getattr(cfg, "split", "train")
+    first = path if not is_local(path) or arrow_folder(path) else shard_files(path, split)[0]  # a folder's first file
+    numbered, _ = read_head(first, count * 8, split=split)
+    rows = [row for _, row in numbered if not isinstance(row, Invalid)]
+    if not rows:
+        raise DataError("no readable row among the first ones (the export check reads a few)", path=cfg.path)
+    renderer = Renderer(
+        tokenizer, detect_format(rows[:1], getattr(cfg, "format", "auto"), path=cfg.path), cfg, cfg.path
+    )
+    rendered = []
+    for row in rows:
+        try:
+            rendered.append(renderer.render(row))
+        except BadRow:
+            continue
+    out = []
+    for example in tokenize(rendered, tokenizer):
+        labels = example.labels[: cfg.max_length]
+        trained = [i for i, label in enumerate(labels) if label != IGNORE_INDEX and i > 0]  # label 0 is never scored
+        if trained:
+            end = trained[-1] + 1
+            out.append(Example(example.input_ids[max(0, end - window) : end], labels[max(0, end - window) : end]))
+        if len(out) == count:
+            break
+    if not out:
+        raise DataError(
+            "no example among the first rows has a trained token (the export check reads a few)", path=cfg.path
+        )
+    return out
 
 
 def check_empty_targets(rows: list, good: int, cfg, path: str, *, warn: bool = True) -> None:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class FileProblem(Exception):
-    """The reason a data file cannot be read (the caller names the file: finetune/data/read.py DataError)."""
+    """The reason a data file cannot be read (the caller names the file: finetune/errors.py DataError)."""
 
 
 # magic bytes -> (name, opener of a binary stream; None: named, not read)

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from finetune import fingerprints, storage
 from finetune.data import read
-from finetune.data.formats import BadRow, empty_target
-from finetune.data.read import DataError, Invalid
+from finetune.data.formats import BadRow, empty_target, with_format_note
+from finetune.data.read import Invalid
 from finetune.data.render import IGNORE_INDEX, TemplateNotPrefixStable, tokenize, tokenizer_name
-from finetune.errors import UserError
+from finetune.errors import DataError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ def prepare_batch(batch: dict, indices: list[int], *, renderer, shards, max_leng
                 rendered.append(renderer.render(row))
                 empty = empty_target(row, renderer.fmt)
             except BadRow as e:
-                problem = read.with_format_note(str(e), row, renderer.fmt)
+                problem = with_format_note(str(e), row, renderer.fmt)
             except TemplateNotPrefixStable as e:
                 raise shards.error(
                     f"the chat template of tokenizer {tokenizer_name(renderer.tokenizer)!r} is not prefix-stable "

@@ -19,37 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.data import files
-from finetune.errors import UserError
+from finetune.data import files, formats
+from finetune.data.formats import type_name
+from finetune.errors import DataError
 
 LOCAL_EXTENSIONS = files.SHARD_SUFFIXES  # .jsonl .json .csv .parquet .arrow; each may end in .gz, .bz2 or .xz too
 
 logger = logging.getLogger(__name__)
-
-# Keys that identify each format (finetune/data/formats.py), in detection priority order.
-FORMAT_KEYS = {
-    "messages": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction", "output"),
-    "prompt_completion": ("prompt", "completion"),
-    "text": ("text",),
-}
-
-
-class DataError(UserError):
-    """User-facing data problem; the message names the file, the 1-based row and what is wrong.
-
-    Subclasses ``finetune.errors.UserError`` so the CLI prints it without a traceback.
-    """
-
-    def __init__(self, message: str, *, path: str | None = None, row: int | None = None):
-        self.detail = message
-        self.path = path
-        self.row = row
-        where = path or ""
-        if row is not None:
-            where = f"{where} row {row}" if where else f"row {row}"
-        super().__init__(f"{where}: {message}" if where else message)
 
 
 @dataclass
@@ -92,51 +68,6 @@ def shard_files(path: str, split: str = "train") -> list[str]:
         return files.shards(os.path.expanduser(path), split)
     except files.FileProblem as e:
         raise DataError(str(e), path=path) from None
-
-
-def with_format_note(reason: str, row: Any, fmt: str) -> str:
-    """A row's problem, with a note when the row has the keys of another format than the data's: the format changes
-    there (rows of two datasets joined, say)."""
-    if not isinstance(row, dict) or all(k in row for k in FORMAT_KEYS.get(fmt, ())):
-        return reason
-    for other, keys in FORMAT_KEYS.items():
-        if other != fmt and all(k in row for k in keys):
-            return (
-                f"{reason}; this row has the keys of {other} rows ({', '.join(keys)}), not those of the {fmt} rows "
-                "before it: the format changes here (two datasets joined?); convert these rows or keep them apart"
-            )
-    return reason
-
-
-def nesting_note(row: Any) -> str | None:
-    """When a row is no format's but holds one under a single key, the rows are nested a level down: say where."""
-    if not isinstance(row, dict) or len(row) != 1:
-        return None
-    (key, inner), found = next(iter(row.items())), None
-    if isinstance(inner, dict):
-        found = next((f for f, keys in FORMAT_KEYS.items() if all(k in inner for k in keys)), None)
-    if found is None:
-        return None
-    return (
-        f"the rows are nested one level down: each holds a row of the {found} format under the key {key!r}; unwrap them "
-        f"(for JSON lines: jq -c '.{key}' FILE > OUT.jsonl)"
-    )
-
-
-def type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "list"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
 
 
 def is_local(path: str) -> bool:
@@ -346,7 +277,7 @@ def listed_rows(value: dict, path: str) -> list[tuple[int, Any]] | None:
     {"data": [...], "version": 2}: that list's rows (the key is logged); several lists are refused
     by name; None when it is a row, or holds no list."""
     lists = [k for k, v in value.items() if isinstance(v, list)]
-    if any(all(k in value for k in keys) for keys in FORMAT_KEYS.values()) or not lists:
+    if any(all(k in value for k in f.keys) for f in formats.TABLE.values()) or not lists:  # a row of some format
         return None
     if len(lists) > 1:
         raise DataError(

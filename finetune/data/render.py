@@ -11,18 +11,14 @@ import logging
 import re
 from dataclasses import dataclass
 
-from finetune.data.formats import ROW_VALIDATORS, BadRow, require_str
-from finetune.data.read import DataError
+from finetune.data import formats
+from finetune.data.formats import BadRow
+from finetune.errors import DataError
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # the label of positions that carry no loss (torch CrossEntropyLoss ignore_index)
 _TOKENIZE_CHUNK = 1000
-_TEXT_FIELDS = {
-    "text": ("text",),
-    "alpaca": ("instruction", "input", "output"),
-    "prompt_completion": ("prompt", "completion"),
-}
 
 
 @dataclass
@@ -36,10 +32,14 @@ def tokenizer_name(tokenizer) -> str:
 
 
 class Renderer:
-    """Turns validated rows of one format into text with trained spans."""
+    """Turns validated rows of one format into text with trained spans, as its record's `renders` says
+    (finetune/data/formats.py): a text as it is; a (prompt, answer) pair as plain text, or as a user and an
+    assistant turn through the chat template; a conversation through the chat template."""
 
     def __init__(self, tokenizer, fmt: str, cfg, path: str):
         self.tokenizer, self.fmt, self.path = tokenizer, fmt, path
+        self.format = formats.TABLE[fmt]
+        renders = self.format.renders
         self.train_on_prompt = bool(getattr(cfg, "train_on_prompt", False))
         self.system_prompt = getattr(cfg, "system_prompt", None)
         specials = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
@@ -49,10 +49,10 @@ class Renderer:
             re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         )
         use_template = bool(getattr(cfg, "chat_template", True))
-        self.plain = fmt == "text" or (fmt in ("alpaca", "prompt_completion") and not use_template)
+        self.plain = renders == "text" or (renders == "pair" and not use_template)
         if self.plain:
             self._check_plain_tokens()
-            if self.system_prompt and fmt != "text":
+            if self.system_prompt and renders != "text":
                 logger.warning("data.system_prompt is ignored because data.chat_template is false")
         else:
             self._check_chat_template(use_template)
@@ -61,7 +61,7 @@ class Renderer:
         if getattr(self.tokenizer, "chat_template", None):
             return
         name = tokenizer_name(self.tokenizer)
-        if self.fmt in ("alpaca", "prompt_completion"):
+        if self.format.renders == "pair":
             fix = "set data.chat_template: false to train on plain prompt + completion text, or use a model with a chat template"
         else:
             fix = f"{self.fmt} data needs a chat template: use a model whose tokenizer has one"
@@ -92,21 +92,22 @@ class Renderer:
 
     def render(self, row: dict) -> Rendered:
         rendered = self._render(row)
-        if self.fmt in ("messages", "sharegpt"):
-            key, text_key = ("messages", "content") if self.fmt == "messages" else ("conversations", "value")
-            for i, turn in enumerate(row[key]):
-                self.check_text(f"{key}[{i}].{text_key}", turn[text_key])
-        else:
-            for field in _TEXT_FIELDS[self.fmt]:
-                self.check_text(repr(field), row.get(field) or "")
+        for text in self.format.texts:
+            key, _, field = text.partition("[].")
+            if field:  # that field of every turn in the list
+                for i, turn in enumerate(row[key]):
+                    self.check_text(f"{key}[{i}].{field}", turn[field])
+            else:
+                self.check_text(repr(key), row.get(key) or "")
         return rendered
 
     def _render(self, row: dict) -> Rendered:
-        if self.fmt == "text":
-            text = self.bos + require_str(row, "text", "text", non_empty=True) + self.tokenizer.eos_token
+        valid = self.format.validate(row)
+        if self.format.renders == "text":
+            text = self.bos + valid + self.tokenizer.eos_token
             return Rendered(text, [(0, len(text))])
-        if self.fmt in ("alpaca", "prompt_completion"):
-            prompt, completion = ROW_VALIDATORS[self.fmt](row)
+        if self.format.renders == "pair":
+            prompt, completion = valid
             if self.plain:
                 head = self.bos + prompt
                 text = head + completion + self.tokenizer.eos_token
@@ -114,7 +115,7 @@ class Renderer:
                 return Rendered(text, [(start, len(text))])
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         else:
-            messages = ROW_VALIDATORS[self.fmt](row)
+            messages = valid
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return self._render_chat(messages)

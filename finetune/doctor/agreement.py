@@ -45,7 +45,7 @@ def expected_evidence(row: strategies.Strategy) -> dict:
             "fsdp_offload_policy": "CPUOffloadPolicy" if row.fsdp.offload_params else "OffloadPolicy",
             "fsdp_modules>=": 3,
         }  # the root and one unit per decoder layer (2 layers)
-    if row.name == "ddp":
+    if row.replicates:
         return {"engine_class": "DistributedDataParallel"}
     return {"fsdp_modules": 0, "zero_stage": None}
 
@@ -171,9 +171,10 @@ def differences(ref: dict, rec: dict) -> list[str]:
 
 
 def agreement_line(
-    name: str, cmp: dict, policy: str, run_dirs: tuple[str, str], ref_name: str = "single", overrides: list[str] = ()
+    name: str, cmp: dict, policy: str, run_dirs: tuple[str, str], overrides: list[str] = ()
 ) -> report.Line:
     """The loss comparison's verdict; `run_dirs`: (reference, this run)."""
+    ref_name = strategies.one_process().key  # the reference every run is compared with
     tol = TOLERANCES.get(policy)
     data = {k: v for k, v in cmp.items() if k != "loss"}
     if cmp.get("missing_steps"):

@@ -10,7 +10,7 @@ import platform
 import time
 from pathlib import Path
 
-from finetune import precision, storage
+from finetune import precision, storage, strategies
 from finetune.config import command_line
 from finetune.doctor import agreement, devices, environment, report, runs
 from finetune.errors import UserError
@@ -60,12 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parser() -> argparse.ArgumentParser:
-    p = command_line.Parser(prog="finetune doctor", description=DESCRIPTION)
-    add_arguments(p)
-    return p
-
-
 def machine_text(dev: devices.Devices) -> str:
     if dev.cuda_available and dev.gpus:
         names = sorted({g.name for g in dev.gpus})
@@ -79,7 +73,7 @@ def machine_text(dev: devices.Devices) -> str:
 def environment_lines(args, dev: devices.Devices, out: Path) -> list[report.Line]:
     on_gpu = dev.on_gpu
     return [
-        *environment.versions(),
+        *environment.versions(imports=not args.quick),
         *environment.cuda(dev),
         *environment.peer_access(dev),
         environment.host_memory(dev.world_size, on_gpu),
@@ -102,7 +96,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
         "requested_precision": args.precision,
         "world_size": world,
         "steps": runs.STEPS,
-        "reference": "single",
+        "reference": strategies.one_process().key,
         "tolerance": agreement.TOLERANCES.get(policy),
         "skipped": {},
         "runs": [],
@@ -124,7 +118,7 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
     summary["skipped"] = skipped
     out_lines = [agreement.S.skipped(name, why) for name, why in skipped.items()]
     done = [runs.execute(p, out) for p in planned]
-    reference = next((d for d in done if d.planned.name == "single"), None)
+    reference = next((d for d in done if not d.planned.row.multi_process), None)
     ref_ok = reference is not None and _completed(reference)
     for d in done:
         entry, run_lines = judge(d, reference if ref_ok else None, policy)
@@ -200,7 +194,7 @@ def judge(d: runs.Done, reference: runs.Done | None, policy: str) -> tuple[dict,
         )
     else:
         out.append(S.ok(f"{p.name} engaged", described))
-    if p.name == "single":
+    if not p.row.multi_process:
         return entry, out
     if reference is None:
         out.append(S.skipped(f"{p.name} losses", "the single-process reference did not complete"))

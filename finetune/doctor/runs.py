@@ -82,18 +82,18 @@ def plan(
     for row in rows(True):
         if row.key not in wanted:
             continue
-        n = 1 if row.key == "single" else world
-        if row.key == "ddp" and n < 2:
+        n = world if row.multi_process else 1
+        if row.replicates and n < 2:
             skipped[row.key] = f"DDP needs 2 or more ranks; {n} GPU visible"
             continue
         run_dir = out_dir / "runs" / row.key
         args = [
-            *common_args(model_dir, data_file, precision, accumulation=world if row.key == "single" else 1),
+            *common_args(model_dir, data_file, precision, accumulation=1 if row.multi_process else world),
             f"--run.output_dir={run_dir}",
             f"--run.name=doctor-{row.key}",
             *overrides.get(row.key, []),
         ]
-        launch = [] if row.key == "single" else ["--num_processes", str(n)] if dev.cuda_available else ["--cpu"]
+        launch = (["--num_processes", str(n)] if dev.cuda_available else ["--cpu"]) if row.multi_process else []
         cmd = finetune_command("train", "--recipe", row.recipe, *launch, "--overwrite", *args)
         runs.append(Planned(row, n, run_dir, cmd, overrides.get(row.key, [])))
     return runs, skipped
@@ -131,7 +131,8 @@ def selected(only: list[str] | None, overrides: dict[str, list[str]], *, offload
     for key in overrides:
         if key not in wanted:
             raise UserError(f"--override {key}:...: {key} is not among the strategies run ({', '.join(wanted)})")
-    return wanted if "single" in wanted else ["single", *wanted]  # the reference every other run is compared with
+    reference = strategies.one_process().key  # the run every other run is compared with
+    return wanted if reference in wanted else [reference, *wanted]
 
 
 def parse_overrides(values: list[str]) -> dict[str, list[str]]:

@@ -47,19 +47,19 @@ class DeclaredLaunch:
     def processes_per_machine(self) -> int:
         return max(1, self.num_processes // max(1, self.num_machines))
 
-    def strategy(self) -> tuple[str, str]:
-        """(strategy, offload) in the names of recipes' run.strategy / run.offload."""
+    def strategy(self, expected: str = "any") -> tuple[str, str]:
+        """(strategy, offload) in the names of recipes' run.strategy / run.offload: the strategy table's name for this
+        engine, `expected` (the recipe's run.strategy) when its row has this engine (finetune/strategies.py name_of)."""
         if self.distributed_type == "DEEPSPEED":
             zero = (self.deepspeed or {}).get("zero_optimization") or {}
             return (
-                name_of("DEEPSPEED", zero_stage=zero.get("stage", 0)),
+                name_of("DEEPSPEED", zero_stage=zero.get("stage", 0), expected=expected),
                 offload_name(offload_device(zero.get("offload_optimizer")), offload_device(zero.get("offload_param"))),
             )
-        if self.distributed_type == "FSDP":
-            return "fsdp", "optimizer+params" if self.fsdp_offload else "none"
-        if self.data_parallel and self.distributed_type in DATA_PARALLEL_TYPES:
-            return "ddp", "none"
-        return name_of(self.distributed_type, num_processes=self.num_processes), "none"
+        offload = "optimizer+params" if self.distributed_type == "FSDP" and self.fsdp_offload else "none"
+        # a process group of one that is still DDP: the type decides alone, as in a live state
+        processes = None if self.data_parallel and self.distributed_type in DATA_PARALLEL_TYPES else self.num_processes
+        return name_of(self.distributed_type, num_processes=processes, expected=expected), offload
 
 
 def read_yaml(path: Path) -> dict:
@@ -280,7 +280,7 @@ def from_recipe(setup, state, root: Path) -> DeclaredLaunch:
     elif row.fsdp is not None:
         facts.distributed_type = "FSDP"
         facts.fsdp_offload = row.fsdp.offload_params
-    facts.data_parallel = row.name == "ddp"
+    facts.data_parallel = row.replicates
     return facts
 
 

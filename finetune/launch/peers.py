@@ -33,16 +33,17 @@ STALL_S = 10.0
 
 
 class Watch:
-    """What this process's watchdog checks; set by the main thread and the signal handler."""
+    """What this process's watchdog checks; set by the main thread and the signal handler. One per process, made at
+    its start (finetune/training/signals.py Stops owns it) and handed to every phase that names what it does."""
 
     def __init__(self):
-        self.grace_s: float | None = None  # training.stop_grace, once the recipe is read
+        self.grace_s: float | None = None  # training.stop_grace, once the recipe is read (Stops.keep_only)
         self.signal: tuple[str, float] | None = None  # a stop signal no agreement has acted on: (name, when)
         self.done_with_signals = False  # a stop was agreed: later signals are ignored (signals.py)
         self.phase: tuple[str, float, float | None] = ("the start", time.monotonic(), None)  # label, since, limit
         self.wait: tuple[str, float] | None = None  # the agreement (collective) the main thread is in
         self.peer_stop: str | None = None  # another rank's stop signal, read from the store
-        self.on_stuck = None  # rank 0: (cause) -> None, records the run failed (finetune/training/run.py)
+        self.step = 0  # the last optimizer step this rank finished (its progress file carries it)
 
     def signalled(self, name: str) -> None:
         if self.signal is None and not self.done_with_signals:
@@ -98,9 +99,6 @@ class Watch:
         return None
 
 
-watch = Watch()  # this process's
-
-
 def collective_of_main_thread() -> str | None:
     """The torch.distributed call the main thread is blocked in (its innermost Python frames are
     torch's; a gloo collective blocks there) and the first caller outside torch, or None."""
@@ -122,14 +120,16 @@ def collective_of_main_thread() -> str | None:
 
 class Heartbeat:
     """This rank's heartbeat thread and its view of the others (docs/faults.md "A rank dies or stalls"). `store`
-    None: one process, or no store to reach; the thread still writes the progress file and watches."""
+    None: one process, or no store to reach; the thread still writes the progress file and watches `watch`.
+    `on_stuck(cause)`: called before the watchdog ends the rank (rank 0 records the run failed)."""
 
-    def __init__(self, store, rank: int, world_size: int):
+    def __init__(self, store, rank: int, world_size: int, watch: Watch, on_stuck=None):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.watch, self.on_stuck = watch, on_stuck
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="finetune-heartbeat", daemon=True)
         self.error: str | None = None  # why beating stopped (the store stopped answering)
-        self._progress = progress_writer(rank)  # None without `finetune train`
+        self._progress = progress_writer(rank, watch)  # None without `finetune train`
         self._said: tuple[str | None, str | None] = (None, None)  # (doing, stop) last published
 
     def start(self) -> Heartbeat:
@@ -152,13 +152,14 @@ class Heartbeat:
                     self._share()
                 except Exception as e:  # noqa: BLE001 - the store host is gone; `lost` says so
                     self.error = f"{type(e).__name__}: {e}"
-            cause = watch.overdue(time.monotonic())
+            cause = self.watch.overdue(time.monotonic())
             if cause:
                 self._end_stuck(cause)
             self._stop.wait(BEAT_S)
 
     def _share(self) -> None:
         """Publish what this rank does and a stop signal it got; read another rank's stop."""
+        watch = self.watch
         doing = re.sub(r" \(\d+ s\)", "", watch.doing(time.monotonic()))  # unchanged while the phase is
         stop = f"{watch.signal[0]} on rank {self.rank}" if watch.signal else None
         if doing != self._said[0]:
@@ -185,7 +186,7 @@ class Heartbeat:
     def _end_stuck(self, cause: str) -> None:
         """The watchdog's stop: name what each rank waits in, record it (rank 0), exit EXIT_STUCK."""
         now = time.monotonic()
-        text = f"rank {self.rank} {cause}; it {watch.doing(now)}"
+        text = f"rank {self.rank} {cause}; it {self.watch.doing(now)}"
         others = self.others()
         text += f"; {others}" if others else ""
         print(f"finetune: stuck: {text}. Stopping this rank (exit {EXIT_STUCK}); nothing was deleted", file=sys.stderr)
@@ -193,8 +194,8 @@ class Heartbeat:
         try:
             if self.store is not None and not self.error:
                 self.store.set(f"{PREFIX}stuck/{self.rank}", text)
-            if watch.on_stuck:
-                watch.on_stuck(f"stuck: {text}")
+            if self.on_stuck:
+                self.on_stuck(f"stuck: {text}")
         finally:
             for child in psutil.Process().children(recursive=True):  # a data-map pool, DataLoader workers:
                 with contextlib.suppress(psutil.Error):  # os._exit skips the cleanup that would end them
@@ -229,9 +230,9 @@ class Heartbeat:
         ], None
 
 
-def start(rank: int, world_size: int, env=os.environ) -> Heartbeat:
-    """Start this rank's heartbeat and watchdog, on the launcher's store when there is one to reach
-    (more than one process and its address known)."""
+def start(rank: int, world_size: int, watch: Watch, on_stuck=None, env=os.environ) -> Heartbeat:
+    """Start this rank's heartbeat and watchdog (of `watch`; `on_stuck`: Heartbeat's), on the launcher's store when
+    there is one to reach (more than one process and its address known)."""
     host, port, store = env.get("MASTER_ADDR"), env.get("MASTER_PORT"), None
     if world_size > 1 and host and (port or "").isdigit():
         import torch.distributed as dist
@@ -242,7 +243,7 @@ def start(rank: int, world_size: int, env=os.environ) -> Heartbeat:
             )
         except Exception:  # noqa: BLE001 - no store: a later failure is reported without the rank named
             store = None
-    return Heartbeat(store, rank, world_size).start()
+    return Heartbeat(store, rank, world_size, watch, on_stuck).start()
 
 
 def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) -> str | None:
@@ -293,16 +294,14 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
 # --- progress files, for `finetune train` (docs/faults.md) ---------------------------------------------
 
 
-_progress = {"step": 0}
-
-
 def progress_directory(env=os.environ) -> Path | None:
     state = env.get(relay.ENV)
     return Path(state) if state else None
 
 
-def progress_writer(rank: int):
-    """A function that writes this rank's beat (called by its heartbeat thread), or None without `finetune train`."""
+def progress_writer(rank: int, watch: Watch):
+    """A function that writes this rank's beat and `watch`'s step (called by its heartbeat thread), or None without
+    `finetune train`."""
     where = progress_directory()
     if where is None:
         return None
@@ -312,17 +311,12 @@ def progress_writer(rank: int):
     def beat():
         tmp = path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps({**note, "step": _progress["step"], "beat": time.time()}))
+            tmp.write_text(json.dumps({**note, "step": watch.step, "beat": time.time()}))
             tmp.replace(path)
         except OSError:
             pass  # the launch ended and took its directory, or the disk is full: nothing to report to
 
     return beat
-
-
-def step_done(step: int) -> None:
-    """The last optimizer step this rank finished (its beats carry it)."""
-    _progress["step"] = step
 
 
 def read_progress(where: Path | None = None) -> dict[int, dict]:

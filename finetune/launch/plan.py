@@ -96,7 +96,7 @@ class LaunchPlan:
 
         from finetune.launch import cpu_rehearsal
 
-        strategy, offload = facts.strategy()
+        strategy, offload = facts.strategy(expected=cfg.run.strategy)
         use_cpu = bool(cfg.training.typed.use_cpu) or facts.use_cpu or facts.gloo or cpu_rehearsal.requested()
         cuda = torch.cuda.is_available() and not use_cpu
         policy = precision.resolve(cfg.training.precision, cuda, cuda and torch.cuda.is_bf16_supported())

@@ -19,64 +19,64 @@ from finetune.storage import json_object
 
 LOCK = ".finetune.lock"
 WAIT_S = 2.0  # a probe holds the lock for microseconds; a holder writes its note right after locking
-_held: dict[str, int] = {}  # run directory -> the locked file descriptor, for the life of the process
 
 
-def acquire(run_dir: Path) -> None:
-    """Rank 0: lock `run_dir` (created if missing) for the life of this process, or UserError
-    naming the live run that holds it. Idempotent."""
-    run_dir = Path(run_dir).absolute()
-    if str(run_dir) in _held:
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
-            break
-        os.close(fd)
-        if time.monotonic() > deadline:
-            raise UserError(in_use_message(run_dir))
-        time.sleep(0.05)
-    note = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv)[:500],
-    }
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(note).encode(), 0)
-    _held[str(run_dir)] = fd
+class Locks:
+    """The run directories this process holds (rank 0 of a run: finetune/training/run.py main makes one and lets
+    go of them as it returns)."""
 
+    def __init__(self):
+        self.held: dict[str, int] = {}  # run directory -> the locked file descriptor
 
-def release(run_dir: Path) -> None:
-    """Let go of a lock this process holds, removing its file (a run does it as main() returns, so a refused --resume
-    leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting for it
-    then finds the file gone and takes a new one (acquire's check that the locked file is the one at the path)."""
-    key = str(Path(run_dir).absolute())
-    fd = _held.pop(key, None)
-    if fd is None:
-        return
-    path = Path(key) / LOCK
-    if _same_file(fd, path):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    os.close(fd)
+    def acquire(self, run_dir: Path) -> None:
+        """Lock `run_dir` (created if missing) until released, or UserError naming the live run that holds it.
+        Again: no change."""
+        run_dir = Path(run_dir).absolute()
+        if str(run_dir) in self.held:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / LOCK
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            if _try_lock(fd, fcntl.LOCK_EX) and _same_file(fd, path):
+                break
+            os.close(fd)
+            if time.monotonic() > deadline:
+                raise UserError(in_use_message(run_dir))
+            time.sleep(0.05)
+        note = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv)[:500],
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(note).encode(), 0)
+        self.held[str(run_dir)] = fd
 
-
-def release_all() -> None:
-    for key in list(_held):
-        release(Path(key))
+    def release_all(self) -> None:
+        """Let go of every lock held, removing its file (a run does it as main() returns, so a refused --resume
+        leaves nothing behind; a crash leaves the file, unlocked). Unlinked while still locked: a process waiting
+        for it then finds the file gone and takes a new one (acquire's check that the locked file is the one at
+        the path)."""
+        for key, fd in self.held.items():
+            path = Path(key) / LOCK
+            if _same_file(fd, path):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+            os.close(fd)
+        self.held.clear()
 
 
 def live_run(run_dir: Path) -> str | None:
     """The refusal when another process holds `run_dir`'s lock, else None. Changes nothing: the
     lock file is only opened when it exists, read-only, and a shared lock tried and dropped."""
     run_dir = Path(run_dir)
-    if str(run_dir.absolute()) in _held:
+    note = holder(run_dir)  # this process's own lock names it (written before `acquire` returns)
+    if note.get("pid") == os.getpid() and note.get("host") == socket.gethostname():
         return None
     try:
         fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_CLOEXEC)

@@ -25,14 +25,14 @@ def resolve_run_dir(name: str, output_dir: str | None) -> Path:
     return Path(output_dir) if output_dir else Path("runs") / name
 
 
-def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
+def create(cfg, locks: run_lock.Locks, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
     """Rank 0: the run's name and directory, created and locked. A resumed run's directory (`resumed`,
     from the resume plan) is reused as it is; --resume=PATH may name a new one. A directory that
     cannot be written (read-only, full, forbidden) is a UserError naming it."""
     from finetune import storage
 
     try:
-        return _create(cfg, resumed)
+        return _create(cfg, locks, resumed)
     except OSError as e:
         name = cfg.run.name or default_run_name(cfg.recipe)
         path = resumed[1] if resumed else resolve_run_dir(name, cfg.run.output_dir)
@@ -42,17 +42,17 @@ def create(cfg, resumed: tuple[str, Path] | None = None) -> tuple[str, str]:
         raise failure from None
 
 
-def lock_to_resume(cfg) -> None:
+def lock_to_resume(cfg, locks: run_lock.Locks) -> None:
     """Rank 0, --resume: lock the run directory to be continued before its checkpoints are read."""
     path = resolve_run_dir(cfg.run.name or default_run_name(cfg.recipe), cfg.run.output_dir)
     if path.is_dir():
-        run_lock.acquire(path)
+        locks.acquire(path)
 
 
-def _create(cfg, resumed: tuple[str, Path] | None) -> tuple[str, str]:
+def _create(cfg, locks: run_lock.Locks, resumed: tuple[str, Path] | None) -> tuple[str, str]:
     if resumed is not None:
         name, path = resumed  # a run directory already (resume_config checked it); a refused resume adds nothing
-        run_lock.acquire(path)
+        locks.acquire(path)
         return name, str(path)
     name = cfg.run.name or default_run_name(cfg.recipe)
     path = resolve_run_dir(name, cfg.run.output_dir)
@@ -63,7 +63,7 @@ def _create(cfg, resumed: tuple[str, Path] | None) -> tuple[str, str]:
         refusal = problem(path, overwrite=cfg.run.overwrite, name_given_by=given_by)
         if refusal:
             raise UserError(refusal)
-    run_lock.acquire(path)  # created if missing; a live run's directory is refused here, untouched
+    locks.acquire(path)  # created if missing; a live run's directory is refused here, untouched
     prepare_run_dir(path, overwrite=cfg.run.overwrite, name_given_by=given_by, inputs=inputs(cfg))
     return name, str(path)
 
@@ -94,6 +94,9 @@ OWNED = (
     LOG_FILE,
     "checkpoint-*",
     "model",
+    "export",  # `finetune export` (its default --out) and a failed one kept beside it
+    "export.unverified*",
+    ".export.partial-*",
     "data",
     "runs",
     "wandb",

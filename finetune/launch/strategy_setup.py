@@ -1,20 +1,13 @@
 """Who sets up the distributed strategy of this run: the launcher's config, or the recipe from
 inside the script (docs/preflight.md "Who sets up the strategy": the rule, and what the recipe
 route prepares before the first PartialState).
-
-DeepSpeed's C++ ops that are compiled on first use (JIT, torch.utils.cpp_extension): said before the 50-70 s build
-starts, so a first launch does not look hung. `deepspeed_shm_comm` is built by DeepSpeed's CPU communication backend
-when a DeepSpeed run's processes join on CPU (deepspeed/comm/torch.py build_shm_op), `cpu_adam` for an optimizer
-offloaded to the host (DeepSpeedCPUAdam). Each is cached per Python/torch build and reused afterwards.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from finetune.launch.launcher import Launcher
 from finetune.strategies import Strategy, by_recipe, trainer_arguments
@@ -33,7 +26,7 @@ class StrategySetup:
     @property
     def needs_group(self) -> bool:
         """The recipe's row needs a process group even for one process (DeepSpeed, FSDP, DDP)."""
-        return self.row is not None and self.row.name != "single"
+        return self.row is not None and self.row.multi_process
 
     def describe(self) -> str:
         """The console line (rank 0, at start)."""
@@ -120,14 +113,18 @@ def prepare(setup: StrategySetup, env=os.environ) -> None:
         env.pop("ACCELERATE_USE_CPU")
 
 
-def adopt_deepspeed_comm(setup: StrategySetup, *, sequence_parallel: bool = False) -> None:
-    """DeepSpeed rows engaged in-script, and every Ulysses run (Accelerate registers Ulysses' groups before DeepSpeed's
-    engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier): deepspeed.comm wraps the torch group
-    PartialState made (deepspeed/comm/comm.py init_distributed: "The user initialized torch.dist themselves")."""
+def adopt_deepspeed_comm(setup: StrategySetup, *, sequence_parallel: bool = False, env=os.environ) -> None:
+    """DeepSpeed rows engaged in-script, DeepSpeed from the launcher's config on CPU (PartialState starts DeepSpeed's
+    communication itself only off CPU, accelerate/state.py; else DeepSpeed's engine does it, and builds its CPU
+    communication op, inside Trainer.train()), and every Ulysses run (Accelerate registers Ulysses' groups before
+    DeepSpeed's engine initialises deepspeed.comm, which only ZeRO-3's zero.Init did earlier): deepspeed.comm wraps the
+    torch group PartialState made (deepspeed/comm/comm.py init_distributed: "The user initialized torch.dist
+    themselves"), here, where the run holds back the op's load notice (finetune/training/run.py)."""
     import torch.distributed as dist
 
     in_script = setup.set_up_by == "recipe" and setup.row.zero_stage is not None
-    if not (in_script or sequence_parallel) or not dist.is_initialized():
+    from_launcher = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if not (in_script or from_launcher or sequence_parallel) or not dist.is_initialized():
         return
     import deepspeed.comm
 
@@ -138,63 +135,3 @@ def _origin(launcher: Launcher) -> str:
     if launcher.config_file:
         return launcher.describe()
     return f"{launcher.kind}'s flags or environment"
-
-
-# --- DeepSpeed's ops compiled on first use (see the module docstring) -----------------------------------
-
-
-def build_dir(name: str) -> Path:
-    """Where torch caches an extension's build: torch/utils/cpp_extension.py _get_build_directory
-    ($TORCH_EXTENSIONS_DIR, else the default root / py<version>_<cpu|cuXY> / name)."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        cu = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
-        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_{cu}")
-    return Path(root) / name
-
-
-def unbuilt(names: list[str]) -> list[str]:
-    """The ops among `names` that DeepSpeed has not installed prebuilt and torch has not cached."""
-    try:
-        from deepspeed.git_version_info import installed_ops
-    except ImportError:
-        return []
-    return [n for n in names if not installed_ops.get(n) and not (build_dir(n) / f"{n}.so").is_file()]
-
-
-def ops_before_processes(setup, env=os.environ) -> list[str]:
-    """Ops the process group's set-up compiles: DeepSpeed's CPU communication op for DeepSpeed
-    (launcher config or recipe) on a machine without CUDA."""
-    import torch
-
-    deepspeed = env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" or (
-        setup.row is not None and setup.row.zero_stage is not None
-    )
-    return ["deepspeed_shm_comm"] if deepspeed and not torch.cuda.is_available() else []
-
-
-def ops_at_optimizer(launch) -> list[str]:
-    """Ops the engine's optimizer compiles: DeepSpeedCPUAdam for an optimizer offloaded to the host."""
-    return ["cpu_adam"] if launch.family == "deepspeed" and "optimizer" in launch.offload else []
-
-
-def op_builds_line(names: list[str]) -> str | None:
-    """The line that says what is about to be compiled, or None when everything is built."""
-    todo = unbuilt(names)
-    if not todo:
-        return None
-    where = build_dir(todo[0]).parent
-    return (
-        f"DeepSpeed compiles its {' and '.join(todo)} op{'s' if len(todo) > 1 else ''} now (first use on this "
-        f"machine, about a minute each; cached in {where} and reused afterwards)"
-    )
-
-
-def say_op_builds(names: list[str]) -> None:
-    """Rank 0 says which DeepSpeed ops are about to be compiled, if any."""
-    line = op_builds_line(names)
-    if line and os.environ.get("RANK", "0") == "0":
-        print(f"[finetune] {line}", file=sys.stderr, flush=True)

@@ -253,7 +253,8 @@ def launch_args(rest: list[str], *, cpu: bool, num_processes: int) -> list[str]:
     args = parser().parse_args(rest)  # bad options fail here, before any process starts
     parse_sizes(args.sizes, num_processes)
     if cpu:
-        cmd = ["--config_file", str(resources.resolve(strategies.by_key("ddp").cpu_config))]
+        ddp = next(s for s in strategies.STRATEGIES if s.replicates)  # its CPU variant: 2 processes over gloo
+        cmd = ["--config_file", str(resources.resolve(ddp.cpu_config))]
     else:
         cmd = ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     return cmd + ["--num_processes", str(num_processes), "-m", "finetune.planning.bench_comm", *rest]

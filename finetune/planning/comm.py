@@ -44,8 +44,8 @@ def step_traffic(shape: Shape, w: Workload, strategy: str, n: int, regime: Regim
         all_bytes = frozen_bytes + trainable * p.param_compute
     s_g, s_w, a = trainable * p.grad, trainable * p.param, w.grad_accum
     coll, h2d = {}, {}
-    if n >= 2 and strategy != "single":
-        if strategy == "ddp":
+    if n >= 2 and st.multi_process:
+        if st.replicates:
             coll["all_reduce gradients"] = ring_factor("all_reduce", n) * s_g
         elif not st.shards_params:  # ZeRO-1/2
             coll["reduce_scatter gradients"] = a * ring_factor("reduce_scatter", n) * s_g

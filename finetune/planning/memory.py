@@ -9,9 +9,10 @@ import json
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from finetune import precision
 from finetune.modeling import loss_choice
 from finetune.planning.activations import activations, loss_buffers
-from finetune.planning.regimes import B16, F32, Regime, family
+from finetune.planning.regimes import B16, F32, Regime
 from finetune.planning.shapes import Shape, Workload
 from finetune.strategies import by_key
 from finetune.units import GIB
@@ -86,7 +87,7 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
     """(device, host) bytes that persist across steps: weights, master copy, optimizer states,
     persistent gradient buffers, per device / per process."""
     st = by_key(strategy)
-    fam = family(strategy)
+    fam = precision.family_of(strategy)
     P = trainable_params(sh, w)
     dev: dict[str, float] = {}
     host: dict[str, float] = {}
@@ -128,8 +129,8 @@ def states(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValu
                 if frozen_key in dev:
                     host[frozen_key] = dev.pop(frozen_key)
     else:
-        dev["optimizer_states"] = 2 * P * p.state / (n if fam == "fsdp" else 1)
-        if strategy == "ddp":
+        dev["optimizer_states"] = 2 * P * p.state / (n if fam == "fsdp2" else 1)
+        if st.replicates:
             dev["ddp_grad_buckets"] = P * p.grad  # DDP's flat buckets (gradient_as_bucket_view=False)
         if st.offload_params:  # FSDP2 CPUOffloadPolicy: sharded params, their gradients and states on the host
             for key in [k for k in dev if k != "ddp_grad_buckets"]:
@@ -162,9 +163,9 @@ class DeviceGradients(NamedTuple):
 def device_gradients(sh: Shape, w: Workload, p: Regime, strategy: str, n: int) -> DeviceGradients:
     """Gradients kept on the device through the backward: torch-native full fine-tuning (FSDP2 with
     CPUOffloadPolicy moves each reduced shard to the host; DeepSpeed copies them into its buckets)."""
-    st, fam = by_key(strategy), family(strategy)
+    st, fam = by_key(strategy), precision.family_of(strategy)
     shard = n if st.shards_grads and fam != "deepspeed" else 1
-    kept = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp" and st.offload_params)
+    kept = w.method == "full" and fam != "deepspeed" and not (fam == "fsdp2" and st.offload_params)
     head = sh.embedding * p.grad / shard if kept else 0
     return DeviceGradients(shard, kept, head, sh.params.per_layer * p.grad / shard if kept else 0)
 
@@ -240,7 +241,7 @@ def block_backward_common(
     backward temporaries (the grads of the product, act and up while gate/act/up are still saved, +2
     T x i: the product's saved tensor is freed first; with cast adapter inputs their input grads in
     the adapter dtype too); the gradient flowing in (stream dtype); the strategy's own buffers."""
-    st, fam = by_key(strategy), family(strategy)
+    st, fam = by_key(strategy), precision.family_of(strategy)
     T, h, i = w.tokens, sh.hidden, sh.intermediate
     g = A["lin_out"]
     transient = 2 * g * T * i + A["stream"] * T * h
@@ -262,7 +263,7 @@ def block_backward_common(
         # at most the trainable parameters' elements (contiguous_gradients copies each gradient once).
         elements = min(z.reduce_bucket_size, trainable_params(sh, w)) if cpu else z.reduce_bucket_size
         common["ipg_bucket"] = elements * p.param
-    if fam == "fsdp" and n > 1:
+    if fam == "fsdp2" and n > 1:
         # the block's unsharded parameters (and the prefetched next), and its unsharded gradients
         # before the reduce-scatter (derived from FSDP2's FSDPParamGroup; not measured)
         layer_b = sh.params.per_layer * (p.param_compute if w.method == "full" else p.frozen_compute)
@@ -276,7 +277,7 @@ def step_phases(
     sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: ZeroValues | None, grads: DeviceGradients
 ) -> dict:
     """The end of the backward (the gradients kept on the device) and the optimizer step."""
-    st, fam = by_key(strategy), family(strategy)
+    st, fam = by_key(strategy), precision.family_of(strategy)
     P = trainable_params(sh, w)
     out = {}
     if grads.kept:
@@ -312,7 +313,7 @@ def late_unfit(sh: Shape, w: Workload, p: Regime, strategy: str, n: int, z: Zero
     fp32 gradient partition and ZeRO-3's fp32 sub-group gradient at the step; what they can reuse
     is the largest block freed before (the standard loss's fp32 T x V, else an MLP intermediate)."""
     st = by_key(strategy)
-    if family(strategy) != "deepspeed" or st.offload_optimizer:
+    if precision.family_of(strategy) != "deepspeed" or st.offload_optimizer:
         return 0.0
     P = trainable_params(sh, w)
     freed = max(F32 * w.tokens * sh.vocab if w.loss_impl == "standard" else 0, B16 * w.tokens * sh.intermediate)
@@ -333,12 +334,12 @@ def peak(
     z = zero_values(strategy, sh, ds_config)
     dev, host = states(sh, w, p, strategy, n, z)
     st = by_key(strategy)
-    fam = family(strategy)
+    fam = precision.family_of(strategy)
     persistent = dict(dev)
     if sm is not None:
         persistent["cublas_workspaces"] = cublas_bytes(sm)
     persistent["batch"] = batch_bytes(w)
-    if fam == "fsdp":
+    if fam == "fsdp2":
         # accelerate 1.15 fsdp2_prepare_model shards the root (final norm, embedding, head) with
         # reshard_after_forward=False (accelerate/utils/fsdp_utils.py; torch _fsdp_state.py: False for
         # the root): its unsharded copy lives from forward into backward, even at world size 1
@@ -349,8 +350,8 @@ def peak(
         if gathered:
             persistent["zero3_gathered_params"] = gathered
     P = trainable_params(sh, w)
-    if w.grad_accum > 1 and fam in ("torch", "fsdp"):
-        persistent["accumulated_grads"] = P * p.grad / (n if fam == "fsdp" else 1)
+    if w.grad_accum > 1 and fam in ("torch", "fsdp2"):
+        persistent["accumulated_grads"] = P * p.grad / (n if fam == "fsdp2" else 1)
     if w.grad_accum > 1 and fam == "deepspeed" and st.zero_stage in (1, 2) and not st.offload_optimizer:
         persistent["accumulated_grad_partition"] = P * p.grad / n  # the partition survives micro-steps
     ph = phases(sh, w, p, strategy, n, z, cpu=sm is None)

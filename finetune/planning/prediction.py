@@ -332,24 +332,21 @@ def prediction_with_error(view, host_lifetime_gib: float | None = None) -> dict 
 
 def mesh_runs_under(w: Workload, strategy: str) -> bool:
     """Whether the workload's mesh can run under a planner strategy row (finetune/mesh.py)."""
-    from finetune import mesh
-
-    name = by_key(strategy).name
-    rules = ((w.sp, mesh.SP_STRATEGIES), (w.tp, mesh.TP_STRATEGIES), (w.cp, mesh.CP_STRATEGIES))
-    return all(size == 1 or name in allowed for size, allowed in rules)
+    row = by_key(strategy)
+    return all(size == 1 or row.runs(dim) for dim, size in (("sp", w.sp), ("tp", w.tp), ("cp", w.cp)))
 
 
 def plan_rows(shape: Shape, w: Workload, n: int, *, methods=memory.METHODS, strategies=None) -> list[dict]:
     """One row per (method, strategy) for `finetune plan`: the breakdown on one device and one host process."""
-    from finetune.strategies import KEYS
+    from finetune.strategies import STRATEGIES
 
     rows = []
     for method in methods:
         wm = Workload(**{**w.__dict__, "method": method})
         if wm.tp > 1 and method != "full":
             continue  # tensor parallelism trains full fine-tuning only (finetune/config/validate.py)
-        for strategy in strategies or KEYS:
-            if n == 1 and strategy != "single" and not by_key(strategy).offload_optimizer:
+        for strategy in strategies or [s.key for s in STRATEGIES]:
+            if n == 1 and by_key(strategy).multi_process and not by_key(strategy).offload_optimizer:
                 continue  # on one device only the offload variants differ from `single`
             if not mesh_runs_under(wm, strategy):
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from finetune import precision
+from finetune.strategies import by_key
 
 B16, F32 = 2, 4  # bytes per element of bf16/fp16 and fp32
 
@@ -38,18 +39,12 @@ class Regime:
         return self.compute or self.frozen
 
 
-def family(strategy: str) -> str:
-    """torch | fsdp | deepspeed, from a planner strategy key (finetune/strategies.py)."""
-    fam = precision.family_of(strategy)
-    return "fsdp" if fam == "fsdp2" else fam
-
-
 def policy_regime(policy: str, method: str, strategy: str) -> Regime:
     """The live dtypes of a resolved policy (finetune/precision.py; not "auto") for a method under a
     strategy: the table's bytes per trainable parameter and frozen base; LoRA adapters and QLoRA's
     non-quantized weights as docs/planning.md "Which regime a run had" says."""
     pol = precision.get(policy)
-    fam = family(strategy)
+    fam = precision.family_of(strategy)
     tb = precision.trainable_bytes(pol, strategy)
     frozen = precision.frozen_bytes(pol)
     if method == "qlora" and pol.adapters_fp32 and fam != "deepspeed":
@@ -57,11 +52,11 @@ def policy_regime(policy: str, method: str, strategy: str) -> Regime:
         # every floating parameter to its module dtype (engine.py _cast_module_mixed_precision), ZeRO-3 too (a
         # quantized model is not built under zero.Init): its residual stream is bf16 (tests/planning/test_zero_buffers.py)
         frozen = F32
-    compute = tb.working_params if (fam == "fsdp" and pol.fsdp_param_dtype) else None
+    compute = tb.working_params if (fam == "fsdp2" and pol.fsdp_param_dtype) else None
     autocast = fam == "torch" and pol.torch_autocast is not None
     how = {
         "torch": "torch.autocast" if autocast else "no autocast",
-        "fsdp": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
+        "fsdp2": f"FSDP2 MixedPrecisionPolicy(param_dtype={pol.fsdp_param_dtype})" if compute else "FSDP2, no casts",
         "deepspeed": f"DeepSpeed module in {pol.compute_dtype}, separate master",
     }[fam]
     return Regime(
@@ -85,10 +80,10 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
     loaded = B16 if (model_dtype in ("auto", "bfloat16", "float16") and device_type == "cuda") else F32
     if model_dtype == "float32":
         loaded = F32
-    fam = family(strategy)
+    fam, zero3 = precision.family_of(strategy), by_key(strategy).zero_stage == 3
     label = f"legacy (before training.precision): model loaded in {'bf16' if loaded == B16 else 'fp32'}, no autocast"
     if method == "full":
-        if fam == "deepspeed" and strategy.startswith("zero3"):
+        if zero3:
             note = "DeepSpeed fp32 mode: zero.Init dtype fp32, separate fp32 master"
             return Regime(label + "; ZeRO-3 zero.Init in fp32", F32, F32, F32, F32, master=F32, note=note)
         if fam == "deepspeed":
@@ -97,7 +92,7 @@ def legacy_regime(method: str, strategy: str, device_type: str = "cuda", model_d
         note = "weights, gradients and AdamW states in the load dtype"
         return Regime(label, loaded, loaded, loaded, loaded, note=note)
     frozen = F32 if method == "qlora" else loaded
-    if fam == "deepspeed" and strategy.startswith("zero3") and method != "qlora":
+    if zero3 and method != "qlora":
         frozen = F32  # zero.Init re-creates the frozen base in fp32 as well
     master = F32 if fam == "deepspeed" else 0
     note = "fp32 adapters (peft), frozen base in the load dtype"

@@ -100,7 +100,7 @@ def build_plan(
 def recommendable(strategy: str, world: int) -> bool:
     """Only what ships a recipe and its configs is an answer (the planner-only rows are for comparison); with
     several GPUs the single-device row is a reference only: it would leave the others idle."""
-    return bool(by_key(strategy).recipe) and (world == 1 or strategy != "single")
+    return bool(by_key(strategy).recipe) and (world == 1 or by_key(strategy).multi_process)
 
 
 def plan_row(shape: Shape, w: Workload, row: dict, n: int, where: dict) -> dict:

@@ -17,7 +17,7 @@ from finetune.planning import prediction
 from finetune.planning.memory import fits_total
 from finetune.planning.prediction import AUTO, DEFAULT_MICRO_BATCH
 from finetune.planning.shapes import Shape, Workload
-from finetune.strategies import SPEED_ORDER, by_key
+from finetune.strategies import by_key
 
 MARGIN = 0.90  # "fits" = at most 90% of device (and host) memory: headroom for fragmentation spikes
 
@@ -83,7 +83,7 @@ def step_seconds(shape: Shape, w: Workload, comm_times: dict, peak: float = PEAK
 
 def rank(row: dict) -> tuple:
     """The order of fitting options: estimated step time, the strategy speed order, the larger micro-batch."""
-    return (row["step_time"]["total_s"], SPEED_ORDER.index(row["strategy"]), -row["micro_batch"])
+    return (row["step_time"]["total_s"], by_key(row["strategy"]).speed_rank, -row["micro_batch"])
 
 
 def fastest(rows: list[dict]) -> dict | None:

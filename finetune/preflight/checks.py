@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 from finetune import precision
-from finetune.errors import ConfigError, ReportedElsewhere, UserError
+from finetune.errors import ConfigError, DataError, ReportedElsewhere, UserError
 from finetune.launch.configs import DeclaredLaunch
 from finetune.launch.plan import LaunchPlan
 from finetune.preflight import devices, model_files, parallel
-from finetune.strategies import launch_line
+from finetune.strategies import by_name, launch_line
 
 SOURCE = "preflight (nothing was started, loaded or written)"
 
@@ -19,19 +19,25 @@ SOURCE = "preflight (nothing was started, loaded or written)"
 OTHER_RANKS_WAIT_S = 30  # for the launcher to stop them once rank 0 has exited
 
 
-def check_before_processes(cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S) -> None:
+def check_before_processes(
+    cfg, setup, env=os.environ, wait_s: float = OTHER_RANKS_WAIT_S, stopped=lambda: False
+) -> None:
     """In each launched process, before its process group: a launch whose processes could only run
     alone is refused before any collective or DeepSpeed op build (devices.lone_processes_problem).
     Rank 0 says why and exits 2 at once. The other ranks wait, silently, for the launcher to stop them
     (torchrun and accelerate launch terminate the others when one exits): were one of them to exit
-    first, the launcher could kill rank 0 before it printed. They exit 2 after `wait_s` otherwise."""
+    first, the launcher could kill rank 0 before it printed. They exit 2 once `stopped()` (a stop
+    signal arrived: the ranks record signals instead of dying, finetune/training/signals.py), else after
+    `wait_s`; before, a rank slept through the launcher's SIGTERM until torchrun killed it 30 s later."""
     problem = devices.lone_processes_problem(cfg, setup, env)
     if problem is None:
         return
     if env.get("RANK", "0") != "0":
         import time
 
-        time.sleep(wait_s)
+        deadline = time.monotonic() + wait_s
+        while not stopped() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ReportedElsewhere(problem)
     raise ConfigError([problem], SOURCE)
 
@@ -201,7 +207,8 @@ def qlora_storage(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
     """ZeRO-3 and FSDP flatten and shard parameters of one float dtype, so QLoRA's packed 4-bit
     weights must be stored in the compute dtype (bnb_4bit_quant_storage; see finetune/modeling/load.py)."""
     strategy, m = launch.strategy, cfg.method
-    if m.name != "qlora" or strategy not in ("zero3", "fsdp"):
+    row = by_name(strategy)
+    if m.name != "qlora" or not (row and row.shards_params):
         return []
     compute_name = launch.policy.compute_dtype
     if m.quant_storage in ("auto", compute_name):
@@ -301,7 +308,7 @@ def heldout_problem(path: str, samples: int) -> str | None:
     try:
         for i, row in enumerate(read.read_rows(path)[:samples], start=1):
             prompt_and_answer(row, f"{path} row {i}")
-    except read.DataError as e:
+    except DataError as e:
         return str(e)
     return None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from finetune import mesh as meshes
+from finetune import strategies
 from finetune.launch.plan import LaunchPlan
 
 # Accelerate's launcher exports an accelerate config's `parallelism_config` keys as these
@@ -33,11 +34,12 @@ def problems(cfg, launch: LaunchPlan, *, in_process: bool) -> list[str]:
             f"{' or '.join(map(str, ok))} processes (--num_processes), or change the sizes"
         )
     rules = (
-        (m.sp, "sp_size", meshes.SP_STRATEGIES, meshes.SP_ENGINE, "Ulysses uses DeepSpeed's sequence-parallel groups"),
-        (m.tp, "tp_size", meshes.TP_STRATEGIES, meshes.TP_ENGINE, "AutoTP composes with ZeRO up to stage 2"),
-        (m.cp, "cp_size", meshes.CP_STRATEGIES, meshes.CP_ENGINE, "the ring runs on FSDP2's device mesh"),
+        (m.sp, "sp", meshes.SP_ENGINE, "Ulysses uses DeepSpeed's sequence-parallel groups"),
+        (m.tp, "tp", meshes.TP_ENGINE, "AutoTP composes with ZeRO up to stage 2"),
+        (m.cp, "cp", meshes.CP_ENGINE, "the ring runs on FSDP2's device mesh"),
     )
-    for size, key, allowed, engine, why in rules:
+    for size, dim, engine, why in rules:
+        key, allowed = f"{dim}_size", strategies.names(lambda s, dim=dim: s.runs(dim))
         if size > 1 and strategy not in allowed:
             hint = {
                 "sp_size": "recipe zero3_sp, or any zero1/zero2/zero3 recipe with --parallel.sp_size",

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from finetune.telemetry.record_schema import ABSENT, BY_NAME, SCHEMA, SECTIONS
+from finetune.telemetry.record_schema import ABSENT, SCHEMA, SECTIONS
 from finetune.units import GIB
 
 __all__ = ["SCHEMA", "RecordView", "RunRecord", "check", "load", "typed_fields", "unwrap"]
@@ -207,11 +207,12 @@ def interconnect() -> dict | None:
 
 
 def _section(name: str):
-    if name not in BY_NAME:
+    by_name = {s.name: s for s in SECTIONS}
+    if name not in by_name:
         raise KeyError(
-            f"run.json has no section {name!r} (declared: {', '.join(BY_NAME)}; finetune/telemetry/record_schema.py)"
+            f"run.json has no section {name!r} (declared: {', '.join(by_name)}; finetune/telemetry/record_schema.py)"
         )
-    return BY_NAME[name]
+    return by_name[name]
 
 
 def unwrap(hint):

@@ -455,6 +455,38 @@ class Nodes(TypedDict):
     param_partition: str | None  # how the parameters are split, read from the live engine
 
 
+# --- `export`: the check of the final save and the merged export (finetune/export/live.py, command.py)
+class ExportProbe(TypedDict):
+    rows: int
+    tokens: int
+    trained_tokens: int
+    source: str
+
+
+class ExportCheck(TypedDict, total=False):
+    kind: str  # reload | stream | off
+    why: str
+    passed: bool | None
+    problems: list[str]
+    reference: str  # what the saved model is compared with
+    compute_dtype: str  # the tolerance's dtype
+    probe: ExportProbe
+    reference_loss: float | None
+    saved_loss: float | None
+    max_logit_diff: float | None
+    logit_tolerance: float | None
+    loss_tolerance: float | None
+    tensors: int
+    max_tensor_rel_diff: float
+    device: str | None
+    seconds: float
+
+
+class Export(TypedDict, total=False):
+    check: ExportCheck
+    merged: dict[str, Any]
+
+
 @dataclass(frozen=True)
 class Section:
     name: str
@@ -493,5 +525,5 @@ SECTIONS: tuple[Section, ...] = (
     Section("parameters", Parameters, ABSENT, False),
     Section("speed", Speed, ABSENT, False),
     Section("inputs", Inputs, ABSENT, False),
+    Section("export", Export, ABSENT, False),
 )
-BY_NAME = {s.name: s for s in SECTIONS}

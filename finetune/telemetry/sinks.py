@@ -1,5 +1,7 @@
 """Where a run's record goes: run.json, the console, W&B, each one class behind one interface, so a new backend is one
-more class (rank 0 holds them). When each method is called and by whom: docs/architecture.md "The sinks".
+more class. When each method is called and by whom: docs/architecture.md "The sinks". The per-step stream goes to
+run.json (its steps[]) and to the trackers, which take it from Trainer's log (`TRACKERS`; docs/architecture.md
+"Adding a tracker"): a sink sees the record when the run starts and when it ends, never a step.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from finetune.telemetry.summary import Console
 log = logging.getLogger("finetune")
 
 
+# Trackers transformers does not integrate: a logging.report_to name -> the TrainerCallback that takes each log window
+# (its on_log, after FinetuneTrainer added the meter's keys). The names transformers integrates (wandb, tensorboard,
+# mlflow, ...) need no row: TrainingArguments.report_to gets them (finetune/training/arguments.py).
+TRACKERS: tuple[tuple[str, type], ...] = ()
+
+
 class Sink(Protocol):
     def start(self, record: RecordView) -> None: ...
-
-    def log(self, entry: dict) -> None: ...
 
     def close(self, record: RecordView, exit_code: int) -> None: ...
 
@@ -95,6 +101,14 @@ class RunJson:
         return True
 
 
+class Kept(RunJson):
+    """The record kept in memory as rank 0 keeps it, never saved: every other rank's (and the benchmark's), so each
+    computes the sections rank 0 computes and none of the code that hands them over asks which rank it is on."""
+
+    def save(self) -> None:
+        pass
+
+
 class Sinks:
     """Every backend of a run, run.json first, called in the order given; the record they are handed."""
 
@@ -129,8 +143,8 @@ class Sinks:
             sink.start(self.view)
 
     def log(self, entry: dict) -> None:
-        for sink in self.sinks:
-            sink.log(entry)
+        """A log window's entry, into run.json's steps[] (the trackers have it from Trainer's log)."""
+        self.run_json.log(entry)
 
     def close(self, exit_code: int) -> None:
         """The run's end, however it ended: its segment closed (when, wall time, steps: a resumed run's console
@@ -145,8 +159,11 @@ class Sinks:
             sink.close(self.view, exit_code)
 
 
-def for_run(cfg, record: RunRecord, run_dir: Path) -> Sinks:
-    """A run's backends (rank 0): run.json, the console, and W&B when logging.report_to names it."""
+def for_run(cfg, record: RunRecord, run_dir: Path, *, main: bool) -> Sinks:
+    """A run's backends: on rank 0 (`main`) run.json, the console, and W&B when logging.report_to names it; on every
+    other rank the record kept in memory only (`Kept`): a sink set that writes and shows nothing."""
+    if not main:
+        return Sinks(Kept(record))
     backends = [Console(run_dir, run_dir / "model" if cfg.run.save_model else None, cfg.method.name)]
     if wandb_logging.enabled(cfg.logging.report_to):
         backends.append(wandb_logging.WandB(cfg.logging.wandb_project, run_dir))

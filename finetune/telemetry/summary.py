@@ -15,16 +15,13 @@ log = logging.getLogger("finetune")
 
 class Console:
     """The console as a sink of the run's record (finetune/telemetry/sinks.py). Each log window's line
-    is the progress bar's (finetune/training/trainer.py CompactProgress)."""
+    is the progress bar's (finetune/training/trainer.py CompactProgress), a callback of Trainer's log."""
 
     def __init__(self, run_dir: Path, model_dir: Path | None, method: str):
         self.run_dir, self.model_dir, self.method = run_dir, model_dir, method
 
     def start(self, record: RecordView) -> None:
         log.info("%s", start_line(record))
-
-    def log(self, entry: dict) -> None:
-        pass
 
     def close(self, record: RecordView, exit_code: int) -> None:
         if exit_code == 0:
@@ -85,10 +82,31 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
     rows += _time_rows(record)
     rows.append(("run directory", f"{run_dir}   (run.json, config.yaml)"))
     if model_dir:
-        rows.append(("LoRA adapter" if method in ("lora", "qlora") else "model", str(model_dir)))
+        check = record.get("export", "check", default=None)
+        rows.append(
+            ("LoRA adapter" if method in ("lora", "qlora") else "model", f"{model_dir}{verified(model_dir, check)}")
+        )
+    merged = record.get("export", "merged", default=None)
+    if merged:
+        rows.append(("merged model", f"{merged['folder']}{verified(Path(merged['folder']), merged['check'])}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
     print("\n".join(["", "=" * 78, *lines, "=" * 78]), flush=True)
+
+
+def verified(folder: Path, check: dict | None) -> str:
+    """'   (model/ verified: ...)': which check ran on the save and what it found (run.json `export.check`)."""
+    if not check:
+        return ""
+    if check["kind"] == "off":
+        return f"   ({folder.name}/ not verified: run.verify_export: off)"
+    figures = (
+        f"loss {check['saved_loss']:.4f} vs {check['reference_loss']:.4f}, largest logit difference "
+        f"{check['max_logit_diff']:.2g} (tolerance {check['logit_tolerance']:.2g}), "
+        if check.get("max_logit_diff") is not None
+        else ""
+    )
+    return f"   ({folder.name}/ verified, {check['kind']} check: {figures}{check['tensors']} tensors, {check['seconds']:.0f} s)"
 
 
 def _training_rows(record: RecordView, method: str) -> list[tuple[str, str]]:

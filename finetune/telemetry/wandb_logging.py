@@ -35,9 +35,6 @@ class WandB:
     def start(self, record: RecordView) -> None:
         self.run = start(record, project=self.project, run_dir=self.run_dir)
 
-    def log(self, entry: dict) -> None:
-        pass
-
     def close(self, record: RecordView, exit_code: int) -> None:
         if self.run is None:
             return

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from finetune import batch
 from finetune.errors import ConfigError
 from finetune.launch.plan import LaunchPlan
+from finetune.telemetry.sinks import TRACKERS
 from finetune.training import speed
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def for_run(cfg, launch: LaunchPlan, *, output_dir: Path, run_name: str) -> RunA
     )
     values["learning_rate"] = lr["applied"]  # the optimizer is built from this value
     values.update(mesh_arguments(cfg, launch))
-    args = build(output_dir=str(output_dir), run_name=run_name, report_to=cfg.logging.report_to or "none", **values)
+    integrated = [name for name in cfg.logging.report_to if name not in dict(TRACKERS)]  # transformers' own
+    args = build(output_dir=str(output_dir), run_name=run_name, report_to=integrated or "none", **values)
     return RunArguments(args, sizes, lr, given.save_total_limit, checkpointing)
 
 

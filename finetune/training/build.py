@@ -58,14 +58,21 @@ def trainer_for(
     train_dataset,
     eval_dataset,
     tokenizer,
-    sinks=None,
+    sinks,
     machines=None,
+    universal=False,
+    **handed,
 ) -> ResilientTrainer:
     """ResilientTrainer over the configured batch layout, with the strategy that engaged checked against the recipe and
     the precision policy applied; both are read back from the live objects before step 1 (finetune/training/hooks.py).
-    `sinks`: rank 0 of a run; `machines`: a run's, every rank (run.json `nodes`); None in the benchmark."""
+    Handed over as the trainer is built: `sinks` (finetune/telemetry/sinks.py); `machines`: a run's (run.json `nodes`;
+    None in the benchmark); `universal`: DeepSpeed loads the checkpoint resumed from as a universal one
+    (finetune/checkpointing/universal.py); `handed`: what else ResilientTrainer takes: `stops` (the process's stop
+    signals and watchdog), and from a run the world size that wrote that checkpoint, DDP's find_unused_parameters as
+    decided from the model, the completion marker's run facts."""
     from finetune.data import collate
     from finetune.telemetry import meter
+    from finetune.telemetry.sinks import TRACKERS
     from finetune.training.hooks import RunHooks
     from finetune.training.resilience import ResilientTrainer
 
@@ -83,7 +90,9 @@ def trainer_for(
             ),
         ),
         processing_class=tokenizer,
+        callbacks=[tracker() for name, tracker in TRACKERS if name in cfg.logging.report_to],  # logging.report_to
         sinks=sinks,
+        **handed,
         **meter.mfu_inputs(model, cfg.method.name),
         save_total_limit=arguments.save_total_limit,
         on_nonfinite=cfg.training.on_nonfinite,
@@ -95,6 +104,10 @@ def trainer_for(
         RunHooks(trainer, cfg, launch, learning_rate=arguments.lr["applied"], sinks=sinks, machines=machines)
     )  # the strategy refused now if it is not the recipe's; the live engine and precision before step 1
     apply_precision(trainer, launch.policy)
+    if universal:
+        from finetune.checkpointing import universal as universal_checkpoint
+
+        universal_checkpoint.enable_loading(trainer)
     return trainer
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 from finetune import held_back, storage
 from finetune.checkpointing import checkpoints, resume
 from finetune.errors import EXIT_PREEMPTED, UserError
+from finetune.export import command as export_command
+from finetune.export import live
 from finetune.launch import peers, rundir
 from finetune.modeling import load
 from finetune.planning import prediction
 from finetune.telemetry import formulas, meter, model_flops
 from finetune.telemetry.record import RecordView
-from finetune.training import planned, signals
+from finetune.training import fault_injection, planned, signals
 from finetune.training.resilience import Diverged
 
 log = logging.getLogger("finetune")
@@ -38,13 +40,17 @@ class Limits:
 class AfterTraining:
     """The steps after the last optimizer step (docs/faults.md "After training")."""
 
-    def __init__(self, trainer, model_dir: Path, tokenizer, limits: Limits):
-        self.trainer = trainer
+    def __init__(
+        self, trainer, model_dir: Path, tokenizer, limits: Limits, stops: signals.Stops, check: live.ExportCheck | None
+    ):
+        self.trainer, self.stops = trainer, stops
         self.checkpoint: Path | None = None  # the final step's, when the export failed (run.json summary.checkpoint)
         self.model_dir, self.tokenizer = Path(model_dir), tokenizer
         self.limits = limits
+        self.check = check  # how the export is checked (run.verify_export) and whether a merged one follows
         self.attempted = False  # the export was started
-        self.exported: Path | None = None  # ... and completed
+        self.exported: Path | None = None  # ... and completed, and checked
+        self.record: dict = {}  # run.json `export` (rank 0): the check, the merged export
 
     def step(self, what: str, fn, *, saves: bool = False):
         """fn() on this rank, then the boundary: a failure on any rank raises on every rank; a stop
@@ -59,28 +65,54 @@ class AfterTraining:
         """(fn()'s result, every rank's signal flag); a failure on any rank raises on every rank."""
         error = result = None
         limit = self.limits.save_s if saves else self.limits.finish_s
-        with peers.watch.during(what, limit):
+        with self.stops.watch.during(what, limit):
             try:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - agreed first, then raised on every rank
                 error = e
-            return result, signals.agree(self.trainer.accelerator, what, error)
+            return result, self.stops.agree(self.trainer.accelerator, what, error)
 
-    def export(self, then=None) -> None:
-        """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, as a
-        step every rank agrees on: complete from then on. `then()` runs after it on this rank (a drill)."""
+    def export(self) -> None:
+        """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, then its check
+        (finetune/export/live.py), each a step every rank agrees on: complete once checked; then the merged export
+        (run.export: merged) as another. The export's drills act once it is written (docs/faults.md "Drills")."""
+        rank, step = self.trainer.accelerator.process_index, self.trainer.state.global_step
 
         def write():
             self._write_export()
-            if then:
-                then()
+            fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
+            fault_injection.fail("export", rank=rank, step=step)
+            fault_injection.damage_export(self.model_dir, rank=rank, step=step)
 
+        check = self.check
+        batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
         self.step("the export", write, saves=True)
+        if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
+            self.step("the export's check", lambda: self._verify(batch), saves=True)
         self.exported = self.model_dir
+        if check is not None and check.merged:
+            self.step("the merged export", self._merged, saves=True)
+
+    def _verify(self, batch) -> None:
+        if self.check is None:
+            return
+        try:
+            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch)
+        except live.ExportCheckFailed as e:
+            self.record["check"] = e.section
+            raise
+        if section is not None:
+            self.record["check"] = section
+
+    def _merged(self) -> None:
+        """Rank 0: `finetune export RUN --merge` into RUN/export (finetune/export/command.py); its figures."""
+        if self.trainer.accelerator.is_main_process:
+            self.record["merged"] = export_command.merge_after_training(self.model_dir.parent)
 
     def _write_export(self) -> None:
         self.attempted = True
-        load.save_final_model(self.trainer, self.model_dir)
+        if not fault_injection.save_ungathered(self.trainer, self.model_dir, step=self.trainer.state.global_step):
+            load.save_final_model(self.trainer, self.model_dir)
         if self.trainer.accelerator.is_main_process:
             self.tokenizer.save_pretrained(str(self.model_dir))
 
@@ -122,7 +154,7 @@ class AfterTraining:
         trainer = self.trainer
         step = trainer.state.global_step
         try:
-            with peers.watch.during("the checkpoint of the final step", self.limits.save_s):
+            with self.stops.watch.during("the checkpoint of the final step", self.limits.save_s):
                 ckpt = trainer.resilience.final_checkpoint()
         except Exception as e:  # noqa: BLE001 - the first error is the one to report; this one is added to it
             held_back.TRACEBACKS.error("the trained weights could not be saved", exc_info=e)
@@ -253,16 +285,17 @@ def diverged(e: Diverged) -> Ending:
     return Ending(e.exit_code, summary, f"error: {e}", to_stderr=True)
 
 
-def failed(e: BaseException, run_dir: Path, heartbeat, machines) -> tuple[Ending, BaseException]:
+def failed(e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str]) -> tuple[Ending, BaseException]:
     """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
     without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
-    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too."""
+    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. `agreed`: the phases
+    whose failure every rank agreed on (signals.Stops.failures_agreed)."""
     if isinstance(e, storage.StorageError):  # said already, with the file that failed
         failure = e
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
-    lost = None if signals.failures_agreed else peers.failure_note(failure or e, heartbeat, machines)
+    lost = None if agreed else peers.failure_note(failure or e, heartbeat, machines)
     interrupted = isinstance(e, KeyboardInterrupt)
     shown = failure or e
     summary = dict(

@@ -39,10 +39,10 @@ def exact_match(
     max_new_tokens: int,
     batch_size: int,
     source: str,
+    watch: peers.Watch,
     accelerator=None,
-    progress: bool = True,
 ) -> dict:
-    """{'exact_match': fraction, 'correct', 'total', 'per_task': {...}, 'examples': [...]}."""
+    """{'exact_match': fraction, 'correct', 'total', 'per_task': {...}, 'examples': [...]}; `watch`: the run's."""
     from tqdm.auto import tqdm
 
     prompts, answers = render_prompts(
@@ -60,7 +60,7 @@ def exact_match(
     device = next(model.parameters()).device
     generated: dict[int, str] = {}
     try:
-        for b in tqdm(range(n_batches), desc="exact match", disable=not progress or rank != 0):
+        for b in tqdm(range(n_batches), desc="exact match", disable=rank != 0):
             idx = mine[b * batch_size : (b + 1) * batch_size] or mine[:1] or [0]  # pad idle ranks
             batch = tokenizer(
                 [prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False
@@ -76,7 +76,7 @@ def exact_match(
             for i, text in zip(idx, texts):
                 if i in mine:
                     generated[i] = text
-            peers.watch.progress()  # a batch done: the watchdog's limit counts from here
+            watch.progress()  # a batch done: the watchdog's limit counts from here
     finally:
         tokenizer.padding_side = old_side
         model.train(was_training)

@@ -16,7 +16,8 @@ from finetune.errors import UserError
 ENV = "FINETUNE_FAULT_INJECT"
 KINDS = tuple(
     "nan_loss inf_loss kill hang pause sigterm slow_load slow_save slow_eval slow_export disk_full fail_export "
-    "fail_eval fail_exact_match fail_record stray_collective sp_late_shift tp_partial_sums".split()
+    "fail_eval fail_exact_match fail_record stray_collective sp_late_shift tp_partial_sums export_ungathered "
+    "export_truncated export_zeroed export_missing_shard".split()
 )
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
 # (polled every 0.2 s), short enough to add little to the run
@@ -128,3 +129,47 @@ def fail(what: str, *, rank: int, step: int) -> None:
 
         print(f"[fault injection] rank {rank} enters a barrier no other rank enters", flush=True)
         dist.barrier()
+
+
+def save_ungathered(trainer, model_dir, *, step: int) -> bool:
+    """export_ungathered (any rank named: the save is one operation of every rank): the adapter saved with peft's own
+    save_pretrained by the main process, nothing gathered first; under ZeRO-3 each parameter is then an empty placeholder
+    and so is each saved tensor (DeepSpeed #7900, peft #2500). True when it replaced the export's save."""
+    if not any(kind == "export_ungathered" and s == step for kind, _, s in faults()):
+        return False
+    if trainer.accelerator.is_main_process:
+        print("[fault injection] the adapter is saved without gathering ZeRO-3's partitions", flush=True)
+        trainer.model.save_pretrained(str(model_dir))
+    return True
+
+
+def damage_export(folder, *, rank: int, step: int) -> None:
+    """After a save, before its check: `export_truncated` cuts its largest weights file to half, `export_zeroed`
+    zeroes its largest tensor in place (the file stays readable), `export_missing_shard` deletes the last shard its
+    index lists. `finetune export` applies them to its folder as rank 0, step 0."""
+    from pathlib import Path
+
+    kind = _active(("export_truncated", "export_zeroed", "export_missing_shard"), rank, step)
+    if kind is None:
+        return
+    files = sorted(Path(folder).glob("*.safetensors"), key=lambda p: (p.stat().st_size, p.name))
+    if kind == "export_truncated":
+        os.truncate(files[-1], files[-1].stat().st_size // 2)
+        print(f"[fault injection] {files[-1].name} truncated to half its size", flush=True)
+    elif kind == "export_missing_shard":
+        index = Path(folder) / "model.safetensors.index.json"
+        if not index.is_file():
+            raise RuntimeError(f"[fault injection] export_missing_shard: {folder} holds no index (one weights file)")
+        import json
+
+        last = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+        (Path(folder) / last).unlink()
+        print(f"[fault injection] {last} deleted (listed in the index)", flush=True)
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(files[-1]))
+        name = max(sorted(tensors), key=lambda k: tensors[k].numel())
+        tensors[name] = tensors[name].zero_()
+        save_file(tensors, str(files[-1]), metadata={"format": "pt"})
+        print(f"[fault injection] tensor {name} of {files[-1].name} zeroed", flush=True)

@@ -23,7 +23,7 @@ class RunHooks(TrainerCallback):
     """The run's records and checks around training (docs/architecture.md "The hooks"). `machines`: the launch's
     (LaunchPlan.machines), for run.json `nodes`; None leaves `nodes` out (the benchmark)."""
 
-    def __init__(self, trainer, cfg, launch, *, learning_rate: float, sinks=None, machines=None):
+    def __init__(self, trainer, cfg, launch, *, learning_rate: float, sinks, machines=None):
         self.trainer, self.sinks, self.machines = trainer, sinks, machines
         self.expected = (cfg.run.strategy, cfg.run.offload, cfg.recipe, launch.mesh)
         self.policy, self.family, self.method = launch.policy, launch.family, cfg.method.name
@@ -40,19 +40,17 @@ class RunHooks(TrainerCallback):
     def record_declared_strategy(self, setup) -> None:
         """The strategy Accelerate's state says, refused now if it is not the recipe's."""
         state = self.trainer.accelerator.state
-        self.declared = strategy_evidence.engaged(state, method=self.method, setup=setup)
         strategy, offload, recipe, _ = self.expected
+        self.declared = strategy_evidence.engaged(state, method=self.method, setup=setup, expected=strategy)
         strategy_evidence.check_expected(strategy, self.declared, recipe, offload)
-        if self.sinks:
-            self.sinks.put(strategy=self.declared)
+        self.sinks.put(strategy=self.declared)
 
     def record_declared_precision(self) -> None:
-        if self.sinks:
-            declared = dict(requested=self.requested, family=self.family, load_dtype=self.load_dtype)
-            self.sinks.put(precision=precision_evidence.declared(self.policy, **declared))
+        declared = dict(requested=self.requested, family=self.family, load_dtype=self.load_dtype)
+        self.sinks.put(precision=precision_evidence.declared(self.policy, **declared))
 
     def record_declared_nodes(self) -> None:
-        if self.sinks and self.machines:
+        if self.machines:
             self.sinks.put(nodes=nodes.section(self.machines))
 
     # --- training begins: the wrapped model and the optimizer exist, no step has run ---------------------
@@ -68,9 +66,8 @@ class RunHooks(TrainerCallback):
         the resumed segment's mesh), refused if either is not the recipe's: nothing was trained yet."""
         section = strategy_evidence.live_section(self.trainer.model_wrapped, self.trainer.accelerator, self.declared)
         parallel = section["parallel"]
-        if self.sinks:
-            mesh = {k: parallel[k] for k in ("sp", "tp", "cp")}
-            self.sinks.put(strategy=section, resumes=resume.noted(self.sinks.view, mesh=mesh))
+        mesh = {k: parallel[k] for k in ("sp", "tp", "cp")}
+        self.sinks.put(strategy=section, resumes=resume.noted(self.sinks.view, mesh=mesh))
         strategy, offload, recipe, planned = self.expected
         strategy_evidence.check_expected(strategy, section, recipe, offload)
         if planned is not None:
@@ -90,8 +87,7 @@ class RunHooks(TrainerCallback):
         )
         if section["warning"] and main:
             log.warning(section["warning"])
-        if self.sinks:
-            self.sinks.put(precision=section)
+        self.sinks.put(precision=section)
         problems = precision.mismatches(self.policy, self.family, section)
         if problems:
             raise UserError(
@@ -119,8 +115,7 @@ class RunHooks(TrainerCallback):
         def hook(module, inputs, output):
             handle.remove()
             seen = dtype_name(output.dtype)
-            if self.sinks:
-                self.sinks.merge("precision", observed_compute_dtype=seen)
+            self.sinks.merge("precision", observed_compute_dtype=seen)
             if seen != expected:
                 raise UserError(
                     f"the first forward computed in {seen}, but the live objects said {expected} "
@@ -146,5 +141,4 @@ class RunHooks(TrainerCallback):
     def _record_node_figures(self, mine: dict) -> None:
         for entry, values in zip(self.figures, nodes.all_gather(mine)):
             entry.update(values)
-        if self.sinks:
-            self.sinks.put(nodes=nodes.section(self.machines, self.figures, self.partition))
+        self.sinks.put(nodes=nodes.section(self.machines, self.figures, self.partition))

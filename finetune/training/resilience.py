@@ -16,9 +16,8 @@ from transformers import TrainerCallback
 
 from finetune.checkpointing import checkpoints
 from finetune.errors import EXIT_NONFINITE, UserError
-from finetune.launch import peers
 from finetune.training import fault_injection, signals
-from finetune.training.signals import flags_per_rank, install_signal_handlers
+from finetune.training.signals import flags_per_rank
 from finetune.training.trainer import FinetuneTrainer
 
 log = logging.getLogger("finetune")
@@ -163,13 +162,13 @@ class StepFlags:
 
 
 class ResilienceCallback(TrainerCallback):
-    def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None):
-        self.trainer = trainer
+    def __init__(self, trainer: ResilientTrainer, *, save_total_limit: int | None, run_facts=None):
+        self.trainer, self.stops = trainer, trainer.stops
         self.save_total_limit = save_total_limit
         self.preempted: dict | None = None  # {step, signal, ranks, relayed_by} once the ranks agreed to stop
         self.nothing_to_train = False  # resumed from a checkpoint of the last step
         self.last_complete: Path | None = None
-        self.run_facts = None  # rank 0: () -> the marker's `run` block (finetune/checkpointing/provenance.py)
+        self.run_facts = run_facts  # () -> the marker's `run` block (finetune/checkpointing/provenance.py)
 
     # --- signals ---------------------------------------------------------------------------
 
@@ -185,19 +184,19 @@ class ResilienceCallback(TrainerCallback):
         fault_injection.at_step_begin(rank=self.trainer.accelerator.process_index, step=state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
-        peers.step_done(state.global_step)
+        self.stops.watch.step = state.global_step  # the last step done: the progress file carries it
         flags = self.trainer.agreement_of(state.global_step).signals()  # rode on the step's one agreement
         if any(flags) and self.preempted is None:
-            self.preempted = {"step": state.global_step, **signals.describe(flags)}
+            self.preempted = {"step": state.global_step, **self.stops.describe(flags)}
             control.should_save = True
             control.should_training_stop = True
 
     def stop_after_training(self, flags: list[int]) -> None:
         """Every rank agreed (`flags`: every rank's signal flag, one non-zero) to stop after Trainer.train()
         returned: a complete checkpoint of the final step, and the run is preempted."""
-        with peers.watch.during("the checkpoint of the final step", self.trainer.args.ddp_timeout):
+        with self.stops.watch.during("the checkpoint of the final step", self.trainer.args.ddp_timeout):
             self.final_checkpoint()
-        self.preempted = {"step": self.trainer.state.global_step, **signals.describe(flags)}
+        self.preempted = {"step": self.trainer.state.global_step, **self.stops.describe(flags)}
 
     def final_checkpoint(self) -> Path:
         """A complete checkpoint of the final step, on every rank: the one saved at the last step (or resumed from) when
@@ -213,7 +212,7 @@ class ResilienceCallback(TrainerCallback):
         return final
 
     def on_prediction_step(self, args, state, control, **kwargs):
-        peers.watch.progress()  # an evaluation batch done: the watchdog's limit counts from here
+        self.stops.watch.progress()  # an evaluation batch done: the watchdog's limit counts from here
 
     # --- checkpoints -----------------------------------------------------------------------
 
@@ -230,7 +229,7 @@ class ResilienceCallback(TrainerCallback):
                 log.info("checkpoint %s complete", ckpt)
             except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
                 error = e
-        signals.agree(acc, f"the completion marker of {ckpt.name}", error, with_signals=False)  # not a plain barrier
+        self.stops.agree(acc, f"the completion marker of {ckpt.name}", error, with_signals=False)  # not a plain barrier
         self.last_complete = ckpt
 
 
@@ -242,7 +241,9 @@ class ResilientTrainer(FinetuneTrainer):
     def __init__(
         self,
         *args,
+        stops: signals.Stops,
         save_total_limit: int | None = None,
+        run_facts=None,
         on_nonfinite: str = "stop",
         max_nonfinite_skips: int = 0,
         on_collapse: str = "stop",
@@ -250,13 +251,14 @@ class ResilientTrainer(FinetuneTrainer):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit)
+        self.stops = stops  # this process's stop signals and watchdog (finetune/training/signals.py)
+        self.resilience = ResilienceCallback(self, save_total_limit=save_total_limit, run_facts=run_facts)
         self.add_callback(self.resilience)
         config = getattr(self.model, "config", None)
         vocab = getattr(config.get_text_config() if config is not None else None, "vocab_size", None)
         self.collapse = CollapseWatch(policy=on_collapse, windows=collapse_windows, vocab_size=vocab)
         self.add_callback(self.collapse)
-        install_signal_handlers()  # normally done by finetune/training/run.py at start; idempotent
+        stops.install()  # normally done by finetune/train.py at start; again: no change
         self.on_nonfinite = on_nonfinite
         self.max_nonfinite_skips = max_nonfinite_skips
         self.skipped_steps: list[dict] = []
@@ -282,7 +284,7 @@ class ResilientTrainer(FinetuneTrainer):
         ckpt = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
         failure = error = None
         try:
-            with peers.watch.during(f"the save of {ckpt.name}", self.args.ddp_timeout):  # the watchdog's limit
+            with self.stops.watch.during(f"the save of {ckpt.name}", self.args.ddp_timeout):  # the watchdog's limit
                 super()._save_checkpoint(model, trial)
                 fault_injection.at_save(rank=acc.process_index, step=self.state.global_step, ckpt=ckpt)
         except Exception as e:  # noqa: BLE001 - agreed below before any rank goes on
@@ -337,10 +339,10 @@ class ResilientTrainer(FinetuneTrainer):
     def _agree(self) -> None:
         """The step's one agreement (signals included); then stop, or mark the update skipped."""
         step = self.state.global_step + 1
-        agreed = self.flags.agree(self.accelerator, signals.code())
+        agreed = self.flags.agree(self.accelerator, self.stops.code())
         self._agreed = (step, agreed)
         if any(agreed.signals()):
-            peers.watch.acted()  # the stop is agreed: the watchdog's grace period ends (checkpoint next)
+            self.stops.watch.acted()  # the stop is agreed: the watchdog's grace period ends (checkpoint next)
         bad = agreed.nonfinite()
         if bad is None:
             return

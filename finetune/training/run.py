@@ -23,13 +23,12 @@ from finetune import held_back, preflight
 from finetune.checkpointing import provenance, resume, resume_config, resume_plan, universal
 from finetune.checkpointing.resume_config import ResumedConfig
 from finetune.checkpointing.resume_plan import ResumePlan
-from finetune.config import command_line
-from finetune.config.recipe import load_recipe
 from finetune.config.sections import Config
 from finetune.console import guard_streams
 from finetune.data import demo, read
 from finetune.data.build import DataBundle, build_datasets
-from finetune.errors import EXIT_PREEMPTED, UserError, exit_on_user_error
+from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.export.live import ExportCheck
 from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
 from finetune.launch.peers import Heartbeat, Teardown, run_on_main
 from finetune.launch.plan import LaunchPlan
@@ -40,7 +39,17 @@ from finetune.preflight import model_files
 from finetune.telemetry import sinks, wandb_logging
 from finetune.telemetry.record import RunRecord
 from finetune.telemetry.sinks import Sinks
-from finetune.training import arguments, build, endings, evaluation, fault_injection, planned, signals, speed
+from finetune.training import (
+    arguments,
+    build,
+    endings,
+    evaluation,
+    fault_injection,
+    planned,
+    rank_imports,
+    signals,
+    speed,
+)
 from finetune.training.arguments import RunArguments
 from finetune.training.endings import AfterTraining, Ending, Limits
 from finetune.training.resilience import Diverged, ResilientTrainer
@@ -50,7 +59,7 @@ log = logging.getLogger("finetune")
 
 @dataclass
 class Run:
-    """What the phases share. `sinks` (and the record they hold) exist on rank 0 only."""
+    """What the phases share. Every rank holds the record and its sinks; only rank 0's write and show it."""
 
     cfg: Config  # resolved: only read from here on
     launch: LaunchPlan
@@ -59,15 +68,16 @@ class Run:
     dir: Path
     data_path: str  # data.path, or the demo data generated into the run directory
     heldout_path: str | None  # eval.heldout_path, resolved the same way
-    sinks: Sinks | None
+    sinks: Sinks
     resume: ResumePlan | None  # the checkpoint this run continues from, and how
     teardown: Teardown  # the process group's, at exit (finetune/launch/peers.py)
     heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
+    stops: signals.Stops  # this process's stop signals and watchdog (finetune/training/signals.py)
 
     @property
     def recording(self) -> bool:
-        """Rank 0, once run.json and the resolved config are written (a refused resume writes neither)."""
-        return self.sinks is not None and self.sinks.committed
+        """Once run.json and the resolved config are written (a refused resume writes neither)."""
+        return self.sinks.committed
 
 
 @dataclass(frozen=True)
@@ -86,47 +96,47 @@ class Trained:
 
 
 @exit_on_user_error
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stops: signals.Stops | None = None) -> int:
+    """`stops`: the stop signals finetune/train.py started recording before torch was imported."""
     guard_streams()  # a vanished console must not stop a run from checkpointing (finetune/console.py)
-    signals.install_signal_handlers()  # recorded, never fatal (docs/faults.md "Signals"); train.py did it first
+    stops = stops or signals.Stops()
+    stops.install()  # recorded, never fatal (docs/faults.md "Signals"); train.py did it first
     signals.stop_with_parent()
-    code = None
+    locks, code = run_lock.Locks(), None
     try:
-        return (code := run_phases(argv))
+        return (code := run_phases(argv, stops, locks))
     finally:
-        run_lock.release_all()  # rank 0 is done with the run directory (a crash releases it too)
+        locks.release_all()  # rank 0 is done with the run directory (a crash releases it too)
         if code != EXIT_PREEMPTED:  # preempted: torchrun stops the other ranks with SIGTERM; stay deaf to it
-            signals.restore_signal_handlers()
+            stops.restore()
 
 
-def run_phases(argv: list[str] | None) -> int:
+def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Locks) -> int:
     """main() once the signals are handled: start, prepare, train, end."""
-    args, overrides = command_line.parse_train_args(argv)
-    resumed = None
-    if args.resume:  # the run's saved configuration, with any change the user allowed (resume_config.py)
-        resumed = resume_config.resolve(
-            args.recipe, overrides, allow_change=args.allow_config_change, resume=args.resume
-        )
-        resumed.allow_input_change = args.allow_input_change
-        cfg = resumed.cfg
-    else:
-        if args.allow_config_change or args.allow_input_change:
-            raise UserError("--allow-config-change and --allow-input-change apply to --resume only")
-        cfg, _ = load_recipe(args.recipe, overrides)  # validated before anything heavy happens
+    args, overrides, cfg, resumed = resume_config.of_command_line(argv)  # before anything heavy happens
     if args.overwrite:
         cfg = cfg.replaced("run", overwrite=True)
-    signals.keep_only(cfg.training.stop_signals)  # the others get their default action back
-    peers.watch.grace_s = cfg.training.stop_grace
-    state, launch, teardown = start_processes(cfg)
-    # progress file, heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md)
-    heartbeat = peers.start(state.process_index, launch.world_size)
+    stops.keep_only(cfg.training.stop_signals, grace_s=cfg.training.stop_grace)  # the others: default action back
+    state, launch, teardown = start_processes(cfg, stopped=lambda: bool(stops.received))
+    # heartbeat and watchdog: a stalled or stuck rank gets named (docs/faults.md), in the run once there is one
+    run = None
+    heartbeat = peers.start(state.process_index, launch.world_size, stops.watch, lambda cause: stuck(run, cause))
     try:
-        signals.stop_if_received(state, "while the processes started")
+        stops.stop_if_received(state, "while the processes started")
     except signals.Stopped as e:  # nothing created yet
         teardown.ended_cleanly()
         return end(None, endings.stopped_before_training(e, None, resumed=False))
     run = prepare(
-        cfg, launch, state, teardown, heartbeat, resume_from=args.resume, overrides=overrides, resumed_config=resumed
+        cfg,
+        launch,
+        state,
+        teardown,
+        heartbeat,
+        stops,
+        locks,
+        resume_from=args.resume,
+        overrides=overrides,
+        resumed_config=resumed,
     )
     try:
         code = train_and_record(run)
@@ -140,7 +150,7 @@ def run_phases(argv: list[str] | None) -> int:
         run.teardown.ended_cleanly()
         return code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        ending, failure = endings.failed(e, run.dir, run.heartbeat, run.launch.machines)
+        ending, failure = endings.failed(e, run.dir, run.heartbeat, run.launch.machines, run.stops.failures_agreed)
         end(run, ending)
         if failure is not e:  # a full or read-only disk: said, not a traceback
             raise failure from None
@@ -153,21 +163,20 @@ def train_and_record(run: Run) -> int:
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = signals.phase(
+    data = run.stops.phase(
         run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
     )
     if run.resume:  # the rows must be the checkpoint's, before the model loads
         resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
         commit(run)  # the continued record replaces run.json from here on
     universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
-    with peers.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
+    with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
         model = load_model(run, arguments)
         ddp_record = ddp_options(run, arguments, model, data)
-        trainer = build_trainer(run, arguments, model, data, universal_dir)
-    signals.stop_if_received(run.state, "while the model loaded")
-    if run.sinks:
-        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
-        run.sinks.start()
+        trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
+    run.stops.stop_if_received(run.state, "while the model loaded")
+    record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
+    run.sinks.start()
     trained = train(run, trainer, model, data, universal_dir)
     if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
         return preempted(run, trainer, arguments)
@@ -177,17 +186,19 @@ def train_and_record(run: Run) -> int:
 # --- before the run: the processes, the launch, the run directory ------------------------------------
 
 
-def start_processes(cfg: Config) -> tuple[PartialState, LaunchPlan, Teardown]:
+def start_processes(cfg: Config, stopped=lambda: False) -> tuple[PartialState, LaunchPlan, Teardown]:
     """The process group, set up by the launcher's config or the recipe (finetune/launch/strategy_setup.py),
-    and the launch worked out once it exists."""
+    and the launch worked out once it exists. `stopped()`: a stop signal arrived (the Stops of the run)."""
     setup = strategy_setup.detect(cfg)
-    preflight.check_before_processes(cfg, setup)  # lone processes: refused by every rank, before any group
-    strategy_setup.say_op_builds(strategy_setup.ops_before_processes(setup))  # compiled in PartialState
-    strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
-    # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
-    # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
-    state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timedelta(seconds=cfg.training.typed.ddp_timeout))
-    strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
+    preflight.check_before_processes(cfg, setup, stopped=stopped)  # lone processes: refused before any group
+    with held_back.printed_lines_held(held_back.DEEPSPEED_OP_LOADED):
+        rank_imports.load_ops(rank_imports.ops_before_processes(setup))  # else built in PartialState, unannounced
+        strategy_setup.prepare(setup)  # the recipe route's environment, before the first PartialState
+        # The collective timeout must reach the first init_process_group (this one; DeepSpeed's
+        # init_distributed gets it through Accelerate): a rank that stalls ends the run after it.
+        timeout = timedelta(seconds=cfg.training.typed.ddp_timeout)
+        state = PartialState(cpu=setup.cpu_gloo is not None, timeout=timeout)
+        strategy_setup.adopt_deepspeed_comm(setup, sequence_parallel=cfg.parallel.sp_size > 1)
     teardown = peers.Teardown(state)  # before the interpreter exits
     if setup.cpu_gloo is not None:
         cpu_rehearsal.keep_fsdp_on_cpu()  # before Trainer builds its AcceleratorState
@@ -200,6 +211,8 @@ def prepare(
     state: PartialState,
     teardown: Teardown,
     heartbeat: Heartbeat,
+    stops: signals.Stops,
+    locks: run_lock.Locks,  # the run directories this process holds (rank 0)
     *,
     resume_from: str | None,
     overrides: list[str],
@@ -210,7 +223,7 @@ def prepare(
     plan = resumed = None
     allowed = bool(resumed_config and resumed_config.allow_input_change)
     if resume_from:  # before preflight: the plan sets the accumulation and strategy the checks see
-        run_on_main(state, lambda: rundir.lock_to_resume(cfg))  # a live run's directory: refused, untouched
+        run_on_main(state, lambda: rundir.lock_to_resume(cfg, locks))  # a live run's directory: refused, untouched
         name, planned_dir, plan = run_on_main(
             state, lambda: resume_plan.for_launch(cfg, launch, resume_from, overrides, allow_input_change=allowed)
         )
@@ -220,9 +233,8 @@ def prepare(
     # world size, launch config vs recipe, data, run dir: all at once, before any weights load
     preflight.check_before_loading(cfg, state, resume=resume_from, launch=launch)
     _setup_logging(cfg.logging.log_level, state.is_main_process)
-    if state.is_main_process:
-        log.info("%s", launch.setup.describe())
-    name, path = run_on_main(state, lambda: rundir.create(cfg, resumed))  # every rank agrees on it
+    log.info("%s", launch.setup.describe())  # rank 0: the other ranks log warnings only
+    name, path = run_on_main(state, lambda: rundir.create(cfg, locks, resumed))  # every rank agrees on it
     cfg = cfg.replaced("run", name=name, output_dir=path)
     run_dir = Path(path)
     held_back.to_log_file(run_dir / rundir.LOG_FILE, state.process_index)
@@ -230,25 +242,36 @@ def prepare(
         print(
             f"[finetune] run directory: {run_dir.absolute()} (any third-party warnings: {rundir.LOG_FILE})", flush=True
         )
-    run_sinks = None
-    if state.is_main_process:
-        record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
-        run_sinks = sinks.for_run(cfg, record, run_dir)
-        run_sinks.put(plan=planned_section)
-    if run_sinks and plan:
-        continued, summary = resume.continued(
-            run_dir, Path(plan.checkpoint), plan, created=run_sinks.view.get("created")
+    record = RunRecord(run_dir / "run.json", run_name=name, recipe=cfg.recipe, config=cfg.to_dict())
+    run_sinks = sinks.for_run(cfg, record, run_dir, main=state.is_main_process)
+    run_sinks.put(plan=planned_section)
+    if plan:  # the earlier run.json, read on rank 0, carried into every rank's record
+        created = run_sinks.view.get("created")
+        continued, summary = run_on_main(
+            state, lambda: resume.continued(run_dir, Path(plan.checkpoint), plan, created=created)
         )
         run_sinks.put(**continued)
         run_sinks.merge("summary", **summary)
         noted = resume_config.said(resumed_config)
         if noted:
             run_sinks.put(resumes=resume.noted(run_sinks.view, **noted))
-        # said loudly when the layout changes (accumulation recomputed, states resharded)
-        (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
+        if state.is_main_process:  # said loudly when the layout changes (accumulation recomputed, states resharded)
+            (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
-    run = Run(cfg, launch, state, name, run_dir, data_path, heldout_path, run_sinks, plan, teardown, heartbeat)
-    peers.watch.on_stuck = lambda cause: stuck(run, cause)  # the watchdog's stop, recorded
+    run = Run(
+        cfg,
+        launch,
+        state,
+        name,
+        run_dir,
+        data_path,
+        heldout_path,
+        run_sinks,
+        plan,
+        teardown,
+        heartbeat,
+        stops,
+    )
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
     if cfg.data.path == "demo":
@@ -272,7 +295,7 @@ def commit(run: Run) -> None:
         )
         log.info("resolved configuration (defaults < recipe < command line)%s", shown)
 
-    rundir.write_on_main(run.state, run.dir, "run.json and config.yaml", write if run.sinks else lambda: None)
+    rundir.write_on_main(run.state, run.dir, "run.json and config.yaml", write)
 
 
 # --- the phases that train -----------------------------------------------------------------------------
@@ -302,7 +325,7 @@ def load_data(run: Run, arguments: RunArguments) -> Data:
         dataclasses.replace(cfg.data, path=run.data_path),
         tokenizer,
         seed=arguments.args.seed,
-        interrupt=signals.check_interrupt,
+        interrupt=run.stops.check_interrupt,
     )
     model_files.check_vocabulary(cfg.model, tokenizer, bundle)  # an id past the embedding: IndexError at step 1
     fingerprint = provenance.data_fingerprint(bundle.train)
@@ -317,8 +340,7 @@ def convert_for_resume(run: Run) -> str | None:
     if converted is None:
         return None
     out, seconds = converted
-    if run.sinks:
-        run.sinks.put(resumes=resume.noted(run.sinks.view, universal_cache=out, conversion_s=seconds))
+    run.sinks.put(resumes=resume.noted(run.sinks.view, universal_cache=out, conversion_s=seconds))
     return out
 
 
@@ -329,20 +351,19 @@ def load_model(run: Run, arguments: RunArguments):
 
 
 def ddp_options(run: Run, arguments: RunArguments, model, data: Data) -> dict:
-    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), set in
-    TrainingArguments before Trainer reads it; returns run.json `speed.ddp`. Every rank probes the
-    same first example, so every rank decides the same."""
-    decided = speed.ddp_unused_parameters(
+    """DDP's find_unused_parameters decided from the model (finetune/training/speed.py), handed to the Trainer
+    as it is built; run.json `speed.ddp`. Every rank probes the same first example, so every rank decides the same."""
+    return speed.ddp_unused_parameters(
         run.cfg, run.launch, model, data.bundle.train[0]["input_ids"][:64], arguments.args.device
     )
-    if decided["decided_by"] in ("probe", "model config"):
-        arguments.args.ddp_find_unused_parameters = decided["find_unused_parameters"]
-    return decided
 
 
-def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None) -> ResilientTrainer:
+def build_trainer(
+    run: Run, arguments: RunArguments, model, data: Data, universal_dir: str | None, ddp_record: dict
+) -> ResilientTrainer:
     """The Trainer (finetune/training/build.py) with its hooks, set to continue a resumed run's checkpoint."""
-    trainer = build.trainer_for(
+    rows = dict(train_rows=len(data.bundle.train), fingerprint=data.fingerprint)
+    return build.trainer_for(
         run.cfg,
         run.launch,
         arguments,
@@ -351,12 +372,15 @@ def build_trainer(run: Run, arguments: RunArguments, model, data: Data, universa
         eval_dataset=data.bundle.eval,
         tokenizer=data.tokenizer,
         sinks=run.sinks,
+        stops=run.stops,
         machines=run.launch.machines,  # run.json `nodes`; every rank (it gathers)
+        resumed_world_size=run.resume.written["world_size"] if run.resume else None,  # Trainer._load_rng_state
+        find_unused_parameters=ddp_record["find_unused_parameters"],  # None: not DDP
+        run_facts=lambda: provenance.run_block_of(  # the completion marker's `run`, with the inputs record_setup put
+            run.sinks.view, provenance.static_facts(run.cfg, **rows, inputs=run.sinks.view.get("inputs"))
+        ),
+        universal=universal_dir is not None,
     )
-    trainer.resumed_world_size = run.resume.written["world_size"] if run.resume else None  # Trainer._load_rng_state
-    if universal_dir:
-        universal.enable_loading(trainer)
-    return trainer
 
 
 def record_setup(
@@ -368,16 +392,13 @@ def record_setup(
     attention_record: dict,
     ddp_record: dict,
 ) -> None:
-    """What the run set up, handed to the sinks (rank 0), each section as its owner computes it."""
+    """What the run set up, handed to the sinks, each section as its owner computes it."""
     cfg, hand = run.cfg, run.sinks.put
     hand(batch=arguments.batch, lr=arguments.lr)
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
-    hand(inputs=provenance.inputs(cfg, run.data_path))  # what the run is made from; the marker's too (on --resume)
-    static = provenance.static_facts(
-        cfg, train_rows=len(data.bundle.train), fingerprint=data.fingerprint, inputs=run.sinks.view.get("inputs")
-    )
-    trainer.resilience.run_facts = lambda: provenance.run_block_of(run.sinks.view, static)  # the marker's `run`
+    # what the run is made from (the marker's too, on --resume): rank 0 reads the files, every rank keeps the record
+    hand(inputs=run_on_main(run.state, lambda: provenance.inputs(cfg, run.data_path)))
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
     hand(speed=speed.section(cfg, model, trainer, **records))
@@ -397,20 +418,20 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
     """Exact match before, then Trainer.train() from the checkpoint resumed from; None when the run
     was preempted (during training, or at its end: then with a checkpoint of the final step), a
     CollapseError when it collapsed (finetune/training/resilience.py)."""
-    strategy_setup.say_op_builds(strategy_setup.ops_at_optimizer(run.launch))  # DeepSpeedCPUAdam: at train()
+    rank_imports.load_ops(rank_imports.ops_at_optimizer(run.launch))  # DeepSpeedCPUAdam: else built in train()
     results = {}
     if data.heldout is not None and run.cfg.eval.before:
         results["before"] = exact_match(run, trainer, model, data, "before")
-        signals.stop_if_received(run.state, "during the evaluation before training")
+        run.stops.stop_if_received(run.state, "during the evaluation before training")
     if run.resume:  # never saved into by this run
         moved = resume.set_aside_newer(run.state, run.dir, run.resume.step)
-        if run.sinks:
-            run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
-    signals.set_stage(signals.TRAINING)
+        run.sinks.put(resumes=resume.noted(run.sinks.view, superseded=moved))
+    run.stops.set_stage(signals.TRAINING)
+    held_back.keep_held()  # the notices held back so far, into the run's third_party.log
     train_start = time.perf_counter()
     out = trainer.train(resume_from_checkpoint=universal_dir or (run.resume.checkpoint if run.resume else None))
     train_s = time.perf_counter() - train_start
-    signals.set_stage(signals.FINISHING)
+    run.stops.set_stage(signals.FINISHING)
     if trainer.resilience.preempted:  # a signal after training is agreed at finish()'s first boundary
         return None
     collapsed = trainer.collapse.stopped(trainer.skipped_steps)  # training.on_collapse: stop
@@ -435,10 +456,6 @@ def finish(
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
         return trainer.final_measurements()
 
-    def export_drills():
-        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
-        fault_injection.fail("export", rank=rank, step=step)
-
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")
         loss = trainer.evaluate()["eval_loss"] if data.bundle.eval is not None else None
@@ -450,14 +467,15 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits)
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, ExportCheck.for_run(run))
     try:
         with after:
             measured = after.step("the measurements", measure)
             if cfg.run.save_model:
-                signals.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
-                after.export(then=export_drills)
-                signals.set_stage(signals.FINISHING)
+                run.stops.set_stage(signals.EXPORTING)  # a signal lets the export finish, never torn
+                after.export()
+                run.stops.set_stage(signals.FINISHING)
+                run.sinks.put(export=after.record)  # the check's findings (rank 0's; the sinks write rank 0's)
             eval_loss = after.step("the evaluation", evaluate)
             if data.heldout is not None:
                 results["after"] = after.step("exact match", match)
@@ -469,11 +487,11 @@ def finish(
     except signals.Stopped:  # every rank agreed; the checkpoint of the final step is written
         return preempted(run, trainer, arguments)
     except Exception:
-        if after.checkpoint and run.sinks:  # the export failed: the weights are in this checkpoint
+        if after.checkpoint:  # the export (or its check) failed: the weights are in this checkpoint
             run.sinks.merge("summary", checkpoint=str(after.checkpoint))
+            run.sinks.put(export=after.record)
         raise
-    if run.sinks:
-        run.sinks.close(0)
+    run.sinks.close(0)
     return 0
 
 
@@ -492,8 +510,6 @@ class Ended:
 def record_end(run: Run, trainer: ResilientTrainer, model, ended: Ended) -> None:
     """The last step after training: the summary, the figures and the evaluation, handed to the sinks."""
     fault_injection.fail("record", rank=run.state.process_index, step=trainer.state.global_step)
-    if run.sinks is None:
-        return
     run.sinks.merge(
         "summary",
         eval_loss=ended.eval_loss,
@@ -533,10 +549,10 @@ def end(run: Run | None, ending: Ending) -> int:
     return ending.code
 
 
-def stuck(run: Run, cause: str) -> None:
-    """The watchdog ends this rank (its thread, the main thread held in a collective): rank 0 records
-    the run failed; no sink is closed and no collective entered, either could hang too."""
-    if run.recording:
+def stuck(run: Run | None, cause: str) -> None:
+    """The watchdog ends this rank (its thread, the main thread held in a collective): the run, once there is one,
+    is recorded failed; no sink is closed and no collective entered, either could hang too."""
+    if run is not None and run.recording:
         run.sinks.merge("summary", **endings.stuck(cause, run.dir))
 
 
@@ -567,10 +583,10 @@ def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: s
             batch_size=cfg.eval.batch_size,
             source=run.heldout_path,
             accelerator=trainer.accelerator,
+            watch=run.stops.watch,
         )  # reduce() across ranks: an Accelerator, not PartialState
-    if run.state.is_main_process:
-        done = (100 * result["exact_match"], result["correct"], result["total"])
-        log.info("exact match %s training: %.1f%% (%d/%d)", stage, *done)
+    done = (100 * result["exact_match"], result["correct"], result["total"])
+    log.info("exact match %s training: %.1f%% (%d/%d)", stage, *done)  # rank 0: the others log warnings only
     return result
 
 

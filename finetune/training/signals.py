@@ -17,10 +17,6 @@ SIGNALS = tuple(signal.Signals[name] for name in STOP_SIGNALS)
 RELAYED = 64  # added to a relayed signal's number in the flags the ranks exchange
 FAILED = 256  # added to a rank's flag at a phase boundary when its phase failed
 
-received: list[int] = []  # signals received by this process since install_signal_handlers()
-failures_agreed: list[str] = []  # the phases whose failure every rank agreed on (no rank was lost)
-relayed: list[dict] = []  # the relay's note ({"signal", "pid"}) when the first one was relayed
-
 # What the process does with a signal now; set by finetune/training/run.py as the run goes on.
 STARTING, TRAINING, FINISHING, EXPORTING = "starting", "training", "finishing", "exporting"
 WHAT_NOW = {
@@ -29,69 +25,139 @@ WHAT_NOW = {
     FINISHING: "training is done: stopping after a checkpoint of the final step (the evaluation on --resume)",
     EXPORTING: "the model is being exported: stopping once it is written, after a checkpoint of the final step",
 }
-_stage = [STARTING]
 
 
-def set_stage(stage: str) -> None:
-    """What a signal does from now on (one of WHAT_NOW's keys); the watchdog names the phase so."""
-    _stage[0] = stage
-    label = {STARTING: "the start", TRAINING: "training", EXPORTING: "the export"}.get(stage, "the end of the run")
-    peers.watch.phase = (label, time.monotonic(), None)
+class Stops:
+    """This process's stop signals: the handlers that record them (installed at its start, before torch is
+    imported: finetune/train.py), what they recorded, the phase boundaries where the ranks agree on them, and
+    the watchdog they start (`watch`, finetune/launch/peers.py). One per process, handed to every phase."""
 
+    def __init__(self):
+        self.watch = peers.Watch()
+        self.received: list[int] = []  # signals received since install()
+        self.failures_agreed: list[str] = []  # the phases whose failure every rank agreed on (no rank was lost)
+        self.relayed: list[dict] = []  # the relay's note ({"signal", "pid"}) when the first one was relayed
+        self.stage = STARTING
+        self.previous: dict = {}  # signal -> the handler it had before install()
+        self.wanted = list(SIGNALS)  # training.stop_signals
+        os.register_at_fork(after_in_child=self.restore)
 
-_previous: dict = {}
-_wanted = list(SIGNALS)  # training.stop_signals
+    def set_stage(self, stage: str) -> None:
+        """What a signal does from now on (one of WHAT_NOW's keys); the watchdog names the phase so."""
+        self.stage = stage
+        label = {STARTING: "the start", TRAINING: "training", EXPORTING: "the export"}.get(stage, "the end of the run")
+        self.watch.phase = (label, time.monotonic(), None)
 
+    def handler(self, signum, frame):
+        name = signal.Signals(signum).name
+        note = relay.relayed_signal()
+        quiet = note is not None and note.get("signal") == name and not self.relayed
+        if not self.received:
+            msg = f"{name} received: {WHAT_NOW[self.stage]}"
+            if quiet:
+                self.relayed.append(note)
+        else:
+            msg = f"{name} received again: ignored, the run is stopping"
+        self.received.append(signum)
+        self.watch.signalled(name)  # the watchdog's grace period starts (finetune/launch/peers.py)
+        if not quiet:
+            write_line(f"[rank {os.environ.get('RANK', '0')}] {msg}")
 
-def _handler(signum, frame):
-    name = signal.Signals(signum).name
-    note = relay.relayed_signal()
-    quiet = note is not None and note.get("signal") == name and not relayed
-    if not received:
-        msg = f"{name} received: {WHAT_NOW[_stage[0]]}"
-        if quiet:
-            relayed.append(note)
-    else:
-        msg = f"{name} received again: ignored, the run is stopping"
-    received.append(signum)
-    peers.watch.signalled(name)  # the watchdog's grace period starts (finetune/launch/peers.py)
-    if not quiet:
-        write_line(f"[rank {os.environ.get('RANK', '0')}] {msg}")
+    def install(self) -> None:
+        """Record the stop signals instead of dying, from process start (ranks reach the trainer at different times;
+        one still loading the model when the signal comes must not just die while the others wait for it in a
+        collective). Again (the trainer does): no change."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.wanted:
+                self.previous.setdefault(sig, signal.signal(sig, self.handler))
 
+    def keep_only(self, names, grace_s: float | None = None) -> None:
+        """training.stop_signals: the signals not named get back what they had before (their default action), also
+        when the handlers are installed again; training.stop_grace: how long the watchdog waits for a stop to act."""
+        self.wanted = [sig for sig in SIGNALS if sig.name in names]
+        for sig in SIGNALS:
+            if sig not in self.wanted and sig in self.previous:
+                signal.signal(sig, self.previous.pop(sig))
+        self.watch.grace_s = grace_s
 
-def install_signal_handlers() -> None:
-    """Record the stop signals instead of dying, from process start (ranks reach the trainer at different times; one
-    still loading the model when the signal comes must not just die while the others wait for it in a collective)."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in _wanted:
-            _previous.setdefault(sig, signal.signal(sig, _handler))
+    def restore(self) -> None:
+        """The handlers back to what they were: after a run that completed (a signal during teardown ends the
+        process as usual), and in a process forked from a rank (datasets' map pool, DataLoader workers), which dies
+        of SIGTERM again: Pool.terminate() SIGTERMs its workers, then joins them; a worker that only recorded it
+        would hold the rank forever."""
+        for sig, old in self.previous.items():
+            signal.signal(sig, old)
+        self.previous.clear()
 
+    def code(self) -> int:
+        """This process's flag for the exchange: 0, the first signal's number, + RELAYED if relayed."""
+        if not self.received:
+            return 0
+        return self.received[0] + (RELAYED if self.relayed else 0)
 
-def _previous_in_forked_child() -> None:
-    """A process forked from a rank (datasets' map pool, DataLoader workers) dies of SIGTERM again: Pool.terminate()
-    SIGTERMs its workers, then joins them; a worker that only recorded it would hold the rank forever."""
-    for sig, previous in _previous.items():
-        signal.signal(sig, previous)
-    _previous.clear()
+    def check_interrupt(self) -> None:
+        """Called per row by a phase without collectives: raise Interrupted once a stop is pending."""
+        if self.received or self.watch.peer_stop:
+            raise Interrupted(self.watch.peer_stop or signal.Signals(self.received[0]).name)
 
+    def describe(self, flags: list[int]) -> dict:
+        """{signal, ranks, relayed_by} from the exchanged signal flags (at least one non-zero)."""
+        flags = [n % FAILED for n in flags]
+        ranks = [r for r, n in enumerate(flags) if n]
+        first = flags[ranks[0]]
+        by = self.relayed[0]["pid"] if self.relayed else None
+        return {
+            "signal": signal.Signals(first % RELAYED).name,
+            "ranks": ranks,
+            "relayed_by": by if first > RELAYED else None,
+        }
 
-os.register_at_fork(after_in_child=_previous_in_forked_child)
+    def agree(self, state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
+        """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
+        all-gather of each rank's signal flag and failure (docs/faults.md "Hangs and every stop signal").
+        A failure on any rank raises on every rank before any of them enters another collective (its own
+        error, or FailedElsewhere); otherwise every rank's signal flag (all 0: no signal)."""
+        with self.watch.waiting(f"the ranks' agreement ({what})"):
+            mine = (self.code() if with_signals else 0) + (FAILED if error is not None else 0)
+            flags = flags_per_rank(state, mine)
+            failed = [r for r, n in enumerate(flags) if n >= FAILED]
+            errors = (
+                _gather_text(state, f"{type(error).__name__}: {error}" if error is not None else "") if failed else []
+            )
+        if any(flags):
+            self.watch.acted()  # the stop (or failure) is agreed: the watchdog's grace period ends
+        if failed:
+            self.failures_agreed.append(what)
+        if error is not None:
+            raise error
+        if failed:
+            said = "; ".join(f"rank {r}: {errors[r]}" for r in failed)
+            raise FailedElsewhere(f"{what}: failed on rank(s) {failed} ({said}); every rank stopped with it")
+        return flags
 
+    def stop_if_received(self, state, where: str, error: BaseException | None = None) -> None:
+        """At a phase boundary every rank reaches (`where`: how a stop names it): a failure on any rank
+        raises on every rank (agree); else Stopped on every rank if any was signalled."""
+        flags = self.agree(state, where, error)
+        if any(flags):
+            raise Stopped(self.describe(flags), where)
 
-def keep_only(names) -> None:
-    """training.stop_signals: the signals not named get back what they had before (their default
-    action), also when the handlers are installed again (the trainer does)."""
-    _wanted[:] = [sig for sig in SIGNALS if sig.name in names]
-    for sig in SIGNALS:
-        if sig not in _wanted and sig in _previous:
-            signal.signal(sig, _previous.pop(sig))
-
-
-def restore_signal_handlers() -> None:
-    """After a run that completed: a signal during teardown ends the process as usual."""
-    for sig, old in _previous.items():
-        signal.signal(sig, old)
-    _previous.clear()
+    def phase(self, state, where: str, fn, label: str):
+        """A phase before training (the watchdog names a rank in it by `label`), then its boundary
+        (stop_if_received): a failure on any rank raises on every rank, a stop signal on any rank stops
+        every rank. A phase without collectives (the data build) ends early on a stop signal (Interrupted)."""
+        result = error = interrupted = None
+        try:
+            with self.watch.during(label):
+                result = fn()
+        except Interrupted as e:
+            interrupted = e
+        except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank
+            error = e
+        self.stop_if_received(state, where, error=error)
+        if interrupted:  # a stop signal always reaches the boundary above: it stopped every rank
+            raise RuntimeError(f"interrupted ({interrupted}) {where}, but no rank said it was signalled")
+        return result
 
 
 def stop_with_parent(env=os.environ) -> None:
@@ -108,22 +174,9 @@ def stop_with_parent(env=os.environ) -> None:
         pass
 
 
-def code() -> int:
-    """This process's flag for the exchange: 0, the first signal's number, + RELAYED if relayed."""
-    if not received:
-        return 0
-    return received[0] + (RELAYED if relayed else 0)
-
-
 class Interrupted(Exception):
     """A stop signal reached this rank, or another rank's (through the watchdog's store), during a phase
     that ends early for it (the data build); the boundary after the phase stops every rank."""
-
-
-def check_interrupt() -> None:
-    """Called per row by a phase without collectives: raise Interrupted once a stop is pending."""
-    if received or peers.watch.peer_stop:
-        raise Interrupted(peers.watch.peer_stop or signal.Signals(received[0]).name)
 
 
 def flags_per_rank(state, value: int) -> list[int]:
@@ -135,19 +188,6 @@ def flags_per_rank(state, value: int) -> list[int]:
     from accelerate.utils import gather
 
     return [int(x) for x in gather(torch.tensor([int(value)], device=state.device)).tolist()]
-
-
-def describe(flags: list[int]) -> dict:
-    """{signal, ranks, relayed_by} from the exchanged signal flags (at least one non-zero)."""
-    flags = [n % FAILED for n in flags]
-    ranks = [r for r, n in enumerate(flags) if n]
-    first = flags[ranks[0]]
-    by = relayed[0]["pid"] if relayed else None
-    return {
-        "signal": signal.Signals(first % RELAYED).name,
-        "ranks": ranks,
-        "relayed_by": by if first > RELAYED else None,
-    }
 
 
 def cause(p: dict) -> str:
@@ -170,56 +210,9 @@ class FailedElsewhere(RuntimeError):
     """Another rank's phase failed: this rank stops with it (the message carries that rank's error)."""
 
 
-def agree(state, what: str, error: BaseException | None = None, *, with_signals: bool = True) -> list[int]:
-    """A phase boundary every rank reaches, whether its phase (`what`) failed (`error`) or not: one
-    all-gather of each rank's signal flag and failure (docs/faults.md "Hangs and every stop signal").
-    A failure on any rank raises on every rank before any of them enters another collective (its own
-    error, or FailedElsewhere); otherwise every rank's signal flag (all 0: no signal)."""
-    with peers.watch.waiting(f"the ranks' agreement ({what})"):
-        flags = flags_per_rank(state, (code() if with_signals else 0) + (FAILED if error is not None else 0))
-        failed = [r for r, n in enumerate(flags) if n >= FAILED]
-        errors = _gather_text(state, f"{type(error).__name__}: {error}" if error is not None else "") if failed else []
-    if any(flags):
-        peers.watch.acted()  # the stop (or failure) is agreed: the watchdog's grace period ends
-    if failed:
-        failures_agreed.append(what)
-    if error is not None:
-        raise error
-    if failed:
-        said = "; ".join(f"rank {r}: {errors[r]}" for r in failed)
-        raise FailedElsewhere(f"{what}: failed on rank(s) {failed} ({said}); every rank stopped with it")
-    return flags
-
-
 def _gather_text(state, text: str) -> list[str]:
     if state.num_processes == 1:
         return [text]
     from accelerate.utils import gather_object
 
     return gather_object([text])
-
-
-def stop_if_received(state, where: str, error: BaseException | None = None) -> None:
-    """At a phase boundary every rank reaches (`where`: how a stop names it): a failure on any rank
-    raises on every rank (agree); else Stopped on every rank if any was signalled."""
-    flags = agree(state, where, error)
-    if any(flags):
-        raise Stopped(describe(flags), where)
-
-
-def phase(state, where: str, fn, label: str):
-    """A phase before training (the watchdog names a rank in it by `label`), then its boundary
-    (stop_if_received): a failure on any rank raises on every rank, a stop signal on any rank stops
-    every rank. A phase without collectives (the data build) ends early on a stop signal (Interrupted)."""
-    result = error = interrupted = None
-    try:
-        with peers.watch.during(label):
-            result = fn()
-    except Interrupted as e:
-        interrupted = e
-    except Exception as e:  # noqa: BLE001 - agreed at the boundary, then raised on every rank
-        error = e
-    stop_if_received(state, where, error=error)
-    if interrupted:  # a stop signal always reaches the boundary above: it stopped every rank
-        raise RuntimeError(f"interrupted ({interrupted}) {where}, but no rank said it was signalled")
-    return result

@@ -14,10 +14,11 @@ from finetune.launch import cpu_rehearsal
 from finetune.strategies import launch_line, name_of, offload_device, offload_name
 
 
-def engaged(state, *, method: str, setup=None) -> dict:
+def engaged(state, *, method: str, setup=None, expected: str = "any") -> dict:
     """The `strategy` section of run.json from Accelerate's state, before the engine exists.
     `live_section` later replaces the DeepSpeed/FSDP facts with what the wrapped model shows.
-    `setup` (finetune/launch/strategy_setup.py): who set the strategy up, recorded as `set_up_by` / `setup`."""
+    `setup` (finetune/launch/strategy_setup.py): who set the strategy up, recorded as `set_up_by` / `setup`.
+    `expected`: the recipe's run.strategy, the name recorded when its row has the engine that engaged."""
     dtype = state.distributed_type.value
     out = {
         "name": None,
@@ -41,7 +42,6 @@ def engaged(state, *, method: str, setup=None) -> dict:
         opt = (ds.get("offload_optimizer") or {}).get("device", "none") or "none"
         par = (ds.get("offload_param") or {}).get("device", "none") or "none"
         out.update(
-            name=name_of(dtype, zero_stage=stage),
             zero_stage=stage,
             offload_optimizer=opt,
             offload_params=par,
@@ -51,14 +51,13 @@ def engaged(state, *, method: str, setup=None) -> dict:
         plugin = state.fsdp_plugin
         offload = _fsdp_offloads(plugin.cpu_offload)
         out.update(
-            name=name_of(dtype),
             fsdp_version=getattr(plugin, "fsdp_version", 1),
             offload_optimizer="cpu" if offload else "none",
             offload_params="cpu" if offload else "none",
             offload="optimizer+params" if offload else "none",
         )
-    else:  # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
-        out["name"] = name_of(dtype, num_processes=state.num_processes)
+    # one data-parallel process is a single-process run (DDP resumed on one GPU, docs/faults.md)
+    out["name"] = name_of(dtype, zero_stage=out["zero_stage"], num_processes=state.num_processes, expected=expected)
     return out
 
 
@@ -255,28 +254,29 @@ def _autotp_shape(param) -> tuple | None:
     return tuple(meta["original_shape"])
 
 
-def strategy_from_evidence(ev: dict) -> tuple[str, str]:
-    """(strategy name, offload) that the live evidence proves."""
+def strategy_from_evidence(ev: dict, expected: str = "any") -> tuple[str, str]:
+    """(strategy name, offload) that the live evidence proves: the strategy table's name for the engine shown,
+    `expected` when its row has that engine (finetune/strategies.py name_of)."""
     if ev["zero_stage"] is not None:
         opt = ev["offload_optimizer_device"] if ev.get("optimizer_offloaded") else "none"
         par = ev["offload_param_device"] if ev.get("params_offloaded") else "none"
-        return name_of("DEEPSPEED", zero_stage=ev["zero_stage"]), offload_name(opt, par)
+        return name_of("DEEPSPEED", zero_stage=ev["zero_stage"], expected=expected), offload_name(opt, par)
     # Not "every parameter": Accelerate leaves non-float (uint8-stored 4-bit) weights out of FSDP2 sharding.
     if ev["fsdp_modules"] and ev["dtensor_params"]:
         offloaded = ev.get("fsdp_offload_policy") == "CPUOffloadPolicy"
-        return "fsdp", "optimizer+params" if offloaded else "none"
+        return name_of("FSDP", expected=expected), "optimizer+params" if offloaded else "none"
     if ev["engine_class"] == "DistributedDataParallel":
         # On CPU rehearsal Accelerate wraps even one MULTI_CPU process in DDP (accelerator.py
-        # prepare_model; MULTI_GPU with one process is not wrapped): one process is `single`.
-        return ("ddp" if ev["world_size"] > 1 else "single"), "none"
-    return ("single" if ev["world_size"] == 1 else ev["engine_class"]), "none"
+        # prepare_model; MULTI_GPU with one process is not wrapped): one process is the one-device row.
+        return name_of("MULTI_GPU", num_processes=ev["world_size"], expected=expected), "none"
+    return (name_of("NO", expected=expected) if ev["world_size"] == 1 else ev["engine_class"]), "none"
 
 
 def live_section(wrapped, accelerator, declared: dict) -> dict:
     """run.json `strategy` once Trainer has wrapped the model: the declared section with what the live
     engine and process groups show (`evidence`, `parallel`)."""
     ev = live_evidence(wrapped)
-    name, offload = strategy_from_evidence(ev)
+    name, offload = strategy_from_evidence(ev, expected=declared["name"])
     ev["set_up_by"] = declared.get("set_up_by")  # the evidence says which way it was set up too
     live = {
         "name": name,

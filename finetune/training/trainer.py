@@ -6,6 +6,7 @@ What Ulysses sequence parallelism needs of it (the loss, ShardLoader): docs/para
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -24,7 +25,7 @@ from finetune.data.render import IGNORE_INDEX
 from finetune.modeling.loss import SCORED_TOKENS_KWARG, installed
 from finetune.telemetry.meter import BatchShare, Meter, counting
 from finetune.telemetry.sinks import Sinks
-from finetune.training import fault_injection
+from finetune.training import fault_injection, rank_imports
 
 
 class _StepClock(TrainerCallback):
@@ -49,9 +50,23 @@ class _StepClock(TrainerCallback):
 
 
 class FinetuneTrainer(Trainer):
-    def __init__(self, *args, sinks: Sinks | None = None, model_flops=None, peak_flops=None, **kwargs):
+    """`sinks`: where each log window goes (finetune/telemetry/sinks.py); `resumed_world_size`: the world size that
+    wrote the checkpoint resumed from (its RNG streams, `_load_rng_state`); `find_unused_parameters`: DDP's, as the run
+    decided it from the model (finetune/training/speed.py; None: TrainingArguments' rule)."""
+
+    def __init__(
+        self,
+        *args,
+        sinks: Sinks,
+        model_flops=None,
+        peak_flops=None,
+        resumed_world_size=None,
+        find_unused_parameters=None,
+        **kwargs,
+    ):
+        self.find_unused_parameters = find_unused_parameters  # read by Trainer.__init__ (_build_accelerator_args)
         super().__init__(*args, **kwargs)
-        self.sinks = sinks  # where each log window goes (finetune/telemetry/sinks.py): rank 0, None elsewhere
+        self.sinks = sinks
         if self.pop_callback(ProgressCallback) is not None:
             self.add_callback(CompactProgress)
         self.meter = Meter(model_flops=model_flops, peak_flops=peak_flops)
@@ -67,11 +82,22 @@ class FinetuneTrainer(Trainer):
         self._pass_scored = (
             bool((installed(self.model) or {}).get("compact")) and not self.args.torch_compile and not mesh
         )
-        self.resumed_world_size: int | None = None  # world size that wrote the checkpoint resumed from
+        self.resumed_world_size = resumed_world_size
         self._logged_share = 1.0  # a rank's share of the logged loss (sequence_parallel_loss)
         if self.sequence_parallel:  # sequence_parallel_loss divides by the step's token count itself
             self.loss_is_scaled_for_ga = True
             route_skips()
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """Trainer's, with DDP's find_unused_parameters as decided (Trainer reads TrainingArguments', built before
+        the model could be probed); run.json speed.ddp checks the live handler against the decision."""
+        args = super()._build_accelerator_args(**kwargs)
+        if self.find_unused_parameters is not None:  # its one handler: DistributedDataParallelKwargs
+            args["kwargs_handlers"] = [
+                dataclasses.replace(handler, find_unused_parameters=self.find_unused_parameters)
+                for handler in args["kwargs_handlers"]
+            ]
+        return args
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's, with DeepSpeed's sequence-parallel dataloader adapter made a ShardLoader
@@ -141,14 +167,14 @@ class FinetuneTrainer(Trainer):
         training_log = "loss" in logs and "train_runtime" not in logs
         step_entry = self.meter.log_window(logs, self.accelerator, self.state.global_step) if training_log else None
         super().log(logs, start_time)
-        if self.sinks is not None and step_entry is not None:
+        if step_entry is not None:
             self.sinks.log(step_entry)
 
     def record_tail(self) -> None:
         """The steps after the last log as one more `steps` entry, so steps[] covers every step of
         the launch (a resumed run totals its earlier segments from it). Every rank (it gathers)."""
         tail = self.meter.tail_window(self.accelerator, self.state.global_step)
-        if self.sinks is not None and tail is not None:
+        if tail is not None:
             self.sinks.log(tail)
 
     def _load_rng_state(self, checkpoint):
@@ -303,7 +329,9 @@ def route_skips() -> None:
 # --- test hook: which training rows each optimizer step trained on, per rank (FINETUNE_SAMPLE_TRACE=DIR):
 # a hash of every row of every micro-batch to DIR/rank<r>.jsonl, and rank 0's dataset row hashes to
 # DIR/dataset.json, so a test can recount, independently of the code under test, that a resumed run
-# trains the same rows per step (tests/training/test_strategies.py). Unset, it does nothing.
+# trains the same rows per step (tests/training/test_strategies.py); and at the rank's first micro-batch the
+# optional packages it has imported to DIR/rank<r>.imports.json (finetune/training/rank_imports.py). Unset,
+# it does nothing.
 
 SAMPLE_TRACE = "FINETUNE_SAMPLE_TRACE"
 
@@ -320,6 +348,9 @@ def trace_samples(trainer, inputs) -> None:
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     rank = trainer.accelerator.process_index
+    imports = directory / f"rank{rank}.imports.json"
+    if not imports.exists():
+        imports.write_text(json.dumps(rank_imports.loaded()), encoding="utf-8")
     if rank == 0 and not (directory / "dataset.json").exists():
         hashes = [row_hash(r) for r in trainer.train_dataset["input_ids"]]
         (directory / "dataset.json").write_text(json.dumps(hashes), encoding="utf-8")

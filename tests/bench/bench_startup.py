@@ -1,5 +1,6 @@
 """Start-up benchmark (docs/speed.md "Start-up"): seconds from the command to the first step line, and
-import times of the commands that do not train. Not a test: `python -m tests.bench.bench_startup --out DIR`.
+import times of the commands that do not train, in wall and CPU seconds. Not a test:
+`python -m tests.bench.bench_startup --out DIR`.
 
 Each case runs `--repeat` times on the machine as it is; report the median with the machine's load.
 The first step line is the progress line `step 1/N` our console prints (finetune/training/trainer.py);
@@ -23,23 +24,47 @@ REPO = Path(__file__).resolve().parents[2]
 FIRST_STEP = re.compile(r"\bstep 1/\d+")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process and every process below it (and of their children
+    already reaped), from the kernel through psutil: on a loaded machine far steadier than wall seconds."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def timed(cmd: list[str], env: dict, cwd: Path, until: re.Pattern | None = None) -> dict:
-    """Wall seconds to the first line matching `until` (None: to the exit), and to the exit."""
+    """Wall seconds to the first line matching `until` (None: to the exit), and to the exit; CPU seconds
+    of the process tree at that line, and of the whole command at its exit."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     )
-    first = None
+    first = first_cpu = None
     lines = []
     for line in proc.stdout:
         lines.append(line)
         if first is None and until is not None and until.search(line):
-            first = time.perf_counter() - start
-    code = proc.wait()
+            first, first_cpu = time.perf_counter() - start, tree_cpu_s(proc.pid)
+    _, status, usage = os.wait4(proc.pid, 0)
     total = time.perf_counter() - start
+    code = proc.returncode = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"exit {code}: {' '.join(cmd)}\n{''.join(lines[-40:])}")
-    return {"to_first_step_s": first, "total_s": total, "console_lines": lines}
+    return {
+        "to_first_step_s": first,
+        "total_s": total,
+        "cpu_to_first_step_s": first_cpu,
+        "cpu_total_s": usage.ru_utime + usage.ru_stime,  # the command and every process it waited for
+        "console_lines": lines,
+    }
 
 
 def tiny_model(where: Path) -> Path:
@@ -107,15 +132,18 @@ def main() -> None:
             if wanted and not any(w in name for w in wanted):
                 continue
             runs = [timed(cmd, env, REPO, until) for _ in range(args.repeat)]
-            key = "to_first_step_s" if until else "total_s"
-            values = [r[key] for r in runs]
+            key, cpu_key = ("to_first_step_s", "cpu_to_first_step_s") if until else ("total_s", "cpu_total_s")
+            values, cpus = [r[key] for r in runs], [r[cpu_key] for r in runs]
             results["cases"][name] = {
                 "measure": key,
                 "median_s": round(statistics.median(values), 2),
                 "runs_s": [round(v, 2) for v in values],
+                "cpu_median_s": round(statistics.median(cpus), 2),
+                "cpu_runs_s": [round(v, 2) for v in cpus],
                 "console_lines_last_run": runs[-1]["console_lines"],
             }
-            print(f"{name:45s} {key:16s} median {statistics.median(values):6.2f} s  {values}", flush=True)
+            median, cpu = statistics.median(values), statistics.median(cpus)
+            print(f"{name:45s} {key:16s} median {median:6.2f} s, CPU {cpu:6.2f} s  {values}", flush=True)
     results["load_after"] = os.getloadavg()
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 

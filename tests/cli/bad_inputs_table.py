@@ -35,9 +35,9 @@ class Case:
     where: str  # which input: recipe, override, data file, accelerate config, ...
     setup: Callable[[Path], list[str]]  # writes files into the workspace, returns the extra arguments
     expect: tuple[str, ...]  # what the message must name (written here by hand, not taken from a run)
-    entry: str = "finetune train"  # or "train.py": finetune/train.py main() in this process
+    entry: str = "finetune train"  # "train.py": finetune/train.py main() in this process; or "finetune export"
     env: dict = field(default_factory=dict)  # huggingface_hub.constants overrides, see _patched
-    gpu_free_only: bool = False  # the problem exists only on a machine without CUDA
+    gpu_free_only: bool = False  # the problem exists only on a machine without CUDA (the test hides CUDA for it)
     needs_root: bool = False  # made with a mount (a full disk): only as root
 
 
@@ -136,7 +136,7 @@ def _held(run: str, then=None):
         extra = then(ws) if then else []
         code = (
             f"import sys, time; sys.path.insert(0, {str(REPO)!r}); from pathlib import Path; "
-            f"from finetune.launch import run_lock; run_lock.acquire(Path({str(ws / 'runs' / run)!r})); "
+            f"from finetune.launch import run_lock; run_lock.Locks().acquire(Path({str(ws / 'runs' / run)!r})); "
             f"print('holding', flush=True); time.sleep(600)"
         )
         holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -1010,7 +1010,8 @@ CASES = [
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
         ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
-        env={"ENDPOINT": "http://127.0.0.1:9"},
+        # HF_HUB_OFFLINE off whatever the environment says: set, the message is the offline one (the next case)
+        env={"ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": False},
     ),
     Case(
         "hub id not cached, HF_HUB_OFFLINE=1",
@@ -1232,6 +1233,50 @@ CASES = [
         lambda ws: ["--run.name=keep"],
         ("runs/keep already exists", "--run.name=keep-2", "--overwrite"),
         entry="train.py",
+    ),
+    # `finetune export` (finetune/export/command.py): the arguments are the case's own (a run it made up, or none)
+    Case(
+        "a folder that is not a run",
+        "RUN",
+        lambda ws: [str(_user_files(ws / "mine"))],
+        ("mine: not a run directory", ".finetune-run"),
+        entry="finetune export",
+    ),
+    Case(
+        "a checkpoint without its completion marker (a save cut short)",
+        "--checkpoint",
+        lambda ws: [str(_a_run(ws, "lora", checkpoint=2, complete=False)), "--checkpoint", "2"],
+        ("--checkpoint 2", "checkpoint-2 is not complete", "no finetune-checkpoint-complete.json"),
+        entry="finetune export",
+    ),
+    Case(
+        "a checkpoint that does not exist",
+        "--checkpoint",
+        lambda ws: [str(_a_run(ws, "lora", checkpoint=2)), "--checkpoint", "9"],
+        ("--checkpoint 9", "checkpoint-9 does not exist", "checkpoints of this run: checkpoint-2"),
+        entry="finetune export",
+    ),
+    Case(
+        "--merge of a full fine-tune",
+        "--merge",
+        lambda ws: [str(_a_run(ws, "full")), "--merge"],
+        ("--merge", "is a full fine-tune (method.name: full)", "export it without --merge"),
+        entry="finetune export",
+    ),
+    Case(
+        "an output folder that is not an export (the user's earlier run)",
+        "--out",
+        lambda ws: [str(_a_run(ws, "lora")), "--out", str(ws / "runs" / "keep")],
+        ("--out", "runs/keep: exists and was not made by finetune export", "nothing was changed"),
+        entry="finetune export",
+    ),
+    Case(
+        "an output folder on a disk without room",
+        "--out",
+        lambda ws: [str(_a_run(ws, "lora")), "--merge", "--out", str(_tmpfs(ws / "small", "size=64k") / "export")],
+        ("--out", "not enough space", "the export needs", "are free; nothing was written"),
+        entry="finetune export",
+        needs_root=True,
     ),
 ]
 
@@ -1574,6 +1619,31 @@ NOT_ERRORS += [
 ]
 
 
+def _a_run(ws: Path, method: str, *, checkpoint: int | None = None, complete: bool = True) -> Path:
+    """runs/made (a new name: the user's runs/keep stays as it was) as a 2-step run of the demo recipe on the table's
+    model leaves it: config.yaml, run.json, the marker, the demo data, model/ (a LoRA adapter, or the full weights)
+    and checkpoint-N with model/'s files (and its completion marker when `complete`)."""
+    from finetune.checkpointing import checkpoints
+    from finetune.config.recipe import dump_yaml, load_recipe
+    from finetune.data import demo
+    from finetune.modeling.load import load_model, load_tokenizer
+
+    run = ws / "runs" / "made"
+    model = os.environ["FINETUNE_TABLE_MODEL"]
+    cfg, _ = load_recipe("demo", [f"--model.name_or_path={model}", f"--method.name={method}", "--run.name=made"])
+    _write(run / "config.yaml", dump_yaml(cfg.to_dict()))
+    _write(run / "run.json", json.dumps({"summary": {"status": "completed", "steps": 2}}))
+    _write(run / ".finetune-run", "")
+    demo.write_demo(run / "data", 16, 0)
+    load_model(cfg.model, cfg.method).save_pretrained(run / "model")
+    load_tokenizer(cfg.model).save_pretrained(run / "model")
+    if checkpoint is not None:
+        shutil.copytree(run / "model", run / f"checkpoint-{checkpoint}")
+        if complete:
+            checkpoints.write_marker(run / f"checkpoint-{checkpoint}", step=checkpoint, world_size=1)
+    return run
+
+
 def base_args(ws: Path, model_dir: Path) -> list[str]:
     """A run that would be valid: the demo recipe on the tiny model and a good data file."""
     data = _write(ws / "good.jsonl", _jsonl(GOOD_ROWS * 4))
@@ -1648,7 +1718,7 @@ def _run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
     os.environ["FINETUNE_TABLE_MODEL"] = str(model_dir)  # for setups that copy the model
     make_workspace(ws)
     try:
-        argv = base_args(ws, model_dir) + case.setup(ws)
+        argv = (base_args(ws, model_dir) if case.entry != "finetune export" else []) + case.setup(ws)
     finally:
         del os.environ["FINETUNE_TABLE_MODEL"]
     before = _hashes(ws)
@@ -1659,7 +1729,7 @@ def _run_case(case: Case, ws: Path, model_dir: Path) -> Outcome:
             if case.entry == "train.py":
                 code = run.main(argv)
             else:
-                code = dispatch.main(["train", *argv])
+                code = dispatch.main([case.entry.split()[1], *argv])
         except SystemExit as e:
             code = e.code
         except Exception:  # a bug: the table shows it as a traceback  # noqa: BLE001
@@ -1702,7 +1772,8 @@ def markdown(results: list[tuple[Case, Outcome]], ws_of, model_dir: Path) -> str
         "`<ws>` is the user's working directory, `<tiny-model>` a local model directory.",
         "",
         "Caught by: `finetune train` = in `finetune train` before `accelerate launch` starts; `train.py` =",
-        "inside the launched process (preflight runs there too, before the run directory and any weights).",
+        "inside the launched process (preflight runs there too, before the run directory and any weights);",
+        "`finetune export` = before it writes anything (its cases export a run they make up, `runs/made`).",
         "`new files` are what the failed attempt itself wrote (its own new run directory, with run.json",
         "status `failed`); never inside an existing run directory.",
         "",

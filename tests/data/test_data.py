@@ -17,7 +17,7 @@ import torch
 
 from finetune.data.build import build_datasets
 from finetune.data.collate import collate
-from finetune.data.formats import FORMATS, detect_format
+from finetune.data.formats import TABLE, detect_format
 from finetune.data.read import DataError, read_rows
 
 IGNORE = -100
@@ -295,7 +295,7 @@ def test_detect_format_auto(row, expected):
 
 def test_detect_format_declared_is_returned_as_is():
     assert detect_format([{"whatever": 1}], "text") == "text"
-    assert set(FORMATS) == {"alpaca", "prompt_completion", "messages", "sharegpt", "text"}
+    assert set(TABLE) == {"alpaca", "prompt_completion", "messages", "sharegpt", "text"}
 
 
 def test_detect_format_unknown_keys_lists_found_and_needed_keys():
@@ -654,7 +654,7 @@ def test_collate_packed_batch_continues_positions_into_padding():
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_stop_ends_the_preparation_and_its_processes_early(tokenizer, tmp_path, caplog, processes):
-    """`interrupt()` (finetune/training/signals.py check_interrupt raises once a stop signal arrived) is
+    """`interrupt()` (finetune/training/signals.py Stops.check_interrupt raises once a stop signal arrived) is
     checked ten times a second while the data is prepared; once it raises, the map's processes stop at
     their next rows, nothing is kept and the stop is raised. Before, with a row-by-row loop in one
     process, the check was per row (a SIGTERM during the build of 60,000 rows once took 124-144 s)."""

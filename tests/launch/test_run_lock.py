@@ -31,7 +31,7 @@ HOLDER = textwrap.dedent(
     while not start.exists():  # every contender starts here at once
         time.sleep(0.01)
     try:
-        run_lock.acquire(Path(sys.argv[2]))
+        run_lock.Locks().acquire(Path(sys.argv[2]))
     except UserError as e:
         print("refused:", e, flush=True)
         sys.exit(2)
@@ -67,21 +67,23 @@ def test_a_live_run_is_named_and_its_death_leaves_no_stale_lock(tmp_path):
         message = run_lock.live_run(run_dir)
         assert message and f"in use by a live run: pid {holder.pid} on host {socket.gethostname()}" in message
         assert f"kill -TERM {holder.pid}" in message and "nothing was changed" in message
+        locks = run_lock.Locks()
         with pytest.raises(UserError, match=f"pid {holder.pid}"):
-            run_lock.acquire(run_dir)
+            locks.acquire(run_dir)
         # --overwrite of the live run's directory: refused before anything is deleted
         cfg = Config(recipe="demo").replaced("run", output_dir=str(run_dir), overwrite=True)
         with pytest.raises(UserError, match="in use by a live run"):
-            rundir.create(cfg)
-        assert (run_dir / "checkpoint-1").is_dir()
+            rundir.create(cfg, locks)
+        assert (run_dir / "checkpoint-1").is_dir() and locks.held == {}
         holder.send_signal(signal.SIGKILL)  # dies without any cleanup
         holder.wait()
         assert run_lock.live_run(run_dir) is None
-        run_lock.acquire(run_dir)  # the kernel released it
+        locks.acquire(run_dir)  # the kernel released it
         assert run_lock.holder(run_dir)["pid"] == os.getpid()
     finally:
-        run_lock.release(run_dir)
+        locks.release_all()
         _kill(holder)
+    assert not (run_dir / run_lock.LOCK).exists()  # let go of, and its file removed
 
 
 def test_of_runs_claiming_one_new_directory_at_once_exactly_one_wins(tmp_path):
@@ -102,7 +104,8 @@ def test_of_runs_claiming_one_new_directory_at_once_exactly_one_wins(tmp_path):
 
 def test_the_lock_file_is_not_content_and_survives_overwrite_and_reuse(tmp_path, capsys):
     run_dir = tmp_path / "exp"
-    run_lock.acquire(run_dir)
+    locks = run_lock.Locks()
+    locks.acquire(run_dir)
     try:
         assert rundir.contents(run_dir) == [] and (run_dir / run_lock.LOCK).is_file()
         rundir.prepare_run_dir(run_dir, overwrite=False)  # only the lock: a fresh directory
@@ -127,7 +130,7 @@ def test_the_lock_file_is_not_content_and_survives_overwrite_and_reuse(tmp_path,
         )
         assert f"pid {os.getpid()}" in probe.stdout, probe.stdout
     finally:
-        run_lock.release(run_dir)
+        locks.release_all()
 
 
 def test_a_run_interrupted_before_its_first_step_leaves_a_directory_the_retry_reuses(tmp_path):

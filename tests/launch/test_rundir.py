@@ -8,7 +8,7 @@ import json
 import pytest
 
 from finetune.errors import UserError
-from finetune.launch import rundir
+from finetune.launch import run_lock, rundir
 
 
 def _failed_run(path, **summary):
@@ -118,7 +118,7 @@ def test_a_folder_finetune_did_not_make_is_refused_and_every_file_survives(
     cfg, _ = load_recipe("demo", [f"--run.output_dir={output_dir}", f"--data.path={data}", "--eval.exact_match=false"])
     cfg = cfg.replaced("run", overwrite=overwrite)
     with pytest.raises(UserError) as err:
-        rundir.create(cfg)
+        rundir.create(cfg, run_lock.Locks())
     msg = str(err.value)
     target = (project / "runs") if output_dir.endswith("runs") else project
     assert f"({target.resolve()}) already exists and is not one finetune made" in msg, msg

@@ -15,10 +15,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "run_record.md"
 _ROW = re.compile(r"^\| `([^`]+)` \| [^|]+ \| [^|]+ \| ([^|]+) \|")
 
 
-def documented() -> dict[str, str]:
-    """field path -> its `present` column, for every row of the doc's field tables."""
+def documented(text: str | None = None) -> dict[str, str]:
+    """field path -> its `present` column, for every row of the doc's field tables (`text`: the doc's, by default)."""
     out = {}
-    for line in DOC.read_text(encoding="utf-8").splitlines():
+    for line in (DOC.read_text(encoding="utf-8") if text is None else text).splitlines():
         m = _ROW.match(line)
         if m:
             assert m.group(1) not in out, f"{m.group(1)} documented twice"

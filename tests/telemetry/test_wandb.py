@@ -40,6 +40,7 @@ def test_the_readme_documents_each_meaning_under_one_name():
 @pytest.mark.integration
 def test_offline_run_logs_the_keys_the_readme_documents_and_stages_its_artifact(tmp_path, tiny_model_dir, launch):
     env = {"HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}  # no ~/.netrc, no API key: must go offline by itself
+    env["FINETUNE_SAMPLE_TRACE"] = str(tmp_path / "trace")  # what the rank imported by its first step
     run_dir = tmp_path / "runs" / "wb"
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text(
@@ -63,6 +64,9 @@ def test_offline_run_logs_the_keys_the_readme_documents_and_stages_its_artifact(
     ]
     res = launch(args, run_dir=run_dir, cwd=tmp_path, env=env, unset_env_prefix="WANDB_")
     assert res.returncode == 0, res.explain()
+    # W&B imported where reported to (the control of tests/training/test_strategies.py's runs, which import none)
+    loaded = json.loads((tmp_path / "trace" / "rank0.imports.json").read_text())
+    assert "wandb" in loaded and "bitsandbytes" not in loaded and "deepspeed" not in loaded, loaded
     rec = res.record
     assert "saved to" in res.stderr and "\nmodel:\n  name_or_path:" in res.stderr  # --logging.print_config=true
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))

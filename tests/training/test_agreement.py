@@ -1,4 +1,4 @@
-"""Every rank agrees at each boundary after training (finetune/training/endings.py, signals.agree;
+"""Every rank agrees at each boundary after training (finetune/training/endings.py, signals.Stops.agree;
 docs/faults.md "Hangs and every stop signal").
 
 In-process: two ranks over gloo (torch.multiprocessing, Accelerate's PartialState, no model) run the
@@ -56,12 +56,13 @@ def _rank_main(rank: int, port: int, root: str, queue) -> None:
 def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     import torch.distributed as dist
 
-    from finetune.launch import peers
+    from finetune.export import live
     from finetune.modeling import load
     from finetune.training import fault_injection, run, signals
 
     kind, step_name, bad_rank = case
     entered: list[str] = []
+    stops = signals.Stops()  # this case's signals and watchdog
 
     def collective(name: str):
         entered.append(name)
@@ -69,7 +70,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
 
     def maybe_signal(name: str):
         if kind == "signal" and name == step_name and rank == bad_rank:
-            signals.received.append(signal.SIGUSR1)  # what the handler records
+            stops.received.append(signal.SIGUSR1)  # what the handler records
 
     def save_final_model(trainer, model_dir):
         collective("export")
@@ -97,7 +98,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
 
         def stop_after_training(self, flags):
             self.final_checkpoint()
-            self.preempted = {"step": STEP, **signals.describe(flags)}
+            self.preempted = {"step": STEP, **stops.describe(flags)}
 
     trainer = SimpleNamespace(
         accelerator=state,
@@ -114,9 +115,11 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
         cfg=SimpleNamespace(training=SimpleNamespace(finish_timeout=60), run=SimpleNamespace(save_model=True)),
         state=state,
         dir=run_dir,
-        sinks=None,
+        sinks=SimpleNamespace(merge=lambda *a, **k: None, put=lambda **k: None, close=lambda code: None),  # not here
+        stops=stops,
         launch=SimpleNamespace(world_size=2),
         heldout_path=None,
+        data_path=None,
     )
     data = SimpleNamespace(
         tokenizer=SimpleNamespace(save_pretrained=lambda d: None), bundle=SimpleNamespace(eval=[1]), heldout=[1]
@@ -125,20 +128,38 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     # the case's fault, through the run's own injection points; the stand-ins above for the rest
     os.environ[fault_injection.ENV] = f"fail_{step_name}@rank{bad_rank},step{STEP}" if kind == "fail" else ""
     fault_injection.faults.cache_clear()
-    signals.received.clear()
-    signals.failures_agreed.clear()
-    peers.watch = peers.Watch()
-    saved = (load.save_final_model, run.exact_match, run.preempted)
+    # the export's check: its probe rows and its comparison, each a collective as the live model's forward is
+    saved = (
+        load.save_final_model,
+        run.exact_match,
+        run.preempted,
+        run.record_end,
+        run.ExportCheck,
+        live.probe,
+        live.verify,
+    )
     load.save_final_model, run.exact_match = save_final_model, exact_match
     run.preempted = lambda the_run, trainer, arguments: 75
+    # the record's step with its fault injection point, not its sections (the stand-ins measure nothing)
+    run.record_end = lambda the_run, trainer, model, ended: fault_injection.fail("record", rank=rank, step=STEP)
+    run.ExportCheck = SimpleNamespace(for_run=lambda the_run: SimpleNamespace(merged=False))
+    live.probe = lambda check, tokenizer: collective("probe")
+    live.verify = lambda trainer, model_dir, tokenizer, check, batch: collective("check")
     try:
         code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args))
         return ("returned", code, entered)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return ("raised", f"{type(e).__name__}: {e}", entered)
     finally:
-        load.save_final_model, run.exact_match, run.preempted = saved
-        signals.received.clear()
+        (
+            load.save_final_model,
+            run.exact_match,
+            run.preempted,
+            run.record_end,
+            run.ExportCheck,
+            live.probe,
+            live.verify,
+        ) = saved
 
 
 @pytest.fixture(scope="module")

@@ -251,6 +251,7 @@ def _killed_rank(tmp_path, tiny_model_dir):
     assert code == 1, out[-4000:]
     assert "[fault injection] rank 1 kills itself (SIGKILL) at step 2" in out
     assert "finetune: rank 1 (local rank 1" in out and "failed: killed by SIGKILL" in out, out[-4000:]
+    assert "closing signal SIGTERM" not in out, out[-4000:]  # torchrun's, stopping rank 0 (issue 43)
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["summary"]["status"] == "failed" and "gloo" in rec["summary"]["error"], rec["summary"]
     assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2
@@ -321,6 +322,19 @@ def _nonfinite_skipped(tmp_path, tiny_model_dir):
     assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
 
 
+# What other programs printed on `finetune train`'s console before issue 43 (the launcher: torchrun, accelerate; the
+# ranks: DeepSpeed), each held back at its source now (finetune/held_back.py).
+THIRD_PARTY_LAUNCH_LINES = (
+    "Setting OMP_NUM_THREADS",  # torchrun's notice on DeepSpeed launches
+    "built successfully",  # DeepSpeed's CPU communication op, once per rank
+    "Setting accelerator to CPU",  # DeepSpeed's, in the launcher and every rank
+    "closing signal SIGTERM",  # torchrun's, after the run's own exit line
+    "had defaults used instead",  # accelerate's notice of the launch values it chose
+    "ChildFailedError",  # torchrun's report of a failed rank: `finetune train` names the failed ranks itself
+    "is already in use",  # accelerate's note that another job holds the default port
+)
+
+
 def _nonfinite_deepspeed(tmp_path, tiny_model_dir):
     """ZeRO-2 runs the optimizer step inside backward, so the loss is checked (and agreed) before
     it: rank 1's NaN at step 3 stops both ranks with the step and rank named."""
@@ -339,6 +353,10 @@ def _nonfinite_deepspeed(tmp_path, tiny_model_dir):
         env={**CPU_ENV, faults.ENV: "nan_loss@rank1,step3"},
     )
     assert code == EXIT_NONFINITE, out[-4000:]
+    # `finetune train` of a DeepSpeed recipe on CPU: only our lines (issue 43), the ranks' held ones in the run's log
+    for theirs in THIRD_PARTY_LAUNCH_LINES:
+        assert theirs not in out, (theirs, out[-4000:])
+    assert "held back from the console: DeepSpeed deepspeed.ops" in (run_dir / "third_party.log").read_text()
     rec = json.loads((run_dir / "run.json").read_text())
     assert rec["strategy"]["name"] == "zero2" and rec["strategy"]["evidence"]["zero_stage"] == 2, rec["strategy"]
     assert "non-finite loss at step 3 on rank(s) [1]" in rec["summary"]["error"], rec["summary"]
@@ -353,30 +371,26 @@ def test_signal_handler_records_and_a_second_signal_is_ignored(capfd):
 
     from finetune.training import signals
 
-    # Undo what an earlier test left installed (a ResilientTrainer built in this process installs
-    # the handlers; only a finished train() restores them), then take what SIGINT was before:
-    # Python's default_int_handler in a terminal, SIG_IGN when the suite runs as a background job
-    # of a non-interactive shell (POSIX ignores SIGINT for those).
-    signals.restore_signal_handlers()
+    # What SIGINT was before: Python's default_int_handler in a terminal, SIG_IGN when the suite runs as a
+    # background job of a non-interactive shell (POSIX ignores SIGINT for those), or the recording handler of a
+    # trainer an earlier test built in this process.
     before = signal.getsignal(signal.SIGINT)
-    signals.received.clear()
-    signals.install_signal_handlers()
-    signals.set_stage(signals.TRAINING)
+    stops = signals.Stops()
+    stops.install()
+    stops.set_stage(signals.TRAINING)
     try:
         assert signal.getsignal(signal.SIGINT) not in (before, signal.default_int_handler, signal.SIG_IGN)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             os.kill(os.getpid(), sig)
             time.sleep(0.1)  # Python runs the handler at the next bytecode boundary
-        assert signals.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
-        assert signals.code() == signal.SIGINT and signals.describe([0, signals.code()]) == {
+        assert stops.received == [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
+        assert stops.code() == signal.SIGINT and stops.describe([0, stops.code()]) == {
             "signal": "SIGINT",
             "ranks": [1],
             "relayed_by": None,
         }
     finally:
-        signals.restore_signal_handlers()
-        signals.received.clear()
-        signals.set_stage(signals.STARTING)
+        stops.restore()
     err = capfd.readouterr().err
     assert "SIGINT received: stopping at the end of this optimizer step" in err, err
     assert "SIGTERM received again: ignored" in err and "SIGUSR2 received again: ignored" in err, err
@@ -392,8 +406,11 @@ def test_a_process_forked_from_a_rank_dies_of_sigterm_while_the_rank_records_it(
 
     from finetune.training import signals
 
-    signals.restore_signal_handlers()
-    signals.install_signal_handlers()
+    # as a rank starts: SIGTERM's default action (a trainer an earlier test built here left its recording handler,
+    # which this process's fork hooks would hand the child otherwise)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    stops = signals.Stops()
+    stops.install()
     recording = signal.getsignal(signal.SIGTERM)
     try:
         assert recording not in (signal.SIG_DFL, signal.SIG_IGN, None)
@@ -406,30 +423,29 @@ def test_a_process_forked_from_a_rank_dies_of_sigterm_while_the_rank_records_it(
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
         assert signal.getsignal(signal.SIGTERM) is recording  # the rank still records it
     finally:
-        signals.restore_signal_handlers()
-        signals.received.clear()
+        stops.restore()
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_stop_signals_left_out_of_the_setting_keep_their_default_action():
     """training.stop_signals: SIGUSR1 and SIGUSR2 (a scheduler's warning) are stops by default; a
     recipe that leaves them out gets their previous (default) action back, in the ranks and in the
-    `finetune train` wrapper alike (signals.keep_only, relay.Relay.keep_only)."""
-    from finetune.config.sections import STOP_SIGNALS
+    `finetune train` wrapper alike (signals.Stops.keep_only, relay.Relay.keep_only)."""
     from finetune.launch import relay
     from finetune.training import signals
 
-    signals.restore_signal_handlers()
     before = signal.getsignal(signal.SIGUSR1)
-    signals.install_signal_handlers()
+    stops = signals.Stops()
+    stops.install()
     try:
         assert signal.getsignal(signal.SIGUSR1) not in (before, signal.SIG_DFL)
-        signals.keep_only(["SIGTERM", "SIGINT", "SIGHUP"])
-        signals.install_signal_handlers()  # again, as the trainer does: still left out
+        stops.keep_only(["SIGTERM", "SIGINT", "SIGHUP"], grace_s=30.0)
+        stops.install()  # again, as the trainer does: still left out
         assert signal.getsignal(signal.SIGUSR1) is before and signal.getsignal(signal.SIGUSR2) is not None
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)  # still a stop
+        assert stops.watch.grace_s == 30.0  # training.stop_grace, for the watchdog
     finally:
-        signals.restore_signal_handlers()
-        signals.keep_only(STOP_SIGNALS)
+        stops.restore()
     with relay.Relay() as wrapper:
         assert signal.getsignal(signal.SIGUSR2) == wrapper._handler
         wrapper.keep_only(["SIGTERM"])
@@ -448,26 +464,22 @@ def test_a_signal_relayed_by_finetune_train_is_recorded_silently(tmp_path, monke
     from finetune.launch import relay
     from finetune.training import signals
 
-    signals.restore_signal_handlers()
-    signals.received.clear()
-    signals.relayed.clear()
     monkeypatch.setenv(relay.ENV, str(tmp_path))
     (tmp_path / relay.RELAYED).write_text(json.dumps({"signal": "SIGTERM", "pid": 4321}))
-    signals.install_signal_handlers()
+    stops = signals.Stops()
+    stops.install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
         assert capfd.readouterr().err == ""
-        stop = signals.describe([signals.code(), signals.code()])
+        stop = stops.describe([stops.code(), stops.code()])
         assert stop == {"signal": "SIGTERM", "ranks": [0, 1], "relayed_by": 4321}, stop
         assert signals.cause(stop) == "SIGTERM to finetune train (pid 4321), relayed to every rank"
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)
         assert "SIGTERM received again: ignored" in capfd.readouterr().err
     finally:
-        signals.restore_signal_handlers()
-        signals.received.clear()
-        signals.relayed.clear()
+        stops.restore()
 
 
 def test_finetune_train_passes_resume_through_to_train_py():

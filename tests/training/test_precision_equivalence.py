@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -298,3 +299,36 @@ def test_full_export_is_one_consolidated_model_under_zero3_and_fsdp(bf16_runs, t
         f"exports: {result['differ_share']:.2%} of the weights differ in bf16, by at most "
         f"{result['max_abs_diff']:.2e} (bound {bound:.2e} + one spacing); {result['changed_share']:.1%} changed"
     )
+
+
+def test_full_fine_tunes_check_their_save_and_export_in_bf16(bf16_runs, tmp_path):
+    """Both bf16-mixed full fine-tunes checked their own save (issue 45): a fresh process computed the live model's
+    loss and logits within bf16's tolerance, every tensor compared; `finetune export` of the ZeRO-3 run's model/
+    (16-bit weights) checks too. Control: the same export with one tensor zeroed before its check fails, naming it."""
+    for name in ("full_zero3", "full_fsdp"):
+        check = bf16_runs(name).record["export"]["check"]
+        assert check["kind"] == "reload" and check["passed"] and check["compute_dtype"] == "bfloat16", check
+        assert check["tensors"] == 20 and check["max_logit_diff"] <= check["logit_tolerance"], check
+        print(
+            f"{name}: largest logit difference {check['max_logit_diff']:.3g} (tolerance {check['logit_tolerance']:.3g})"
+        )
+    run_dir = bf16_runs("full_zero3").run_dir
+
+    def export(out, env=None):
+        return subprocess.run(
+            [sys.executable, "-m", "finetune.cli", "export", str(run_dir), "--dtype", "bf16", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
+
+    proc = export(tmp_path / "export")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads((tmp_path / "export" / "export.json").read_text())
+    assert found["check"]["passed"] and found["check"]["reference"] == "model (transformers)", found["check"]
+    assert not found["merged"] and found["dtype"] == "bfloat16" and found["check"]["tensors"] == 20, found
+    damaged = export(tmp_path / "damaged", {"FINETUNE_FAULT_INJECT": "export_zeroed@rank0,step0"})
+    zeroed = next(line for line in damaged.stdout.splitlines() if "[fault injection] tensor" in line).split()[3]
+    assert damaged.returncode == 1 and f"tensor {zeroed} differs from the trained one" in damaged.stderr, damaged.stderr

@@ -44,6 +44,14 @@ def examples(tokenizer, tmp_path):
     return rows
 
 
+def _kept(tmp_path):
+    """A trainer's sinks that keep its record in memory (as a run's ranks other than 0 do)."""
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import Kept, Sinks
+
+    return Sinks(Kept(RunRecord(tmp_path / "run.json", run_name="t", recipe="t", config={})))
+
+
 def _model(tokenizer, attn):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -184,8 +192,9 @@ def test_safe_combinations_pass():
     speed.check(_cfg(data={"packing": True}, model={"attn_implementation": "eager"}))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_liger_on_cpu_is_a_clear_error():
+def test_liger_on_cpu_is_a_clear_error(monkeypatch):
+    """On any machine (it skipped where a GPU was visible): CUDA hidden as speed.check reads it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match=r"use_liger_kernel: .*(not installed|CUDA)"):
         speed.check(_cfg(training={"use_liger_kernel": True}))
 
@@ -222,6 +231,7 @@ def test_trainer_counts_real_and_trained_tokens(tokenizer, tiny_model_dir, examp
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
         data_collator=collate.make_collator(dcfg, mcfg, tokenizer.pad_token_id),
+        sinks=_kept(tmp_path),
     )
     trainer.train()
     step = trainer.meter.steps[0]  # seconds, input tokens, trained tokens, examples, sum of squared lengths
@@ -305,6 +315,7 @@ def test_trainer_passes_the_steps_item_count_to_the_chunked_loss(tmp_path):
             train_dataset=datasets.Dataset.from_list(rows),
             eval_dataset=datasets.Dataset.from_list(rows[:2]),
             data_collator=collate.make_collator(_data_cfg("x"), build_config({}).model, 0),
+            sinks=_kept(tmp_path),
         )
         assert trainer.model_accepts_loss_kwargs  # so Trainer passes num_items_in_batch
         trainer.train()

@@ -4,7 +4,7 @@ The runs are the session's one run per strategy (tests/training/strategy_runs.py
 fixture of tests/conftest.py; the record's and the sync count's tests read them too): the same recipe
 values for every strategy, 8 sequences per optimizer step (the single-process reference: 4 x
 accumulation 2), 5 steps (one epoch), checkpoints at steps 3 (resumed from by the resume tests at the
-end) and 5, and the final export.
+end) and 5, and the final export, which checks itself (run.json `export.check`; issue 45).
 
 Precision: these runs take the CPU default, training.precision auto = 32-true, and every record's
 `precision` section is checked to say so from the live run (assert_32_true). The same comparison in
@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,7 @@ NOISE = (
     "`past_key_values`",
     "is_gradient_checkpointing",
     "\nmodel:\n  name_or_path:",
+    "built successfully",  # DeepSpeed's CPU communication op, printed by every rank (issue 43), now in third_party.log
 )
 
 
@@ -125,6 +127,30 @@ def test_a_deepspeed_run_prints_no_library_noise_and_no_config_dump(runs, name):
     # before any rank starts; not ours to filter), no more from each rank
     assert text.count("Setting accelerator to CPU") <= 1, text[-4000:]
     assert "config.yaml (--logging.print_config=true prints it)" in text
+    kept = (run.run_dir / "third_party.log").read_text()
+    assert kept.count("held back from the console: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built") == 2
+
+
+def expected_imports(name: str) -> dict[str, bool]:
+    """The optional packages a launch's ranks import by their first step (finetune/training/rank_imports.py):
+    DeepSpeed for the ZeRO runs only, bitsandbytes for the QLoRA runs only, W&B and matplotlib for none (reported
+    to nothing, no figures)."""
+    deepspeed = name.startswith(("zero", "qlora_zero"))
+    return {"deepspeed": deepspeed, "bitsandbytes": "qlora" in name, "wandb": False, "matplotlib": False}
+
+
+@pytest.mark.parametrize("name", ["single", "single_qlora", *STRATEGIES, *QLORA])
+def test_a_rank_imports_only_the_optional_packages_its_run_uses(runs, name):
+    """Issue 43: before, every rank of every strategy imported DeepSpeed (accelerate's model unwrapping) and
+    bitsandbytes (peft's import). The controls are in the same table: the ZeRO runs show DeepSpeed, the QLoRA runs
+    bitsandbytes, so the trace sees a package that is imported."""
+    trace = Path(trace_env(runs(name).run_dir)["FINETUNE_SAMPLE_TRACE"])
+    ranks = sorted(trace.glob("rank*.imports.json"))
+    assert len(ranks) == (1 if name.startswith("single") else 2), ranks
+    for path in ranks:
+        loaded = json.loads(path.read_text())
+        got = {package: package in loaded for package in expected_imports(name)}
+        assert got == expected_imports(name), (path.name, loaded)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
@@ -283,6 +309,15 @@ def test_checkpoint_and_export_written(runs, name):
         assert any(ckpt.glob("pytorch_model_fsdp_0/*.distcp")), sorted(ckpt.rglob("*"))  # SHARDED_STATE_DICT
     assert (run_dir / "model" / "adapter_model.safetensors").is_file()
     assert runs(name).record["summary"]["status"] == "completed"
+    # the save checked itself (run.verify_export: auto): a fresh process loaded model/ on the base, and its loss and
+    # logits on the probe rows are the live model's (fp32: 1e-4 of the largest logit), every adapter tensor compared
+    check = runs(name).record["export"]["check"]
+    assert check["kind"] == "reload" and check["passed"] and check["problems"] == [], check
+    assert check["tensors"] == 28 and check["max_tensor_rel_diff"] <= 1e-6, check  # 14 adapted layers x (A, B)
+    assert check["max_logit_diff"] <= check["logit_tolerance"] <= 1e-4 * max(1.0, 2 * abs(check["reference_loss"]))
+    assert abs(check["saved_loss"] - check["reference_loss"]) <= check["loss_tolerance"], check
+    assert check["probe"]["rows"] == 4 and check["probe"]["trained_tokens"] > 0 and check["seconds"] > 0, check
+    assert f"{run_dir / 'model'}   (model/ verified, reload check: loss " in runs(name).stdout, runs(name).explain()
 
 
 RELOAD = r"""
@@ -331,6 +366,137 @@ def test_export_reloads_in_a_plain_process_and_matches_single(reloaded, name):
     assert result["keys_equal"], result
     assert result["lora_b_norm"] > 0, result  # trained adapters (LoRA B starts at zero)
     assert result["max_abs_diff"] < 1e-5, result  # the gathered adapter equals the single-process one
+
+
+# `finetune export --merge` of each strategy's run (issue 45): DDP from model/, ZeRO-2, ZeRO-3 and FSDP2 from their final
+# checkpoint (the ZeRO partitions consolidated to their fp32 masters, FSDP2's sharded DCP read without a process group).
+# The merged folder must load with plain transformers where peft cannot be imported and compute what the base + the
+# run's own model/ adapter computes through peft, to 1e-4 in fp32: one process checks every folder with peft blocked,
+# another computes the references; neither is the export's own check (its figures are asserted too).
+MERGED = {"ddp": None, "zero2": STEPS, "zero3": STEPS, "fsdp": STEPS}
+MERGED_LOGITS = r"""
+import json, sys
+if sys.argv[1] == "merged":
+    sys.modules["peft"] = None  # import peft raises ImportError; transformers sees it as not installed
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+kind, base, out, *folders = sys.argv[1:]
+tok = AutoTokenizer.from_pretrained(base)
+tok.pad_token = tok.pad_token or tok.eos_token
+ids = tok(["2 + 3 =", "Sort: d b a c"], return_tensors="pt", padding=True)
+logits = {}
+for folder in folders:
+    if kind == "merged":
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder)
+    logits[folder] = model.eval()(**ids).logits.detach()
+torch.save({"logits": logits, "peft": sys.modules.get("peft") is not None}, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def merged(runs, tmp_path_factory, tiny_model_dir):
+    """name -> (the export command's Launch-like result, its folder, the max logit difference measured here)."""
+    import torch
+
+    base = tmp_path_factory.mktemp("merged")
+    done = {}
+    for name, step in MERGED.items():
+        out = base / name
+        checkpoint = ["--checkpoint", str(step)] if step else []
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune.cli", "export", str(runs(name).run_dir), "--merge", "--dtype", "fp32"]
+            + checkpoint
+            + ["--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        done[name] = (proc, out)
+    for kind, folders in (
+        ("merged", [str(o) for _, o in done.values()]),
+        ("adapter", [str(runs(n).run_dir / "model") for n in done]),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-c", MERGED_LOGITS, kind, str(tiny_model_dir), str(base / f"{kind}.pt"), *folders],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = (torch.load(base / f"{k}.pt") for k in ("merged", "adapter"))
+    assert got["peft"] is False and want["peft"] is True
+    return {
+        name: (
+            proc,
+            out,
+            (got["logits"][str(out)] - want["logits"][str(runs(name).run_dir / "model")]).abs().max().item(),
+        )
+        for name, (proc, out) in done.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(MERGED))
+def test_merged_export_loads_without_peft_and_computes_the_base_plus_adapter(merged, name):
+    proc, out, diff = merged[name]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"finetune export: {out} written and verified" in proc.stdout, proc.stdout
+    assert diff <= 1e-4, diff  # measured here, in other processes than the export's own check
+    found = json.loads((out / "export.json").read_text())
+    check = found["check"]
+    assert found["merged"] and found["dtype"] == "float32" and found["files"] == ["model.safetensors"], found
+    assert found["source"].endswith(
+        {"ddp": "model (safetensors)", "zero2": "fp32 masters)", "zero3": "fp32 masters)", "fsdp": "consolidated)"}[
+            name
+        ]
+    ), found
+    assert check["passed"] and check["reference"] == "the base + adapter (peft)", check
+    assert check["max_logit_diff"] <= check["logit_tolerance"] and check["tensors"] == 20, check  # the tied head once
+    assert found["write"]["peak_rss_gib"] > 0 and (out / "README.md").read_text().count("merged into the base") == 1
+    assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja", ".finetune-export"} <= {
+        p.name for p in out.iterdir()
+    }
+    print(
+        f"{name}: merged logits vs base + adapter (peft), largest difference {diff:.2e}; check {check['max_logit_diff']:.2e}"
+    )
+
+
+def test_qlora_merges_into_the_dequantized_base_it_trained_on(runs, tmp_path):
+    """The one-process QLoRA run's adapter folded into its base dequantized from 4 bits as bitsandbytes held it: the
+    merged model computes what the 4-bit base + adapter computes; its difference from the original base + adapter
+    (the quantization error the adapter trained against) is reported beside it."""
+    out = tmp_path / "qlora"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune.cli",
+            "export",
+            str(runs("single_qlora").run_dir),
+            "--merge",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads((out / "export.json").read_text())
+    check, original = found["check"], found["check"]["vs_original_base"]
+    assert found["dequantized_base"] and "merged into the dequantized 4-bit base" in (out / "README.md").read_text()
+    assert check["passed"] and check["reference"] == "the 4-bit base + adapter (peft), as trained", check
+    assert check["max_logit_diff"] <= check["logit_tolerance"] and check["compute_dtype"] == "bfloat16", check
+    assert original["max_logit_diff"] > 3 * check["max_logit_diff"], original  # the 4 bits the adapter trained on
+    print(
+        f"qlora: vs the 4-bit base {check['max_logit_diff']:.2e}, vs the original base {original['max_logit_diff']:.2e}"
+    )
 
 
 # Full fine-tuning's consolidated export under ZeRO-3 and FSDP2, in bf16-mixed:

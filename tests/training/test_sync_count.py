@@ -47,8 +47,11 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
     from finetune.data import collate
     from finetune.modeling import loss
     from finetune.modeling.load import load_model, load_tokenizer
+    from finetune.telemetry.record import RunRecord
+    from finetune.telemetry.sinks import Kept, Sinks
     from finetune.training import arguments
     from finetune.training.resilience import ResilientTrainer
+    from finetune.training.signals import Stops
 
     mcfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32")
     model = load_model(mcfg, MethodConfig(name="lora", lora_dropout=0.0))
@@ -71,6 +74,8 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
         args=args,
         train_dataset=datasets.Dataset.from_list(_rows()),
         data_collator=collate.make_collator(data, mcfg, load_tokenizer(mcfg).pad_token_id),
+        sinks=Sinks(Kept(RunRecord(tmp_path / "run.json", run_name="t", recipe="t", config={}))),
+        stops=Stops(),
     )
     trainer._pass_scored = pass_scored
     counter = SyncCounter()
@@ -83,8 +88,11 @@ def _count(tiny_model_dir, tmp_path, *, accumulation: int, cls=None, pass_scored
             counter.mark()
 
     trainer.add_callback(Spans())
-    with counter:
-        trainer.train()
+    try:
+        with counter:
+            trainer.train()
+    finally:
+        trainer.stops.restore()  # the stop-signal handlers the trainer installed: this process's again
     assert len(counter.spans) == STEPS
     # the last step's agreement: one rank, nothing non-finite, no signal; another step's is refused
     assert trainer.agreement_of(STEPS).rows == [[0.0] * 5]

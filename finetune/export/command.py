@@ -1,0 +1,475 @@
+"""`finetune export RUN [--checkpoint N] [--merge] [--dtype bf16|fp16|fp32] [--out DIR] [--max-shard-size SIZE]`
+(docs/usage.md "Export"): a folder a server loads, from a run's model/ or any complete checkpoint of any strategy;
+LoRA folded into the base with --merge, shard by shard; checked like the run's own save (the exported model against
+the source loaded as its format is loaded, on the probe batch; every tensor) with the figures in export.json. Every
+input is checked before anything is written; the folder is built beside --out and put in place once it passed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import precision, units
+from finetune.checkpointing import checkpoints
+from finetune.errors import UserError
+from finetune.export import figures, merge, reload, sources
+
+MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
+DEFAULT_SHARD = 5 * units.GB  # without --max-shard-size, when no base shard sets the size
+CHECK_TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Request:
+    """An export, every input checked."""
+
+    run_dir: Path
+    cfg: object  # the run's saved configuration
+    record: dict  # its run.json
+    source: sources.Source
+    step: int | None
+    merge: bool
+    out: Path
+    dtype: str
+    max_shard_bytes: float
+    base: Path  # the base model's folder
+
+    @property
+    def adapter(self) -> bool:
+        return self.cfg.method.name != "full"
+
+
+def run(args, damage=None) -> int:
+    """The command: check the inputs, export, say where and what the check found. `damage(folder)`: a drill."""
+    request = checked(args)
+    print(f"finetune export: {request.source.describe()} -> {request.out}", flush=True)
+    found = export(request, damage)
+    check = found["check"]
+    said = (
+        f"check {check['kind']}: loss {check['saved_loss']:.6g} vs {check['reference_loss']:.6g} "
+        f"({check['reference']}), largest logit difference {check['max_logit_diff']:.3g} "
+        f"(tolerance {check['logit_tolerance']:.3g}), {check['tensors']} tensors"
+        if check.get("max_logit_diff") is not None
+        else f"check {check['kind']}: {check['tensors']} tensors"
+    )
+    if not check["passed"]:
+        print(
+            f"error: the export failed its check ({said}): {'; '.join(check['problems'][:5])}\n"
+            f"it is kept for inspection in {found['kept']}; {request.out} was not changed",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"finetune export: {request.out} written and verified ({said})", flush=True)
+    return 0
+
+
+def checked(args) -> Request:
+    """The request, or a UserError naming what is wrong; reads only."""
+    from finetune.checkpointing.resume_config import saved_values
+    from finetune.config.validate import build_config
+    from finetune.launch import rundir
+    from finetune.modeling.load import resolve_model_path
+
+    run_dir = Path(args.run).expanduser().resolve()
+    if not run_dir.is_dir() or not rundir.is_run_dir(run_dir) or not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{args.run}: not a run directory (no {rundir.MARKER} and config.yaml from finetune train)")
+    values, saved = saved_values(run_dir)  # with the changes resumes made
+    cfg = build_config(values, recipe=values.pop("recipe", None) or "custom", source=str(saved))
+    if args.merge and cfg.method.name == "full":
+        raise UserError(
+            f"--merge: {run_dir} is a full fine-tune (method.name: full): its weights are the whole model already; "
+            f"export it without --merge"
+        )
+    record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
+    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
+    path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
+    source = sources.open_source(path, adapter=cfg.method.name != "full")
+    base = Path(resolve_model_path(cfg.model.name_or_path))
+    out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
+    if out.exists() and not (out.is_dir() and (out / MARKER).is_file()):
+        raise UserError(
+            f"--out {out}: exists and was not made by finetune export (no {MARKER} in it); nothing was changed"
+        )
+    dtype = DTYPES[args.dtype] if args.dtype else _config_dtype(base)
+    if args.max_shard_size:
+        shard = units.parse_size(args.max_shard_size, "--max-shard-size")
+    else:
+        shard = max((p.stat().st_size for p in base.glob("*.safetensors")), default=DEFAULT_SHARD)
+    request = Request(run_dir, cfg, record, source, step, args.merge, out, dtype, shard, base)
+    _check_space(request)
+    return request
+
+
+def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
+    """checkpoint-N (complete: its marker, every file's checksum), or model/ (unless it failed its check in the run),
+    else the newest complete checkpoint."""
+    if number is not None:
+        ckpt = run_dir / f"checkpoint-{number}"
+        if not ckpt.is_dir():
+            found = ", ".join(p.name for p in checkpoints.checkpoints(run_dir)) or "none"
+            raise UserError(f"--checkpoint {number}: {ckpt} does not exist (checkpoints of this run: {found})")
+        problem = checkpoints.problem(ckpt)
+        if problem:
+            raise UserError(f"--checkpoint {number}: {ckpt} is not complete: {problem}")
+        return ckpt, number
+    model = run_dir / "model"
+    if not model_failed and not figures.weight_files(model)[1]:
+        return model, None
+    why = "failed its check in the run (run.json export.check)" if model_failed else "holds no weights"
+    complete = [c for c in reversed(checkpoints.checkpoints(run_dir)) if checkpoints.problem(c) is None]
+    if not complete:
+        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete")
+    print(f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]}", flush=True)
+    return complete[0], checkpoints.step_of(complete[0])
+
+
+def _config_dtype(base: Path) -> str:
+    values = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    dtype = values.get("dtype") or values.get("torch_dtype")
+    return dtype if dtype in DTYPES.values() else "float32"
+
+
+def _check_space(request: Request) -> None:
+    """Refuse before writing when the filesystem of --out cannot hold the export."""
+    if request.merge:
+        weights = sources.open_source(request.base, adapter=False).bytes(getattr(torch, request.dtype))
+    else:
+        weights = request.source.bytes(getattr(torch, request.dtype) if not request.adapter else None)
+    needed = weights + 64 * units.MIB  # and the tokenizer, the configs, the card
+    where = next(p for p in (request.out, *request.out.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise UserError(
+            f"--out {request.out}: not enough space on its filesystem ({where}): the export needs "
+            f"{needed / units.GIB:.2f} GiB, {free / units.GIB:.2f} GiB are free; nothing was written"
+        )
+
+
+def export(request: Request, damage=None) -> dict:
+    """Write the folder beside --out, check it, and put it in place when it passed (else keep it beside, named);
+    returns export.json's content (and `kept`: where a failed export is)."""
+    request.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
+    try:
+        with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
+            adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None
+            written = _write(request, partial, adapter_dir)
+            tokenizer = _tokenizer(request)
+            tokenizer.save_pretrained(str(partial))
+            if damage is not None:
+                damage(partial)
+            started = time.perf_counter()
+            check = _check(request, partial, adapter_dir, written["expected"], tokenizer, Path(work))
+            check["seconds"] = round(time.perf_counter() - started, 2)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # made by mkdtemp above: only what this export wrote
+        raise
+    found = _export_json(request, written, check)
+    (partial / "export.json").write_text(json.dumps(found, indent=1), encoding="utf-8")
+    (partial / "README.md").write_text(model_card(request, found), encoding="utf-8")
+    (partial / MARKER).write_text("made by finetune export; the whole folder is replaced by the next export\n")
+    if not check["passed"]:
+        kept = _beside(request.out, ".unverified")
+        partial.rename(kept)
+        return found | {"kept": str(kept)}
+    if request.out.exists():  # an earlier export (its marker was checked): replaced as a whole
+        shutil.rmtree(request.out)
+    partial.rename(request.out)
+    return found
+
+
+def _beside(out: Path, suffix: str) -> Path:
+    """`out` + suffix for a failed export: a folder of that name this command made is replaced, another is kept (the
+    next free `-<n>` name is taken)."""
+    for n in range(1, 1000):
+        path = out.with_name(out.name + suffix + (f"-{n}" if n > 1 else ""))
+        if not path.exists():
+            return path
+        if (path / MARKER).is_file():
+            shutil.rmtree(path)
+            return path
+    raise UserError(f"{out}: no free name beside it for the failed export")
+
+
+def _consolidated_adapter(request: Request, work: Path) -> Path:
+    """The adapter as a peft folder (weights + adapter_config.json), from whichever layout the source has."""
+    from safetensors.torch import save_file
+
+    folder = work / "adapter"
+    folder.mkdir()
+    tensors = {name: t.contiguous() for name, t in request.source.tensors()}
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = sources.adapter_config(request.source, request.cfg.method, str(request.base))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
+    return folder
+
+
+def _write(request: Request, folder: Path, adapter_dir: Path | None) -> dict:
+    """The weights and the configs; what was written (for the check) and the merge's time and host memory."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from finetune.telemetry import meter
+
+    reset = meter.reset_vmhwm()
+    before, started = meter.host_rss(), time.perf_counter()
+    dtype = getattr(torch, request.dtype)
+    if adapter_dir is not None and not request.merge:  # an adapter is small: one file, as peft saves it
+        shutil.copy(adapter_dir / "adapter_config.json", folder)
+        tensors = _adapter_tensors(adapter_dir)
+        layout = [(name, list(t.shape), sources.dtype_name(t.dtype)) for name, t in tensors.items()]
+        writer = merge.ShardWriter(folder, float("inf"), dtype, layout)
+        for name, tensor in tensors.items():
+            writer.add(name, tensor)
+        (folder / writer.close()[0]).rename(folder / "adapter_model.safetensors")
+        files = ["adapter_model.safetensors"]
+    else:
+        writer = merge.ShardWriter(folder, request.max_shard_bytes, dtype, _layout(request))
+        for name, tensor in _weights(request, adapter_dir):
+            writer.add(name, tensor)
+        files = writer.close()
+        config = AutoConfig.from_pretrained(request.base)
+        config.dtype = request.dtype
+        config.save_pretrained(str(folder))
+        generation = request.base / "generation_config.json"
+        (
+            GenerationConfig.from_pretrained(request.base)
+            if generation.is_file()
+            else GenerationConfig.from_model_config(config)
+        ).save_pretrained(str(folder))
+    peak = meter.vmhwm() if reset else None
+    return {
+        "expected": writer.expected,
+        "files": files,
+        "bytes": writer.total,
+        "seconds": round(time.perf_counter() - started, 2),
+        "rss_before_gib": units.gib(before),
+        "peak_rss_gib": units.gib(peak) if peak else None,
+        "largest_file_gib": units.gib(max((p.stat().st_size for p in folder.glob("*.safetensors")), default=0)),
+    }
+
+
+def _adapter_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def _weights(request: Request, adapter_dir: Path | None):
+    """(name, tensor) of the model to write, one at a time: the base merged with the adapter, or the full source
+    without the weights transformers ties (they are saved once)."""
+    if request.merge:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+        dequantize = None
+        if request.cfg.method.name == "qlora":
+            policy = _policy(request)
+            dequantize = merge.requantizer(request.base, _quantization(request, policy), policy.load_dtype("qlora"))
+        yield from merge.merged_tensors(
+            request.base, _adapter_tensors(adapter_dir), merge.lora_config(config), dequantize
+        )
+        return
+    tied = _tied(request.base)
+    yield from request.source.tensors(name for name in request.source.shapes if name not in tied)
+
+
+def _layout(request: Request) -> list[tuple[str, list, str]]:
+    """(name, shape, dtype) of what _weights yields, in its order."""
+    if request.merge:
+        return merge.base_layout(request.base)
+    tied = _tied(request.base)
+    return [(name, shape, dtype) for name, (shape, dtype) in request.source.shapes.items() if name not in tied]
+
+
+def _tied(base: Path) -> set[str]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    return set(model.all_tied_weights_keys)
+
+
+def _policy(request: Request) -> precision.Policy:
+    """The precision policy the run trained under (run.json), else the CPU default."""
+    return precision.get((request.record.get("precision") or {}).get("policy") or "32-true")
+
+
+def _quantization(request: Request, policy: precision.Policy) -> dict:
+    from finetune.modeling.load import quantization_config
+
+    return quantization_config(request.cfg.method, getattr(torch, policy.compute_dtype)).to_dict()
+
+
+def _tokenizer(request: Request):
+    """The tokenizer the run trained with: model/'s (saved by the run, its pad token set), else loaded as the run
+    loaded it (finetune/modeling/load.py)."""
+    from transformers import AutoTokenizer
+
+    from finetune.modeling.load import load_tokenizer
+
+    saved = request.run_dir / "model"
+    if (saved / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(saved))
+    return load_tokenizer(request.cfg.model)
+
+
+def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: dict, tokenizer, work: Path) -> dict:
+    """The exported folder in a fresh process (peft unimportable when it must load without it) against the source
+    loaded as its format is loaded in another; QLoRA merges: against the 4-bit base + adapter it trained as, and the
+    difference from the original base + adapter reported."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from finetune.data import demo
+
+    data = dataclasses.replace(request.cfg.data, path=demo.paths(request.cfg, request.run_dir)[0])
+    batch = figures.probe_batch(data, tokenizer)
+    save_file({k: v.contiguous() for k, v in batch.items()}, str(work / "probe.safetensors"))
+    common = {"probe": str(work / "probe.safetensors"), "bytes": _bytes(request)}
+    reference, what = _reference(request, adapter_dir)
+    saved = {"folder": str(folder), "dtype": request.dtype, "stats": True, "tokenizer": True}
+    if request.adapter and not request.merge:
+        saved.update(base=str(request.base))
+    saved["block_peft"] = not (request.adapter and not request.merge)
+    ref = reload.fresh(common | reference, work / "reference", CHECK_TIMEOUT_S)
+    got = reload.fresh(common | saved, work / "saved", CHECK_TIMEOUT_S)
+    tensor_problems, worst = figures.tensor_problems(expected, got.get("stats", {}))
+    problems = list(got["problems"]) + tensor_problems
+    for who, found in (("the source", ref), ("the export", got)):
+        if found.get("load_error"):
+            problems.append(f"{who} does not load: {found['load_error']}")
+    if saved["block_peft"] and got.get("peft_imported"):
+        problems.append("the export loaded with peft imported; it must load without")
+    dtype = _compared_in(request)
+    section = {"kind": "reload", "why": "finetune export", "reference": what, "compute_dtype": dtype}
+    section.update(probe=figures.describe_probe(batch, str(data.path)), tensors=len(expected))
+    section.update(max_tensor_rel_diff=worst, device=got.get("device"))
+    if "logits" in ref and "logits" in got:
+        figs = figures.compare(
+            (ref["loss"], ref["logits"]), (got["loss"], got["logits"]), batch["attention_mask"], dtype
+        )
+        if not figs.pop("within"):
+            problems.append(
+                f"the export computes other figures than {what}: largest logit difference "
+                f"{figs['max_logit_diff']:.3g} (tolerance {figs['logit_tolerance']:.3g})"
+            )
+        section.update(figs)
+        if request.merge and request.cfg.method.name == "qlora":
+            original = reload.fresh(
+                common | reference | {"quantization": None, "dtype": "float32"}, work / "original", CHECK_TIMEOUT_S
+            )
+            if "logits" in original:
+                section["vs_original_base"] = figures.compare(  # reported, not judged: the quantization error
+                    (original["loss"], original["logits"]),
+                    (got["loss"], got["logits"]),
+                    batch["attention_mask"],
+                    dtype,
+                )
+                section["vs_original_base"].pop("within")
+    if got.get("chat_template") != getattr(tokenizer, "chat_template", None):
+        problems.append("the exported tokenizer's chat template is not the one the run trained with")
+    return section | {"problems": problems, "passed": not problems}
+
+
+def _compared_in(request: Request) -> str:
+    """The dtype whose tolerance applies: --dtype's; for a QLoRA merge at least bf16's, since bitsandbytes' 4-bit
+    matmul computes at 16-bit precision (measured on CPU: one layer 3.7e-3 relative from fp32 arithmetic on its
+    dequantized weights, bf16's unit roundoff)."""
+    qlora = request.merge and request.cfg.method.name == "qlora"
+    wider = figures.UNIT_ROUNDOFF[request.dtype] < figures.UNIT_ROUNDOFF["bfloat16"]
+    return "bfloat16" if qlora and wider else request.dtype
+
+
+def _reference(request: Request, adapter_dir: Path | None) -> tuple[dict, str]:
+    """What the export is compared with, loaded as its format loads and in --dtype (so the two differ by the export's
+    own roundings only; the 4-bit base in the dtype the run loaded it in), and its name in export.json."""
+    if request.adapter:
+        quantized = request.cfg.method.name == "qlora"
+        policy = _policy(request)
+        ask = {"folder": str(adapter_dir), "base": str(request.base), "dtype": request.dtype}
+        if quantized:
+            ask.update(quantization=_quantization(request, policy), dtype=policy.load_dtype("qlora"))
+        return ask, "the 4-bit base + adapter (peft), as trained" if quantized else "the base + adapter (peft)"
+    source = request.source
+    if source.format == "safetensors" and (source.path / "config.json").is_file():
+        return {"folder": str(source.path), "dtype": request.dtype}, f"{source.path.name} (transformers)"
+    return {"folder": str(request.base), "consolidated": str(source.path), "dtype": request.dtype}, source.describe()
+
+
+def _bytes(request: Request) -> int:
+    return sources.open_source(request.base, adapter=False).bytes(torch.float32 if request.adapter else None)
+
+
+def _export_json(request: Request, written: dict, check: dict) -> dict:
+    merged = request.merge
+    qlora = merged and request.cfg.method.name == "qlora"
+    return {
+        "made_by": "finetune export",
+        "run": str(request.run_dir),
+        "source": request.source.describe(),
+        "step": request.step if request.step is not None else request.record.get("summary", {}).get("steps"),
+        "method": request.cfg.method.name,
+        "merged": merged,
+        "dequantized_base": qlora,
+        "dtype": request.dtype,
+        "files": written["files"],
+        "bytes": written["bytes"],
+        "max_shard_bytes": int(request.max_shard_bytes),
+        "write": {k: written[k] for k in ("seconds", "rss_before_gib", "peak_rss_gib", "largest_file_gib")},
+        "check": check,
+    }
+
+
+def model_card(request: Request, found: dict) -> str:
+    """README.md: what the folder is, drawn from run.json and the check."""
+    cfg, summary, check = request.cfg, request.record.get("summary", {}), found["check"]
+    steps = [s for s in request.record.get("steps", []) if s.get("loss") is not None]
+    loss = summary.get("train_loss") or (steps[-1]["loss"] if steps else None)
+    method = cfg.method.name + (f" (r {cfg.method.lora_r}, alpha {cfg.method.lora_alpha})" if request.adapter else "")
+    if request.merge:
+        method += ", merged into the " + ("dequantized 4-bit base" if found["dequantized_base"] else "base")
+    figs = (
+        f"loss {check['saved_loss']:.6g} vs {check['reference_loss']:.6g}, largest logit difference "
+        f"{check['max_logit_diff']:.3g} (tolerance {check['logit_tolerance']:.3g})"
+        if check.get("max_logit_diff") is not None
+        else ""
+    )
+    lines = [
+        "---",
+        f"base_model: {cfg.model.name_or_path}",
+        "library_name: " + ("peft" if request.adapter and not request.merge else "transformers"),
+        "---",
+        f"# {request.run_dir.name}",
+        "",
+        f"- base model: {cfg.model.name_or_path}",
+        f"- method: {method}",
+        f"- data: {cfg.data.path}",
+        f"- steps: {found['step']}, final train loss {loss if loss is not None else 'n/a'}",
+        f"- exported from: {found['source']}, weights in {found['dtype']}",
+        f"- check ({check['kind']}, against {check['reference']}): {'passed' if check['passed'] else 'FAILED'}; {figs}",
+        "",
+        "Written by `finetune export` from the run's run.json; the check's figures are in export.json.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def merge_after_training(run_dir: Path) -> dict:
+    """run.export: merged, at the end of a run (rank 0): `finetune export RUN --merge` in its own process (its memory
+    is not the training process's); export.json's content, or RuntimeError with what it said."""
+    env = reload.clean_environment()
+    cmd = [sys.executable, "-m", "finetune.cli", "export", str(run_dir), "--merge"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the merged export failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads((run_dir / "export" / "export.json").read_text(encoding="utf-8")) | {
+        "folder": str(run_dir / "export")
+    }
