@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = REPO / "finetune" / "train.py"
 # Fixtures that start training processes: a test using one is an integration test, like those
 # marked by hand (`python -m pytest -m "not integration"` is the fast unit set).
-LAUNCHING_FIXTURES = {"launch", "runs", "sweep"}
+LAUNCHING_FIXTURES = {"launch", "runs", "sweep", "strategy_runs"}
 
 
 def pytest_collection_modifyitems(items):
@@ -170,6 +170,52 @@ def launch():
     return launch_train
 
 
+@pytest.fixture(scope="session")
+def strategy_runs(request, tmp_path_factory, tiny_model_dir):
+    """name -> finished Launch: the session's one run per strategy, each launched on first use and read by every
+    test file with a claim about it (tests/training/strategy_runs.py); the 2-rank ones in pairs."""
+    from tests.training.strategy_runs import PAIRED, StrategyRuns
+
+    want = wanted(request, "strategy_runs", lambda item: [n for n in params(item, "name", "recipe") if n in PAIRED])
+    return StrategyRuns(tmp_path_factory.mktemp("strategies"), tiny_model_dir, want)
+
+
+class InPairs:
+    """name -> what `start(name)` returned, each started once, on first use, side by side with the next name the
+    session's tests want (`wanted`, in their order) that has not started: a launch spends much of its time in one
+    process (imports, the launcher, rank 0's saves) or waiting, so two fill a 2-core machine (measured: four 2-rank
+    strategy launches in 73 s in pairs, 107 s one after the other, at the same load). What `start` raised is
+    raised to the test that asked for that name."""
+
+    def __init__(self, start, wanted=()):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.start, self.wanted, self.done = start, list(dict.fromkeys(wanted)), {}
+        self.pool, self.lock = ThreadPoolExecutor(2), threading.Lock()
+
+    def __call__(self, name: str):
+        with self.lock:  # a name asked for from two threads at once starts once
+            if name not in self.done:
+                partner = next((n for n in self.wanted if n != name and n not in self.done), None)
+                for n in [name] + ([partner] if partner else []):
+                    self.done[n] = self.pool.submit(self.start, n)
+        return self.done[name].result()
+
+
+def wanted(request, fixture: str, names) -> list[str]:
+    """What the session's tests that use `fixture` (the requesting module's, for a module-scoped fixture) will
+    ask it for, in their order: names(item) of each."""
+    items = [i for i in request.session.items if request.scope != "module" or i.module is request.module]
+    return [n for item in items if fixture in item.fixturenames for n in names(item)]
+
+
+def params(item, *keys: str) -> list:
+    """The values of a parametrized item's parameters `keys` (none for an item without them)."""
+    callspec = getattr(item, "callspec", None)
+    return [callspec.params[k] for k in keys if callspec and k in callspec.params]
+
+
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1 (other processes on this machine may rendezvous too)."""
     import socket
@@ -177,6 +223,12 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def own_port() -> list[str]:
+    """`accelerate launch` options giving a launch a rendezvous port of its own: two launches started at once
+    would both find accelerate's default (29500) free and then both bind it."""
+    return ["--main_process_port", str(free_port())]
 
 
 class Started:

@@ -1,5 +1,6 @@
 """The run record's batch, LR, token and memory figures, checked against independent computations
-on real 2-process runs (DDP, ZeRO-2, FSDP2 over gloo) and single-process runs of two model sizes."""
+on real 2-process runs (DDP, ZeRO-2, FSDP2 over gloo: the session's strategy runs,
+tests/training/strategy_runs.py) and single-process runs of two model sizes."""
 
 from __future__ import annotations
 
@@ -11,19 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from finetune.modeling.bundled import save_tiny_llama
+from tests.training.strategy_runs import APPLIED_LR, ROWS, SHAPES, STEPS
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]  # the repository root
-CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
-TRAIN_ROWS = 48  # divisible by every effective batch below: one epoch sees each row exactly once
-
-# name: (recipe, cpu config, per-device batch, accumulation, lr rule, reference batch, expected factor)
-COMBOS = {
-    "ddp": ("ddp", "accelerate_configs/cpu/ddp.yaml", 2, 2, "linear", 4, 2.0),
-    "zero2": ("zero2", "accelerate_configs/cpu/zero2.yaml", 4, 1, "sqrt", 2, 2.0),
-    "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", 1, 3, "none", 4, 1.0),
-}
-BASE_LR = 1e-3
 
 
 def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, int]:
@@ -47,43 +38,22 @@ def independent_token_counts(run_dir: Path, tokenizer_dir: Path) -> tuple[int, i
         max_samples=None,
     )
     train = build_datasets(cfg, tokenizer, seed=42).train
+    assert len(train) == ROWS
     inputs = sum(len(ids) for ids in train["input_ids"])
     trained = sum(sum(1 for x in labels[1:] if x != -100) for labels in train["labels"])  # what the shifted loss scores
     return inputs, trained
 
 
-@pytest.mark.parametrize("name", list(COMBOS))
-def test_batch_lr_tokens_and_memory_per_rank(name, tmp_path, tiny_model_dir, launch):
-    recipe, config, per_device, accum, rule, reference, factor = COMBOS[name]
-    run_dir = tmp_path / name
-    res = launch(
-        [
-            "--recipe",
-            recipe,
-            f"--model.name_or_path={tiny_model_dir}",
-            f"--data.demo_train_size={TRAIN_ROWS}",
-            "--eval.exact_match=false",
-            "--training.max_steps=-1",
-            "--training.num_train_epochs=1",
-            f"--training.per_device_train_batch_size={per_device}",
-            f"--training.gradient_accumulation_steps={accum}",
-            f"--training.learning_rate={BASE_LR}",
-            f"--training.lr_scaling={rule}",
-            f"--training.lr_reference_batch_size={reference}",
-            "--training.lr_scheduler_type=constant",
-            "--training.warmup_steps=0",
-            "--training.logging_steps=1",
-        ],
-        run_dir=run_dir,
-        cwd=REPO,
-        config_file=config,
-        env=CPU_ENV,
-        timeout=480,
-    )
-    assert res.returncode == 0, res.explain()
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_batch_lr_tokens_and_memory_per_rank(name, strategy_runs, tiny_model_dir):
+    """Each strategy's run (linear, sqrt and no LR scaling; 2 x 2 or 4 x 1 per rank): the batch as configured,
+    the rule's factor, the optimizer at the applied rate under the linear decay, and one epoch's tokens
+    equal to the whole tokenized training set counted here."""
+    per_device, accum, rule, reference, base_lr = SHAPES[name]
+    res = strategy_runs(name)
     rec = res.record
     effective = per_device * accum * 2
-    assert rec["strategy"]["world_size"] == 2 and rec["strategy"]["name"] == recipe
+    assert rec["strategy"]["world_size"] == 2 and rec["strategy"]["name"] == name
     assert rec["batch"] == {
         **rec["batch"],
         "per_device": per_device,
@@ -91,17 +61,20 @@ def test_batch_lr_tokens_and_memory_per_rank(name, tmp_path, tiny_model_dir, lau
         "data_parallel_size": 2,
         "effective": effective,
     }
-    want_factor = {"linear": effective / reference, "sqrt": math.sqrt(effective / reference), "none": 1.0}[rule]
-    assert want_factor == pytest.approx(factor)
-    assert rec["lr"]["factor"] == pytest.approx(factor) and rec["lr"]["applied"] == pytest.approx(BASE_LR * factor)
-    # The optimizer ran at the applied rate (constant schedule): the LR Trainer logged each step.
+    factor = {"linear": effective / (reference or 1), "sqrt": math.sqrt(effective / (reference or 1)), "none": 1.0}
+    assert rec["lr"]["rule"] == rule and rec["lr"]["factor"] == pytest.approx(factor[rule])
+    assert rec["lr"]["applied"] == pytest.approx(base_lr * factor[rule]) == APPLIED_LR
+    # The optimizer ran at the applied rate: the LR Trainer logs for step k is the one its update used
+    # (transformers Trainer reads it before the scheduler steps), linear decay from the applied rate with no
+    # warmup (get_linear_schedule_with_warmup: (STEPS - (k - 1)) / STEPS).
     steps = rec["steps"]
-    assert len(steps) == TRAIN_ROWS // effective
-    assert all(s["lr"] == pytest.approx(BASE_LR * factor) for s in steps), [s["lr"] for s in steps]
+    assert len(steps) == ROWS // effective == STEPS
+    want = [APPLIED_LR * (STEPS - (k - 1)) / STEPS for k in range(1, STEPS + 1)]
+    assert [s["lr"] for s in steps] == pytest.approx(want), [s["lr"] for s in steps]
 
     # One epoch over rows divisible by the global batch: every row trained exactly once, so the
     # totals counted on each rank and summed must equal the whole tokenized set, whatever the order.
-    inputs, trained = independent_token_counts(run_dir, tiny_model_dir)
+    inputs, trained = independent_token_counts(res.run_dir, tiny_model_dir)
     assert rec["summary"]["total_input_tokens"] == inputs
     assert rec["summary"]["total_trained_tokens"] == trained
     assert sum(s["trained_tokens"] for s in steps) == trained

@@ -14,26 +14,9 @@ from tests.telemetry.run_record_doc import documented, missing_always_fields, un
 pytestmark = pytest.mark.integration
 
 
-def test_a_real_run_record_matches_the_doc_both_ways(tmp_path, tiny_model_dir, launch):
-    res = launch(
-        [
-            "--recipe",
-            "demo",
-            f"--model.name_or_path={tiny_model_dir}",
-            "--data.demo_train_size=16",
-            "--data.demo_heldout_size=4",
-            "--eval.samples=4",
-            "--eval.max_new_tokens=2",
-            "--eval.batch_size=4",
-            "--training.max_steps=2",
-            "--training.logging_steps=1",
-            "--training.per_device_train_batch_size=4",
-        ],
-        run_dir=tmp_path / "run",
-        cwd=tmp_path,
-        timeout=420,
-    )
-    assert res.returncode == 0, res.explain()
+def test_a_real_run_record_matches_the_doc_both_ways(strategy_runs):
+    """The session's one-process run (tests/training/strategy_runs.py `single`: the demo recipe, evaluated)."""
+    res = strategy_runs("single")
     rec, doc = res.record, documented()
     assert rec["summary"]["status"] == "completed" and rec["eval"]["details"]["after"]["total"] == 4
     assert undocumented(rec, doc) == []

@@ -34,7 +34,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import REPO, launch_train, logged_steps
+from tests.conftest import REPO, InPairs, launch_train, logged_steps, own_port, params, wanted
 from tests.training.test_strategies import assert_32_true
 
 pytestmark = pytest.mark.integration
@@ -74,44 +74,31 @@ def common_args(model_dir) -> list[str]:
     ]  # and the final export: the shipped default
 
 
-# Launched side by side: the one-process reference (distributed type NO: no port, no process group)
-# leaves a core idle while it imports, and cannot collide with the 2-rank sp launch.
-TOGETHER = ("single", "sp")
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir):
-    done: dict = {}
+def runs(request, tmp_path_factory, tiny_model_dir):
+    """name -> finished Launch, two at a time (tests/conftest.py InPairs): the one-process reference beside the
+    first mesh, the other two meshes together, the resume of the sp run after it."""
     base = tmp_path_factory.mktemp("parallel")
 
-    def get(name: str):
-        if name in done:
-            return done[name]
-        if name in TOGETHER:
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(len(TOGETHER)) as pool:
-                for future in [pool.submit(launch, n) for n in TOGETHER if n not in done]:
-                    future.result()
-        else:
-            launch(name)
-        assert done[name].returncode == 0, done[name].explain()
-        return done[name]
-
-    def launch(name: str) -> None:
+    def launch(name: str):
         args, run_dir = ["--recipe", "demo", *common_args(tiny_model_dir)], base / name
-        config, env = "accelerate_configs/single_gpu.yaml", {}
+        config, env, port = "accelerate_configs/single_gpu.yaml", {}, []
         if name in MESHES:
             recipe, config, mesh, fault = MESHES[name]
             args = ["--recipe", recipe, *common_args(tiny_model_dir), *mesh]
             env = {**CPU_ENV, "FINETUNE_FAULT_INJECT": f"{fault}@rank0,step{FAULT_STEP};{fault}@rank1,step{FAULT_STEP}"}
+            port = own_port()
         elif name == "sp_resumed":  # the sp run's directory, resumed from checkpoint-2 under its mesh, no fault
             recipe, config, mesh, _ = MESHES["sp"]
             args, env = ["--recipe", recipe, *common_args(tiny_model_dir), *mesh, "--resume"], CPU_ENV
             shutil.copytree(get("sp").run_dir, run_dir)
             shutil.rmtree(run_dir / f"checkpoint-{STEPS}")
-        done[name] = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, env=env, timeout=600)
+            port = own_port()
+        run = launch_train(args, run_dir=run_dir, cwd=REPO, config_file=config, launch_args=port, env=env, timeout=600)
+        assert run.returncode == 0, run.explain()
+        return run
 
+    get = InPairs(launch, wanted(request, "runs", lambda item: [*params(item, "name"), "single"]))
     return get
 
 

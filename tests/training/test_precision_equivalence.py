@@ -1,7 +1,7 @@
 """bf16-mixed gives the same per-step losses under every strategy, full and LoRA (issue 12), and a
 bf16-true control shows the comparison can fail.
 
-Launches (module-scoped, each on first use): the recipe values of tests/training/test_strategies.py
+Launches (module-scoped, each on first use, two at a time): the recipe values of tests/training/strategy_runs.py
 (tiny random Llama, demo data, seed 42, 4 sequences per rank x 2 ranks = 8 per optimizer step, 5
 steps, no warmup, clipping 1.0, loss logged every step; the single-process reference runs 4 x
 accumulation 2) under `--training.precision=bf16-mixed`: LoRA (LR 1e-3, dropout 0) and full
@@ -65,8 +65,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, launch_train, logged_steps
-from tests.training.test_strategies import CPU_ENV, STEPS, STRATEGIES, common_args
+from tests.conftest import REPO, InPairs, launch_train, logged_steps, own_port, params, wanted
+from tests.training.strategy_runs import CPU_ENV, STEPS, STRATEGIES, common_args
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ SAME_UNTIL_CLIPPING_REACHES = {("lora", "fsdp"): 2}  # last step computed identi
 
 
 def recipe_args(tiny_model_dir, *extra) -> list[str]:
-    """test_strategies' recipe values without its checkpoints (no resume here), in bf16-mixed."""
+    """The strategy runs' recipe values (4 x 1 per rank) without their checkpoints (no resume here), in bf16-mixed."""
     return [
         *(a for a in common_args(tiny_model_dir) if not a.startswith("--training.save_")),
         "--training.precision=bf16-mixed",
@@ -88,15 +88,24 @@ def recipe_args(tiny_model_dir, *extra) -> list[str]:
     ]
 
 
+def _needs(item) -> list[str]:
+    """The runs a test of this module reads, in the order it asks for them."""
+    method, strategy = params(item, "method"), params(item, "strategy")
+    if method and strategy:
+        return [f"{method[0]}_single", f"{method[0]}_{strategy[0]}"]
+    return {
+        "test_bf16_true_control_differs_by_more_than_the_tolerance": ["full_single", "control"],
+        "test_full_export_is_one_consolidated_model_under_zero3_and_fsdp": ["full_zero3", "full_fsdp"],
+    }.get(item.originalname, [])
+
+
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory, tiny_model_dir):
-    """name -> finished Launch; names `<method>_<strategy>` (method lora | full) and `control`."""
-    done: dict = {}
+def bf16_runs(request, tmp_path_factory, tiny_model_dir):
+    """name -> finished Launch; names `<method>_<strategy>` (method lora | full) and `control`; two at a time
+    (tests/conftest.py InPairs)."""
     base = tmp_path_factory.mktemp("precision")
 
-    def get(name: str):
-        if name in done:
-            return done[name]
+    def start(name: str):
         method, _, strategy = name.partition("_")
         extra = [] if method == "lora" else ["--method.name=full", FULL_LR]
         # the exports compared in test_full_export_*; the other runs skip saving
@@ -129,14 +138,14 @@ def bf16_runs(tmp_path_factory, tiny_model_dir):
                 run_dir=base / name,
                 cwd=REPO,
                 config_file=config,
+                launch_args=own_port(),
                 env=CPU_ENV,
                 timeout=420,
             )
         assert run.returncode == 0, run.explain()
-        done[name] = run
         return run
 
-    return get
+    return InPairs(start, wanted(request, "bf16_runs", _needs))
 
 
 def _steps(record: dict) -> list[dict]:

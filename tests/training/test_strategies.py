@@ -1,12 +1,10 @@
 """Every strategy engaged for real (2 processes over gloo on CPU) and shown equivalent to one process.
 
-One launch per strategy (module-scoped, shared by every test that needs it) of the same recipe
-values: tiny random Llama + LoRA (dropout 0), demo data (40 rows), seed 42, 4 sequences per rank x 2 ranks
-= 8 per optimizer step, 5 steps (one epoch), no warmup, clipping pinned at 1.0, loss logged every step,
-checkpoints at steps 3 (resumed from by the resume tests at the end) and 5, and the final export, which checks itself
-(run.json `export.check`; issue 45). The single-process reference runs 4 x accumulation 2
-= the same 8 sequences per optimizer step. Every launch records the rows it trained on
-(FINETUNE_SAMPLE_TRACE, finetune/training/trainer.py trace_samples), so resumed runs can be recounted.
+The runs are the session's one run per strategy (tests/training/strategy_runs.py, the `strategy_runs`
+fixture of tests/conftest.py; the record's and the sync count's tests read them too): the same recipe
+values for every strategy, 8 sequences per optimizer step (the single-process reference: 4 x
+accumulation 2), 5 steps (one epoch), checkpoints at steps 3 (resumed from by the resume tests at the
+end) and 5, and the final export, which checks itself (run.json `export.check`; issue 45).
 
 Precision: these runs take the CPU default, training.precision auto = 32-true, and every record's
 `precision` section is checked to say so from the live run (assert_32_true). The same comparison in
@@ -28,272 +26,39 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TRAIN_SCRIPT, Launch, kill_tree, launch_train, logged_steps, run_process_group
+from tests.conftest import REPO, InPairs, kill_tree, launch_train, logged_steps, own_port, params, wanted
+from tests.training.strategy_runs import (
+    CPU_ENV,
+    PLAIN,
+    PLAIN_STEPS,
+    QLORA,
+    RESUME_FROM,
+    ROWS,
+    STEPS,
+    STRATEGIES,
+    TORCHRUN,
+    common_args,
+    resumed_args,
+    shape,
+    trace_env,
+)
 
 pytestmark = pytest.mark.integration
 
-CPU_ENV = {"FINETUNE_CPU_DISTRIBUTED": "1"}
-STEPS = 5
-RESUME_FROM = 3  # checkpoint-3 of every run is what the resume tests continue from
-ROWS = 40  # demo rows: 5 steps x 8 sequences = exactly one epoch, so "each row once per epoch" is checkable
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-4
 
-# strategy -> (recipe, CPU accelerate config, expected evidence)
-STRATEGIES = {
-    "ddp": ("ddp", "accelerate_configs/cpu/ddp.yaml", {"engine_class": "DistributedDataParallel"}),
-    "zero2": (
-        "zero2",
-        "accelerate_configs/cpu/zero2.yaml",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 2,
-            "offload_optimizer_device": "none",
-            "offload_param_device": "none",
-            "optimizer_offloaded": False,
-        },
-    ),
-    "zero2_offload": (
-        "zero2_offload",
-        "accelerate_configs/cpu/zero2_offload.yaml",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 2,
-            "offload_optimizer_device": "cpu",
-            "offload_param_device": "none",
-            "optimizer_offloaded": True,
-            "basic_optimizer_class": "DeepSpeedCPUAdam",
-        },
-    ),
-    "zero3": (
-        "zero3",
-        "accelerate_configs/cpu/zero3.yaml",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 3,
-            "offload_optimizer_device": "none",
-            "offload_param_device": "none",
-            "optimizer_offloaded": False,
-            "params_offloaded": False,
-        },
-    ),
-    "zero3_offload": (
-        "zero3_offload",
-        "accelerate_configs/cpu/zero3_offload.yaml",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 3,
-            "offload_optimizer_device": "cpu",
-            "offload_param_device": "cpu",
-            "optimizer_offloaded": True,
-            "params_offloaded": True,
-            "basic_optimizer_class": "DeepSpeedCPUAdam",
-        },
-    ),
-    "fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml", {"fsdp_offload_policy": "OffloadPolicy"}),
-    "fsdp_offload": (
-        "fsdp_offload",
-        "accelerate_configs/cpu/fsdp_offload.yaml",
-        {"fsdp_offload_policy": "CPUOffloadPolicy"},
-    ),
-}
 
-
-def common_args(tiny_model_dir) -> list[str]:
-    return [
-        f"--model.name_or_path={tiny_model_dir}",
-        f"--data.demo_train_size={ROWS}",
-        "--eval.exact_match=false",
-        f"--training.max_steps={STEPS}",
-        "--training.logging_steps=1",
-        "--training.warmup_steps=0",
-        "--training.learning_rate=1e-3",
-        "--training.lr_scaling=none",
-        "--training.max_grad_norm=1.0",
-        "--training.seed=42",
-        "--training.per_device_train_batch_size=4",
-        "--method.lora_dropout=0.0",
-        "--training.save_strategy=steps",
-        f"--training.save_steps={RESUME_FROM}",
-    ]  # and at the last step
-
-
-# Launched without an accelerate config (issue 18): the recipe sets up its strategy in the script.
-# `zero2` above is one of them: `FINETUNE_CPU_DISTRIBUTED=1 torchrun --nproc_per_node 2`, so every zero2
-# test covers the in-script route at world size 2 while the other rows keep the --config_file route.
-# The plain_* runs are `accelerate launch finetune/train.py --recipe X` as users type it: one process
-# on CPU, 2 steps at the module's effective batch (accumulation 2), no checkpoint or export.
-TORCHRUN = {"zero2"}
-PLAIN = {
-    "plain_zero2": (
-        "zero2",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 2,
-            "zero_optimizer_class": "DeepSpeedZeroOptimizer",
-            "optimizer_offloaded": False,
-        },
-    ),
-    "plain_zero3": (
-        "zero3",
-        {
-            "engine_class": "DeepSpeedEngine",
-            "zero_stage": 3,
-            "local_param_fraction": 1.0,
-            "zero_optimizer_class": "DeepSpeedZeroOptimizer_Stage3",
-            "params_offloaded": False,
-        },
-    ),
-    "plain_fsdp": (
-        "fsdp",
-        {"fsdp_offload_policy": "OffloadPolicy", "local_param_fraction": 1.0, "placements": "(Shard(dim=0),)"},
-    ),
-}
-PLAIN_STEPS = 2
-
-
-def _launcher_free_env(**extra) -> dict:
-    """This process's environment without launcher variables (accelerate's, torchrun's, ours)."""
-    drop = (
-        "ACCELERATE_",
-        "FSDP_",
-        "FINETUNE_ACCELERATE_CONFIG",
-        "FINETUNE_CPU_DISTRIBUTED",
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return {**env, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
-def torchrun_train(args: list[str], *, run_dir: Path, env: dict, timeout: float = 420) -> Launch:
-    """`torchrun --standalone --nproc_per_node 2 finetune/train.py ARGS` (standalone: a free rendezvous port)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(TRAIN_SCRIPT),
-        *args,
-        f"--run.output_dir={run_dir}",
-    ]
-    code, out, err = run_process_group(cmd, cwd=REPO, env=_launcher_free_env(**env), timeout=timeout)
-    return Launch(code, out, err, run_dir)
-
-
-def plain_accelerate_launch(args: list[str], *, run_dir: Path, home: Path, timeout: float = 300) -> Launch:
-    """`accelerate launch finetune/train.py ARGS` as typed: the accelerate console script, the script
-    relative to the repository root, no config file, and no accelerate default config (HF_HOME is an
-    empty directory: a default config there would be read, finetune/launch/launcher.py). No GPU is
-    made visible, so the launch is the CPU one on any machine."""
-    # next to this Python, else on PATH (a venv made with --system-site-packages has it in the base's bin)
-    found = shutil.which("accelerate", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
-    assert found, f"no accelerate console script next to {sys.executable} or on PATH"
-    accelerate = Path(found)
-    assert not (home / "accelerate").exists()
-    cmd = [str(accelerate), "launch", "finetune/train.py", *args, f"--run.output_dir={run_dir}"]
-    env = _launcher_free_env(HF_HOME=str(home), CUDA_VISIBLE_DEVICES="")
-    code, out, err = run_process_group(cmd, cwd=REPO, env=env, timeout=timeout)
-    return Launch(code, out, err, run_dir)
-
-
-# QLoRA (4-bit NF4 base, float storage so it shards) under the sharded strategies, against one process.
-QLORA = {
-    "qlora_zero3": ("zero3", "accelerate_configs/cpu/zero3.yaml"),
-    "qlora_fsdp": ("fsdp", "accelerate_configs/cpu/fsdp.yaml"),
-}
-
-
-# The one-process launches, in two lanes run side by side: a one-process launch leaves the other core
-# idle while it imports (launcher, then rank), and neither lane can collide with the other: the first's
-# runs have distributed type NO (no port, no process group); the second's run one at a time.
-LANES = (("single", "single_qlora"), tuple(PLAIN))
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model_dir):
-    """strategy -> finished Launch; each strategy launched once per module, on first use (the
-    one-process ones: every launch of LANES then)."""
-    done: dict = {}
-    base = tmp_path_factory.mktemp("strategies")
-
-    def start(name: str, home: Path | None = None) -> Launch:
-        run_dir = base / name
-        env = {**CPU_ENV, **trace_env(run_dir)}
-        if name in ("single", "single_qlora"):
-            qlora = ["--method.name=qlora"] if name == "single_qlora" else []
-            return launch_train(
-                ["--recipe", "demo", *common_args(tiny_model_dir), *qlora, "--training.gradient_accumulation_steps=2"],
-                run_dir=run_dir,
-                cwd=REPO,
-                config_file="accelerate_configs/single_gpu.yaml",
-                env=trace_env(run_dir),
-                timeout=300,
-            )
-        if name in PLAIN:
-            args = [
-                *common_args(tiny_model_dir),
-                f"--training.max_steps={PLAIN_STEPS}",
-                "--training.gradient_accumulation_steps=2",
-                "--training.save_strategy=no",
-                "--run.save_model=false",
-            ]
-            return plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=home)
-        if name in TORCHRUN:
-            recipe, _, _ = STRATEGIES[name]
-            return torchrun_train(["--recipe", recipe, *common_args(tiny_model_dir)], run_dir=run_dir, env=env)
-        if name in QLORA:
-            recipe, config = QLORA[name]
-            extra = ["--method.name=qlora"]
-        else:
-            recipe, config, _ = STRATEGIES[name]
-            extra = []
-        return launch_train(
-            ["--recipe", recipe, *common_args(tiny_model_dir), *extra],
-            run_dir=run_dir,
-            cwd=REPO,
-            config_file=config,
-            env=env,
-            timeout=420,
-        )
-
-    def lanes() -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        homes = {name: tmp_path_factory.mktemp("hf_home") for name in PLAIN}
-
-        def lane(names):
-            for n in names:
-                if n not in done:
-                    done[n] = start(n, homes.get(n))
-
-        with ThreadPoolExecutor(len(LANES)) as pool:
-            for future in [pool.submit(lane, names) for names in LANES]:
-                future.result()
-
-    def get(name: str):
-        if name not in done:
-            if any(name in names for names in LANES):
-                lanes()
-            else:
-                done[name] = start(name)
-        assert done[name].returncode == 0, done[name].explain()
-        return done[name]
-
-    return get
+@pytest.fixture(scope="session")
+def runs(strategy_runs):
+    """strategy -> finished Launch: the session's one run per strategy (tests/training/strategy_runs.py)."""
+    return strategy_runs
 
 
 def assert_32_true(rec: dict) -> None:
@@ -318,12 +83,6 @@ def assert_32_true(rec: dict) -> None:
             "output_dtype": None,
             "cast_forward_inputs": True,
         }, p
-
-
-def trace_env(run_dir) -> dict:
-    """Where a launch records the rows it trains on: beside its run directory, not in it (a copied
-    run directory must not carry the trace into the resumed launch)."""
-    return {"FINETUNE_SAMPLE_TRACE": str(run_dir.with_name(run_dir.name + ".trace"))}
 
 
 def rows_per_step(trace) -> dict[int, list[int]]:
@@ -755,7 +514,7 @@ def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
     `accelerate launch` itself always exits 1 on a failed child.) The engaged-strategy check after the
     model loads stays as the proof of what engaged: test_offload_mismatch_is_refused_with_the_launch_line."""
     run = launch_train(
-        ["--recipe", "zero3", *common_args(tiny_model_dir)],
+        ["--recipe", "zero3", *common_args(tiny_model_dir, "zero3")],
         run_dir=tmp_path / "run",
         cwd=REPO,
         config_file="accelerate_configs/cpu/ddp.yaml",
@@ -773,7 +532,7 @@ def test_mismatched_launch_stops_before_training(tmp_path, tiny_model_dir):
 def test_fsdp_without_cpu_opt_in_is_refused_not_downgraded(tmp_path, tiny_model_dir):
     """Without FINETUNE_CPU_DISTRIBUTED each process would train alone: refused, exit 2."""
     run = launch_train(
-        ["--recipe", "fsdp", *common_args(tiny_model_dir)],
+        ["--recipe", "fsdp", *common_args(tiny_model_dir, "fsdp")],
         run_dir=tmp_path / "run",
         cwd=REPO,
         config_file="accelerate_configs/cpu/fsdp.yaml",
@@ -831,9 +590,10 @@ def _assert_resumed(rec: dict, ref: dict, name: str, from_step: int) -> None:
 # --- resume under another number of processes (docs/faults.md, finetune/checkpointing/resume_plan.py) ------
 # Each strategy's uninterrupted 2-rank run (above) is copied, its newest checkpoint (5) torn, and
 # resumed in two segments: (A) `--resume` on ONE process skips the torn checkpoint-5, continues
-# checkpoint-3 (effective batch 8 kept: accumulation recomputed 1 -> 2) and is preempted by a
+# checkpoint-3 (effective batch 8 kept: accumulation recomputed, 1 -> 2 where a rank took 4 sequences
+# a step, 2 -> 4 where it took 2 x 2) and is preempted by a
 # SIGTERM drill after step 4 (checkpoint-4, exit 75); (B) `--resume` on TWO ranks continues that
-# 1-process checkpoint-4 (accumulation 2 -> 1) and trains step 5. Together: 2 -> 1 and 1 -> 2, the
+# 1-process checkpoint-4 (accumulation back to the 2-rank run's) and trains step 5. Together: 2 -> 1 and 1 -> 2, the
 # torn checkpoint skipped and moved aside, the preemption command, and the exported adapter.
 #
 # Tolerance: after a world-size change the resumed steps reduce in another order (all-reduce over
@@ -849,12 +609,12 @@ RESHARDED = {"ddp": "replicated", "zero2": "universal", "zero3": "universal", "f
 
 
 @pytest.fixture(scope="module")
-def resumed(runs, tmp_path_factory, tiny_model_dir):
-    """name -> {a, b: Launch; a_record; hashes_before, hashes_after_a: checkpoint-3's files; victim}."""
+def resumed(request, runs, tmp_path_factory, tiny_model_dir):
+    """name -> {a, b: Launch; a_record; hashes_before, hashes_after_a: checkpoint-3's files; victim}; two
+    strategies' segments side by side (tests/conftest.py InPairs)."""
     import hashlib
     import shutil
 
-    done: dict = {}
     base = tmp_path_factory.mktemp("resumed")
 
     def hashes(ckpt):
@@ -864,52 +624,54 @@ def resumed(runs, tmp_path_factory, tiny_model_dir):
             if p.is_file()
         }
 
-    def get(name: str) -> dict:
-        if name not in done:
-            run_dir = base / name
-            shutil.copytree(runs(name).run_dir, run_dir)
-            torn = run_dir / f"checkpoint-{STEPS}"
-            victim = max(
-                (p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size
-            )
-            os.truncate(victim, victim.stat().st_size // 2)
-            recipe, config, _ = STRATEGIES[name]
-            out = {
-                "victim": victim.relative_to(torn).as_posix(),
-                "size": victim.stat().st_size,
-                "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}"),
-            }
-            args = ["--recipe", recipe, *common_args(tiny_model_dir), "--resume"]
-            out["a"] = launch_train(
+    def start(name: str) -> dict:
+        run_dir = base / name
+        shutil.copytree(runs(name).run_dir, run_dir)
+        torn = run_dir / f"checkpoint-{STEPS}"
+        victim = max(
+            (p for p in torn.rglob("*") if p.is_file() and p.suffix != ".json"), key=lambda p: p.stat().st_size
+        )
+        os.truncate(victim, victim.stat().st_size // 2)
+        recipe, config, _ = STRATEGIES[name]
+        out = {
+            "victim": victim.relative_to(torn).as_posix(),
+            "size": victim.stat().st_size,
+            "hashes_before": hashes(run_dir / f"checkpoint-{RESUME_FROM}"),
+        }
+        args = ["--recipe", recipe, *resumed_args(tiny_model_dir, name), "--resume"]
+        out["a"] = launch_train(
+            args,
+            run_dir=run_dir,
+            cwd=REPO,
+            config_file=config,
+            launch_args=["--num_processes", "1", *own_port()],
+            env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4", **trace_env(base / f"{name}-a")},
+            timeout=420,
+        )
+        out["a_record"] = out["a"].record
+        out["hashes_after_a"] = hashes(run_dir / f"checkpoint-{RESUME_FROM}")
+        out["checkpoint_4"] = sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*"))
+        out["b"] = (
+            launch_train(
                 args,
                 run_dir=run_dir,
                 cwd=REPO,
                 config_file=config,
-                launch_args=["--num_processes", "1"],
-                env={**CPU_ENV, "FINETUNE_FAULT_INJECT": "sigterm@rank0,step4", **trace_env(base / f"{name}-a")},
+                launch_args=own_port(),
+                env={**CPU_ENV, **trace_env(base / f"{name}-b")},
                 timeout=420,
             )
-            out["a_record"] = out["a"].record
-            out["hashes_after_a"] = hashes(run_dir / f"checkpoint-{RESUME_FROM}")
-            out["checkpoint_4"] = sorted(
-                p.relative_to(run_dir).as_posix() for p in (run_dir / "checkpoint-4").rglob("*")
-            )
-            out["b"] = (
-                launch_train(
-                    args,
-                    run_dir=run_dir,
-                    cwd=REPO,
-                    config_file=config,
-                    env={**CPU_ENV, **trace_env(base / f"{name}-b")},
-                    timeout=420,
-                )
-                if (run_dir / "checkpoint-4").is_dir()
-                else None
-            )
-            done[name] = out
-        return done[name]
+            if (run_dir / "checkpoint-4").is_dir()
+            else None
+        )
+        return out
 
-    return get
+    return InPairs(start, wanted(request, "resumed", lambda item: params(item, "name")))
+
+
+def _process_counts(per_device: int) -> str:
+    """The process counts M whose M x per_device sequences divide the effective batch 8, as the hint writes them."""
+    return "{" + ", ".join(str(m) for m in range(1, 9) if 8 % (m * per_device) == 0) + "}"
 
 
 def _assert_steps_match(rec: dict, ref: dict, upto: int) -> float:
@@ -941,12 +703,15 @@ def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losse
     ref, r = runs(name), resumed(name)
     a, rec = r["a"], r["a_record"]
     run_dir = a.run_dir
+    per_device, accumulation = shape(name)[:2]  # on each of the 2 ranks; one process: accumulation x 2
     # preempted after step 4 (the drill), with the resume command and the hint for another GPU count
     assert a.returncode != 0 and _rank_exit_codes(a.stderr) == {75}, a.explain()
     assert f"skipping checkpoint {run_dir / 'checkpoint-5'}: file {r['victim']}" in a.stderr, a.explain()
     assert "preempted: SIGTERM on rank(s) [0]; stopped after step 4" in a.stdout, a.explain()
-    assert "on another number of GPUs too: add --num_processes M with M in {1, 2}" in a.stdout, a.explain()
-    assert "now 1 process(es) x 4 per device x accumulation 2 = effective batch 8 (kept)" in a.stderr, a.explain()
+    hint = f"on another number of GPUs too: add --num_processes M with M in {_process_counts(per_device)}"
+    assert hint in a.stdout, a.explain()
+    kept = f"now 1 process(es) x {per_device} per device x accumulation {2 * accumulation} = effective batch 8 (kept)"
+    assert kept in a.stderr, a.explain()
     # what ran: the strategy itself on one process, at effective batch 8 (DDP on one process: single)
     s, ev = rec["strategy"], rec["strategy"]["evidence"]
     assert s["name"] == ("single" if name == "ddp" else name) and s["world_size"] == ev["world_size"] == 1, s
@@ -957,15 +722,16 @@ def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losse
         "zero3": ev["zero_stage"] == 3,
     }[name], ev
     assert rec["batch"] | {"input_tokens_per_step": 0, "trained_tokens_per_step": 0} == {
-        "per_device": 4,
-        "grad_accum": 2,
+        "per_device": per_device,
+        "grad_accum": 2 * accumulation,
         "data_parallel_size": 1,
         "effective": 8,
         "input_tokens_per_step": 0,
         "trained_tokens_per_step": 0,
     }
     worst = _assert_steps_match(rec, ref.record, 4)
-    segments = [(0, 2, name, 1, 8, None), (3, 1, "single" if name == "ddp" else name, 2, 8, RESHARDED[name])]
+    one = "single" if name == "ddp" else name
+    segments = [(0, 2, name, accumulation, 8, None), (3, 1, one, 2 * accumulation, 8, RESHARDED[name])]
     assert _segments(rec) == segments, rec["resumes"]
     last = rec["resumes"][-1]
     assert (last["rng"], last["rng_ranks"], last["from_world_size"]) == ("partial", [0], 2), last
@@ -975,7 +741,10 @@ def test_two_ranks_resumed_on_one_process_keep_the_effective_batch_and_the_losse
     aside = run_dir / "checkpoint-5.superseded-1"
     assert (aside / r["victim"]).stat().st_size == r["size"] and checkpoints.problem(aside) is not None
     marker = json.loads((run_dir / "checkpoint-4" / checkpoints.MARKER).read_text())
-    assert marker["world_size"] == 1 and (marker["run"]["world_size"], marker["run"]["grad_accum"]) == (1, 2), marker
+    assert marker["world_size"] == 1 and (marker["run"]["world_size"], marker["run"]["grad_accum"]) == (
+        1,
+        2 * accumulation,
+    ), marker
     files = r["checkpoint_4"]
     assert "checkpoint-4/rng_state.pth" in files and not any(
         "rank_1" in f or "rng_state_" in f or "__1_" in f for f in files
@@ -1003,17 +772,18 @@ def test_one_process_resumed_on_two_ranks_then_matches_the_uninterrupted_run(run
     b = r["b"]
     assert b is not None, f"segment A left no checkpoint-4:\n{r['a'].explain()}"
     assert b.returncode == 0, b.explain()
-    assert "written by 1 rank(s) x 4 per device x accumulation 2" in b.stderr, b.explain()
+    per_device, accumulation = shape(name)[:2]  # on each of the 2 ranks; one process: accumulation x 2
+    assert f"written by 1 rank(s) x {per_device} per device x accumulation {2 * accumulation}" in b.stderr, b.explain()
     rec = b.record
     s = rec["strategy"]
     assert s["name"] == name and s["world_size"] == s["evidence"]["world_size"] == 2, s
-    assert rec["batch"]["grad_accum"] == 1 and rec["batch"]["effective"] == 8, rec["batch"]
+    assert rec["batch"]["grad_accum"] == accumulation and rec["batch"]["effective"] == 8, rec["batch"]
     worst = _assert_steps_match(rec, ref.record, STEPS)
     one = "single" if name == "ddp" else name
     assert _segments(rec) == [
-        (0, 2, name, 1, 8, None),
-        (3, 1, one, 2, 8, RESHARDED[name]),
-        (4, 2, name, 1, 8, RESHARDED[name]),
+        (0, 2, name, accumulation, 8, None),
+        (3, 1, one, 2 * accumulation, 8, RESHARDED[name]),
+        (4, 2, name, accumulation, 8, RESHARDED[name]),
     ], rec["resumes"]
     assert [x.get("previous_status") for x in rec["resumes"]] == [None, "completed", "interrupted"]
     # every row once in the epoch, each step the uninterrupted run's rows: steps 1-3 of the original
@@ -1066,7 +836,7 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
         "ddp",
         "--config_file",
         "accelerate_configs/cpu/ddp.yaml",
-        *common_args(tiny_model_dir),
+        *common_args(tiny_model_dir, "ddp"),
         f"--run.output_dir={run_dir}",
     ]
     proc = subprocess.Popen(
@@ -1100,9 +870,10 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     assert k == 2, f"stopped at step {k}, not at the end of step 2, which the signal landed in"
     assert checkpoints.newest_valid(run_dir) == run_dir / f"checkpoint-{k}"
     assert "preempted: SIGTERM on rank(s) [1]" in out and f"--run.output_dir={run_dir} --resume" in out, out[-3000:]
-    assert "on another number of GPUs too: add --num-processes M with M in {1, 2}" in out, out[-3000:]  # as typed
+    counts = _process_counts(shape("ddp")[0])
+    assert f"on another number of GPUs too: add --num-processes M with M in {counts}" in out, out[-3000:]  # as typed
     run = launch_train(
-        ["--recipe", "ddp", *common_args(tiny_model_dir), "--resume"],
+        ["--recipe", "ddp", *common_args(tiny_model_dir, "ddp"), "--resume"],
         run_dir=run_dir,
         cwd=REPO,
         config_file=STRATEGIES["ddp"][1],
@@ -1114,8 +885,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_preempted_and_resumes_exactly(run
     assert run.record["summary"]["resume_history"][0]["previous_status"] == "interrupted"
     # the same world size: nothing resharded, every rank's RNG stream restored
     assert [(x["world_size"], x["grad_accum"], x.get("reshard"), x.get("rng")) for x in run.record["resumes"]] == [
-        (2, 1, None, None),
-        (2, 1, "none", "restored"),
+        (2, shape("ddp")[1], None, None),
+        (2, shape("ddp")[1], "none", "restored"),
     ], run.record["resumes"]
 
 

@@ -4,7 +4,8 @@ torch.distributed collectives, attributed to whose code made them), per optimize
 guard as it was before (TodaysGuard) as the control: it must fail the same bound.
 
 In-process (one rank, CPU): the count does not grow with gradient accumulation. Launched (2 ranks
-over gloo, `finetune train`'s own run under DDP and ZeRO-2): one collective per optimizer step.
+over gloo, finetune/train.py as users launch it: the session's DDP and ZeRO-2 runs of
+tests/training/strategy_runs.py, and the control's own launch): one collective per optimizer step.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_process_group
+from tests.conftest import REPO, TRAIN_SCRIPT, run_process_group
+from tests.training.strategy_runs import COUNTED, CPU_ENV, counts_dir, sync_count_env
+from tests.training.strategy_runs import STEPS as STRATEGY_STEPS
 from tests.training.sync_counter import SyncCounter, TodaysGuard, per_step
 
 STEPS = 3
@@ -112,75 +116,43 @@ def test_our_code_reads_the_host_once_per_optimizer_step_whatever_the_accumulati
     assert per_step(unscored, "host sync") == [1 + 3] * STEPS, unscored
 
 
-# --- launched: 2 ranks, `finetune train`'s run -----------------------------------------------------
+# --- launched: 2 ranks, `finetune train`'s run ------------------------------------------------------
 
 
 UNUSED_WARNING = "find_unused_parameters=True was specified in DDP constructor"
 
 
-def _launch(tmp_path, tiny_model_dir, recipe: str, *, control: bool = False, extra=()) -> tuple[list, dict, str]:
-    """(per rank: the spans and callers, run.json, the launch's output)."""
-    out = tmp_path / f"counts-{recipe}-{int(control)}"
-    out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / f"accelerate_configs/cpu/{recipe}.yaml"),
-        str(REPO / "tests/training/sync_count_rank.py"),
-        "--recipe",
-        recipe,
-        f"--model.name_or_path={tiny_model_dir}",
-        "--data.demo_train_size=64",
-        "--eval.exact_match=false",
-        f"--training.max_steps={STEPS}",
-        "--training.logging_steps=100",
-        "--training.gradient_accumulation_steps=2",
-        "--training.per_device_train_batch_size=2",
-        "--training.lr_scaling=none",
-        "--run.save_model=false",
-        f"--run.output_dir={tmp_path / f'run-{recipe}-{int(control)}'}",
-        *extra,
-    ]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "FINETUNE_CPU_DISTRIBUTED": "1",
-        "SYNC_COUNT_OUT": str(out),
-        "SYNC_COUNT_CONTROL": "1" if control else "0",
-    }
-    code, stdout, _ = run_process_group(cmd, cwd=REPO, env=env, timeout=420, merge_stderr=True)
-    assert code == 0, stdout[-4000:]
-    record = json.loads((tmp_path / f"run-{recipe}-{int(control)}" / "run.json").read_text())
-    assert record["strategy"]["name"] == recipe and record["strategy"]["world_size"] == 2, record["strategy"]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+def _ranks(counts: Path, steps: int) -> list[dict]:
+    """Each rank's spans and callers, as tests/training/sync_counter.py count_this_rank wrote them."""
+    ranks = [json.loads((counts / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
-        assert len(r["spans"]) == STEPS, r
-    return ranks, record, stdout
+        assert len(r["spans"]) == steps, r
+    return ranks
 
 
 def _ours(rank: dict, kind: str) -> list[int]:
     return [span.get(f"{kind}|finetune", 0) for span in rank["spans"]]
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("recipe", ["ddp", "zero2"])
-def test_ranks_agree_once_per_optimizer_step(tmp_path, tiny_model_dir, recipe):
-    """2 micro-batches per step on each of 2 ranks: our code runs one collective and one host read
-    per optimizer step on each rank (under ZeRO-2 before the boundary micro-batch's backward), the
-    signal flags included; DDP's and DeepSpeed's own collectives are theirs (not counted here). DDP
-    runs without searching for unused parameters (the probe found every LoRA adapter used), so torch
-    does not warn that the search found nothing."""
-    ranks, record, out = _launch(tmp_path, tiny_model_dir, recipe)
-    for rank in ranks:
-        assert _ours(rank, "collective") == [1] * STEPS, rank
-        assert _ours(rank, "host sync") == [1] * STEPS, rank
+@pytest.mark.parametrize("recipe", COUNTED)
+def test_ranks_agree_once_per_optimizer_step(strategy_runs, recipe):
+    """2 micro-batches per step on each of 2 ranks (the session's DDP and ZeRO-2 runs, tests/training/
+    strategy_runs.py, counted in their ranks): our code runs one collective and one host read per optimizer
+    step on each rank (under ZeRO-2 before the boundary micro-batch's backward), the signal flags included;
+    DDP's and DeepSpeed's own collectives are theirs (not counted here), and so is Trainer's log, save and
+    evaluation window between two steps (counted apart). DDP runs without searching for unused parameters (the
+    probe found every LoRA adapter used), so torch does not warn that the search found nothing."""
+    run = strategy_runs(recipe)
+    record = run.record
+    assert record["strategy"]["name"] == recipe and record["strategy"]["world_size"] == 2, record["strategy"]
+    assert record["batch"]["grad_accum"] == 2, record["batch"]
+    for rank in _ranks(counts_dir(run.run_dir), STRATEGY_STEPS):
+        assert _ours(rank, "collective") == [1] * STRATEGY_STEPS, rank
+        assert _ours(rank, "host sync") == [1] * STRATEGY_STEPS, rank
     ddp = record["speed"]["ddp"]
     if recipe == "ddp":
         assert (ddp["find_unused_parameters"], ddp["decided_by"], ddp["unused_trainable"]) == (False, "probe", []), ddp
-        assert UNUSED_WARNING not in out
+        assert UNUSED_WARNING not in run.stdout + run.stderr
     else:
         assert ddp["find_unused_parameters"] is None and ddp["reason"] == "not DDP", ddp
 
@@ -191,9 +163,39 @@ def test_the_old_guard_fails_the_same_count_and_ddp_searching_for_unused_paramet
     on top of the step's agreement, so the count that passes above sees 1 + 2 per step. The same
     launch gives DDP find_unused_parameters=True by the recipe (Trainer's default before issue 29):
     torch's warning, absent above, is there."""
-    ranks, record, out = _launch(
-        tmp_path, tiny_model_dir, "ddp", control=True, extra=["--training.ddp_find_unused_parameters=true"]
-    )
-    for rank in ranks:
+    run_dir, counts = tmp_path / "run", tmp_path / "counts"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs/cpu/ddp.yaml"),
+        str(TRAIN_SCRIPT),
+        "--recipe",
+        "ddp",
+        f"--model.name_or_path={tiny_model_dir}",
+        "--data.demo_train_size=64",
+        "--eval.exact_match=false",
+        f"--training.max_steps={STEPS}",
+        "--training.logging_steps=100",
+        "--training.gradient_accumulation_steps=2",
+        "--training.per_device_train_batch_size=2",
+        "--training.lr_scaling=none",
+        "--training.ddp_find_unused_parameters=true",
+        "--run.save_model=false",
+        f"--run.output_dir={run_dir}",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **CPU_ENV,
+        **sync_count_env(counts, control=True),
+    }
+    code, out, _ = run_process_group(cmd, cwd=REPO, env=env, timeout=420, merge_stderr=True)
+    assert code == 0, out[-4000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["strategy"]["name"] == "ddp" and record["strategy"]["world_size"] == 2, record["strategy"]
+    for rank in _ranks(counts, STEPS):
         assert _ours(rank, "collective") == [1 + 2] * STEPS, rank
     assert record["speed"]["ddp"]["decided_by"] == "recipe" and UNUSED_WARNING in out
