@@ -30,6 +30,21 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_collection_finish(session):
+    """DeepSpeed's CPU ops (the host-offloaded optimizer, the CPU collectives) compile on first use, once per
+    machine (~/.cache/torch_extensions): 205 s for cpu_adam on the 2-core machine under load, 5-9 s to load once
+    built. Built here, before the first launched test, so that no launch compiles inside its timeout; only when a
+    launched test was collected (the unit set never pays it)."""
+    if not any(item.get_closest_marker("integration") for item in session.items):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed"):  # without it, the DeepSpeed tests say so themselves
+        from finetune.training.rank_imports import OP_BUILDERS, load_ops
+
+        load_ops(list(OP_BUILDERS))  # a real build is announced on stderr, as a run announces it
+
+
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
     from finetune.modeling.bundled import ensure_bundled_model
