@@ -173,6 +173,29 @@ def launch_train(
     return Launch(code, out, err, run_dir)
 
 
+def finetune_train(args: list[str], cwd: Path, timeout: float = 900) -> tuple[int, str]:
+    """`finetune train ARGS` as a user types it, in `cwd`, without the launcher's or our environment variables
+    of this process: (exit code, stdout and stderr together)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FINETUNE_"))}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "finetune.cli", "train", *args]
+    code, out, _ = run_process_group(cmd, cwd=cwd, env=env, timeout=timeout, merge_stderr=True)
+    return code, out
+
+
+def short_demo(tiny_model_dir, steps: int, *extra: str) -> list[str]:
+    """A short run's command line: the demo recipe on the tiny model, 16 rows, no exact-match evaluation."""
+    return [
+        "--recipe",
+        "demo",
+        f"--model.name_or_path={tiny_model_dir}",
+        "--data.demo_train_size=16",
+        "--eval.exact_match=false",
+        f"--training.max_steps={steps}",
+        *extra,
+    ]
+
+
 def logged_steps(record: dict, steps: int) -> list[dict]:
     """A run record's steps[] entries with a loss: exactly steps 1..`steps`, each once."""
     out = [s for s in record["steps"] if s.get("loss") is not None]

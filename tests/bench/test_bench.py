@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from finetune.cli import dispatch
 
 
@@ -248,3 +250,31 @@ def test_like_ours_sets_the_baselines_differing_arguments_to_ours(tmp_path):
     assert like.logging_nan_inf_filter is False and like.num_train_epochs == 1.0
     assert like.output_dir == str(tmp_path / "theirs") and like.run_name != "bench-lora"
     assert baselines.like_ours(theirs, spec) is theirs  # without the switch: as users run it
+
+
+@pytest.mark.integration
+def test_the_prepared_gpu_session_runs_end_to_end_at_cpu_sizes(tmp_path, bundled_model_dir):
+    """tests/bench/gpu_session.py, the script a session lent a GPU runs (issue 47 item 4), proven here with --tiny:
+    every step ran, and its figures are read from what each run recorded."""
+    from tests.bench import gpu_session
+
+    code = gpu_session.main(["--out", str(tmp_path), "--tiny", "--tokenizer", str(bundled_model_dir)])
+    session = json.loads((tmp_path / "session.json").read_text())
+    steps = session["steps"]
+    assert code == 0 and [s for s in steps.values() if s["status"] == "failed"] == [], steps
+    lora = steps["lora_8b_auto"]
+    assert lora["trained_tokens_per_s"] > 0 and lora["precision"] == "32-true" and lora["mfu"] is None  # no CPU peak
+    assert set(lora["levers"]) == {
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+    }
+    assert lora["plan_predicted_gib"] > 0 and lora["export_check"]["passed"] is True  # the run's defaults: save checked
+    record = json.loads((tmp_path / "runs" / "lora_8b_auto" / "run.json").read_text())
+    assert lora["trained_tokens_per_s"] == record["throughput"]["trained_tokens_per_s"]
+    assert record["plan"]["auto"] == ["per_device_train_batch_size", "gradient_checkpointing"], record["plan"]
+    packed = steps["full_1.5b_packed"]
+    assert packed["failures"] == [] and packed["finetune"]["trained_tokens_per_s"] > 0, packed
+    assert packed["plain_trainer"]["trained_tokens_per_s"] > 0
+    assert all(steps[z]["status"] == "ok" and steps[z]["trained_tokens_per_s"] > 0 for z in ("zero2", "zero3")), steps
+    assert steps["doctor"]["status"] == "ok" and "| lora_8b_auto | ok |" in (tmp_path / "session.md").read_text()

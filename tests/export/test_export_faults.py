@@ -13,22 +13,13 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, launch_train
+from tests.conftest import REPO, launch_train, short_demo
 
 pytestmark = pytest.mark.integration
 
 
 def _args(tiny_model_dir, *extra) -> list[str]:
-    return [
-        "--recipe",
-        "demo",
-        f"--model.name_or_path={tiny_model_dir}",
-        "--data.demo_train_size=16",
-        "--eval.exact_match=false",
-        "--training.max_steps=2",
-        "--training.per_device_train_batch_size=4",
-        *extra,
-    ]
+    return short_demo(tiny_model_dir, 2, "--training.per_device_train_batch_size=4", *extra)
 
 
 def _single(tmp_path, tiny_model_dir, fault: str | None, *extra):

@@ -4,13 +4,10 @@ plan resolved (run.json `plan`), says so, and still refuses a real change. A rea
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_process_group
+from tests.conftest import finetune_train
 from tests.training.test_train_e2e import tiny_args
 
 pytestmark = pytest.mark.integration
@@ -18,19 +15,11 @@ pytestmark = pytest.mark.integration
 AUTO = ["--training.per_device_train_batch_size=auto", "--training.gradient_checkpointing=auto"]
 
 
-def train(args: list[str], cwd: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FINETUNE_"))}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "finetune.cli", "train", *args]
-    code, out, _ = run_process_group(cmd, cwd=cwd, env=env, timeout=900, merge_stderr=True)
-    return code, out
-
-
 def test_a_resumed_auto_run_takes_its_recorded_resolution(tmp_path, tiny_model_dir):
     args = tiny_args(
         tiny_model_dir, *AUTO, "--training.save_strategy=steps", "--training.save_steps=2", "--run.name=auto"
     )
-    code, out = train(args, tmp_path)
+    code, out = finetune_train(args, tmp_path)
     run_dir = tmp_path / "runs" / "auto"
     assert code == 0, out[-4000:]
     plan = json.loads((run_dir / "run.json").read_text())["plan"]
@@ -41,7 +30,7 @@ def test_a_resumed_auto_run_takes_its_recorded_resolution(tmp_path, tiny_model_d
 
     # the last checkpoint torn: the same command with --resume continues from checkpoint-2
     (run_dir / "checkpoint-3" / "finetune-checkpoint-complete.json").unlink()
-    code, out = train([*args, "--resume"], tmp_path)
+    code, out = finetune_train([*args, "--resume"], tmp_path)
     assert code == 0, out[-4000:]
     said = " ".join(out.split())
     assert "auto resumed as the run resolved it (run.json plan):" in said, out[-4000:]
@@ -55,6 +44,6 @@ def test_a_resumed_auto_run_takes_its_recorded_resolution(tmp_path, tiny_model_d
     # a real change of a lever is still refused
     (run_dir / "checkpoint-3" / "finetune-checkpoint-complete.json").unlink(missing_ok=True)
     flipped = str(not planned["gradient_checkpointing"]).lower()
-    code, out = train([*args, f"--training.gradient_checkpointing={flipped}", "--resume"], tmp_path)
+    code, out = finetune_train([*args, f"--training.gradient_checkpointing={flipped}", "--resume"], tmp_path)
     assert code == 2, out[-4000:]
     assert "training.gradient_checkpointing" in out and "--allow-config-change" in out

@@ -16,7 +16,7 @@ import torch
 
 from finetune.errors import UserError
 from finetune.planning import comm, memory, prediction, search, shapes
-from tests.conftest import REPO, launch_train
+from tests.conftest import REPO, launch_train, short_demo
 from tests.planning.test_planner import zero_model_states_bytes
 
 GIB = 2**30
@@ -365,17 +365,13 @@ def test_cpu_run_records_predicted_memory_beside_measured_rss(tmp_path, tiny_mod
     the host memory, the run trains with them and records the plan; predicted against measured memory and step
     time. The planner's device on CPU is the host: predicted_memory is one process's RSS."""
     run = launch_train(
-        [
-            "--recipe",
-            "demo",
-            f"--model.name_or_path={tiny_model_dir}",
-            "--data.demo_train_size=16",
-            "--eval.exact_match=false",
-            "--training.max_steps=2",
+        short_demo(
+            tiny_model_dir,
+            2,
             "--training.logging_steps=1",
             "--training.per_device_train_batch_size=auto",
             "--training.gradient_checkpointing=auto",
-        ],
+        ),
         run_dir=tmp_path / "run",
         cwd=REPO,
         config_file="accelerate_configs/single_gpu.yaml",

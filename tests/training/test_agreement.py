@@ -128,38 +128,31 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     # the case's fault, through the run's own injection points; the stand-ins above for the rest
     os.environ[fault_injection.ENV] = f"fail_{step_name}@rank{bad_rank},step{STEP}" if kind == "fail" else ""
     fault_injection.faults.cache_clear()
-    # the export's check: its probe rows and its comparison, each a collective as the live model's forward is
-    saved = (
-        load.save_final_model,
-        run.exact_match,
-        run.preempted,
-        run.record_end,
-        run.ExportCheck,
-        live.probe,
-        live.verify,
-    )
-    load.save_final_model, run.exact_match = save_final_model, exact_match
-    run.preempted = lambda the_run, trainer, arguments: 75
-    # the record's step with its fault injection point, not its sections (the stand-ins measure nothing)
-    run.record_end = lambda the_run, trainer, model, ended: fault_injection.fail("record", rank=rank, step=STEP)
-    run.ExportCheck = SimpleNamespace(for_run=lambda the_run: SimpleNamespace(merged=False))
-    live.probe = lambda check, tokenizer: collective("probe")
-    live.verify = lambda trainer, model_dir, tokenizer, check, batch: collective("check")
+    # the run's steps as stand-ins entering the same collectives: the export's check (its probe rows and its
+    # comparison) each one, as the live model's forward is
+    stand_ins = {
+        (load, "save_final_model"): save_final_model,
+        (run, "exact_match"): exact_match,
+        (run, "preempted"): lambda the_run, trainer, arguments: 75,
+        # the record's step with its fault injection point, not its sections (the stand-ins measure nothing)
+        (run, "record_end"): lambda the_run, trainer, model, ended: fault_injection.fail(
+            "record", rank=rank, step=STEP
+        ),
+        (run, "ExportCheck"): SimpleNamespace(for_run=lambda the_run: SimpleNamespace(merged=False)),
+        (live, "probe"): lambda check, tokenizer: collective("probe"),
+        (live, "verify"): lambda trainer, model_dir, tokenizer, check, batch: collective("check"),
+    }
+    saved = {(module, name): getattr(module, name) for module, name in stand_ins}
+    for (module, name), value in stand_ins.items():
+        setattr(module, name, value)
     try:
         code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args))
         return ("returned", code, entered)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return ("raised", f"{type(e).__name__}: {e}", entered)
     finally:
-        (
-            load.save_final_model,
-            run.exact_match,
-            run.preempted,
-            run.record_end,
-            run.ExportCheck,
-            live.probe,
-            live.verify,
-        ) = saved
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, logged_steps
+from tests.conftest import REPO, logged_steps, short_demo
 from tests.telemetry.run_record_doc import DOC, declared_paths, documented, undocumented
 
 pytestmark = pytest.mark.integration
@@ -32,18 +32,14 @@ def launch_script(tmp_path: Path, change: str) -> Path:
 
 
 def short_run(tiny_model_dir, *extra: str) -> list[str]:
-    return [
-        "--recipe",
-        "demo",
-        f"--model.name_or_path={tiny_model_dir}",
-        "--data.demo_train_size=16",
-        "--eval.exact_match=false",
-        f"--training.max_steps={STEPS}",
+    return short_demo(
+        tiny_model_dir,
+        STEPS,
         "--training.logging_steps=1",
         "--training.per_device_train_batch_size=4",
         "--run.save_model=false",
         *extra,
-    ]
+    )
 
 
 def test_a_strategy_added_as_a_row_trains_under_its_own_name(tmp_path, tiny_model_dir, launch):

@@ -6,27 +6,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from finetune.launch import rundir
-from tests.conftest import REPO, run_process_group
+from tests.conftest import finetune_train
 from tests.training.test_train_e2e import tiny_args
 
 pytestmark = pytest.mark.integration
 
 NAME = "my run #2: ünï"
-
-
-def _finetune_train(args: list[str], cwd: Path) -> tuple[int, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FINETUNE_"))}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "finetune.cli", "train", *args]
-    code, out, _ = run_process_group(cmd, cwd=cwd, env=env, timeout=600, merge_stderr=True)
-    return code, out
 
 
 def _hashes(root: Path) -> dict:
@@ -37,7 +27,7 @@ def _hashes(root: Path) -> dict:
 
 def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tiny_model_dir):
     args = tiny_args(tiny_model_dir, "--training.save_strategy=steps", "--training.save_steps=2", f"--run.name={NAME}")
-    code, out = _finetune_train(args, tmp_path)
+    code, out = finetune_train(args, tmp_path)
     run_dir = tmp_path / "runs" / NAME
     assert code == 0, out[-4000:]
     pointer = f"[finetune] run directory: {run_dir} (any third-party warnings: third_party.log)\n"
@@ -53,7 +43,7 @@ def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tin
 
     # --resume of the completed run: before, "nothing left to train", then model/ rewritten and run.json appended
     before = _hashes(run_dir)
-    code, out = _finetune_train(["--recipe", "demo", f"--run.name={NAME}", "--resume"], tmp_path)
+    code, out = finetune_train(["--recipe", "demo", f"--run.name={NAME}", "--resume"], tmp_path)
     assert code == 0, out[-4000:]
     assert f"the run in runs/{NAME} completed (step 3); there is nothing to resume and nothing was changed" in out
     assert "accelerate launch" not in out and _hashes(run_dir) == before
@@ -63,7 +53,7 @@ def test_a_named_run_its_finished_resume_and_a_half_written_record(tmp_path, tin
     (run_dir / "checkpoint-3" / "finetune-checkpoint-complete.json").unlink()
     half = (run_dir / "run.json").read_bytes()[:4000]
     (run_dir / "run.json").write_bytes(half)
-    code, out = _finetune_train(["--recipe", "demo", f"--run.name={NAME}", "--resume"], tmp_path)
+    code, out = finetune_train(["--recipe", "demo", f"--run.name={NAME}", "--resume"], tmp_path)
     assert code == 0, out[-4000:]
     assert f"runs/{NAME}/run.json is not valid JSON (line" in out
     assert (run_dir / "run.damaged1.json").read_bytes() == half
