@@ -77,14 +77,18 @@ def describe_probe(batch: dict[str, torch.Tensor], source: str) -> dict:
     }
 
 
-def forward(model, batch: dict[str, torch.Tensor], device, autocast: str | None) -> tuple[float, torch.Tensor]:
+def forward(
+    model, batch: dict[str, torch.Tensor], device, autocast: str | None, whole=None
+) -> tuple[float, torch.Tensor]:
     """(mean loss over the trained tokens, fp32 logits on the CPU) of `model` on the probe batch, without gradients;
-    `autocast`: the dtype to compute in under torch.autocast, or None."""
+    `autocast`: the dtype to compute in under torch.autocast, or None; `whole`: makes a rank's logits the whole
+    vocabulary's (a vocabulary-parallel output head), or None."""
     device = torch.device(device)
     inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
     cast = torch.autocast(device.type, dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext()
     with torch.no_grad(), cast:
         logits = model(**inputs, use_cache=False).logits
+        logits = whole(logits) if whole else logits
     logits = logits.float().cpu()
     return loss_of(logits, batch["labels"]), logits
 

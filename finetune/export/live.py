@@ -147,11 +147,36 @@ def _live_forward(trainer, batch) -> tuple[float, torch.Tensor]:
     model.eval()
     try:
         with trainer.accelerator.autocast():
-            return figures.forward(model, batch, trainer.args.device, None)
+            return figures.forward(model, batch, trainer.args.device, None, whole=_whole_vocabulary(model))
     finally:
         model.train(was_training)
         if hasattr(model, "reshard"):  # FSDP2 keeps the root's parameters unsharded after a forward: back to shards
             model.reshard()
+
+
+def _whole_vocabulary(model):
+    """AutoTP's vocabulary-parallel output head (DeepSpeed's VocabParallelLinear, which tensor parallelism puts in
+    training mode) leaves each rank the logits of its share of the vocabulary, in rank order: a function gathering
+    them over the head's group (every rank calls it), or None for any other head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not getattr(head, "is_vocab_parallel_lm_head", False):
+        return None
+    import torch.distributed as dist
+
+    def whole(logits: torch.Tensor) -> torch.Tensor:
+        group, ranks = head.mp_group, head.tp_world_size
+        widths = [torch.zeros(1, dtype=torch.long, device=logits.device) for _ in range(ranks)]  # NCCL: on the device
+        dist.all_gather(widths, torch.tensor([logits.shape[-1]], device=logits.device), group=group)
+        widest = max(int(w) for w in widths)
+        padded = torch.nn.functional.pad(logits, (0, widest - logits.shape[-1])).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(ranks)]
+        dist.all_gather(parts, padded, group=group)
+        out = torch.cat([part[..., : int(w)] for part, w in zip(parts, widths, strict=True)], dim=-1)
+        if out.shape[-1] != head.vocab_size:
+            raise RuntimeError(f"the gathered logits have {out.shape[-1]} columns, the vocabulary {head.vocab_size}")
+        return out
+
+    return whole
 
 
 def _live_tensors(model, check: ExportCheck):

@@ -155,12 +155,14 @@ class RssSampler:
     """An independent count of the ranks' host memory: the resident set of every training rank of a
     job (a process with RANK and SLURMD_NODENAME in its environment), read from /proc by psutil
     every 0.1 s from this test process, its maximum kept per node. A sampled peak can only be at
-    most the kernel's high-water mark (what the run records) and misses what lives between samples."""
+    most the kernel's high-water mark (what the run records) and misses what lives between samples.
+    The record's peak spans the rank's life up to the end of training: sampling stops once `until` exists
+    (the run's model/, written after training; the save's check that follows holds more)."""
 
-    def __init__(self, job_id: str):
+    def __init__(self, job_id: str, until: Path):
         import threading
 
-        self.job_id, self.peak = job_id, {}
+        self.job_id, self.until, self.peak = job_id, until, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -175,7 +177,7 @@ class RssSampler:
     def _run(self):
         import psutil
 
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.until.exists():
             for p in psutil.process_iter(["name"]):
                 try:
                     if not (p.info["name"] or "").startswith("python"):
