@@ -37,13 +37,15 @@ class Inputs(TypedDict):
     chat_template_files: dict[str, str]  # file, or tokenizer_config.json:chat_template -> fingerprint
     data: str | None  # the data files together; null: a Hub dataset
     data_files: dict[str, str]  # file (relative to their common folder; "" for one file) -> fingerprint
+    heldout: str | None  # eval.heldout_path's files together; null: no held-out file
+    heldout_files: dict[str, str]  # likewise
     settings: str  # the configuration that decides what is trained (provenance.settings)
     read_bytes: int  # bytes read to fingerprint them (0: every file's fingerprint was cached)
     seconds: float  # time taken to fingerprint them
 
 
 class InputChange(TypedDict):
-    input: str  # weights | tokenizer | chat_template | data | settings
+    input: str  # weights | tokenizer | chat_template | data | heldout | settings
     said: str  # what changed, in words: the fingerprints and the files
 
 

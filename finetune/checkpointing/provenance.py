@@ -87,14 +87,16 @@ INPUTS = (
     ("tokenizer", "the tokenizer", "tokenizer_files"),
     ("chat_template", "the chat template", "chat_template_files"),
     ("data", "the training data", "data_files"),
+    ("heldout", "the held-out evaluation data", "heldout_files"),
     ("settings", "the settings", None),
 )
 
 
-def inputs(cfg, data_path: str) -> dict:
+def inputs(cfg, data_path: str, heldout_path: str | None) -> dict:
     """run.json `inputs`: a content fingerprint of each input (finetune/fingerprints.py; files read once, then cached
     by path and stat) and of each of its files. None where an input is not on this machine (a hub model not cached,
-    a Hub dataset); the chat template is None when data.chat_template is false (it renders nothing then)."""
+    a Hub dataset) or not read (no exact-match evaluation); the chat template is None when data.chat_template is false (it
+    renders nothing then). `data_path`, `heldout_path`: as the run reads them (finetune/data/demo.py paths)."""
     cache, started = fingerprints.Cache(), time.perf_counter()
     model = model_folder(cfg.model.name_or_path, cfg.model.revision)
     tokenizer = model_folder(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, cfg.model.revision)
@@ -107,6 +109,8 @@ def inputs(cfg, data_path: str) -> dict:
         values.pop("chat_template", None)
         tokens["tokenizer_config.json"] = fingerprints.of_text(json.dumps(values, sort_keys=True))
     data = {name: cache.of(f) for name, f in source_files(data_path, cfg.data.split).items()}
+    evaluated = heldout_path if cfg.eval.exact_match else None  # the held-out rows are read by that evaluation only
+    heldout = {name: cache.of(f) for name, f in source_files(evaluated, "train").items()} if evaluated else {}
     cache.save()
     return {
         "algorithm": fingerprints.ALGORITHM,
@@ -118,6 +122,8 @@ def inputs(cfg, data_path: str) -> dict:
         "chat_template_files": template,
         "data": fingerprints.of_parts(data) if data else None,
         "data_files": data,
+        "heldout": fingerprints.of_parts(heldout) if heldout else None,
+        "heldout_files": heldout,
         "settings": fingerprints.of_text(json.dumps(settings(cfg), sort_keys=True, default=str)),
         "read_bytes": cache.bytes_read,
         "seconds": round(time.perf_counter() - started, 3),

@@ -432,7 +432,7 @@ def for_launch(
 
     name, run_dir, ckpt = locate(cfg, resume)
     written = read(ckpt)
-    now = provenance.inputs(cfg, demo.paths(cfg, run_dir)[0]) if written.inputs else None
+    now = provenance.inputs(cfg, *demo.paths(cfg, run_dir)) if written.inputs else None
     sets_up = dict(strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size)
     request = launch_from(cfg, **sets_up, overrides=overrides, inputs=now, allow_input_change=allow_input_change)
     return name, run_dir, plan(written, request)

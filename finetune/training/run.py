@@ -398,7 +398,7 @@ def record_setup(
     if not run.resume:
         hand(resumes=resume.first_segment(run.sinks.view))
     # what the run is made from (the marker's too, on --resume): rank 0 reads the files, every rank keeps the record
-    hand(inputs=run_on_main(run.state, lambda: provenance.inputs(cfg, run.data_path)))
+    hand(inputs=run_on_main(run.state, lambda: provenance.inputs(cfg, run.data_path, run.heldout_path)))
     hand(faults=trainer.faults_section(), data=data.bundle.stats.section(), parameters=parameters_section(model))
     records = dict(attention_record=attention_record, loss_record=loss.installed(model), ddp_record=ddp_record)
     hand(speed=speed.section(cfg, model, trainer, **records))

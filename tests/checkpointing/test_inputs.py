@@ -66,29 +66,41 @@ def test_each_input_is_fingerprinted_and_only_what_changed_is_named(tmp_path, ti
     data.mkdir()
     for i in range(2):
         (data / f"part-{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[8 * i : 8 * i + 8]))
-    cfg = build_config({"model": {"name_or_path": str(model)}, "data": {"path": str(data)}})
-    before = provenance.inputs(cfg, str(data))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:4]))
+    asked = {"exact_match": True, "heldout_path": str(heldout)}
+    cfg = build_config({"model": {"name_or_path": str(model)}, "data": {"path": str(data)}, "eval": asked})
+    before = provenance.inputs(cfg, str(data), str(heldout))
+    assert before["heldout_files"] == {"": _checksum(heldout)}
     assert before["weight_files"] == {n: _checksum(model / n) for n in ("config.json", "model.safetensors")}
     assert before["data_files"] == {f"part-{i}.jsonl": _checksum(data / f"part-{i}.jsonl") for i in range(2)}
     assert before["chat_template_files"] == {"chat_template.jinja": _checksum(model / "chat_template.jinja")}
     assert set(before["tokenizer_files"]) == {"tokenizer.json", "tokenizer_config.json"}
-    assert provenance.input_changes(before, provenance.inputs(cfg, str(data))) == []  # nothing changed
+    assert provenance.input_changes(before, provenance.inputs(cfg, str(data), str(heldout))) == []  # nothing changed
 
     _edit_template(model)
-    changes = provenance.input_changes(before, provenance.inputs(cfg, str(data)))
+    changes = provenance.input_changes(before, provenance.inputs(cfg, str(data), str(heldout)))
     assert [c["input"] for c in changes] == ["chat_template"], changes  # not the tokenizer, not the data
     assert "chat_template.jinja differs" in changes[0]["said"]
 
     _other_weights(model)
     (data / "part-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[8:15]))
     (data / "part-2.jsonl").write_text(json.dumps(ROWS[15]) + "\n")
-    changes = provenance.input_changes(before, provenance.inputs(cfg, str(data)))
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in ROWS[4:8]))  # the held-out answers replaced in place
+    changes = provenance.input_changes(before, provenance.inputs(cfg, str(data), str(heldout)))
     said = {c["input"]: c["said"] for c in changes}
-    assert list(said) == ["weights", "chat_template", "data"], said
+    assert list(said) == ["weights", "chat_template", "data", "heldout"], said
+    assert said["heldout"].startswith("the held-out evaluation data changed")
     assert "model.safetensors differs" in said["weights"] and "config.json" not in said["weights"]
     assert "part-1.jsonl differs, part-2.jsonl is new" in said["data"]
-    moved = build_config({"model": {"name_or_path": str(model)}, "data": {"path": str(data), "max_length": 99}})
-    assert [c["input"] for c in provenance.input_changes(before, provenance.inputs(moved, str(data)))][-1] == "settings"
+    moved = build_config(
+        {"model": {"name_or_path": str(model)}, "data": {"path": str(data), "max_length": 99}, "eval": asked}
+    )
+    assert [c["input"] for c in provenance.input_changes(before, provenance.inputs(moved, str(data), str(heldout)))][
+        -1
+    ] == "settings"
+    unevaluated = build_config({"model": {"name_or_path": str(model)}, "data": {"path": str(data)}})
+    assert provenance.inputs(unevaluated, str(data), str(heldout))["heldout"] is None  # read only by exact match
 
 
 @pytest.mark.integration
