@@ -302,7 +302,7 @@ def _resume(
         if change is not None:  # the inputs it was trained on, then one of them changed
             from finetune.checkpointing.provenance import inputs
 
-            run["inputs"] = inputs(cfg, cfg.data.path)
+            run["inputs"] = inputs(cfg, cfg.data.path, cfg.eval.heldout_path)
             change(Path(model))
         checkpoints.write_marker(ckpt, step=3, world_size=world, run=run)
         return ["--run.name=prev", "--resume", f"--training.per_device_train_batch_size={8 // world}", *args]
