@@ -311,7 +311,6 @@ class StrategyRuns:
                 *common_args(self.model, name),
                 f"--training.max_steps={PLAIN_STEPS}",
                 "--training.save_strategy=no",
-                "--run.save_model=false",
             ]
             return plain_accelerate_launch(["--recipe", PLAIN[name][0], *args], run_dir=run_dir, home=home)
         if name in TORCHRUN:
