@@ -347,7 +347,7 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     for who, found in (("the source", ref), ("the export", got)):
         if found.get("load_error"):
             problems.append(f"{who} does not load: {found['load_error']}")
-    if saved["block_peft"] and got.get("peft_imported"):
+    if saved["block_peft"] and "peft" in got.get("loaded", []):
         problems.append("the export loaded with peft imported; it must load without")
     dtype = _compared_in(request)
     section = {"kind": "reload", "why": "finetune export", "reference": what, "compute_dtype": dtype}

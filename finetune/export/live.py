@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -214,6 +215,8 @@ def _reload(check: ExportCheck, model_dir: Path, batch) -> dict:
             "stats": True,
             "tokenizer": True,
             "bytes": _weights_bytes(model_dir) + (_weights_bytes(Path(check.base)) if check.adapter else 0),
+            # what the run kept out of this process (finetune/training/rank_imports.py): loading its save needs none
+            "keep_out": [name for name, module in sys.modules.items() if module is None and "." not in name],
         }
         return reload.fresh(request, Path(tmp) / "out", RELOAD_TIMEOUT_S)
 

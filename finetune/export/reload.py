@@ -52,10 +52,13 @@ def clean_environment() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     request = json.loads(Path((argv or sys.argv[1:])[0]).read_text(encoding="utf-8"))
-    if request.get("block_peft"):
-        if "transformers" in sys.modules:  # too late to make peft unimportable for it
-            raise RuntimeError("transformers was imported before peft could be blocked")
-        sys.modules["peft"] = None  # `import peft` raises ImportError; importlib.util.find_spec("peft") is None
+    # peft blocked: the folder must load without it; keep_out: the optional packages the run kept out of its ranks
+    # (finetune/training/rank_imports.py), which loading its save does not need either (bitsandbytes: 0.8 s of CPU)
+    blocked = ["peft"] * bool(request.get("block_peft")) + request.get("keep_out", [])
+    if blocked and "transformers" in sys.modules:  # too late to keep them out of it
+        raise RuntimeError(f"transformers was imported before {', '.join(blocked)} could be kept out")
+    for name in blocked:
+        sys.modules[name] = None  # `import peft` raises ImportError; importlib.util.find_spec("peft") is None
     result = measure(request)
     Path(request["out"], "result.json").write_text(json.dumps(result), encoding="utf-8")
     return 0
@@ -81,7 +84,8 @@ def measure(request: dict) -> dict:
     batch = load_file(request["probe"])
     loss, logits = figures.forward(model, batch, device, request.get("autocast"))
     save_file({"logits": logits.contiguous()}, str(Path(request["out"]) / "logits.safetensors"))
-    result.update(loss=loss, device=str(device), peft_imported=sys.modules.get("peft") is not None)
+    loaded = [name for name in ("peft", "bitsandbytes", "deepspeed") if sys.modules.get(name) is not None]
+    result.update(loss=loss, device=str(device), loaded=loaded)
     if request.get("tokenizer"):
         from transformers import AutoTokenizer
 

@@ -8,17 +8,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from finetune.config.sections import BUNDLED_MODEL, MethodConfig, ModelConfig
 from finetune.errors import UserError
 from finetune.precision import Policy, dtype_name, torch_dtype
 from finetune.storage import json_object
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+# torch is imported where it is used: `finetune train` reads model folders here before it launches, and a command
+# that does not train imports no torch (docs/speed.md "Start-up")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -65,8 +67,10 @@ def model_type(cfg: ModelConfig) -> str | None:
 def resolve_dtype(name: str) -> torch.dtype:
     """model.dtype where no precision policy applies (the benchmark's workers): 'auto' = bfloat16
     where the accelerator supports it, else float32. Training runs load in the policy's dtype."""
+    import torch
+
     if name != "auto":
-        return _DTYPES[name]
+        return torch_dtype(name)
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -99,6 +103,7 @@ def load_model(
     `policy` (finetune/precision.py) sets the dtypes; `deepspeed` says DeepSpeed will wrap the model,
     which keeps its own fp32 master and casts the module itself, so nothing is upcast here. Without a
     policy (the benchmark's workers) the model loads in model.dtype and nothing is cast."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from finetune.modeling import attention
@@ -153,10 +158,10 @@ def load_model(
 def quantization_config(method: MethodConfig, dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
-    compute = dtype if method.compute_dtype == "auto" else _DTYPES[method.compute_dtype]
+    compute = dtype if method.compute_dtype == "auto" else torch_dtype(method.compute_dtype)
     # A float storage dtype equal to the compute dtype lets FSDP and ZeRO-3 shard the packed
     # 4-bit weights together with the rest (they only flatten tensors of one float dtype).
-    storage = (_DTYPES | {"auto": compute, "uint8": torch.uint8})[method.quant_storage]
+    storage = compute if method.quant_storage == "auto" else torch_dtype(method.quant_storage)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=method.quant_type,
@@ -167,6 +172,7 @@ def quantization_config(method: MethodConfig, dtype: torch.dtype):
 
 
 def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapters_fp32: bool = True):
+    import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if method.name == "qlora":
@@ -309,6 +315,8 @@ def check_init_dtype(model, requested) -> None:
     creates every float parameter in the DeepSpeed config's dtype whatever `dtype=` asked
     (deepspeed runtime/zero/partition_parameters.py Init._set_dtype), so a bf16 model under a config
     left at bf16 false silently trains in fp32 (docs/speed.md "DeepSpeed ZeRO-3 settings": 7x slower)."""
+    import torch
+
     got = {
         p.ds_tensor.dtype
         for p in model.parameters()

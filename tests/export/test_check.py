@@ -178,3 +178,28 @@ def test_auto_streams_where_the_host_cannot_hold_a_second_copy_and_says_so(
         "why": "run.verify_export: off",
         "passed": None,
     }
+
+
+def test_the_fresh_process_keeps_out_what_the_run_kept_out_and_computes_the_same(trained, tiny_model_dir, tmp_path):
+    """The check's process imports no optional package the run's ranks did without (`keep_out`, from
+    finetune/training/rank_imports.py): loading the save needs neither. Control: the same request without it imports
+    bitsandbytes (peft does, wherever it is installed) and computes the same loss."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    from finetune.export import reload
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed here: nothing to keep out (the control cannot import it)")
+    _, _, saved = trained
+    ids = torch.arange(32).reshape(2, 16)
+    save_file(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}, str(tmp_path / "probe")
+    )
+    request = {"folder": str(saved), "base": str(tiny_model_dir), "dtype": "float32", "probe": str(tmp_path / "probe")}
+    kept = reload.fresh(request | {"keep_out": ["bitsandbytes", "deepspeed"]}, tmp_path / "kept", 300)
+    plain = reload.fresh(request, tmp_path / "plain", 300)
+    assert kept["load_error"] is None and plain["load_error"] is None, (kept, plain)
+    assert kept["loaded"] == ["peft"] and "bitsandbytes" in plain["loaded"], (kept["loaded"], plain["loaded"])
+    assert kept["loss"] == plain["loss"] and torch.equal(kept["logits"], plain["logits"])
