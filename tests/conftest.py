@@ -269,9 +269,18 @@ def own_port() -> list[str]:
     return ["--main_process_port", str(free_port())]
 
 
+# Runs the command as a terminal starts a foreground job: SIGINT and SIGQUIT at their default (exec keeps an ignored
+# signal ignored, and a suite started as a background job of a non-interactive shell, as CI may start it, ignores
+# both: then a pipeline's tee outlived the Ctrl-C drill's SIGINT). Not preexec_fn: tests start commands from threads.
+_AS_A_TERMINAL = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); signal.signal(signal.SIGQUIT, "
+    "signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
 class Started:
-    """A command started in its own session, for tests that act on it while it runs (signal it, or
-    one of its processes). Its output goes to a file; leaving the `with` block kills the whole
+    """A command started in its own session, as a terminal starts it (_AS_A_TERMINAL), for tests that act on it while
+    it runs (signal it, or one of its processes). Its output goes to a file; leaving the `with` block kills the whole
     session (launcher, ranks, a pipeline's other end) by process group, also when the test failed."""
 
     def __init__(self, cmd: list[str], *, cwd: Path, env: dict, out: Path):
@@ -279,7 +288,12 @@ class Started:
         self._out = open(out, "w")  # noqa: SIM115 - closed in __exit__
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **env}
         self.proc = subprocess.Popen(
-            cmd, cwd=cwd, stdout=self._out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            [sys.executable, "-c", _AS_A_TERMINAL, *cmd],
+            cwd=cwd,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
         )
 
     def __enter__(self) -> Started:

@@ -296,3 +296,22 @@ def test_sigusr1_as_slurm_sends_it_checkpoints_and_exits_75(runs, request, targe
 @LANES_TIMEOUT
 def test_sigterm_during_the_build_of_60000_rows_stops_the_build(runs, request):
     outcome_of(runs, request)  # _sigterm_during_build
+
+
+@pytest.mark.parametrize("ignored_here", [True, False])
+def test_commands_start_as_a_terminal_starts_them_whatever_this_process_ignores(tmp_path, ignored_here):
+    """The drills' premise (a terminal's Ctrl-C ends a pipeline's tee): a command `Started` begins with SIGINT at its
+    default also when this process ignores it (the suite run as a background job). Control: a plain Popen of the same
+    command inherits the ignored SIGINT."""
+    import subprocess
+
+    show = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"]
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if ignored_here else signal.default_int_handler)
+    try:
+        with Started(show, cwd=tmp_path, env={}, out=tmp_path / "out.txt") as job:
+            job.proc.wait(60)
+            started = job.output.strip()
+        plain = subprocess.run(show, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert started == "False" and plain == str(ignored_here), (started, plain)
