@@ -2,7 +2,8 @@
 "Drills"), each caught by the run's own check and named: the run ends `failed` with the problem in run.json
 `export.check` and `summary.error`, the trained weights in a complete checkpoint of the final step, exit non-zero.
 And the recipe route to a merged model (`run.export: merged`) with the stream check, and a missing shard in
-`finetune export`'s own folder. Every run: the tiny random Llama on the demo data, 2 steps."""
+`finetune export`'s own folder. Every run: the tiny random Llama on the demo data, 2 steps; the runs go two at a time
+(tests/training/test_faults.py in_lanes): one module fixture runs them, each test raises its own run's outcome."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, launch_train, short_demo
+from tests.training.test_faults import LANES_TIMEOUT, in_lanes, outcome_of
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +53,7 @@ def _assert_caught(run, *named: str) -> dict:
     return check
 
 
-def test_an_adapter_saved_without_gathering_zero3_partitions_is_caught(tmp_path, tiny_model_dir):
+def _ungathered(tmp_path, tiny_model_dir):
     """ZeRO-3 with the adapters partitioned (stage3_param_persistence_threshold 0: as a real model's adapters, above
     the shipped 1e5 elements, are): peft's own save_pretrained without gathering writes empty tensors (DeepSpeed
     #7900) and warns; the check names every one, and the reload fails too."""
@@ -78,7 +80,7 @@ def test_an_adapter_saved_without_gathering_zero3_partitions_is_caught(tmp_path,
     assert run.record["strategy"]["evidence"]["zero_stage"] == 3
 
 
-def test_a_truncated_weights_file_is_caught(tmp_path, tiny_model_dir):
+def _truncated(tmp_path, tiny_model_dir):
     """A full fine-tune whose model.safetensors is cut to half: caught; then `finetune export RUN`, as after any run
     that ended without a good model/, exports the newest complete checkpoint instead, checked."""
     run = _single(tmp_path, tiny_model_dir, "export_truncated@rank0,step2", "--method.name=full")
@@ -99,14 +101,14 @@ def test_a_truncated_weights_file_is_caught(tmp_path, tiny_model_dir):
     assert found["check"]["passed"] and found["check"]["reference"] == "checkpoint-2 (transformers)", found["check"]
 
 
-def test_a_tensor_zeroed_after_the_save_is_caught_and_named(tmp_path, tiny_model_dir):
+def _zeroed(tmp_path, tiny_model_dir):
     run = _single(tmp_path, tiny_model_dir, "export_zeroed@rank0,step2")
     zeroed = next(line for line in run.stdout.splitlines() if "[fault injection] tensor" in line).split()[3]
     check = _assert_caught(run, f"tensor {zeroed} differs from the trained one: norm 0 saved (all zeros)")
     assert check["kind"] == "reload", check
 
 
-def test_a_recipe_merges_at_the_end_and_the_stream_check_passes(tmp_path, tiny_model_dir):
+def _merged_and_shards(tmp_path, tiny_model_dir):
     """`run.export: merged` with `run.verify_export: stream`: model/ read tensor by tensor against the live model, then
     the merged folder in RUN/export, checked by `finetune export`, named in the summary; then `finetune export` of the
     same run into shards, with the last shard deleted before its check: caught, named, the earlier export untouched."""
@@ -133,3 +135,42 @@ def test_a_recipe_merges_at_the_end_and_the_stream_check_passes(tmp_path, tiny_m
     assert {p.name: p.read_bytes() for p in (run.run_dir / "export").iterdir()} == before
     kept = json.loads((run.run_dir / "export.unverified" / "export.json").read_text())
     assert kept["check"]["passed"] is False and len(kept["files"]) > 2, kept
+
+
+UNGATHERED = "test_an_adapter_saved_without_gathering_zero3_partitions_is_caught"
+TRUNCATED = "test_a_truncated_weights_file_is_caught"
+ZEROED = "test_a_tensor_zeroed_after_the_save_is_caught_and_named"
+MERGED = "test_a_recipe_merges_at_the_end_and_the_stream_check_passes"
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, tiny_model_dir):
+    def at(scenario):
+        return lambda d: scenario(d, tiny_model_dir)
+
+    # one 2-rank launch (its rendezvous port alone), the lanes about equally long
+    lanes = [
+        [(TRUNCATED, at(_truncated)), (UNGATHERED, at(_ungathered))],
+        [(MERGED, at(_merged_and_shards)), (ZEROED, at(_zeroed))],
+    ]
+    return in_lanes(request, tmp_path_factory, lanes)
+
+
+@LANES_TIMEOUT
+def test_an_adapter_saved_without_gathering_zero3_partitions_is_caught(runs, request):
+    outcome_of(runs, request)  # _ungathered
+
+
+@LANES_TIMEOUT
+def test_a_truncated_weights_file_is_caught(runs, request):
+    outcome_of(runs, request)  # _truncated
+
+
+@LANES_TIMEOUT
+def test_a_tensor_zeroed_after_the_save_is_caught_and_named(runs, request):
+    outcome_of(runs, request)  # _zeroed
+
+
+@LANES_TIMEOUT
+def test_a_recipe_merges_at_the_end_and_the_stream_check_passes(runs, request):
+    outcome_of(runs, request)  # _merged_and_shards
