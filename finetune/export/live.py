@@ -71,9 +71,28 @@ def probe(check: ExportCheck, tokenizer) -> dict | None:
     return None if check.mode == "off" else figures.probe_batch(check.data, tokenizer)
 
 
-def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck, batch: dict | None) -> dict | None:
+def prestart(check: ExportCheck | None):
+    """Rank 0, before the save is written: the check's fresh process started ahead (finetune/export/reload.py
+    `start`), where the check will reload (run.verify_export reload, or auto where the free host memory already holds
+    twice the base's weights); None otherwise. verify() hands it the request; reload.stop() ends one left unused."""
+    if check is None or check.mode not in ("reload", "auto") or (check.mode == "auto" and check.no_forward):
+        return None
+    if check.mode == "auto":
+        import psutil
+
+        if psutil.virtual_memory().available < 2 * _weights_bytes(Path(check.base)) * reload.HOST_MARGIN:
+            return None
+    return reload.start(kept_out())
+
+
+def kept_out() -> list[str]:
+    """What the run kept out of this process (finetune/training/rank_imports.py): loading its save needs none."""
+    return [name for name, module in sys.modules.items() if module is None and "." not in name]
+
+
+def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck, batch: dict | None, warm=None) -> dict | None:
     """On every rank, after model/ is written: run.json `export.check` on rank 0 (None elsewhere); raises
-    ExportCheckFailed on rank 0 when the save does not hold."""
+    ExportCheckFailed on rank 0 when the save does not hold. `warm`: rank 0's prestart(), used or ended here."""
     if check.mode == "off":
         return {"kind": "off", "why": "run.verify_export: off", "passed": None} if _main(trainer) else None
     started = time.perf_counter()
@@ -91,8 +110,10 @@ def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck, batch: dict 
     section = {"kind": kind, "why": why, "reference": "the live model", "compute_dtype": check.compute_dtype}
     section["probe"] = figures.describe_probe(batch, str(check.data.path))
     if kind == "reload":
-        section.update(_judged(_reload(check, model_dir, batch), live, batch, check, expected, tokenizer))
+        found = _reload(check, model_dir, batch, warm)
+        section.update(_judged(found, live, batch, check, expected, tokenizer))
     else:
+        reload.stop(warm)
         section.update(stream.result(live, len(expected)))
         if check.tensor_parallel:
             section["problems"].append(
@@ -200,7 +221,7 @@ def _live_tensors(model, check: ExportCheck):
             yield saved, p.detach().cpu()
 
 
-def _reload(check: ExportCheck, model_dir: Path, batch) -> dict:
+def _reload(check: ExportCheck, model_dir: Path, batch, warm=None) -> dict:
     from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory(prefix="finetune-export-check-") as tmp:
@@ -215,10 +236,9 @@ def _reload(check: ExportCheck, model_dir: Path, batch) -> dict:
             "stats": True,
             "tokenizer": True,
             "bytes": _weights_bytes(model_dir) + (_weights_bytes(Path(check.base)) if check.adapter else 0),
-            # what the run kept out of this process (finetune/training/rank_imports.py): loading its save needs none
-            "keep_out": [name for name, module in sys.modules.items() if module is None and "." not in name],
+            "keep_out": kept_out(),
         }
-        return reload.fresh(request, Path(tmp) / "out", RELOAD_TIMEOUT_S)
+        return reload.fresh(request, Path(tmp) / "out", RELOAD_TIMEOUT_S, warm)
 
 
 def _judged(found: dict, live, batch, check: ExportCheck, expected: dict, tokenizer) -> dict:

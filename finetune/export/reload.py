@@ -4,10 +4,15 @@ the base for an adapter; peft made unimportable when the folder must load withou
 computes the probe batch's loss and logits, reads every tensor of the folder's files, and writes what it found.
 
     python -m finetune.export.reload REQUEST.json        # what `fresh(request)` runs
+    python -m finetune.export.reload --wait KEEP_OUT     # what `start(keep_out)` runs: the request's path on stdin
+
+Started ahead (`start`), the process imports what loading needs (torch, transformers, peft: 3-4 s of CPU) while the run
+still writes the save, and `fresh(..., started=)` hands it the request; on its own it starts when asked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,22 +26,43 @@ _LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_", "FINETUNE_FAULT_INJ
 HOST_MARGIN = 1.25  # a second copy of the weights plus the forward's working memory: what the fresh process needs
 
 
-def fresh(request: dict, work: Path, timeout: float) -> dict:
-    """Run `request` in a fresh process (its files under `work`) and return what it found, the logits as a tensor;
-    a process that fails or times out comes back as `load_error`."""
+def start(keep_out: list[str]) -> subprocess.Popen:
+    """A fresh process started before its request, importing what loading needs meanwhile (module docstring); it
+    keeps `keep_out` out. Closing its stdin without a request ends it."""
+    cmd = [sys.executable, "-m", "finetune.export.reload", "--wait", json.dumps(keep_out)]
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=clean_environment(), **pipes)
+
+
+def stop(started: subprocess.Popen | None) -> None:
+    """End a started process that got no request (the check streamed instead, or the run failed first): it has only
+    imported, so it is killed rather than waited for."""
+    if started is not None and started.poll() is None:
+        started.kill()
+        started.communicate()
+
+
+def fresh(request: dict, work: Path, timeout: float, started: subprocess.Popen | None = None) -> dict:
+    """Run `request` in a fresh process (its files under `work`; `started`: one started ahead with the request's
+    keep_out) and return what it found, the logits as a tensor; a process that fails or times out comes back as
+    `load_error`."""
     from safetensors.torch import load_file
 
     work.mkdir(parents=True, exist_ok=True)
     (work / "request.json").write_text(json.dumps({**request, "out": str(work)}), encoding="utf-8")
-    env = clean_environment()
     cmd = [sys.executable, "-m", "finetune.export.reload", str(work / "request.json")]
+    pipes = dict(stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = started or subprocess.Popen(cmd, env=clean_environment(), **pipes)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        _, stderr = proc.communicate(f"{work / 'request.json'}\n" if started else None, timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"load_error": f"the fresh process did not finish in {timeout:.0f} s", "problems": []}
     result_file = work / "result.json"
     if proc.returncode != 0 or not result_file.is_file():
-        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+        text = stderr if isinstance(stderr, str) else stderr.decode(errors="replace")
+        tail = "\n".join(text.strip().splitlines()[-6:])
         return {"load_error": f"the fresh process failed (exit {proc.returncode}): {tail}", "problems": []}
     result = json.loads(result_file.read_text(encoding="utf-8"))
     if (work / "logits.safetensors").is_file():
@@ -51,17 +77,35 @@ def clean_environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    request = json.loads(Path((argv or sys.argv[1:])[0]).read_text(encoding="utf-8"))
-    # peft blocked: the folder must load without it; keep_out: the optional packages the run kept out of its ranks
-    # (finetune/training/rank_imports.py), which loading its save does not need either (bitsandbytes: 0.8 s of CPU)
-    blocked = ["peft"] * bool(request.get("block_peft")) + request.get("keep_out", [])
-    if blocked and "transformers" in sys.modules:  # too late to keep them out of it
-        raise RuntimeError(f"transformers was imported before {', '.join(blocked)} could be kept out")
-    for name in blocked:
-        sys.modules[name] = None  # `import peft` raises ImportError; importlib.util.find_spec("peft") is None
+    argv = argv or sys.argv[1:]
+    if argv[0] == "--wait":  # started ahead: keep out, import, then wait for the request's path
+        _keep_out(json.loads(argv[1]))
+        with contextlib.suppress(ImportError):  # what loading an adapter imports, unless kept out
+            import peft  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+        from finetune.export import figures  # noqa: F401
+
+        line = sys.stdin.readline().strip()
+        if not line:  # not needed after all
+            return 0
+        request = json.loads(Path(line).read_text(encoding="utf-8"))
+    else:
+        request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+        # peft blocked: the folder must load without it; keep_out: the optional packages the run kept out of its
+        # ranks (finetune/training/rank_imports.py), which loading its save does not need either (bitsandbytes: 0.8 s)
+        _keep_out(["peft"] * bool(request.get("block_peft")) + request.get("keep_out", []))
     result = measure(request)
     Path(request["out"], "result.json").write_text(json.dumps(result), encoding="utf-8")
     return 0
+
+
+def _keep_out(names: list[str]) -> None:
+    if names and "transformers" in sys.modules:  # too late to keep them out of it
+        raise RuntimeError(f"transformers was imported before {', '.join(names)} could be kept out")
+    for name in names:
+        sys.modules[name] = None  # `import peft` raises ImportError; importlib.util.find_spec("peft") is None
 
 
 def measure(request: dict) -> dict:

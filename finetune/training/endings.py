@@ -13,7 +13,7 @@ from finetune import held_back, storage
 from finetune.checkpointing import checkpoints, resume
 from finetune.errors import EXIT_PREEMPTED, UserError
 from finetune.export import command as export_command
-from finetune.export import live
+from finetune.export import live, reload
 from finetune.launch import peers, rundir
 from finetune.modeling import load
 from finetune.planning import prediction
@@ -84,20 +84,29 @@ class AfterTraining:
             fault_injection.fail("export", rank=rank, step=step)
             fault_injection.damage_export(self.model_dir, rank=rank, step=step)
 
-        check = self.check
-        batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
-        self.step("the export", write, saves=True)
-        if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
-            self.step("the export's check", lambda: self._verify(batch), saves=True)
+        check, warm = self.check, None
+
+        def probe_rows():
+            nonlocal warm  # rank 0: the check's process starts, importing while the export is written (reload.py)
+            warm = live.prestart(check) if self.trainer.accelerator.is_main_process else None
+            return live.probe(check, self.tokenizer)
+
+        try:
+            batch = self.step("the export's probe rows", probe_rows) if check else None
+            self.step("the export", write, saves=True)
+            if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
+                self.step("the export's check", lambda: self._verify(batch, warm), saves=True)
+        finally:
+            reload.stop(warm)
         self.exported = self.model_dir
         if check is not None and check.merged:
             self.step("the merged export", self._merged, saves=True)
 
-    def _verify(self, batch) -> None:
+    def _verify(self, batch, warm) -> None:
         if self.check is None:
             return
         try:
-            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch)
+            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch, warm)
         except live.ExportCheckFailed as e:
             self.record["check"] = e.section
             raise

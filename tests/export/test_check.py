@@ -181,9 +181,11 @@ def test_auto_streams_where_the_host_cannot_hold_a_second_copy_and_says_so(
 
 
 def test_the_fresh_process_keeps_out_what_the_run_kept_out_and_computes_the_same(trained, tiny_model_dir, tmp_path):
-    """The check's process imports no optional package the run's ranks did without (`keep_out`, from
-    finetune/training/rank_imports.py): loading the save needs neither. Control: the same request without it imports
-    bitsandbytes (peft does, wherever it is installed) and computes the same loss."""
+    """The check's process, started ahead as a run starts it (reload.start, importing while the save is written),
+    imports no optional package the run's ranks did without (finetune/training/rank_imports.py): loading the save
+    needs neither. Control: the same request in a process started for it, without keep_out, imports bitsandbytes
+    (peft does, wherever it is installed) and computes the same loss. A process started ahead and not needed ends
+    when stopped."""
     import importlib.util
 
     from safetensors.torch import save_file
@@ -198,8 +200,11 @@ def test_the_fresh_process_keeps_out_what_the_run_kept_out_and_computes_the_same
         {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}, str(tmp_path / "probe")
     )
     request = {"folder": str(saved), "base": str(tiny_model_dir), "dtype": "float32", "probe": str(tmp_path / "probe")}
-    kept = reload.fresh(request | {"keep_out": ["bitsandbytes", "deepspeed"]}, tmp_path / "kept", 300)
+    kept = reload.fresh(request, tmp_path / "kept", 300, reload.start(["bitsandbytes", "deepspeed"]))
     plain = reload.fresh(request, tmp_path / "plain", 300)
     assert kept["load_error"] is None and plain["load_error"] is None, (kept, plain)
     assert kept["loaded"] == ["peft"] and "bitsandbytes" in plain["loaded"], (kept["loaded"], plain["loaded"])
     assert kept["loss"] == plain["loss"] and torch.equal(kept["logits"], plain["logits"])
+    unused = reload.start([])
+    reload.stop(unused)
+    assert unused.poll() is not None
