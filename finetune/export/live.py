@@ -71,18 +71,25 @@ def probe(check: ExportCheck, tokenizer) -> dict | None:
     return None if check.mode == "off" else figures.probe_batch(check.data, tokenizer)
 
 
-def prestart(check: ExportCheck | None):
-    """Rank 0, before the save is written: the check's fresh process started ahead (finetune/export/reload.py
-    `start`), where the check will reload (run.verify_export reload, or auto where the free host memory already holds
-    twice the base's weights); None otherwise. verify() hands it the request; reload.stop() ends one left unused."""
-    if check is None or check.mode not in ("reload", "auto") or (check.mode == "auto" and check.no_forward):
-        return None
-    if check.mode == "auto":
+@contextlib.contextmanager
+def started_ahead(check: ExportCheck, main: bool):
+    """Rank 0 of a run that saves, from its start to its end: the check's fresh process started ahead
+    (finetune/export/reload.py `start`), importing while the run loads and trains, where the check will reload
+    (run.verify_export reload, or auto where the free host memory holds twice the base's weights now); else None.
+    verify() hands it the request; one left unused is ended on the way out. A process that cannot be started is not
+    started ahead: the check starts its own when it runs, as it does without one."""
+    warm = None
+    if main and check.mode in ("reload", "auto") and not (check.mode == "auto" and check.no_forward):
         import psutil
 
-        if psutil.virtual_memory().available < 2 * _weights_bytes(Path(check.base)) * reload.HOST_MARGIN:
-            return None
-    return reload.start(kept_out())
+        needed = 2 * _weights_bytes(Path(check.base)) * reload.HOST_MARGIN
+        if check.mode == "reload" or psutil.virtual_memory().available >= needed:
+            with contextlib.suppress(OSError):  # no process to spare now (fork refused): started when needed
+                warm = reload.start(kept_out())
+    try:
+        yield warm
+    finally:
+        reload.stop(warm)
 
 
 def kept_out() -> list[str]:

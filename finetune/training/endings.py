@@ -13,7 +13,7 @@ from finetune import held_back, storage
 from finetune.checkpointing import checkpoints, resume
 from finetune.errors import EXIT_PREEMPTED, UserError
 from finetune.export import command as export_command
-from finetune.export import live, reload
+from finetune.export import live
 from finetune.launch import peers, rundir
 from finetune.modeling import load
 from finetune.planning import prediction
@@ -41,9 +41,17 @@ class AfterTraining:
     """The steps after the last optimizer step (docs/faults.md "After training")."""
 
     def __init__(
-        self, trainer, model_dir: Path, tokenizer, limits: Limits, stops: signals.Stops, check: live.ExportCheck | None
+        self,
+        trainer,
+        model_dir: Path,
+        tokenizer,
+        limits: Limits,
+        stops: signals.Stops,
+        check: live.ExportCheck | None,
+        warm=None,
     ):
         self.trainer, self.stops = trainer, stops
+        self.warm = warm  # rank 0: the check's process, started with the run (live.started_ahead)
         self.checkpoint: Path | None = None  # the final step's, when the export failed (run.json summary.checkpoint)
         self.model_dir, self.tokenizer = Path(model_dir), tokenizer
         self.limits = limits
@@ -84,20 +92,11 @@ class AfterTraining:
             fault_injection.fail("export", rank=rank, step=step)
             fault_injection.damage_export(self.model_dir, rank=rank, step=step)
 
-        check, warm = self.check, None
-
-        def probe_rows():
-            nonlocal warm  # rank 0: the check's process starts, importing while the export is written (reload.py)
-            warm = live.prestart(check) if self.trainer.accelerator.is_main_process else None
-            return live.probe(check, self.tokenizer)
-
-        try:
-            batch = self.step("the export's probe rows", probe_rows) if check else None
-            self.step("the export", write, saves=True)
-            if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
-                self.step("the export's check", lambda: self._verify(batch, warm), saves=True)
-        finally:
-            reload.stop(warm)
+        check = self.check
+        batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
+        self.step("the export", write, saves=True)
+        if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
+            self.step("the export's check", lambda: self._verify(batch, self.warm), saves=True)
         self.exported = self.model_dir
         if check is not None and check.merged:
             self.step("the merged export", self._merged, saves=True)

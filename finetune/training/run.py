@@ -28,6 +28,7 @@ from finetune.console import guard_streams
 from finetune.data import demo, read
 from finetune.data.build import DataBundle, build_datasets
 from finetune.errors import EXIT_PREEMPTED, exit_on_user_error
+from finetune.export import live
 from finetune.export.live import ExportCheck
 from finetune.launch import cpu_rehearsal, peers, run_lock, rundir, strategy_setup
 from finetune.launch.peers import Heartbeat, Teardown, run_on_main
@@ -163,24 +164,27 @@ def train_and_record(run: Run) -> int:
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
-    data = run.stops.phase(
-        run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
-    )
-    if run.resume:  # the rows must be the checkpoint's, before the model loads
-        resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
-        commit(run)  # the continued record replaces run.json from here on
-    universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
-    with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
-        model = load_model(run, arguments)
-        ddp_record = ddp_options(run, arguments, model, data)
-        trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
-    run.stops.stop_if_received(run.state, "while the model loaded")
-    record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
-    run.sinks.start()
-    trained = train(run, trainer, model, data, universal_dir)
-    if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
-        return preempted(run, trainer, arguments)
-    return finish(run, trainer, model, data, trained, started, arguments)
+    check = ExportCheck.for_run(run)
+    # rank 0: the save's check starts its process now, which imports while the run loads and trains
+    with live.started_ahead(check, run.cfg.run.save_model and run.state.is_main_process) as warm:
+        data = run.stops.phase(
+            run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
+        )
+        if run.resume:  # the rows must be the checkpoint's, before the model loads
+            resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
+            commit(run)  # the continued record replaces run.json from here on
+        universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
+        with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # a signal's grace: not cut short
+            model = load_model(run, arguments)
+            ddp_record = ddp_options(run, arguments, model, data)
+            trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
+        run.stops.stop_if_received(run.state, "while the model loaded")
+        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
+        run.sinks.start()
+        trained = train(run, trainer, model, data, universal_dir)
+        if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
+            return preempted(run, trainer, arguments)
+        return finish(run, trainer, model, data, trained, started, arguments, check, warm)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
@@ -441,7 +445,15 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
 
 
 def finish(
-    run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
+    run: Run,
+    trainer: ResilientTrainer,
+    model,
+    data: Data,
+    trained: Trained,
+    started: float,
+    arguments: RunArguments,
+    check: ExportCheck,
+    warm=None,
 ) -> int:
     """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. Each
     step ends at a boundary every rank agrees on (finetune/training/endings.py): a failure on any rank
@@ -467,7 +479,7 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, ExportCheck.for_run(run))
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, check, warm)
     try:
         with after:
             measured = after.step("the measurements", measure)
