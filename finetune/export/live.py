@@ -73,8 +73,8 @@ def probe(check: ExportCheck, tokenizer) -> dict | None:
 
 @contextlib.contextmanager
 def started_ahead(check: ExportCheck, main: bool):
-    """Rank 0 of a run that saves, from its start to its end: the check's fresh process started ahead
-    (finetune/export/reload.py `start`), importing while the run loads and trains, where the check will reload
+    """Rank 0 of a run that saves, from training's start to the run's end: the check's fresh process started ahead
+    (finetune/export/reload.py `start`), importing while the run trains and saves, where the check will reload
     (run.verify_export reload, or auto where the free host memory holds twice the base's weights now); else None.
     verify() hands it the request; one left unused is ended on the way out. A process that cannot be started is not
     started ahead: the check starts its own when it runs, as it does without one."""

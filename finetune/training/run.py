@@ -164,23 +164,23 @@ def train_and_record(run: Run) -> int:
     started = time.perf_counter()
     arguments = training_arguments(run)
     attention_record = speed_options(run, arguments)
+    data = run.stops.phase(
+        run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
+    )
+    if run.resume:  # the rows must be the checkpoint's, before the model loads
+        resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
+        commit(run)  # the continued record replaces run.json from here on
+    universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
+    with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # not cut short by a signal's grace
+        model = load_model(run, arguments)
+        ddp_record = ddp_options(run, arguments, model, data)
+        trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
+    run.stops.stop_if_received(run.state, "while the model loaded")
+    record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
+    run.sinks.start()
     check = ExportCheck.for_run(run)
-    # rank 0: the save's check starts its process now, which imports while the run loads and trains
+    # rank 0: the save's check starts its process with training, which it imports during (not before the first step)
     with live.started_ahead(check, run.cfg.run.save_model and run.state.is_main_process) as warm:
-        data = run.stops.phase(
-            run.state, "while the data was prepared", lambda: load_data(run, arguments), "the data preparation"
-        )
-        if run.resume:  # the rows must be the checkpoint's, before the model loads
-            resume_plan.check_data(run.resume, rows=len(data.bundle.train), fingerprint=data.fingerprint)
-            commit(run)  # the continued record replaces run.json from here on
-        universal_dir = convert_for_resume(run)  # DeepSpeed under another world size
-        with run.stops.watch.during("the model load", arguments.args.ddp_timeout):  # a signal's grace: not cut short
-            model = load_model(run, arguments)
-            ddp_record = ddp_options(run, arguments, model, data)
-            trainer = build_trainer(run, arguments, model, data, universal_dir, ddp_record)
-        run.stops.stop_if_received(run.state, "while the model loaded")
-        record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
-        run.sinks.start()
         trained = train(run, trainer, model, data, universal_dir)
         if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
             return preempted(run, trainer, arguments)
