@@ -74,6 +74,7 @@ class Run:
     teardown: Teardown  # the process group's, at exit (finetune/launch/peers.py)
     heartbeat: Heartbeat  # this rank's: names a lost or stuck rank (finetune/launch/peers.py)
     stops: signals.Stops  # this process's stop signals and watchdog (finetune/training/signals.py)
+    check_ahead: Any = None  # rank 0, from training on: the export check's process (finetune/export/live.py)
 
     @property
     def recording(self) -> bool:
@@ -178,13 +179,13 @@ def train_and_record(run: Run) -> int:
     run.stops.stop_if_received(run.state, "while the model loaded")
     record_setup(run, trainer, arguments, model, data, attention_record, ddp_record)
     run.sinks.start()
-    check = ExportCheck.for_run(run)
     # rank 0: the save's check starts its process with training, which it imports during (not before the first step)
-    with live.started_ahead(check, run.cfg.run.save_model and run.state.is_main_process) as warm:
+    with live.started_ahead(ExportCheck.for_run(run), run.cfg.run.save_model and run.state.is_main_process) as ahead:
+        run.check_ahead = ahead
         trained = train(run, trainer, model, data, universal_dir)
         if trained is None:  # preempted: every rank agreed to stop; the checkpoint is complete
             return preempted(run, trainer, arguments)
-        return finish(run, trainer, model, data, trained, started, arguments, check, warm)
+        return finish(run, trainer, model, data, trained, started, arguments)
 
 
 # --- before the run: the processes, the launch, the run directory ------------------------------------
@@ -278,8 +279,11 @@ def prepare(
     )
     if not plan:  # a resumed run commits once its data is checked (train_and_record)
         commit(run)
-    if cfg.data.path == "demo":
-        _write_demo_data(run)
+    train_file = Path(run.data_path)  # the demo recipe's data is generated here; a resumed run keeps its own
+    if cfg.data.path == "demo" and not (run.resume and train_file.is_file()):
+        size, heldout = cfg.data.demo_train_size, cfg.data.demo_heldout_size
+        write = lambda: demo.write_demo(train_file.parent, size, heldout)  # noqa: E731
+        rundir.write_on_main(run.state, run.dir, "the demo data", write)
     return run
 
 
@@ -445,15 +449,7 @@ def train(run: Run, trainer: ResilientTrainer, model, data: Data, universal_dir:
 
 
 def finish(
-    run: Run,
-    trainer: ResilientTrainer,
-    model,
-    data: Data,
-    trained: Trained,
-    started: float,
-    arguments: RunArguments,
-    check: ExportCheck,
-    warm=None,
+    run: Run, trainer: ResilientTrainer, model, data: Data, trained: Trained, started: float, arguments: RunArguments
 ) -> int:
     """The export, then the eval loss and exact match, the summary, the figures; the sinks closed. Each
     step ends at a boundary every rank agrees on (finetune/training/endings.py): a failure on any rank
@@ -479,7 +475,8 @@ def finish(
         fault_injection.fail("exact_match", rank=rank, step=step)
         return result
 
-    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, check, warm)
+    check = ExportCheck.for_run(run)
+    after = AfterTraining(trainer, run.dir / "model", data.tokenizer, limits, run.stops, check, run.check_ahead)
     try:
         with after:
             measured = after.step("the measurements", measure)
@@ -569,16 +566,6 @@ def stuck(run: Run | None, cause: str) -> None:
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
-
-
-def _write_demo_data(run: Run) -> None:
-    """The demo recipe's data, generated into the run directory (a resumed run keeps its own)."""
-    train_file = Path(run.data_path)
-    if not (run.resume and train_file.is_file()):
-        size, heldout = run.cfg.data.demo_train_size, run.cfg.data.demo_heldout_size
-        rundir.write_on_main(
-            run.state, run.dir, "the demo data", lambda: demo.write_demo(train_file.parent, size, heldout)
-        )
 
 
 def exact_match(run: Run, trainer: ResilientTrainer, model, data: Data, stage: str) -> dict:

@@ -119,6 +119,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
         stops=stops,
         launch=SimpleNamespace(world_size=2),
         heldout_path=None,
+        check_ahead=None,
         data_path=None,
     )
     data = SimpleNamespace(
@@ -138,6 +139,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
         (run, "record_end"): lambda the_run, trainer, model, ended: fault_injection.fail(
             "record", rank=rank, step=STEP
         ),
+        (run, "ExportCheck"): SimpleNamespace(for_run=lambda the_run: SimpleNamespace(merged=False)),
         (live, "probe"): lambda check, tokenizer: collective("probe"),
         (live, "verify"): lambda trainer, model_dir, tokenizer, check, batch, warm: collective("check"),
     }
@@ -145,8 +147,7 @@ def _one_case(state, rank: int, case: tuple, run_dir: Path) -> tuple:
     for (module, name), value in stand_ins.items():
         setattr(module, name, value)
     try:
-        check = SimpleNamespace(merged=False)
-        code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args), check)
+        code = run.finish(the_run, trainer, None, data, trained, 0.0, SimpleNamespace(args=trainer.args))
         return ("returned", code, entered)
     except Exception as e:  # noqa: BLE001 - the outcome under test
         return ("raised", f"{type(e).__name__}: {e}", entered)
