@@ -1,12 +1,14 @@
 """User-facing errors and the exit codes of `finetune train` and finetune/train.py (docs/faults.md
 lists each code and what to do). A problem in what the user gave us (recipe, overrides, data, launch,
 --resume) is a UserError, printed without a traceback, exit EXIT_USAGE; anything else is a bug and
-keeps its traceback.
+keeps its traceback. And how those processes end once they returned (exit_without_teardown).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -73,3 +75,22 @@ def exit_on_user_error(fn):
             sys.exit(EXIT_USAGE)
 
     return wrapper
+
+
+def exit_without_teardown() -> list[int]:
+    """For an entry point, first thing (before the libraries it imports register exit functions of their own): the
+    process ends with the exit code put in the returned list, after every exit function has run (logging's flush,
+    temporary files, W&B, the process group's teardown), without the interpreter's teardown of what it imported: 1.3 s
+    of CPU with torch, transformers and peft, 0.8 s with torch and accelerate, on the 2-core machine (module by module,
+    then the libraries' destructors). Python joins the threads before any exit function. Nothing put (an exception):
+    the interpreter's own exit."""
+    returned: list[int] = []
+
+    def end() -> None:  # registered first: the last exit function to run
+        if returned:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(returned[0])
+
+    atexit.register(end)
+    return returned

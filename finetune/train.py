@@ -8,26 +8,8 @@ launcher read no accelerate config; with one, the config sets it up (and must ag
 The launch script only: the run itself is finetune/training/run.py.
 """
 
-import atexit
-import os
 import sys
 from pathlib import Path
-
-_RETURNED: list[int] = []  # main()'s exit code, once it returned
-
-
-def _skip_teardown() -> None:
-    """Registered first, so the last exit function to run: a run that returned ends here, without the interpreter's
-    teardown of torch, transformers and peft (1.3 s of CPU per process on the 2-core machine: module by module, then
-    the libraries' destructors). Every exit function (logging's flush, temporary files, W&B) has run by then, and
-    Python joins the threads before any. An exception leaves the interpreter's own exit."""
-    if _RETURNED:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_RETURNED[0])
-
-
-atexit.register(_skip_teardown)
 
 if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/train.py`
     # Python put this file's folder first on sys.path; import the package from its parent instead,
@@ -36,6 +18,9 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(here.parent))
 
+from finetune.errors import exit_without_teardown  # noqa: E402
+
+RETURNED = exit_without_teardown()  # before the run's imports: a run that returned skips the interpreter's teardown
 from finetune.console import guard_streams  # noqa: E402
 from finetune.training import rank_imports, signals  # noqa: E402  (no torch: the handlers come before it)
 
@@ -52,5 +37,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    _RETURNED.append(main())
-    sys.exit(_RETURNED[0])
+    RETURNED.append(main())
+    sys.exit(RETURNED[0])

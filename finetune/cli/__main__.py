@@ -2,6 +2,6 @@
 
 import sys
 
-from finetune.cli.dispatch import main
+from finetune.cli import command
 
-sys.exit(main())
+sys.exit(command())
