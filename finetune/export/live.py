@@ -99,7 +99,7 @@ def kept_out() -> list[str]:
 
 def verify(trainer, model_dir: Path, tokenizer, check: ExportCheck, batch: dict | None, warm=None) -> dict | None:
     """On every rank, after model/ is written: run.json `export.check` on rank 0 (None elsewhere); raises
-    ExportCheckFailed on rank 0 when the save does not hold. `warm`: rank 0's prestart(), used or ended here."""
+    ExportCheckFailed on rank 0 when the save does not hold. `warm`: rank 0's started_ahead(), used or ended here."""
     if check.mode == "off":
         return {"kind": "off", "why": "run.verify_export: off", "passed": None} if _main(trainer) else None
     started = time.perf_counter()

@@ -51,7 +51,7 @@ class AfterTraining:
         warm=None,
     ):
         self.trainer, self.stops = trainer, stops
-        self.warm = warm  # rank 0: the check's process, started with the run (live.started_ahead)
+        self.warm = warm  # rank 0: the check's process, started with training (live.started_ahead)
         self.checkpoint: Path | None = None  # the final step's, when the export failed (run.json summary.checkpoint)
         self.model_dir, self.tokenizer = Path(model_dir), tokenizer
         self.limits = limits
@@ -96,16 +96,16 @@ class AfterTraining:
         batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
         self.step("the export", write, saves=True)
         if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
-            self.step("the export's check", lambda: self._verify(batch, self.warm), saves=True)
+            self.step("the export's check", lambda: self._verify(batch), saves=True)
         self.exported = self.model_dir
         if check is not None and check.merged:
             self.step("the merged export", self._merged, saves=True)
 
-    def _verify(self, batch, warm) -> None:
+    def _verify(self, batch) -> None:
         if self.check is None:
             return
         try:
-            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch, warm)
+            section = live.verify(self.trainer, self.model_dir, self.tokenizer, self.check, batch, self.warm)
         except live.ExportCheckFailed as e:
             self.record["check"] = e.section
             raise
