@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # run as a script by `accelerate launch finetune/
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.path.insert(0, str(here.parent))
 
-from finetune.errors import exit_without_teardown  # noqa: E402
+from finetune.errors import exit_without_teardown, imports_without_gc  # noqa: E402
 
 RETURNED = exit_without_teardown()  # before the run's imports: a run that returned skips the interpreter's teardown
 from finetune.console import guard_streams  # noqa: E402
@@ -30,8 +30,9 @@ def main() -> int:
     stops = signals.Stops()
     stops.install()  # before torch is imported (seconds): a signal then is recorded too
     signals.stop_with_parent()
-    rank_imports.keep_out(sys.argv[1:])  # bitsandbytes, unless the run uses it: before transformers imports peft
-    from finetune.training.run import main as run  # torch, transformers, accelerate: after the handlers
+    with imports_without_gc():
+        rank_imports.keep_out(sys.argv[1:])  # bitsandbytes, unless the run uses it: before transformers imports peft
+        from finetune.training.run import main as run  # torch, transformers, accelerate: after the handlers
 
     return run(stops=stops)
 

@@ -7,6 +7,7 @@ $FINETUNE_CACHE or ~/.cache/finetune); its tokenizer and chat template are what 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -24,6 +25,13 @@ TRAIN_SCRIPT = REPO / "finetune" / "train.py"
 LAUNCHING_FIXTURES = {"launch", "runs", "sweep", "strategy_runs"}
 
 
+def pytest_configure(config):
+    """Collecting imports torch, transformers, peft and every test module: without the cyclic garbage collector, as a
+    rank imports (finetune/errors.py imports_without_gc); on again, with what was collected frozen, once collection
+    ends (pytest_collection_finish). Measured: `pytest --collect-only` 16.5 s -> 8.9 s on the 2-core machine."""
+    gc.disable()
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -35,6 +43,8 @@ def pytest_collection_finish(session):
     machine (~/.cache/torch_extensions): 205 s for cpu_adam on the 2-core machine under load, 5-9 s to load once
     built. Built here, before the first launched test, so that no launch compiles inside its timeout; only when a
     launched test was collected (the unit set never pays it)."""
+    gc.freeze()  # the collector off while collecting (pytest_configure): on again
+    gc.enable()
     if not any(item.get_closest_marker("integration") for item in session.items):
         return
     import importlib.util

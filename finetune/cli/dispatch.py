@@ -236,11 +236,26 @@ def gpu_peak(name: str | None) -> dict | None:
 def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
     """`finetune train`: preflight of the launch it is about to start, then accelerate launch (its exit
     code). `signals`: the relay's (finetune/launch/relay.py), installed around all of it."""
+    from finetune.errors import EXIT_PREEMPTED, imports_without_gc
+    from finetune.launch import cpu_rehearsal
+
+    with imports_without_gc():  # the checks import torch, accelerate and transformers' configurations
+        launch_args, cfg = checked_launch(args, overrides)
+    signals.keep_only(cfg.training.stop_signals)
+    if signals.signals:  # signalled during the checks: nothing started yet
+        print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
+    env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
+    print(f"+ {env}accelerate launch " + shlex.join(launch_args), flush=True)
+    return launcher.run_accelerate_launch(launch_args)
+
+
+def checked_launch(args: argparse.Namespace, overrides: list[str]):
+    """The launch `finetune train` is about to start and the run's configuration, once every check passed: config
+    mistakes and a checkpoint that cannot resume under this launch are all named at once, before any process starts."""
     from finetune import preflight
     from finetune.checkpointing import resume_config, resume_plan
     from finetune.config.recipe import load_recipe
-    from finetune.errors import EXIT_PREEMPTED
-    from finetune.launch import cpu_rehearsal
 
     config_file, problems = args.config_file, list(args.problems)  # the command line's, then every other
     for flag in ("allow_config_change", "allow_input_change"):
@@ -269,14 +284,7 @@ def train(args: argparse.Namespace, overrides: list[str], signals) -> int:
         allow_input_change=args.allow_input_change,
     )
     os.environ.update(launcher.launch_environment(launch_args))  # put back on return (restores_environment)
-    # config mistakes and a checkpoint that cannot resume under this launch, all at once, before any process starts
     preflight.check_launch(
         launch_args, resume_check=resume_plan.preflight_problems, resume_config=resume_config.resolve, problems=problems
     )
-    signals.keep_only(cfg.training.stop_signals)
-    if signals.signals:  # signalled during the checks: nothing started yet
-        print(f"finetune: stopped before launching; nothing was started (exit {EXIT_PREEMPTED})", file=sys.stderr)
-        return EXIT_PREEMPTED
-    env = f"{cpu_rehearsal.ENV}=1 " if os.environ.get(cpu_rehearsal.ENV) == "1" else ""
-    print(f"+ {env}accelerate launch " + shlex.join(launch_args), flush=True)
-    return launcher.run_accelerate_launch(launch_args)
+    return launch_args, cfg

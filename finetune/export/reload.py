@@ -81,25 +81,27 @@ def clean_environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from finetune.errors import imports_without_gc
+
     argv = argv or sys.argv[1:]
-    if argv[0] == "--wait":  # started ahead: keep out, import, then wait for the request's path
-        _keep_out(json.loads(argv[1]))
+    waits = argv[0] == "--wait"  # started ahead: keep out, import, then wait for the request's path
+    request = None if waits else json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    # peft blocked: the folder must load without it; keep_out: the optional packages the run kept out of its
+    # ranks (finetune/training/rank_imports.py), which loading its save does not need either (bitsandbytes: 0.8 s)
+    _keep_out(
+        json.loads(argv[1]) if waits else ["peft"] * bool(request.get("block_peft")) + request.get("keep_out", [])
+    )
+    with imports_without_gc():
         with contextlib.suppress(ImportError):  # what loading an adapter imports, unless kept out
             import peft  # noqa: F401
-        import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
         from finetune.export import figures  # noqa: F401
-
+    if waits:
         line = sys.stdin.readline().strip()
         if not line:  # not needed after all
             return 0
         request = json.loads(Path(line).read_text(encoding="utf-8"))
-    else:
-        request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
-        # peft blocked: the folder must load without it; keep_out: the optional packages the run kept out of its
-        # ranks (finetune/training/rank_imports.py), which loading its save does not need either (bitsandbytes: 0.8 s)
-        _keep_out(["peft"] * bool(request.get("block_peft")) + request.get("keep_out", []))
     result = measure(request)
     Path(request["out"], "result.json").write_text(json.dumps(result), encoding="utf-8")
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -330,8 +331,9 @@ def route_skips() -> None:
 # a hash of every row of every micro-batch to DIR/rank<r>.jsonl, and rank 0's dataset row hashes to
 # DIR/dataset.json, so a test can recount, independently of the code under test, that a resumed run
 # trains the same rows per step (tests/training/test_strategies.py); and at the rank's first micro-batch the
-# optional packages it has imported to DIR/rank<r>.imports.json (finetune/training/rank_imports.py). Unset,
-# it does nothing.
+# optional packages it has imported and the garbage collector's state (on again after the imports, which it
+# froze: finetune/errors.py imports_without_gc) to DIR/rank<r>.imports.json (finetune/training/rank_imports.py).
+# Unset, it does nothing.
 
 SAMPLE_TRACE = "FINETUNE_SAMPLE_TRACE"
 
@@ -350,7 +352,8 @@ def trace_samples(trainer, inputs) -> None:
     rank = trainer.accelerator.process_index
     imports = directory / f"rank{rank}.imports.json"
     if not imports.exists():
-        imports.write_text(json.dumps(rank_imports.loaded()), encoding="utf-8")
+        start_up = {"packages": rank_imports.loaded(), "gc_enabled": gc.isenabled(), "gc_frozen": gc.get_freeze_count()}
+        imports.write_text(json.dumps(start_up), encoding="utf-8")
     if rank == 0 and not (directory / "dataset.json").exists():
         hashes = [row_hash(r) for r in trainer.train_dataset["input_ids"]]
         (directory / "dataset.json").write_text(json.dumps(hashes), encoding="utf-8")

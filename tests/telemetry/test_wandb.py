@@ -65,7 +65,7 @@ def test_offline_run_logs_the_keys_the_readme_documents_and_stages_its_artifact(
     res = launch(args, run_dir=run_dir, cwd=tmp_path, env=env, unset_env_prefix="WANDB_")
     assert res.returncode == 0, res.explain()
     # W&B imported where reported to (the control of tests/training/test_strategies.py's runs, which import none)
-    loaded = json.loads((tmp_path / "trace" / "rank0.imports.json").read_text())
+    loaded = json.loads((tmp_path / "trace" / "rank0.imports.json").read_text())["packages"]
     assert "wandb" in loaded and "bitsandbytes" not in loaded and "deepspeed" not in loaded, loaded
     rec = res.record
     assert "saved to" in res.stderr and "\nmodel:\n  name_or_path:" in res.stderr  # --logging.print_config=true

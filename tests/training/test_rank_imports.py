@@ -138,3 +138,28 @@ def test_each_op_is_loaded_with_the_builder_deepspeed_uses(name):
 
     builder = get_accelerator().create_op_builder(rank_imports.OP_BUILDERS[name])
     assert builder is not None and builder.name == name
+
+
+GC_PROBE = """
+import gc, json
+from finetune.errors import imports_without_gc
+states = []
+try:
+    with imports_without_gc():
+        states.append(gc.isenabled())
+        made = [[] for _ in range(5000)]
+        raise ValueError("an import failed")
+except ValueError:
+    pass
+print(json.dumps({"inside": states[0], "after": gc.isenabled(), "frozen": gc.get_freeze_count()}))
+"""
+
+
+def test_imports_run_without_the_collector_which_is_on_again_after_them_with_what_they_made_frozen():
+    """finetune/errors.py imports_without_gc, also when an import raises (a fresh process: freezing is for good). The
+    ranks' own state at their first step: tests/training/test_strategies.py
+    test_a_rank_trains_with_the_garbage_collector_on_and_its_imports_frozen."""
+    out = subprocess.run([sys.executable, "-c", GC_PROBE], cwd=REPO, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)
+    assert got["inside"] is False and got["after"] is True, got
+    assert got["frozen"] >= 5000, got  # the lists made inside, and what Python had before
