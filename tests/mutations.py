@@ -209,6 +209,15 @@ MUTATIONS = [
         "shard_p = 1",
         "the planner holds whole frozen weights on each ZeRO-3 / FSDP2 rank",
     ),
+    _m(
+        "gc-left-off",
+        "rank-imports",
+        "finetune/errors.py",
+        "        gc.enable()",
+        "        pass",
+        "the garbage collector stays off after a rank's imports",
+        {"test_a_rank_trains_with_the_garbage_collector_on_and_its_imports_frozen": "[ddp]"},
+    ),
 ]
 
 
