@@ -95,6 +95,12 @@ def train_cases(model: Path, work: Path) -> dict[str, list[str]]:
             py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/ddp.yaml"),
             str(REPO / "finetune/train.py"), "--recipe", "ddp", *common, f"--run.output_dir={work}/ddp",
         ],
+        "finetune train demo (1 process)": [
+            py, "-m", "finetune.cli", "train", "--recipe", "demo", *common, f"--run.output_dir={work}/ft_single",
+        ],
+        "finetune train ddp --cpu (2 ranks)": [
+            py, "-m", "finetune.cli", "train", "--recipe", "ddp", "--cpu", *common, f"--run.output_dir={work}/ft_ddp",
+        ],
         "zero2 (2 ranks, gloo)": [
             py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/zero2.yaml"),
             str(REPO / "finetune/train.py"), "--recipe", "zero2", *common, f"--run.output_dir={work}/zero2",
