@@ -1,8 +1,8 @@
 """The four extension points of docs/architecture.md ("Adding a strategy", "... a tracker", "... a data
 format", "... a run.json field"), each proven the way its section says: a toy one is added in exactly
-the places the section lists, and a short launched run trains with it. The places are changed by a
-launch script of the test's own (a copy of what finetune/train.py does, after the change), never by
-editing the package: each rank runs it, so each rank's package has the toy.
+the places the section lists, and a short launched run trains with it and saves, its save checked (the
+defaults). The places are changed by a launch script of the test's own (a copy of what finetune/train.py
+does, after the change), never by editing the package: each rank runs it, so each rank's package has the toy.
 """
 
 from __future__ import annotations
@@ -37,9 +37,16 @@ def short_run(tiny_model_dir, *extra: str) -> list[str]:
         STEPS,
         "--training.logging_steps=1",
         "--training.per_device_train_batch_size=4",
-        "--run.save_model=false",
         *extra,
     )
+
+
+def trained_and_saved(rec: dict) -> list[dict]:
+    """Each step logged once, and the run's save checked by a fresh process (run.verify_export: auto, the default):
+    a toy row must not break what a run leaves behind."""
+    check = rec["export"]["check"]
+    assert check["passed"] and check["problems"] == [], check
+    return logged_steps(rec, STEPS)
 
 
 def test_a_strategy_added_as_a_row_trains_under_its_own_name(tmp_path, tiny_model_dir, launch):
@@ -70,7 +77,7 @@ def test_a_strategy_added_as_a_row_trains_under_its_own_name(tmp_path, tiny_mode
     assert strategy["evidence"]["engine_class"] == "DistributedDataParallel", strategy["evidence"]  # engaged, live
     assert rec["predicted_memory"]["strategy"] == "toy_ddp", rec["predicted_memory"]  # the planner's row
     assert rec["resumes"][0]["strategy"] == "toy_ddp" and rec["summary"]["status"] == "completed"
-    logged_steps(rec, STEPS)
+    trained_and_saved(rec)
 
 
 def test_a_tracker_added_as_a_row_sees_each_step_once(tmp_path, tiny_model_dir, launch):
@@ -96,7 +103,7 @@ def test_a_tracker_added_as_a_row_sees_each_step_once(tmp_path, tiny_model_dir, 
         short_run(tiny_model_dir, "--logging.report_to=[toy]"), run_dir=tmp_path / "run", cwd=tmp_path, script=script
     )
     assert res.returncode == 0, res.explain()
-    steps = logged_steps(res.record, STEPS)
+    steps = trained_and_saved(res.record)
     seen = [json.loads(line) for line in (tmp_path / "run" / "toy_tracker.jsonl").read_text().splitlines()]
     assert [s["step"] for s in seen] == [s["step"] for s in steps], seen
     assert [s["loss"] for s in seen] == [s["loss"] for s in steps]
@@ -141,7 +148,7 @@ def test_a_data_format_added_as_a_record_trains_and_evaluates(tmp_path, tiny_mod
     assert rec["data"]["format"] == "qa" and rec["data"]["rows_read"] == 16 and rec["data"]["rows_skipped"] == []
     assert rec["data"]["train_trained_tokens"] > 0  # the answers carry loss
     assert rec["eval"]["details"]["after"]["total"] == 4, rec["eval"]
-    logged_steps(rec, STEPS)
+    trained_and_saved(rec)
 
 
 TOY_ROWS = """
@@ -185,7 +192,7 @@ def test_a_run_json_field_added_in_its_places_is_recorded_and_held_to_the_doc(
     assert res.returncode == 0, res.explain()
     rec = res.record
     assert rec["toy"] == {"max_steps": STEPS}, rec.get("toy")
-    logged_steps(rec, STEPS)
+    trained_and_saved(rec)
     # the doc checks (tests/telemetry/test_record.py, test_run_record_doc.py), the toy declared in this process too
     from finetune.telemetry import record
 
