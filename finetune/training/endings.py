@@ -60,16 +60,17 @@ class AfterTraining:
         self.exported: Path | None = None  # ... and completed, and checked
         self.record: dict = {}  # run.json `export` (rank 0): the check, the merged export
 
-    def step(self, what: str, fn, *, saves: bool = False):
+    def step(self, what: str, fn, *, saves: bool = False, stops: bool = True):
         """fn() on this rank, then the boundary: a failure on any rank raises on every rank; a stop
-        signal on any rank writes the final step's checkpoint and raises signals.Stopped on every rank."""
-        result, flags = self._agreed(what, fn, saves)
+        signal on any rank writes the final step's checkpoint and raises signals.Stopped on every rank
+        (`stops` False: the signal is left for the next boundary)."""
+        result, flags = self._agreed(what, fn, saves, stops)
         if any(flags):
             self.trainer.resilience.stop_after_training(flags)
             raise signals.Stopped(self.trainer.resilience.preempted, f"after {what}")
         return result
 
-    def _agreed(self, what: str, fn, saves: bool):
+    def _agreed(self, what: str, fn, saves: bool, stops: bool = True):
         """(fn()'s result, every rank's signal flag); a failure on any rank raises on every rank."""
         error = result = None
         limit = self.limits.save_s if saves else self.limits.finish_s
@@ -78,7 +79,7 @@ class AfterTraining:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - agreed first, then raised on every rank
                 error = e
-            return result, self.stops.agree(self.trainer.accelerator, what, error)
+            return result, self.stops.agree(self.trainer.accelerator, what, error, with_signals=stops)
 
     def export(self) -> None:
         """The final export (an adapter for LoRA/QLoRA, full weights otherwise) and the tokenizer, then its check
@@ -88,12 +89,13 @@ class AfterTraining:
 
         def write():
             self._write_export()
-            fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
             fault_injection.fail("export", rank=rank, step=step)
             fault_injection.damage_export(self.model_dir, rank=rank, step=step)
 
-        check = self.check
-        batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer)) if check else None
+        fault_injection.hold("slow_export", rank=rank, step=step, what="the export")
+        check, batch = self.check, None
+        if check is not None:  # a signal from the export's start is agreed once model/ is written (WHAT_NOW), not here
+            batch = self.step("the export's probe rows", lambda: live.probe(check, self.tokenizer), stops=False)
         self.step("the export", write, saves=True)
         if check is not None:  # its own step: its forward and gathers are entered by every rank or by none
             self.step("the export's check", lambda: self._verify(batch), saves=True)

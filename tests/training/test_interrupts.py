@@ -153,25 +153,35 @@ def _sighup_while_loading(tmp_path, tiny_model_dir):
     assert "was interrupted before its first step" in rundir.reusable(run_dir)
 
 
-def _sigterm_in_final_evaluation(tmp_path, tiny_model_dir):
-    """Training is done, the evaluation after it is running (held open): SIGTERM to the rank only
-    (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of the final
-    step and exit 75 from `finetune train`, one line, the export already written; --resume trains
-    nothing more (Trainer alone would train one step past max_steps: steps would be 3), exports and
-    evaluates."""
+AFTER_TRAINING = {  # the drill that holds the phase open (rank 0, step 2) -> what the rank says on SIGTERM
+    "slow_eval": ("evaluation", "training is done: stopping after a checkpoint of the final step"),
+    "slow_export": ("the export", "the model is being exported: stopping once it is written"),
+}
+
+
+def _sigterm_after_training(tmp_path, tiny_model_dir, drill):
+    """Training is done, the export (held open at its start) or the evaluation after it (held open) is running:
+    SIGTERM to the rank only (`kill` of the train.py process a user finds in `top`) gives a complete checkpoint of
+    the final step and exit 75 from `finetune train`, one line, the export written (it comes before the evaluation;
+    a signal once it started lets it finish, as the line says); --resume trains nothing more (Trainer alone would
+    train one step past max_steps: steps would be 3), exports and evaluates. The signal is sent once the drill's
+    hold is on the console: a signal sent as soon as step 2 was logged once landed at the export's start, which then
+    stopped without writing model/ while saying it would write it."""
+    held, said = AFTER_TRAINING[drill]
     run_dir = tmp_path / "run"
     evaluate = ["--eval.exact_match=true", "--eval.before=false", "--data.demo_heldout_size=4", "--eval.samples=4"]
     cmd = train_command(tiny_model_dir, run_dir, 2, *evaluate)
-    with Started(cmd, cwd=REPO, env={faults.ENV: "slow_eval@rank0,step2"}, out=tmp_path / "out.txt") as job:
-        job.wait_until(lambda: steps_logged(run_dir) >= 2, "training done")
+    with Started(cmd, cwd=REPO, env={faults.ENV: f"{drill}@rank0,step2"}, out=tmp_path / "out.txt") as job:
+        job.wait_until(lambda: f"rank 0 holds {held} open" in job.output, f"{held} held open")
         _rank(job, 0).send_signal(signal.SIGTERM)
         code = job.finish()
         out = job.output
     assert code == EXIT_PREEMPTED, out[-4000:]
     assert out.count("SIGTERM received") == 1 and "Traceback" not in out, out[-4000:]
+    assert f"SIGTERM received: {said}" in out, out[-4000:]
     summary = _record(run_dir)["summary"]
     assert summary["status"] == "interrupted" and "SIGTERM on rank(s) [0]" in summary["error"], summary
-    assert (run_dir / "model" / "adapter_model.safetensors").is_file()  # the export comes before the evaluation
+    assert (run_dir / "model" / "adapter_model.safetensors").is_file(), sorted(p.name for p in run_dir.iterdir())
     assert _complete(run_dir) == ["checkpoint-2"]
     args = cmd[cmd.index("train") + 1 : -1]
     code, out, _ = cli_train([*args, "--resume"], run_dir=run_dir, env={})
@@ -249,7 +259,11 @@ def runs(request, tmp_path_factory, tiny_model_dir):
         [
             (
                 "test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates",
-                at(_sigterm_in_final_evaluation),
+                at(_sigterm_after_training, "slow_eval"),
+            ),
+            (
+                "test_sigterm_as_the_export_starts_lets_it_finish_then_checkpoints_the_last_step",
+                at(_sigterm_after_training, "slow_export"),
             ),
             ("test_ctrl_c_twice_through_tee_on_two_ranks_keeps_one_whole_checkpoint", at(_ctrl_c_twice)),
             (
@@ -284,7 +298,12 @@ def test_sighup_while_the_model_loads_stops_before_training_and_the_directory_is
 
 @LANES_TIMEOUT
 def test_sigterm_during_the_final_evaluation_checkpoints_the_last_step_and_resume_only_evaluates(runs, request):
-    outcome_of(runs, request)  # _sigterm_in_final_evaluation
+    outcome_of(runs, request)  # _sigterm_after_training
+
+
+@LANES_TIMEOUT
+def test_sigterm_as_the_export_starts_lets_it_finish_then_checkpoints_the_last_step(runs, request):
+    outcome_of(runs, request)  # _sigterm_after_training
 
 
 @LANES_TIMEOUT
