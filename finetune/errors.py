@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import functools
 import gc
+import logging
 import os
 import sys
 
@@ -89,8 +90,9 @@ def exit_without_teardown() -> list[int]:
     the interpreter's own exit."""
     returned: list[int] = []
 
-    def end() -> None:  # registered first: the last exit function to run
+    def end() -> None:  # registered first but for logging's shutdown (importing finetune imports logging): run here
         if returned:
+            logging.shutdown()  # flushes and closes every handler, a buffering one too
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(returned[0])

@@ -163,3 +163,25 @@ def test_imports_run_without_the_collector_which_is_on_again_after_them_with_wha
     got = json.loads(out.stdout)
     assert got["inside"] is False and got["after"] is True, got
     assert got["frozen"] >= 5000, got  # the lists made inside, and what Python had before
+
+
+TEARDOWN_PROBE = """
+import logging, logging.handlers, sys
+from finetune.errors import exit_without_teardown
+returned = exit_without_teardown()
+log = logging.getLogger("probe")
+log.addHandler(logging.handlers.MemoryHandler(100, target=logging.FileHandler(sys.argv[1])))  # writes on close only
+log.warning("written before the process ended")
+returned.append(7)
+sys.exit(returned[0])
+"""
+
+
+def test_an_entry_point_that_returned_ends_with_its_code_and_its_log_handlers_closed(tmp_path):
+    """finetune/errors.py exit_without_teardown: os._exit skips the interpreter's teardown, not the exit functions;
+    logging's own (registered before it: importing finetune imports logging) is run by it, so a buffering handler
+    still writes its records."""
+    log = tmp_path / "probe.log"
+    out = subprocess.run([sys.executable, "-c", TEARDOWN_PROBE, str(log)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 7, out.stderr
+    assert log.read_text() == "written before the process ended\n", out.stderr
