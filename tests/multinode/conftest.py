@@ -157,7 +157,8 @@ class RssSampler:
     every 0.1 s from this test process, its maximum kept per node. A sampled peak can only be at
     most the kernel's high-water mark (what the run records) and misses what lives between samples.
     The record's peak spans the rank's life up to the end of training: sampling stops once `until` exists
-    (the run's model/, written after training; the save's check that follows holds more)."""
+    (the run's trainer_state.json, written as training ends; the export that follows gathers ZeRO-3's
+    partitions and holds more: sampled until model/ appeared, a loaded machine once saw 12 MB above the record)."""
 
     def __init__(self, job_id: str, until: Path):
         import threading

@@ -58,7 +58,7 @@ def baseline(jobs, tiny_model_dir, tmp_path_factory):
         port=False,
     )
     other = jobs.submit("zero3", *job_args(tiny_model_dir, steps=4), f"--run.output_dir={other_run}", port=False)
-    with RssSampler(job, until=run / "model") as sampled:
+    with RssSampler(job, until=run / "trainer_state.json") as sampled:
         together = both_running(jobs, [job, other])
         info = jobs.wait(job)
     other_info = jobs.wait(other)
