@@ -75,6 +75,26 @@ def tiny_model(where: Path) -> Path:
     return save_tiny_llama(where, AutoTokenizer.from_pretrained(ensure_bundled_model()))
 
 
+def yardstick_rank(work: Path, datasets: bool = True) -> Path:
+    """A rank that does only what no run can skip: import the libraries every rank imports (as a rank does, without
+    the garbage collector: finetune/errors.py imports_without_gc), join the gloo process group, print a step line.
+    Its 2-rank launch is the floor under a DDP launch's start-up that our code can reach. Without `datasets`, that
+    package is kept out (as finetune/training/rank_imports.py keeps others out), so the Trainer does not import it."""
+    script = work / f"yardstick_rank{'' if datasets else '_without_datasets'}.py"
+    script.write_text(
+        ("" if datasets else "import sys\nsys.modules['datasets'] = None\n") + "import gc\n"
+        "gc.disable()\n"
+        "import torch, torch.distributed as dist, transformers.trainer, peft, accelerate\n"
+        "gc.freeze()\n"
+        "gc.enable()\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        "print('step 1/1', flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    return script
+
+
 def train_cases(model: Path, work: Path) -> dict[str, list[str]]:
     common = [
         f"--model.name_or_path={model}",
@@ -100,6 +120,14 @@ def train_cases(model: Path, work: Path) -> dict[str, list[str]]:
         ],
         "finetune train ddp --cpu (2 ranks)": [
             py, "-m", "finetune.cli", "train", "--recipe", "ddp", "--cpu", *common, f"--run.output_dir={work}/ft_ddp",
+        ],
+        "ddp yardstick (2 ranks, gloo: the imports and a process group, no run)": [
+            py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/ddp.yaml"),
+            str(yardstick_rank(work)),
+        ],
+        "ddp yardstick without datasets (2 ranks, gloo)": [
+            py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/ddp.yaml"),
+            str(yardstick_rank(work, datasets=False)),
         ],
         "zero2 (2 ranks, gloo)": [
             py, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs/cpu/zero2.yaml"),
