@@ -261,12 +261,14 @@ def _stopped_rank(tmp_path, tiny_model_dir):
     """SIGSTOP to rank 1 after step 1 (rank 0 holds step 2 open meanwhile): rank 0's collective
     times out after training.ddp_timeout. Before: rank 0 was reported as the first failure and rank
     1 only as killed by SIGKILL. Now rank 1 is named as the rank that stopped making progress (its
-    heartbeats ended), rank 0's failure as a consequence, and rank 0's record names rank 1."""
+    heartbeats ended), rank 0's failure as a consequence, and rank 0's record names rank 1.
+    ddp_timeout 15 s: rank 1's silence lasts at least that long, above peers.STALL_S (10 s). torchrun then
+    SIGKILLs the stopped rank 30 s after its SIGTERM (torch's fixed wait when a rank failed, docs/faults.md)."""
     from tests.conftest import steps_logged
     from tests.training.test_interrupts import _rank, train_command
 
     run_dir = tmp_path / "run"
-    cmd = train_command(tiny_model_dir, run_dir, 4, "--training.ddp_timeout=30", ranks=2)
+    cmd = train_command(tiny_model_dir, run_dir, 4, "--training.ddp_timeout=15", ranks=2)
     env = {**CPU_ENV, faults.ENV: "pause@rank0,step2"}
     with launched(cmd, env=env, out=tmp_path / "out.txt") as job:
         job.wait_until(lambda: steps_logged(run_dir) >= 1, "step 1 logged")
