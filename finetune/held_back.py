@@ -76,6 +76,9 @@ TORCHRUN_FAILED = HeldBack("failed (exitcode:")
 # ... and "Sending process N closing signal SIGTERM" for each rank still running once one has exited (the same file):
 # the run has said how it ended (its exit line, or the failed ranks named by `finetune train`).
 TORCHRUN_STOPPING = HeldBack("Sending process ")
+# ... and "Unable to shutdown process N via 15, forcefully exiting via 9" for a rank that outlived its SIGTERM (a
+# stopped one): `finetune train` names it itself, "killed by SIGKILL" (launch/accelerate.py report_failed_ranks).
+TORCHRUN_FORCED = HeldBack("Unable to shutdown process ")
 # torchrun (torch/distributed/run.py) warns in four lines that it sets OMP_NUM_THREADS=1 for each rank when the
 # variable is unset and a node runs several ranks: on every DeepSpeed launch (accelerate sets the variable for its
 # other launchers, accelerate/utils/launch.py). The ranks' thread count is in the record (`hardware`); 1 is what
@@ -112,7 +115,7 @@ def install_launcher() -> None:
     """Around an accelerate launch run in this process (`finetune train`, bench-comm)."""
     logging.getLogger("accelerate.commands.launch").addFilter(ZERO_PROCESSES_DEFAULT)
     agent = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    for held in (TORCHRUN_FAILED, TORCHRUN_STOPPING):
+    for held in (TORCHRUN_FAILED, TORCHRUN_STOPPING, TORCHRUN_FORCED):
         agent.addFilter(held)
     logging.getLogger("torch.distributed.run").addFilter(TORCHRUN_OMP_NOTICE)
     # accelerate warns "Port `29500` is already in use" when another job on the machine holds the default rendezvous

@@ -246,11 +246,11 @@ def start(rank: int, world_size: int, watch: Watch, on_stuck=None, env=os.enviro
     return Heartbeat(store, rank, world_size, watch, on_stuck).start()
 
 
-def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) -> str | None:
+def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines, traceback_in=None) -> str | None:
     """After training failed on this rank: which ranks (and nodes) of `machines` (LaunchPlan.machines)
     stopped answering, or what another rank's watchdog said when it ended that rank, printed on stderr
-    and returned for run.json; None in a one-process run, when every rank is still there, and for an
-    interruption or a user error (nothing was lost)."""
+    (with `traceback_in`, the file the error's traceback goes to) and returned for run.json; None in a
+    one-process run, when every rank is still there, and for an interruption or a user error (nothing was lost)."""
     if (
         heartbeat is None
         or heartbeat.store is None
@@ -283,7 +283,8 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines) ->
     nodes_left = "" if stuck else ", on the nodes left too"
     print(
         f"finetune: rank {heartbeat.rank} on node {me.node if me else None}: {note}; this rank stops "
-        f"({type(error).__name__}). Continue from the last complete checkpoint with --resume{nodes_left} "
+        f"({type(error).__name__}{f'; traceback: {traceback_in}' if traceback_in else ''}). Continue from the last "
+        f"complete checkpoint with --resume{nodes_left} "
         f"(docs/faults.md)",
         file=sys.stderr,
         flush=True,

@@ -295,17 +295,24 @@ def diverged(e: Diverged) -> Ending:
     return Ending(e.exit_code, summary, f"error: {e}", to_stderr=True)
 
 
-def failed(e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str]) -> tuple[Ending, BaseException]:
+def failed(
+    e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str]
+) -> tuple[Ending, BaseException | None]:
     """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
     without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
-    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. `agreed`: the phases
-    whose failure every rank agreed on (signals.Stops.failures_agreed)."""
+    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. That one line says it
+    all (the backend's error, a timeout or a closed connection, is its consequence), so nothing is raised and the
+    traceback goes to the run's log file. `agreed`: the phases whose failure every rank agreed on
+    (signals.Stops.failures_agreed)."""
     if isinstance(e, storage.StorageError):  # said already, with the file that failed
         failure = e
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
-    lost = None if agreed else peers.failure_note(failure or e, heartbeat, machines)
+    log_file = None if failure else run_dir / rundir.LOG_FILE
+    lost = None if agreed else peers.failure_note(failure or e, heartbeat, machines, traceback_in=log_file)
+    if lost and log_file:
+        held_back.TRACEBACKS.error("this rank's error, after %s", lost, exc_info=e)
     interrupted = isinstance(e, KeyboardInterrupt)
     shown = failure or e
     summary = dict(
@@ -314,7 +321,7 @@ def failed(e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[st
     )
     if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
         summary["checkpoint"] = newest_complete(run_dir)
-    return Ending(1, summary), failure or e
+    return Ending(1, summary), None if lost and log_file else failure or e
 
 
 def stuck(cause: str, run_dir: Path) -> dict:

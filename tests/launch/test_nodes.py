@@ -184,6 +184,8 @@ def test_the_failure_note_names_the_lost_node_and_rank(capsys):
     assert peers.failure_note(RuntimeError("x"), Seen([], "RuntimeError: Connection reset"), machines).startswith(
         "lost node node1 (node rank 0, rank(s) [0]): the launcher's store there no longer answers"
     )
+    peers.failure_note(RuntimeError("x"), Seen([1]), machines, traceback_in="runs/r/third_party.log")
+    assert "this rank stops (RuntimeError; traceback: runs/r/third_party.log). Continue" in capsys.readouterr().err
     for nothing_lost in (UserError("bad recipe"), KeyboardInterrupt(), SystemExit(2)):  # not even asked
         assert peers.failure_note(nothing_lost, Seen([1]), machines) is None
     assert peers.failure_note(RuntimeError("x"), Seen([]), machines) is None  # control: every rank still there

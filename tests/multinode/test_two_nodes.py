@@ -347,6 +347,10 @@ def test_losing_a_node_ends_the_survivor_naming_it_and_the_run_continues_on_one_
     assert info["JobState"] == "FAILED", log[-4000:]
     note = "lost node node2 (node rank 1): rank(s) [1] stopped answering"
     assert f"finetune: rank 0 on node node1: {note}" in log, log[-4000:]
+    # the rank's own error (the backend's, a consequence) is said in that line; its traceback is in the run's log
+    assert f"; traceback: {run / 'third_party.log'}). Continue" in log, log[-4000:]
+    kept = (run / "third_party.log").read_text()
+    assert f"rank 0: this rank's error, after {note}" in kept and "Traceback" in kept, kept[-3000:]
     rec = record(run)
     assert rec["summary"]["status"] == "failed" and rec["summary"]["error"].startswith(note), rec["summary"]
     # nothing damaged: the checkpoints written before the loss are complete, none after it

@@ -281,6 +281,11 @@ def _stopped_rank(tmp_path, tiny_model_dir):
     assert "finetune: rank 0 (local rank 0" in out and "(a consequence: it waited for rank(s) [1])" in out
     summary = json.loads((run_dir / "run.json").read_text())["summary"]
     assert summary["status"] == "failed" and "rank(s) [1] on node" in summary["error"], summary
+    # our lines only: rank 0's gloo timeout is said in its one line, its traceback kept in the run's log
+    assert "Traceback" not in out and "Unable to shutdown process" not in out, out[-4000:]
+    assert f"; traceback: {run_dir / 'third_party.log'}). Continue" in out, out[-4000:]
+    kept = (run_dir / "third_party.log").read_text()
+    assert "rank 0: this rank's error, after rank(s) [1] on node" in kept and "Traceback" in kept, kept[-3000:]
 
 
 def _adapter(ckpt: Path) -> dict:
