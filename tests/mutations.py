@@ -218,6 +218,14 @@ MUTATIONS = [
         "the garbage collector stays off after a rank's imports",
         {"test_a_rank_trains_with_the_garbage_collector_on_and_its_imports_frozen": "[ddp]"},
     ),
+    _m(
+        "lost-rank-traceback",
+        "lost-rank",
+        "finetune/training/endings.py",
+        "    return Ending(1, summary), None if lost and log_file else failure or e",
+        "    return Ending(1, summary), failure or e",
+        "a rank whose peers stopped answering raises its backend error, traceback on the console",
+    ),
 ]
 
 
