@@ -222,9 +222,17 @@ MUTATIONS = [
         "lost-rank-traceback",
         "lost-rank",
         "finetune/training/endings.py",
-        "    return Ending(1, summary), None if lost and log_file else failure or e",
-        "    return Ending(1, summary), failure or e",
+        "    return Ending(1, summary), None if (lost or oom) and log_file else failure or e",
+        "    return Ending(1, summary), None if oom and log_file else failure or e",
         "a rank whose peers stopped answering raises its backend error, traceback on the console",
+    ),
+    _m(
+        "oom-unsaid",
+        "out-of-memory",
+        "finetune/training/endings.py",
+        "    oom = out_of_memory(e, cfg, rank, log_file) if log_file and cfg is not None else None",
+        "    oom = None",
+        "a GPU out of memory goes on as a traceback, without the levers",
     ),
 ]
 

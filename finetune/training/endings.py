@@ -6,6 +6,7 @@ returns what run.json should say; finetune/training/run.py hands it to the sinks
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -295,33 +296,56 @@ def diverged(e: Diverged) -> Ending:
     return Ending(e.exit_code, summary, f"error: {e}", to_stderr=True)
 
 
+def out_of_memory(e: BaseException, cfg, rank: int, log_file: Path) -> str | None:
+    """A GPU out of memory (torch.OutOfMemoryError) on this rank, said in one line with what makes a step fit: the
+    levers finetune/planning/ weighs, the recipe's values, and `finetune plan`; None for any other error."""
+    import torch
+
+    if not isinstance(e, torch.OutOfMemoryError):
+        return None
+    t, what = cfg.training.typed, str(e).strip().splitlines()[0] if str(e).strip() else "no message"
+    return (
+        f"rank {rank} ran out of GPU memory ({what}). To fit a step on each GPU: a smaller "
+        f"training.per_device_train_batch_size (now {t.per_device_train_batch_size}) with a larger "
+        f"training.gradient_accumulation_steps (now {t.gradient_accumulation_steps}) keeps the effective batch; "
+        f"training.gradient_checkpointing (now {t.gradient_checkpointing}) trades compute for activations; a smaller "
+        f"data.max_length (now {cfg.data.max_length}); or a recipe that shards the model and its states (zero3, "
+        f"fsdp, their _offload variants). `finetune plan --recipe {cfg.recipe}` predicts the peak per GPU before a "
+        f"launch (traceback: {log_file})"
+    )
+
+
 def failed(
-    e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str]
+    e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str], cfg=None, rank: int = 0
 ) -> tuple[Ending, BaseException | None]:
     """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
     without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
     stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. That one line says it
     all (the backend's error, a timeout or a closed connection, is its consequence), so nothing is raised and the
-    traceback goes to the run's log file. `agreed`: the phases whose failure every rank agreed on
-    (signals.Stops.failures_agreed)."""
+    traceback goes to the run's log file; so does a GPU out of memory (out_of_memory, with `cfg`'s values). `agreed`:
+    the phases whose failure every rank agreed on (signals.Stops.failures_agreed)."""
     if isinstance(e, storage.StorageError):  # said already, with the file that failed
         failure = e
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     # the ranks gone, if so (a failure every rank agreed on lost none)
     log_file = None if failure else run_dir / rundir.LOG_FILE
-    lost = None if agreed else peers.failure_note(failure or e, heartbeat, machines, traceback_in=log_file)
+    oom = out_of_memory(e, cfg, rank, log_file) if log_file and cfg is not None else None
+    if oom:  # this rank's own failure, said by this rank (any rank)
+        print(f"finetune: {oom}", file=sys.stderr, flush=True)
+        held_back.TRACEBACKS.error("%s", oom, exc_info=e)
+    lost = None if agreed or oom else peers.failure_note(failure or e, heartbeat, machines, traceback_in=log_file)
     if lost and log_file:
         held_back.TRACEBACKS.error("this rank's error, after %s", lost, exc_info=e)
     interrupted = isinstance(e, KeyboardInterrupt)
     shown = failure or e
     summary = dict(
         status="interrupted" if interrupted else "failed",
-        error=None if interrupted else f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
+        error=None if interrupted else oom or f"{lost + '; ' if lost else ''}{type(shown).__name__}: {shown}",
     )
     if lost and lost.startswith("stuck: "):  # another rank's watchdog ended the run: what is left
         summary["checkpoint"] = newest_complete(run_dir)
-    return Ending(1, summary), None if lost and log_file else failure or e
+    return Ending(1, summary), None if (lost or oom) and log_file else failure or e
 
 
 def stuck(cause: str, run_dir: Path) -> dict:

@@ -16,7 +16,7 @@ from finetune.errors import UserError
 ENV = "FINETUNE_FAULT_INJECT"
 KINDS = tuple(
     "nan_loss inf_loss kill hang pause sigterm slow_load slow_save slow_eval slow_export disk_full fail_export "
-    "fail_eval fail_exact_match fail_record stray_collective sp_late_shift tp_partial_sums export_ungathered "
+    "fail_eval fail_exact_match fail_record stray_collective sp_late_shift tp_partial_sums export_ungathered oom "
     "export_truncated export_zeroed export_missing_shard".split()
 )
 # seconds a pause holds its step open: time for a test to see step 1 in run.json and signal a rank
@@ -48,7 +48,15 @@ def _active(kinds: tuple[str, ...], rank: int, step: int) -> str | None:
 
 
 def corrupt_loss(loss, *, rank: int, step: int):
-    """The loss, made NaN/Inf when a *_loss fault names this rank and step."""
+    """The loss, made NaN/Inf when a *_loss fault names this rank and step; `oom` raises what torch raises when a GPU
+    allocation fails there (torch.OutOfMemoryError, with CUDA's wording), on any device."""
+    if _active(("oom",), rank, step):
+        import torch
+
+        raise torch.OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
+            "is free. (fault injection)"
+        )
     kind = _active(("nan_loss", "inf_loss"), rank, step)
     if kind is None:
         return loss

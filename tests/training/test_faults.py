@@ -329,6 +329,27 @@ def _nonfinite_skipped(tmp_path, tiny_model_dir):
     assert any((w2[k] != w3[k]).any() for k in w2), "step 3 should have trained"
 
 
+def _out_of_memory(tmp_path, tiny_model_dir):
+    """Both DDP ranks run out of GPU memory at step 2 (fault injection raises torch.OutOfMemoryError, CUDA's words, as
+    the same shapes on every GPU would): each rank says so in one line with the levers and this recipe's values, no
+    traceback on the console (it is in the run's log), run.json failed with that cause, exit 1."""
+    code, out, run_dir = cli_train(
+        ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml", *tiny_args(tiny_model_dir, 4)],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, faults.ENV: "oom@rank0,step2;oom@rank1,step2"},
+    )
+    assert code == 1, out[-4000:]
+    for rank in (0, 1):
+        assert f"finetune: rank {rank} ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB." in out
+    assert "training.per_device_train_batch_size (now 4)" in out and "data.max_length (now 128)" in out, out[-4000:]
+    assert "`finetune plan --recipe ddp` predicts the peak per GPU" in out, out[-4000:]
+    assert "Traceback" not in out and "OutOfMemoryError" not in out, out[-4000:]
+    s = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert s["status"] == "failed" and s["error"].startswith("rank 0 ran out of GPU memory (CUDA out of memory."), s
+    kept = (run_dir / "third_party.log").read_text()
+    assert "torch.OutOfMemoryError: CUDA out of memory" in kept and "Traceback" in kept, kept[-3000:]
+
+
 # What other programs printed on `finetune train`'s console before issue 43 (the launcher: torchrun, accelerate; the
 # ranks: DeepSpeed), each held back at its source now (finetune/held_back.py).
 THIRD_PARTY_LAUNCH_LINES = (
@@ -612,6 +633,7 @@ def runs(request, tmp_path_factory, tiny_model_dir):
         [
             ("test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps", at(_nonfinite_deepspeed)),
             ("test_nonfinite_loss_on_one_rank_is_skipped_then_stops_both_ranks", at(_nonfinite_skipped)),
+            ("test_a_gpu_out_of_memory_is_said_in_one_line_with_what_makes_a_step_fit", at(_out_of_memory)),
         ],
     ]
     return {**in_lanes(request, tmp_path_factory, alone), **in_lanes(request, tmp_path_factory, lanes)}
@@ -645,3 +667,9 @@ def test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps(runs, requ
 @pytest.mark.integration
 def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(runs, request):
     outcome_of(runs, request)  # _watchdog
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_gpu_out_of_memory_is_said_in_one_line_with_what_makes_a_step_fit(runs, request):
+    outcome_of(runs, request)  # _out_of_memory
