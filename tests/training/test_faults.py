@@ -33,13 +33,18 @@ _LAUNCHING = threading.Lock()
 
 @contextlib.contextmanager
 def launched(cmd: list[str], *, env: dict, out: Path, cwd: Path = REPO):
-    """`Started`, one launch at a time until its ranks exist: two launches at once would both find
-    accelerate's default rendezvous port (29500) free and then both bind it."""
-    with Started(cmd, cwd=cwd, env=env, out=out) as job:
-        with _LAUNCHING:
+    """`Started`, one launch at a time from its start until its ranks exist: two launches at once would both find
+    accelerate's default rendezvous port (29500) free and then both bind it (seen: EADDRINUSE)."""
+    with _LAUNCHING:
+        job = Started(cmd, cwd=cwd, env=env, out=out)
+        try:
             deadline = time.monotonic() + 300
             while job.proc.poll() is None and time.monotonic() < deadline and not _ranks_started(job):
                 time.sleep(0.2)
+        except BaseException:  # interrupted while waiting: the launch is killed as on leaving the block below
+            job.__exit__(None, None, None)
+            raise
+    with job:
         yield job
 
 
