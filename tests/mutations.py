@@ -230,7 +230,7 @@ MUTATIONS = [
         "oom-unsaid",
         "out-of-memory",
         "finetune/training/endings.py",
-        "    oom = out_of_memory(e, cfg, rank, log_file) if log_file and cfg is not None else None",
+        "    oom = out_of_memory(e, run.cfg, run.state.process_index, log_file) if log_file else None",
         "    oom = None",
         "a GPU out of memory goes on as a traceback, without the levers",
     ),

@@ -144,11 +144,16 @@ def test_torchruns_failed_line_after_our_own_exit_message_is_held():
     agent.addHandler(handler)
     try:
         agent.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 75, 0, 123, "python")
-        agent.warning("Unable to shutdown process 124 via 15, forcefully exiting via 9")  # control: the others stay
+        agent.warning(STAYS, 124, "SIGKILL", 30)  # control: the others stay
     finally:
         agent.removeHandler(handler)
-    assert seen == ["Unable to shutdown process 124 via 15, forcefully exiting via 9"]
+    assert seen == ["Process 124 did not exit after SIGKILL within 30s; abandoning and continuing teardown."]
     assert held_back.TORCHRUN_FAILED.held[-1].startswith("failed (exitcode: 75) local_rank: 0")
+
+
+# torchrun's warning about a rank it could not end even with SIGKILL (torch/distributed/elastic/multiprocessing/api.py):
+# not held back, nothing of ours says it
+STAYS = "Process %s did not exit after %s within %ss; abandoning and continuing teardown."
 
 
 def _records_of(name: str):
@@ -180,12 +185,15 @@ def test_torchruns_lines_around_a_launch_are_held_in_finetune_train(monkeypatch)
         held_back.install_launcher()
         torchrun.config_from_args(torchrun.get_args_parser().parse_args(["--nproc_per_node", "2", "x.py"]))
         agent.warning("Sending process %s closing signal %s", 124, "SIGTERM")
-        agent.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 124, 15, 9)  # stays
+        # a stopped rank that outlived its SIGTERM: `finetune train` names it "killed by SIGKILL" itself
+        agent.warning("Unable to shutdown process %s via %s, forcefully exiting via %s", 124, 15, 9)
+        agent.warning(STAYS, 124, "SIGKILL", 30)  # control: stays
     finally:
         run_logger.removeHandler(run_handler)
         agent.removeHandler(agent_handler)
     assert notices == [] and "Setting OMP_NUM_THREADS" in held_back.TORCHRUN_OMP_NOTICE.held[-1]
-    assert agent_lines == ["Unable to shutdown process 124 via 15, forcefully exiting via 9"]
+    assert agent_lines == ["Process 124 did not exit after SIGKILL within 30s; abandoning and continuing teardown."]
+    assert held_back.TORCHRUN_FORCED.held[-1] == "Unable to shutdown process 124 via 15, forcefully exiting via 9"
     port = "Port `29500` is already in use. Accelerate will attempt to launch in a standalone-like mode"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -315,26 +315,28 @@ def out_of_memory(e: BaseException, cfg, rank: int, log_file: Path) -> str | Non
     )
 
 
-def failed(
-    e: BaseException, run_dir: Path, heartbeat, machines, agreed: list[str], cfg=None, rank: int = 0
-) -> tuple[Ending, BaseException | None]:
-    """How a run that failed ends, and what to raise: a StorageError for a full, read-only or forbidden disk (said
-    without a traceback, finetune/storage.py), else `e`. A rank whose collective failed names the ranks (and nodes) that
-    stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP stops beating too. That one line says it
-    all (the backend's error, a timeout or a closed connection, is its consequence), so nothing is raised and the
-    traceback goes to the run's log file; so does a GPU out of memory (out_of_memory, with `cfg`'s values). `agreed`:
-    the phases whose failure every rank agreed on (signals.Stops.failures_agreed)."""
+def failed(e: BaseException, run) -> tuple[Ending, BaseException | None]:
+    """How `run` (finetune/training/run.py Run) that failed ends, and what to raise: a StorageError for a full,
+    read-only or forbidden disk (said without a traceback, finetune/storage.py), else `e`. A rank whose collective
+    failed names the ranks (and nodes) that stopped answering (finetune/launch/peers.py): a rank stopped with SIGSTOP
+    stops beating too. That one line says it all (the backend's error, a timeout or a closed connection, is its
+    consequence), so nothing is raised and the traceback goes to the run's log file; so does a GPU out of memory
+    (out_of_memory). A failure every rank agreed on (signals.Stops.failures_agreed) lost no rank."""
+    run_dir = run.dir
     if isinstance(e, storage.StorageError):  # said already, with the file that failed
         failure = e
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
-    # the ranks gone, if so (a failure every rank agreed on lost none)
     log_file = None if failure else run_dir / rundir.LOG_FILE
-    oom = out_of_memory(e, cfg, rank, log_file) if log_file and cfg is not None else None
+    oom = out_of_memory(e, run.cfg, run.state.process_index, log_file) if log_file else None
     if oom:  # this rank's own failure, said by this rank (any rank)
         print(f"finetune: {oom}", file=sys.stderr, flush=True)
         held_back.TRACEBACKS.error("%s", oom, exc_info=e)
-    lost = None if agreed or oom else peers.failure_note(failure or e, heartbeat, machines, traceback_in=log_file)
+    lost = (  # the ranks gone, if so (a failure every rank agreed on lost none)
+        None
+        if run.stops.failures_agreed or oom
+        else peers.failure_note(failure or e, run.heartbeat, run.launch.machines, traceback_in=log_file)
+    )
     if lost and log_file:
         held_back.TRACEBACKS.error("this rank's error, after %s", lost, exc_info=e)
     interrupted = isinstance(e, KeyboardInterrupt)

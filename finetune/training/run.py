@@ -152,11 +152,9 @@ def run_phases(argv: list[str] | None, stops: signals.Stops, locks: run_lock.Loc
         run.teardown.ended_cleanly()
         return code
     except BaseException as e:  # the record must say how the run ended, then the error goes on
-        ending, failure = endings.failed(
-            e, run.dir, run.heartbeat, run.launch.machines, run.stops.failures_agreed, run.cfg, run.state.process_index
-        )
+        ending, failure = endings.failed(e, run)
         code = end(run, ending)
-        if failure is None:  # other ranks stopped answering: said in one line, the traceback in the run's log
+        if failure is None:  # said in one line (a rank lost, a GPU out of memory), the traceback in the run's log
             return code
         if failure is not e:  # a full or read-only disk: said, not a traceback
             raise failure from None
