@@ -331,14 +331,13 @@ def failed(e: BaseException, run) -> tuple[Ending, BaseException | None]:
     oom = out_of_memory(e, run.cfg, run.state.process_index, log_file) if log_file else None
     if oom:  # this rank's own failure, said by this rank (any rank)
         print(f"finetune: {oom}", file=sys.stderr, flush=True)
-        held_back.TRACEBACKS.error("%s", oom, exc_info=e)
     lost = (  # the ranks gone, if so (a failure every rank agreed on lost none)
         None
         if run.stops.failures_agreed or oom
         else peers.failure_note(failure or e, run.heartbeat, run.launch.machines, traceback_in=log_file)
     )
-    if lost and log_file:
-        held_back.TRACEBACKS.error("this rank's error, after %s", lost, exc_info=e)
+    if (lost or oom) and log_file:  # said in one line: the traceback in the run's log
+        held_back.TRACEBACKS.error("%s", oom or f"this rank's error, after {lost}", exc_info=e)
     interrupted = isinstance(e, KeyboardInterrupt)
     shown = failure or e
     summary = dict(
