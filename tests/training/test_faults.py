@@ -349,7 +349,9 @@ def _out_of_memory(tmp_path, tiny_model_dir):
     assert "training.per_device_train_batch_size (now 4)" in out and "data.max_length (now 128)" in out, out[-4000:]
     assert "`finetune plan --recipe ddp` predicts the peak per GPU" in out, out[-4000:]
     assert "Traceback" not in out and "OutOfMemoryError" not in out, out[-4000:]
-    s = json.loads((run_dir / "run.json").read_text())["summary"]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2, rec["strategy"]
+    s = rec["summary"]
     assert s["status"] == "failed" and s["error"].startswith("rank 0 ran out of GPU memory (CUDA out of memory."), s
     kept = (run_dir / "third_party.log").read_text()
     assert "torch.OutOfMemoryError: CUDA out of memory" in kept and "Traceback" in kept, kept[-3000:]
