@@ -230,9 +230,17 @@ MUTATIONS = [
         "oom-unsaid",
         "out-of-memory",
         "finetune/training/endings.py",
-        "    oom = out_of_memory(e, run.cfg, run.state.process_index, log_file) if log_file else None",
+        "    oom = out_of_memory(e, run.cfg, rank, log_file) if log_file else None",
         "    oom = None",
         "a GPU out of memory goes on as a traceback, without the levers",
+    ),
+    _m(
+        "oom-peer-unread",
+        "out-of-memory",
+        "finetune/training/endings.py",
+        '    elif log_file and heartbeat and not run.stops.failures_agreed and (told := heartbeat.told("oom")):',
+        "    elif False:",
+        "rank 0 records another rank's out of memory as that rank stopped answering",
     ),
 ]
 

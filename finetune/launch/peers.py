@@ -192,8 +192,7 @@ class Heartbeat:
         print(f"finetune: stuck: {text}. Stopping this rank (exit {EXIT_STUCK}); nothing was deleted", file=sys.stderr)
         sys.stderr.flush()
         try:
-            if self.store is not None and not self.error:
-                self.store.set(f"{PREFIX}stuck/{self.rank}", text)
+            self.tell("stuck", text)
             if self.on_stuck:
                 self.on_stuck(f"stuck: {text}")
         finally:
@@ -202,13 +201,22 @@ class Heartbeat:
                     child.kill()  # (one already gone must not stop the exit)
             os._exit(EXIT_STUCK)
 
-    def stuck(self) -> str | None:
-        """What another rank's watchdog said when it ended that rank (`stuck/<rank>`), if one did."""
+    def tell(self, kind: str, text: str) -> None:
+        """Say on the store why this rank ends (`<kind>/<rank>`: `stuck`, its watchdog ended it; `oom`, out of GPU
+        memory), for the ranks left to name the cause, not only the rank gone."""
+        if self.store is not None and not self.error:
+            with contextlib.suppress(Exception):  # the store is gone: the others find this rank lost
+                self.store.set(f"{PREFIX}{kind}/{self.rank}", text)
+
+    def told(self, kind: str) -> dict[int, str]:
+        """rank -> what another rank said on ending (`tell`) of `kind`; empty when none did or the store is gone."""
+        if self.store is None:
+            return {}
         try:
-            found = [r for r in range(self.world_size) if self.store.check([f"{PREFIX}stuck/{r}"])]
-            return "; ".join(self.store.get(f"{PREFIX}stuck/{r}").decode() for r in found) or None
+            found = [r for r in range(self.world_size) if r != self.rank and self.store.check([f"{PREFIX}{kind}/{r}"])]
+            return {r: self.store.get(f"{PREFIX}{kind}/{r}").decode() for r in found}
         except Exception:  # noqa: BLE001 - the store is gone: `lost` says so
-            return None
+            return {}
 
     def counters(self) -> list[int]:
         return [int(self.store.add(f"{PREFIX}beat/{r}", 0)) for r in range(self.world_size)]
@@ -258,7 +266,7 @@ def failure_note(error: BaseException, heartbeat: Heartbeat | None, machines, tr
         or isinstance(error, (KeyboardInterrupt, SystemExit, UserError))
     ):
         return None
-    stuck = heartbeat.stuck()  # another rank's watchdog ended it: its note names what every rank waited in
+    stuck = "; ".join(heartbeat.told("stuck").values())  # another rank's watchdog ended it: what every rank waited in
     lost, store_error = ([], None) if stuck else heartbeat.lost()
     if stuck:
         note = f"stuck: {stuck}"

@@ -328,13 +328,24 @@ def failed(e: BaseException, run) -> tuple[Ending, BaseException | None]:
     else:
         failure = storage.error(e, run_dir, "writing the run's files") if isinstance(e, Exception) else None
     log_file = None if failure else run_dir / rundir.LOG_FILE
-    oom = out_of_memory(e, run.cfg, run.state.process_index, log_file) if log_file else None
-    if oom:  # this rank's own failure, said by this rank (any rank)
+    rank, heartbeat = run.state.process_index, run.heartbeat
+    oom = out_of_memory(e, run.cfg, rank, log_file) if log_file else None
+    if oom:  # this rank's own failure, said by this rank (any rank), and told to the ranks left for run.json
         print(f"finetune: {oom}", file=sys.stderr, flush=True)
+        if heartbeat:
+            heartbeat.tell("oom", oom)
+    elif log_file and heartbeat and not run.stops.failures_agreed and (told := heartbeat.told("oom")):
+        oom = "; ".join(told.values())  # the cause: this rank's error (a closed connection, a timeout) follows from it
+        print(
+            f"finetune: rank {rank} stops: rank(s) {sorted(told)} ran out of GPU memory (said above; traceback: "
+            f"{log_file})",
+            file=sys.stderr,
+            flush=True,
+        )
     lost = (  # the ranks gone, if so (a failure every rank agreed on lost none)
         None
         if run.stops.failures_agreed or oom
-        else peers.failure_note(failure or e, run.heartbeat, run.launch.machines, traceback_in=log_file)
+        else peers.failure_note(failure or e, heartbeat, run.launch.machines, traceback_in=log_file)
     )
     if (lost or oom) and log_file:  # said in one line: the traceback in the run's log
         held_back.TRACEBACKS.error("%s", oom or f"this rank's error, after {lost}", exc_info=e)

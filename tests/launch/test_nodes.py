@@ -145,6 +145,19 @@ def test_a_rank_that_stops_beating_is_named_and_one_that_says_it_is_failing_is_n
     assert not beating._thread.is_alive()
 
 
+def test_what_a_rank_tells_on_ending_reaches_the_others_by_kind(store):
+    """A rank out of GPU memory (or ended by its watchdog) tells why on the store; the ranks left read it by kind,
+    not their own, and nothing when no rank told (the control) or there is no store (one process)."""
+    ran_out, left = peers.Heartbeat(store, 1, 3, peers.Watch()), peers.Heartbeat(store, 0, 3, peers.Watch())
+    assert left.told("oom") == {}
+    ran_out.tell("oom", "rank 1 ran out of GPU memory (CUDA out of memory.)")
+    assert left.told("oom") == {1: "rank 1 ran out of GPU memory (CUDA out of memory.)"}
+    assert left.told("stuck") == {} and ran_out.told("oom") == {}  # another kind; its own account
+    alone = peers.Heartbeat(None, 0, 1, peers.Watch())
+    alone.tell("oom", "said to no one")
+    assert alone.told("oom") == {}
+
+
 def test_a_store_that_no_longer_answers_is_reported_not_raised():
     class Gone:
         def set(self, *a):
@@ -171,8 +184,8 @@ def test_the_failure_note_names_the_lost_node_and_rank(capsys):
         def lost(self):
             return self.result
 
-        def stuck(self):
-            return None  # no other rank's watchdog ended it
+        def told(self, kind):
+            return {}  # no other rank's watchdog ended it
 
     note = peers.failure_note(RuntimeError("Connection closed by peer"), Seen([1]), machines)
     assert note == "lost node node2 (node rank 1): rank(s) [1] stopped answering"
