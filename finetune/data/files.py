@@ -69,7 +69,10 @@ def shards(path: str, split: str = "train") -> list[str]:
     is); the data files a glob matches or a folder holds (subfolders too), of data.split's shards when they are named
     the Hub's way. FileProblem when there are none, a shard of a numbered set is missing, or the formats differ."""
     if is_pattern(path):
-        found = sorted(p for p in glob.glob(os.path.expanduser(path), recursive=True) if os.path.isfile(p))
+        # Every match but a folder: a dangling link or a pipe among the shards is named by problem(), as in a folder.
+        found = sorted(
+            p for p in glob.glob(_literal_prefix(os.path.expanduser(path)), recursive=True) if not os.path.isdir(p)
+        )
         if not found:
             raise FileProblem("no file matches this pattern" + _near(path))
         where = "the files it matches"
@@ -93,6 +96,17 @@ def shards(path: str, split: str = "train") -> list[str]:
             "so none is chosen: name one format with a glob (for example DIR/*.jsonl)"
         )
     return data
+
+
+def _literal_prefix(pattern: str) -> str:
+    """The pattern with its longest leading part that exists as written escaped: a folder named `run[1]` or `a*b`
+    is that folder, not a character class or a wildcard (`run[1]/*.jsonl` would otherwise look in `run1/`)."""
+    parts = pattern.split(os.sep)
+    for n in range(len(parts) - 1, 0, -1):
+        head = os.sep.join(parts[:n])
+        if head and os.path.lexists(head):
+            return os.path.join(glob.escape(head), *parts[n:])
+    return pattern
 
 
 def _folder_files(path: str) -> list[str]:
@@ -146,7 +160,7 @@ def _of_split(paths: list[str], split: str, where: str) -> list[str]:
 def _near(pattern: str) -> str:
     """What the pattern's folder holds, when it exists: the pattern may just name the wrong suffix."""
     folder = os.path.dirname(os.path.expanduser(pattern)) or "."
-    if any(c in folder for c in "*?[") or not os.path.isdir(folder):
+    if not os.path.isdir(folder):  # a folder named `run[1]` exists as written
         return f" (no folder {folder})" if not any(c in folder for c in "*?[") else ""
     held = sorted(os.listdir(folder))[:5]
     return f" (its folder {folder} holds {', '.join(held)})" if held else f" (its folder {folder} is empty)"

@@ -110,6 +110,35 @@ def test_a_glob_that_matches_nothing_says_what_its_folder_holds(tmp_path):
     assert isinstance(rows, DataError)
 
 
+def test_a_glob_under_a_folder_named_with_glob_characters_reads_that_folder(tmp_path):
+    """Before: `run[1]/*.jsonl` looked in `run1/` (a character class) and found nothing, without naming the folder."""
+    folder = tmp_path / "exports [1] *new*"
+    write_shards(folder, "jsonl", ["a.jsonl", "b.jsonl"], [ROWS[:3], ROWS[3:]])
+    assert both(folder / "*.jsonl") == ([], ROWS)
+    problems, rows = both(folder / "*.json")
+    assert problems == [
+        f"data.path: {folder}/*.json: no file matches this pattern (its folder {folder} holds a.jsonl, b.jsonl)"
+    ]
+    assert isinstance(rows, DataError)
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "named pipe"])
+def test_a_glob_names_a_shard_it_cannot_read_as_a_folder_does(tmp_path, kind):
+    """Before: the glob left such a shard out without a word and trained on the others; the folder named it."""
+    import os
+
+    folder = tmp_path / "shards"
+    write_shards(folder, "jsonl", ["a.jsonl", "c.jsonl"], [ROWS[:3], ROWS[3:]])
+    if kind == "dangling link":
+        (folder / "b.jsonl").symlink_to(tmp_path / "moved-away.jsonl")
+    else:
+        os.mkfifo(folder / "b.jsonl")
+    for path in (folder, folder / "*.jsonl"):
+        problems, rows = both(path)
+        assert len(problems) == 1 and f"{folder}/b.jsonl: is a " in problems[0], problems
+        assert kind.split()[-1] in problems[0] and kind.split()[-1] in str(rows), (problems, rows)
+
+
 def test_a_bad_row_of_a_shard_is_named_by_its_file_and_row_in_the_run_too(tmp_path, tokenizer):
     folder = tmp_path / "shards"
     bad = dict(ROWS[3], output=7)
