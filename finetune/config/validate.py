@@ -218,7 +218,21 @@ def _cross_checks(cfg: Config) -> list[str]:
             f"run.name: {cfg.run.name!r} {why}; a run name is one folder name under runs/ (to put the run "
             f"elsewhere, give run.output_dir)"
         )
-    return p + _parallel_checks(cfg)
+    return p + _blank_paths(cfg) + _parallel_checks(cfg)
+
+
+def _blank_paths(cfg: Config) -> list[str]:
+    """A path setting that is blank: '' leaves an optional one unset, but the data and the model must be named, and
+    blank space is a folder name no one means (data.cache_dir ' ' made a folder ' ' in the working directory;
+    data.path '' was launched, then looked up on the Hub)."""
+    problems = []
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        required = (section, key) in (("model", "name_or_path"), ("data", "path"))
+        if isinstance(value, str) and not value.strip() and (value or required):
+            why = "it is required" if required else "leave it out (unset) or give a path"
+            problems.append(f"{section}.{key}: {value!r} is blank; {why}")
+    return problems
 
 
 def _not_a_name(name: str) -> str | None:

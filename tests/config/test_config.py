@@ -470,3 +470,27 @@ def test_a_recipe_with_training_arguments_keys_validates_without_importing_torch
     assert "training.max_grad_norm: expected a number, got string 'big'" in problems
     assert "lr_scheduler_type" not in problems
     assert torch_imported == "False"
+
+
+@pytest.mark.parametrize(
+    ("arg", "problem"),
+    [
+        ("--data.path=", "data.path: '' is blank; it is required"),
+        ("--data.path= ", "data.path: ' ' is blank; it is required"),
+        ("--model.name_or_path=", "model.name_or_path: '' is blank; it is required"),
+        ("--data.cache_dir=  ", "data.cache_dir: '  ' is blank; leave it out (unset) or give a path"),
+        ("--run.output_dir=\t", "run.output_dir: '\\t' is blank; leave it out (unset) or give a path"),
+    ],
+)
+def test_a_blank_path_is_refused_before_anything_starts(arg, problem):
+    """Before: data.path '' passed preflight, was launched and looked up on the Hub ('list index out of range');
+    model.name_or_path '' said the directory '' exists; data.cache_dir ' ' made a folder ' ' in the working directory."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe("demo", [arg, "--eval.exact_match=false"])
+    assert problem in err.value.problems, err.value.problems
+
+
+def test_an_empty_optional_path_is_unset():
+    """Control: '' stays what it was for the optional paths, the default (the runs use it so, e.g. output_dir)."""
+    cfg, _ = load_recipe("demo", ["--data.cache_dir=", "--model.tokenizer_name_or_path=", "--run.output_dir="])
+    assert (cfg.data.cache_dir, cfg.model.tokenizer_name_or_path, cfg.run.output_dir) == ("", "", "")
