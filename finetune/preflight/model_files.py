@@ -47,6 +47,9 @@ def model_problems(cfg) -> list[str]:
         why = folder and code_problem(folder, model.trust_remote_code)
         problems += [f"model.tokenizer_name_or_path: {why}; {TRUST}"] if why else []
         problems += [f"model.tokenizer_name_or_path: {p}" for p in own_files_problems(folder)] if folder else []
+        problems += [f"model.tokenizer_name_or_path: {p}" for p in [tokenizer_files_problem(tokenizer)] if p]
+    elif model.name_or_path != BUNDLED_MODEL and (why := tokenizer_files_problem(model.name_or_path, weights=True)):
+        problems.append(f"model.name_or_path: {why}")
     if model.name_or_path == BUNDLED_MODEL:
         from finetune.modeling import bundled
 
@@ -99,6 +102,26 @@ def own_files_problems(folder: Path) -> list[str]:
         elif name == "generation_config.json":
             out += [f"{path}: {p}" for p in _generation_problems(values)]
     return out
+
+
+# What AutoTokenizer reads a tokenizer from: its fast file, its config, or a vocabulary (sentencepiece, BPE, WordPiece,
+# tiktoken, Mistral's tekken); a folder with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken", "tekken.json")
+
+
+def tokenizer_files_problem(name: str, *, weights: bool = False) -> str | None:
+    """A local folder that holds no tokenizer file (with `weights`: one that holds a model's weights, a model saved
+    without its tokenizer), named before launch; transformers fails inside the run, speaking of sentencepiece."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir() or any(next(folder.glob(g), None) for g in _TOKENIZER_FILES):
+        return None
+    if weights and not any((folder / f).is_file() for f, _ in _WEIGHTS):
+        return None
+    return (
+        f"{folder}: no tokenizer file (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...): "
+        "the model was saved without its tokenizer; save it beside the model (tokenizer.save_pretrained(FOLDER)) or "
+        "set model.tokenizer_name_or_path to the folder or hub id of the tokenizer it was trained with"
+    )
 
 
 def _generation_problems(values: dict) -> list[str]:

@@ -83,6 +83,22 @@ def test_a_truncated_safetensors_file_is_named_before_loading(tmp_path, tiny_mod
     assert "too short for the safetensors header" in preflight_problems(tmp_path, model)[0]
 
 
+def test_a_model_folder_without_a_tokenizer_is_named_before_launch(tmp_path, tiny_model_dir):
+    """On main: launched, a run directory made, then transformers' "Couldn't instantiate the backend tokenizer ...
+    You need to have sentencepiece or tiktoken installed"."""
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    assert preflight_problems(tmp_path, model) == []  # control: with its tokenizer
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            f.unlink()
+    (msg,) = preflight_problems(tmp_path, model)
+    assert msg.startswith(f"model.name_or_path: {model}: no tokenizer file (tokenizer.json, "), msg
+    assert "model.tokenizer_name_or_path" in msg
+    assert preflight_problems(tmp_path, model, f"--model.tokenizer_name_or_path={tiny_model_dir}") == []
+    (msg,) = preflight_problems(tmp_path, tiny_model_dir, f"--model.tokenizer_name_or_path={model}")
+    assert msg.startswith(f"model.tokenizer_name_or_path: {model}: no tokenizer file"), msg
+
+
 def test_a_missing_or_cut_shard_of_an_index_is_named(tmp_path, tiny_model_dir):
     from finetune.preflight import model_files
 
