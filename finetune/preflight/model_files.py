@@ -178,6 +178,11 @@ def causal_lm_problem(config: dict, source: Path) -> str | None:
         f"llama, mistral, qwen2, gemma, phi3, gpt2 and {len(CAUSAL) - 6} more)"
     )
     what = f"{source}: model_type {model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
+    if not isinstance(model_type, str):  # transformers picks the architecture by it
+        types = [t for t, cls in CAUSAL.items() if cls in archs]  # llama first for LlamaForCausalLM, then aliases
+        types.sort(key=lambda t: not archs[0].lower().startswith(t.replace("_", "")))
+        fix = f'add "model_type": "{types[0]}" (the type of {archs[0]})' if types else "add the model's model_type"
+        return f"{source}: has no model_type, which transformers needs to choose the architecture; {fix}, or {_REFETCH}"
     if model_type not in CAUSAL:
         return f"{what} has no causal-LM class in transformers, so it cannot be fine-tuned here; {accepted}"
     config_class = CONFIG_MAPPING[model_type]

@@ -99,6 +99,17 @@ def test_a_model_folder_without_a_tokenizer_is_named_before_launch(tmp_path, tin
     assert msg.startswith(f"model.tokenizer_name_or_path: {model}: no tokenizer file"), msg
 
 
+def test_a_config_without_model_type_is_named_as_such_with_the_type_its_class_has(tmp_path, tiny_model_dir):
+    """On main: "model_type None (LlamaForCausalLM) has no causal-LM class in transformers", as if llama were not one."""
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    del config["model_type"]
+    (model / "config.json").write_text(json.dumps(config))
+    (msg,) = preflight_problems(tmp_path, model)
+    assert msg.startswith(f"model.name_or_path: {model}/config.json: has no model_type, which transformers needs"), msg
+    assert 'add "model_type": "llama" (the type of LlamaForCausalLM)' in msg, msg
+
+
 def test_a_missing_or_cut_shard_of_an_index_is_named(tmp_path, tiny_model_dir):
     from finetune.preflight import model_files
 
