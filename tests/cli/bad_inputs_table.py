@@ -242,6 +242,14 @@ def _no_chat_template(ws: Path) -> list[str]:
     return [f"--model.name_or_path={model}"]
 
 
+def _no_tokenizer(ws: Path) -> list[str]:
+    """A copy of the tiny model saved without its tokenizer (model.save_pretrained alone)."""
+    model = shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "model-without-tokenizer")
+    for f in [*model.glob("tokenizer*"), *model.glob("chat_template*")]:
+        f.unlink()
+    return [f"--model.name_or_path={model}"]
+
+
 def _resume(
     launch: list[str],
     *,
@@ -978,6 +986,18 @@ CASES = [
         "model.name_or_path",
         _broken_model_file("generation_config.json"),
         ("model-with-a-cut-file/generation_config.json: not valid JSON (line", "copy or download the model again"),
+    ),
+    Case(
+        "model folder saved without its tokenizer",
+        "model.name_or_path",
+        _no_tokenizer,
+        ("model-without-tokenizer: no tokenizer file", "model.tokenizer_name_or_path"),
+    ),
+    Case(
+        "blank data path (an unset shell variable: --data.path=$DATA)",
+        "override",
+        lambda ws: ["--data.path="],
+        ("data.path: '' is blank; it is required",),
     ),
     Case(
         "model folder with a cut tokenizer_config.json",
