@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from finetune import fingerprints, precision, units
+from finetune import fingerprints, precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
 from finetune.export import figures, merge, reload, sources
@@ -198,6 +198,7 @@ def export(request: Request, damage=None) -> dict:
     returns export.json's content (and `kept`: where a failed export is)."""
     request.out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
+    storage.as_umask_allows(partial)
     try:
         with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
             adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None
