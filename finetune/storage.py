@@ -107,6 +107,15 @@ def message(code: int, path: Path, doing: str, then: str = "", *, failed_at=None
     return text + (f". {then}" if then else "")
 
 
+def as_umask_allows(path: Path | str) -> None:
+    """Give a file or folder made by tempfile (owner-only: 0600, 0700) the mode a plain open() or mkdir() gives under
+    the process's umask, before it is put in place: a run record or an export is read by other users (a team, a
+    model server running as its own user)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+
+
 def writable(path: Path) -> bool:
     """Whether files can be created in `path` or, when it does not exist, its nearest existing parent
     (os.access also answers EROFS for root, whom permission bits do not stop)."""

@@ -154,7 +154,9 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
             f"{name} was trained on other inputs: {'; '.join(refused)}. Resume with the inputs it was trained with "
             "(put them back), or add --allow-input-change to continue on these (recorded in run.json resumes[])"
         )
-    elif not any(c["input"] == "weights" for c in changes):  # the config's SHA-256 said less: not twice
+    elif not ((w.inputs or {}).get("weights") and (launch.inputs or {}).get("weights")):
+        # compared by content (config.json and weights) above: a moved copy of the same base is the same model; the
+        # name and the config's SHA-256 only where the content was not fingerprinted on both sides
         problems += _identity_problems(name, "model", w.model, launch.model)
     per_device, grad_accum = _batch_layout(name, w, launch, problems)
     E = w.effective

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from finetune import precision, units
+from finetune import fingerprints, precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
 from finetune.export import figures, merge, reload, sources
@@ -78,7 +78,6 @@ def checked(args) -> Request:
     from finetune.checkpointing.resume_config import saved_values
     from finetune.config.validate import build_config
     from finetune.launch import rundir
-    from finetune.modeling.load import resolve_model_path
 
     run_dir = Path(args.run).expanduser().resolve()
     if not run_dir.is_dir() or not rundir.is_run_dir(run_dir) or not (run_dir / "config.yaml").is_file():
@@ -94,12 +93,22 @@ def checked(args) -> Request:
     failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
     path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
-    base = Path(resolve_model_path(cfg.model.name_or_path))
+    base = _base(run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {})
     out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
     if out.exists() and not (out.is_dir() and (out / MARKER).is_file()):
         raise UserError(
             f"--out {out}: exists and was not made by finetune export (no {MARKER} in it); nothing was changed"
         )
+    owned = [run_dir / "model", run_dir / "data", *run_dir.glob("checkpoint-*")]  # the run writes, rotates these
+    inside = next((o for o in owned if o == out or o in out.parents), None)
+    if inside is not None:
+        raise UserError(
+            f"--out {out}: inside {inside}, which the run wrote and replaces or deletes (a resume, checkpoint "
+            f"rotation); choose a folder outside it (the default is {run_dir / 'export'}); nothing was changed"
+        )
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"--out {out}: {blocker} is a file, not a folder; nothing was changed")
     dtype = DTYPES[args.dtype] if args.dtype else _config_dtype(base)
     if args.max_shard_size:
         shard = units.parse_size(args.max_shard_size, "--max-shard-size")
@@ -108,6 +117,35 @@ def checked(args) -> Request:
     request = Request(run_dir, cfg, record, source, step, args.merge, out, dtype, shard, base)
     _check_space(request)
     return request
+
+
+def _base(run_dir: Path, cfg, recorded: dict) -> Path:
+    """The base model's folder on this machine, holding the weights the source was trained on (their fingerprints in
+    `recorded`: run.json's `inputs`, or a checkpoint marker's run block), else a UserError naming what differs."""
+    from finetune.checkpointing import provenance
+    from finetune.modeling.load import model_folder, resolve_model_path
+
+    name = cfg.model.name_or_path
+    base = model_folder(resolve_model_path(name), cfg.model.revision)
+    if base is None or not (base / "config.json").is_file():
+        raise UserError(
+            f"model.name_or_path {name!r} ({run_dir / 'config.yaml'}): the base model the run trained on is not on this "
+            f"machine ({'no config.json in it' if base else 'no such folder, nor a cached hub model'}); put it back "
+            f"there (a moved one: a symbolic link at that path to where it is now)"
+        )
+    inputs = recorded.get("inputs") or {}
+    if cfg.method.name != "full" and inputs.get("weights"):  # an adapter is only right on its own base
+        cache = fingerprints.Cache()
+        files = provenance._folder_files(cache, base, provenance.WEIGHT_FILES)
+        cache.save()
+        now = {"weights": fingerprints.of_parts(files) if files else None, "weight_files": files}
+        changed = provenance.input_changes({k: inputs.get(k) for k in now}, now)
+        if changed:
+            raise UserError(
+                f"model.name_or_path {name!r}: {changed[0]['said']} since the source was trained; the export would "
+                f"pair it with weights it was not trained on. Put the base weights it was trained with back in {base}"
+            )
+    return base
 
 
 def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
@@ -160,6 +198,7 @@ def export(request: Request, damage=None) -> dict:
     returns export.json's content (and `kept`: where a failed export is)."""
     request.out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
+    storage.as_umask_allows(partial)
     try:
         with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
             adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None

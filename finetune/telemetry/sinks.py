@@ -79,6 +79,7 @@ class RunJson:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.record.data, f, indent=2, default=str)
                 f.write("\n")
+            storage.as_umask_allows(tmp)
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

@@ -174,6 +174,19 @@ def test_another_family_method_and_model_are_refused_together_naming_what_differ
     assert plan(written("zero2"), launch("zero2", offload="optimizer")).reshard == "universal"  # offload may change
 
 
+def test_a_moved_copy_of_the_same_base_resumes_and_other_weights_are_refused_by_content():
+    """The base folder moved (--model.name_or_path=NEW --allow-config-change): its content fingerprint is the one the
+    checkpoint recorded, so the name is no other model (before: refused by name, with no way to resume)."""
+    same = {"weights": "w" * 32, "weight_files": {"model.safetensors": "w" * 32}}
+    moved = {**MODEL, "name_or_path": "/elsewhere/tiny"}
+    assert plan(written("zero2", inputs=dict(same)), launch("zero2", model=moved, inputs=dict(same))).step == 3
+    other = {"weights": "v" * 32, "weight_files": {"model.safetensors": "v" * 32}}
+    (found,) = refusals(written("zero2", inputs=dict(same)), launch("zero2", model=moved, inputs=other))
+    assert "the base weights changed (fingerprint wwwwwwwwwwww -> vvvvvvvvvvvv" in found, found
+    (found,) = refusals(written("zero2"), launch("zero2", model=moved))  # no fingerprints: compared by name
+    assert "another model (name_or_path: '/models/tiny' in the checkpoint, '/elsewhere/tiny' now)" in found, found
+
+
 def test_layout_dependent_data_order_is_refused_only_when_the_layout_changes():
     breaking = [
         {"dataloader_drop_last": True},

@@ -1291,6 +1291,34 @@ CASES = [
         entry="finetune export",
     ),
     Case(
+        "the base model moved or deleted since the run",
+        "model.name_or_path",
+        lambda ws: [str(_a_run(ws, "lora", model=str(_model_copy(ws)))), "--merge", *_gone(ws / "base")],
+        ("model.name_or_path", "config.yaml): the base model the run trained on is not on this machine", "link"),
+        entry="finetune export",
+    ),
+    Case(
+        "the base weights replaced in place since an adapter was trained on them",
+        "model.name_or_path",
+        lambda ws: [str(_a_run(ws, "lora", model=str(_model_copy(ws)))), "--merge", *_replaced(ws / "base")],
+        ("the base weights changed", "model.safetensors differs", "Put the base weights it was trained with back"),
+        entry="finetune export",
+    ),
+    Case(
+        "an output folder inside the run's model/ or a checkpoint",
+        "--out",
+        lambda ws: [str(_a_run(ws, "lora", checkpoint=2)), "--out", str(ws / "runs" / "made" / "checkpoint-2" / "e")],
+        ("--out", "runs/made/checkpoint-2, which the run wrote", "nothing was changed"),
+        entry="finetune export",
+    ),
+    Case(
+        "an output folder under a file",
+        "--out",
+        lambda ws: [str(_a_run(ws, "lora")), "--out", str(_write(ws / "a-file", "x") / "export")],
+        ("--out", "a-file is a file, not a folder", "nothing was changed"),
+        entry="finetune export",
+    ),
+    Case(
         "an output folder on a disk without room",
         "--out",
         lambda ws: [str(_a_run(ws, "lora")), "--merge", "--out", str(_tmpfs(ws / "small", "size=64k") / "export")],
@@ -1639,20 +1667,27 @@ NOT_ERRORS += [
 ]
 
 
-def _a_run(ws: Path, method: str, *, checkpoint: int | None = None, complete: bool = True) -> Path:
+def _a_run(
+    ws: Path, method: str, *, checkpoint: int | None = None, complete: bool = True, model: str | None = None
+) -> Path:
     """runs/made (a new name: the user's runs/keep stays as it was) as a 2-step run of the demo recipe on the table's
     model leaves it: config.yaml, run.json, the marker, the demo data, model/ (a LoRA adapter, or the full weights)
     and checkpoint-N with model/'s files (and its completion marker when `complete`)."""
-    from finetune.checkpointing import checkpoints
+    from finetune import fingerprints
+    from finetune.checkpointing import checkpoints, provenance
     from finetune.config.recipe import dump_yaml, load_recipe
     from finetune.data import demo
     from finetune.modeling.load import load_model, load_tokenizer
 
     run = ws / "runs" / "made"
-    model = os.environ["FINETUNE_TABLE_MODEL"]
+    model = model or os.environ["FINETUNE_TABLE_MODEL"]
     cfg, _ = load_recipe("demo", [f"--model.name_or_path={model}", f"--method.name={method}", "--run.name=made"])
     _write(run / "config.yaml", dump_yaml(cfg.to_dict()))
-    _write(run / "run.json", json.dumps({"summary": {"status": "completed", "steps": 2}}))
+    weights = provenance._folder_files(
+        fingerprints.Cache(ws / "fingerprints.json"), Path(model), provenance.WEIGHT_FILES
+    )
+    inputs = {"weights": fingerprints.of_parts(weights), "weight_files": weights}
+    _write(run / "run.json", json.dumps({"summary": {"status": "completed", "steps": 2}, "inputs": inputs}))
     _write(run / ".finetune-run", "")
     demo.write_demo(run / "data", 16, 0)
     load_model(cfg.model, cfg.method).save_pretrained(run / "model")
@@ -1662,6 +1697,28 @@ def _a_run(ws: Path, method: str, *, checkpoint: int | None = None, complete: bo
         if complete:
             checkpoints.write_marker(run / f"checkpoint-{checkpoint}", step=checkpoint, world_size=1)
     return run
+
+
+def _model_copy(ws: Path) -> Path:
+    """A copy of the table's model as the base of a run (ws/base), for cases that move it or change it."""
+    return Path(shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "base"))
+
+
+def _gone(model: Path) -> list[str]:
+    """The base deleted (or moved away) after the run."""
+    shutil.rmtree(model)
+    return []
+
+
+def _replaced(model: Path) -> list[str]:
+    """The base's weights rewritten in place (one tensor scaled) after the run recorded their fingerprint."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model / "model.safetensors")
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] * 2
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return []
 
 
 def base_args(ws: Path, model_dir: Path) -> list[str]:
