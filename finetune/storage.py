@@ -107,13 +107,17 @@ def message(code: int, path: Path, doing: str, then: str = "", *, failed_at=None
     return text + (f". {then}" if then else "")
 
 
+# The process's umask, read once at import, before any thread of ours runs: os.umask reads it only by setting it, and
+# a file another thread made in between (a rank's heartbeat writes one every beat) would get no mask at all.
+UMASK = os.umask(0o022)
+os.umask(UMASK)
+
+
 def as_umask_allows(path: Path | str) -> None:
     """Give a file or folder made by tempfile (owner-only: 0600, 0700) the mode a plain open() or mkdir() gives under
     the process's umask, before it is put in place: a run record or an export is read by other users (a team, a
     model server running as its own user)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~UMASK)
 
 
 def writable(path: Path) -> bool:

@@ -130,24 +130,22 @@ def test_bench_out_of_a_folder_bench_did_not_make_is_refused_untouched(tmp_path,
     assert storage.own_directory(made, "finetune bench", "its files") == made  # its own: reused
 
 
-def test_what_is_put_in_place_from_a_temporary_file_or_folder_gets_the_umask_mode(tmp_path):
+def test_what_is_put_in_place_from_a_temporary_file_or_folder_gets_the_umask_mode(tmp_path, monkeypatch):
     """run.json (written to a mkstemp file, then renamed) and `finetune export`'s folder (mkdtemp) were owner-only,
     0600 and 0700, whatever the umask: a team mate's `finetune compare` or a model server running as another user
-    could not read them. Now they get what a plain open() or mkdir() gives."""
+    could not read them. Now they get what a plain open() or mkdir() gives under the umask read at import."""
     import tempfile
 
     from finetune.telemetry.record import RunRecord
     from finetune.telemetry.sinks import RunJson
 
-    old = os.umask(0o022)
-    try:
-        RunJson(RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})).save()
-        folder = Path(tempfile.mkdtemp(dir=tmp_path))
-        storage.as_umask_allows(folder)
-        os.umask(0o027)
-        RunJson(RunRecord(tmp_path / "other.json", run_name="r", recipe="demo", config={})).save()
-    finally:
-        os.umask(old)
+    assert storage.UMASK == os.umask(storage.UMASK)  # read without changing it
+    monkeypatch.setattr(storage, "UMASK", 0o022)
+    RunJson(RunRecord(tmp_path / "run.json", run_name="r", recipe="demo", config={})).save()
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))
+    storage.as_umask_allows(folder)
+    monkeypatch.setattr(storage, "UMASK", 0o027)
+    RunJson(RunRecord(tmp_path / "other.json", run_name="r", recipe="demo", config={})).save()
     assert (tmp_path / "run.json").stat().st_mode & 0o777 == 0o644
     assert folder.stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "other.json").stat().st_mode & 0o777 == 0o640
