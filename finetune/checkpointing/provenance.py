@@ -100,7 +100,7 @@ def inputs(cfg, data_path: str, heldout_path: str | None) -> dict:
     cache, started = fingerprints.Cache(), time.perf_counter()
     model = model_folder(cfg.model.name_or_path, cfg.model.revision)
     tokenizer = model_folder(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, cfg.model.revision)
-    weights = _folder_files(cache, model, WEIGHT_FILES)
+    weights = weights_of(cache, model)
     tokens = _folder_files(cache, tokenizer, TOKENIZER_FILES)
     config = tokenizer / "tokenizer_config.json" if tokenizer else None
     template = _template(cache, tokenizer, config) if cfg.data.chat_template else {}
@@ -114,8 +114,7 @@ def inputs(cfg, data_path: str, heldout_path: str | None) -> dict:
     cache.save()
     return {
         "algorithm": fingerprints.ALGORITHM,
-        "weights": fingerprints.of_parts(weights) if weights else None,
-        "weight_files": weights,
+        **weights,
         "tokenizer": fingerprints.of_parts(tokens) if tokens else None,
         "tokenizer_files": tokens,
         "chat_template": fingerprints.of_parts(template) if template else None,
@@ -139,6 +138,12 @@ def settings(cfg) -> dict:
         for key, value in body.items()
         if f"{section}.{key}" not in NOT_SETTING_KEYS
     }
+
+
+def weights_of(cache, folder: Path | None) -> dict:
+    """run.json `inputs`' `weights` and `weight_files` of a model folder (None and {} for none)."""
+    files = _folder_files(cache, folder, WEIGHT_FILES)
+    return {"weights": fingerprints.of_parts(files) if files else None, "weight_files": files}
 
 
 def _folder_files(cache, folder: Path | None, patterns: tuple[str, ...]) -> dict[str, str]:

@@ -136,9 +136,8 @@ def _base(run_dir: Path, cfg, recorded: dict) -> Path:
     inputs = recorded.get("inputs") or {}
     if cfg.method.name != "full" and inputs.get("weights"):  # an adapter is only right on its own base
         cache = fingerprints.Cache()
-        files = provenance._folder_files(cache, base, provenance.WEIGHT_FILES)
+        now = provenance.weights_of(cache, base)
         cache.save()
-        now = {"weights": fingerprints.of_parts(files) if files else None, "weight_files": files}
         changed = provenance.input_changes({k: inputs.get(k) for k in now}, now)
         if changed:
             raise UserError(

@@ -1683,10 +1683,7 @@ def _a_run(
     model = model or os.environ["FINETUNE_TABLE_MODEL"]
     cfg, _ = load_recipe("demo", [f"--model.name_or_path={model}", f"--method.name={method}", "--run.name=made"])
     _write(run / "config.yaml", dump_yaml(cfg.to_dict()))
-    weights = provenance._folder_files(
-        fingerprints.Cache(ws / "fingerprints.json"), Path(model), provenance.WEIGHT_FILES
-    )
-    inputs = {"weights": fingerprints.of_parts(weights), "weight_files": weights}
+    inputs = provenance.weights_of(fingerprints.Cache(ws / "fingerprints.json"), Path(model))
     _write(run / "run.json", json.dumps({"summary": {"status": "completed", "steps": 2}, "inputs": inputs}))
     _write(run / ".finetune-run", "")
     demo.write_demo(run / "data", 16, 0)
