@@ -8,6 +8,7 @@ input is checked before anything is written; the folder is built beside --out an
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -498,6 +499,15 @@ def model_card(request: Request, found: dict) -> str:
         "Written by `finetune export` from the run's run.json; the check's figures are in export.json.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def earlier_export(run_dir: Path) -> str | None:
+    """What a run that wrote a new model/ says of RUN/export when this command made it (its default --out): it holds
+    the model/ before, a resumed run's, not this one; None when there is none, or the folder is not this command's."""
+    folder = run_dir / "export"
+    if not (folder / MARKER).is_file():
+        return None
+    return f"{folder} holds an export of the model/ before this run's; `finetune export {shlex.quote(str(run_dir))}` renews it"
 
 
 def merge_after_training(run_dir: Path) -> dict:

@@ -4,7 +4,6 @@ how fast, how much memory, what it changed). Rank 0."""
 from __future__ import annotations
 
 import logging
-import shlex
 from functools import partial
 from pathlib import Path
 
@@ -87,14 +86,9 @@ def print_summary(record: RecordView, run_dir: Path, model_dir: Path | None, met
         rows.append(
             ("LoRA adapter" if method in ("lora", "qlora") else "model", f"{model_dir}{verified(model_dir, check)}")
         )
-    from finetune.export.command import MARKER  # a rank has torch, which it imports, already
-
     merged = record.get("export", "merged", default=None)
     if merged:
         rows.append(("merged model", f"{merged['folder']}{verified(Path(merged['folder']), merged['check'])}"))
-    elif model_dir and (run_dir / "export" / MARKER).is_file():  # `finetune export`'s, of an earlier model/ (resumed)
-        renew = f"finetune export {shlex.quote(str(run_dir))}"
-        rows.append(("earlier export", f"{run_dir / 'export'}   (not of this model/: `{renew}` renews it)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"run {record.get('run_name')} completed"] + [f"  {k:<{width}}  {v}" for k, v in rows]
     print("\n".join(["", "=" * 78, *lines, "=" * 78]), flush=True)

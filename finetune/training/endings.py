@@ -103,6 +103,10 @@ class AfterTraining:
         self.exported = self.model_dir
         if check is not None and check.merged:
             self.step("the merged export", self._merged, saves=True)
+        elif self.trainer.accelerator.is_main_process and (
+            earlier := export_command.earlier_export(self.model_dir.parent)
+        ):
+            log.warning("%s", earlier)
 
     def _verify(self, batch) -> None:
         if self.check is None:

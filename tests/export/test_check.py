@@ -208,3 +208,18 @@ def test_the_fresh_process_keeps_out_what_the_run_kept_out_and_computes_the_same
     unused = reload.start([])
     reload.stop(unused)
     assert unused.poll() is not None
+
+
+def test_an_export_made_before_a_resumed_runs_model_is_named_with_the_command_that_renews_it(tmp_path):
+    """A resumed run rewrites model/, and RUN/export, made by `finetune export` from the model/ before, no longer holds
+    it: the run's end says so (finetune/training/endings.py logs it), with the command that renews it, the path quoted
+    (it has a space). Control: a folder named export that finetune export did not make (the user's) is not named."""
+    from finetune.export.command import MARKER, earlier_export
+
+    run = tmp_path / "my run"
+    (run / "export").mkdir(parents=True)
+    assert earlier_export(run) is None  # the user's own folder named export
+    (run / "export" / MARKER).write_text("")
+    assert earlier_export(run) == (
+        f"{run / 'export'} holds an export of the model/ before this run's; `finetune export '{run}'` renews it"
+    )

@@ -149,38 +149,18 @@ def test_a_figure_error_after_training_leaves_the_run_completed_with_the_reason(
     assert data["throughput"]["mfu"] is None and data["throughput"]["mfu_note"].startswith(
         "figures not computed: KeyError"
     )
-    _layout(rec)
-    print_summary(rec.view, tmp_path, None, "full")  # the end-of-run table does not fail on the nulls
-    assert "run r completed" in capsys.readouterr().out
-
-
-def _layout(rec) -> None:
-    """The fields the end-of-run table reads besides the figures: a one-process run of batch 1."""
-    batch = dict(per_device=1, grad_accum=1, data_parallel_size=1, effective=1)
-    rec.set("batch", {**batch, "input_tokens_per_step": None, "trained_tokens_per_step": None})
+    rec.set(
+        "batch",
+        {
+            "per_device": 1,
+            "grad_accum": 1,
+            "data_parallel_size": 1,
+            "effective": 1,
+            "input_tokens_per_step": None,
+            "trained_tokens_per_step": None,
+        },
+    )
     rec.set("lr", {"base": 1e-3, "rule": "none", "reference_batch": 1, "factor": 1.0, "applied": 1e-3})
     rec.set("strategy", {"name": "single", "distributed_type": "NO"})
-
-
-def test_the_end_of_run_table_names_an_export_made_before_this_model(tmp_path, capsys):
-    """A resumed run rewrites model/, and RUN/export, made by `finetune export` from the model/ before, no longer holds
-    it: the table says so, with the command that renews it (the path quoted: it has a space). Controls: a folder named
-    export that finetune export did not make (the user's) and a run that saved no model/ get no such row."""
-    from finetune.export.command import MARKER
-    from finetune.telemetry.record import RunRecord
-    from finetune.telemetry.summary import print_summary
-
-    run = tmp_path / "my run"
-    (run / "export").mkdir(parents=True)
-    rec = RunRecord(run / "run.json", run_name="r", recipe="demo", config={})
-    rec.update("summary", status="completed", steps=2, wall_s=3.0, train_s=2.0)
-    _layout(rec)
-    print_summary(rec.view, run, run / "model", "lora")
-    assert "earlier export" not in capsys.readouterr().out  # the user's own folder named export
-    (run / "export" / MARKER).write_text("")
-    print_summary(rec.view, run, None, "lora")
-    assert "earlier export" not in capsys.readouterr().out  # no model/ written: the export is still of the one there
-    print_summary(rec.view, run, run / "model", "lora")
-    assert f"earlier export  {run / 'export'}   (not of this model/: `finetune export '{run}'` renews it)" in (
-        capsys.readouterr().out
-    )
+    print_summary(rec.view, tmp_path, None, "full")  # the end-of-run table does not fail on the nulls
+    assert "run r completed" in capsys.readouterr().out
