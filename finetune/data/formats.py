@@ -107,9 +107,19 @@ class BadRow(Exception):
     """A row-level problem; the caller adds file and row number."""
 
 
+def _absent(row: dict, key: str, where: str = "") -> BadRow | None:
+    """A key the row (or its turn `where`) lacks, or holds as null (JSON's null; a Parquet/Arrow column's missing
+    value), said as which of the two it is."""
+    if row.get(key) is not None:
+        return None
+    if key in row:
+        return BadRow(f"{where}.{key} is null" if where else f"{key!r} is null")
+    return BadRow(f"{where} is missing key {key!r}" if where else f"missing key {key!r}")
+
+
 def require_str(row: dict, key: str, fmt: str, *, non_empty: bool = False) -> str:
-    if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({TABLE[fmt].help})")
+    if absent := _absent(row, key):
+        raise BadRow(f"{absent} ({TABLE[fmt].help})")
     value = row[key]
     if not isinstance(value, str):
         raise BadRow(f"{key!r} must be a string, got {type_name(value)} {_short(value)}")
@@ -164,8 +174,8 @@ def prompt_and_answer(row: dict, where: str) -> tuple[str, str]:
 
 def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, str], fmt: str) -> list[dict]:
     """Validate a list of turn objects and return clean {role, content} messages."""
-    if key not in row or row[key] is None:
-        raise BadRow(f"missing key {key!r} ({TABLE[fmt].help})")
+    if absent := _absent(row, key):
+        raise BadRow(f"{absent} ({TABLE[fmt].help})")
     turns = row[key]
     if not isinstance(turns, (list, tuple)):
         raise BadRow(f"{key!r} must be a list of {{{role_key}, {text_key}}} objects, got {type_name(turns)}")
@@ -177,8 +187,8 @@ def _turns(row: dict, key: str, role_key: str, text_key: str, roles: dict[str, s
         if not isinstance(turn, dict):
             raise BadRow(f"{where} must be an object with {role_key}, {text_key}; got {type_name(turn)}")
         for k in (role_key, text_key):
-            if turn.get(k) is None:
-                raise BadRow(f"{where} is missing key {k!r}")
+            if absent := _absent(turn, k, where):
+                raise absent
         role, text = turn[role_key], turn[text_key]
         if not isinstance(role, str) or role not in roles:
             raise BadRow(f"{where}.{role_key} must be one of {', '.join(roles)}; got {_short(role)}")

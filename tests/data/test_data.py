@@ -348,7 +348,15 @@ def test_missing_key_names_row_key_and_needed_keys(tokenizer, tmp_path):
         ({"instruction": "i", "output": 5}, "alpaca", "'output' must be a string, got number"),
         ({"instruction": "", "output": "o"}, "alpaca", "'instruction' is empty"),
         ({"instruction": "i", "input": ["x"], "output": "o"}, "alpaca", "'input' must be a string, got list"),
-        ({"prompt": "p", "completion": None}, "prompt_completion", "missing key 'completion'"),
+        ({"prompt": "p", "completion": None}, "prompt_completion", "'completion' is null (prompt_completion rows"),
+        ({"prompt": "p"}, "prompt_completion", "missing key 'completion' (prompt_completion rows"),
+        ({"instruction": None, "output": "o"}, "alpaca", "'instruction' is null"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+            "messages",
+            "messages[1].content is null",
+        ),
+        ({"messages": [{"role": "user", "content": "q"}, {"content": "a"}]}, "messages", "messages[1] is missing key"),
         ({"messages": "hello"}, "messages", "'messages' must be a list"),
         (
             {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]},

@@ -242,5 +242,5 @@ def test_every_problem_of_the_first_pass_is_in_one_message(tmp_path):
     problems = check_head(cfg(folder / "*.jsonl"))
     assert len(problems) == 3, problems
     assert problems[0].startswith(f"data.path: {folder}/b.jsonl: is UTF-16"), problems
-    assert problems[1].startswith(f"data.path: {folder}/a.jsonl row 3: missing key 'output'"), problems
+    assert problems[1].startswith(f"data.path: {folder}/a.jsonl row 3: 'output' is null"), problems
     assert problems[2].startswith(f"data.path: {folder}/c.jsonl row 1: the key 'output' appears 2 times"), problems
