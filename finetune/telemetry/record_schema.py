@@ -425,7 +425,7 @@ class RankPlace(TypedDict):
     pid: int
     params_local: int | None  # parameter elements this rank holds, read when training begins
     params_full: int | None  # parameter elements of the whole model
-    host_peak_rss_gib: float | None  # this rank's host RSS high-water mark, read when training ends
+    host_peak_rss_gib: float | None  # this rank's host RSS high-water mark, read with the last memory window
 
 
 class NodeFigures(TypedDict):

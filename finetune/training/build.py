@@ -100,9 +100,11 @@ def trainer_for(
         on_collapse=cfg.training.on_collapse,
         collapse_windows=cfg.training.collapse_windows,
     )
-    trainer.add_callback(
-        RunHooks(trainer, cfg, launch, learning_rate=arguments.lr["applied"], sinks=sinks, machines=machines)
-    )  # the strategy refused now if it is not the recipe's; the live engine and precision before step 1
+    # the strategy refused now if it is not the recipe's; the live engine and precision before step 1
+    trainer.hooks = RunHooks(
+        trainer, cfg, launch, learning_rate=arguments.lr["applied"], sinks=sinks, machines=machines
+    )
+    trainer.add_callback(trainer.hooks)
     apply_precision(trainer, launch.policy)
     if universal:
         from finetune.checkpointing import universal as universal_checkpoint

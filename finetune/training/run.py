@@ -464,7 +464,9 @@ def finish(
 
     def measure():
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-        return trainer.final_measurements()
+        measured = trainer.final_measurements()
+        trainer.hooks.record_node_host_peaks()  # read again once memory.per_rank is closed: never below it
+        return measured
 
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")

@@ -85,6 +85,11 @@ def test_batch_lr_tokens_and_memory_per_rank(name, strategy_runs, tiny_model_dir
     for entry in mem["per_rank"] + mem["loading"]["per_rank"]:
         assert entry["host_peak_rss_gib"] > 0.1
     assert mem["max"]["host_peak_rss_gib"] == max(r["host_peak_rss_gib"] for r in mem["per_rank"])
+    # each rank's lifetime peak in `nodes` is read after the meter's last window closes: never below a
+    # peak that window or loading saw (both rounded from byte counts, which keeps their order)
+    for rank in rec["nodes"]["ranks"]:
+        for section in (mem["per_rank"], mem["loading"]["per_rank"]):
+            assert rank["host_peak_rss_gib"] >= section[rank["rank"]]["host_peak_rss_gib"], (rank, section)
     tp = rec["throughput"]
     assert tp["trained_tokens_per_s_per_device"] == pytest.approx(tp["trained_tokens_per_s"] / 2, rel=1e-3)
 
