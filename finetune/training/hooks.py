@@ -131,7 +131,7 @@ class RunHooks(TrainerCallback):
 
     def record_node_host_peaks(self) -> None:
         """Each rank's host memory high-water mark (the meter's lifetime peak), gathered into `nodes`: when training
-        ends (what a stopped run keeps), and again by finish() after the meter's last memory window closes."""
+        ends (what a stopped run keeps), and again by final_measurements() after the meter's last memory window."""
         if self.machines:
             memory = self.trainer.meter.memory
             memory.host_peak_now()  # folds the mark since the last log into the lifetime peak

@@ -464,9 +464,7 @@ def finish(
 
     def measure():
         trainer.save_state()  # trainer_state.json in the run directory: log history, step, epoch
-        measured = trainer.final_measurements()
-        trainer.hooks.record_node_host_peaks()  # read again once memory.per_rank is closed: never below it
-        return measured
+        return trainer.final_measurements()
 
     def evaluate():
         fault_injection.hold("slow_eval", rank=rank, step=step, what="evaluation")

@@ -188,9 +188,12 @@ class FinetuneTrainer(Trainer):
 
     def final_measurements(self) -> dict:
         """record_tail(), then the per-step series summed over ranks and memory peaks (per rank,
-        max). Every rank must call this (it gathers)."""
+        max), and the nodes' host peaks read again after them (never below memory.per_rank). Every rank must call
+        this (it gathers)."""
         self.record_tail()
-        return self.meter.final(self.accelerator)
+        measured = self.meter.final(self.accelerator)
+        self.hooks.record_node_host_peaks()  # RunHooks (finetune/training/build.py)
+        return measured
 
 
 def batch_share(wrapped, accelerator) -> BatchShare:

@@ -134,7 +134,9 @@ def test_malformed_overrides_are_problems():
 
 def test_an_override_given_twice_takes_the_last_value_in_both_spellings():
     # docs/usage.md: a script that adds to a base command relies on it
-    cfg, _ = load_recipe("demo", ["--training.max_steps=3", "--training.max_steps", "5", "--run.name=a", "--run.name=b"])
+    cfg, _ = load_recipe(
+        "demo", ["--training.max_steps=3", "--training.max_steps", "5", "--run.name=a", "--run.name=b"]
+    )
     assert (cfg.training.args["max_steps"], cfg.run.name) == (5, "b")
 
 
