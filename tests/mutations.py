@@ -242,6 +242,14 @@ MUTATIONS = [
         "    elif False:",
         "rank 0 records another rank's out of memory as that rank stopped answering",
     ),
+    _m(
+        "left-unread",
+        "out-of-memory",
+        "finetune/launch/peers.py",
+        '        if not watch.left_by and self.store.check([f"{PREFIX}ended"]):',
+        "        if False:",
+        "a rank left waiting by another's out of memory waits until torchrun kills it, its run.json `running`",
+    ),
 ]
 
 

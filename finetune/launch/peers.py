@@ -30,6 +30,11 @@ MARGIN_S = 60.0  # the backend's collective timeout is set this far past the wat
 # A rank whose last beat is this much older than the moment the others failed (or now) had stopped
 # making progress: well above a beat delayed on a loaded machine, well below any collective timeout.
 STALL_S = 10.0
+# A rank left by another that ended (ran out of GPU memory, or its watchdog ended it) normally fails in its next
+# collective at once (gloo); one still running this long after (NCCL waits on a peer that is gone) is ended by its
+# watchdog, naming that rank. Phases with a limit of their own (a save) keep it.
+LEFT_S = 10.0
+ENDED = {"oom": "it ran out of GPU memory", "stuck": "its watchdog ended it"}  # what `tell` kinds say
 
 
 class Watch:
@@ -43,6 +48,7 @@ class Watch:
         self.phase: tuple[str, float, float | None] = ("the start", time.monotonic(), None)  # label, since, limit
         self.wait: tuple[str, float] | None = None  # the agreement (collective) the main thread is in
         self.peer_stop: str | None = None  # another rank's stop signal, read from the store
+        self.left_by: tuple[int, str, float] | None = None  # (rank, kind, when seen): another rank told it ended
         self.step = 0  # the last optimizer step this rank finished (its progress file carries it)
 
     def signalled(self, name: str) -> None:
@@ -96,6 +102,13 @@ class Watch:
                 f"got {self.signal[0]} {now - self.signal[1]:.0f} s ago and could not act on it within "
                 f"training.stop_grace ({self.grace_s:g} s)"
             )
+        return None
+
+    def left(self, now: float) -> str | None:
+        """Why this rank, left by another (`left_by`) LEFT_S ago, is stuck; None in a phase with a limit of its own."""
+        if self.left_by and self.phase[2] is None and now - self.left_by[2] > LEFT_S:
+            rank, kind, seen = self.left_by
+            return f"was left by rank {rank} ({ENDED[kind]}, said above) {now - seen:.0f} s ago and did not stop"
         return None
 
 
@@ -152,9 +165,14 @@ class Heartbeat:
                     self._share()
                 except Exception as e:  # noqa: BLE001 - the store host is gone; `lost` says so
                     self.error = f"{type(e).__name__}: {e}"
-            cause = self.watch.overdue(time.monotonic())
+            now = time.monotonic()
+            cause = self.watch.overdue(now)
             if cause:
                 self._end_stuck(cause)
+            elif left := self.watch.left(now):  # the record's error: the line of the rank that left this one
+                rank, kind, _ = self.watch.left_by
+                said = self.told(kind).get(rank)
+                self._end_stuck(left, said and (f"stuck: {said}" if kind == "stuck" else said))
             self._stop.wait(BEAT_S)
 
     def _share(self) -> None:
@@ -168,6 +186,9 @@ class Heartbeat:
             self.store.set(f"{PREFIX}stop", stop)
         elif not watch.peer_stop and self.store.check([f"{PREFIX}stop"]):
             watch.peer_stop = self.store.get(f"{PREFIX}stop").decode()
+        if not watch.left_by and self.store.check([f"{PREFIX}ended"]):
+            rank, kind = self.store.get(f"{PREFIX}ended").decode().split(":")
+            watch.left_by = (int(rank), kind, time.monotonic()) if int(rank) != self.rank else None
         self._said = (doing, self._said[1] or stop)
 
     def others(self) -> str:
@@ -183,8 +204,9 @@ class Heartbeat:
                     said.append(f"rank {r}: not known")
         return "; ".join(said)
 
-    def _end_stuck(self, cause: str) -> None:
-        """The watchdog's stop: name what each rank waits in, record it (rank 0), exit EXIT_STUCK."""
+    def _end_stuck(self, cause: str, record: str | None = None) -> None:
+        """The watchdog's stop: name what each rank waits in, record it (rank 0; `record`: the error to record
+        instead), exit EXIT_STUCK."""
         now = time.monotonic()
         text = f"rank {self.rank} {cause}; it {self.watch.doing(now)}"
         others = self.others()
@@ -194,7 +216,7 @@ class Heartbeat:
         try:
             self.tell("stuck", text)
             if self.on_stuck:
-                self.on_stuck(f"stuck: {text}")
+                self.on_stuck(record or f"stuck: {text}")
         finally:
             for child in psutil.Process().children(recursive=True):  # a data-map pool, DataLoader workers:
                 with contextlib.suppress(psutil.Error):  # os._exit skips the cleanup that would end them
@@ -207,6 +229,7 @@ class Heartbeat:
         if self.store is not None and not self.error:
             with contextlib.suppress(Exception):  # the store is gone: the others find this rank lost
                 self.store.set(f"{PREFIX}{kind}/{self.rank}", text)
+                self.store.set(f"{PREFIX}ended", f"{self.rank}:{kind}")  # one key every beat looks at
 
     def told(self, kind: str) -> dict[int, str]:
         """rank -> what another rank said on ending (`tell`) of `kind`; empty when none did or the store is gone."""

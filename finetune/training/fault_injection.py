@@ -49,7 +49,12 @@ def _active(kinds: tuple[str, ...], rank: int, step: int) -> str | None:
 
 def corrupt_loss(loss, *, rank: int, step: int):
     """The loss, made NaN/Inf when a *_loss fault names this rank and step; `oom` raises what torch raises when a GPU
-    allocation fails there (torch.OutOfMemoryError, with CUDA's wording), on any device."""
+    allocation fails there (torch.OutOfMemoryError, with CUDA's wording), on any device; `hang` stalls the rank there
+    forever, past the forward's collectives (DDP's buffer broadcast), as a rank waits in NCCL on a peer gone."""
+    if _active(("hang",), rank, step):
+        print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
+        while True:
+            time.sleep(3600)
     if _active(("oom",), rank, step):
         import torch
 
@@ -90,9 +95,9 @@ def install_tp_partial_sums(model, *, rank: int, step) -> None:
 
 
 def at_step_begin(*, rank: int, step: int) -> None:
-    """Process-level faults: die without any cleanup (SIGKILL), stall forever or for PAUSE_S, or be
-    preempted (SIGTERM, handled as a real one: finetune/training/signals.py)."""
-    kind = _active(("kill", "hang", "pause", "sigterm"), rank, step)
+    """Process-level faults: die without any cleanup (SIGKILL), stall for PAUSE_S, or be preempted (SIGTERM,
+    handled as a real one: finetune/training/signals.py)."""
+    kind = _active(("kill", "pause", "sigterm"), rank, step)
     if kind == "sigterm":
         print(f"[fault injection] rank {rank} gets SIGTERM at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -102,10 +107,6 @@ def at_step_begin(*, rank: int, step: int) -> None:
     elif kind == "pause":
         print(f"[fault injection] rank {rank} pauses {PAUSE_S:g} s at step {step}", flush=True)
         time.sleep(PAUSE_S)
-    elif kind == "hang":
-        print(f"[fault injection] rank {rank} stalls at step {step}", flush=True)
-        while True:
-            time.sleep(3600)
 
 
 def hold(kind: str, *, rank: int, step: int, what: str) -> None:

@@ -158,6 +158,29 @@ def test_what_a_rank_tells_on_ending_reaches_the_others_by_kind(store):
     assert alone.told("oom") == {}
 
 
+def test_a_rank_left_by_one_that_ran_out_is_ended_by_its_watchdog_recording_that_ranks_line(store, monkeypatch):
+    """Under NCCL a rank left by another that ran out of GPU memory may wait in its collective until torchrun kills
+    it, its record never saying why; its watchdog ends it LEFT_S after the other told, recording the other's line
+    (rank 0's run.json). A phase with a limit of its own (a save) is never cut short by it: the control."""
+    monkeypatch.setattr(peers, "LEFT_S", 2 * peers.BEAT_S)
+    ended = []
+    monkeypatch.setattr(
+        peers.Heartbeat, "_end_stuck", lambda self, cause, record=None: ended.append((self.rank, cause, record))
+    )
+    saving, training = peers.Watch(), peers.Watch()
+    waits = [peers.Heartbeat(store, 0, 3, training).start(), peers.Heartbeat(store, 2, 3, saving).start()]
+    with saving.during("the save of checkpoint-2", limit_s=60):
+        peers.Heartbeat(store, 1, 3, peers.Watch()).tell("oom", "rank 1 ran out of GPU memory (CUDA out of memory.)")
+        time.sleep(6 * peers.BEAT_S)
+        for beating in waits:
+            beating.stop()
+    assert training.left_by[:2] == saving.left_by[:2] == (1, "oom")
+    assert ended and {(rank, record) for rank, _, record in ended} == {
+        (0, "rank 1 ran out of GPU memory (CUDA out of memory.)")
+    }
+    assert ended[0][1].startswith("was left by rank 1 (it ran out of GPU memory, said above)"), ended
+
+
 def test_a_store_that_no_longer_answers_is_reported_not_raised():
     class Gone:
         def set(self, *a):

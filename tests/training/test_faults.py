@@ -359,6 +359,26 @@ def _out_of_memory(tmp_path, tiny_model_dir):
     assert "torch.OutOfMemoryError: CUDA out of memory" in kept and "Traceback" in kept, kept[-3000:]
 
 
+def _left_by_out_of_memory(tmp_path, tiny_model_dir):
+    """Rank 1 runs out of GPU memory at step 2 while rank 0 stays where it is (the `hang` fault: on a GPU, NCCL's
+    collective waits on a peer that is gone, where gloo fails at once): rank 0's watchdog ends it LEFT_S after rank 1
+    told, naming rank 1, and records rank 1's line in run.json; without it rank 0 waited until torchrun's SIGKILL
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 300 s here) and its run.json stayed `running`."""
+    code, out, run_dir = cli_train(
+        ["--recipe", "ddp", "--config_file", "accelerate_configs/cpu/ddp.yaml", *tiny_args(tiny_model_dir, 4)],
+        run_dir=tmp_path / "run",
+        env={**CPU_ENV, faults.ENV: "oom@rank1,step2;hang@rank0,step2"},
+        timeout=240,
+    )
+    assert code == 1, out[-4000:]
+    assert "finetune: rank 1 ran out of GPU memory (CUDA out of memory." in out, out[-4000:]
+    assert "finetune: stuck: rank 0 was left by rank 1 (it ran out of GPU memory, said above)" in out, out[-4000:]
+    rec = json.loads((run_dir / "run.json").read_text())
+    assert rec["strategy"]["name"] == "ddp" and rec["strategy"]["world_size"] == 2, rec["strategy"]
+    s = rec["summary"]
+    assert s["status"] == "failed" and s["error"].startswith("rank 1 ran out of GPU memory (CUDA out of memory."), s
+
+
 # What other programs printed on `finetune train`'s console before issue 43 (the launcher: torchrun, accelerate; the
 # ranks: DeepSpeed), each held back at its source now (finetune/held_back.py).
 THIRD_PARTY_LAUNCH_LINES = (
@@ -638,6 +658,7 @@ def runs(request, tmp_path_factory, tiny_model_dir):
         [
             ("test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog", at(_watchdog)),
             ("test_a_killed_rank_ends_the_job_naming_it", at(_killed_rank)),
+            ("test_a_rank_left_waiting_by_one_out_of_memory_is_ended_naming_it", at(_left_by_out_of_memory)),
         ],
         [
             ("test_nonfinite_loss_under_deepspeed_stops_before_the_engine_steps", at(_nonfinite_deepspeed)),
@@ -682,3 +703,9 @@ def test_a_rank_held_in_a_collective_after_training_is_ended_by_the_watchdog(run
 @pytest.mark.integration
 def test_a_gpu_out_of_memory_is_said_in_one_line_with_what_makes_a_step_fit(runs, request):
     outcome_of(runs, request)  # _out_of_memory
+
+
+@LANES_TIMEOUT
+@pytest.mark.integration
+def test_a_rank_left_waiting_by_one_out_of_memory_is_ended_naming_it(runs, request):
+    outcome_of(runs, request)  # _left_by_out_of_memory
