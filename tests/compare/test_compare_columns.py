@@ -444,3 +444,40 @@ def test_a_scaling_efficiency_above_100_percent_is_said_to_be_noise(tmp_path):
     lines = report.console_table(comparison.build_table(runs)).splitlines()
     assert "scaling efficiency of demo-ddp: against demo-single; 115% is above 100%: within run-to-run noise" in lines
     assert "scaling efficiency of demo-zero2: against demo-single" in lines  # 77%: said as it is
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            lambda r: r["summary"].update(train_loss="1.7"),
+            'summary.train_loss: expected a number or null, got str "1.7"',
+        ),
+        (lambda r: r["throughput"].update(trained_tokens_per_s="2400"), "throughput.trained_tokens_per_s: expected"),
+        (lambda r: r.update(run_name=None), "run_name: expected a string, got null"),
+        (lambda r: r.update(run_name=7), "run_name: expected a string, got int 7"),
+        (lambda r: r.update(eval={"metric": "exact_match", "exact_match_after": "80%"}), "eval.exact_match_after"),
+        (lambda r: r["steps"][1].update(loss="x"), 'steps[1].loss: expected a number or null, got str "x"'),
+        (lambda r: r["batch"].update(effective=True), "batch.effective: expected an integer, got bool true"),
+    ],
+)
+def test_a_record_with_a_value_of_another_type_is_left_out_naming_the_field(tmp_path, capsys, edit, named):
+    """A run.json edited by hand or damaged: a string where a number goes, a null name. Before: a traceback from
+    the table's arithmetic or formatting (TypeError, ValueError), exit 1; now the run is left out, the file and the
+    field named, the others compared."""
+    from finetune.cli import dispatch
+
+    good = [
+        record(n, strategy=s, method="qlora", world=w, tps=t, device_gib=2.0, host_gib=3.0)
+        for n, s, w, t in (("base", "single", 1, 1000.0), ("ddp", "ddp", 2, 1800.0))
+    ]
+    bad = record("edited", strategy="ddp", method="qlora", world=2, tps=2400.0, device_gib=2.0, host_gib=3.0)
+    edit(bad)
+    paths = [_write_file(tmp_path, f"r{i}", json.dumps(r)) for i, r in enumerate([*good, bad])]
+    code = dispatch.main(["compare", *(str(p.parent) for p in paths), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"warning: left out of the comparison: {paths[2]}: {named}" in err, err
+    assert "the file was edited or damaged" in err and "Traceback" not in err
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert "| base" in page and "| ddp" in page and "| edited" not in page
