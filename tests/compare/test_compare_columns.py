@@ -312,6 +312,20 @@ def test_speed_columns_show_the_record_and_say_when_it_is_missing(runs):
     assert "packing (BFD), x256 tokens" in markdown(table, {}, Path("."))  # the full table (the console: headline)
 
 
+def test_a_speed_section_without_a_field_its_cell_reads_gives_n_a_and_says_which(runs):
+    """A record of an older layout: speed without one field (layout.name) or subsection (compile). Before: KeyError
+    'layout' from `finetune compare`, a traceback; now that cell alone is n/a, with the missing field named."""
+    runs[1].record["speed"] = {**SPEED, "layout": {"packing_algorithm": None, "pad_to_multiple_of": None}}
+    runs[1].record["speed"].pop("compile")
+    runs[2].record["speed"] = {**SPEED, "loss_impl": {**SPEED["loss_impl"], "resolved": None}}  # null: no value
+    table = comparison.build_table(runs)
+    assert [table.cell(1, k) for k in ("layout", "loss_impl", "compile")] == ["n/a", "chunked (auto)", "n/a"]
+    assert [table.cell(2, k) for k in ("layout", "loss_impl")] == ["packing (BFD), x256 tokens", "n/a"]
+    assert table.notes[2]["loss_impl"] == "no speed.loss_impl.resolved in the record (written by an older finetune)"
+    assert table.notes[1]["layout"] == "no speed.layout.name in the record (written by an older finetune)"
+    assert table.notes[1]["compile"] == "no speed.compile.enabled, mode in the record (written by an older finetune)"
+
+
 # --- issue 27 item 4: the report leads with the answer -----------------------------------------------------
 
 # every component name the planner writes for a ZeRO-2 LoRA run on a GPU and one on CPU (finetune/planning/memory.py)
