@@ -495,3 +495,27 @@ def test_a_record_with_a_value_of_another_type_is_left_out_naming_the_field(tmp_
     assert "the file was edited or damaged" in err and "Traceback" not in err
     page = (tmp_path / "r" / "report.md").read_text()
     assert "| base" in page and "| ddp" in page and "| edited" not in page
+
+
+def test_compare_and_sweep_with_an_out_folder_under_a_file_say_so_before_anything_runs(tmp_path, capsys):
+    """Before: `finetune compare ... --out notes.txt/report` wrote nothing but ended in a NotADirectoryError
+    traceback (exit 1); a sweep found out only after every run, at its comparison."""
+    from finetune.cli import dispatch
+
+    good = [
+        record(n, strategy=s, method="qlora", world=w, tps=t, device_gib=2.0, host_gib=3.0)
+        for n, s, w, t in (("base", "single", 1, 1000.0), ("ddp", "ddp", 2, 1800.0))
+    ]
+    paths = [str(_write_file(tmp_path, r["run_name"], json.dumps(r)).parent) for r in good]
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("the user's")
+    for argv in (
+        ["compare", *paths, "--out", str(user_file / "report")],
+        ["compare", *paths, "--out", str(user_file)],
+        ["sweep", "--recipe", "demo", "--strategies", "single", "--cpu", "--out", str(user_file / "sweep")],
+    ):
+        with pytest.raises(SystemExit) as e:
+            dispatch.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{user_file} is a file, not a folder; nothing was changed" in err, err
+        assert "Traceback" not in err and user_file.read_text() == "the user's"
