@@ -143,6 +143,28 @@ def unwritable(path: Path, what: str) -> str | None:
     )
 
 
+def make_directory(path: Path, flag: str = "--out") -> Path:
+    """The folder a command writes into (`flag`: the option that named it), made with its parents or kept when it is
+    one. What stops it is a UserError naming the path and why (a file in the way, no permission, a filesystem that
+    takes no folder), the folders this call made removed again: nothing is left changed."""
+    path = Path(path)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UserError(f"{flag} {path}: {blocker} is a file, not a folder; nothing was changed. Give another {flag}")
+    new = [p for p in (path, *path.parents) if not p.exists()]  # the deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        for made in new:
+            if made.is_dir():
+                made.rmdir()
+        reason = REASONS.get(e.errno, e.strerror)
+        raise UserError(
+            f"{flag} {path}: cannot be made: {reason} ({e.filename}); nothing was changed. Give another {flag}"
+        ) from None
+    return path
+
+
 def own_directory(path: Path, tool: str, rewrites: str) -> Path:
     """--out of `tool` (`finetune doctor`, `finetune bench`): made, or reused when `tool` made it
     (its marker file); a directory it did not make is refused, nothing in it touched. `rewrites`:
@@ -153,7 +175,7 @@ def own_directory(path: Path, tool: str, rewrites: str) -> Path:
             f"--out {path}: exists and was not made by {tool} (no {marker.name} in it); nothing was changed. "
             f"Give another --out"
         )
-    path.mkdir(parents=True, exist_ok=True)
+    make_directory(path)
     marker.write_text(f"made by {tool}; {rewrites} are rewritten by it\n")
     return path
 

@@ -149,3 +149,31 @@ def test_what_is_put_in_place_from_a_temporary_file_or_folder_gets_the_umask_mod
     assert (tmp_path / "run.json").stat().st_mode & 0o777 == 0o644
     assert folder.stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "other.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_an_out_folder_that_cannot_be_made_is_said_and_nothing_is_left(tmp_path, monkeypatch):
+    """`--out` under a file, or on a filesystem that refuses the folder: `finetune compare`, `sweep`, `doctor` and
+    `bench` ended in a traceback (NotADirectoryError, PermissionError from mkdir), exit 1. Now one message names the
+    path and why, and the folders made on the way are removed again."""
+    from finetune.errors import UserError
+
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("the user's")
+    with pytest.raises(UserError, match=rf"--out {user_file}/out: {user_file} is a file, not a folder; nothing was"):
+        storage.make_directory(user_file / "out")
+    for tool in ("finetune doctor", "finetune bench"):  # their --out, through own_directory
+        with pytest.raises(UserError, match="is a file, not a folder"):
+            storage.own_directory(user_file / "out", tool, "its files")
+    assert user_file.read_text() == "the user's"
+
+    real = Path.mkdir
+
+    def refused(self, mode=0o777, parents=False, exist_ok=False):  # what a read-only or forbidden folder answers
+        if self.name == "deeper":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, mode, parents, exist_ok)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(UserError, match=r"cannot be made: permission denied \(.*/new/deeper\); nothing was changed"):
+        storage.make_directory(tmp_path / "new" / "deeper", "--out")
+    assert not (tmp_path / "new").exists()  # made on the way, removed again

@@ -4,6 +4,7 @@ imports no torch: the shapes, methods, layouts and sides it can run (finetune/be
 from __future__ import annotations
 
 import argparse
+import math
 import typing
 
 from finetune import precision
@@ -136,15 +137,22 @@ def add_data_and_runs(p: argparse.ArgumentParser) -> None:
     )
 
 
+# The least value of each whole-number option, and the options that take any finite number > 0 (argparse checks
+# only the type: a negative --warmup-steps measured the last step alone, a --prompt-median of 0 ended in a traceback).
+LEAST = {"seq_len": 16, "batch": 1, "steps": 1, "rounds": 1, "warmup_steps": 0}
+POSITIVE = ("prompt_median", "response_median", "run_timeout")
+
+
 def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
     """Values argparse cannot check by type; the SDPA list split."""
     if args.sdpa_backends not in ("auto", "torch_default"):
         args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
-    for name in ("seq_len", "batch", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.seq_len < 16:
-        p.error("--seq-len must be >= 16")
+    for name, least in LEAST.items():
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    for name in POSITIVE:
+        if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+            p.error(f"--{name.replace('_', '-')} must be a number > 0, got {getattr(args, name)}")
     return args
 
 

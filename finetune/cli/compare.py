@@ -6,6 +6,7 @@ import shlex
 from datetime import datetime
 from pathlib import Path
 
+from finetune import storage
 from finetune.config import command_line
 from finetune.errors import UserError
 
@@ -65,7 +66,7 @@ def _common(p) -> None:
 
 def _fresh_dir(out: str | None, default: Path) -> Path:
     path = Path(out) if out else default
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.is_dir() and any(path.iterdir()):
         raise UserError(f"--out {path}: exists and is not empty; nothing was changed. Choose another directory.")
     return path
 
@@ -79,7 +80,7 @@ def report(runs, *, baseline, out_dir: Path, price, left_out: list[str] = ()) ->
 
     table = build_table(runs, baseline=baseline, gpu_hour_price=price)
     table.warnings += [f"left out (unreadable): {problem}" for problem in left_out]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    storage.make_directory(out_dir)
     pngs = plots.write_plots(table, out_dir)
     files = report_lib.write_reports(table, pngs, out_dir)
     print(report_lib.console_table(table), flush=True)
@@ -130,6 +131,7 @@ def sweep_main(args, overrides: list[str]) -> int:
         if baseline not in names:
             raise UserError(f"--baseline-strategy {baseline}: name one of the strategies ({', '.join(names)})")
         baseline = out / baseline
+    storage.make_directory(out)  # before any run: a folder that cannot be made is said now, not after the runs
     print(f"sweep of {args.recipe}: {len(planned)} runs, effective batch {planned[0].effective} each, into {out}")
     for p in planned:
         print(

@@ -392,8 +392,7 @@ def _unrecorded(run: Run, row: dict) -> dict[str, str]:
     why: dict[str, str] = {}
     if row["precision"] is None:
         why["precision"] = "no precision section in the record (written before it existed, or failed before Trainer)"
-    if run.get("speed") is None:
-        why.update(dict.fromkeys(SPEED_KEYS, "no speed section in the record (written by an older finetune)"))
+    why.update(speed_gaps(run.get("speed")))
     if row["mfu"] is None:
         why["mfu"] = run.get("throughput", "mfu_note") or "not recorded"
     if row["device_peak_gib"] is None:
@@ -499,28 +498,66 @@ def loss_curve(run: Run) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-# The run record's `speed` section (docs/run_record.md) as short comparison cells.
-SPEED_KEYS = ("layout", "loss_impl", "attention", "compile", "liger")
+# The run record's `speed` section (docs/run_record.md) as short comparison cells: each cell's subsection and the
+# fields it reads there, `?` after those a run may record as null (a record written before one of them existed, or
+# with a null where a value goes, gives that cell n/a, and why).
+SPEED_READS = {
+    "layout": ("name", "packing_algorithm?", "pad_to_multiple_of?"),
+    "loss_impl": ("resolved", "requested"),
+    "attention": ("implementation", "sdpa_backends_policy"),
+    "compile": ("enabled", "mode?"),
+    "liger": ("layer_kernels", "fused_linear_cross_entropy"),
+}
+SPEED_KEYS = tuple(SPEED_READS)
 SPEED_LAYOUTS = {"padded": "padded", "padding_free": "padding-free", "packing": "packing"}
+
+
+def speed_gaps(sp: dict | None) -> dict[str, str]:
+    """Why each speed cell the record cannot give is n/a: no speed section, or a field its cell reads missing."""
+    older = "in the record (written by an older finetune)"
+    if not sp:
+        return dict.fromkeys(SPEED_KEYS, f"no speed section {older}")
+    gaps = {}
+    for key, fields in SPEED_READS.items():
+        part = sp.get(key) or {}
+        lacking = [
+            f.rstrip("?") for f in fields if (f.rstrip("?") not in part if f.endswith("?") else part.get(f) is None)
+        ]
+        if lacking:
+            gaps[key] = f"no speed.{key}.{', '.join(lacking)} {older}"
+    return gaps
 
 
 def speed_cells(sp: dict | None) -> dict:
     """layout (+ packing algorithm, bucketing), the loss that ran (`(auto)` when auto chose it),
-    attention implementation/SDPA policy, compile, Liger; all None for a record without `speed`."""
-    if not sp:
-        return dict.fromkeys(SPEED_KEYS)
-    layout, loss, attn, liger = sp["layout"], sp["loss_impl"], sp["attention"], sp["liger"]
-    policy = attn["sdpa_backends_policy"]
-    kernels = [
-        k for k, on in (("layers", liger["layer_kernels"]), ("fused loss", liger["fused_linear_cross_entropy"])) if on
-    ]
-    return {
-        "layout": SPEED_LAYOUTS[layout["name"]]
+    attention implementation/SDPA policy, compile, Liger; None where speed_gaps says why."""
+    gaps = speed_gaps(sp)
+    return {key: None if key in gaps else SPEED_CELLS[key](sp[key]) for key in SPEED_KEYS}
+
+
+def _layout(layout: dict) -> str:
+    return (
+        SPEED_LAYOUTS.get(layout["name"], layout["name"])
         + (" (BFD)" if layout["packing_algorithm"] == "best_fit_decreasing" else "")
-        + (f", x{layout['pad_to_multiple_of']} tokens" if layout["pad_to_multiple_of"] else ""),
-        "loss_impl": loss["resolved"] + (" (auto)" if loss["requested"] == "auto" else ""),
-        "attention": attn["implementation"]
-        + (f"/{policy if isinstance(policy, str) else '+'.join(policy)}" if attn["implementation"] == "sdpa" else ""),
-        "compile": f"on ({sp['compile']['mode'] or 'default'})" if sp["compile"]["enabled"] else "off",
-        "liger": " + ".join(kernels) or "off",
-    }
+        + (f", x{layout['pad_to_multiple_of']} tokens" if layout["pad_to_multiple_of"] else "")
+    )
+
+
+def _attention(attn: dict) -> str:
+    policy = attn["sdpa_backends_policy"]
+    if attn["implementation"] != "sdpa":
+        return attn["implementation"]
+    return f"sdpa/{policy if isinstance(policy, str) else '+'.join(policy)}"
+
+
+def _liger_kernels(liger: dict) -> tuple:
+    return ("layers", liger["layer_kernels"]), ("fused loss", liger["fused_linear_cross_entropy"])
+
+
+SPEED_CELLS = {
+    "layout": _layout,
+    "loss_impl": lambda loss: loss["resolved"] + (" (auto)" if loss["requested"] == "auto" else ""),
+    "attention": _attention,
+    "compile": lambda c: f"on ({c['mode'] or 'default'})" if c["enabled"] else "off",
+    "liger": lambda liger: " + ".join(k for k, on in _liger_kernels(liger) if on) or "off",
+}

@@ -102,7 +102,10 @@ def load(path: Path) -> dict:
 
 
 def check(record) -> str | None:
-    """Why `record` (a parsed run.json) is not a usable schema-1 record, or None."""
+    """Why `record` (a parsed run.json) is not a usable schema-1 record, or None: another schema, a section it needs
+    missing, or a value of another type than the schema declares (a string where a number goes: an edited or
+    damaged record), named by its path in run.json. Fields the schema does not know, null ones and those a record
+    written before they existed lacks are no problem: readers say n/a."""
     if not isinstance(record, dict):
         return f"not a run record (top level is {type(record).__name__}, expected an object)"
     schema = record.get("schema")
@@ -114,16 +117,72 @@ def check(record) -> str | None:
     missing = [s.name for s in SECTIONS if s.required and s.name not in record]
     if missing:
         return f"schema-1 record without {', '.join(missing)} (incomplete or from an older development version)"
-    checked = [s for s in SECTIONS if s.required and s.kind != "value"]
-    for s in sorted(checked, key=lambda s: ("object", "object|null", "list").index(s.kind)):
-        value = record[s.name]
-        if s.kind == "object" and not isinstance(value, dict):
-            return f"{s.name}: expected an object, got {type(value).__name__}"
-        if s.kind == "object|null" and value is not None and not isinstance(value, dict):
-            return f"{s.name}: expected an object or null, got {type(value).__name__}"
-        if s.kind == "list" and not isinstance(value, list):
-            return f"{s.name}: expected a list, got {type(value).__name__}"
+    for s in SECTIONS:
+        value = record.get(s.name)
+        if value is None and s.required and s.kind != "object|null":  # the run's name, its summary, ...
+            wrong = f"{s.name}: expected {_json_type(s.shape)}, got null"
+        else:
+            wrong = mistyped(value, s.shape, s.name)
+        if wrong:
+            return f"{wrong} (the file was edited or damaged; docs/run_record.md declares each field)"
     return None
+
+
+JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+
+
+def mistyped(value, hint, where: str) -> str | None:
+    """'<where>: expected <type>, got <value>' for the first value in `value` whose type is not the declared `hint`'s
+    (a TypedDict's fields, list entries and mapping values too), or None. A JSON integer is a number; a null is an
+    absent value, as RecordView reads it."""
+    if value is None or hint is Any or hint is object:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if any(mistyped(value, arm, where) is None for arm in args):
+            return None
+        inner = [arm for arm in args if _container(arm) is not None and isinstance(value, _container(arm))]
+        if inner:  # the right container with a wrong value inside: name that value
+            return mistyped(value, inner[0], where)
+        return f"{where}: expected {' or '.join(_json_type(a) for a in args)}, got {_got(value)}"
+    container = _container(hint)
+    if container is not None and not isinstance(value, container):
+        return f"{where}: expected {_json_type(hint)}, got {_got(value)}"
+    fields = typed_fields(hint)
+    if fields is not None:
+        inside = ((f"{where}.{k}", v, fields[k]) for k, v in value.items() if k in fields)
+    elif origin is list and args:
+        inside = ((f"{where}[{i}]", v, args[0]) for i, v in enumerate(value))
+    elif origin is dict and len(args) == 2:
+        inside = ((f"{where}.{k}", v, args[1]) for k, v in value.items())
+    elif container is not None:
+        return None
+    elif isinstance(value, bool) != (hint is bool) or not isinstance(value, (int, float) if hint is float else hint):
+        return f"{where}: expected {_json_type(hint)}, got {_got(value)}"
+    else:
+        return None
+    return next((wrong for w, v, h in inside if (wrong := mistyped(v, h, w))), None)
+
+
+def _container(hint) -> type | None:
+    """dict or list when `hint` declares an object or a list (a JSON array is a list, a tuple's too), else None."""
+    if typed_fields(hint) is not None or hint is dict or typing.get_origin(hint) is dict:
+        return dict
+    if hint in (list, tuple) or typing.get_origin(hint) in (list, tuple):
+        return list
+    return None
+
+
+def _json_type(hint) -> str:
+    if hint is type(None):
+        return "null"
+    return "a list" if _container(hint) is list else JSON_TYPES.get(_container(hint) or hint, str(hint))
+
+
+def _got(value) -> str:
+    text = json.dumps(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return text if value is None else f"{type(value).__name__} {text}"
 
 
 # --- the machine a run ran on: run.json `versions` and `hardware` -----------------------------

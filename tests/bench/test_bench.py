@@ -115,6 +115,26 @@ def test_bench_help_names_the_baselines_and_the_precision_policy(capsys):
     assert "ResilientTrainer" in out
 
 
+@pytest.mark.parametrize(
+    "option, said",
+    [
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),  # measured the last step alone
+        (["--prompt-median", "0"], "--prompt-median must be a number > 0, got 0.0"),  # math domain error
+        (["--response-median", "nan"], "--response-median must be a number > 0, got nan"),
+        (["--run-timeout", "-5"], "--run-timeout must be a number > 0, got -5.0"),  # every run failed, timed out
+        (["--seq-len", "8"], "--seq-len must be >= 16, got 8"),
+    ],
+)
+def test_bench_refuses_a_number_out_of_range_before_anything_runs(tmp_path, capsys, option, said):
+    """Before: --prompt-median 0 ended in a traceback, --warmup-steps -1 gave figures of the last step alone, and
+    --run-timeout -5 ran every side into a timeout; now exit 2 naming the option, its bound and the value."""
+    with pytest.raises(SystemExit) as e:
+        dispatch.main(["bench", "--out", str(tmp_path / "b"), *option])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and "Traceback" not in err, err
+    assert not (tmp_path / "b").exists()
+
+
 def test_shape_overhead_rows(tmp_path, bundled_model_dir):
     out = tmp_path / "shapes"
     code = dispatch.main(

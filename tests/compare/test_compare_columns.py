@@ -312,6 +312,20 @@ def test_speed_columns_show_the_record_and_say_when_it_is_missing(runs):
     assert "packing (BFD), x256 tokens" in markdown(table, {}, Path("."))  # the full table (the console: headline)
 
 
+def test_a_speed_section_without_a_field_its_cell_reads_gives_n_a_and_says_which(runs):
+    """A record of an older layout: speed without one field (layout.name) or subsection (compile). Before: KeyError
+    'layout' from `finetune compare`, a traceback; now that cell alone is n/a, with the missing field named."""
+    runs[1].record["speed"] = {**SPEED, "layout": {"packing_algorithm": None, "pad_to_multiple_of": None}}
+    runs[1].record["speed"].pop("compile")
+    runs[2].record["speed"] = {**SPEED, "loss_impl": {**SPEED["loss_impl"], "resolved": None}}  # null: no value
+    table = comparison.build_table(runs)
+    assert [table.cell(1, k) for k in ("layout", "loss_impl", "compile")] == ["n/a", "chunked (auto)", "n/a"]
+    assert [table.cell(2, k) for k in ("layout", "loss_impl")] == ["packing (BFD), x256 tokens", "n/a"]
+    assert table.notes[2]["loss_impl"] == "no speed.loss_impl.resolved in the record (written by an older finetune)"
+    assert table.notes[1]["layout"] == "no speed.layout.name in the record (written by an older finetune)"
+    assert table.notes[1]["compile"] == "no speed.compile.enabled, mode in the record (written by an older finetune)"
+
+
 # --- issue 27 item 4: the report leads with the answer -----------------------------------------------------
 
 # every component name the planner writes for a ZeRO-2 LoRA run on a GPU and one on CPU (finetune/planning/memory.py)
@@ -444,3 +458,64 @@ def test_a_scaling_efficiency_above_100_percent_is_said_to_be_noise(tmp_path):
     lines = report.console_table(comparison.build_table(runs)).splitlines()
     assert "scaling efficiency of demo-ddp: against demo-single; 115% is above 100%: within run-to-run noise" in lines
     assert "scaling efficiency of demo-zero2: against demo-single" in lines  # 77%: said as it is
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            lambda r: r["summary"].update(train_loss="1.7"),
+            'summary.train_loss: expected a number or null, got str "1.7"',
+        ),
+        (lambda r: r["throughput"].update(trained_tokens_per_s="2400"), "throughput.trained_tokens_per_s: expected"),
+        (lambda r: r.update(run_name=None), "run_name: expected a string, got null"),
+        (lambda r: r.update(run_name=7), "run_name: expected a string, got int 7"),
+        (lambda r: r.update(eval={"metric": "exact_match", "exact_match_after": "80%"}), "eval.exact_match_after"),
+        (lambda r: r["steps"][1].update(loss="x"), 'steps[1].loss: expected a number or null, got str "x"'),
+        (lambda r: r["batch"].update(effective=True), "batch.effective: expected an integer, got bool true"),
+    ],
+)
+def test_a_record_with_a_value_of_another_type_is_left_out_naming_the_field(tmp_path, capsys, edit, named):
+    """A run.json edited by hand or damaged: a string where a number goes, a null name. Before: a traceback from
+    the table's arithmetic or formatting (TypeError, ValueError), exit 1; now the run is left out, the file and the
+    field named, the others compared."""
+    from finetune.cli import dispatch
+
+    good = [
+        record(n, strategy=s, method="qlora", world=w, tps=t, device_gib=2.0, host_gib=3.0)
+        for n, s, w, t in (("base", "single", 1, 1000.0), ("ddp", "ddp", 2, 1800.0))
+    ]
+    bad = record("edited", strategy="ddp", method="qlora", world=2, tps=2400.0, device_gib=2.0, host_gib=3.0)
+    edit(bad)
+    paths = [_write_file(tmp_path, f"r{i}", json.dumps(r)) for i, r in enumerate([*good, bad])]
+    code = dispatch.main(["compare", *(str(p.parent) for p in paths), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"warning: left out of the comparison: {paths[2]}: {named}" in err, err
+    assert "the file was edited or damaged" in err and "Traceback" not in err
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert "| base" in page and "| ddp" in page and "| edited" not in page
+
+
+def test_compare_and_sweep_with_an_out_folder_under_a_file_say_so_before_anything_runs(tmp_path, capsys):
+    """Before: `finetune compare ... --out notes.txt/report` wrote nothing but ended in a NotADirectoryError
+    traceback (exit 1); a sweep found out only after every run, at its comparison."""
+    from finetune.cli import dispatch
+
+    good = [
+        record(n, strategy=s, method="qlora", world=w, tps=t, device_gib=2.0, host_gib=3.0)
+        for n, s, w, t in (("base", "single", 1, 1000.0), ("ddp", "ddp", 2, 1800.0))
+    ]
+    paths = [str(_write_file(tmp_path, r["run_name"], json.dumps(r)).parent) for r in good]
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("the user's")
+    for argv in (
+        ["compare", *paths, "--out", str(user_file / "report")],
+        ["compare", *paths, "--out", str(user_file)],
+        ["sweep", "--recipe", "demo", "--strategies", "single", "--cpu", "--out", str(user_file / "sweep")],
+    ):
+        with pytest.raises(SystemExit) as e:
+            dispatch.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{user_file} is a file, not a folder; nothing was changed" in err, err
+        assert "Traceback" not in err and user_file.read_text() == "the user's"
