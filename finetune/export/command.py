@@ -388,7 +388,7 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
             problems.append(f"{who} does not load: {found['load_error']}")
     if saved["block_peft"] and "peft" in got.get("loaded", []):
         problems.append("the export loaded with peft imported; it must load without")
-    dtype = _compared_in(request)
+    dtype = request.dtype
     section = {"kind": "reload", "why": "finetune export", "reference": what, "compute_dtype": dtype}
     section.update(probe=figures.describe_probe(batch, str(data.path)), tensors=len(expected))
     section.update(max_tensor_rel_diff=worst, device=got.get("device"))
@@ -417,15 +417,6 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     if got.get("chat_template") != getattr(tokenizer, "chat_template", None):
         problems.append("the exported tokenizer's chat template is not the one the run trained with")
     return section | {"problems": problems, "passed": not problems}
-
-
-def _compared_in(request: Request) -> str:
-    """The dtype whose tolerance applies: --dtype's; for a QLoRA merge at least bf16's, since bitsandbytes' 4-bit
-    matmul computes at 16-bit precision (measured on CPU: one layer 3.7e-3 relative from fp32 arithmetic on its
-    dequantized weights, bf16's unit roundoff)."""
-    qlora = request.merge and request.cfg.method.name == "qlora"
-    wider = figures.UNIT_ROUNDOFF[request.dtype] < figures.UNIT_ROUNDOFF["bfloat16"]
-    return "bfloat16" if qlora and wider else request.dtype
 
 
 def _reference(request: Request, adapter_dir: Path | None) -> tuple[dict, str]:
