@@ -361,9 +361,9 @@ def _tokenizer(request: Request):
 
 
 def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: dict, tokenizer, work: Path) -> dict:
-    """The exported folder in a fresh process (peft unimportable when it must load without it) against the source
-    loaded as its format is loaded in another; QLoRA merges: against the 4-bit base + adapter it trained as, and the
-    difference from the original base + adapter reported."""
+    """The exported folder in a fresh process (peft unimportable when it must load without it; an adapter on the base
+    the reference loads, QLoRA's 4-bit) against the source loaded as its format is loaded in another; QLoRA merges:
+    against the 4-bit base + adapter it trained as, and the difference from the original base + adapter reported."""
     import dataclasses
 
     from safetensors.torch import save_file
@@ -375,10 +375,9 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     save_file({k: v.contiguous() for k, v in batch.items()}, str(work / "probe.safetensors"))
     common = {"probe": str(work / "probe.safetensors"), "bytes": _bytes(request)}
     reference, what = _reference(request, adapter_dir)
-    saved = {"folder": str(folder), "dtype": request.dtype, "stats": True, "tokenizer": True}
-    if request.adapter and not request.merge:
-        saved.update(base=str(request.base))
-    saved["block_peft"] = not (request.adapter and not request.merge)
+    adapter_only = request.adapter and not request.merge  # loads on the base as the reference does (QLoRA: 4-bit)
+    saved = (reference if adapter_only else {"dtype": request.dtype}) | {"folder": str(folder)}
+    saved.update(stats=True, tokenizer=True, block_peft=not adapter_only)
     ref = reload.fresh(common | reference, work / "reference", CHECK_TIMEOUT_S)
     got = reload.fresh(common | saved, work / "saved", CHECK_TIMEOUT_S)
     tensor_problems, worst = figures.tensor_problems(expected, got.get("stats", {}))
@@ -486,6 +485,14 @@ def model_card(request: Request, found: dict) -> str:
         f"- steps: {found['step']}, final train loss {loss if loss is not None else 'n/a'}",
         f"- exported from: {found['source']}, weights in {found['dtype']}",
         f"- check ({check['kind']}, against {check['reference']}): {'passed' if check['passed'] else 'FAILED'}; {figs}",
+        *(
+            [
+                f"- load it on the base quantized as it trained: BitsAndBytesConfig(load_in_4bit=True, "
+                f"bnb_4bit_quant_type={cfg.method.quant_type!r}, bnb_4bit_use_double_quant={cfg.method.double_quant})"
+            ]
+            if cfg.method.name == "qlora" and not request.merge
+            else []
+        ),
         "",
         "Written by `finetune export` from the run's run.json; the check's figures are in export.json.",
     ]
