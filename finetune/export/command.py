@@ -78,11 +78,10 @@ def checked(args) -> Request:
     """The request, or a UserError naming what is wrong; reads only."""
     from finetune.checkpointing.resume_config import saved_values
     from finetune.config.validate import build_config
-    from finetune.launch import rundir
 
     run_dir = Path(args.run).expanduser().resolve()
-    if not run_dir.is_dir() or not rundir.is_run_dir(run_dir) or not (run_dir / "config.yaml").is_file():
-        raise UserError(f"{args.run}: not a run directory (no {rundir.MARKER} and config.yaml from finetune train)")
+    if not _a_run(run_dir):
+        raise UserError(_not_a_run(args.run, run_dir))
     values, saved = saved_values(run_dir)  # with the changes resumes made
     cfg = build_config(values, recipe=values.pop("recipe", None) or "custom", source=str(saved))
     if args.merge and cfg.method.name == "full":
@@ -118,6 +117,34 @@ def checked(args) -> Request:
     request = Request(run_dir, cfg, record, source, step, args.merge, out, dtype, shard, base)
     _check_space(request)
     return request
+
+
+def _a_run(path: Path) -> bool:
+    from finetune.launch import rundir
+
+    return path.is_dir() and rundir.is_run_dir(path) and (path / "config.yaml").is_file()
+
+
+def _not_a_run(given: str, path: Path) -> str:
+    """What RUN is instead of a run directory, and the command that exports what the user meant: a folder inside a
+    run (a checkpoint, model/) names its run."""
+    from finetune.launch import rundir
+
+    run = next((p for p in path.parents if _a_run(p)), None)
+    if run is None and not path.exists():
+        return f"{given}: no such folder (RUN is the directory finetune train made, runs/NAME)"
+    if run is None:
+        return f"{given}: not a run directory (no {rundir.MARKER} and config.yaml from finetune train)"
+    step = checkpoints.step_of(path) if path.parent == run else None
+    if step is not None:
+        return (
+            f"{given}: checkpoint {step} of the run {run}, not a run directory; export it with "
+            f"`finetune export {shlex.quote(str(run))} --checkpoint {step}`"
+        )
+    return (
+        f"{given}: inside the run {run}, not a run directory; export the run's model/ with "
+        f"`finetune export {shlex.quote(str(run))}` (a checkpoint: --checkpoint N)"
+    )
 
 
 def _base(run_dir: Path, cfg, recorded: dict) -> Path:

@@ -1263,6 +1263,27 @@ CASES = [
         entry="finetune export",
     ),
     Case(
+        "a checkpoint folder given as the run",
+        "RUN",
+        lambda ws: [str(_a_run(ws, "lora", checkpoint=2) / "checkpoint-2")],
+        ("checkpoint-2: checkpoint 2 of the run", "runs/made --checkpoint 2`"),
+        entry="finetune export",
+    ),
+    Case(
+        "the run's model/ given as the run",
+        "RUN",
+        lambda ws: [str(_a_run(ws, "lora") / "model")],
+        ("model: inside the run", "export the run's model/ with `finetune export", "runs/made`"),
+        entry="finetune export",
+    ),
+    Case(
+        "a run folder that does not exist",
+        "RUN",
+        lambda ws: [str(ws / "runs" / "typo")],
+        ("runs/typo: no such folder", "the directory finetune train made"),
+        entry="finetune export",
+    ),
+    Case(
         "a checkpoint without its completion marker (a save cut short)",
         "--checkpoint",
         lambda ws: [str(_a_run(ws, "lora", checkpoint=2, complete=False)), "--checkpoint", "2"],
