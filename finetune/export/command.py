@@ -8,8 +8,10 @@ input is checked before anything is written; the folder is built beside --out an
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -82,6 +84,7 @@ def checked(args) -> Request:
     run_dir = Path(args.run).expanduser().resolve()
     if not _a_run(run_dir):
         raise UserError(_not_a_run(args.run, run_dir))
+    _refuse_a_live_run(run_dir, args)
     values, saved = saved_values(run_dir)  # with the changes resumes made
     cfg = build_config(values, recipe=values.pop("recipe", None) or "custom", source=str(saved))
     if args.merge and cfg.method.name == "full":
@@ -123,6 +126,29 @@ def _a_run(path: Path) -> bool:
     from finetune.launch import rundir
 
     return path.is_dir() and rundir.is_run_dir(path) and (path / "config.yaml").is_file()
+
+
+def _refuse_a_live_run(run_dir: Path, args) -> None:
+    """A run a live process holds (finetune/launch/run_lock.py) has no model/ yet, rotates its checkpoints and, with
+    run.export: merged, writes RUN/export at its end: only a complete checkpoint named with --checkpoint, to an --out
+    outside the run, is exported from it; else a UserError naming the live run and that command."""
+    from finetune.launch import run_lock
+
+    if run_lock.live_run(run_dir) is None:
+        return
+    note = run_lock.holder(run_dir)
+    if note.get("pid") == os.getppid() and note.get("host") == socket.gethostname():
+        return  # the run's own merge at its end (merge_after_training)
+    out = Path(args.out).expanduser().resolve() if args.out else run_dir
+    if args.checkpoint is not None and run_dir != out and run_dir not in out.parents:
+        return
+    complete = ", ".join(c.name for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c) is None)
+    raise UserError(
+        f"{run_dir}: a live run is writing it (pid {note.get('pid', '?')} on host {note.get('host', '?')}, started "
+        f"{note.get('started', '?')}); its model/ is written when it ends. Export a complete checkpoint (now: "
+        f"{complete or 'none'}) to a folder outside the run: `finetune export {shlex.quote(str(run_dir))} "
+        f"--checkpoint N --out DIR`, or the run's model/ once it has ended; nothing was changed"
+    )
 
 
 def _not_a_run(given: str, path: Path) -> str:
