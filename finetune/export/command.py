@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from finetune import fingerprints, precision, storage, units
+from finetune import precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
-from finetune.export import figures, merge, reload, sources
+from finetune.export import base_model, figures, merge, reload, sources
 
 MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
@@ -96,7 +96,9 @@ def checked(args) -> Request:
     failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
     path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
-    base = _base(run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {})
+    base = base_model.folder(
+        run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {}
+    )
     out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
     if out.exists() and not (out.is_dir() and (out / MARKER).is_file()):
         raise UserError(
@@ -171,34 +173,6 @@ def _not_a_run(given: str, path: Path) -> str:
         f"{given}: inside the run {run}, not a run directory; export the run's model/ with "
         f"`finetune export {shlex.quote(str(run))}` (a checkpoint: --checkpoint N)"
     )
-
-
-def _base(run_dir: Path, cfg, recorded: dict) -> Path:
-    """The base model's folder on this machine, holding the weights the source was trained on (their fingerprints in
-    `recorded`: run.json's `inputs`, or a checkpoint marker's run block), else a UserError naming what differs."""
-    from finetune.checkpointing import provenance
-    from finetune.modeling.load import model_folder, resolve_model_path
-
-    name = cfg.model.name_or_path
-    base = model_folder(resolve_model_path(name), cfg.model.revision)
-    if base is None or not (base / "config.json").is_file():
-        raise UserError(
-            f"model.name_or_path {name!r} ({run_dir / 'config.yaml'}): the base model the run trained on is not on this "
-            f"machine ({'no config.json in it' if base else 'no such folder, nor a cached hub model'}); put it back "
-            f"there (a moved one: a symbolic link at that path to where it is now)"
-        )
-    inputs = recorded.get("inputs") or {}
-    if cfg.method.name != "full" and inputs.get("weights"):  # an adapter is only right on its own base
-        cache = fingerprints.Cache()
-        now = provenance.weights_of(cache, base)
-        cache.save()
-        changed = provenance.input_changes({k: inputs.get(k) for k in now}, now)
-        if changed:
-            raise UserError(
-                f"model.name_or_path {name!r}: {changed[0]['said']} since the source was trained; the export would "
-                f"pair it with weights it was not trained on. Put the base weights it was trained with back in {base}"
-            )
-    return base
 
 
 def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
@@ -302,6 +276,10 @@ def _consolidated_adapter(request: Request, work: Path) -> Path:
     tensors = {name: t.contiguous() for name, t in request.source.tensors()}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = sources.adapter_config(request.source, request.cfg.method, str(request.base))
+    if base_model.hub_id(
+        request.cfg.model.name_or_path
+    ):  # named as a server finds it: the hub id at the snapshot's commit
+        config.update(base_model_name_or_path=request.cfg.model.name_or_path, revision=request.base.name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
     return folder
 
