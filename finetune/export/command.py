@@ -8,8 +8,10 @@ input is checked before anything is written; the folder is built beside --out an
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from finetune import fingerprints, precision, storage, units
+from finetune import precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
-from finetune.export import figures, merge, reload, sources
+from finetune.export import base_model, figures, merge, reload, sources
 
 MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
@@ -78,11 +80,11 @@ def checked(args) -> Request:
     """The request, or a UserError naming what is wrong; reads only."""
     from finetune.checkpointing.resume_config import saved_values
     from finetune.config.validate import build_config
-    from finetune.launch import rundir
 
     run_dir = Path(args.run).expanduser().resolve()
-    if not run_dir.is_dir() or not rundir.is_run_dir(run_dir) or not (run_dir / "config.yaml").is_file():
-        raise UserError(f"{args.run}: not a run directory (no {rundir.MARKER} and config.yaml from finetune train)")
+    if not _a_run(run_dir):
+        raise UserError(_not_a_run(args.run, run_dir))
+    _refuse_a_live_run(run_dir, args)
     values, saved = saved_values(run_dir)  # with the changes resumes made
     cfg = build_config(values, recipe=values.pop("recipe", None) or "custom", source=str(saved))
     if args.merge and cfg.method.name == "full":
@@ -94,7 +96,9 @@ def checked(args) -> Request:
     failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
     path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
-    base = _base(run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {})
+    base = base_model.folder(
+        run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {}
+    )
     out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
     if out.exists() and not (out.is_dir() and (out / MARKER).is_file()):
         raise UserError(
@@ -120,32 +124,55 @@ def checked(args) -> Request:
     return request
 
 
-def _base(run_dir: Path, cfg, recorded: dict) -> Path:
-    """The base model's folder on this machine, holding the weights the source was trained on (their fingerprints in
-    `recorded`: run.json's `inputs`, or a checkpoint marker's run block), else a UserError naming what differs."""
-    from finetune.checkpointing import provenance
-    from finetune.modeling.load import model_folder, resolve_model_path
+def _a_run(path: Path) -> bool:
+    from finetune.launch import rundir
 
-    name = cfg.model.name_or_path
-    base = model_folder(resolve_model_path(name), cfg.model.revision)
-    if base is None or not (base / "config.json").is_file():
-        raise UserError(
-            f"model.name_or_path {name!r} ({run_dir / 'config.yaml'}): the base model the run trained on is not on this "
-            f"machine ({'no config.json in it' if base else 'no such folder, nor a cached hub model'}); put it back "
-            f"there (a moved one: a symbolic link at that path to where it is now)"
+    return path.is_dir() and rundir.is_run_dir(path) and (path / "config.yaml").is_file()
+
+
+def _refuse_a_live_run(run_dir: Path, args) -> None:
+    """A run a live process holds (finetune/launch/run_lock.py) has no model/ yet, rotates its checkpoints and, with
+    run.export: merged, writes RUN/export at its end: only a complete checkpoint named with --checkpoint, to an --out
+    outside the run, is exported from it; else a UserError naming the live run and that command."""
+    from finetune.launch import run_lock
+
+    if run_lock.live_run(run_dir) is None:
+        return
+    note = run_lock.holder(run_dir)
+    if note.get("pid") == os.getppid() and note.get("host") == socket.gethostname():
+        return  # the run's own merge at its end (merge_after_training)
+    out = Path(args.out).expanduser().resolve() if args.out else run_dir
+    if args.checkpoint is not None and run_dir != out and run_dir not in out.parents:
+        return
+    complete = ", ".join(c.name for c in checkpoints.checkpoints(run_dir) if checkpoints.problem(c) is None)
+    raise UserError(
+        f"{run_dir}: a live run is writing it (pid {note.get('pid', '?')} on host {note.get('host', '?')}, started "
+        f"{note.get('started', '?')}); its model/ is written when it ends. Export a complete checkpoint (now: "
+        f"{complete or 'none'}) to a folder outside the run: `finetune export {shlex.quote(str(run_dir))} "
+        f"--checkpoint N --out DIR`, or the run's model/ once it has ended; nothing was changed"
+    )
+
+
+def _not_a_run(given: str, path: Path) -> str:
+    """What RUN is instead of a run directory, and the command that exports what the user meant: a folder inside a
+    run (a checkpoint, model/) names its run."""
+    from finetune.launch import rundir
+
+    run = next((p for p in path.parents if _a_run(p)), None)
+    if run is None and not path.exists():
+        return f"{given}: no such folder (RUN is the directory finetune train made, runs/NAME)"
+    if run is None:
+        return f"{given}: not a run directory (no {rundir.MARKER} and config.yaml from finetune train)"
+    step = checkpoints.step_of(path) if path.parent == run else None
+    if step is not None:
+        return (
+            f"{given}: checkpoint {step} of the run {run}, not a run directory; export it with "
+            f"`finetune export {shlex.quote(str(run))} --checkpoint {step}`"
         )
-    inputs = recorded.get("inputs") or {}
-    if cfg.method.name != "full" and inputs.get("weights"):  # an adapter is only right on its own base
-        cache = fingerprints.Cache()
-        now = provenance.weights_of(cache, base)
-        cache.save()
-        changed = provenance.input_changes({k: inputs.get(k) for k in now}, now)
-        if changed:
-            raise UserError(
-                f"model.name_or_path {name!r}: {changed[0]['said']} since the source was trained; the export would "
-                f"pair it with weights it was not trained on. Put the base weights it was trained with back in {base}"
-            )
-    return base
+    return (
+        f"{given}: inside the run {run}, not a run directory; export the run's model/ with "
+        f"`finetune export {shlex.quote(str(run))}` (a checkpoint: --checkpoint N)"
+    )
 
 
 def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
@@ -249,6 +276,10 @@ def _consolidated_adapter(request: Request, work: Path) -> Path:
     tensors = {name: t.contiguous() for name, t in request.source.tensors()}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = sources.adapter_config(request.source, request.cfg.method, str(request.base))
+    if base_model.hub_id(
+        request.cfg.model.name_or_path
+    ):  # named as a server finds it: the hub id at the snapshot's commit
+        config.update(base_model_name_or_path=request.cfg.model.name_or_path, revision=request.base.name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
     return folder
 
@@ -361,9 +392,9 @@ def _tokenizer(request: Request):
 
 
 def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: dict, tokenizer, work: Path) -> dict:
-    """The exported folder in a fresh process (peft unimportable when it must load without it) against the source
-    loaded as its format is loaded in another; QLoRA merges: against the 4-bit base + adapter it trained as, and the
-    difference from the original base + adapter reported."""
+    """The exported folder in a fresh process (peft unimportable when it must load without it; an adapter on the base
+    the reference loads, QLoRA's 4-bit) against the source loaded as its format is loaded in another; QLoRA merges:
+    against the 4-bit base + adapter it trained as, and the difference from the original base + adapter reported."""
     import dataclasses
 
     from safetensors.torch import save_file
@@ -375,10 +406,9 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     save_file({k: v.contiguous() for k, v in batch.items()}, str(work / "probe.safetensors"))
     common = {"probe": str(work / "probe.safetensors"), "bytes": _bytes(request)}
     reference, what = _reference(request, adapter_dir)
-    saved = {"folder": str(folder), "dtype": request.dtype, "stats": True, "tokenizer": True}
-    if request.adapter and not request.merge:
-        saved.update(base=str(request.base))
-    saved["block_peft"] = not (request.adapter and not request.merge)
+    adapter_only = request.adapter and not request.merge  # loads on the base as the reference does (QLoRA: 4-bit)
+    saved = (reference if adapter_only else {"dtype": request.dtype}) | {"folder": str(folder)}
+    saved.update(stats=True, tokenizer=True, block_peft=not adapter_only)
     ref = reload.fresh(common | reference, work / "reference", CHECK_TIMEOUT_S)
     got = reload.fresh(common | saved, work / "saved", CHECK_TIMEOUT_S)
     tensor_problems, worst = figures.tensor_problems(expected, got.get("stats", {}))
@@ -388,7 +418,7 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
             problems.append(f"{who} does not load: {found['load_error']}")
     if saved["block_peft"] and "peft" in got.get("loaded", []):
         problems.append("the export loaded with peft imported; it must load without")
-    dtype = _compared_in(request)
+    dtype = request.dtype
     section = {"kind": "reload", "why": "finetune export", "reference": what, "compute_dtype": dtype}
     section.update(probe=figures.describe_probe(batch, str(data.path)), tensors=len(expected))
     section.update(max_tensor_rel_diff=worst, device=got.get("device"))
@@ -417,15 +447,6 @@ def _check(request: Request, folder: Path, adapter_dir: Path | None, expected: d
     if got.get("chat_template") != getattr(tokenizer, "chat_template", None):
         problems.append("the exported tokenizer's chat template is not the one the run trained with")
     return section | {"problems": problems, "passed": not problems}
-
-
-def _compared_in(request: Request) -> str:
-    """The dtype whose tolerance applies: --dtype's; for a QLoRA merge at least bf16's, since bitsandbytes' 4-bit
-    matmul computes at 16-bit precision (measured on CPU: one layer 3.7e-3 relative from fp32 arithmetic on its
-    dequantized weights, bf16's unit roundoff)."""
-    qlora = request.merge and request.cfg.method.name == "qlora"
-    wider = figures.UNIT_ROUNDOFF[request.dtype] < figures.UNIT_ROUNDOFF["bfloat16"]
-    return "bfloat16" if qlora and wider else request.dtype
 
 
 def _reference(request: Request, adapter_dir: Path | None) -> tuple[dict, str]:
@@ -495,6 +516,14 @@ def model_card(request: Request, found: dict) -> str:
         f"- steps: {found['step']}, final train loss {loss if loss is not None else 'n/a'}",
         f"- exported from: {found['source']}, weights in {found['dtype']}",
         f"- check ({check['kind']}, against {check['reference']}): {'passed' if check['passed'] else 'FAILED'}; {figs}",
+        *(
+            [
+                f"- load it on the base quantized as it trained: BitsAndBytesConfig(load_in_4bit=True, "
+                f"bnb_4bit_quant_type={cfg.method.quant_type!r}, bnb_4bit_use_double_quant={cfg.method.double_quant})"
+            ]
+            if cfg.method.name == "qlora" and not request.merge
+            else []
+        ),
         "",
         "Written by `finetune export` from the run's run.json; the check's figures are in export.json.",
     ]

@@ -163,9 +163,12 @@ def load(request: dict):
 def _base(request: dict, dtype):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from finetune.modeling.load import differentiable_4bit
+
     quantized = request.get("quantization")
     extra = {"quantization_config": BitsAndBytesConfig.from_dict(quantized)} if quantized else {}
-    return AutoModelForCausalLM.from_pretrained(request["base"], dtype=dtype, **extra)
+    model = AutoModelForCausalLM.from_pretrained(request["base"], dtype=dtype, **extra)
+    return differentiable_4bit(model) if quantized else model  # the 4-bit base computes as it trained
 
 
 def _consolidated(request: dict, dtype):

@@ -117,7 +117,12 @@ def run_accelerate_launch(launch_args: list[str]) -> int:
     try:
         accelerate_launch.launch_command(parsed)
     except subprocess.CalledProcessError as e:  # single-process launches
-        return e.returncode
+        if e.returncode >= 0:
+            return e.returncode
+        import signal  # killed by a signal (-N): named, exit 1, as report_failed_ranks says a rank of many
+
+        _say(f"rank 0 (the one process) failed: killed by {signal.Signals(-e.returncode).name}")
+        return 1
     except Exception as e:  # torchrun's ChildFailedError / SignalException for multi-process launches
         if type(e).__name__ == "SignalException":  # the launcher itself was signalled (no relay: bench-comm);
             # torchrun told the ranks to stop

@@ -128,6 +128,8 @@ def load_model(
     except (OSError, ValueError) as e:
         raise UserError(_load_problem("model", path, e)) from None
     model.config.use_cache = False  # the KV cache is for generation; it only costs memory in training
+    if method.name == "qlora":
+        differentiable_4bit(model)
     if method.name == "full":
         if policy is not None and not deepspeed:
             # bf16-mixed: the checkpoint is loaded in bf16, as DeepSpeed's master starts from its bf16
@@ -169,6 +171,20 @@ def quantization_config(method: MethodConfig, dtype: torch.dtype):
         bnb_4bit_compute_dtype=compute,
         bnb_4bit_quant_storage=storage,
     )
+
+
+def differentiable_4bit(model):
+    """Every bitsandbytes 4-bit layer of `model` kept on the one computation QLoRA trains with: the weights dequantized
+    to the compute dtype, then the matmul. bitsandbytes 0.50 (nn/modules.py Linear4bit.forward) otherwise repacks a
+    layer's weights in place for its AVX512-BF16 CPU kernel at the layer's first forward in eval mode without gradients
+    (the exact match before training, an evaluation, the export check's forward), and every later forward of that layer,
+    in training too, goes through that kernel (functional.py gemv_4bit): bf16 arithmetic, and no autograd, so the
+    layers below it got no gradient through it (measured on the tiny model: step 1's grad norm 0.49 instead of 1.25)
+    and the saved model computed other figures than the live one. Returns `model`."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def add_lora(model, method: MethodConfig, *, gradient_checkpointing: bool, adapters_fp32: bool = True):

@@ -1263,6 +1263,41 @@ CASES = [
         entry="finetune export",
     ),
     Case(
+        "a checkpoint folder given as the run",
+        "RUN",
+        lambda ws: [str(_a_run(ws, "lora", checkpoint=2) / "checkpoint-2")],
+        ("checkpoint-2: checkpoint 2 of the run", "runs/made --checkpoint 2`"),
+        entry="finetune export",
+    ),
+    Case(
+        "the run's model/ given as the run",
+        "RUN",
+        lambda ws: [str(_a_run(ws, "lora") / "model")],
+        ("model: inside the run", "export the run's model/ with `finetune export", "runs/made`"),
+        entry="finetune export",
+    ),
+    Case(
+        "a run folder that does not exist",
+        "RUN",
+        lambda ws: [str(ws / "runs" / "typo")],
+        ("runs/typo: no such folder", "the directory finetune train made"),
+        entry="finetune export",
+    ),
+    Case(
+        "a run still running (its model/ not written yet, RUN/export its own)",
+        "RUN",
+        _held("made", lambda ws: [str(_a_run(ws, "lora", checkpoint=2))]),
+        ("runs/made: a live run is writing it (pid", "now: checkpoint-2", "--checkpoint N --out DIR`"),
+        entry="finetune export",
+    ),
+    Case(
+        "a run still running, exported into itself",
+        "--out",
+        _held("made", lambda ws: [str(_a_run(ws, "lora", checkpoint=2)), "--checkpoint", "2"]),
+        ("runs/made: a live run is writing it (pid", "to a folder outside the run", "nothing was changed"),
+        entry="finetune export",
+    ),
+    Case(
         "a checkpoint without its completion marker (a save cut short)",
         "--checkpoint",
         lambda ws: [str(_a_run(ws, "lora", checkpoint=2, complete=False)), "--checkpoint", "2"],
@@ -1826,6 +1861,7 @@ def _clean(message: str, ws: Path, model_dir: Path) -> str:
     message = re.sub(r"pid \d+", "pid <pid>", message.replace(socket.gethostname(), "<host>"))
     message = re.sub(r"kill -TERM \d+", "kill -TERM <pid>", message)
     message = re.sub(r"started \S+ \(.*?\); nothing", "started <time> (<command>); nothing", message)
+    message = re.sub(r"started \d{4}-\d\d-\d\dT[\d:+-]+\)", "started <time>)", message)
     message = re.sub(r"\d+\.\d+ (MiB|GiB) free of \d+\.\d+ (MiB|GiB)", "<free> free of <size>", message)
     return (
         message.replace(str(ws), "<ws>")

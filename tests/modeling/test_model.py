@@ -297,6 +297,52 @@ def test_lora_adapters_are_fp32_on_a_bf16_base_except_under_deepspeed_and_bf16_t
     assert dtypes(_policy_model(tiny_model_dir, "32-true", "lora")) == ({torch.float32}, {torch.float32})
 
 
+def _lora_grads_after(model, inputs, eval_forward: bool) -> dict[str, torch.Tensor]:
+    """The adapter's gradients on `inputs` in training mode, after an eval forward without gradients (the exact match
+    before training) when `eval_forward`."""
+    if eval_forward:
+        model.eval()
+        with torch.no_grad():
+            model(**inputs)
+    model.train()
+    model.zero_grad()
+    model(**inputs).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_qlora_trains_the_same_after_an_eval_forward(tiny_model_dir):
+    """bitsandbytes 0.50 repacks a 4-bit layer for its AVX512-BF16 CPU kernel at its first eval forward without
+    gradients, and trains through that kernel from then on, which has no autograd: the layers below got no gradient
+    through it (finetune/modeling/load.py differentiable_4bit). The gradients after an eval forward are those before,
+    bit for bit. Control: the same model with bitsandbytes' repacking left on gets other gradients."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    if not has_avx512bf16():
+        pytest.skip("bitsandbytes repacks 4-bit weights only on a CPU with AVX512-BF16; this one has none")
+
+    def loaded(repack: bool):
+        torch.manual_seed(0)  # the same adapter initialisation
+        model = load_model(model_cfg(tiny_model_dir), MethodConfig(name="qlora", lora_dropout=0.0))
+        for module in model.modules():
+            if repack and hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = True  # bitsandbytes' default on this CPU
+            if hasattr(module, "lora_B"):
+                for b in module.lora_B.values():
+                    torch.nn.init.normal_(b.weight, std=0.05)  # peft's zeros carry no gradient to the layers below
+        return model
+
+    model = loaded(False)
+    inputs = batch(model.config.vocab_size)
+    before = _lora_grads_after(model, inputs, eval_forward=False)
+    after = _lora_grads_after(model, inputs, eval_forward=True)
+    assert before and all(torch.equal(before[n], after[n]) for n in before)
+    control = loaded(True)
+    assert all(torch.equal(before[n], g) for n, g in _lora_grads_after(control, inputs, eval_forward=False).items())
+    repacked = _lora_grads_after(control, inputs, eval_forward=True)
+    worst = max((before[n] - repacked[n]).abs().max().item() / before[n].abs().max().item() for n in before)
+    assert worst > 0.1, worst
+
+
 def test_qlora_compute_dtype_follows_the_policy(tiny_model_dir):
     import bitsandbytes as bnb
 

@@ -644,6 +644,20 @@ def _watchdog(tmp_path, tiny_model_dir):
     assert "finetune: stuck: rank" in out, out[-4000:]
 
 
+def test_a_killed_one_process_run_exits_1_naming_the_signal(tmp_path, tiny_model_dir):
+    """The one process of a single-device run SIGKILLs itself at step 3: `finetune train` exits 1 naming the signal,
+    as it names a killed rank of many (it exited 247, -9 as a byte, without a word); its checkpoint-2 is complete
+    (finetune export takes it: docs/usage.md "Export")."""
+    run_dir = tmp_path / "run"
+    args = ["--recipe", "demo", *tiny_args(tiny_model_dir, 4), "--training.save_strategy=steps"]
+    args += ["--training.save_steps=2"]
+    code, out, _ = cli_train(args, run_dir=run_dir, env={faults.ENV: "kill@rank0,step3"}, timeout=300)
+    assert code == 1, out[-4000:]
+    assert "finetune: rank 0 (the one process) failed: killed by SIGKILL" in out, out[-4000:]
+    assert [c.name for c in checkpoints.checkpoints(run_dir)] == ["checkpoint-2"]
+    assert checkpoints.problem(run_dir / "checkpoint-2") is None
+
+
 # --- the launched runs, two at a time (in_lanes); each test raises its run's outcome ------------------
 
 
