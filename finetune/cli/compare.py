@@ -71,15 +71,17 @@ def _fresh_dir(out: str | None, default: Path) -> Path:
     return path
 
 
-def report(runs, *, baseline, out_dir: Path, price, left_out: list[str] = ()) -> tuple[int, object]:
+def report(
+    runs, *, baseline, out_dir: Path, price, left_out: list[str] = (), warnings: list[str] = ()
+) -> tuple[int, object]:
     """Table, plots, Markdown + HTML, W&B; prints the table. `left_out`: the runs that could not be
-    read, with why (said among the warnings). Returns (0, table)."""
+    read, with why; `warnings`: more to say (both among the warnings). Returns (0, table)."""
     from finetune.compare import plots
     from finetune.compare import report as report_lib
     from finetune.compare.table import build_table
 
     table = build_table(runs, baseline=baseline, gpu_hour_price=price)
-    table.warnings += [f"left out (unreadable): {problem}" for problem in left_out]
+    table.warnings += [f"left out (unreadable): {problem}" for problem in left_out] + list(warnings)
     storage.make_directory(out_dir)
     pngs = plots.write_plots(table, out_dir)
     files = report_lib.write_reports(table, pngs, out_dir)
@@ -105,9 +107,14 @@ def compare_main(args) -> int:
         )
     for problem in problems:
         print(f"warning: left out of the comparison: {problem}", file=sys.stderr, flush=True)
+    same = comparison.same_runs(runs)
+    for warning in same:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     out = _fresh_dir(args.out, Path("runs") / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     comparison.pick_baseline(runs, args.baseline)  # a bad --baseline fails before the directory is made
-    code, _ = report(runs, baseline=args.baseline, out_dir=out, price=args.gpu_hour_price, left_out=problems)
+    code, _ = report(
+        runs, baseline=args.baseline, out_dir=out, price=args.gpu_hour_price, left_out=problems, warnings=same
+    )
     return code
 
 

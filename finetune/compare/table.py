@@ -34,6 +34,7 @@ class Run:
     record: dict | None  # None: the run never wrote a record (a sweep launch that failed early)
     label: str
     error: str | None = None  # why a launch failed, when record is None
+    given: list[str] = field(default_factory=list)  # the arguments that named it (two or more: the same run)
 
     @property
     def view(self) -> RecordView | None:
@@ -61,8 +62,9 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
-    """(the runs whose run.json is readable, what is wrong with each of the others)."""
-    runs, problems = [], []
+    """(the runs whose run.json is readable, each once however many arguments name it: by its resolved path, what is
+    wrong with each of the others)."""
+    runs, problems, seen = [], [], {}
     for given in paths:
         path = Path(given)
         file = path / "run.json" if path.is_dir() else path
@@ -75,6 +77,11 @@ def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
                 f"`finetune train` writes <output_dir>/run.json)"
             )
             continue
+        if file.resolve() in seen:  # None: unreadable, its problem already named
+            if seen[file.resolve()] is not None:
+                seen[file.resolve()].given.append(str(given))
+            continue
+        seen[file.resolve()] = None
         record, why = read_json(file)
         if why:
             problems.append(f"{file}: {why}")
@@ -83,9 +90,20 @@ def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[str]]:
         if problem:
             problems.append(f"{file}: {problem}")
             continue
-        runs.append(Run(file, record, label=RecordView(record).get("run_name")))
+        runs.append(Run(file, record, label=RecordView(record).get("run_name"), given=[str(given)]))
+        seen[file.resolve()] = runs[-1]
     _unique_labels(runs)
     return runs, problems
+
+
+def same_runs(runs: list[Run]) -> list[str]:
+    """A warning for each run that two or more arguments named (read_runs counts it once)."""
+    return [
+        f"{', '.join(run.given[:-1])} and {run.given[-1]} name the same run {run.label} ({run.path.resolve()}): "
+        f"compared once"
+        for run in runs
+        if len(run.given) > 1
+    ]
 
 
 def _unique_labels(runs: list[Run]) -> None:

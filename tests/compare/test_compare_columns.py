@@ -443,6 +443,30 @@ def test_unreadable_runs_are_named_and_the_readable_ones_compared(tmp_path, caps
     assert not (tmp_path / "r2").exists()
 
 
+def test_one_run_named_several_ways_is_compared_once_and_said(tmp_path, capsys, monkeypatch):
+    """Before: `finetune compare single ./single/ single/run.json` compared one run as three ("demo-single (2)",
+    "(3)"), silently. Now it is counted once, by its resolved run.json, and a warning names the arguments."""
+    from finetune.cli import dispatch
+
+    rec = record("demo-single", strategy="single", method="lora", world=1, tps=1000.0, device_gib=2.0, host_gib=3.0)
+    other = record("demo-ddp", strategy="ddp", method="lora", world=2, tps=1800.0, device_gib=2.0, host_gib=3.0)
+    for r in (rec, other):
+        _write_file(tmp_path, r["run_name"], json.dumps(r))
+    monkeypatch.chdir(tmp_path)
+    code = dispatch.main(["compare", "demo-single", "./demo-single/", "demo-single/run.json", "demo-ddp", "--out", "r"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    said = (
+        "demo-single, ./demo-single/ and demo-single/run.json name the same run demo-single "
+        f"({tmp_path / 'demo-single' / 'run.json'}): compared once"
+    )
+    assert f"warning: {said}" in err
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert said in page and "(2)" not in out + page
+    rows = [line.split(" | ")[0] for line in page.split("## All columns", 1)[1].splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| demo-single", "| demo-ddp"]  # after the header: one row per run
+
+
 def _write_file(tmp_path: Path, name: str, text: str) -> Path:
     (tmp_path / name).mkdir()
     (tmp_path / name / "run.json").write_text(text)
