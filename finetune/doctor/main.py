@@ -128,10 +128,12 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
 
 
 def selection(args) -> tuple[list[str] | None, dict[str, list[str]]]:
-    """(--strategies, --override) parsed and checked, and --recipe loaded."""
+    """(--strategies, --override) parsed and checked (each override loaded with its strategy's recipe), and --recipe
+    loaded."""
     only = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
     overrides = runs.parse_overrides(args.override)
     runs.selected(only, overrides, offload=args.offload)
+    runs.check_overrides(overrides, args.precision)
     if args.recipe:
         from finetune.config.recipe import load_recipe
 

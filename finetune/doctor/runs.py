@@ -18,7 +18,7 @@ from pathlib import Path
 
 from finetune import batch, strategies
 from finetune.doctor.devices import Devices
-from finetune.errors import UserError
+from finetune.errors import ConfigError, UserError
 from finetune.launch import cpu_rehearsal
 
 STEPS = 10
@@ -146,6 +146,24 @@ def parse_overrides(values: list[str]) -> dict[str, list[str]]:
             )
         out.setdefault(key, []).append("--" + setting.removeprefix("--"))
     return out
+
+
+def check_overrides(overrides: dict[str, list[str]], precision: str) -> None:
+    """Each strategy's --override values loaded with its recipe and the doctor's own values, as its run will load
+    them: a ConfigError naming the strategy, the key and what is allowed, before anything runs (not when the run
+    starts, minutes in)."""
+    from finetune.config.recipe import load_recipe
+
+    recipes = {row.key: row.recipe for row in rows(True)}
+    doctors = common_args(Path("model"), Path("data.jsonl"), precision, accumulation=1)
+    problems = []
+    for key, values in overrides.items():
+        try:
+            load_recipe(recipes[key], [*doctors, *values])
+        except ConfigError as e:
+            problems += [f"{key} (recipe {recipes[key]}): {problem}" for problem in e.problems]
+    if problems:
+        raise ConfigError(problems, "--override")
 
 
 def prepare(out_dir: Path, world: int) -> tuple[Path, Path]:

@@ -66,6 +66,15 @@ def test_an_out_directory_the_doctor_did_not_make_is_left_alone(tmp_path):
         (["--override", "zero2"], "error: --override 'zero2': expected STRATEGY:section.key=value"),
         (["--quick", "--recipe", "zero5"], "--recipe 'zero5': no such file, and no recipe of that name"),
         (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+        # before: caught only when ddp's run started, after the environment, the links and single's run (exit 1)
+        (
+            ["--strategies", "ddp", "--override", "ddp:nosuch.key=1"],
+            "error: --override: 1 problem:\n  - ddp (recipe ddp): nosuch: unknown section; allowed: model, method,",
+        ),
+        (
+            ["--strategies", "ddp", "--override", "ddp:training.lr_scaling=bogus"],
+            "  - ddp (recipe ddp): training.lr_scaling: got 'bogus'; allowed: none, linear, sqrt",
+        ),
     ],
 )
 def test_bad_options_stop_before_anything_is_written(tmp_path, args, message):
