@@ -9,7 +9,7 @@ import typing
 
 from finetune import precision
 from finetune.config.command_line import Parser
-from finetune.config.sections import TrainingConfig
+from finetune.config.sections import SDPA_BACKENDS, TrainingConfig, sdpa_list_problem
 
 DESCRIPTION = """The trainer `finetune train` runs (ResilientTrainer, built by the run's own builders) against
 three baselines on the same workload (plain transformers.Trainer, TRL's SFTTrainer as a plain script and
@@ -146,7 +146,12 @@ POSITIVE = ("prompt_median", "response_median", "run_timeout")
 def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> argparse.Namespace:
     """Values argparse cannot check by type; the SDPA list split."""
     if args.sdpa_backends not in ("auto", "torch_default"):
-        args.sdpa_backends = [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
+        given, args.sdpa_backends = args.sdpa_backends, [b.strip() for b in args.sdpa_backends.split(",") if b.strip()]
+        if sdpa_list_problem(args.sdpa_backends):  # an empty list (`,,`) or a name torch has not: refused here
+            p.error(
+                f"--sdpa-backends {given!r}: allowed: auto, torch_default, or a comma-separated list of one or more "
+                f"of {', '.join(SDPA_BACKENDS)}"
+            )
     for name, least in LEAST.items():
         if getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")

@@ -101,7 +101,10 @@ def plan(recipe: str, strategies: list[str], overrides: list[str], *, cpu: bool,
     from finetune.config.recipe import load_recipe
 
     if not strategies:
-        raise UserError("--strategies: give at least one, e.g. --strategies qlora_baseline,ddp,zero2,fsdp")
+        raise UserError(
+            f"--strategies: none given; name one or more of {', '.join(strategy_names())}, comma-separated, e.g. "
+            "--strategies qlora_baseline,ddp,zero2,fsdp"
+        )
     dupes = sorted({s for s in strategies if strategies.count(s) > 1})
     if dupes:
         raise UserError(f"--strategies: {', '.join(dupes)} given more than once")

@@ -130,7 +130,11 @@ def strategy_section(args, dev: devices.Devices, out: Path) -> tuple[list[report
 def selection(args) -> tuple[list[str] | None, dict[str, list[str]]]:
     """(--strategies, --override) parsed and checked (each override loaded with its strategy's recipe), and --recipe
     loaded."""
-    only = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies else None
+    only = [s.strip() for s in args.strategies.split(",") if s.strip()] if args.strategies is not None else None
+    if only == []:  # `--strategies ,,` or "" ran every strategy, as if none had been given
+        raise UserError(
+            f"--strategies {args.strategies!r}: none given; name one or more of {', '.join(runs.names(True))}"
+        )
     overrides = runs.parse_overrides(args.override)
     runs.selected(only, overrides, offload=args.offload)
     runs.check_overrides(overrides, args.precision)

@@ -123,11 +123,17 @@ def test_bench_help_names_the_baselines_and_the_precision_policy(capsys):
         (["--response-median", "nan"], "--response-median must be a number > 0, got nan"),
         (["--run-timeout", "-5"], "--run-timeout must be a number > 0, got -5.0"),  # every run failed, timed out
         (["--seq-len", "8"], "--seq-len must be >= 16, got 8"),
+        # before: accepted; every run of our side then failed in its worker (attention.resolve: ValueError)
+        (["--sdpa-backends", ",,"], "--sdpa-backends ',,': allowed: auto, torch_default, or a comma-separated list"),
+        (["--sdpa-backends", "flash,nosuch"], "--sdpa-backends 'flash,nosuch': allowed: auto, torch_default, or"),
     ],
 )
-def test_bench_refuses_a_number_out_of_range_before_anything_runs(tmp_path, capsys, option, said):
+def test_bench_refuses_a_number_out_of_range_before_anything_runs(tmp_path, capsys, monkeypatch, option, said):
     """Before: --prompt-median 0 ended in a traceback, --warmup-steps -1 gave figures of the last step alone, and
     --run-timeout -5 ran every side into a timeout; now exit 2 naming the option, its bound and the value."""
+    from finetune.bench import main as bench_main
+
+    monkeypatch.setattr(bench_main, "run", lambda args: pytest.fail(f"the benchmark ran: {option} was not refused"))
     with pytest.raises(SystemExit) as e:
         dispatch.main(["bench", "--out", str(tmp_path / "b"), *option])
     err = capsys.readouterr().err

@@ -357,6 +357,8 @@ def _sweep(capsys, tmp_path, *args) -> tuple[int, str]:
 
 
 def test_sweep_refuses_unknown_strategy_and_uneven_batch_before_running(tmp_path, capsys):
+    code, err = _sweep(capsys, tmp_path, "--strategies", ",,")  # before: "give at least one", naming none
+    assert code == 2 and "--strategies: none given; name one or more of single, ddp" in err and "fsdp_offload" in err
     code, err = _sweep(capsys, tmp_path, "--strategies", "ddp,zero9")
     assert code == 2 and "unknown strategy 'zero9'; allowed: single, ddp" in err and "qlora_baseline" in err
     code, err = _sweep(

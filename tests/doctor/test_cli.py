@@ -59,6 +59,9 @@ def test_an_out_directory_the_doctor_did_not_make_is_left_alone(tmp_path):
     "args, message",
     [
         (["--strategies", "zero4"], "error: --strategies: unknown zero4"),
+        # before: an empty list ran every strategy (the default)
+        (["--strategies", ",,"], "error: --strategies ',,': none given; name one or more of single, ddp, zero2,"),
+        (["--strategies", ""], "error: --strategies '': none given; name one or more of single, ddp, zero2,"),
         (
             ["--quick", "--override", "zero2:training.learning_rate=1"],
             "error: --strategies, --override and --offload apply",
