@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import signal
 from datetime import datetime
 from pathlib import Path
 
@@ -150,36 +151,52 @@ def sweep_main(args, overrides: list[str]) -> int:
 
 def run_sweep(planned, *, out: Path, baseline, price) -> int:
     """Each planned run in turn (a failure does not stop the others), then the comparison.
-    Exit code 1 when any run failed."""
+    Exit code 1 when any run failed; 128 + the signal's number when a stop signal stopped the sweep (130 for Ctrl-C:
+    the run in progress is stopped, no other run starts, the runs that ran are compared)."""
     from finetune.compare import sweep
-    from finetune.compare import table as comparison
 
-    outcomes = []
-    for i, p in enumerate(planned, 1):
-        print(f"\n=== [{i}/{len(planned)}] {p.strategy} ===", flush=True)
-        outcomes.append(sweep.execute(p))
-        if outcomes[-1].error:
-            print(f"=== {p.strategy} FAILED: {outcomes[-1].error}", flush=True)
-
-    runs = []
-    for o in outcomes:
-        record = o.run.run_dir / "run.json"
-        label = f"{Path(o.run.recipe).stem}-{o.run.strategy}"
-        if record.is_file():
-            try:
-                (run,) = comparison.load_runs([record])
-            except comparison.CompareInputError as e:
-                run = comparison.Run(record, None, label, error=str(e))
-            if o.error and run.record is not None:  # in memory only: the record on disk is the run's
-                # completed, but not as planned (see error); the error with the exit code
-                run.view.set_outcome("failed" if run.status == "completed" else run.get("summary", "status"), o.error)
-        else:
-            run = comparison.Run(record, None, label, error=o.error)
-        runs.append(run)
-    print("\n=== comparison ===", flush=True)
-    report(runs, baseline=baseline, out_dir=out / "report", price=price)
+    outcomes, stopped_by = [], None
+    try:
+        for i, p in enumerate(planned, 1):
+            print(f"\n=== [{i}/{len(planned)}] {p.strategy} ===", flush=True)
+            outcomes.append(sweep.execute(p))
+            stopped_by = outcomes[-1].stopped_by
+            if stopped_by:
+                print(f"=== {p.strategy} STOPPED: {outcomes[-1].error or 'completed all the same'}", flush=True)
+                break
+            if outcomes[-1].error:
+                print(f"=== {p.strategy} FAILED: {outcomes[-1].error}", flush=True)
+    except KeyboardInterrupt:  # between two runs: the one before it had ended
+        stopped_by = signal.SIGINT
+    # a run stopped before it wrote its record has nothing to compare (interrupted_text names it)
+    compared = [o for o in outcomes if not o.stopped_by or (o.run.run_dir / "run.json").is_file()]
+    if compared:
+        print("\n=== comparison ===", flush=True)
+        ran = {o.run.run_dir for o in compared}
+        baseline = baseline if baseline is None or baseline in ran else None  # a baseline not run: the default
+        report([_compared(o) for o in compared], baseline=baseline, out_dir=out / "report", price=price)
+    if stopped_by:
+        print(sweep.interrupted_text(outcomes, planned, stopped_by), flush=True)
+        return 128 + stopped_by
     failed = [o.run.strategy for o in outcomes if o.error]
     if failed:
         print(f"sweep: {len(failed)} of {len(outcomes)} runs failed: {', '.join(failed)}", flush=True)
         return 1
     return 0
+
+
+def _compared(outcome):
+    """A sweep run as `compare` reads it; a run that failed carries its error (in memory: the record is the run's)."""
+    from finetune.compare import table as comparison
+
+    record = outcome.run.run_dir / "run.json"
+    label = f"{Path(outcome.run.recipe).stem}-{outcome.run.strategy}"
+    if not record.is_file():
+        return comparison.Run(record, None, label, error=outcome.error)
+    try:
+        (run,) = comparison.load_runs([record])
+    except comparison.CompareInputError as e:
+        run = comparison.Run(record, None, label, error=str(e))
+    if outcome.error and run.record is not None:  # not completed as planned: the error with the exit code
+        run.view.set_outcome("failed" if run.status == "completed" else run.get("summary", "status"), outcome.error)
+    return run

@@ -7,6 +7,7 @@ only in the strategy (docs/compare.md `finetune sweep`).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -178,31 +179,70 @@ def _scaling_reference(strategies: list[str], method: str, cpu: bool) -> list[st
     return [ONE.key] if method in without else []
 
 
+# What stops a sweep: Ctrl-C, `kill`, a closed terminal. Each is relayed once to the run in progress.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass
 class Outcome:
     run: PlannedRun
     returncode: int
     error: str | None  # None when the run completed as planned
+    stopped_by: int | None = None  # a stop signal the sweep got while this run ran (relayed to it): no run after it
 
 
 def execute(run: PlannedRun) -> Outcome:
-    """Run one strategy to the end, its output to the console and to its log file."""
+    """Run one strategy to the end, its output to the console and to its log file. The run is started in a session of
+    its own, so a terminal's Ctrl-C reaches the sweep alone; a stop signal to the sweep is relayed once to the run's
+    `finetune train` (which stops its ranks with a complete checkpoint, docs/faults.md "Signals") and waited for."""
     from finetune.launch import cpu_rehearsal
 
     run.log.parent.mkdir(parents=True, exist_ok=True)
     env = cpu_rehearsal.without_opt_in()  # each run's `finetune train` sets it from its own config
     env.setdefault("PYTHONUNBUFFERED", "1")
     tail: list[str] = []
-    with open(run.log, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(
-            run.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+    stopped: list[int] = []
+    started: list[subprocess.Popen] = []
+
+    def relay(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if stopped:
+            print(f"sweep: {name} again: ignored while {run.strategy} stops", flush=True)
+            return
+        stopped.append(signum)
+        for proc in started:
+            proc.send_signal(signum)
+        print(
+            f"\nsweep: {name}: {run.strategy} is told to stop (a run that trained stops with a complete checkpoint); "
+            "the sweep starts no other run and compares the runs that ran",
+            flush=True,
         )
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-            tail = (tail + [line.rstrip()])[-40:]
-        rc = proc.wait()
-    return Outcome(run, rc, _failure(run, rc, tail))
+
+    previous = {sig: signal.signal(sig, relay) for sig in STOP_SIGNALS}
+    try:
+        with open(run.log, "w", encoding="utf-8") as log:
+            started.append(
+                subprocess.Popen(
+                    run.command(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                    bufsize=1,
+                    start_new_session=True,
+                )
+            )
+            if stopped:  # the signal came while it started
+                started[0].send_signal(stopped[0])
+            for line in started[0].stdout:
+                sys.stdout.write(line)
+                log.write(line)
+                tail = (tail + [line.rstrip()])[-40:]
+            rc = started[0].wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return Outcome(run, rc, _failure(run, rc, tail), stopped[0] if stopped else None)
 
 
 def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
@@ -228,3 +268,28 @@ def _failure(run: PlannedRun, rc: int, tail: list[str]) -> str | None:
             f"processes, planned {run.effective} on {run.world_size}: not comparable"
         )
     return None
+
+
+def interrupted_text(outcomes: list[Outcome], planned: list[PlannedRun], signum: int) -> str:
+    """What a sweep stopped by a signal says last: where it stopped, which runs completed and how to compare them,
+    which are left to run."""
+    last = outcomes[-1] if outcomes and outcomes[-1].stopped_by else None
+    where = "between two runs"
+    if last is not None and not (last.run.run_dir / "run.json").is_file():
+        where = f"during {last.run.strategy}, which stopped before it wrote its record (left out; log: {last.run.log})"
+    elif last is not None:
+        where = f"during {last.run.strategy} ({last.error or 'it completed all the same'})"
+    done = [o.run for o in outcomes if o.error is None]
+    left = [o.run.strategy for o in outcomes if o.stopped_by and o.error]
+    left += [p.strategy for p in planned[len(outcomes) :]]
+    lines = [f"sweep: stopped by {signal.Signals(signum).name} {where}; {len(done)} of {len(planned)} run(s) completed"]
+    if done:
+        lines.append(
+            f"  the comparison above includes them; alone: finetune compare {' '.join(str(r.run_dir) for r in done)}"
+        )
+    if left:
+        lines.append(
+            f"  left to run: {', '.join(left)} (the same sweep command with --strategies {','.join(left)} and another "
+            "--out)"
+        )
+    return "\n".join(lines)

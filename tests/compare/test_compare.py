@@ -26,6 +26,7 @@ import pytest
 
 from finetune.cli import compare, dispatch
 from finetune.compare import sweep as sweep_lib
+from tests.compare.test_compare_columns import record
 from tests.wandb_records import read_records, summarize
 
 PRICE = 2.0  # USD per device-hour
@@ -490,6 +491,79 @@ def test_sweep_reports_failed_runs_goes_on_and_exits_non_zero(sweep, tmp_path, t
         "demo-fsdp": "completed",
         "demo-zero2": "failed",
     }
+
+
+@dataclasses.dataclass
+class _CtrlC(_StandIn):
+    """A run during which the user presses Ctrl-C: it sends SIGINT to the sweep alone (a terminal's Ctrl-C reaches the
+    foreground job; the sweep's runs are in sessions of their own), then, as `finetune train` does when SIGINT is
+    relayed to it, leaves its record `interrupted` and exits 75. Never relayed: it exits 1 after 30 s."""
+
+    def command(self) -> list[str]:
+        src = self.run_dir.parent / f"{self.strategy}.source.json"
+        src.write_text(json.dumps(self.record))
+        script = (
+            "import json, os, signal, sys, time\n"
+            "def stop(*_):\n"
+            "    rec = json.load(open(sys.argv[1]))\n"
+            "    rec['summary'].update(status='interrupted', error='preempted by SIGINT at step 1')\n"
+            "    os.makedirs(sys.argv[2], exist_ok=True)\n"
+            "    json.dump(rec, open(os.path.join(sys.argv[2], 'run.json'), 'w'))\n"
+            "    sys.exit(75)\n"
+            "signal.signal(signal.SIGINT, stop)\n"
+            "print('step 1/8', flush=True)\n"
+            "os.kill(os.getppid(), signal.SIGINT)\n"
+            "time.sleep(30)\n"
+            "sys.exit(1)\n"
+        )
+        return [sys.executable, "-c", script, str(src), str(self.run_dir)]
+
+
+def test_a_sweep_stopped_by_ctrl_c_compares_what_ran_and_says_what_did_not(tmp_path, tiny_model_dir, capsys):
+    """Before: Ctrl-C during the second run ended the sweep with a KeyboardInterrupt traceback, no comparison and no
+    word on what finished; the run in progress went on alone. Now the run is told to stop (one SIGINT relayed), the
+    sweep starts no other run, compares the runs that ran, names the completed ones (with the command that compares
+    them) and the ones not run, and exits 130."""
+    out = tmp_path / "sw"
+    plans = sweep_lib.plan(
+        "demo", ["single", "ddp", "zero2"], [f"--model.name_or_path={tiny_model_dir}"], cpu=True, out=out
+    )
+    out.mkdir()
+
+    def rec(p):
+        r = record(
+            f"demo-{p.strategy}",
+            strategy=p.strategy,
+            method="lora",
+            world=p.world_size,
+            tps=900.0,
+            device_gib=None,
+            host_gib=0.6,
+        )
+        r["batch"]["effective"] = p.effective
+        return r
+
+    kinds = {"single": _StandIn, "ddp": _CtrlC, "zero2": _StandIn}
+    stand_ins = [
+        kinds[p.strategy](**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}, record=rec(p)) for p in plans
+    ]
+    try:
+        code = compare.run_sweep(stand_ins, out=out, baseline=None, price=None)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended the sweep with a KeyboardInterrupt (a traceback), nothing compared")
+    stdout = capsys.readouterr().out
+    assert code == 130, stdout
+    assert "=== [3/3]" not in stdout and not (out / "zero2").exists()
+    assert "sweep: SIGINT: ddp is told to stop" in stdout
+    assert (
+        "sweep: stopped by SIGINT during ddp (exit 75: preempted by SIGINT at step 1); "
+        "1 of 3 run(s) completed" in stdout
+    )
+    assert f"alone: finetune compare {out / 'single'}\n" in stdout
+    assert "=== ddp STOPPED: exit 75: preempted by SIGINT at step 1" in stdout and "ddp FAILED" not in stdout
+    assert "left to run: ddp, zero2 (the same sweep command with --strategies ddp,zero2 and another --out)" in stdout
+    header, *rows = _table_rows((out / "report" / "report.md").read_text())
+    assert {r[0]: r[header.index("status")] for r in rows} == {"demo-single": "completed", "demo-ddp": "interrupted"}
 
 
 def test_a_sweep_adds_the_single_device_run_scaling_efficiency_needs_or_reuses_one(tmp_path):
