@@ -95,7 +95,7 @@ def read_config(name: str, revision: str | None = None) -> ModelConfig:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UserError(f"--model: directory {path} has no config.json")
+            raise UserError(f"--model: directory {path} has no config.json; " + _no_config_fix(path))
         path = path / "config.json"
     if path.is_file():
         return ModelConfig(_json_file(path), f"local file {path}", str(path))
@@ -117,6 +117,25 @@ def read_config(name: str, revision: str | None = None) -> ModelConfig:
     raise UserError(
         f"--model: no config.json found for {name!r}: " + "; ".join(tried) + ". Pass a local directory or "
         "config.json (--model path/to/config.json), a hub id, or a model of the shipped table: " + ", ".join(names())
+    )
+
+
+def _no_config_fix(path: Path) -> str:
+    """How to give `finetune plan` a model instead of `path`, a directory without config.json: the base model of a
+    LoRA adapter saved there, a folder below that has one, else the forms --model takes."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    if base:
+        return f"it holds a LoRA adapter: plan its base model, --model {base}"
+    below = sorted(str(p.parent) for p in path.glob("*/config.json"))[:3]
+    if below:
+        return f"a folder in it has one: --model {' or '.join(below)}"
+    return (
+        "pass the folder that holds the model's config.json (next to its weights, e.g. what `hf download ORG/NAME "
+        f"config.json --local-dir {path}` fetches), the config.json itself, a hub id, or a model of the shipped table: "
+        + ", ".join(names())
     )
 
 

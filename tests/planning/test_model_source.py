@@ -96,6 +96,31 @@ def test_a_local_folder_and_a_config_file(tiny_model_dir, tmp_path):
         assert out["model"]["source"] == f"local file {tiny_model_dir / 'config.json'}"
 
 
+def test_a_folder_without_config_json_is_said_with_how_to_fix_it(tiny_model_dir, tmp_path):
+    """Before: `--model: directory X has no config.json`, and nothing on what to pass instead. Now the fix: the base
+    model of a LoRA adapter saved there, a folder in it that has a config.json, else the forms --model takes."""
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    empty, adapter, run = tmp_path / "empty", tmp_path / "adapter", tmp_path / "run"
+    empty.mkdir()
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    said = {}
+    for folder in (empty, adapter, run):
+        proc = plan("--recipe", "demo", "--model", str(folder), env=env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        said[folder] = " ".join(proc.stderr.split())
+        assert f"--model: directory {folder} has no config.json; " in said[folder]
+    assert (
+        "pass the folder that holds the model's config.json (next to its weights, e.g. what `hf download ORG/NAME "
+        f"config.json --local-dir {empty}` fetches), the config.json itself, a hub id, or a model of the shipped "
+        "table: Llama-3.2-1B" in said[empty]
+    )
+    assert "it holds a LoRA adapter: plan its base model, --model Qwen/Qwen2.5-0.5B" in said[adapter]
+    assert f"a folder in it has one: --model {run / 'model'}" in said[run]
+
+
 def fake_cache(root: Path, repo: str, config: dict, commit: str = "0" * 40) -> Path:
     """The layout huggingface_hub writes: models--ORG--NAME/refs/main holds the commit, snapshots/COMMIT the files."""
     folder = root / ("models--" + repo.replace("/", "--"))
