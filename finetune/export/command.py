@@ -25,6 +25,7 @@ from finetune import precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
 from finetune.export import base_model, figures, merge, reload, sources
+from finetune.modeling.load import hub_id
 
 MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
@@ -276,9 +277,7 @@ def _consolidated_adapter(request: Request, work: Path) -> Path:
     tensors = {name: t.contiguous() for name, t in request.source.tensors()}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = sources.adapter_config(request.source, request.cfg.method, str(request.base))
-    if base_model.hub_id(
-        request.cfg.model.name_or_path
-    ):  # named as a server finds it: the hub id at the snapshot's commit
+    if hub_id(request.cfg.model.name_or_path):  # named as a server finds it: the hub id at the snapshot's commit
         config.update(base_model_name_or_path=request.cfg.model.name_or_path, revision=request.base.name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
     return folder
