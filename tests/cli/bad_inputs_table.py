@@ -1029,7 +1029,7 @@ CASES = [
         "hub id not cached, hub unreachable",
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-        ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
+        ("someorg/not-cached-model", "not in the Hugging Face cache", "cannot be reached", "hf download"),
         # HF_HUB_OFFLINE off whatever the environment says: set, the message is the offline one (the next case)
         env={"ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": False},
     ),
@@ -1037,7 +1037,7 @@ CASES = [
         "hub id not cached, HF_HUB_OFFLINE=1",
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-        ("someorg/not-cached-model", "HF_HUB_OFFLINE"),
+        ("someorg/not-cached-model", "HF_HUB_OFFLINE", "(HF_HUB_CACHE, else HF_HOME/hub)", "hf download"),
         env={"HF_HUB_OFFLINE": True},
     ),
     Case(
@@ -1858,6 +1858,9 @@ def _clean(message: str, ws: Path, model_dir: Path) -> str:
     import re
     import socket
 
+    from huggingface_hub import constants
+
+    message = message.replace(constants.HF_HUB_CACHE, "<hf-cache>")  # this machine's Hugging Face cache
     message = re.sub(r"pid \d+", "pid <pid>", message.replace(socket.gethostname(), "<host>"))
     message = re.sub(r"kill -TERM \d+", "kill -TERM <pid>", message)
     message = re.sub(r"started \S+ \(.*?\); nothing", "started <time> (<command>); nothing", message)
