@@ -31,6 +31,13 @@ MARKER = ".finetune-export"  # in every folder this command made: the only folde
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
 DEFAULT_SHARD = 5 * units.GB  # without --max-shard-size, when no base shard sets the size
 CHECK_TIMEOUT_S = 1800
+# What run.json summary.status says of a run without model/ (it is written when the run ends)
+STATUS_WORDS = {
+    "running": ": the run ended without recording its end, killed, or is still running",
+    "interrupted": ": it was stopped before writing model/; `finetune train ... --resume` continues it",
+    "failed": ": it failed before writing model/ (run.json summary.error)",
+    "completed": ": model/ was moved or deleted since",
+}
 
 
 @dataclass(frozen=True)
@@ -94,8 +101,7 @@ def checked(args) -> Request:
             f"export it without --merge"
         )
     record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
-    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
-    path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
+    path, step = _source_path(run_dir, args.checkpoint, record)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
     base = base_model.folder(
         run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {}
@@ -176,9 +182,9 @@ def _not_a_run(given: str, path: Path) -> str:
     )
 
 
-def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
+def _source_path(run_dir: Path, number: int | None, record: dict) -> tuple[Path, int | None]:
     """checkpoint-N (complete: its marker, every file's checksum), or model/ (unless it failed its check in the run),
-    else the newest complete checkpoint."""
+    else the newest complete checkpoint, said with why model/ is not exported (`record`: run.json)."""
     if number is not None:
         ckpt = run_dir / f"checkpoint-{number}"
         if not ckpt.is_dir():
@@ -189,13 +195,24 @@ def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tu
             raise UserError(f"--checkpoint {number}: {ckpt} is not complete: {problem}")
         return ckpt, number
     model = run_dir / "model"
-    if not model_failed and not figures.weight_files(model)[1]:
+    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
+    if not failed and not figures.weight_files(model)[1]:
         return model, None
-    why = "failed its check in the run (run.json export.check)" if model_failed else "holds no weights"
-    complete = [c for c in reversed(checkpoints.checkpoints(run_dir)) if checkpoints.problem(c) is None]
+    why = "failed its check in the run (run.json export.check)" if failed else "holds no weights"
+    if not model.exists():
+        status = (record.get("summary") or {}).get("status") or "not recorded"
+        why = f"does not exist (run.json summary.status: {status}{STATUS_WORDS.get(status, '')})"
+    found = checkpoints.checkpoints(run_dir)
+    complete = [c for c in reversed(found) if checkpoints.problem(c) is None]
     if not complete:
-        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete")
-    print(f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]}", flush=True)
+        each = "; ".join(f"{c.name}: {checkpoints.problem(c)}" for c in found) or "there are none"
+        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete ({each})")
+    steps = ", ".join(str(checkpoints.step_of(c)) for c in reversed(complete))  # oldest first
+    print(
+        f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]} (complete "
+        f"checkpoints: {steps}; another: `finetune export {shlex.quote(str(run_dir))} --checkpoint N`)",
+        flush=True,
+    )
     return complete[0], checkpoints.step_of(complete[0])
 
 

@@ -1312,6 +1312,13 @@ CASES = [
         entry="finetune export",
     ),
     Case(
+        "a run that failed before writing model/ and before any complete checkpoint",
+        "RUN",
+        lambda ws: [str(_without_model(_a_run(ws, "lora", checkpoint=2, complete=False), "failed"))],
+        ("model/ does not exist (run.json summary.status: failed", "no checkpoint is complete (checkpoint-2: no "),
+        entry="finetune export",
+    ),
+    Case(
         "--merge of a full fine-tune",
         "--merge",
         lambda ws: [str(_a_run(ws, "full")), "--merge"],
@@ -1728,6 +1735,15 @@ def _a_run(
         shutil.copytree(run / "model", run / f"checkpoint-{checkpoint}")
         if complete:
             checkpoints.write_marker(run / f"checkpoint-{checkpoint}", step=checkpoint, world_size=1)
+    return run
+
+
+def _without_model(run: Path, status: str) -> Path:
+    """The run as one that ended `status` before its end wrote model/."""
+    shutil.rmtree(run / "model")
+    record = json.loads((run / "run.json").read_text())
+    record["summary"]["status"] = status
+    _write(run / "run.json", json.dumps(record))
     return run
 
 
