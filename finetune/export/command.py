@@ -60,11 +60,12 @@ class Request:
         return self.cfg.method.name != "full"
 
 
-def run(args, damage=None) -> int:
-    """The command: check the inputs, export, say where and what the check found. `damage(folder)`: a drill."""
+def run(args, damage=None, hold=None) -> int:
+    """The command: check the inputs, export, say where and what the check found. `damage(folder)`, `hold()`: drills
+    (finetune/training/fault_injection.py)."""
     request = checked(args)
     print(f"finetune export: {request.source.describe()} -> {request.out}", flush=True)
-    found = export(request, damage)
+    found = export(request, damage, hold)
     check = found["check"]
     said = (
         f"check {check['kind']}: loss {check['saved_loss']:.6g} vs {check['reference_loss']:.6g} "
@@ -238,13 +239,16 @@ def _check_space(request: Request) -> None:
         )
 
 
-def export(request: Request, damage=None) -> dict:
+def export(request: Request, damage=None, hold=None) -> dict:
     """Write the folder beside --out, check it, and put it in place when it passed (else keep it beside, named);
-    returns export.json's content (and `kept`: where a failed export is)."""
+    returns export.json's content (and `kept`: where a failed export is). A checkpoint deleted under it (a live run's
+    rotation) fails it with a UserError, nothing at --out."""
     request.out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
     storage.as_umask_allows(partial)
     try:
+        if hold is not None:
+            hold()
         with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
             adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None
             written = _write(request, partial, adapter_dir)
@@ -255,9 +259,17 @@ def export(request: Request, damage=None) -> dict:
             started = time.perf_counter()
             check = _check(request, partial, adapter_dir, written["expected"], tokenizer, Path(work))
             check["seconds"] = round(time.perf_counter() - started, 2)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)  # made by mkdtemp above: only what this export wrote
+        if isinstance(e, Exception):
+            _source_kept(request, e)
         raise
+    if not check["passed"]:  # the source the check loads again may have been deleted since it was read
+        try:
+            _source_kept(request, None)
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     found = _export_json(request, written, check)
     (partial / "export.json").write_text(json.dumps(found, indent=1), encoding="utf-8")
     (partial / "README.md").write_text(model_card(request, found), encoding="utf-8")
@@ -270,6 +282,24 @@ def export(request: Request, damage=None) -> dict:
         shutil.rmtree(request.out)
     partial.rename(request.out)
     return found
+
+
+def _source_kept(request: Request, error: Exception | None) -> None:
+    """A UserError when the checkpoint exported is gone or incomplete now: a live run rotated it out under the export
+    (training.save_total_limit), which then failed on its missing files (`error`) or could not check against it."""
+    if request.step is None:
+        return
+    problem = checkpoints.problem(request.source.path, verify=False)
+    if problem is None:
+        return
+    limit = request.cfg.training.typed.save_total_limit
+    why = f"the run rotates its checkpoints (training.save_total_limit={limit})" if limit else "it was changed"
+    complete = ", ".join(c.name for c in checkpoints.checkpoints(request.run_dir) if checkpoints.problem(c) is None)
+    raise UserError(
+        f"--checkpoint {request.step}: {request.source.path} was deleted while it was exported (now: {problem}): "
+        f"{why}. Export one it keeps (complete now: {complete or 'none'}), or its model/ once it has ended; nothing "
+        f"was written to {request.out}"
+    ) from error
 
 
 def _beside(out: Path, suffix: str) -> Path:
