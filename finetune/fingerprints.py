@@ -31,6 +31,7 @@ class Inputs(TypedDict):
     algorithm: str  # xxh3_128
     weights: str | None  # the base model's config.json and weight files together; null: not on this machine
     weight_files: dict[str, str]  # file (relative to the model folder) -> fingerprint
+    snapshot: str | None  # a hub id's: the commit of the cached snapshot its weights were read from; null: a folder
     tokenizer: str | None  # the tokenizer's files, tokenizer_config.json without its chat_template
     tokenizer_files: dict[str, str]
     chat_template: str | None  # its files and tokenizer_config.json's chat_template; null: none, or not used

@@ -20,7 +20,7 @@ from pathlib import Path
 from finetune import fingerprints
 from finetune.checkpointing import checkpoints
 from finetune.data.prepare import source_files
-from finetune.modeling.load import model_folder
+from finetune.modeling.load import hub_cache, hub_id, model_folder
 from finetune.storage import json_object
 
 
@@ -75,11 +75,12 @@ TOKENIZER_FILES = (
 )
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates/*")
 # Not settings of what is trained: the run's name and place, how it is launched and logged, the batch layout a resume
-# recomputes, and the paths whose content is fingerprinted itself (a moved copy of the same data is the same input).
+# recomputes, and the paths whose content is fingerprinted itself (a moved copy of the same data is the same input; a
+# hub model's revision names its snapshot, which a resume pins to the one it trained on: trained_revision).
 NOT_SETTINGS = ("run", "logging")
 NOT_SETTING_KEYS = (
     *("training.per_device_train_batch_size", "training.gradient_accumulation_steps"),
-    *("model.name_or_path", "model.tokenizer_name_or_path", "data.path"),
+    *("model.name_or_path", "model.revision", "model.tokenizer_name_or_path", "data.path"),
 )
 # (input, its name in words, its files' key): compared on --resume in this order
 INPUTS = (
@@ -115,6 +116,7 @@ def inputs(cfg, data_path: str, heldout_path: str | None) -> dict:
     return {
         "algorithm": fingerprints.ALGORITHM,
         **weights,
+        "snapshot": model.name if model is not None and hub_id(cfg.model.name_or_path) else None,
         "tokenizer": fingerprints.of_parts(tokens) if tokens else None,
         "tokenizer_files": tokens,
         "chat_template": fingerprints.of_parts(template) if template else None,
@@ -144,6 +146,48 @@ def weights_of(cache, folder: Path | None) -> dict:
     """run.json `inputs`' `weights` and `weight_files` of a model folder (None and {} for none)."""
     files = _folder_files(cache, folder, WEIGHT_FILES)
     return {"weights": fingerprints.of_parts(files) if files else None, "weight_files": files}
+
+
+def weight_changes(folder: Path, inputs: dict) -> list[dict]:
+    """How the weights in `folder` differ from the recorded `inputs` (none recorded: none): input_changes' entries."""
+    if not inputs.get("weights"):
+        return []
+    cache = fingerprints.Cache()
+    now = weights_of(cache, folder)
+    cache.save()
+    return input_changes({k: inputs.get(k) for k in now}, now)
+
+
+# --- a hub model's snapshot: the one a run trained on, when the cache's refs/main moved to another since ----------
+
+
+def trained_snapshot(folder: Path, inputs: dict) -> Path | None:
+    """Of a hub model's cached snapshots (`folder`: the one its revision names now), the other one holding the weights
+    `inputs` records: the recorded commit's (`snapshot`) first, else any; None when none does."""
+    recorded = inputs.get("snapshot")
+    others = sorted(
+        (s for s in folder.parent.iterdir() if s != folder and s.is_dir()), key=lambda s: s.name != recorded
+    )
+    return next((s for s in others if not weight_changes(s, inputs)), None)
+
+
+def trained_revision(model, inputs: dict | None) -> str | None:
+    """The commit to load a hub model at (model.revision) when the revision configured holds other weights than
+    `inputs` records (a newer one fetched since) and a cached snapshot holds those; else None."""
+    folder = model_folder(model.name_or_path, model.revision)
+    if not inputs or folder is None or not hub_id(model.name_or_path) or not weight_changes(folder, inputs):
+        return None
+    held = trained_snapshot(folder, inputs)
+    return held.name if held else None
+
+
+def no_trained_snapshot(name: str, folder: Path, inputs: dict) -> str:
+    """Why a hub model's cache lacks the weights a run trained on, and the command that fetches them, in words."""
+    commit = inputs.get("snapshot") or "COMMIT"
+    return (
+        f"{hub_cache()} holds snapshot {folder.name} and no other with the weights it was trained on; download the "
+        f"revision it was trained on (`hf download {name} --revision {commit}`)"
+    )
 
 
 def _folder_files(cache, folder: Path | None, patterns: tuple[str, ...]) -> dict[str, str]:

@@ -20,6 +20,7 @@ from finetune.checkpointing.provenance import Written, data_order_settings, meth
 from finetune.config.sections import TrainingArgs
 from finetune.errors import ConfigError, UserError
 from finetune.launch.plan import LaunchPlan
+from finetune.modeling.load import hub_id, model_folder
 from finetune.strategies import by_name, by_recipe
 
 log = logging.getLogger("finetune")
@@ -52,6 +53,7 @@ class ResumeRequest:
     mesh: dict = field(default_factory=lambda: dict(TRIVIAL_MESH))  # {sp, tp, cp} (finetune/mesh.py)
     inputs: dict | None = None  # provenance.inputs() of this launch (None: not compared)
     allow_input_change: bool = False  # --allow-input-change
+    revision: str | None = None  # a hub model's snapshot pinned: the one trained on (provenance.trained_revision)
 
     @property
     def data_parallel(self) -> int:
@@ -79,11 +81,18 @@ class ResumePlan:
     data_parallel: int | None = None  # data-parallel ranks of this launch (None: the world size)
     input_changes: list[dict] = field(default_factory=list)  # provenance.input_changes, allowed by --allow-input-change
     inputs_compared: bool = False  # the checkpoint and this launch both recorded their inputs
+    revision: str | None = None  # model.revision pinned to the cached snapshot trained on (refs/main moved since)
 
     @property
     def effective_now(self) -> int:
         """The effective batch under this launch (the checkpoint's, unless it did not record one)."""
         return effective_batch(self.per_device, self.grad_accum, self.data_parallel or self.world_size)
+
+    @property
+    def notable(self) -> bool:
+        """Said as a warning: the layout changes (accumulation recomputed, states resharded), or the base's snapshot is
+        pinned to the one trained on."""
+        return self.reshard != "none" or self.layout_changed or bool(self.revision)
 
     @property
     def layout_changed(self) -> bool:
@@ -100,6 +109,7 @@ def launch_from(
     overrides: list[str],
     inputs: dict | None = None,
     allow_input_change: bool = False,
+    revision: str | None = None,
 ) -> ResumeRequest:
     from finetune.config.recipe import parse_overrides
 
@@ -121,6 +131,7 @@ def launch_from(
         mesh={"sp": par.sp_size, "tp": par.tp_size, "cp": par.cp_size},
         inputs=inputs,
         allow_input_change=allow_input_change,
+        revision=revision,
     )
 
 
@@ -150,9 +161,14 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
     changes = provenance.input_changes(w.inputs, launch.inputs)
     refused = [c["said"] for c in changes if c["input"] != "settings"]  # settings: --allow-config-change's
     if refused and not launch.allow_input_change:
+        fix = "Resume with the inputs it was trained with (put them back)"
+        model = launch.model.get("name_or_path") or ""
+        folder = model_folder(model, launch.model.get("revision")) if hub_id(model) else None
+        if folder is not None and any(c["input"] == "weights" for c in changes):
+            fix = f"{model}: {provenance.no_trained_snapshot(model, folder, w.inputs)}"
         problems.append(
-            f"{name} was trained on other inputs: {'; '.join(refused)}. Resume with the inputs it was trained with "
-            "(put them back), or add --allow-input-change to continue on these (recorded in run.json resumes[])"
+            f"{name} was trained on other inputs: {'; '.join(refused)}. {fix}, or add --allow-input-change to "
+            "continue on these (recorded in run.json resumes[])"
         )
     elif not ((w.inputs or {}).get("weights") and (launch.inputs or {}).get("weights")):
         # compared by content (config.json and weights) above: a moved copy of the same base is the same model; the
@@ -204,6 +220,7 @@ def plan(w: Written, launch: ResumeRequest) -> ResumePlan:
         data_parallel=D,
         input_changes=changes,
         inputs_compared=bool(w.inputs and launch.inputs),
+        revision=launch.revision,
     )
 
 
@@ -381,7 +398,7 @@ def applied(p: ResumePlan, cfg):
     # DDP continued on one process is a single-process run (and one process continued on many, DDP)
     if _family(cfg.run.strategy) == "replicated" == _family(p.strategy):
         cfg = cfg.replaced("run", strategy=p.strategy)
-    return cfg
+    return cfg.replaced("model", revision=p.revision) if p.revision else cfg
 
 
 def check_data(p: ResumePlan, *, rows: int, fingerprint: str) -> None:
@@ -434,9 +451,14 @@ def for_launch(
 
     name, run_dir, ckpt = locate(cfg, resume)
     written = read(ckpt)
+    # a hub model's newer revision fetched since: the snapshot trained on, unless asked to continue on other inputs
+    revision = None if allow_input_change else provenance.trained_revision(cfg.model, written.inputs)
+    cfg = cfg.replaced("model", revision=revision) if revision else cfg
     now = provenance.inputs(cfg, *demo.paths(cfg, run_dir)) if written.inputs else None
     sets_up = dict(strategy=launch.strategy, offload=launch.offload, world_size=launch.world_size)
-    request = launch_from(cfg, **sets_up, overrides=overrides, inputs=now, allow_input_change=allow_input_change)
+    request = launch_from(
+        cfg, **sets_up, overrides=overrides, inputs=now, allow_input_change=allow_input_change, revision=revision
+    )
     return name, run_dir, plan(written, request)
 
 
@@ -495,6 +517,11 @@ def describe(p: ResumePlan) -> str:
             + " (per-rank streams cannot follow a world-size change)"
         )
     lines += [f"  note: {n}" for n in p.notes]
+    if p.revision:
+        lines.append(
+            f"  base: the cached snapshot {p.revision} (model.revision), which holds the weights {Path(p.checkpoint).name} "
+            "was trained on: the revision configured holds other weights (a newer one fetched since)"
+        )
     changed = [c["said"] for c in p.input_changes if c["input"] != "settings"]
     if changed:
         lines.append(f"  inputs changed (--allow-input-change; run.json resumes[].input_changes): {'; '.join(changed)}")

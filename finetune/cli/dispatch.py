@@ -202,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         from finetune.export import command as export_command
         from finetune.training import fault_injection
 
-        return export_command.run(args, damage=lambda folder: fault_injection.damage_export(folder, rank=0, step=0))
+        damage = lambda folder: fault_injection.damage_export(folder, rank=0, step=0)  # noqa: E731
+        hold = lambda: fault_injection.hold("slow_export", rank=0, step=0, what="the export")  # noqa: E731
+        return export_command.run(args, damage=damage, hold=hold)
     if args.command == "prepare-model":
         from finetune.modeling.bundled import ensure_bundled_model
 

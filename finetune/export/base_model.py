@@ -7,48 +7,48 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune import fingerprints
-from finetune.config.sections import BUNDLED_MODEL
+from finetune.checkpointing import provenance
 from finetune.errors import UserError
 
 
 def folder(run_dir: Path, cfg, recorded: dict) -> Path:
     """The base model's folder on this machine, holding the weights the source was trained on (their fingerprints in
     `recorded`: run.json's `inputs`, or a checkpoint marker's run block), else a UserError naming what differs. A hub
-    id's cached snapshot that no longer holds them (a newer revision fetched since): the cached snapshot that does,
-    said."""
-    from huggingface_hub import constants
-
-    from finetune.modeling.load import model_folder, resolve_model_path
+    id's cached snapshot that no longer holds them (a newer revision fetched since): the cached snapshot that does
+    (the one run.json `inputs.snapshot` names first), said."""
+    from finetune.modeling.load import hub_cache, hub_id, model_folder, resolve_model_path
 
     name = cfg.model.name_or_path
     base = model_folder(resolve_model_path(name), cfg.model.revision)
     local = not hub_id(name)
-    cache = f"the Hugging Face cache {constants.HF_HUB_CACHE}" + (", HF_HUB_OFFLINE=1" * constants.HF_HUB_OFFLINE)
     if base is None or not (base / "config.json").is_file():
         where = "no config.json in it" if base else "no such folder, nor a cached hub model"
         fix = "put it back there (a moved one: a symbolic link at that path to where it is now)"
         if not local:
-            where, fix = f"not in {cache}", f"download it (`hf download {name}`) or set HF_HOME to the cache it is in"
+            where, fix = (
+                f"not in {hub_cache()}",
+                f"download it (`hf download {name}`) or set HF_HOME to the cache it is in",
+            )
         raise UserError(
             f"model.name_or_path {name!r} ({run_dir / 'config.yaml'}): the base model the run trained on is not on this "
             f"machine ({where}); {fix}"
         )
     inputs = recorded.get("inputs") or {}
-    changed = changes(base, inputs) if cfg.method.name != "full" else []  # an adapter is only right on its base
+    # an adapter is only right on its base
+    changed = provenance.weight_changes(base, inputs) if cfg.method.name != "full" else []
     if changed and not local:
-        held = [s for s in sorted(base.parent.iterdir()) if s != base and not changes(s, inputs)]
+        held = provenance.trained_snapshot(base, inputs)
         if held:
             print(
                 f"finetune export: {name}: the cached snapshot {base.name} holds other weights ({changed[0]['said']}); "
-                f"the base is snapshot {held[0].name}, which holds those the source was trained on",
+                f"the base is snapshot {held.name}, which holds those the source was trained on",
                 flush=True,
             )
-            return held[0]
+            return held
         raise UserError(
-            f"model.name_or_path {name!r}: {changed[0]['said']} since the source was trained: {cache} holds snapshot "
-            f"{base.name} and no other with the weights it was trained on; the export would pair it with weights it was "
-            f"not trained on. Download the revision it was trained on (`hf download {name} --revision COMMIT`)"
+            f"model.name_or_path {name!r}: {changed[0]['said']} since the source was trained: "
+            f"{provenance.no_trained_snapshot(name, base, inputs)}; the export would pair it with weights it was not "
+            f"trained on"
         )
     if changed:
         raise UserError(
@@ -56,20 +56,3 @@ def folder(run_dir: Path, cfg, recorded: dict) -> Path:
             f"pair it with weights it was not trained on. Put the base weights it was trained with back in {base}"
         )
     return base
-
-
-def hub_id(name: str) -> bool:
-    """model.name_or_path names a hub model (its files in the Hugging Face cache), not a folder or the bundled one."""
-    return name != BUNDLED_MODEL and name.count("/") == 1 and not Path(name).expanduser().exists()
-
-
-def changes(folder: Path, inputs: dict) -> list[dict]:
-    """How the weights in `folder` differ from the recorded `inputs` (none recorded: none)."""
-    from finetune.checkpointing import provenance
-
-    if not inputs.get("weights"):
-        return []
-    cache = fingerprints.Cache()
-    now = provenance.weights_of(cache, folder)
-    cache.save()
-    return provenance.input_changes({k: inputs.get(k) for k in now}, now)

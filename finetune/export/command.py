@@ -25,11 +25,19 @@ from finetune import precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
 from finetune.export import base_model, figures, merge, reload, sources
+from finetune.modeling.load import hub_id
 
 MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype (finetune/cli/dispatch.py)
 DEFAULT_SHARD = 5 * units.GB  # without --max-shard-size, when no base shard sets the size
 CHECK_TIMEOUT_S = 1800
+# What run.json summary.status says of a run without model/ (it is written when the run ends)
+STATUS_WORDS = {
+    "running": ": the run ended without recording its end, killed, or is still running",
+    "interrupted": ": it was stopped before writing model/; `finetune train ... --resume` continues it",
+    "failed": ": it failed before writing model/ (run.json summary.error)",
+    "completed": ": model/ was moved or deleted since",
+}
 
 
 @dataclass(frozen=True)
@@ -52,11 +60,12 @@ class Request:
         return self.cfg.method.name != "full"
 
 
-def run(args, damage=None) -> int:
-    """The command: check the inputs, export, say where and what the check found. `damage(folder)`: a drill."""
+def run(args, damage=None, hold=None) -> int:
+    """The command: check the inputs, export, say where and what the check found. `damage(folder)`, `hold()`: drills
+    (finetune/training/fault_injection.py)."""
     request = checked(args)
     print(f"finetune export: {request.source.describe()} -> {request.out}", flush=True)
-    found = export(request, damage)
+    found = export(request, damage, hold)
     check = found["check"]
     said = (
         f"check {check['kind']}: loss {check['saved_loss']:.6g} vs {check['reference_loss']:.6g} "
@@ -93,8 +102,7 @@ def checked(args) -> Request:
             f"export it without --merge"
         )
     record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
-    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
-    path, step = _source_path(run_dir, args.checkpoint, model_failed=failed)
+    path, step = _source_path(run_dir, args.checkpoint, record)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
     base = base_model.folder(
         run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {}
@@ -175,9 +183,9 @@ def _not_a_run(given: str, path: Path) -> str:
     )
 
 
-def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tuple[Path, int | None]:
+def _source_path(run_dir: Path, number: int | None, record: dict) -> tuple[Path, int | None]:
     """checkpoint-N (complete: its marker, every file's checksum), or model/ (unless it failed its check in the run),
-    else the newest complete checkpoint."""
+    else the newest complete checkpoint, said with why model/ is not exported (`record`: run.json)."""
     if number is not None:
         ckpt = run_dir / f"checkpoint-{number}"
         if not ckpt.is_dir():
@@ -188,13 +196,24 @@ def _source_path(run_dir: Path, number: int | None, *, model_failed: bool) -> tu
             raise UserError(f"--checkpoint {number}: {ckpt} is not complete: {problem}")
         return ckpt, number
     model = run_dir / "model"
-    if not model_failed and not figures.weight_files(model)[1]:
+    failed = ((record.get("export") or {}).get("check") or {}).get("passed") is False
+    if not failed and not figures.weight_files(model)[1]:
         return model, None
-    why = "failed its check in the run (run.json export.check)" if model_failed else "holds no weights"
-    complete = [c for c in reversed(checkpoints.checkpoints(run_dir)) if checkpoints.problem(c) is None]
+    why = "failed its check in the run (run.json export.check)" if failed else "holds no weights"
+    if not model.exists():
+        status = (record.get("summary") or {}).get("status") or "not recorded"
+        why = f"does not exist (run.json summary.status: {status}{STATUS_WORDS.get(status, '')})"
+    found = checkpoints.checkpoints(run_dir)
+    complete = [c for c in reversed(found) if checkpoints.problem(c) is None]
     if not complete:
-        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete")
-    print(f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]}", flush=True)
+        each = "; ".join(f"{c.name}: {checkpoints.problem(c)}" for c in found) or "there are none"
+        raise UserError(f"{run_dir}: nothing to export: model/ {why} and no checkpoint is complete ({each})")
+    steps = ", ".join(str(checkpoints.step_of(c)) for c in reversed(complete))  # oldest first
+    print(
+        f"finetune export: {model} {why}; exporting the newest complete checkpoint {complete[0]} (complete "
+        f"checkpoints: {steps}; another: `finetune export {shlex.quote(str(run_dir))} --checkpoint N`)",
+        flush=True,
+    )
     return complete[0], checkpoints.step_of(complete[0])
 
 
@@ -220,13 +239,16 @@ def _check_space(request: Request) -> None:
         )
 
 
-def export(request: Request, damage=None) -> dict:
+def export(request: Request, damage=None, hold=None) -> dict:
     """Write the folder beside --out, check it, and put it in place when it passed (else keep it beside, named);
-    returns export.json's content (and `kept`: where a failed export is)."""
+    returns export.json's content (and `kept`: where a failed export is). A checkpoint deleted under it (a live run's
+    rotation) fails it with a UserError, nothing at --out."""
     request.out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.partial-", dir=request.out.parent))
     storage.as_umask_allows(partial)
     try:
+        if hold is not None:
+            hold()
         with tempfile.TemporaryDirectory(prefix="finetune-export-") as work:
             adapter_dir = _consolidated_adapter(request, Path(work)) if request.adapter else None
             written = _write(request, partial, adapter_dir)
@@ -237,9 +259,17 @@ def export(request: Request, damage=None) -> dict:
             started = time.perf_counter()
             check = _check(request, partial, adapter_dir, written["expected"], tokenizer, Path(work))
             check["seconds"] = round(time.perf_counter() - started, 2)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)  # made by mkdtemp above: only what this export wrote
+        if isinstance(e, Exception):
+            _source_kept(request, e)
         raise
+    if not check["passed"]:  # the source the check loads again may have been deleted since it was read
+        try:
+            _source_kept(request, None)
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     found = _export_json(request, written, check)
     (partial / "export.json").write_text(json.dumps(found, indent=1), encoding="utf-8")
     (partial / "README.md").write_text(model_card(request, found), encoding="utf-8")
@@ -252,6 +282,24 @@ def export(request: Request, damage=None) -> dict:
         shutil.rmtree(request.out)
     partial.rename(request.out)
     return found
+
+
+def _source_kept(request: Request, error: Exception | None) -> None:
+    """A UserError when the checkpoint exported is gone or incomplete now: a live run rotated it out under the export
+    (training.save_total_limit), which then failed on its missing files (`error`) or could not check against it."""
+    if request.step is None:
+        return
+    problem = checkpoints.problem(request.source.path, verify=False)
+    if problem is None:
+        return
+    limit = request.cfg.training.typed.save_total_limit
+    why = f"the run rotates its checkpoints (training.save_total_limit={limit})" if limit else "it was changed"
+    complete = ", ".join(c.name for c in checkpoints.checkpoints(request.run_dir) if checkpoints.problem(c) is None)
+    raise UserError(
+        f"--checkpoint {request.step}: {request.source.path} was deleted while it was exported (now: {problem}): "
+        f"{why}. Export one it keeps (complete now: {complete or 'none'}), or its model/ once it has ended; nothing "
+        f"was written to {request.out}"
+    ) from error
 
 
 def _beside(out: Path, suffix: str) -> Path:
@@ -276,9 +324,7 @@ def _consolidated_adapter(request: Request, work: Path) -> Path:
     tensors = {name: t.contiguous() for name, t in request.source.tensors()}
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = sources.adapter_config(request.source, request.cfg.method, str(request.base))
-    if base_model.hub_id(
-        request.cfg.model.name_or_path
-    ):  # named as a server finds it: the hub id at the snapshot's commit
+    if hub_id(request.cfg.model.name_or_path):  # named as a server finds it: the hub id at the snapshot's commit
         config.update(base_model_name_or_path=request.cfg.model.name_or_path, revision=request.base.name)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str), encoding="utf-8")
     return folder

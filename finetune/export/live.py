@@ -51,13 +51,14 @@ class ExportCheck:
         if method.name == "qlora":
             quantization = load.quantization_config(method, torch_dtype(policy.compute_dtype)).to_dict()
         sharded = [f"{k} {v}" for k, v in (("sp", launch.mesh.sp), ("cp", launch.mesh.cp)) if v > 1]
+        name = load.resolve_model_path(cfg.model.name_or_path)  # a hub id's: the snapshot at model.revision
         return cls(
             mode=cfg.run.verify_export,
             data=dataclasses.replace(cfg.data, path=run.data_path),
             compute_dtype=policy.compute_dtype,
             load_dtype="auto" if method.name == "full" else policy.load_dtype(method.name),
             adapter=method.name != "full",
-            base=load.resolve_model_path(cfg.model.name_or_path),
+            base=str(load.model_folder(name, cfg.model.revision) or name),
             quantization=quantization,
             no_forward=f"the live model takes sequence shards ({', '.join(sharded)})" if sharded else None,
             tensor_parallel=launch.mesh.tp > 1,

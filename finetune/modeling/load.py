@@ -57,6 +57,20 @@ def model_folder(name: str, revision: str | None = None) -> Path | None:
     return Path(cached).parent if isinstance(cached, str) else None
 
 
+def hub_id(name: str) -> bool:
+    """model.name_or_path names a hub model (its files in the Hugging Face cache), not a folder or the bundled one."""
+    return name != BUNDLED_MODEL and name.count("/") == 1 and not Path(name).expanduser().exists()
+
+
+def hub_cache() -> str:
+    """Where a hub model's files are looked for, in words: the Hugging Face cache's folder, what sets it, and
+    HF_HUB_OFFLINE when set."""
+    from huggingface_hub import constants
+
+    offline = ", HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else ""
+    return f"the Hugging Face cache {constants.HF_HUB_CACHE} (HF_HUB_CACHE, else HF_HOME/hub){offline}"
+
+
 def model_type(cfg: ModelConfig) -> str | None:
     """config.json's model_type of model.name_or_path, read from this machine (None: not here, or not said)."""
     folder = model_folder(cfg.name_or_path, cfg.revision)

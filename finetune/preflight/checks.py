@@ -262,25 +262,26 @@ def _hub_problem(repo_id: str, revision: str | None, marker: str) -> str | None:
 
     from huggingface_hub import constants, try_to_load_from_cache
 
+    from finetune.modeling.load import hub_cache
+
     try:
         if isinstance(try_to_load_from_cache(repo_id, marker, revision=revision), str):
             return None  # cached: loads without network
     except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
         return f"{repo_id!r} is neither a local directory nor a valid hub id: {e}"
+    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
     fix = (
-        f"download it where there is network (`hf download {repo_id}`, then copy ~/.cache/huggingface) "
-        f"or pass a local model directory"
+        f"download it where there is network (`{fetch}`) and copy that cache's models--{repo_id.replace('/', '--')} "
+        f"into this one, set HF_HOME to a cache that holds it, or pass a local model directory"
     )
+    missing = f"hub id {repo_id!r} is not in {hub_cache()}"
     if constants.HF_HUB_OFFLINE:
-        return f"hub id {repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {fix}"
+        return f"{missing}, so the Hub is not tried: {fix}"
     endpoint = urlparse(constants.ENDPOINT)
     try:  # seconds, not the minute of retries from_pretrained spends before giving up
         socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=5).close()
     except OSError as e:
-        return (
-            f"hub id {repo_id!r} is not in the local Hugging Face cache and {endpoint.hostname} cannot be "
-            f"reached ({e}); {fix}"
-        )
+        return f"{missing} and {endpoint.hostname} cannot be reached ({e}): {fix}"
     return None
 
 

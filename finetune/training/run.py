@@ -262,8 +262,8 @@ def prepare(
         noted = resume_config.said(resumed_config)
         if noted:
             run_sinks.put(resumes=resume.noted(run_sinks.view, **noted))
-        if state.is_main_process:  # said loudly when the layout changes (accumulation recomputed, states resharded)
-            (log.warning if plan.reshard != "none" or plan.layout_changed else log.info)(resume_plan.describe(plan))
+        if state.is_main_process:  # said loudly when the layout changes or the base's snapshot is pinned
+            (log.warning if plan.notable else log.info)(resume_plan.describe(plan))
     data_path, heldout_path = demo.paths(cfg, run_dir)
     run = Run(
         cfg,

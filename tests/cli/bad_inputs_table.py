@@ -1029,7 +1029,7 @@ CASES = [
         "hub id not cached, hub unreachable",
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-        ("someorg/not-cached-model", "not in the local Hugging Face cache", "cannot be reached"),
+        ("someorg/not-cached-model", "not in the Hugging Face cache", "cannot be reached", "hf download"),
         # HF_HUB_OFFLINE off whatever the environment says: set, the message is the offline one (the next case)
         env={"ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": False},
     ),
@@ -1037,7 +1037,7 @@ CASES = [
         "hub id not cached, HF_HUB_OFFLINE=1",
         "model.name_or_path",
         lambda ws: ["--model.name_or_path=someorg/not-cached-model"],
-        ("someorg/not-cached-model", "HF_HUB_OFFLINE"),
+        ("someorg/not-cached-model", "HF_HUB_OFFLINE", "(HF_HUB_CACHE, else HF_HOME/hub)", "hf download"),
         env={"HF_HUB_OFFLINE": True},
     ),
     Case(
@@ -1309,6 +1309,13 @@ CASES = [
         "--checkpoint",
         lambda ws: [str(_a_run(ws, "lora", checkpoint=2)), "--checkpoint", "9"],
         ("--checkpoint 9", "checkpoint-9 does not exist", "checkpoints of this run: checkpoint-2"),
+        entry="finetune export",
+    ),
+    Case(
+        "a run that failed before writing model/ and before any complete checkpoint",
+        "RUN",
+        lambda ws: [str(_without_model(_a_run(ws, "lora", checkpoint=2, complete=False), "failed"))],
+        ("model/ does not exist (run.json summary.status: failed", "no checkpoint is complete (checkpoint-2: no "),
         entry="finetune export",
     ),
     Case(
@@ -1731,6 +1738,15 @@ def _a_run(
     return run
 
 
+def _without_model(run: Path, status: str) -> Path:
+    """The run as one that ended `status` before its end wrote model/."""
+    shutil.rmtree(run / "model")
+    record = json.loads((run / "run.json").read_text())
+    record["summary"]["status"] = status
+    _write(run / "run.json", json.dumps(record))
+    return run
+
+
 def _model_copy(ws: Path) -> Path:
     """A copy of the table's model as the base of a run (ws/base), for cases that move it or change it."""
     return Path(shutil.copytree(os.environ["FINETUNE_TABLE_MODEL"], ws / "base"))
@@ -1858,6 +1874,9 @@ def _clean(message: str, ws: Path, model_dir: Path) -> str:
     import re
     import socket
 
+    from huggingface_hub import constants
+
+    message = message.replace(constants.HF_HUB_CACHE, "<hf-cache>")  # this machine's Hugging Face cache
     message = re.sub(r"pid \d+", "pid <pid>", message.replace(socket.gethostname(), "<host>"))
     message = re.sub(r"kill -TERM \d+", "kill -TERM <pid>", message)
     message = re.sub(r"started \S+ \(.*?\); nothing", "started <time> (<command>); nothing", message)

@@ -22,7 +22,7 @@ from tests.conftest import REPO, finetune_train
 TRAINED, NEWER = "a" * 40, "b" * 40
 
 
-def _cache(home: Path, commit: str, model: Path) -> Path:
+def cache_snapshot(home: Path, commit: str, model: Path) -> Path:
     """`model`'s files as snapshot `commit` of org/tiny in the cache under `home`, refs/main at it."""
     repo = home / "hub" / "models--org--tiny"
     snapshot = repo / "snapshots" / commit
@@ -46,7 +46,7 @@ def _export(run: Path, *args: str) -> subprocess.CompletedProcess:
 def hub_run(tmp_path_factory, tiny_model_dir):
     """(the run, HF_HOME): 2 LoRA steps of the demo recipe on org/tiny from the cache, offline."""
     root = tmp_path_factory.mktemp("hub")
-    _cache(root / "hf", TRAINED, tiny_model_dir)
+    cache_snapshot(root / "hf", TRAINED, tiny_model_dir)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HOME", str(root / "hf"))
         env.setenv("HF_HUB_OFFLINE", "1")
@@ -73,7 +73,7 @@ def test_a_hub_base_exports_by_its_id_and_on_the_snapshot_it_trained_on(hub_run,
     weights = load_file(str(newer / "model.safetensors"))
     weights["model.layers.0.mlp.up_proj.weight"] *= 1.5
     save_file(weights, str(newer / "model.safetensors"), metadata={"format": "pt"})
-    snapshot = _cache(home, NEWER, newer)
+    snapshot = cache_snapshot(home, NEWER, newer)
     try:
         proc = _export(run, "--merge", "--out", str(tmp_path / "merged"))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -89,8 +89,10 @@ def test_a_hub_base_exports_by_its_id_and_on_the_snapshot_it_trained_on(hub_run,
         proc = _export(run, "--merge", "--out", str(tmp_path / "refused"))
         assert proc.returncode == 2 and not (tmp_path / "refused").exists(), proc.stderr
         assert f"holds snapshot {NEWER} and no other with the weights it was trained on" in proc.stderr, proc.stderr
-        assert f"the Hugging Face cache {home / 'hub'}, HF_HUB_OFFLINE=1" in proc.stderr, proc.stderr
-        assert "`hf download org/tiny --revision COMMIT`" in proc.stderr, proc.stderr
+        assert (
+            f"the Hugging Face cache {home / 'hub'} (HF_HUB_CACHE, else HF_HOME/hub), HF_HUB_OFFLINE=1" in proc.stderr
+        )
+        assert f"`hf download org/tiny --revision {TRAINED}`" in proc.stderr, proc.stderr  # run.json inputs.snapshot
         (home / "aside").rename(trained)
     finally:
         shutil.rmtree(snapshot)
@@ -99,5 +101,6 @@ def test_a_hub_base_exports_by_its_id_and_on_the_snapshot_it_trained_on(hub_run,
     monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))  # the cache moved away
     proc = _export(run, "--merge", "--out", str(tmp_path / "refused"))
     assert proc.returncode == 2, proc.stderr
-    assert f"not in the Hugging Face cache {tmp_path / 'empty' / 'hub'}, HF_HUB_OFFLINE=1" in proc.stderr, proc.stderr
+    empty = tmp_path / "empty" / "hub"
+    assert f"not in the Hugging Face cache {empty} (HF_HUB_CACHE, else HF_HOME/hub), HF_HUB_OFFLINE=1" in proc.stderr
     assert "download it (`hf download org/tiny`) or set HF_HOME to the cache it is in" in proc.stderr, proc.stderr

@@ -356,12 +356,21 @@ def test_model_path_that_does_not_exist(tmp_path):
     assert "not a transformers model directory (no config.json)" in msg
 
 
-def test_uncached_hub_id_offline_is_named_without_network_retries(monkeypatch):
+def test_uncached_hub_id_offline_is_named_without_network_retries(monkeypatch, tmp_path):
+    """The message says where the cache is (the folder looked in, the variables that move it) and the command that
+    fetches the model (before: "not in the local Hugging Face cache", no path, no command)."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     msg = one_problem("demo", ["--model.name_or_path=someorg/not-cached-model"], None)
-    assert "'someorg/not-cached-model' is not in the local Hugging Face cache and HF_HUB_OFFLINE" in msg
+    assert (
+        f"'someorg/not-cached-model' is not in the Hugging Face cache {tmp_path / 'hub'} (HF_HUB_CACHE, else "
+        "HF_HOME/hub), HF_HUB_OFFLINE=1, so the Hub is not tried" in msg
+    ), msg
+    assert "`hf download someorg/not-cached-model`" in msg and "models--someorg--not-cached-model" in msg, msg
+    msg = one_problem("demo", ["--model.name_or_path=someorg/not-cached-model", "--model.revision=v2"], None)
+    assert "`hf download someorg/not-cached-model --revision v2`" in msg, msg
 
 
 def test_world_size_mismatch_in_a_launched_process(monkeypatch):
