@@ -27,13 +27,18 @@ def trained(tmp_path_factory, tiny_model_dir, tokenizer):
     cfg, _ = load_recipe("demo", [f"--model.name_or_path={tiny_model_dir}", "--model.dtype=float32"])
     train, _ = demo.write_demo(root / "data", 20, 0)
     model = load_model(cfg.model, cfg.method)
+    _save_as_trained(model, tokenizer, root / "model")
+    return model, dataclasses.replace(cfg.data, path=str(train)), root / "model"
+
+
+def _save_as_trained(model, tokenizer, folder):
+    """lora_B moved off its zero start (seeded), as training leaves it, then the adapter saved to `folder`."""
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.02)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    return model, dataclasses.replace(cfg.data, path=str(train)), root / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def _check(data, base, mode: str) -> live.ExportCheck:
@@ -130,12 +135,7 @@ def test_a_qlora_save_after_an_eval_forward_passes_the_reload_check_at_fp32s_tol
     model = load.load_model(ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32"), method)
     batch = live.probe(_check(data, tiny_model_dir, "reload"), tokenizer)
     figures.forward(model, batch, "cpu", None)  # eval mode, no gradients: the exact match before training
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.02)
-    model.save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
+    _save_as_trained(model, tokenizer, tmp_path / "model")
     quantization = load.quantization_config(method, torch.float32).to_dict()
     check = dataclasses.replace(_check(data, tiny_model_dir, "reload"), quantization=quantization)
     section = live.verify(_trainer(model), tmp_path / "model", tokenizer, check, batch)
