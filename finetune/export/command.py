@@ -24,7 +24,7 @@ import torch
 from finetune import precision, storage, units
 from finetune.checkpointing import checkpoints
 from finetune.errors import UserError
-from finetune.export import base_model, figures, merge, reload, sources
+from finetune.export import figures, merge, reload, sources
 from finetune.modeling.load import hub_id
 
 MARKER = ".finetune-export"  # in every folder this command made: the only folders it replaces
@@ -104,7 +104,7 @@ def checked(args) -> Request:
     record = json.loads((run_dir / "run.json").read_text(encoding="utf-8")) if (run_dir / "run.json").is_file() else {}
     path, step = _source_path(run_dir, args.checkpoint, record)
     source = sources.open_source(path, adapter=cfg.method.name != "full")
-    base = base_model.folder(
+    base = sources.base_folder(
         run_dir, cfg, record if step is None else (checkpoints.read_marker(path) or {}).get("run") or {}
     )
     out = Path(args.out).expanduser().resolve() if args.out else run_dir / "export"
